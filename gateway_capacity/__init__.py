@@ -1,0 +1,1 @@
+"""The ``gateway-capacity`` command line: a thin shell over the packages."""

@@ -1,0 +1,5 @@
+import sys
+
+from gateway_capacity.cli import main
+
+sys.exit(main())

@@ -1,0 +1,55 @@
+"""``gateway-capacity`` entry point.
+
+Each subcommand lives in its own module with ``register(subparsers)``, which
+adds its parser and sets ``func`` to a ``run(args) -> int``. Heavy imports
+(httpx, the daemon) happen inside ``run`` so that ``--help`` and the handler
+side stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand module, in the order --help lists them
+_COMMANDS = (
+    "gateway_capacity.cmd_sidecar",
+    "gateway_capacity.cmd_views",  # availability, inspect, watch
+    "gateway_capacity.cmd_check_config",
+    "gateway_capacity.cmd_verify",
+    "gateway_capacity.wait_for_slot",
+    "gateway_capacity.cmd_router",
+    "gateway_capacity.demo",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gateway-capacity",
+        description="Capacity-following, generation-shared admission for an inference gateway.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in _COMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue  # not built yet
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

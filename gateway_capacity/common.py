@@ -1,0 +1,35 @@
+"""Options and helpers every subcommand shares."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from shm_layout.names import BadSegmentName, resolve_segment_name
+
+
+def add_target_options(parser: argparse.ArgumentParser) -> None:
+    """Every command takes ``--config PATH`` or ``--segment NAME`` (SPEC section 8)."""
+    parser.add_argument("--config", metavar="PATH", help="the gateway's JSON config file")
+    parser.add_argument(
+        "--segment",
+        metavar="NAME",
+        help="shared-memory segment name (default: derived from --config, "
+        "or $GATEWAY_CAPACITY_SEGMENT)",
+    )
+
+
+def segment_from_args(args: argparse.Namespace) -> str:
+    """The segment name the arguments select, or exit 2 with a one-line reason."""
+    try:
+        return resolve_segment_name(getattr(args, "segment", None), getattr(args, "config", None))
+    except BadSegmentName as exc:
+        fail(str(exc), code=2)
+
+
+def fail(message: str, code: int) -> NoReturn:
+    print(f"gateway-capacity: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+

@@ -1,0 +1,75 @@
+"""Segment and semaphore names (SPEC section 8, R-A10).
+
+macOS limits POSIX IPC names to 31 bytes including the leading slash. Every
+semaphore of a segment is the segment name plus a suffix of at most
+:data:`SUFFIX_ROOM` bytes (``.L``, ``.R``, ``.d127``), so a segment name may
+use at most ``31 - SUFFIX_ROOM`` bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+ENV_VAR = "GATEWAY_CAPACITY_SEGMENT"
+PREFIX = "/gwcap1-"
+MAX_NAME_BYTES = 31  # macOS PSHMNAMLEN / SEM_NAME_LEN, leading slash included
+SUFFIX_ROOM = 5  # ".d" + up to three digits
+MAX_SEGMENT_BYTES = MAX_NAME_BYTES - SUFFIX_ROOM
+
+_VALID = re.compile(r"^/[A-Za-z0-9._-]+$")
+
+
+class BadSegmentName(ValueError):
+    """A segment name that cannot be used on every supported OS."""
+
+
+def segment_name_for_config(config_path: str | os.PathLike[str]) -> str:
+    """``/gwcap1-`` + 12 hex of sha256 of the config file's absolute path."""
+    absolute = os.path.abspath(os.fspath(config_path))
+    digest = hashlib.sha256(absolute.encode("utf-8", "surrogateescape")).hexdigest()
+    return PREFIX + digest[:12]
+
+
+def check_segment_name(name: str) -> str:
+    """Return ``name`` if usable, else raise :class:`BadSegmentName` saying how to fix it."""
+    if not _VALID.match(name):
+        raise BadSegmentName(
+            f"segment name {name!r} must start with '/' followed by letters, digits, '.', '_' "
+            "or '-' only"
+        )
+    size = len(name.encode())
+    if size > MAX_SEGMENT_BYTES:
+        raise BadSegmentName(
+            f"segment name {name!r} is {size} bytes; at most {MAX_SEGMENT_BYTES} are allowed "
+            f"(macOS allows {MAX_NAME_BYTES} bytes per IPC name and the semaphores add up to "
+            f"{SUFFIX_ROOM})"
+        )
+    return name
+
+
+def resolve_segment_name(
+    segment: str | None = None, config: str | os.PathLike[str] | None = None
+) -> str:
+    """``--segment`` beats ``$GATEWAY_CAPACITY_SEGMENT`` beats the config-derived name."""
+    if segment:
+        return check_segment_name(segment)
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return check_segment_name(env)
+    if config is not None:
+        return segment_name_for_config(config)
+    raise BadSegmentName(f"no segment: give --config PATH or --segment NAME (or set ${ENV_VAR})")
+
+
+def lock_name(segment: str) -> str:
+    return segment + ".L"
+
+
+def recovery_name(segment: str) -> str:
+    return segment + ".R"
+
+
+def doorbell_name(segment: str, member_index: int) -> str:
+    return f"{segment}.d{member_index}"

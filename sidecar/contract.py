@@ -1,0 +1,80 @@
+"""The capacity contract (SPEC section 4): the wire types a router answers with.
+
+Shared by the gateway side (``sidecar.probe``) and the producer side
+(``capacity_router``). Nothing else in the project parses this JSON.
+
+Decoding is strict where the SPEC is strict (R-K1..R-K3: types, ranges, row
+count) and lenient where it asks for forward compatibility (R-K6: unknown
+fields are ignored). Semantic checks that msgspec cannot express (unique ids,
+finite ``observed_at``, the literal ``object``/``version``) are in
+:func:`decode_snapshot`; freshness (R-K4) depends on the reader's clock and is
+checked by :func:`check_freshness`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+import msgspec
+
+MAX_MODELS = 128  # R-K2
+MAX_SLOTS = 4096  # R-K3
+STALE_AFTER_S = 30.0  # R-K4
+MAX_FUTURE_S = 5.0  # R-K4
+
+SlotCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOTS)]
+
+
+class ModelCapacity(msgspec.Struct, forbid_unknown_fields=False):
+    id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    max_concurrent_requests: SlotCount
+
+
+class CapacitySnapshot(msgspec.Struct, forbid_unknown_fields=False):
+    object: Literal["inference_capacity"]
+    version: Literal[1]
+    complete: bool
+    observed_at: float
+    models: Annotated[list[ModelCapacity], msgspec.Meta(max_length=MAX_MODELS)]
+
+
+class ContractError(ValueError):
+    """The body is not a valid capacity snapshot. ``str()`` is a short reason."""
+
+
+# strict=True: no str->int or float->int coercion; msgspec never accepts a bool
+# for an int field, nor a float with a fraction; a float like 20.0 is refused
+# too because JSON ``20.0`` decodes as float.
+_decoder = msgspec.json.Decoder(CapacitySnapshot, strict=True)
+
+
+def decode_snapshot(body: bytes) -> CapacitySnapshot:
+    """Decode and validate a snapshot body (R-K1..R-K4 shape, R-K6)."""
+    try:
+        snap = _decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise ContractError(f"invalid snapshot: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ContractError(f"invalid JSON: {exc}") from None
+    if not math.isfinite(snap.observed_at):
+        raise ContractError("invalid snapshot: observed_at is not finite")
+    seen: set[str] = set()
+    for row in snap.models:
+        if row.id in seen:
+            raise ContractError(f"invalid snapshot: duplicate model id {row.id!r}")
+        seen.add(row.id)
+    return snap
+
+
+def check_freshness(snap: CapacitySnapshot, now: float) -> str | None:
+    """``None`` when fresh, else ``"stale"`` or ``"future"`` (R-K4)."""
+    if snap.observed_at > now + MAX_FUTURE_S:
+        return "future"
+    if now - snap.observed_at > STALE_AFTER_S:
+        return "stale"
+    return None
+
+
+def encode_snapshot(snap: CapacitySnapshot) -> bytes:
+    return msgspec.json.encode(snap)
