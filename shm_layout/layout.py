@@ -1,0 +1,240 @@
+"""The binary layout of the segment: every offset and ``struct.Struct`` lives here.
+
+The segment is one POSIX shared-memory object:
+
+    header      HEADER_SIZE bytes
+    providers   PROVIDER_COUNT rows of PROVIDER_ROW_SIZE
+    holders     PROVIDER_COUNT * HOLDERS_PER_PROVIDER rows of HOLDER_ROW_SIZE
+                (provider p owns rows p*HOLDERS_PER_PROVIDER ...)
+    members     MEMBER_COUNT rows of MEMBER_ROW_SIZE (registered handler processes)
+
+All integers are little-endian. Strings are UTF-8, NUL-padded. Times are Unix
+seconds as IEEE doubles, except process start times, which are an opaque
+per-OS value only ever compared for equality (see ``liveness``).
+
+Version rules (R-G2): a reader attaches when the major version matches.
+Minor versions only append fields inside the reserved tail of a row or the
+header, never move one; a reader ignores what it does not know. Row and
+table sizes are in the header, so a reader uses the creator's sizes, not its
+own constants, to find tables. docs/DESIGN.md is this file as a byte table.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+MAGIC = b"GWCAPSG\x00"
+MAJOR = 1
+MINOR = 0
+
+PROVIDER_COUNT = 64
+HOLDERS_PER_PROVIDER = 128
+QUEUE_BOUND = 32  # R-A2
+RUNNING_ROOM = HOLDERS_PER_PROVIDER - QUEUE_BOUND  # the most running records a provider can have
+MEMBER_COUNT = 128  # doorbell names ".d0".."d127" fit in names.SUFFIX_ROOM
+REPLICA_COUNT = 8
+
+HEADER_SIZE = 1024
+PROVIDER_ROW_SIZE = 1536
+HOLDER_ROW_SIZE = 64
+MEMBER_ROW_SIZE = 128
+
+ID_BYTES = 64
+REASON_BYTES = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    offset: int
+    codec: struct.Struct
+
+    def get(self, buf: Any, base: int = 0) -> Any:
+        return self.codec.unpack_from(buf, base + self.offset)[0]
+
+    def put(self, buf: Any, value: Any, base: int = 0) -> None:
+        self.codec.pack_into(buf, base + self.offset, value)
+
+
+def _fields(size: int, spec: list[tuple[str, str]]) -> dict[str, Field]:
+    """Lay ``spec`` out in order, each field aligned to its own size (max 8)."""
+    out: dict[str, Field] = {}
+    offset = 0
+    for name, fmt in spec:
+        codec = struct.Struct("<" + fmt)
+        align = min(codec.size, 8) if not fmt.endswith("s") else 1
+        offset = (offset + align - 1) // align * align
+        if not name.startswith("_"):
+            out[name] = Field(offset, codec)
+        offset += codec.size
+    if offset > size:
+        raise AssertionError(f"layout overflow: {offset} > {size}")
+    return out
+
+
+# --- header ---------------------------------------------------------------------------------
+H = _fields(
+    HEADER_SIZE,
+    [
+        ("magic", "8s"),
+        ("major", "H"),
+        ("minor", "H"),
+        ("header_size", "I"),
+        ("provider_row_size", "I"),
+        ("provider_count", "I"),
+        ("holder_row_size", "I"),
+        ("holders_per_provider", "I"),
+        ("member_row_size", "I"),
+        ("member_count", "I"),
+        ("total_size", "Q"),
+        ("init_complete", "I"),  # INIT_MARK once everything else is written (R-G2)
+        ("flags", "I"),  # FLAG_GROUP_SHARED
+        ("created_at", "d"),
+        ("creator_pid", "I"),
+        ("creator_start", "d"),
+        # the lock (lock.py)
+        ("lock_owner_pid", "I"),
+        ("repair_needed", "I"),
+        ("lock_owner_start", "d"),
+        ("lock_seq", "Q"),  # +1 on every acquisition
+        ("recovery_owner_pid", "I"),
+        ("recovery_owner_start", "d"),
+        ("change_seq", "Q"),  # odd while a lock holder may be mid-write (readers retry)
+        # the single writer of limits (R-G4)
+        ("writer_epoch", "Q"),
+        ("sidecar_pid", "I"),
+        ("sidecar_state", "I"),  # SIDECAR_* below
+        ("sidecar_start", "d"),
+        ("heartbeat", "d"),
+        ("config_generation", "Q"),
+        ("refresh_s", "d"),
+        ("legacy_alive", "I"),  # awaited legacy processes still alive (R-G3)
+        ("repairs", "I"),  # lock recoveries so far (R-A6), for inspect
+        ("config_status", f"{REASON_BYTES}s"),
+        ("config_path", "256s"),
+    ],
+)
+INIT_MARK = 0x494E4954  # "INIT"
+FLAG_GROUP_SHARED = 1
+
+SIDECAR_NONE = 0
+SIDECAR_RUNNING = 1
+SIDECAR_STOPPED = 2
+SIDECAR_RETIRED = 3
+SIDECAR_STATES = {
+    SIDECAR_NONE: "none",
+    SIDECAR_RUNNING: "running",
+    SIDECAR_STOPPED: "stopped",
+    SIDECAR_RETIRED: "retired",
+}
+
+# --- provider rows ------------------------------------------------------------------------
+P = _fields(
+    PROVIDER_ROW_SIZE,
+    [
+        ("in_use", "I"),  # 1 once the row is claimed; rows are never moved or reused
+        ("flags", "I"),  # PFLAG_*
+        ("id", f"{ID_BYTES}s"),
+        ("fallback_limit", "i"),
+        ("fallback_source", "I"),  # SOURCE_* code
+        ("published_limit", "i"),  # -1: nothing published (use the fallback)
+        ("published_source", "I"),
+        ("published_at", "d"),
+        ("observed_at", "d"),  # oldest observed_at behind the published limit
+        ("expires_at", "d"),  # published limit is ignored from this time on (R-L7)
+        ("published_epoch", "Q"),
+        ("discovered", "i"),  # last discovered value, -1 none (informational)
+        ("queue_bound", "I"),
+        ("running", "I"),  # derived from holder records; repaired from them (R-A6)
+        ("waiting", "I"),
+        ("next_ticket", "Q"),  # FIFO order of arrival (R-A3)
+        ("admitted_total", "Q"),
+        ("rejected_total", "Q"),
+        ("timeouts_total", "Q"),
+        ("cancelled_total", "Q"),
+        ("reclaimed_total", "Q"),
+        ("peak_running", "I"),
+        ("peak_waiting", "I"),
+        ("reason", f"{REASON_BYTES}s"),
+        ("replica_count", "I"),
+    ],
+)
+PFLAG_DISCOVERY = 1  # capacityDiscovery requested in the config
+PFLAG_CONFIGURED = 2  # present in the config the writer last read
+PFLAG_CLAMPED = 4  # configured static limit was above RUNNING_ROOM
+
+REPLICA_BASE = 512  # replica rows start here inside a provider row
+REPLICA_ROW_SIZE = 128
+R = _fields(
+    REPLICA_ROW_SIZE,
+    [
+        ("address", "48s"),
+        ("ok", "B"),
+        ("complete", "B"),
+        ("value", "i"),  # -1: none
+        ("observed_at", "d"),  # 0: none
+        ("reason", "64s"),
+    ],
+)
+assert max(f.offset + f.codec.size for f in P.values()) <= REPLICA_BASE
+assert REPLICA_BASE + REPLICA_COUNT * REPLICA_ROW_SIZE <= PROVIDER_ROW_SIZE
+
+SOURCE_NONE = 0
+SOURCES = {
+    1: "discovered",
+    2: "provider",
+    3: "gateway",
+    4: "default",
+    5: "legacy_drain",
+}
+SOURCE_CODES = {name: code for code, name in SOURCES.items()}
+
+# --- holder rows --------------------------------------------------------------------------
+K = _fields(
+    HOLDER_ROW_SIZE,
+    [
+        ("state", "I"),  # HOLDER_* below; written last when claiming
+        ("pid", "I"),
+        ("start", "d"),
+        ("ticket", "Q"),
+        ("serial", "Q"),  # bumped on every claim: a stale handle cannot touch a reused row
+        ("member", "i"),  # member row (doorbell) of the owner, -1 none
+        ("since", "d"),  # when it started waiting, or was admitted
+    ],
+)
+HOLDER_FREE = 0
+HOLDER_WAITING = 1
+HOLDER_RUNNING = 2
+HOLDER_STATES = {HOLDER_FREE: "free", HOLDER_WAITING: "waiting", HOLDER_RUNNING: "running"}
+
+# --- member rows (registered handler processes: R-G1) --------------------------------------
+M = _fields(
+    MEMBER_ROW_SIZE,
+    [
+        ("in_use", "I"),
+        ("pid", "I"),
+        ("start", "d"),
+        ("major", "H"),
+        ("minor", "H"),
+        ("attached_at", "d"),
+        ("label", f"{ID_BYTES}s"),
+    ],
+)
+
+PROVIDERS_BASE = HEADER_SIZE
+HOLDERS_BASE = PROVIDERS_BASE + PROVIDER_COUNT * PROVIDER_ROW_SIZE
+MEMBERS_BASE = HOLDERS_BASE + PROVIDER_COUNT * HOLDERS_PER_PROVIDER * HOLDER_ROW_SIZE
+TOTAL_SIZE = MEMBERS_BASE + MEMBER_COUNT * MEMBER_ROW_SIZE
+
+
+def encode_text(text: str, size: int) -> bytes:
+    """UTF-8, cut on a character boundary to fit ``size`` bytes."""
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= size:
+        return raw
+    return raw[:size].decode("utf-8", "ignore").encode("utf-8")
+
+
+def decode_text(raw: bytes) -> str:
+    return raw.split(b"\x00", 1)[0].decode("utf-8", "replace")

@@ -1,0 +1,265 @@
+"""Create, attach and remove the segment (R-G2, R-G5, R-G6).
+
+Create-or-attach is race-free: ``shm_open(O_CREAT|O_EXCL)`` decides the one
+creator; it sizes the object, writes the header and the static tables, and
+writes the init mark last. Everyone else opens the existing object and waits
+(bounded) for the mark, then checks the magic and the major version. A
+segment whose creator died before the mark is removed and created again.
+
+The segment and its semaphores are never unlinked when a process exits
+(unlike ``multiprocessing.shared_memory``, whose resource tracker does:
+CPython gh-82300); only :func:`unlink_segment` removes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import stat
+import time
+
+import posix_ipc
+
+from shm_layout import ipc, layout, names
+from shm_layout.layout import INIT_MARK, MAGIC, MAJOR, MINOR, H
+from shm_layout.liveness import is_alive, my_identity
+from shm_layout.lock import SegmentLock
+
+log = logging.getLogger("gateway_capacity.segment")
+
+INIT_WAIT_S = 2.0
+
+
+class SegmentError(Exception):
+    """Base of every segment problem; ``str()`` is one line saying what to do."""
+
+
+class SegmentMissing(SegmentError):
+    pass
+
+
+class NotOurSegment(SegmentError):
+    pass
+
+
+class IncompatibleLayout(SegmentError):
+    """The segment speaks another major layout version (R-G2)."""
+
+    def __init__(self, name: str, found: tuple[int, int]) -> None:
+        self.found = found
+        super().__init__(
+            f"segment {name} has layout {found[0]}.{found[1]}, this program speaks "
+            f"{MAJOR}.{MINOR}: not compatible (different major version). Stop the other "
+            f"generation, or remove the segment with 'gateway-capacity inspect --segment {name} "
+            "--unlink' once nothing uses it."
+        )
+
+
+class SegmentNotReady(SegmentError):
+    pass
+
+
+class UnsafePermissions(SegmentError):
+    pass
+
+
+class Segment:
+    """A mapped segment. Methods that change shared state need ``self.lock`` held."""
+
+    def __init__(self, name: str, buf: mmap.mmap, created: bool) -> None:
+        self.name = name
+        self.buf = buf
+        self.created = created
+        self.mode = (
+            ipc.GROUP_SHARED if H["flags"].get(buf) & layout.FLAG_GROUP_SHARED else ipc.OWNER_ONLY
+        )
+        self.lock = SegmentLock(name, buf, self.mode, on_repair=self._repair)
+        self._doorbells: dict[int, posix_ipc.Semaphore] = {}
+        self._closed = False
+
+    # --- open ------------------------------------------------------------------------
+    @classmethod
+    def open(cls, name: str, *, create: bool = True, group_shared: bool = False) -> Segment:
+        """Attach to ``name``; with ``create``, create it first if it does not exist."""
+        names.check_segment_name(name)
+        for _attempt in range(3):
+            if create:
+                buf = _try_create(name, group_shared)
+                if buf is not None:
+                    return cls(name, buf, created=True)
+            try:
+                return cls(name, _attach(name), created=False)
+            except _Abandoned:
+                log.warning("segment %s was abandoned by its creator before init; recreating", name)
+                _unlink_shm(name)
+                if not create:
+                    raise SegmentMissing(f"no segment {name}") from None
+        raise SegmentNotReady(f"segment {name} could not be created or attached; try again")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.lock.close()
+        for sem in self._doorbells.values():
+            sem.close()
+        self._doorbells.clear()
+        # BufferError: a view of it is still alive somewhere; the mapping goes with it
+        with contextlib.suppress(BufferError):
+            self.buf.close()
+
+    # --- doorbells: one semaphore per registered process, posted when it is granted ---
+    def doorbell(self, member: int) -> posix_ipc.Semaphore:
+        sem = self._doorbells.get(member)
+        if sem is None:
+            sem = ipc.open_semaphore(names.doorbell_name(self.name, member), self.mode, 0)
+            self._doorbells[member] = sem
+        return sem
+
+    def ring(self, members: set[int] | list[int]) -> None:
+        for member in members:
+            if 0 <= member < layout.MEMBER_COUNT:
+                self.doorbell(member).release()
+
+    # --- repair (R-A6): counters are derived from the holder records -------------------
+    def _repair(self) -> None:
+        from shm_layout import ledger  # ledger stands on this module
+
+        ledger.recount(self.buf)
+
+
+# --- creation and attachment -----------------------------------------------------------
+class _Abandoned(Exception):
+    pass
+
+
+def _try_create(name: str, group_shared: bool) -> mmap.mmap | None:
+    mode = ipc.GROUP_SHARED if group_shared else ipc.OWNER_ONLY
+    try:
+        with ipc.exact_mode(mode):
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode, layout.TOTAL_SIZE)
+    except posix_ipc.ExistentialError:
+        return None
+    try:
+        os.fchmod(shm.fd, mode)
+        buf = mmap.mmap(shm.fd, layout.TOTAL_SIZE)
+    finally:
+        shm.close_fd()
+    pid, start = my_identity()
+    H["creator_start"].put(buf, start)
+    H["creator_pid"].put(buf, pid)
+    H["created_at"].put(buf, time.time())
+    H["magic"].put(buf, MAGIC)
+    H["major"].put(buf, MAJOR)
+    H["minor"].put(buf, MINOR)
+    H["header_size"].put(buf, layout.HEADER_SIZE)
+    H["provider_row_size"].put(buf, layout.PROVIDER_ROW_SIZE)
+    H["provider_count"].put(buf, layout.PROVIDER_COUNT)
+    H["holder_row_size"].put(buf, layout.HOLDER_ROW_SIZE)
+    H["holders_per_provider"].put(buf, layout.HOLDERS_PER_PROVIDER)
+    H["member_row_size"].put(buf, layout.MEMBER_ROW_SIZE)
+    H["member_count"].put(buf, layout.MEMBER_COUNT)
+    H["total_size"].put(buf, layout.TOTAL_SIZE)
+    H["flags"].put(buf, layout.FLAG_GROUP_SHARED if group_shared else 0)
+    # A semaphore left behind by an earlier segment of the same name (removed by hand,
+    # or after a crash) may hold a stale count: start from known values.
+    _reset_semaphores(name, mode)
+    H["init_complete"].put(buf, INIT_MARK)  # last (R-G2)
+    return buf
+
+
+def _reset_semaphores(name: str, mode: int) -> None:
+    for sem_name, value in ((names.lock_name(name), 1), (names.recovery_name(name), 1)):
+        ipc.unlink_semaphore(sem_name)
+        ipc.open_semaphore(sem_name, mode, value).close()
+
+
+def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=read_only)
+    except posix_ipc.ExistentialError:
+        raise SegmentMissing(
+            f"no segment {name}: nothing has created it yet (start the sidecar or a handler)"
+        ) from None
+    except PermissionError:
+        raise SegmentError(
+            f"segment {name} exists but this user may not open it (owner-only by default; "
+            "see the group-shared option)"
+        ) from None
+    try:
+        info = os.fstat(shm.fd)
+        if info.st_mode & stat.S_IRWXO:
+            raise UnsafePermissions(
+                f"segment {name} is accessible to all users (mode {info.st_mode & 0o777:o}); "
+                "refusing to use it. Remove it and let gateway-capacity create it again."
+            )
+        deadline = time.monotonic() + INIT_WAIT_S
+        while True:
+            size = os.fstat(shm.fd).st_size
+            if size >= layout.HEADER_SIZE:
+                head = mmap.mmap(shm.fd, layout.HEADER_SIZE, access=mmap.ACCESS_READ)
+                try:
+                    ready = H["init_complete"].get(head) == INIT_MARK
+                    magic, major, minor = (H[k].get(head) for k in ("magic", "major", "minor"))
+                    creator = (H["creator_pid"].get(head), H["creator_start"].get(head))
+                finally:
+                    head.close()
+                if ready:
+                    break
+            else:
+                creator = (0, 0.0)
+            if time.monotonic() >= deadline:
+                if creator[0] == 0 or not is_alive(*creator):
+                    raise _Abandoned()
+                raise SegmentNotReady(
+                    f"segment {name} is still being initialised by pid {creator[0]}; try again"
+                )
+            time.sleep(0.005)
+        if magic != MAGIC:
+            raise NotOurSegment(
+                f"shared-memory object {name} is not a gateway-capacity segment (bad magic); "
+                "choose another name with --segment"
+            )
+        if major != MAJOR:
+            raise IncompatibleLayout(name, (major, minor))
+        if size < layout.TOTAL_SIZE:
+            raise NotOurSegment(
+                f"segment {name} is {size} bytes, layout {major}.{minor} needs "
+                f"{layout.TOTAL_SIZE}: damaged or not ours"
+            )
+        access = mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE
+        return mmap.mmap(shm.fd, layout.TOTAL_SIZE, access=access)
+    finally:
+        shm.close_fd()
+
+
+def map_readonly(name: str) -> mmap.mmap:
+    """A read-only mapping for readers (inspect, availability, wait-for-slot)."""
+    names.check_segment_name(name)
+    try:
+        return _attach(name, read_only=True)
+    except _Abandoned:
+        raise SegmentNotReady(
+            f"segment {name} was never initialised (its creator died); the next handler or "
+            "sidecar recreates it, or remove it with inspect --unlink --force"
+        ) from None
+
+
+def _unlink_shm(name: str) -> bool:
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        return False
+    return True
+
+
+def unlink_segment(name: str) -> bool:
+    """Remove the segment and all its semaphores. True when the segment existed."""
+    existed = _unlink_shm(name)
+    ipc.unlink_semaphore(names.lock_name(name))
+    ipc.unlink_semaphore(names.recovery_name(name))
+    for member in range(layout.MEMBER_COUNT):
+        ipc.unlink_semaphore(names.doorbell_name(name, member))
+    return existed
