@@ -1,0 +1,40 @@
+"""Reference capacity router (SPEC section 4, R-K5).
+
+Answers ``GET /v1/capacity`` with the sum, per model id, of the slots of
+distinct healthy, registered, unfenced workers. Shares only the contract
+types (``sidecar.contract``) with the rest of the project.
+
+Public API::
+
+    from capacity_router import RouterServer, SimWorker
+    with SimWorker(slots=10) as a, RouterServer("workers.json", "router.key") as router:
+        router.snapshot(); router.fence("a"); router.unfence("a")
+"""
+
+from __future__ import annotations
+
+from .aggregate import Observation, aggregate
+from .app import RouterServer, build_app
+from .keyfile import KeyFileError, read_key_file
+from .poller import CapacityObserver, FencedInRegistry, UnknownWorker, WorkerStatus
+from .registry import RegistryError, RegistryFile, RegistryWatcher, Worker, parse_registry
+from .simworker import SimWorker
+
+__all__ = [
+    "CapacityObserver",
+    "FencedInRegistry",
+    "KeyFileError",
+    "Observation",
+    "RegistryError",
+    "RegistryFile",
+    "RegistryWatcher",
+    "RouterServer",
+    "SimWorker",
+    "UnknownWorker",
+    "Worker",
+    "WorkerStatus",
+    "aggregate",
+    "build_app",
+    "parse_registry",
+    "read_key_file",
+]

@@ -1,0 +1,98 @@
+"""R-K5 as one pure function: registry + fences + observations -> snapshot.
+
+No I/O and no clock: the poller passes ``observed_at``. Rules, per model id:
+
+- only registered workers count (``workers``), each identity once, however
+  many URLs reached it and however often it is listed;
+- fenced workers (in the file or by the admin endpoint) do not count;
+- unhealthy and unreachable workers do not count and do not spoil
+  completeness: they are simply absent;
+- a healthy (answering) worker whose slots cannot be read makes the snapshot
+  ``complete: false``. A model whose only answering workers are unreadable
+  gets no row at all: in an incomplete snapshot a missing row means
+  "unknown", while a row of 0 would drain it;
+- aliases on one worker share its scheduler: the worker's slots count once
+  for each model id it serves (a repeated id counts once);
+- every registered model id has a row (0 when nothing serves it now), sorted
+  by id, each count capped at the contract's maximum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from sidecar.contract import MAX_SLOTS, CapacitySnapshot, ModelCapacity
+
+from .registry import Worker
+
+State = Literal["ok", "unreadable", "unhealthy", "unreachable"]
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What one poll found about one worker.
+
+    ``ok``: healthy, ``slots`` read. ``unreadable``: it answers and says it is
+    healthy, but its slot count could not be read. ``unhealthy``: it answered
+    that it cannot serve (e.g. 503 while loading). ``unreachable``: no answer.
+    ``reason`` is a short phrase for logs; it never reaches the wire.
+    """
+
+    state: State
+    slots: int | None = None
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.state == "ok") != (self.slots is not None):
+            raise ValueError("slots is set exactly when state is 'ok'")
+
+
+def is_fenced(worker: Worker, admin_fenced: Collection[str]) -> bool:
+    return worker.fenced or worker.id in admin_fenced
+
+
+def aggregate(
+    workers: Iterable[Worker],
+    admin_fenced: Collection[str],
+    observations: Mapping[str, Observation],
+    observed_at: float,
+) -> CapacitySnapshot:
+    totals: dict[str, int] = {}
+    read: set[str] = set()
+    unknown: set[str] = set()
+    complete = True
+    seen: set[str] = set()
+    for worker in workers:
+        if worker.id in seen:
+            continue
+        seen.add(worker.id)
+        served = dict.fromkeys(worker.models)  # each alias once, order kept
+        for model in served:
+            totals.setdefault(model, 0)
+        if is_fenced(worker, admin_fenced):
+            continue
+        obs = observations.get(worker.id)
+        if obs is None or obs.state in ("unhealthy", "unreachable"):
+            continue
+        if obs.state == "unreadable":
+            complete = False
+            unknown.update(served)
+            continue
+        assert obs.slots is not None
+        for model in served:
+            totals[model] += obs.slots
+            read.add(model)
+    rows = [
+        ModelCapacity(id=model, max_concurrent_requests=min(total, MAX_SLOTS))
+        for model, total in sorted(totals.items())
+        if model in read or model not in unknown
+    ]
+    return CapacitySnapshot(
+        object="inference_capacity",
+        version=1,
+        complete=complete,
+        observed_at=observed_at,
+        models=rows,
+    )

@@ -1,0 +1,108 @@
+"""The router's bearer key, read from a key file (R-K5 auth, R-P7 hygiene).
+
+A minimal standard-library reader of our own: the router may share only the
+contract types with ``sidecar`` (the project's layering), and its key file is
+stricter than a provider's ``credentialFile``: this process *serves* with the
+key, so a file that others can read is refused, not merely warned about.
+
+Rules: a regular file (symlinks to one are followed), owner-only permissions
+(no group/other bits), at most 4 KiB, trailing CR/LF/space/tab stripped,
+non-empty, printable ASCII without spaces. The key never appears in an error
+message or a repr.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+
+MAX_KEY_BYTES = 4096
+
+
+class KeyFileError(ValueError):
+    """The key file cannot be used. ``str()`` names the file, never the key."""
+
+
+def read_key_file(path: str | os.PathLike[str]) -> bytes:
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise KeyFileError(f"cannot open key file {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KeyFileError(f"key file {path} is not a regular file")
+        if st.st_mode & 0o077:
+            raise KeyFileError(
+                f"key file {path} is accessible by group or others "
+                f"(mode {stat.S_IMODE(st.st_mode):04o}); chmod 600 it"
+            )
+        raw = os.read(fd, MAX_KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_KEY_BYTES:
+        raise KeyFileError(f"key file {path} is larger than {MAX_KEY_BYTES} bytes")
+    key = raw.rstrip(b"\r\n \t")
+    if not key:
+        raise KeyFileError(f"key file {path} is empty")
+    if any(b < 0x21 or b > 0x7E for b in key):
+        raise KeyFileError(
+            f"key file {path} holds characters a bearer key cannot carry "
+            "(whitespace inside, control or non-ASCII)"
+        )
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class _Stamp:
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+class KeyFile:
+    """The current key, re-read when the file changes (rotation without restart).
+
+    A rotation to an unusable file keeps the previous key; the reason is in
+    :attr:`last_error`. ``repr`` shows the path only.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._stamp = self._stat()
+        self._key = read_key_file(self.path)
+        self.last_error: str | None = None
+
+    def __repr__(self) -> str:
+        return f"KeyFile({self.path!r})"
+
+    def _stat(self) -> _Stamp | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return _Stamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    @property
+    def key(self) -> bytes:
+        return self._key
+
+    def refresh(self) -> bool:
+        """Re-read on change. True when a new key was taken."""
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            key = read_key_file(self.path)
+        except KeyFileError as exc:
+            self.last_error = str(exc)
+            return False
+        self.last_error = None
+        changed = key != self._key
+        self._key = key
+        return changed

@@ -1,0 +1,331 @@
+"""Observe the registered workers: every worker polled concurrently, each with
+one short deadline, one round per interval (R-K5).
+
+A round: re-read the registry if it changed, poll every unfenced worker
+(fenced ones are drained and left alone), then :func:`aggregate` the results
+into the snapshot that ``GET /v1/capacity`` serves until the next round.
+``observed_at`` is the round's start, so a snapshot never claims to be newer
+than the oldest answer in it. Nothing is cached between rounds: a worker's
+changed slot setting shows in the next round.
+
+Per URL, for ``{"source": "props"}``: ``GET /health`` must answer 200, then
+``GET /props`` must answer 200 with an integer ``total_slots`` in 0..4096.
+For ``{"fixed": N}``: ``GET /health`` must get any HTTP answer other than a
+5xx (501 "not implemented" counts as alive): such workers often have no
+health endpoint, so a 404 still proves the process is up.
+When a worker has several URLs they are polled together and the best answer
+wins (ok > unreadable > unhealthy > unreachable): it is one worker.
+
+Redirects are not followed, proxies from the environment are not used, no
+credential is sent to workers, and bodies are read up to a bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import httpx
+import msgspec
+
+from sidecar.contract import MAX_SLOTS, CapacitySnapshot, encode_snapshot
+
+from .aggregate import Observation, State, aggregate, is_fenced
+from .registry import RegistryWatcher, SlotSource, Worker, endpoint
+
+log = logging.getLogger("capacity_router")
+
+PROPS_BODY_LIMIT = 1 << 20  # llama.cpp's /props carries the chat template
+DEFAULT_INTERVAL_S = 1.0
+DEFAULT_TIMEOUT_S = 2.0
+DEFAULT_MAX_CONCURRENCY = 32
+
+
+class UnknownWorker(LookupError):
+    """No registered worker has this id."""
+
+
+class FencedInRegistry(ValueError):
+    """The worker is fenced by the registry file; only an edit of the file restores it."""
+
+
+class _Props(msgspec.Struct):
+    total_slots: Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOTS)]
+
+
+_props_decoder = msgspec.json.Decoder(_Props, strict=True)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+_PREFERENCE: tuple[State, ...] = ("ok", "unreadable", "unhealthy", "unreachable")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, httpx.TimeoutException):
+        return "timed out"
+    if isinstance(exc, httpx.ConnectError):
+        return "connection failed"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return "protocol error"
+    return type(exc).__name__
+
+
+async def _status_only(client: httpx.AsyncClient, url: str) -> int:
+    async with client.stream("GET", url) as response:
+        return response.status_code
+
+
+async def _get(client: httpx.AsyncClient, url: str, limit: int) -> tuple[int, bytes]:
+    async with client.stream("GET", url) as response:
+        body = bytearray()
+        async for chunk in response.aiter_raw():
+            body += chunk
+            if len(body) > limit:
+                raise _TooLarge
+        return response.status_code, bytes(body)
+
+
+async def poll_url(
+    client: httpx.AsyncClient, slots: SlotSource, url: str, timeout: float
+) -> Observation:
+    """Observe one worker through one of its URLs, within ``timeout`` seconds."""
+    stage = "health"
+    try:
+        async with asyncio.timeout(timeout):
+            status = await _status_only(client, endpoint(url, "health"))
+            if slots.fixed is not None:
+                if status >= 500 and status != 501:
+                    return Observation("unhealthy", reason=f"/health answered {status}")
+                return Observation("ok", slots.fixed, "fixed")
+            if status != 200:
+                return Observation("unhealthy", reason=f"/health answered {status}")
+            stage = "props"
+            status, body = await _get(client, endpoint(url, "props"), PROPS_BODY_LIMIT)
+            if status != 200:
+                return Observation("unreadable", reason=f"/props answered {status}")
+            try:
+                props = _props_decoder.decode(body)
+            except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+                return Observation("unreadable", reason=f"/props: {exc}")
+            return Observation("ok", props.total_slots, "props")
+    except TimeoutError:
+        if stage == "props":
+            return Observation("unreadable", reason="/props timed out")
+        return Observation("unreachable", reason="timed out")
+    except _TooLarge:
+        return Observation("unreadable", reason=f"/props body over {PROPS_BODY_LIMIT} bytes")
+    except httpx.HTTPError as exc:
+        if stage == "props":
+            return Observation("unreadable", reason=f"/props: {_describe(exc)}")
+        return Observation("unreachable", reason=_describe(exc))
+
+
+async def poll_worker(client: httpx.AsyncClient, worker: Worker, timeout: float) -> Observation:
+    """One worker, all its URLs at once; the best answer stands for the worker."""
+    results = await asyncio.gather(
+        *(poll_url(client, worker.slots, url, timeout) for url in worker.urls)
+    )
+    for state in _PREFERENCE:
+        for result in results:
+            if result.state == state:
+                return result
+    raise AssertionError("unreachable: a worker has at least one URL")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """Local view of one worker for the Python API and logs (never published)."""
+
+    id: str
+    models: tuple[str, ...]
+    fenced_by: Literal["registry", "admin"] | None
+    state: State | None  # None: fenced, not polled
+    slots: int | None
+    reason: str
+
+    @property
+    def fenced(self) -> bool:
+        return self.fenced_by is not None
+
+
+def new_client(timeout: float) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        follow_redirects=False,
+        trust_env=False,  # never route worker polls through an environment proxy
+        timeout=httpx.Timeout(timeout),
+        headers={"Accept-Encoding": "identity", "User-Agent": "gateway-capacity-router"},
+        limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+    )
+
+
+class CapacityObserver:
+    """Owns the rounds, the admin fences and the published snapshot.
+
+    Lives on one event loop. Readers in other threads may use
+    :meth:`published`, :meth:`snapshot` and :meth:`workers`: each is one
+    attribute read of an immutable value, swapped whole at the end of a round.
+    Rounds never overlap (a lock), so a round started after a fence change
+    always sees it.
+    """
+
+    def __init__(
+        self,
+        registry: RegistryWatcher,
+        *,
+        interval: float = DEFAULT_INTERVAL_S,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        before_round: Callable[[], None] | None = None,
+    ) -> None:
+        if interval <= 0 or timeout <= 0 or max_concurrency < 1:
+            raise ValueError("interval and timeout must be positive, max_concurrency >= 1")
+        self._registry = registry
+        self.interval = interval
+        self.timeout = timeout
+        self._max_concurrency = max_concurrency
+        self._before_round = before_round
+        self._admin_fenced: set[str] = set()
+        self._published: tuple[CapacitySnapshot, bytes] | None = None
+        self._workers: tuple[WorkerStatus, ...] = ()
+        self._lock: asyncio.Lock | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._logged: dict[str, tuple[object, ...]] = {}
+        self._logged_registry_error: str | None = None
+
+    # -- read side (any thread) ------------------------------------------
+
+    def published(self) -> tuple[CapacitySnapshot, bytes] | None:
+        """The last snapshot and its encoded body, or None before the first round."""
+        return self._published
+
+    def snapshot(self) -> CapacitySnapshot | None:
+        published = self._published
+        return None if published is None else published[0]
+
+    def workers(self) -> tuple[WorkerStatus, ...]:
+        return self._workers
+
+    # -- rounds (event loop) -----------------------------------------------
+
+    async def observe(self) -> CapacitySnapshot:
+        """Run one full round now (after any round in progress) and publish it."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            return await self._round()
+
+    async def run(self) -> None:
+        """Observe every ``interval`` seconds until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await self.observe()
+            except Exception:  # a bug must not silently freeze the snapshot's age
+                log.exception("observation round failed")
+            await asyncio.sleep(max(0.0, started + self.interval - loop.time()))
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def fence(self, worker_id: str) -> CapacitySnapshot:
+        """Drain a worker: its slots leave the snapshot of the round run now."""
+        self._registry_refresh()
+        if self._registry.current.find(worker_id) is None:
+            raise UnknownWorker(worker_id)
+        if worker_id not in self._admin_fenced:
+            self._admin_fenced.add(worker_id)
+            log.info("worker %s fenced by the admin endpoint", worker_id)
+        return await self.observe()
+
+    async def unfence(self, worker_id: str) -> CapacitySnapshot:
+        """Restore a worker fenced by :meth:`fence`; its slots return in the round run now."""
+        self._registry_refresh()
+        worker = self._registry.current.find(worker_id)
+        if worker is None:
+            raise UnknownWorker(worker_id)
+        if worker.fenced:
+            raise FencedInRegistry(worker_id)
+        if worker_id in self._admin_fenced:
+            self._admin_fenced.discard(worker_id)
+            log.info("worker %s unfenced by the admin endpoint", worker_id)
+        return await self.observe()
+
+    def _registry_refresh(self) -> None:
+        if self._registry.refresh():
+            log.info("registry reloaded: %d workers", len(self._registry.current.workers))
+        error = self._registry.last_error
+        if error != self._logged_registry_error:
+            if error is not None:
+                log.warning("registry not reloaded, keeping the last good one: %s", error)
+            self._logged_registry_error = error
+
+    async def _round(self) -> CapacitySnapshot:
+        if self._before_round is not None:
+            self._before_round()
+        self._registry_refresh()
+        registry = self._registry.current
+        admin_fenced = frozenset(self._admin_fenced)
+        if self._client is None:
+            self._client = new_client(self.timeout)
+        client = self._client
+        semaphore = asyncio.Semaphore(self._max_concurrency)
+
+        async def bounded(worker: Worker) -> Observation:
+            async with semaphore:
+                return await poll_worker(client, worker, self.timeout)
+
+        observed_at = time.time()
+        active = [w for w in registry.workers if not is_fenced(w, admin_fenced)]
+        results = await asyncio.gather(*(bounded(w) for w in active))
+        observations = {w.id: obs for w, obs in zip(active, results, strict=True)}
+        snapshot = aggregate(registry.workers, admin_fenced, observations, observed_at)
+        statuses = tuple(
+            _status(w, admin_fenced, observations.get(w.id)) for w in registry.workers
+        )
+        self._log_changes(statuses)
+        self._workers = statuses
+        self._published = (snapshot, encode_snapshot(snapshot))
+        return snapshot
+
+    def _log_changes(self, statuses: tuple[WorkerStatus, ...]) -> None:
+        current: dict[str, tuple[object, ...]] = {}
+        for s in statuses:
+            key = (s.fenced_by, s.state, s.slots, s.reason)
+            current[s.id] = key
+            if self._logged.get(s.id) == key:
+                continue
+            if s.fenced_by is not None:
+                log.info("worker %s: fenced (%s)", s.id, s.fenced_by)
+            elif s.state == "ok":
+                log.info("worker %s: ok, %d slots (%s)", s.id, s.slots, s.reason)
+            else:
+                log.info("worker %s: %s (%s)", s.id, s.state, s.reason)
+        for gone in self._logged.keys() - current.keys():
+            log.info("worker %s: no longer registered", gone)
+        self._logged = current
+
+
+def _status(
+    worker: Worker, admin_fenced: frozenset[str], obs: Observation | None
+) -> WorkerStatus:
+    fenced_by: Literal["registry", "admin"] | None = (
+        "registry" if worker.fenced else "admin" if worker.id in admin_fenced else None
+    )
+    return WorkerStatus(
+        id=worker.id,
+        models=tuple(dict.fromkeys(worker.models)),
+        fenced_by=fenced_by,
+        state=None if obs is None else obs.state,
+        slots=None if obs is None else obs.slots,
+        reason="" if obs is None else obs.reason,
+    )

@@ -1,0 +1,235 @@
+"""The worker registry: which workers are *registered* (R-K5), as a JSON file.
+
+```json
+{"workers": [
+  {"id": "mac-studio-1",
+   "urls": ["http://100.101.102.103:8080", "http://mac-studio-1.tailnet.example:8080"],
+   "models": ["workhorse", "workhorse-long"],
+   "slots": {"source": "props"}},
+  {"id": "linux-box", "urls": ["http://10.0.0.7:8000"], "models": ["workhorse"],
+   "slots": {"fixed": 4}, "fenced": true}
+]}
+```
+
+- ``id`` is the worker's identity, opaque to the router. Every URL listed under
+  one id reaches the same worker, so its slots count once (R-K5). The same URL
+  under two ids is refused: that is one worker counted twice.
+- ``models`` are upstream model ids (what the gateway's ``models`` map points
+  to). Several ids on one worker are aliases of one scheduler: the worker's
+  slots count once for each id.
+- ``slots`` is ``{"source": "props"}`` (a llama.cpp-compatible server:
+  ``GET /props`` -> ``total_slots``, ``GET /health`` -> 200) or
+  ``{"fixed": N}`` for a worker that exposes no slot count.
+- ``fenced: true`` drains the worker from the file (survives restarts).
+
+Unknown fields are refused, so a typo such as ``"fence": true`` cannot leave a
+worker silently counted. The file is re-read when its identity, size or
+timestamps change; a broken edit keeps the last good registry.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+import msgspec
+
+from sidecar.contract import MAX_MODELS, MAX_SLOTS
+
+MAX_REGISTRY_BYTES = 1 << 20
+MAX_URLS_PER_WORKER = 16
+
+WORKER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$"
+WorkerId = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=WORKER_ID_PATTERN,
+        description="opaque identity: letters, digits and . _ : @ + -, at most 128",
+    ),
+]
+ModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+WorkerUrl = Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
+
+
+class RegistryError(ValueError):
+    """The registry file cannot be used. ``str()`` is a one-line reason."""
+
+
+class SlotSource(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Exactly one of ``source`` (``"props"``) or ``fixed`` (a count)."""
+
+    source: Literal["props"] | None = None
+    fixed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOTS)] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.source is None) == (self.fixed is None):
+            raise ValueError('slots must be {"source": "props"} or {"fixed": N}')
+
+
+class Worker(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    id: WorkerId
+    urls: Annotated[
+        tuple[WorkerUrl, ...], msgspec.Meta(min_length=1, max_length=MAX_URLS_PER_WORKER)
+    ]
+    models: Annotated[tuple[ModelId, ...], msgspec.Meta(min_length=1, max_length=MAX_MODELS)]
+    slots: SlotSource
+    fenced: bool = False
+
+
+class RegistryFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    workers: tuple[Worker, ...] = ()
+
+    def find(self, worker_id: str) -> Worker | None:
+        for worker in self.workers:
+            if worker.id == worker_id:
+                return worker
+        return None
+
+
+_decoder = msgspec.json.Decoder(RegistryFile, strict=True)
+
+
+def parse_registry(body: bytes) -> RegistryFile:
+    """Decode and check a registry file's bytes, or raise :class:`RegistryError`."""
+    try:
+        registry = _decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise RegistryError(f"invalid registry: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise RegistryError(f"invalid JSON: {exc}") from None
+    ids: set[str] = set()
+    url_owner: dict[str, str] = {}
+    models: set[str] = set()
+    for worker in registry.workers:
+        if worker.id in ids:
+            raise RegistryError(
+                f"worker id {worker.id!r} appears twice: list all its URLs in one entry"
+            )
+        ids.add(worker.id)
+        for url in worker.urls:
+            key = _url_identity(worker.id, url)
+            owner = url_owner.setdefault(key, worker.id)
+            if owner != worker.id:
+                raise RegistryError(
+                    f"url {url!r} is listed under workers {owner!r} and {worker.id!r}: "
+                    "one worker must have one id"
+                )
+        models.update(worker.models)
+    if len(models) > MAX_MODELS:
+        raise RegistryError(
+            f"{len(models)} distinct model ids; a snapshot holds at most {MAX_MODELS}"
+        )
+    return registry
+
+
+def _url_identity(worker_id: str, url: str) -> str:
+    """Check a worker URL and return a normalised form for duplicate detection."""
+    where = f"worker {worker_id!r}: url {url!r}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise RegistryError(f"{where}: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise RegistryError(f"{where}: scheme must be http or https")
+    if not parts.hostname:
+        raise RegistryError(f"{where}: no host")
+    if parts.username is not None or parts.password is not None:
+        raise RegistryError(f"{where}: credentials in URLs are not supported")
+    if parts.query or parts.fragment:
+        raise RegistryError(f"{where}: no query or fragment allowed")
+    if port is None:
+        port = 443 if parts.scheme == "https" else 80
+    return f"{parts.scheme}://{parts.hostname.lower()}:{port}{parts.path.rstrip('/')}"
+
+
+def endpoint(url: str, name: str) -> str:
+    """``{url}/{name}`` with exactly one slash (a URL may carry a path prefix)."""
+    return f"{url.rstrip('/')}/{name}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Stamp:
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+def _stamp(st: os.stat_result) -> _Stamp:
+    return _Stamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class RegistryWatcher:
+    """Holds the last good registry and re-reads the file when it changes.
+
+    Not thread-safe: one owner (the poller's event loop) calls :meth:`refresh`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._stamp: _Stamp | None = None
+        self.current: RegistryFile = self._load_initial()
+        self.last_error: str | None = None
+
+    def _load_initial(self) -> RegistryFile:
+        stamp, registry = self._read()
+        self._stamp = stamp
+        return registry
+
+    def _read(self) -> tuple[_Stamp | None, RegistryFile]:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise RegistryError(f"cannot open registry {self.path}: {exc.strerror}") from None
+        try:
+            before = os.fstat(fd)
+            if not stat.S_ISREG(before.st_mode):
+                raise RegistryError(f"registry {self.path} is not a regular file")
+            too_large = f"registry {self.path} is larger than {MAX_REGISTRY_BYTES} bytes"
+            if before.st_size > MAX_REGISTRY_BYTES:
+                raise RegistryError(too_large)
+            chunks: list[bytes] = []
+            total = 0
+            while chunk := os.read(fd, 65536):
+                chunks.append(chunk)
+                total += len(chunk)
+                if total > MAX_REGISTRY_BYTES:
+                    raise RegistryError(too_large)
+            after = os.fstat(fd)
+        finally:
+            os.close(fd)
+        registry = parse_registry(b"".join(chunks))
+        # A file rewritten while we read it: use what we read, but do not
+        # remember its stamp, so the finished version is read next time.
+        stamp = _stamp(after) if _stamp(before) == _stamp(after) else None
+        return stamp, registry
+
+    def refresh(self) -> bool:
+        """Re-read the file if it changed. True when a new registry was taken.
+
+        A missing or broken file keeps the last good registry; the reason is in
+        :attr:`last_error` until a good version is read.
+        """
+        try:
+            stamp = _stamp(os.stat(self.path))
+        except OSError as exc:
+            self.last_error = f"cannot stat registry {self.path}: {exc.strerror}"
+            return False
+        if stamp == self._stamp:
+            return False
+        try:
+            new_stamp, registry = self._read()
+        except RegistryError as exc:
+            self.last_error = str(exc)
+            self._stamp = stamp  # do not re-read the same broken bytes every round
+            return False
+        self._stamp = new_stamp
+        self.last_error = None
+        changed = registry != self.current
+        self.current = registry
+        return changed
