@@ -1,0 +1,248 @@
+"""``gateway-capacity router``: serve the reference capacity router, drain and restore workers.
+
+Layout: ``router`` takes an action, so serving and the admin calls never share
+options::
+
+    gateway-capacity router serve   --workers FILE --key-file PATH [--listen HOST:PORT] [--poll S]
+    gateway-capacity router fence   WORKER --key-file PATH [--url URL] [--json]
+    gateway-capacity router unfence WORKER --key-file PATH [--url URL] [--json]
+    gateway-capacity router show    --key-file PATH [--url URL] [--json]
+
+The key is only ever read from the key file: never an argument, never printed.
+``fence``/``unfence``/``show`` talk to a router on this host (loopback URL).
+Exit codes: 0 done; 1 the router refused (unknown worker, fenced in the
+registry file, wrong key) or stopped unexpectedly; 2 usage, key file,
+registry or connection problems.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import re
+import sys
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from gateway_capacity.common import fail
+
+DEFAULT_PORT = 8731
+DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
+DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
+_ADMIN_TIMEOUT_S = 30.0
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {text!r}")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "router",
+        help="reference capacity router (serve, fence, unfence, show)",
+        description="The reference producer of the capacity contract: sums the slots of "
+        "distinct healthy, registered, unfenced workers and serves GET /v1/capacity.",
+    )
+    parser.set_defaults(func=run)
+    actions = parser.add_subparsers(dest="router_action", metavar="ACTION", required=True)
+
+    serve = actions.add_parser(
+        "serve", help="serve GET /v1/capacity (and the loopback admin endpoint)"
+    )
+    serve.add_argument("--workers", required=True, metavar="FILE", help="worker registry (JSON)")
+    serve.add_argument(
+        "--key-file", required=True, metavar="PATH",
+        help="bearer key clients must send (owner-only file)",
+    )
+    serve.add_argument(
+        "--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
+        help=f"address to serve on (default {DEFAULT_LISTEN}; [::1]:PORT for IPv6; "
+        "port 0 picks a free one)",
+    )
+    serve.add_argument(
+        "--poll", type=_positive_float, default=1.0, metavar="S",
+        help="seconds between observations (default 1)",
+    )
+    serve.add_argument(
+        "--poll-timeout", type=_positive_float, default=2.0, metavar="S",
+        help="deadline for one worker's poll (default 2)",
+    )
+
+    for action, text in (
+        ("fence", "drain a worker: its slots leave the next observation (run at once)"),
+        ("unfence", "restore a worker drained with fence"),
+    ):
+        sub = actions.add_parser(action, help=text, description=text)
+        sub.add_argument("worker", metavar="WORKER", help="worker id from the registry")
+        _add_client_options(sub)
+
+    show = actions.add_parser("show", help="print the router's current snapshot")
+    _add_client_options(show)
+
+
+def _add_client_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url", default=DEFAULT_URL, metavar="URL",
+        help=f"the router on this host (default {DEFAULT_URL})",
+    )
+    parser.add_argument("--key-file", required=True, metavar="PATH", help="the router's key file")
+    parser.add_argument("--json", action="store_true", help="print the router's JSON answer")
+
+
+def run(args: argparse.Namespace) -> int:
+    action: str = args.router_action
+    if action == "serve":
+        return _serve(args)
+    return _client(args, action)
+
+
+# -- serve ------------------------------------------------------------------
+
+
+def _parse_listen(text: str) -> tuple[str, int]:
+    match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([^:\[\]]+):(\d{1,5})", text)
+    if match is None:
+        fail(f"--listen must be HOST:PORT or [IPv6]:PORT, not {text!r}", code=2)
+    host = match.group(1) or match.group(3)
+    port = int(match.group(2) or match.group(4))
+    if port > 65535:
+        fail(f"--listen port out of range: {port}", code=2)
+    return host, port
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from capacity_router import KeyFileError, RegistryError, RouterServer
+
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="gateway-capacity router: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll is noise
+    host, port = _parse_listen(args.listen)
+    server = RouterServer(
+        args.workers, args.key_file, host=host, port=port,
+        poll_interval=args.poll, poll_timeout=args.poll_timeout,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        server.start()
+    except (RegistryError, KeyFileError) as exc:
+        fail(str(exc), code=2)
+    except OSError as exc:
+        fail(f"cannot listen on {args.listen}: {exc.strerror or exc}", code=2)
+    print(f"serving {server.url}/v1/capacity", flush=True)
+    try:
+        while not stop.wait(0.5):
+            if not server.running:
+                print("gateway-capacity: router stopped unexpectedly", file=sys.stderr)
+                return 1
+    finally:
+        server.stop()
+    return 0
+
+
+# -- fence / unfence / show ---------------------------------------------------
+
+
+def _loopback_base(url: str) -> str:
+    """The router's base URL, refused unless it is on this host (the key goes there)."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises on a bad port
+    except ValueError as exc:
+        fail(f"--url {url!r}: {exc}", code=2)
+    host = parts.hostname or ""
+    loopback = host == "localhost"
+    if not loopback:
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+    if parts.scheme not in ("http", "https") or not loopback:
+        fail(f"--url must be an http(s) URL of a router on this host (loopback), not {url!r}",
+             code=2)
+    if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
+        fail("--url must not carry credentials, a query or a fragment", code=2)
+    return url.rstrip("/")
+
+
+def _client(args: argparse.Namespace, action: str) -> int:
+    import httpx
+    import msgspec
+
+    from capacity_router import KeyFileError, read_key_file
+    from capacity_router.registry import WORKER_ID_PATTERN
+
+    base = _loopback_base(args.url)
+    if action == "show":
+        method, target = "GET", f"{base}/v1/capacity"
+    else:
+        worker: str = args.worker
+        if re.fullmatch(WORKER_ID_PATTERN, worker) is None:
+            fail(f"not a valid worker id: {worker!r}", code=2)
+        method, target = "POST", f"{base}/admin/{action}/{quote(worker, safe='')}"
+    try:
+        key = read_key_file(args.key_file)
+    except KeyFileError as exc:
+        fail(str(exc), code=2)
+    try:
+        with httpx.Client(trust_env=False, follow_redirects=False,
+                          timeout=_ADMIN_TIMEOUT_S) as client:
+            response = client.request(
+                method, target, headers={b"Authorization": b"Bearer " + key}
+            )
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the router at {base}: {type(exc).__name__}", code=2)
+    try:
+        body: Any = msgspec.json.decode(response.content)
+    except msgspec.DecodeError:
+        body = None
+    if response.status_code != 200 or not isinstance(body, dict):
+        reason = body.get("error") if isinstance(body, dict) else None
+        print(
+            f"gateway-capacity: router refused {action}: "
+            f"{reason or f'HTTP {response.status_code}'}",
+            file=sys.stderr,
+        )
+        return 1
+    if args.json:
+        print(response.text)
+        return 0
+    snapshot = body if action == "show" else body.get("snapshot", {})
+    if action != "show":
+        state = "fenced" if action == "fence" else "restored"
+        print(f"worker {args.worker} {state}")
+    print(_describe_snapshot(snapshot))
+    return 0
+
+
+def _describe_snapshot(snapshot: dict[str, Any]) -> str:
+    try:
+        when = datetime.fromtimestamp(float(snapshot["observed_at"]), UTC).isoformat(
+            timespec="milliseconds"
+        )
+    except (KeyError, TypeError, ValueError, OverflowError):
+        when = "?"
+    complete = "complete" if snapshot.get("complete") else "INCOMPLETE"
+    lines = [f"snapshot observed {when} ({complete})"]
+    for row in snapshot.get("models", []):
+        lines.append(f"  {row.get('id')}: {row.get('max_concurrent_requests')}")
+    if len(lines) == 1:
+        lines.append("  (no models)")
+    return "\n".join(lines)
