@@ -1,0 +1,279 @@
+"""Which addresses a capacity probe may go to (R-P1, R-P3).
+
+Three layers, each needed because the one before proves too little:
+
+1. **Static** (:func:`static_opt_in`, pure): a provider without ``tailnet: true``
+   must name its host as ``localhost`` or a loopback literal; a provider with it
+   may name anything, because a name proves nothing until it is resolved.
+2. **Ranges** (:func:`classify`, pure): every address the host resolves to must
+   be loopback (127.0.0.0/8, ::1) or, for a tailnet provider, a Tailscale
+   address (100.64.0.0/10 without the ChromeOS VM range 100.115.92.0/23 and
+   Quad100; fd7a:115c:a1e0::/48 without the 4via6 range fd7a:115c:a1e0:b1a::/64
+   and Quad100).
+3. **Peers** (:func:`whois`): the CGNAT range is also used by ISPs, so where the
+   local Tailscale daemon answers on its LocalAPI socket, an address must belong
+   to a peer of this tailnet (404 = not a peer = refused). When no daemon
+   answers, the address is accepted on the range check alone and the verdict
+   says so.
+
+:func:`check_provider_addresses` runs all three for one provider: it resolves the
+host once (in a thread, so a hung resolver cannot outlive the caller's deadline)
+and returns the pinned addresses the probe may connect to, or why none.
+
+Nothing here imports httpx at module level: ``sidecar.config`` (and through it
+``handler_shim``) uses the pure functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Final, Literal
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+_LOOPBACK_V4: Final = ipaddress.ip_network("127.0.0.0/8")
+_LOOPBACK_V6: Final = ipaddress.ip_address("::1")
+_TAILSCALE_V4: Final = ipaddress.ip_network("100.64.0.0/10")
+_CHROMEOS_VM_V4: Final = ipaddress.ip_network("100.115.92.0/23")
+_TAILSCALE_V6: Final = ipaddress.ip_network("fd7a:115c:a1e0::/48")
+_VIA_V6: Final = ipaddress.ip_network("fd7a:115c:a1e0:b1a::/64")
+_QUAD100: Final = frozenset(
+    {ipaddress.ip_address("100.100.100.100"), ipaddress.ip_address("fd7a:115c:a1e0::53")}
+)
+
+LOCALAPI_HOST: Final = "local-tailscaled.sock"
+SOCKET_ENV: Final = "GATEWAY_CAPACITY_TAILSCALE_SOCKET"
+
+AddressKind = Literal["loopback", "tailscale", "other"]
+
+
+def default_tailscale_socket() -> str:
+    """The LocalAPI socket of tailscaled: ``$GATEWAY_CAPACITY_TAILSCALE_SOCKET``, else
+    the platform default (Linux ``/var/run/tailscale/tailscaled.sock``; macOS with the
+    open-source ``tailscaled`` ``/var/run/tailscaled.socket``; the macOS GUI apps have
+    no Unix socket, so there the check falls back to ranges only)."""
+    configured = os.environ.get(SOCKET_ENV)
+    if configured:
+        return configured
+    if sys.platform == "darwin":
+        return "/var/run/tailscaled.socket"
+    return "/var/run/tailscale/tailscaled.sock"
+
+
+def parse_ip(text: str) -> IPAddress | None:
+    """An IP literal (brackets and a zone are not accepted), IPv4-mapped IPv6 unmapped."""
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def is_loopback(ip: IPAddress) -> bool:
+    if isinstance(ip, ipaddress.IPv4Address):
+        return ip in _LOOPBACK_V4
+    return ip == _LOOPBACK_V6
+
+
+def is_tailscale(ip: IPAddress) -> bool:
+    """A Tailscale node address (the ranges Tailscale assigns to nodes, nothing else)."""
+    if ip in _QUAD100:
+        return False
+    if isinstance(ip, ipaddress.IPv4Address):
+        return ip in _TAILSCALE_V4 and ip not in _CHROMEOS_VM_V4
+    return ip in _TAILSCALE_V6 and ip not in _VIA_V6
+
+
+def classify(ip: IPAddress) -> AddressKind:
+    if is_loopback(ip):
+        return "loopback"
+    if is_tailscale(ip):
+        return "tailscale"
+    return "other"
+
+
+def is_localhost_name(host: str) -> bool:
+    return host.lower().rstrip(".") == "localhost"
+
+
+def static_opt_in(host: str, tailnet: bool) -> str | None:
+    """``None`` when ``host`` may be probed once its addresses pass, else why not (R-P1).
+
+    Only ``localhost`` and loopback literals qualify without ``tailnet: true``: any other
+    name could resolve anywhere. With ``tailnet: true`` a literal must already be a
+    Tailscale or loopback address; a name is decided after resolution.
+    """
+    ip = parse_ip(host)
+    if ip is not None:
+        kind = classify(ip)
+        if kind == "loopback" or (kind == "tailscale" and tailnet):
+            return None
+        if kind == "tailscale":
+            return f"{host} is a Tailscale address but the provider does not set tailnet: true"
+        return f"{host} is neither loopback nor a Tailscale address"
+    if is_localhost_name(host) or tailnet:
+        return None
+    return (
+        f"host {host!r} is not localhost or a loopback address and the provider does not "
+        "set tailnet: true"
+    )
+
+
+# --- resolution -------------------------------------------------------------
+
+
+class ResolveError(Exception):
+    """The host did not resolve. ``str()`` is a short reason."""
+
+
+async def resolve(host: str, port: int) -> tuple[str, ...]:
+    """All addresses of ``host`` for TCP, in resolver order, without duplicates.
+
+    Runs the blocking resolver in the loop's executor, so the caller's
+    ``asyncio.timeout`` bounds it even when the resolver hangs (the thread is
+    abandoned, not the deadline).
+    """
+    literal = parse_ip(host)
+    if literal is not None:
+        return (str(literal),)
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ResolveError(f"{host} did not resolve: {exc}") from None
+    found: list[str] = []
+    for family, _type, _proto, _canon, sockaddr in infos:
+        if family not in (socket.AF_INET, socket.AF_INET6):
+            continue
+        raw = str(sockaddr[0])
+        ip = parse_ip(raw)  # a scoped address (fe80::1%eth0) keeps its zone and is refused
+        text = str(ip) if ip is not None else raw
+        if text not in found:
+            found.append(text)
+    if not found:
+        raise ResolveError(f"{host} resolved to no IPv4 or IPv6 address")
+    return tuple(found)
+
+
+# --- Tailscale LocalAPI whois ----------------------------------------------
+
+WhoisAnswer = Literal["peer", "not_peer", "unavailable"]
+
+
+@dataclass(frozen=True, slots=True)
+class WhoisResult:
+    answer: WhoisAnswer
+    detail: str  # peer name, or why the daemon could not say
+
+
+async def whois(ip: str, socket_path: str) -> WhoisResult:
+    """Ask tailscaled whether ``ip`` is a peer: ``GET /localapi/v0/whois?addr=IP``.
+
+    200 = peer, 404 = not a peer. No socket, a refused connection, or any other
+    answer = ``unavailable`` (the caller falls back to the range check and says so).
+    The caller's deadline bounds the call.
+    """
+    import httpx  # here, not at the top: the handler side imports this module
+    import msgspec
+
+    transport = httpx.AsyncHTTPTransport(uds=socket_path)
+    try:
+        async with httpx.AsyncClient(
+            transport=transport, trust_env=False, follow_redirects=False
+        ) as client:
+            resp = await client.get(
+                f"http://{LOCALAPI_HOST}/localapi/v0/whois", params={"addr": ip}
+            )
+    except httpx.HTTPError as exc:
+        return WhoisResult(
+            "unavailable", f"no tailscaled answering at {socket_path} ({type(exc).__name__})"
+        )
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        return WhoisResult("unavailable", f"no tailscaled answering at {socket_path} ({why})")
+    if resp.status_code == 404:
+        return WhoisResult("not_peer", f"tailscaled says {ip} is not a peer of this tailnet")
+    if resp.status_code != 200:
+        return WhoisResult(
+            "unavailable", f"tailscaled at {socket_path} answered http_{resp.status_code}"
+        )
+    name = ""
+    try:
+        body = msgspec.json.decode(resp.content)
+        if isinstance(body, dict):
+            node = body.get("Node")
+            if isinstance(node, dict) and isinstance(node.get("Name"), str):
+                name = node["Name"].rstrip(".")
+    except msgspec.DecodeError:
+        pass
+    return WhoisResult("peer", f"tailnet peer {name}" if name else "tailnet peer")
+
+
+# --- the whole check for one provider --------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AddressVerdict:
+    address: str
+    allowed: bool
+    detail: str  # "loopback", "tailnet peer NAME", "... (range-checked only: ...)", or why not
+
+
+@dataclass(frozen=True, slots=True)
+class AddressCheck:
+    """The outcome for one provider: ``refused`` is ``None`` when every address passed."""
+
+    verdicts: tuple[AddressVerdict, ...]
+    refused: str | None
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(v.address for v in self.verdicts)
+
+
+async def check_address(address: str, tailnet: bool, socket_path: str) -> AddressVerdict:
+    ip = parse_ip(address)
+    kind = classify(ip) if ip is not None else "other"
+    if kind == "loopback":
+        return AddressVerdict(address, True, "loopback")
+    if kind == "tailscale" and tailnet:
+        answer = await whois(address, socket_path)
+        if answer.answer == "peer":
+            return AddressVerdict(address, True, answer.detail)
+        if answer.answer == "not_peer":
+            return AddressVerdict(address, False, answer.detail)
+        return AddressVerdict(
+            address, True, f"tailscale range (range-checked only: {answer.detail})"
+        )
+    if kind == "tailscale":
+        return AddressVerdict(address, False, "Tailscale address but tailnet is not true")
+    return AddressVerdict(address, False, "neither loopback nor a Tailscale address")
+
+
+async def check_provider_addresses(
+    host: str, port: int, tailnet: bool, socket_path: str | None = None
+) -> AddressCheck:
+    """Resolve ``host`` once and check every address (R-P1, R-P3).
+
+    Every address must pass: one bad address refuses the provider, because the
+    gateway's own requests could go to any of them. Raises :class:`ResolveError`;
+    the caller's ``asyncio.timeout`` bounds the whole call.
+    """
+    static = static_opt_in(host, tailnet)
+    if static is not None:
+        return AddressCheck((), static)
+    path = socket_path if socket_path is not None else default_tailscale_socket()
+    addresses = await resolve(host, port)
+    verdicts = tuple(await asyncio.gather(*(check_address(a, tailnet, path) for a in addresses)))
+    bad = [v for v in verdicts if not v.allowed]
+    if bad:
+        why = "; ".join(f"{v.address}: {v.detail}" for v in bad)
+        return AddressCheck(verdicts, f"{host} resolves to a refused address ({why})")
+    return AddressCheck(verdicts, None)

@@ -1,0 +1,288 @@
+"""The gateway's JSON config file, read-only (SPEC section 2, R-C1..R-C3).
+
+The file belongs to the gateway: it is opened read-only and never written,
+renamed or touched (R-C1). Unknown fields anywhere are ignored, so a newer
+gateway's additions never break us.
+
+A file that cannot be read, is not JSON, is not an object, or whose top-level
+``maxConcurrent``/``providers`` have the wrong type raises :class:`ConfigError`
+(the CLI turns it into exit 2). Everything inside one provider entry is judged
+per provider (R-C3): a bad entry disables discovery for that provider alone and
+its :class:`ProviderStatus` says why, in one of these forms:
+
+- ``not_requested``: ``capacityDiscovery`` is not ``true`` (static admission);
+- ``opt_in_ok:loopback`` / ``opt_in_ok:tailnet``: eligible; every probe still
+  resolves and checks the addresses (``sidecar.addresses``);
+- ``opt_in_refused:<why>``: the host may not receive the credential (R-P1);
+- ``config_invalid:<why>``: a field has the wrong type or value.
+
+An entry without a usable ``id`` (a string of 1..64 UTF-8 bytes without
+control characters: the shared segment stores ids in 64 bytes) or repeating an
+earlier id cannot be admitted for at all; it is listed in
+:attr:`GatewayConfig.skipped` with the reason.
+
+This module must stay importable by ``handler_shim``: no httpx, no probe.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Final, Literal
+from urllib.parse import urlsplit
+
+import msgspec
+
+from sidecar.addresses import classify, is_localhost_name, parse_ip, static_opt_in
+from sidecar.credential import check_credential_spec
+
+DEFAULT_MAX_CONCURRENT: Final = 4  # SPEC section 5: fallback when neither level sets one
+MAX_PROVIDER_ID_BYTES: Final = 64
+MAX_LIMIT: Final = 2**31 - 1  # fits any 32-bit counter in the segment
+
+Limit = Annotated[int, msgspec.Meta(ge=0, le=MAX_LIMIT)]
+UpstreamModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+LimitSource = Literal["provider", "gateway", "default"]
+
+
+class ConfigError(Exception):
+    """The file as a whole cannot be used. ``str()`` is one line naming the file."""
+
+
+class ProviderConfig(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
+    """One entry of ``providers`` (JSON names in camelCase: ``baseUrl``, ``maxConcurrent``...).
+
+    ``models`` maps gateway alias -> upstream model id; capacity rows are
+    matched on the upstream ids (R-C2).
+    """
+
+    id: str
+    type: str | None = None
+    base_url: str | None = None
+    tailnet: bool = False
+    credential_file: str | None = None
+    capacity_discovery: bool = False
+    max_concurrent: Limit | None = None
+    models: dict[str, UpstreamModelId] = {}
+
+    @property
+    def upstream_models(self) -> frozenset[str]:
+        return frozenset(self.models.values())
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderStatus:
+    """Whether discovery is requested and, as far as the file alone can tell, allowed.
+
+    ``discovery_active`` is the static verdict; a probe still refuses when the
+    host's addresses fail the check at probe time.
+    """
+
+    id: str
+    discovery_requested: bool
+    discovery_active: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where ``GET {baseUrl}/capacity`` goes (R-P2): parsed once, pinned per address."""
+
+    scheme: str  # "http" or "https"
+    host: str  # lower case, IPv6 without brackets; also the TLS server name
+    port: int
+    path: str  # base path + "/capacity", exactly one slash between
+    host_header: str  # the Host header: host[:port] as written in baseUrl
+
+    def url_for(self, address: str) -> str:
+        """The URL that connects to ``address`` (a resolved, checked IP) itself."""
+        literal = f"[{address}]" if ":" in address else address
+        return f"{self.scheme}://{literal}:{self.port}{self.path}"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    source: str  # the path read, for messages
+    max_concurrent: int | None  # the gateway-wide fallback (R-C2)
+    providers: tuple[ProviderConfig, ...]
+    statuses: Mapping[str, ProviderStatus]  # by provider id, one per provider
+    skipped: tuple[str, ...]  # entries that have no usable id, with the reason
+
+    def provider(self, provider_id: str) -> ProviderConfig | None:
+        for p in self.providers:
+            if p.id == provider_id:
+                return p
+        return None
+
+
+def fallback_limit(provider: ProviderConfig, gateway: GatewayConfig) -> tuple[int, LimitSource]:
+    """``provider.maxConcurrent ?? gateway.maxConcurrent ?? 4`` and where it came from."""
+    if provider.max_concurrent is not None:
+        return provider.max_concurrent, "provider"
+    if gateway.max_concurrent is not None:
+        return gateway.max_concurrent, "gateway"
+    return DEFAULT_MAX_CONCURRENT, "default"
+
+
+def parse_base_url(base_url: str) -> Endpoint:
+    """The capacity endpoint of ``baseUrl``; ``ValueError`` says what is wrong with it."""
+    if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in base_url):
+        raise ValueError("baseUrl contains whitespace or control characters")
+    try:
+        parts = urlsplit(base_url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"baseUrl is not a valid URL ({exc})") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError("baseUrl must start with http:// or https://")
+    if "@" in parts.netloc:
+        raise ValueError("baseUrl must not contain user info (the key goes in credentialFile)")
+    if "?" in base_url or "#" in base_url:
+        raise ValueError("baseUrl must not have a query or fragment")
+    host = parts.hostname
+    if not host:
+        raise ValueError("baseUrl has no host")
+    if not host.isascii():
+        raise ValueError("baseUrl host must be ASCII (write an international name in punycode)")
+    if parse_ip(host) is None and not all(ch.isalnum() or ch in "-._" for ch in host):
+        raise ValueError(f"baseUrl host {host!r} is not a host name or IP address")
+    if port is None:
+        port = 443 if parts.scheme == "https" else 80
+    if port == 0:
+        raise ValueError("baseUrl port 0 is not usable")
+    return Endpoint(
+        scheme=parts.scheme,
+        host=host,
+        port=port,
+        path=parts.path.rstrip("/") + "/capacity",
+        host_header=parts.netloc,
+    )
+
+
+def check_provider(provider: ProviderConfig) -> ProviderStatus:
+    """The static verdict for a well-typed entry (no I/O)."""
+
+    def refused(kind: str, why: str) -> ProviderStatus:
+        return ProviderStatus(provider.id, True, False, f"{kind}:{why}")
+
+    if not provider.capacity_discovery:
+        return ProviderStatus(provider.id, False, False, "not_requested")
+    if provider.base_url is None:
+        return refused("config_invalid", "baseUrl is required for capacityDiscovery")
+    try:
+        endpoint = parse_base_url(provider.base_url)
+    except ValueError as exc:
+        return refused("config_invalid", str(exc))
+    if provider.credential_file is None:
+        return refused("config_invalid", "credentialFile is required for capacityDiscovery")
+    problem = check_credential_spec(provider.credential_file)
+    if problem is not None:
+        return refused("config_invalid", problem)
+    if not provider.models:
+        return refused(
+            "config_invalid", "models is empty: no upstream model id to match capacity rows"
+        )
+    problem = static_opt_in(endpoint.host, provider.tailnet)
+    if problem is not None:
+        return refused("opt_in_refused", problem)
+    ip = parse_ip(endpoint.host)
+    loopback = is_localhost_name(endpoint.host) or (ip is not None and classify(ip) == "loopback")
+    return ProviderStatus(
+        provider.id, True, True, "opt_in_ok:loopback" if loopback else "opt_in_ok:tailnet"
+    )
+
+
+def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
+    """Read and judge the gateway's config file (read-only; R-C1, R-C3)."""
+    source = os.fspath(path)
+    try:
+        with open(source, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {source}: {exc.strerror or exc}") from None
+    return parse_config(data, source)
+
+
+def parse_config(data: bytes, source: str = "<config>") -> GatewayConfig:
+    try:
+        doc = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"config {source} is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config {source}: the top level must be a JSON object")
+    try:
+        gateway_max = msgspec.convert(doc.get("maxConcurrent"), Limit | None, strict=True)
+    except msgspec.ValidationError:
+        raise ConfigError(
+            f"config {source}: top-level maxConcurrent must be an integer 0..{MAX_LIMIT} or absent"
+        ) from None
+    entries = doc.get("providers")
+    if entries is None:
+        entries = []
+    if not isinstance(entries, list):
+        raise ConfigError(f"config {source}: providers must be a JSON array")
+
+    providers: list[ProviderConfig] = []
+    statuses: dict[str, ProviderStatus] = {}
+    skipped: list[str] = []
+    for index, entry in enumerate(entries):
+        where = f"providers[{index}]"
+        if not isinstance(entry, dict):
+            skipped.append(f"{where}: not a JSON object")
+            continue
+        provider_id = entry.get("id")
+        problem = _id_problem(provider_id)
+        if problem is not None:
+            skipped.append(f"{where}: {problem}")
+            continue
+        assert isinstance(provider_id, str)
+        if provider_id in statuses:
+            skipped.append(f"{where}: duplicate id {provider_id!r} (the first entry is used)")
+            continue
+        provider, status = _judge_entry(provider_id, entry)
+        providers.append(provider)
+        statuses[provider_id] = status
+    return GatewayConfig(source, gateway_max, tuple(providers), statuses, tuple(skipped))
+
+
+def _id_problem(value: Any) -> str | None:
+    if not isinstance(value, str):
+        return "id is missing or not a string (entry skipped)"
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if not 1 <= size <= MAX_PROVIDER_ID_BYTES:
+        return f"id must be 1..{MAX_PROVIDER_ID_BYTES} bytes of UTF-8, got {size} (entry skipped)"
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
+        return "id contains control characters (entry skipped)"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "id is not valid UTF-8 (entry skipped)"
+    return None
+
+
+def _judge_entry(provider_id: str, entry: dict[str, Any]) -> tuple[ProviderConfig, ProviderStatus]:
+    try:
+        provider = msgspec.convert(entry, ProviderConfig, strict=True)
+    except msgspec.ValidationError as exc:
+        # Keep the provider for static admission (R-A8) with what can be trusted:
+        # its id and, when valid, its own maxConcurrent.
+        try:
+            own_max = msgspec.convert(entry.get("maxConcurrent"), Limit | None, strict=True)
+        except msgspec.ValidationError:
+            own_max = None
+        kept = ProviderConfig(id=provider_id, max_concurrent=own_max)
+        requested = entry.get("capacityDiscovery") is True
+        why = _field_message(str(exc))
+        return kept, ProviderStatus(provider_id, requested, False, f"config_invalid:{why}")
+    return provider, check_provider(provider)
+
+
+def _field_message(message: str) -> str:
+    """msgspec's "Expected `bool`, got `str` - at `$.tailnet`" as "tailnet: expected ..."."""
+    text, sep, where = message.partition(" - at `")
+    if not sep:
+        return message
+    field = where.rstrip("`").removeprefix("$.").removeprefix("$")
+    return f"{field}: {text[:1].lower()}{text[1:]}"

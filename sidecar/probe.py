@@ -1,0 +1,248 @@
+"""One capacity probe of one provider (R-P1..R-P8, R-K1..R-K4).
+
+:func:`probe_provider` is the unit the daemon calls each refresh. In order:
+
+1. the static opt-in of the entry (:func:`sidecar.config.check_provider`);
+2. resolve the host once and check every address (:mod:`sidecar.addresses`):
+   one refused address refuses the provider and nothing is sent;
+3. read the key afresh (:mod:`sidecar.credential`), so rotation needs no restart;
+4. ``GET {baseUrl}/capacity`` to every address concurrently, each connection
+   pinned to its checked address, with the original Host header and, for
+   https, certificate verification and SNI against the original host name.
+
+Everything, DNS and whois included, runs under one deadline (3 s) taken when
+the probe starts: httpx timeouts are per operation, so a server dripping a byte
+every half second would never trip them; ``asyncio.timeout_at`` does.
+
+Each address is a replica with its own :class:`~sidecar.replica.ReplicaResult`
+whose ``reason`` is from the closed set in :mod:`sidecar.replica`. No result,
+error or log line contains the key: details are built from status codes,
+exception type names and contract messages, and scrubbed of the key anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Final
+
+import httpx
+
+from sidecar.addresses import AddressVerdict, ResolveError, check_provider_addresses
+from sidecar.config import Endpoint, ProviderConfig, check_provider, parse_base_url
+from sidecar.contract import ContractError, check_freshness, decode_snapshot
+from sidecar.credential import CredentialError, Secret, read_credential
+from sidecar.replica import OK, ProviderProbe, ReplicaResult
+
+DEADLINE_S: Final = 3.0  # R-P5
+MAX_BODY_BYTES: Final = 64 * 1024  # R-P6
+USER_AGENT: Final = "gateway-capacity-sidecar"
+
+log = logging.getLogger(__name__)
+
+# httpx logs request URLs at INFO and httpcore logs headers at DEBUG: keep both quiet
+# whatever the root level is, so a debug run cannot print the Authorization header.
+for _name in ("httpx", "httpcore"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
+
+_default_ssl_context: ssl.SSLContext | None = None
+
+
+def default_ssl_context() -> ssl.SSLContext:
+    """Certificate verification against the certifi bundle (httpx's default), built once.
+    ``trust_env`` is off: SSL_CERT_FILE and friends do not change whom we trust."""
+    global _default_ssl_context
+    if _default_ssl_context is None:
+        _default_ssl_context = httpx.create_ssl_context(trust_env=False)
+    return _default_ssl_context
+
+
+async def probe_provider(
+    provider: ProviderConfig,
+    *,
+    now_fn: Callable[[], float] = time.time,
+    deadline_s: float = DEADLINE_S,
+    tailscale_socket: str | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    credentials_directory: str | None = None,
+) -> ProviderProbe:
+    """Probe every replica of ``provider`` once; never raises for a provider's fault.
+
+    ``now_fn`` is the sidecar's clock for freshness (R-K4). ``tailscale_socket``
+    defaults to :func:`sidecar.addresses.default_tailscale_socket`; ``ssl_context``
+    to :func:`default_ssl_context`; ``credentials_directory`` to
+    ``$CREDENTIALS_DIRECTORY``. When ``refused`` is set on the result, nothing
+    was sent to the provider; its form is ``<reason>:<detail>`` with reason one
+    of ``not_requested``, ``config_invalid``, ``opt_in_refused``,
+    ``address_refused``, ``unreachable`` (did not resolve), ``timeout``,
+    ``credential_error``.
+    """
+    status = check_provider(provider)
+    if not status.discovery_active:
+        return ProviderProbe(provider.id, refused=status.reason)
+    assert provider.base_url is not None and provider.credential_file is not None
+    endpoint = parse_base_url(provider.base_url)
+    deadline = asyncio.get_running_loop().time() + deadline_s
+
+    try:
+        async with asyncio.timeout_at(deadline):
+            check = await check_provider_addresses(
+                endpoint.host, endpoint.port, provider.tailnet, tailscale_socket
+            )
+    except TimeoutError:
+        return ProviderProbe(
+            provider.id,
+            refused=f"timeout:resolving and checking {endpoint.host} took over {deadline_s:g} s",
+        )
+    except ResolveError as exc:
+        return ProviderProbe(provider.id, refused=f"unreachable:{exc}")
+    if check.refused is not None:
+        return ProviderProbe(provider.id, refused=f"address_refused:{check.refused}")
+
+    try:
+        key = read_credential(provider.credential_file, credentials_directory=credentials_directory)
+    except CredentialError as exc:
+        return ProviderProbe(provider.id, refused=f"credential_error:{exc}")
+
+    context = ssl_context if ssl_context is not None else default_ssl_context()
+    async with httpx.AsyncClient(
+        trust_env=False,  # no proxy variable may bypass the pinned address (R-P3)
+        follow_redirects=False,  # R-P4
+        verify=context,
+        timeout=httpx.Timeout(deadline_s),
+        headers={"User-Agent": USER_AGENT},
+    ) as client:
+        results = await asyncio.gather(
+            *(
+                _probe_replica(client, endpoint, verdict, key, deadline, deadline_s, now_fn)
+                for verdict in check.verdicts
+            )
+        )
+    return ProviderProbe(provider.id, tuple(results))
+
+
+def probe_provider_sync(provider: ProviderConfig, **kwargs: object) -> ProviderProbe:
+    """:func:`probe_provider` from synchronous code (e.g. ``gateway-capacity verify``)."""
+    return asyncio.run(probe_provider(provider, **kwargs))  # type: ignore[arg-type]
+
+
+async def probe_providers(
+    providers: Iterable[ProviderConfig], **kwargs: object
+) -> Mapping[str, ProviderProbe]:
+    """Probe several providers concurrently and independently (R-P8)."""
+    todo = list(providers)
+    probes = await asyncio.gather(*(probe_provider(p, **kwargs) for p in todo))  # type: ignore[arg-type]
+    return {p.id: probe for p, probe in zip(todo, probes, strict=True)}
+
+
+async def _probe_replica(
+    client: httpx.AsyncClient,
+    endpoint: Endpoint,
+    verdict: AddressVerdict,
+    key: Secret,
+    deadline: float,
+    deadline_s: float,
+    now_fn: Callable[[], float],
+) -> ReplicaResult:
+    address = verdict.address
+    try:
+        async with asyncio.timeout_at(deadline):
+            result = await _fetch(client, endpoint, address, key, now_fn, verdict.detail)
+    except TimeoutError:
+        result = ReplicaResult(address, "timeout", f"no complete answer within {deadline_s:g} s")
+    except httpx.TimeoutException as exc:
+        result = ReplicaResult(address, "timeout", type(exc).__name__)
+    except httpx.HTTPError as exc:
+        result = ReplicaResult(address, "unreachable", _describe(exc))
+    except Exception as exc:  # a provider's fault must never break the refresh (R-P8)
+        log.warning(
+            "probe of %s at %s failed unexpectedly: %s", endpoint.host, address, type(exc).__name__
+        )
+        result = ReplicaResult(address, "unreachable", f"unexpected {type(exc).__name__}")
+    return _scrubbed(result, key)
+
+
+async def _fetch(
+    client: httpx.AsyncClient,
+    endpoint: Endpoint,
+    address: str,
+    key: Secret,
+    now_fn: Callable[[], float],
+    address_note: str,
+) -> ReplicaResult:
+    headers = {
+        "Host": endpoint.host_header,
+        "Authorization": f"Bearer {key.reveal()}",
+        "Accept": "application/json",
+        "Accept-Encoding": "identity",
+    }
+    # The URL names the pinned address; TLS still verifies (and sends SNI for) the
+    # configured host name, which httpcore takes from this request extension.
+    extensions = {"sni_hostname": endpoint.host} if endpoint.scheme == "https" else {}
+    async with client.stream(
+        "GET", endpoint.url_for(address), headers=headers, extensions=extensions
+    ) as resp:
+        code = resp.status_code
+        if 300 <= code < 400:
+            return ReplicaResult(address, "redirect_refused", f"http_{code}")
+        if code in (401, 403):
+            return ReplicaResult(address, "auth_failed", f"http_{code}")
+        if code == 404:
+            return ReplicaResult(address, "no_endpoint", "http_404")
+        if not 200 <= code < 300:
+            return ReplicaResult(address, "http_error", f"http_{code}")
+        coding = resp.headers.get("content-encoding", "identity").strip().lower()
+        if coding not in ("", "identity"):
+            return ReplicaResult(address, "invalid", "compressed body refused")
+        declared = resp.headers.get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > MAX_BODY_BYTES:
+            return ReplicaResult(
+                address, "too_large", f"Content-Length {int(declared)} > {MAX_BODY_BYTES}"
+            )
+        body = bytearray()
+        async for chunk in resp.aiter_raw():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                # leaving the block closes the connection: nothing more is read
+                return ReplicaResult(address, "too_large", f"body over {MAX_BODY_BYTES} bytes")
+    try:
+        snap = decode_snapshot(bytes(body))
+    except ContractError as exc:
+        return ReplicaResult(address, "invalid", str(exc))
+    stale = check_freshness(snap, now_fn())
+    if stale is not None:
+        return ReplicaResult(
+            address, stale, f"observed_at {snap.observed_at}", snap.complete, snap.observed_at
+        )
+    return ReplicaResult(
+        address,
+        OK,
+        address_note,
+        complete=snap.complete,
+        observed_at=snap.observed_at,
+        models={row.id: row.max_concurrent_requests for row in snap.models},
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    """Exception type and the first line of its message, short (no headers are in it)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
+
+
+def _scrubbed(result: ReplicaResult, key: Secret) -> ReplicaResult:
+    """Belt and braces: a server echoing the key into a model id must not get it into logs."""
+    secret = key.reveal()
+    if secret not in result.detail and secret not in result.models:
+        return result
+    return ReplicaResult(
+        result.address,
+        result.reason,
+        result.detail.replace(secret, "****"),
+        result.complete,
+        result.observed_at,
+        {k.replace(secret, "****"): v for k, v in result.models.items()},
+    )
