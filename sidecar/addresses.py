@@ -191,13 +191,9 @@ async def whois(ip: str, socket_path: str) -> WhoisResult:
             resp = await client.get(
                 f"http://{LOCALAPI_HOST}/localapi/v0/whois", params={"addr": ip}
             )
-    except httpx.HTTPError as exc:
-        return WhoisResult(
-            "unavailable", f"no tailscaled answering at {socket_path} ({type(exc).__name__})"
-        )
-    except OSError as exc:
-        why = exc.strerror or type(exc).__name__
-        return WhoisResult("unavailable", f"no tailscaled answering at {socket_path} ({why})")
+    except (httpx.HTTPError, OSError) as exc:
+        why = str(exc).strip() or type(exc).__name__
+        return WhoisResult("unavailable", f"no tailscaled at {socket_path}: {why}")
     if resp.status_code == 404:
         return WhoisResult("not_peer", f"tailscaled says {ip} is not a peer of this tailnet")
     if resp.status_code != 200:
@@ -223,7 +219,7 @@ async def whois(ip: str, socket_path: str) -> WhoisResult:
 class AddressVerdict:
     address: str
     allowed: bool
-    detail: str  # "loopback", "tailnet peer NAME", "... (range-checked only: ...)", or why not
+    detail: str  # "loopback", "tailnet peer NAME", "range-checked only (...)", or why not
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,9 +245,7 @@ async def check_address(address: str, tailnet: bool, socket_path: str) -> Addres
             return AddressVerdict(address, True, answer.detail)
         if answer.answer == "not_peer":
             return AddressVerdict(address, False, answer.detail)
-        return AddressVerdict(
-            address, True, f"tailscale range (range-checked only: {answer.detail})"
-        )
+        return AddressVerdict(address, True, f"range-checked only ({answer.detail})")
     if kind == "tailscale":
         return AddressVerdict(address, False, "Tailscale address but tailnet is not true")
     return AddressVerdict(address, False, "neither loopback nor a Tailscale address")

@@ -96,6 +96,11 @@ class Endpoint:
     path: str  # base path + "/capacity", exactly one slash between
     host_header: str  # the Host header: host[:port] as written in baseUrl
 
+    @property
+    def url(self) -> str:
+        """``{baseUrl}/capacity`` as configured (for messages; never carries a key)."""
+        return f"{self.scheme}://{self.host_header}{self.path}"
+
     def url_for(self, address: str) -> str:
         """The URL that connects to ``address`` (a resolved, checked IP) itself."""
         literal = f"[{address}]" if ":" in address else address

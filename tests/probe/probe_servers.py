@@ -38,9 +38,7 @@ class RawServer:
     _server: asyncio.Server | None = None
 
     async def __aenter__(self) -> RawServer:
-        self._server = await asyncio.start_server(
-            self._serve, self.host, 0, ssl=self.ssl_context
-        )
+        self._server = await asyncio.start_server(self._serve, self.host, 0, ssl=self.ssl_context)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -107,7 +105,7 @@ def snapshot(
     now: float,
     models: list[dict[str, Any]] | None = None,
     *,
-    complete: bool = True,
+    complete: Any = True,
     **overrides: Any,
 ) -> dict[str, Any]:
     doc: dict[str, Any] = {

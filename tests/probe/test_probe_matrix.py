@@ -267,9 +267,7 @@ def _padded_body(size: int) -> bytes:
 def test_r_p6_body_of_exactly_64_kib_is_accepted(
     make_provider: MakeProvider, no_tailscaled: str
 ) -> None:
-    replica, _ = probe_with(
-        fixed(200, _padded_body(MAX_BODY_BYTES)), make_provider, no_tailscaled
-    )
+    replica, _ = probe_with(fixed(200, _padded_body(MAX_BODY_BYTES)), make_provider, no_tailscaled)
     assert replica.ok
 
 

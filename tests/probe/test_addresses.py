@@ -1,0 +1,265 @@
+"""Opt-in address checks (R-P1, R-P3): ranges as pure functions, whois against a fake LocalAPI.
+
+A real Tailscale daemon and tailnet are not available here. The range logic is
+tested as pure functions; the whois client is tested against a real Unix-socket
+HTTP server of our own that answers like tailscaled's LocalAPI (it also refuses
+a wrong Host header, as tailscaled does). No request goes to a 100.x address:
+probes in this file are either refused before sending or stop at the check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from sidecar.addresses import (
+    LOCALAPI_HOST,
+    AddressCheck,
+    WhoisResult,
+    check_address,
+    check_provider_addresses,
+    classify,
+    parse_ip,
+    resolve,
+    static_opt_in,
+    whois,
+)
+from sidecar.config import ProviderConfig
+from sidecar.probe import probe_provider
+from sidecar.replica import ProviderProbe
+
+
+@pytest.mark.parametrize(
+    ("address", "kind"),
+    [
+        ("127.0.0.1", "loopback"),
+        ("127.255.255.254", "loopback"),
+        ("::1", "loopback"),
+        ("::ffff:127.0.0.1", "loopback"),  # IPv4-mapped is judged as the IPv4 it maps
+        ("0.0.0.0", "other"),
+        ("::", "other"),
+        ("128.0.0.1", "other"),
+        ("100.64.0.0", "tailscale"),
+        ("100.127.255.255", "tailscale"),
+        ("100.63.255.255", "other"),
+        ("100.128.0.0", "other"),
+        ("100.115.92.0", "other"),  # ChromeOS VM range
+        ("100.115.93.255", "other"),
+        ("100.115.94.0", "tailscale"),
+        ("100.115.91.255", "tailscale"),
+        ("100.100.100.100", "other"),  # Quad100
+        ("100.100.100.101", "tailscale"),
+        ("::ffff:100.64.0.1", "tailscale"),
+        ("fd7a:115c:a1e0::1", "tailscale"),
+        ("fd7a:115c:a1e0:ab12:4843:cd96:626b:430b", "tailscale"),
+        ("fd7a:115c:a1e0::53", "other"),  # Quad100 v6
+        ("fd7a:115c:a1e0:b1a::5", "other"),  # 4via6 subnet routes
+        ("fd7a:115c:a1e0:b1b::5", "tailscale"),
+        ("fd7a:115c:a1e1::1", "other"),
+        ("10.0.0.1", "other"),
+        ("192.168.1.1", "other"),
+        ("fe80::1", "other"),
+    ],
+)
+def test_r_p1_address_ranges(address: str, kind: str) -> None:
+    ip = parse_ip(address)
+    assert ip is not None
+    assert classify(ip) == kind
+
+
+def test_r_p1_scoped_link_local_is_never_loopback() -> None:
+    ip = parse_ip("::1%lo")
+    assert ip is not None and classify(ip) == "other"
+
+
+@pytest.mark.parametrize(
+    ("host", "tailnet", "allowed"),
+    [
+        ("localhost", False, True),
+        ("LOCALHOST.", False, True),
+        ("127.0.0.1", False, True),
+        ("::1", False, True),
+        ("router.example", False, False),
+        ("router.tailnet.ts.net", False, False),  # a .ts.net name proves nothing
+        ("router.tailnet.ts.net", True, True),  # decided after resolution
+        ("100.101.102.103", False, False),
+        ("100.101.102.103", True, True),
+        ("10.0.0.1", True, False),
+        ("100.100.100.100", True, False),
+        ("127.0.0.1", True, True),
+    ],
+)
+def test_r_p1_static_opt_in(host: str, tailnet: bool, allowed: bool) -> None:
+    assert (static_opt_in(host, tailnet) is None) is allowed
+
+
+def test_r_p3_localhost_resolves_only_to_loopback_addresses() -> None:
+    addresses = asyncio.run(resolve("localhost", 80))
+    assert addresses
+    for a in addresses:
+        ip = parse_ip(a)
+        assert ip is not None and classify(ip) == "loopback"
+
+
+def test_r_p3_unresolvable_name_is_a_resolve_error() -> None:
+    from sidecar.addresses import ResolveError
+
+    with pytest.raises(ResolveError, match="did not resolve"):
+        asyncio.run(resolve("no-such-host.invalid", 80))
+
+
+# --- a LocalAPI of our own ------------------------------------------------------------
+
+
+class FakeLocalAPI:
+    """Answers ``GET /localapi/v0/whois?addr=IP`` like tailscaled: 200 + JSON for peers,
+    404 otherwise, 403 for a wrong Host header."""
+
+    def __init__(self, path: Path, peers: dict[str, str], status: int | None = None) -> None:
+        self.path = path
+        self.peers = peers
+        self.status = status
+        self.requests: list[tuple[str, str]] = []  # (target, host header)
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> FakeLocalAPI:
+        self._server = await asyncio.start_unix_server(self._serve, str(self.path))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        target = head[0].split(" ")[1]
+        headers = {
+            k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:] if h)
+        }
+        host = headers.get("host", "")
+        self.requests.append((target, host))
+        url = urlsplit(target)
+        addr = parse_qs(url.query).get("addr", [""])[0]
+        if host not in ("", LOCALAPI_HOST):
+            status, body = 403, b"invalid localapi request\n"
+        elif self.status is not None:
+            status, body = self.status, b"denied\n"
+        elif url.path != "/localapi/v0/whois":
+            status, body = 404, b"404 page not found\n"
+        elif addr in self.peers:
+            status = 200
+            body = json.dumps(
+                {
+                    "Node": {"Name": self.peers[addr] + ".", "Addresses": [addr + "/32"]},
+                    "UserProfile": {"LoginName": "ops@example.com"},
+                }
+            ).encode()
+        else:
+            status, body = 404, f"no match for IP:port {addr}\n".encode()
+        status_head = f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n"
+        status_head += "Connection: close\r\n\r\n"
+        writer.write(status_head.encode() + body)
+        await writer.drain()
+        writer.close()
+
+
+@pytest.fixture
+def socket_path(tmp_path: Path) -> Path:
+    return tmp_path / "tailscaled.sock"
+
+
+def test_r_p1_whois_peer_answer_names_the_peer(socket_path: Path) -> None:
+    async def scenario() -> tuple[WhoisResult, list[tuple[str, str]]]:
+        async with FakeLocalAPI(socket_path, {"100.101.102.103": "router.tailnet.ts.net"}) as api:
+            answer = await whois("100.101.102.103", str(socket_path))
+        return answer, api.requests
+
+    answer, requests = asyncio.run(scenario())
+    assert answer.answer == "peer"
+    assert answer.detail == "tailnet peer router.tailnet.ts.net"
+    assert requests == [("/localapi/v0/whois?addr=100.101.102.103", LOCALAPI_HOST)]
+
+
+def test_r_p1_whois_404_means_not_a_peer(socket_path: Path) -> None:
+    async def scenario() -> str:
+        async with FakeLocalAPI(socket_path, {}):
+            return (await whois("100.101.102.104", str(socket_path))).answer
+
+    assert asyncio.run(scenario()) == "not_peer"
+
+
+def test_r_p1_whois_without_daemon_is_unavailable(tmp_path: Path) -> None:
+    answer = asyncio.run(whois("100.101.102.103", str(tmp_path / "none.sock")))
+    assert answer.answer == "unavailable"
+    assert "no tailscaled at" in answer.detail
+
+
+def test_r_p1_whois_denied_is_unavailable_not_a_peer(socket_path: Path) -> None:
+    async def scenario() -> str:
+        async with FakeLocalAPI(socket_path, {}, status=403):
+            return (await whois("100.101.102.103", str(socket_path))).answer
+
+    assert asyncio.run(scenario()) == "unavailable"
+
+
+def test_r_p1_tailnet_address_of_a_peer_is_allowed(socket_path: Path) -> None:
+    async def scenario() -> AddressCheck:
+        async with FakeLocalAPI(socket_path, {"100.101.102.103": "router"}):
+            return await check_provider_addresses("100.101.102.103", 443, True, str(socket_path))
+
+    check = asyncio.run(scenario())
+    assert check.refused is None
+    (verdict,) = check.verdicts
+    assert verdict.allowed and verdict.detail == "tailnet peer router"
+
+
+def test_r_p1_tailnet_address_without_daemon_is_range_checked_only(tmp_path: Path) -> None:
+    check = asyncio.run(
+        check_provider_addresses("100.101.102.103", 443, True, str(tmp_path / "none.sock"))
+    )
+    assert check.refused is None
+    (verdict,) = check.verdicts
+    assert verdict.allowed and verdict.detail.startswith("range-checked only")
+
+
+def test_r_p1_loopback_address_needs_no_daemon(tmp_path: Path) -> None:
+    verdict = asyncio.run(check_address("127.0.0.1", True, str(tmp_path / "none.sock")))
+    assert verdict.allowed and verdict.detail == "loopback"
+
+
+def test_r_p1_public_address_is_refused_even_for_a_tailnet_provider(tmp_path: Path) -> None:
+    verdict = asyncio.run(check_address("192.0.2.10", True, str(tmp_path / "none.sock")))
+    assert not verdict.allowed
+
+
+def test_r_p1_probe_of_a_non_peer_is_refused_and_sends_nothing(
+    socket_path: Path, make_provider: Callable[..., ProviderConfig]
+) -> None:
+    provider = make_provider("http://100.101.102.104:8080/v1", tailnet=True)
+
+    async def scenario() -> ProviderProbe:
+        async with FakeLocalAPI(socket_path, {"100.101.102.103": "router"}) as api:
+            result = await probe_provider(provider, tailscale_socket=str(socket_path))
+        assert len(api.requests) == 1
+        return result
+
+    result = asyncio.run(scenario())
+    assert result.replicas == ()
+    refused = result.refused
+    assert refused is not None
+    assert refused.startswith("address_refused:") and "not a peer" in refused
+
+
+def test_r_p1_probe_of_a_public_host_is_refused_statically(
+    make_provider: Callable[..., ProviderConfig], no_tailscaled: str
+) -> None:
+    result = asyncio.run(
+        probe_provider(make_provider("https://api.example.com/v1"), tailscale_socket=no_tailscaled)
+    )
+    assert result.replicas == ()
+    assert result.refused is not None and result.refused.startswith("opt_in_refused:")
