@@ -10,10 +10,11 @@ module is the handler's side of it:
   an in-process event. One *dispatcher* thread per process waits on this
   process's doorbell semaphore, which the granting process posts, and wakes
   the local waiters whose records became RUNNING;
-* while anyone waits, a *ticker* posts the doorbell every ``TICK_S`` so the
-  dispatcher also notices what nobody announces: a published limit that
-  expired, or a holder that died (swept at most once a second, R-A5). The
-  ticker uses ``time.sleep`` only: no semaphore timeouts anywhere (R-A10);
+* while this process waits or holds slots, a *ticker* posts the doorbell
+  every ``TICK_S`` so the dispatcher also notices what nobody announces: a
+  published limit that expired, or a holder or waiter that died (swept once a
+  second, R-A5). The ticker uses ``time.sleep`` only: no semaphore timeouts
+  anywhere (R-A10);
 * a waiter that times out or is cancelled frees its record under the lock;
   if a grant raced with it, freeing the RUNNING record hands the slot on
   (R-A4).
@@ -114,11 +115,18 @@ class Admission:
         self._waiters: dict[Ticket, _Waiter] = {}
         self._guard = threading.Lock()  # protects _waiters and thread start
         self._closed = False
-        self._threads: list[threading.Thread] = []
+        self._holding: dict[int, int] = {}  # provider -> running slots this process holds
+        self.wakeups = 0  # dispatcher wake-ups, for R-A7's "at most 10 a second"
         with segment.lock:
             self._member = ledger.register_member(self._buf, self._pid, self._start, generation)
         self._doorbell = segment.doorbell(self._member)
         ipc.drain(self._doorbell)  # posts meant for an earlier owner of this member row
+        self._threads = [
+            threading.Thread(target=self._dispatch, name="gwcap-dispatch", daemon=True),
+            threading.Thread(target=self._tick, name="gwcap-tick", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
         atexit.register(self.close)
 
     @property
@@ -166,6 +174,7 @@ class Admission:
     def slot_blocking(self, provider: str, timeout: float | None = None) -> Iterator[None]:
         """Hold one running slot of ``provider`` for the body of the ``with``."""
         ticket = self._acquire_blocking(self._provider(provider), timeout)
+        self._hold(ticket.provider, +1)
         try:
             yield
         finally:
@@ -175,6 +184,7 @@ class Admission:
     async def slot(self, provider: str, timeout: float | None = None) -> AsyncIterator[None]:
         """``async with`` form of :meth:`slot_blocking`; never blocks the event loop on a wait."""
         ticket = await self._acquire_async(self._provider(provider), timeout)
+        self._hold(ticket.provider, +1)
         try:
             yield
         finally:
@@ -314,7 +324,16 @@ class Admission:
         if was == "running":
             log.debug("a grant raced with %s; handed on", outcome)
 
+    def _hold(self, p: int, delta: int) -> None:
+        with self._guard:
+            count = self._holding.get(p, 0) + delta
+            if count > 0:
+                self._holding[p] = count
+            else:
+                self._holding.pop(p, None)
+
     def _release(self, ticket: Ticket) -> None:
+        self._hold(ticket.provider, -1)
         if self._closed:
             return  # close() released it already
         with self._seg.lock:
@@ -331,13 +350,6 @@ class Admission:
             if self._closed:
                 raise AdmissionError("this Admission is closed")
             self._waiters[waiter.ticket] = waiter
-            if not self._threads:
-                self._threads = [
-                    threading.Thread(target=self._dispatch, name="gwcap-dispatch", daemon=True),
-                    threading.Thread(target=self._tick, name="gwcap-tick", daemon=True),
-                ]
-                for thread in self._threads:
-                    thread.start()
         # The grant may have happened between arrive() and now: look once more.
         self._doorbell.release()
 
@@ -348,7 +360,7 @@ class Admission:
     def _tick(self) -> None:
         while not self._closed:
             time.sleep(TICK_S)
-            if self._waiters and not self._closed:
+            if (self._waiters or self._holding) and not self._closed:
                 self._doorbell.release()
 
     def _dispatch(self) -> None:
@@ -358,16 +370,18 @@ class Admission:
             ipc.drain(self._doorbell)
             if self._closed:
                 return
+            self.wakeups += 1
             with self._guard:
                 waiters = list(self._waiters.values())
+                interested = {w.ticket.provider for w in waiters} | set(self._holding)
             for w in waiters:
                 state = ledger.holder_state(self._buf, w.ticket)
                 if state != HOLDER_WAITING:
                     w.wake()
             now = time.monotonic()
-            if waiters and now - last_sweep >= SWEEP_S:
+            if interested and now - last_sweep >= SWEEP_S:
                 last_sweep = now
-                self._sweep({w.ticket.provider for w in waiters})
+                self._sweep(interested)
 
     def _sweep(self, providers: set[int]) -> None:
         """Reclaim dead holders and apply limit changes nobody announced (R-A5, R-L7)."""

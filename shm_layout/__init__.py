@@ -12,6 +12,7 @@ from shm_layout.segment import (
     SegmentNotReady,
     unlink_segment,
 )
+from shm_layout.view import read_provider_load, read_view
 
 __all__ = [
     "IncompatibleLayout",
@@ -20,5 +21,7 @@ __all__ = [
     "SegmentError",
     "SegmentMissing",
     "SegmentNotReady",
+    "read_provider_load",
+    "read_view",
     "unlink_segment",
 ]

@@ -50,7 +50,7 @@ from shm_layout.layout import (
     M,
     P,
 )
-from shm_layout.liveness import LivenessCache
+from shm_layout.liveness import LivenessCache, is_alive
 
 Buf = Any  # an mmap or a bytes copy of one
 
@@ -238,7 +238,11 @@ def leave(buf: Buf, t: Ticket, pid: int, outcome: Outcome, now: float) -> tuple[
 
 # --- granting -----------------------------------------------------------------------------
 def pump(buf: Buf, p: int, now: float) -> set[int]:
-    """Grant head waiters while there is room. Returns the doorbells to ring."""
+    """Grant head waiters while there is room. Returns the doorbells to ring.
+
+    A head waiter whose process is dead is reclaimed instead of granted, so a
+    slot is never handed to a corpse (R-A5).
+    """
     base = provider_base(p)
     running, waiting = _running.get(buf, base), _waiting.get(buf, base)
     if waiting == 0:
@@ -251,10 +255,14 @@ def pump(buf: Buf, p: int, now: float) -> set[int]:
             recount_provider(buf, p)
             return rings | pump(buf, p, now)
         hb = holder_base(p, head)
+        waiting -= 1
+        if not is_alive(_pid.get(buf, hb), _start.get(buf, hb)):
+            _state.put(buf, HOLDER_FREE, hb)
+            P["reclaimed_total"].put(buf, P["reclaimed_total"].get(buf, base) + 1, base)
+            continue
         _since.put(buf, now, hb)
         _state.put(buf, HOLDER_RUNNING, hb)
         running += 1
-        waiting -= 1
         rings.add(_member.get(buf, hb))
         P["admitted_total"].put(buf, P["admitted_total"].get(buf, base) + 1, base)
     _waiting.put(buf, waiting, base)

@@ -208,10 +208,15 @@ def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
                     head.close()
                 if ready:
                     break
+                if magic not in (MAGIC, bytes(len(MAGIC))) or size != layout.TOTAL_SIZE:
+                    break  # someone else's object: refused below, never removed
             else:
                 creator = (0, 0.0)
+                magic, major, minor = b"", 0, 0
             if time.monotonic() >= deadline:
                 if creator[0] == 0 or not is_alive(*creator):
+                    if size not in (0, layout.TOTAL_SIZE):
+                        break
                     raise _Abandoned()
                 raise SegmentNotReady(
                     f"segment {name} is still being initialised by pid {creator[0]}; try again"

@@ -1,0 +1,325 @@
+"""A consistent, lock-free picture of the segment for readers (inspect, availability).
+
+Readers never take the lock: they copy the whole segment between two reads
+of ``change_seq`` and retry while it is odd or moved. A writer that died
+mid-write leaves it odd until the next lock holder repairs it; after a few
+retries the reader returns the copy anyway with ``consistent=False``.
+
+Running and waiting are counted from the holder records of *live* processes,
+never from the counters, so a dead process's records are not counted even
+before they are reclaimed (R-A5).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shm_layout import layout
+from shm_layout.layout import (
+    HOLDER_FREE,
+    HOLDER_RUNNING,
+    HOLDER_STATES,
+    HOLDER_WAITING,
+    H,
+    K,
+    M,
+    P,
+    R,
+)
+from shm_layout.ledger import effective_limit, holder_base, member_base, provider_base
+from shm_layout.liveness import LivenessCache
+from shm_layout.segment import map_readonly
+
+READ_RETRIES = 200
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    address: str
+    ok: bool
+    complete: bool
+    value: int | None
+    reason: str
+    observed_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderView:
+    index: int
+    id: str
+    capacity_discovery: bool
+    configured: bool
+    clamped: bool
+    effective_limit: int
+    source: str
+    reason: str
+    running: int
+    waiting: int
+    queue_bound: int
+    fallback_limit: int
+    fallback_source: str
+    published_limit: int | None
+    discovered: int | None
+    observed_at: float | None
+    expires_at: float | None
+    replicas: tuple[ReplicaView, ...]
+    counters: dict[str, int]
+    stored_running: int
+    stored_waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class HolderView:
+    provider: str
+    index: int
+    state: str
+    pid: int
+    alive: bool
+    ticket: int
+    serial: int
+    member: int
+    generation: str | None
+    since: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemberView:
+    index: int
+    pid: int
+    alive: bool
+    generation: str
+    layout: str
+    attached_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarView:
+    pid: int
+    alive: bool
+    state: str
+    heartbeat_age_s: float | None
+    writer_epoch: int
+    config_generation: int
+    refresh_s: float
+    legacy_alive: int
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentView:
+    name: str
+    major: int
+    minor: int
+    created_at: float
+    group_shared: bool
+    consistent: bool
+    read_at: float
+    lock_owner_pid: int
+    lock_repairs: int
+    config_status: str
+    config_path: str
+    sidecar: SidecarView | None
+    providers: tuple[ProviderView, ...]
+    holders: tuple[HolderView, ...] = field(default=())
+    members: tuple[MemberView, ...] = field(default=())
+
+    def provider(self, provider_id: str) -> ProviderView | None:
+        for p in self.providers:
+            if p.id == provider_id:
+                return p
+        return None
+
+
+def snapshot_bytes(buf: Any) -> tuple[bytes, bool]:
+    """Copy the segment under the sequence counter: (copy, consistent)."""
+    seq = H["change_seq"]
+    copy = b""
+    for _ in range(READ_RETRIES):
+        before = seq.get(buf)
+        if before % 2 == 0:
+            copy = bytes(buf)
+            if seq.get(buf) == before:
+                return copy, True
+        time.sleep(0.001)
+    return copy or bytes(buf), False
+
+
+def read_view(name: str, *, now: float | None = None) -> SegmentView:
+    """Map ``name`` read-only and describe it. Raises the ``SegmentError`` family."""
+    buf = map_readonly(name)
+    try:
+        data, consistent = snapshot_bytes(buf)
+    finally:
+        buf.close()
+    return parse_view(name, data, consistent, now=now)
+
+
+def parse_view(
+    name: str, data: bytes, consistent: bool = True, *, now: float | None = None
+) -> SegmentView:
+    now = time.time() if now is None else now
+    cache = LivenessCache()
+    members = _members(data, cache)
+    labels = {m.index: m.generation for m in members}
+    providers: list[ProviderView] = []
+    holders: list[HolderView] = []
+    for p in range(layout.PROVIDER_COUNT):
+        base = provider_base(p)
+        if not P["in_use"].get(data, base):
+            break
+        pid_text = layout.decode_text(P["id"].get(data, base))
+        running = waiting = 0
+        for h in range(layout.HOLDERS_PER_PROVIDER):
+            hb = holder_base(p, h)
+            state = K["state"].get(data, hb)
+            if state == HOLDER_FREE:
+                continue
+            pid, start = K["pid"].get(data, hb), K["start"].get(data, hb)
+            alive = cache.alive(pid, start)
+            if alive and state == HOLDER_RUNNING:
+                running += 1
+            elif alive and state == HOLDER_WAITING:
+                waiting += 1
+            member = K["member"].get(data, hb)
+            holders.append(
+                HolderView(
+                    provider=pid_text,
+                    index=h,
+                    state=HOLDER_STATES.get(state, f"corrupt({state})"),
+                    pid=pid,
+                    alive=alive,
+                    ticket=K["ticket"].get(data, hb),
+                    serial=K["serial"].get(data, hb),
+                    member=member,
+                    generation=labels.get(member),
+                    since=K["since"].get(data, hb),
+                )
+            )
+        providers.append(_provider(data, p, running, waiting, now))
+    return SegmentView(
+        name=name,
+        major=H["major"].get(data),
+        minor=H["minor"].get(data),
+        created_at=H["created_at"].get(data),
+        group_shared=bool(H["flags"].get(data) & layout.FLAG_GROUP_SHARED),
+        consistent=consistent,
+        read_at=now,
+        lock_owner_pid=H["lock_owner_pid"].get(data),
+        lock_repairs=H["repairs"].get(data),
+        config_status=layout.decode_text(H["config_status"].get(data)),
+        config_path=layout.decode_text(H["config_path"].get(data)),
+        sidecar=_sidecar(data, now, cache),
+        providers=tuple(providers),
+        holders=tuple(holders),
+        members=tuple(members),
+    )
+
+
+def _provider(data: bytes, p: int, running: int, waiting: int, now: float) -> ProviderView:
+    base = provider_base(p)
+    limit = effective_limit(data, p, now)
+    flags = P["flags"].get(data, base)
+    published = P["published_limit"].get(data, base)
+    discovered = P["discovered"].get(data, base)
+    observed = P["observed_at"].get(data, base)
+    expires = P["expires_at"].get(data, base)
+    replicas = []
+    for r in range(min(P["replica_count"].get(data, base), layout.REPLICA_COUNT)):
+        rb = base + layout.REPLICA_BASE + r * layout.REPLICA_ROW_SIZE
+        value = R["value"].get(data, rb)
+        r_observed = R["observed_at"].get(data, rb)
+        replicas.append(
+            ReplicaView(
+                address=layout.decode_text(R["address"].get(data, rb)),
+                ok=bool(R["ok"].get(data, rb)),
+                complete=bool(R["complete"].get(data, rb)),
+                value=value if value >= 0 else None,
+                reason=layout.decode_text(R["reason"].get(data, rb)),
+                observed_at=r_observed or None,
+            )
+        )
+    counters = {
+        k: P[k].get(data, base)
+        for k in (
+            "admitted_total",
+            "rejected_total",
+            "timeouts_total",
+            "cancelled_total",
+            "reclaimed_total",
+            "peak_running",
+            "peak_waiting",
+        )
+    }
+    return ProviderView(
+        index=p,
+        id=layout.decode_text(P["id"].get(data, base)),
+        capacity_discovery=bool(flags & layout.PFLAG_DISCOVERY),
+        configured=bool(flags & layout.PFLAG_CONFIGURED),
+        clamped=bool(flags & layout.PFLAG_CLAMPED),
+        effective_limit=limit.value,
+        source=limit.source,
+        reason=limit.reason,
+        running=running,
+        waiting=waiting,
+        queue_bound=P["queue_bound"].get(data, base),
+        fallback_limit=P["fallback_limit"].get(data, base),
+        fallback_source=layout.SOURCES.get(P["fallback_source"].get(data, base), "default"),
+        published_limit=published if published >= 0 else None,
+        discovered=discovered if discovered >= 0 else None,
+        observed_at=observed or None,
+        expires_at=expires or None,
+        replicas=tuple(replicas),
+        counters=counters,
+        stored_running=P["running"].get(data, base),
+        stored_waiting=P["waiting"].get(data, base),
+    )
+
+
+def _members(data: bytes, cache: LivenessCache) -> list[MemberView]:
+    out = []
+    for m in range(layout.MEMBER_COUNT):
+        mb = member_base(m)
+        if not M["in_use"].get(data, mb):
+            continue
+        pid = M["pid"].get(data, mb)
+        out.append(
+            MemberView(
+                index=m,
+                pid=pid,
+                alive=cache.alive(pid, M["start"].get(data, mb)),
+                generation=layout.decode_text(M["label"].get(data, mb)),
+                layout=f"{M['major'].get(data, mb)}.{M['minor'].get(data, mb)}",
+                attached_at=M["attached_at"].get(data, mb),
+            )
+        )
+    return out
+
+
+def _sidecar(data: bytes, now: float, cache: LivenessCache) -> SidecarView | None:
+    pid = H["sidecar_pid"].get(data)
+    if pid == 0:
+        return None
+    heartbeat = H["heartbeat"].get(data)
+    return SidecarView(
+        pid=pid,
+        alive=cache.alive(pid, H["sidecar_start"].get(data)),
+        state=layout.SIDECAR_STATES.get(H["sidecar_state"].get(data), "unknown"),
+        heartbeat_age_s=round(now - heartbeat, 3) if heartbeat else None,
+        writer_epoch=H["writer_epoch"].get(data),
+        config_generation=H["config_generation"].get(data),
+        refresh_s=H["refresh_s"].get(data),
+        legacy_alive=H["legacy_alive"].get(data),
+    )
+
+
+def read_provider_load(name: str, provider_id: str) -> tuple[int, int, int]:
+    """(running, waiting, effective_limit) of one provider, for ``wait-for-slot`` (R-W4).
+
+    Raises ``KeyError`` when the provider is not in the segment.
+    """
+    view = read_view(name)
+    provider = view.provider(provider_id)
+    if provider is None:
+        raise KeyError(provider_id)
+    return provider.running, provider.waiting, provider.effective_limit

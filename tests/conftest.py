@@ -1,0 +1,61 @@
+"""Fixtures shared by the cross-process tests: unique segments, configs, agent processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gwtest, under importlib mode
+
+from gwtest import NO_TIMEOUT_ENV, Agent
+
+
+@pytest.fixture
+def segment_name() -> Iterator[str]:
+    """A fresh segment name (removed afterwards, with its semaphores)."""
+    from shm_layout.segment import unlink_segment
+
+    name = "/gwt-" + secrets.token_hex(6)
+    yield name
+    unlink_segment(name)
+
+
+@pytest.fixture
+def write_config(tmp_path: Path) -> Callable[..., Path]:
+    def write(doc: dict[str, Any], name: str = "gateway.json") -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps(doc))
+        return path
+
+    return write
+
+
+@pytest.fixture(params=["sem-timeouts", "no-sem-timeouts"])
+def sem_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with semaphore timeouts and with the forced macOS path (R-A10)."""
+    if request.param == "no-sem-timeouts":
+        monkeypatch.setenv(NO_TIMEOUT_ENV, "1")
+    else:
+        monkeypatch.delenv(NO_TIMEOUT_ENV, raising=False)
+    return str(request.param)
+
+
+@pytest.fixture
+def agents() -> Iterator[Callable[..., Agent]]:
+    started: list[Agent] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> Agent:
+        agent = Agent(list(args), env=env)
+        started.append(agent)
+        return agent
+
+    yield start
+    for agent in started:
+        agent.kill()

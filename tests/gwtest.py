@@ -1,0 +1,121 @@
+"""Helpers for the cross-process tests (imported as ``gwtest``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENT = ROOT / "tests" / "agent.py"
+NO_TIMEOUT_ENV = "GATEWAY_CAPACITY_NO_SEM_TIMEOUT"
+
+
+class Agent:
+    """One tests/agent.py process; its JSON events arrive on a queue."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(AGENT), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                self.events.put(json.loads(line))
+            except ValueError:
+                self.events.put({"event": "garbage", "line": line})
+        self.events.put({"event": "eof"})
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def expect(self, event: str, timeout: float = 15.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(
+                    f"agent {self.pid}: no {event!r} within {timeout}s: {self.seen}"
+                )
+            try:
+                ev = self.events.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            self.seen.append(ev)
+            if ev["event"] == event:
+                return ev
+            if ev["event"] == "eof":
+                err = self.proc.stderr.read() if self.proc.stderr else ""
+                raise AssertionError(f"agent {self.pid} ended before {event!r}: {self.seen} {err}")
+
+    def send(self, word: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(word + "\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def finish(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            try:
+                self.send("exit")
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+        return self.proc.wait(timeout=timeout)
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    """Run the installed ``gateway-capacity`` as an operator would."""
+    exe = Path(sys.executable).with_name("gateway-capacity")
+    return subprocess.run(
+        [str(exe), *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+def availability(segment: str) -> dict[str, Any]:
+    out = run_cli("availability", "--segment", segment, "--json")
+    assert out.returncode == 0, out.stderr
+    doc: dict[str, Any] = json.loads(out.stdout)
+    return doc
+
+
+def provider_doc(segment: str, provider: str = "p1") -> dict[str, Any]:
+    for p in availability(segment)["providers"]:
+        if p["id"] == provider:
+            return dict(p)
+    raise AssertionError(f"no provider {provider}")
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, every: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every)
+    return predicate()

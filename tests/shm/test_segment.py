@@ -1,0 +1,249 @@
+"""The segment: create/attach, versions, permissions, names, removal (R-G2, R-G5, R-G6, R-A10).
+
+Real POSIX shared memory and semaphores, real processes, the real CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import posix_ipc
+import pytest
+from gwtest import ROOT, Agent, run_cli, wait_until
+
+from shm_layout import layout, names
+from shm_layout.layout import H
+from shm_layout.segment import IncompatibleLayout, NotOurSegment, Segment, unlink_segment
+
+DEV_SHM = Path("/dev/shm")
+needs_dev_shm = pytest.mark.skipif(not DEV_SHM.is_dir(), reason="Linux /dev/shm only")
+
+RACE_SCRIPT = """
+import json, sys, time
+sys.path.insert(0, {root!r})
+from shm_layout.segment import Segment
+go = float(sys.argv[2])
+while time.time() < go:
+    time.sleep(0.0005)
+seg = Segment.open(sys.argv[1])
+from shm_layout.layout import H
+print(json.dumps({{"created": seg.created, "init": H["init_complete"].get(seg.buf),
+                  "creator": H["creator_pid"].get(seg.buf)}}))
+"""
+
+
+def test_r_g2_create_attach_race_between_many_processes_has_one_creator(
+    segment_name: str,
+) -> None:
+    go = time.time() + 1.5
+    script = RACE_SCRIPT.format(root=str(ROOT))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, segment_name, str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(12)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        results.append(json.loads(out))
+    creators = [r for r in results if r["created"]]
+    assert len(creators) == 1
+    assert all(r["init"] == layout.INIT_MARK for r in results)
+    assert len({r["creator"] for r in results}) == 1
+
+
+def test_r_g2_other_major_is_refused_naming_both_versions(segment_name: str) -> None:
+    seg = Segment.open(segment_name)
+    H["major"].put(seg.buf, layout.MAJOR + 1)
+    H["minor"].put(seg.buf, 3)
+    seg.close()
+    with pytest.raises(IncompatibleLayout) as info:
+        Segment.open(segment_name)
+    message = str(info.value)
+    assert f"{layout.MAJOR + 1}.3" in message
+    assert f"{layout.MAJOR}.{layout.MINOR}" in message
+    out = run_cli("availability", "--segment", segment_name)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert f"{layout.MAJOR + 1}.3" in out.stderr
+
+
+def test_r_g2_newer_minor_of_the_same_major_attaches(segment_name: str) -> None:
+    seg = Segment.open(segment_name)
+    H["minor"].put(seg.buf, layout.MINOR + 5)
+    seg.close()
+    again = Segment.open(segment_name)
+    assert not again.created
+    again.close()
+    assert run_cli("availability", "--segment", segment_name).returncode == 0
+
+
+def test_r_g2_an_object_that_is_not_ours_is_a_one_line_error(segment_name: str) -> None:
+    shm = posix_ipc.SharedMemory(segment_name, posix_ipc.O_CREX, 0o600, 4096)
+    os.write(shm.fd, b"not a gateway-capacity segment" * 10)
+    shm.close_fd()
+    with pytest.raises(NotOurSegment):
+        Segment.open(segment_name)
+    out = run_cli("inspect", "--segment", segment_name, "--json")
+    assert out.returncode == 2
+    assert "not a gateway-capacity segment" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_r_g2_segment_abandoned_before_init_is_recreated(segment_name: str) -> None:
+    # A creator that died after shm_open but before writing the init mark.
+    shm = posix_ipc.SharedMemory(segment_name, posix_ipc.O_CREX, 0o600, layout.TOTAL_SIZE)
+    shm.close_fd()
+    seg = Segment.open(segment_name)
+    assert seg.created
+    assert H["init_complete"].get(seg.buf) == layout.INIT_MARK
+    seg.close()
+
+
+@needs_dev_shm
+def test_r_g6_segment_and_semaphores_are_owner_only_by_default(segment_name: str) -> None:
+    old = os.umask(0)  # a permissive umask must not widen anything
+    try:
+        seg = Segment.open(segment_name)
+        seg.doorbell(0)
+    finally:
+        os.umask(old)
+    seg.close()
+    base = segment_name.lstrip("/")
+    paths = [DEV_SHM / base, DEV_SHM / f"sem.{base}.L", DEV_SHM / f"sem.{base}.R"]
+    paths.append(DEV_SHM / f"sem.{base}.d0")
+    for path in paths:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+@needs_dev_shm
+def test_r_g6_group_shared_is_0660_even_under_a_strict_umask(segment_name: str) -> None:
+    old = os.umask(0o077)
+    try:
+        seg = Segment.open(segment_name, group_shared=True)
+    finally:
+        os.umask(old)
+    seg.close()
+    base = segment_name.lstrip("/")
+    assert stat.S_IMODE((DEV_SHM / base).stat().st_mode) == 0o660
+    assert stat.S_IMODE((DEV_SHM / f"sem.{base}.L").stat().st_mode) == 0o660
+
+
+def test_r_g6_a_world_accessible_segment_is_refused(segment_name: str) -> None:
+    seg = Segment.open(segment_name)
+    seg.close()
+    shm = posix_ipc.SharedMemory(segment_name)
+    os.fchmod(shm.fd, 0o666)
+    shm.close_fd()
+    out = run_cli("availability", "--segment", segment_name)
+    assert out.returncode == 2
+    assert "accessible to all users" in out.stderr
+
+
+def test_r_a10_names_over_the_macos_limit_are_refused(tmp_path: Path) -> None:
+    long_name = "/" + "x" * 30  # 31 bytes: the semaphores would not fit
+    with pytest.raises(names.BadSegmentName) as info:
+        names.check_segment_name(long_name)
+    assert "at most" in str(info.value)
+    out = run_cli("availability", "--segment", long_name)
+    assert out.returncode == 2
+    assert "bytes" in out.stderr and "Traceback" not in out.stderr
+    # every derived name fits in 31 bytes, doorbells included
+    derived = names.segment_name_for_config(tmp_path / "gateway.json")
+    assert len(derived) == len("/gwcap1-") + 12
+    longest = names.doorbell_name(
+        "/" + "y" * (names.MAX_SEGMENT_BYTES - 1), layout.MEMBER_COUNT - 1
+    )
+    assert len(longest.encode()) <= names.MAX_NAME_BYTES
+
+
+def test_segment_name_precedence_flag_then_env_then_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "g.json"
+    monkeypatch.delenv(names.ENV_VAR, raising=False)
+    assert names.resolve_segment_name(None, cfg) == names.segment_name_for_config(cfg)
+    monkeypatch.setenv(names.ENV_VAR, "/from-env")
+    assert names.resolve_segment_name(None, cfg) == "/from-env"
+    assert names.resolve_segment_name("/from-flag", cfg) == "/from-flag"
+
+
+def test_availability_without_a_segment_exits_3_with_one_line(segment_name: str) -> None:
+    out = run_cli("availability", "--segment", segment_name, "--json")
+    assert out.returncode == 3
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert out.stdout == ""
+
+
+def test_r_g5_segment_outlives_its_processes_and_unlink_refuses_while_live(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    agents: Callable[..., Agent],
+) -> None:
+    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
+    holder = agents("--segment", segment_name, "--config", str(cfg), "hold")
+    holder.expect("admitted")
+    refused = run_cli("inspect", "--segment", segment_name, "--unlink")
+    assert refused.returncode == 1
+    assert "refusing" in refused.stderr and str(holder.pid) in refused.stderr
+    assert run_cli("availability", "--segment", segment_name).returncode == 0
+
+    holder.send("release")
+    holder.expect("released")
+    assert holder.finish() == 0
+    # R-G5: nothing is removed when the last process leaves
+    doc = json.loads(run_cli("inspect", "--segment", segment_name, "--json").stdout)
+    assert doc["providers"][0]["id"] == "p1"
+    assert doc["holders"] == []
+
+    removed = run_cli("inspect", "--segment", segment_name, "--unlink")
+    assert removed.returncode == 0, removed.stderr
+    assert run_cli("availability", "--segment", segment_name).returncode == 3
+    if DEV_SHM.is_dir():
+        assert not list(DEV_SHM.glob(f"sem.{segment_name.lstrip('/')}.*"))
+
+
+def test_r_g5_unlink_force_removes_a_segment_in_use(
+    segment_name: str, write_config: Callable[..., Path], agents: Callable[..., Agent]
+) -> None:
+    cfg = write_config({"providers": [{"id": "p1"}]})
+    holder = agents("--segment", segment_name, "--config", str(cfg), "hold")
+    holder.expect("admitted")
+    forced = run_cli("inspect", "--segment", segment_name, "--unlink", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert run_cli("availability", "--segment", segment_name).returncode == 3
+    holder.send("release")
+    holder.expect("released")  # the old mapping stays usable for who has it
+
+
+def test_readers_report_a_torn_picture_instead_of_hanging(segment_name: str) -> None:
+    seg = Segment.open(segment_name)
+    H["change_seq"].put(seg.buf, 7)  # a writer that died mid-write leaves it odd
+    seg.close()
+    out = run_cli("availability", "--segment", segment_name, "--json")
+    assert out.returncode == 0
+    assert json.loads(out.stdout)["consistent"] is False
+
+
+def test_unlink_segment_removes_every_semaphore(segment_name: str) -> None:
+    seg = Segment.open(segment_name)
+    seg.doorbell(5)
+    seg.close()
+    assert unlink_segment(segment_name)
+    assert not unlink_segment(segment_name)
+    with pytest.raises(posix_ipc.ExistentialError):
+        posix_ipc.Semaphore(names.doorbell_name(segment_name, 5))
+    assert wait_until(lambda: True)
