@@ -1,0 +1,418 @@
+"""The effective admission limit of one provider (SPEC section 5), as one pure function.
+
+Invariant: a provider's published limit is exactly one of
+
+* its **fallback** ``provider.maxConcurrent ?? gateway.maxConcurrent ?? 4``
+  (source ``provider``/``gateway``/``default``, no expiry), whenever discovery
+  is off or refused (R-L1) or gave no usable answer this refresh (R-L5);
+* a **discovered** value: at most 64, at most ``provider.maxConcurrent`` when
+  set (R-L4), never more than the smallest complete fresh replica says
+  (R-L2, R-L3) nor, from incomplete answers alone, more than its base (R-L6);
+  it expires 30 s after the oldest snapshot it rests on, so
+  ``expires_at == observed_at + 30`` always (R-L7);
+* **0** with source ``legacy_drain`` while a legacy generation drains and
+  discovery is active (R-G3).
+
+``decide`` reads no clock and does no I/O: ``now`` is an argument, the probe
+results and the previous decision are plain values. The daemon around it only
+probes, times and publishes.
+
+Field meanings worth knowing:
+
+* ``LimitDecision.discovered`` is the value discovery puts in force *after*
+  the caps (what ``effective_limit`` is, or would be during a legacy drain),
+  ``None`` when discovery gave nothing. The uncapped value is in ``reason``.
+* ``observed_at`` is the oldest ``observed_at`` among the snapshots the
+  discovered value rests on. For an incomplete-only refresh (R-L6) whose base
+  is the last discovered value, that value's snapshots count too, so its
+  ``expires_at`` is ``min(base's expires_at, incomplete observed_at + 30)``.
+* R-L6's base is ``previous.discovered`` while ``previous.expires_at > now``,
+  else the fallback. Reading ``discovered`` rather than ``source`` keeps the
+  base across a legacy drain.
+* A ``legacy_drain`` decision carries the discovered fields as computed (so an
+  operator sees what applies once the drain ends) and expires with them; with
+  no discovered value it expires 30 s after ``now``. Either way a sidecar that
+  dies mid-drain cannot leave the provider at 0 for ever.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from sidecar.contract import MAX_FUTURE_S, STALE_AFTER_S
+from sidecar.replica import OK, ProviderProbe, ReplicaResult
+
+if TYPE_CHECKING:  # attribute access only: importing limits pulls in no config machinery
+    from sidecar.config import GatewayConfig
+
+DISCOVERED_CAP: Final = 64  # R-L4
+DEFAULT_FALLBACK: Final = 4  # section 5, when neither maxConcurrent is set
+SNAPSHOT_TTL_S: Final = STALE_AFTER_S  # R-L7: a discovered limit lives 30 s past its snapshot
+
+DISCOVERED: Final = "discovered"
+LEGACY_DRAIN: Final = "legacy_drain"
+SOURCES: Final = frozenset({DISCOVERED, "provider", "gateway", "default", LEGACY_DRAIN})
+
+_DETAIL_MAX = 80  # keep reasons short; a detail is a phrase, never a body
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderRules:
+    """What section 5 needs from one provider's config entry.
+
+    ``discovery_active`` is "opted in and the opt-in accepted";
+    ``refused_reason`` says why not, when it is not.
+    """
+
+    provider_id: str
+    discovery_active: bool
+    provider_max: int | None
+    gateway_max: int | None
+    upstream_models: tuple[str, ...]
+    refused_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """One replica as an operator sees it (section 8 ``replicas``).
+
+    ``ok`` means valid and fresh at ``now``; ``reason`` is the probe's closed
+    name, re-checked against ``now`` (an "ok" answer that aged out reads
+    "stale"). ``value`` is the snapshot's value for this provider (R-L3, R-L6)
+    or ``None`` when it has none.
+    """
+
+    address: str
+    ok: bool
+    complete: bool
+    value: int | None
+    reason: str
+    detail: str
+    observed_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class LimitDecision:
+    provider_id: str
+    effective_limit: int
+    source: str  # one of SOURCES
+    reason: str
+    discovered: int | None
+    observed_at: float | None
+    expires_at: float | None
+    fallback_limit: int
+    fallback_source: str  # "provider", "gateway" or "default"
+    replicas: tuple[ReplicaView, ...] = ()
+
+
+def fallback_for(provider_max: int | None, gateway_max: int | None) -> tuple[int, str]:
+    """``provider.maxConcurrent ?? gateway.maxConcurrent ?? 4`` and its source name.
+
+    0 is a real setting, not "unset".
+    """
+    if provider_max is not None:
+        return provider_max, "provider"
+    if gateway_max is not None:
+        return gateway_max, "gateway"
+    return DEFAULT_FALLBACK, "default"
+
+
+def rules_from_config(config: GatewayConfig) -> tuple[ProviderRules, ...]:
+    """One :class:`ProviderRules` per provider of a judged config, in file order."""
+    rules = []
+    for provider in config.providers:
+        status = config.statuses.get(provider.id)
+        active = status is not None and status.discovery_active
+        refused = None
+        if status is not None and status.discovery_requested and not active:
+            refused = f"discovery refused: {status.reason}"
+        rules.append(
+            ProviderRules(
+                provider_id=provider.id,
+                discovery_active=active,
+                provider_max=provider.max_concurrent,
+                gateway_max=config.max_concurrent,
+                upstream_models=tuple(sorted(provider.upstream_models)),
+                refused_reason=refused,
+            )
+        )
+    return tuple(rules)
+
+
+def snapshot_value(
+    models: Mapping[str, int], upstream_models: Iterable[str], *, complete: bool
+) -> int | None:
+    """A snapshot's value for a provider: the minimum over its upstream models.
+
+    Complete (R-L3, R-L8): a missing model has 0 slots. Incomplete (R-L6): a
+    missing model is unknown, so the minimum is over the models present, and
+    ``None`` when none is.
+    """
+    wanted = tuple(upstream_models)
+    if not wanted:
+        return None
+    if complete:
+        return min(models.get(model, 0) for model in wanted)
+    known = [models[model] for model in wanted if model in models]
+    return min(known) if known else None
+
+
+def view_replica(replica: ReplicaResult, upstream_models: Iterable[str], now: float) -> ReplicaView:
+    reason, detail = _recheck(replica, now)
+    ok = reason == OK
+    value = (
+        snapshot_value(replica.models, upstream_models, complete=replica.complete) if ok else None
+    )
+    return ReplicaView(
+        address=replica.address,
+        ok=ok,
+        complete=replica.complete,
+        value=value,
+        reason=reason,
+        detail=detail,
+        observed_at=replica.observed_at,
+    )
+
+
+def decide(
+    rules: ProviderRules,
+    probe: ProviderProbe | None,
+    previous: LimitDecision | None,
+    now: float,
+    *,
+    legacy_draining: bool = False,
+) -> LimitDecision:
+    """The effective limit of one provider for this refresh (section 5, R-G3).
+
+    ``probe`` is this refresh's result (``None``: not probed yet);
+    ``previous`` is the last decision published for this provider, if any.
+    """
+    if probe is not None and probe.provider_id != rules.provider_id:
+        raise ValueError(f"probe for {probe.provider_id!r} given for {rules.provider_id!r}")
+    if previous is not None and previous.provider_id != rules.provider_id:
+        raise ValueError(f"previous for {previous.provider_id!r} given for {rules.provider_id!r}")
+
+    fallback, fallback_source = fallback_for(rules.provider_max, rules.gateway_max)
+
+    def static(reason: str, replicas: tuple[ReplicaView, ...] = ()) -> LimitDecision:
+        return LimitDecision(
+            provider_id=rules.provider_id,
+            effective_limit=fallback,
+            source=fallback_source,
+            reason=reason,
+            discovered=None,
+            observed_at=None,
+            expires_at=None,
+            fallback_limit=fallback,
+            fallback_source=fallback_source,
+            replicas=replicas,
+        )
+
+    # R-L1, R-C4: without discovery nothing else matters, not even a drain.
+    if not rules.discovery_active:
+        return static(rules.refused_reason or "capacityDiscovery off")
+
+    pairs = [
+        (replica, view_replica(replica, rules.upstream_models, now))
+        for replica in (probe.replicas if probe is not None else ())
+    ]
+    views = tuple(view for _, view in pairs)
+    if not rules.upstream_models:
+        found: _Found | str = "no upstream models configured"
+    elif probe is None:
+        found = "no valid answer: not probed yet"
+    elif probe.refused is not None:
+        found = probe.refused
+    else:
+        found = _discover(rules, pairs, previous, now, fallback)
+
+    if legacy_draining:  # R-G3
+        return _drain(rules, found, now, fallback, fallback_source, views)
+    if isinstance(found, str):  # R-L5: fallback at once
+        return static(found, views)
+    return LimitDecision(
+        provider_id=rules.provider_id,
+        effective_limit=found.limit,
+        source=DISCOVERED,
+        reason=found.reason,
+        discovered=found.limit,
+        observed_at=found.observed_at,
+        expires_at=found.observed_at + SNAPSHOT_TTL_S,
+        fallback_limit=fallback,
+        fallback_source=fallback_source,
+        replicas=views,
+    )
+
+
+def decide_all(
+    rules: Iterable[ProviderRules],
+    probes: Mapping[str, ProviderProbe],
+    previous: Mapping[str, LimitDecision],
+    now: float,
+    *,
+    legacy_draining: bool = False,
+) -> dict[str, LimitDecision]:
+    """:func:`decide` for every provider, keyed by provider id."""
+    return {
+        r.provider_id: decide(
+            r,
+            probes.get(r.provider_id),
+            previous.get(r.provider_id),
+            now,
+            legacy_draining=legacy_draining,
+        )
+        for r in rules
+    }
+
+
+# --- the discovered value -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    limit: int  # after the caps
+    reason: str
+    observed_at: float  # oldest snapshot it rests on
+
+
+def _discover(
+    rules: ProviderRules,
+    pairs: list[tuple[ReplicaResult, ReplicaView]],
+    previous: LimitDecision | None,
+    now: float,
+    fallback: int,
+) -> _Found | str:
+    """The discovered value, or the reason there is none (R-L2..R-L6)."""
+    answers = [(r, v, v.value) for r, v in pairs if v.ok and v.value is not None]
+    complete = [(r, v, value) for r, v, value in answers if v.complete]
+    incomplete = [(v, value) for _, v, value in answers if not v.complete]
+
+    if complete:  # R-L2: the minimum over complete replicas; incomplete ones are ignored
+        raw = min(value for _, _, value in complete)
+        limit, cap_text = _cap(raw, rules.provider_max)
+        parts = [f"discovered {raw}"]
+        if len(complete) > 1:
+            parts.append(f"minimum of {len(complete)} complete replicas")
+        missing = _missing_models(complete, rules.upstream_models, raw)
+        if missing:
+            parts.append(missing)
+        if cap_text:
+            parts.append(cap_text)
+        if incomplete:
+            parts.append("ignored incomplete " + ", ".join(v.address for v, _ in incomplete))
+        observed = min(_observed(v) for _, v, _ in complete)
+        return _Found(limit, ", ".join(parts), observed)
+
+    if incomplete:  # R-L6: only incomplete answers; they may lower, never raise
+        raw = min(value for _, value in incomplete)
+        observed = min(_observed(v) for v, _ in incomplete)
+        base, base_name = fallback, "fallback"
+        if (
+            previous is not None
+            and previous.discovered is not None
+            and previous.observed_at is not None
+            and previous.expires_at is not None
+            and previous.expires_at > now
+        ):
+            base, base_name = previous.discovered, "last discovered"
+            observed = min(observed, previous.observed_at)
+        limit, cap_text = _cap(min(raw, base), rules.provider_max)
+        answers_text = ", ".join(f"{v.address} {value}" for v, value in incomplete)
+        plural = "s" if len(incomplete) > 1 else ""
+        reason = f"only incomplete answer{plural} ({answers_text}), cannot raise {base_name} {base}"
+        if cap_text:
+            reason += f", {cap_text}"
+        return _Found(limit, reason, observed)
+
+    return "no valid answer: " + (
+        "; ".join(_failure_text(v) for _, v in pairs) if pairs else "no replica answered"
+    )
+
+
+def _cap(value: int, provider_max: int | None) -> tuple[int, str]:
+    """R-L4: at most 64 and at most provider.maxConcurrent; the text names what bit."""
+    if provider_max is not None and provider_max <= DISCOVERED_CAP and value > provider_max:
+        return provider_max, f"capped by provider maxConcurrent {provider_max}"
+    if value > DISCOVERED_CAP:
+        return DISCOVERED_CAP, f"capped at {DISCOVERED_CAP}"
+    return value, ""
+
+
+def _drain(
+    rules: ProviderRules,
+    found: _Found | str,
+    now: float,
+    fallback: int,
+    fallback_source: str,
+    views: tuple[ReplicaView, ...],
+) -> LimitDecision:
+    reason = "legacy handler generation draining: new admissions wait"
+    if isinstance(found, _Found):
+        discovered: int | None = found.limit
+        observed_at: float | None = found.observed_at
+        expires_at = found.observed_at + SNAPSHOT_TTL_S
+        reason += f"; then discovered {found.limit}"
+    else:
+        discovered, observed_at, expires_at = None, None, now + SNAPSHOT_TTL_S
+        reason += f"; then fallback {fallback} ({found})"
+    return LimitDecision(
+        provider_id=rules.provider_id,
+        effective_limit=0,
+        source=LEGACY_DRAIN,
+        reason=reason,
+        discovered=discovered,
+        observed_at=observed_at,
+        expires_at=expires_at,
+        fallback_limit=fallback,
+        fallback_source=fallback_source,
+        replicas=views,
+    )
+
+
+# --- small helpers --------------------------------------------------------
+
+
+def _recheck(replica: ReplicaResult, now: float) -> tuple[str, str]:
+    """The probe already judged freshness; judge it again against our ``now`` (R-K4)."""
+    if not replica.ok:
+        return replica.reason, replica.detail
+    observed = replica.observed_at
+    if observed is None or not math.isfinite(observed):
+        return "invalid", "observed_at missing or not finite"
+    if observed > now + MAX_FUTURE_S:
+        return "future", f"observed_at {observed - now:.1f}s ahead"
+    if now - observed > STALE_AFTER_S:
+        return "stale", f"observed_at {now - observed:.1f}s old"
+    return OK, replica.detail
+
+
+def _observed(view: ReplicaView) -> float:
+    assert view.observed_at is not None  # an ok view always has one (_recheck)
+    return view.observed_at
+
+
+def _missing_models(
+    complete: list[tuple[ReplicaResult, ReplicaView, int]],
+    upstream_models: tuple[str, ...],
+    raw: int,
+) -> str:
+    """R-L8: when a missing model is why the value is 0, say which one and where."""
+    if raw != 0:
+        return ""
+    for replica, view, _ in complete:
+        absent = [m for m in upstream_models if m not in replica.models]
+        if absent:
+            return f"{', '.join(absent)} missing from {view.address}"
+    return ""
+
+
+def _failure_text(view: ReplicaView) -> str:
+    if view.ok:  # valid but incomplete and without any of the provider's models
+        return f"{view.address} incomplete without the provider's models"
+    detail = view.detail
+    if len(detail) > _DETAIL_MAX:
+        detail = detail[: _DETAIL_MAX - 1] + "…"
+    return f"{view.address} {view.reason}" + (f" ({detail})" if detail else "")
