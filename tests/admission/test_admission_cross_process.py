@@ -1,0 +1,266 @@
+"""Shared admission across processes and generations (R-A1..R-A5, R-A8, R-A9, R-G1).
+
+Real processes (tests/agent.py), real segment, SIGKILL; observations are made
+through the operator's CLI JSON or a lock-free read of the segment. The
+multi-process tests run in both semaphore modes (R-A10).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from gwtest import Agent, availability, provider_doc, run_cli, wait_until
+
+from shm_layout.view import read_view
+
+
+def _cfg(write_config: Callable[..., Path], limit: int) -> Path:
+    return write_config({"maxConcurrent": 99, "providers": [{"id": "p1", "maxConcurrent": limit}]})
+
+
+def test_r_a1_two_generations_never_exceed_the_limit(
+    sem_mode: str,
+    segment_name: str,
+    write_config: Callable[..., Path],
+    agents: Callable[..., Agent],
+) -> None:
+    cfg = _cfg(write_config, 3)
+    peak = 0
+    samples = 0
+    stop = threading.Event()
+
+    def observe() -> None:
+        nonlocal peak, samples
+        while not stop.is_set():
+            try:
+                view = read_view(segment_name)
+            except Exception:  # not created yet
+                time.sleep(0.01)
+                continue
+            p1 = view.provider("p1")
+            if p1 is not None:
+                peak = max(peak, p1.running, p1.stored_running)
+                samples += 1
+            time.sleep(0.002)
+
+    observer = threading.Thread(target=observe)
+    observer.start()
+    try:
+        workers = [
+            agents(
+                "--segment",
+                segment_name,
+                "--config",
+                str(cfg),
+                "--gen",
+                f"handler-{g}.0",
+                "cycle",
+                "40",
+                "--hold-ms",
+                "5",
+                "--timeout",
+                "60",
+            )
+            for g in (1, 2)
+            for _ in range(3)
+        ]
+        for w in workers:
+            w.expect("done", timeout=120)
+            assert w.finish() == 0
+    finally:
+        stop.set()
+        observer.join()
+    assert samples > 50
+    assert peak == 3  # reached, never exceeded
+    p1 = provider_doc(segment_name)
+    assert p1["running"] == 0 and p1["waiting"] == 0
+
+
+def test_r_a2_thirty_two_wait_and_the_thirty_third_is_rejected_at_once(
+    sem_mode: str,
+    segment_name: str,
+    write_config: Callable[..., Path],
+    agents: Callable[..., Agent],
+) -> None:
+    cfg = _cfg(write_config, 1)
+    base = ("--segment", segment_name, "--config", str(cfg))
+    holder = agents(*base, "hold")
+    holder.expect("admitted")
+    waiters = [agents(*base, "--gen", f"g{i % 2}", "hold", "--threads", "8") for i in range(4)]
+    assert wait_until(lambda: provider_doc(segment_name)["waiting"] == 32, timeout=20)
+    extra = agents(*base, "hold", "--timeout", "30")
+    asked = time.monotonic()
+    extra.expect("queue_full", timeout=10)
+    assert time.monotonic() - asked < 10  # rejected, not queued for its 30 s timeout
+    p1 = provider_doc(segment_name)
+    assert p1["waiting"] == 32 and p1["queue_bound"] == 32
+    holder.send("release")
+    for w in waiters:
+        w.send("release")
+    for w in waiters:
+        for _ in range(8):
+            w.expect("released", timeout=30)
+    assert wait_until(lambda: provider_doc(segment_name)["waiting"] == 0)
+
+
+def test_r_a3_waiters_are_admitted_in_arrival_order_across_processes(
+    sem_mode: str,
+    segment_name: str,
+    write_config: Callable[..., Path],
+    agents: Callable[..., Agent],
+) -> None:
+    cfg = _cfg(write_config, 1)
+    base = ("--segment", segment_name, "--config", str(cfg))
+    holder = agents(*base, "hold")
+    holder.expect("admitted")
+    arrivals = []
+    for i in range(6):
+        a = agents(*base, "--gen", f"gen-{i % 3}", "hold", "--timeout", "60")
+        a.expect("started")
+        assert wait_until(lambda n=i + 1: provider_doc(segment_name)["waiting"] == n, timeout=15)
+        arrivals.append(a)
+    holder.send("release")
+    admitted_at = []
+    for a in arrivals:
+        ev = a.expect("admitted", timeout=30)
+        admitted_at.append(ev["t"])
+        a.send("release")  # hands the slot to the next one
+    assert admitted_at == sorted(admitted_at)
+
+
+def test_r_a5_sigkill_of_a_running_holder_lets_a_waiter_in_within_2s(
+    sem_mode: str,
+    segment_name: str,
+    write_config: Callable[..., Path],
+    agents: Callable[..., Agent],
+) -> None:
+    cfg = _cfg(write_config, 1)
+    base = ("--segment", segment_name, "--config", str(cfg))
+    holder = agents(*base, "hold")
+    holder.expect("admitted")
+    waiter = agents(*base, "hold", "--timeout", "30")
+    waiter.expect("started")
+    assert wait_until(lambda: provider_doc(segment_name)["waiting"] == 1)
+    holder.kill()
+    killed = time.time()
+    ev = waiter.expect("admitted", timeout=10)
+    assert ev["t"] - killed < 2.0, f"reclaimed after {ev['t'] - killed:.2f}s"  # R-A5 deadline
+    doc = run_cli("inspect", "--segment", segment_name, "--json")
+    assert f'"pid": {holder.pid}' not in doc.stdout  # its record is gone
+
+
+def test_r_a5_a_killed_waiter_leaves_the_queue_within_2s_and_is_never_counted(
+    sem_mode: str,
+    segment_name: str,
+    write_config: Callable[..., Path],
+    agents: Callable[..., Agent],
+) -> None:
+    cfg = _cfg(write_config, 1)
+    base = ("--segment", segment_name, "--config", str(cfg))
+    holder = agents(*base, "hold")
+    holder.expect("admitted")
+    doomed = agents(*base, "hold", "--threads", "3")
+    doomed.expect("started")
+    assert wait_until(lambda: provider_doc(segment_name)["waiting"] == 3)
+    doomed.kill()
+    # availability never counts a dead process's records, even before reclaim
+    assert provider_doc(segment_name)["waiting"] == 0
+    # and the holder's process (a live one holding a slot) reclaims them (R-A5)
+    view = None
+
+    def reclaimed() -> bool:
+        nonlocal view
+        view = read_view(segment_name)
+        p1 = view.provider("p1")
+        return p1 is not None and p1.stored_waiting == 0
+
+    killed = time.monotonic()
+    assert wait_until(reclaimed, timeout=5)
+    assert time.monotonic() - killed < 2.0
+    holder.send("release")
+    holder.expect("released")
+
+
+def test_r_a5_reclaim_is_pid_reuse_safe(
+    segment_name: str, write_config: Callable[..., Path]
+) -> None:
+    """A record naming a live pid with another start time is a dead process's record."""
+    import os
+
+    from shm_layout import ledger
+    from shm_layout.segment import Segment
+
+    seg = Segment.open(segment_name)
+    try:
+        with seg.lock:
+            p, _ = ledger.ensure_provider(seg.buf, "p1", 1, "provider", False)
+            now = time.time()
+            decision, ticket = ledger.arrive(seg.buf, p, os.getpid(), 12345.0, -1, now)
+            assert decision == "admit" and ticket is not None
+            reclaimed, _ = ledger.reap(seg.buf, now)
+        assert reclaimed == 1
+        assert read_view(segment_name).provider("p1").stored_running == 0  # type: ignore[union-attr]
+    finally:
+        seg.close()
+
+
+def test_r_a8_r_a9_r_g1_first_handler_creates_the_segment_with_static_limits(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    agents: Callable[..., Agent],
+) -> None:
+    cfg = write_config(
+        {
+            "maxConcurrent": 5,
+            "unknownTopLevel": {"kept": True},
+            "providers": [
+                {"id": "p1", "maxConcurrent": 2},
+                {"id": "gw", "someFutureField": 1},
+                {"id": "disc", "capacityDiscovery": True, "baseUrl": "http://127.0.0.1:9/v1"},
+            ],
+        }
+    )
+    a = agents("--segment", segment_name, "--config", str(cfg), "--gen", "handler-2.0", "hold")
+    a.expect("admitted")
+    doc = availability(segment_name)
+    limits = {p["id"]: (p["effective_limit"], p["source"]) for p in doc["providers"]}
+    assert limits == {"p1": (2, "provider"), "gw": (5, "gateway"), "disc": (5, "gateway")}
+    assert doc["sidecar"] is None
+    gens = [(g["generation"], g["pid"], g["layout"]) for g in doc["generations"]]
+    assert gens == [("handler-2.0", a.pid, "1.0")]
+    a.send("release")
+    a.expect("released")
+    assert a.finish() == 0
+    assert availability(segment_name)["generations"] == []  # deregistered on close
+
+
+def test_r_a1_stress_many_short_slots_from_8_processes_leave_nothing_behind(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    agents: Callable[..., Agent],
+) -> None:
+    cfg = _cfg(write_config, 3)
+    workers = [
+        agents("--segment", segment_name, "--config", str(cfg), "cycle", "150", "--timeout", "60")
+        for _ in range(8)
+    ]
+    for w in workers:
+        w.expect("done", timeout=180)
+        assert w.finish() == 0
+    doc = run_cli("inspect", "--segment", segment_name, "--json")
+    import json
+
+    inspected = json.loads(doc.stdout)
+    p1 = inspected["providers"][0]
+    assert (p1["running"], p1["waiting"], p1["stored_running"], p1["stored_waiting"]) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    assert inspected["holders"] == []
+    assert p1["counters"]["admitted_total"] == 8 * 150
+    assert p1["counters"]["peak_running"] <= 3

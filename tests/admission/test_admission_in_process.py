@@ -1,0 +1,263 @@
+"""Admission from one process: timeouts, cancellation, races, expiry (R-A1, R-A4, R-A7, R-L7).
+
+The segment and semaphores are real; so are the dispatcher threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from handler_shim import Admission, AdmissionTimeout, QueueFull, UnknownProvider
+from shm_layout import ledger, writer
+from shm_layout.view import read_view
+
+
+@pytest.fixture
+def adm(segment_name: str, write_config: Callable[..., Path]) -> Iterator[Admission]:
+    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
+    a = Admission.attach(config=cfg, generation="test", segment=segment_name)
+    yield a
+    a.close()
+
+
+def _p1(segment: str) -> tuple[int, int, int, int]:
+    p = read_view(segment).provider("p1")
+    assert p is not None
+    return p.running, p.waiting, p.stored_running, p.stored_waiting
+
+
+def test_r_a4_timeout_leaves_the_queue_exact(adm: Admission, segment_name: str) -> None:
+    with adm.slot_blocking("p1"), adm.slot_blocking("p1"):
+        started = time.monotonic()
+        with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=0.3):
+            pass
+        assert time.monotonic() - started >= 0.3
+        assert _p1(segment_name) == (2, 0, 2, 0)
+    assert _p1(segment_name) == (0, 0, 0, 0)
+    assert read_view(segment_name).provider("p1").counters["timeouts_total"] == 1  # type: ignore[union-attr]
+
+
+def test_r_a4_async_cancellation_leaves_nothing_behind(adm: Admission, segment_name: str) -> None:
+    async def scenario() -> None:
+        async with adm.slot("p1"), adm.slot("p1"):
+            waiting = [asyncio.create_task(_enter(adm)) for _ in range(5)]
+            await asyncio.sleep(0.2)
+            assert _p1(segment_name) == (2, 5, 2, 5)
+            for task in waiting:
+                task.cancel()
+            results = await asyncio.gather(*waiting, return_exceptions=True)
+            assert all(isinstance(r, asyncio.CancelledError) for r in results)
+            assert _p1(segment_name) == (2, 0, 2, 0)
+
+    asyncio.run(scenario())
+    assert _p1(segment_name) == (0, 0, 0, 0)
+
+
+async def _enter(adm: Admission) -> None:
+    async with adm.slot("p1"):
+        await asyncio.sleep(10)
+
+
+def test_r_a4_async_timeout_raises_admission_timeout(adm: Admission, segment_name: str) -> None:
+    async def scenario() -> None:
+        async with adm.slot("p1"), adm.slot("p1"):
+            with pytest.raises(AdmissionTimeout):
+                async with adm.slot("p1", timeout=0.2):
+                    pass
+            assert isinstance(AdmissionTimeout(), TimeoutError)
+
+    asyncio.run(scenario())
+    assert _p1(segment_name) == (0, 0, 0, 0)
+
+
+def test_r_a7_async_wait_does_not_block_the_event_loop(adm: Admission) -> None:
+    async def scenario() -> int:
+        ticks = 0
+
+        async def heartbeat() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        beat = asyncio.create_task(heartbeat())
+        async with adm.slot("p1"), adm.slot("p1"):
+            with pytest.raises(AdmissionTimeout):
+                async with adm.slot("p1", timeout=0.5):
+                    pass
+        beat.cancel()
+        return ticks
+
+    assert asyncio.run(scenario()) >= 20  # ~50 if the loop ran freely; 1 if it was blocked
+
+
+def test_r_a4_a_grant_that_races_with_a_cancel_is_handed_on(
+    adm: Admission, segment_name: str
+) -> None:
+    """Drive the race deterministically at the ledger: grant, then the cancel arrives."""
+    seg = adm._seg
+    me, start = os.getpid(), adm._start
+    with seg.lock:
+        now = time.time()
+        a = ledger.arrive(seg.buf, 0, me, start, -1, now)[1]
+        b = ledger.arrive(seg.buf, 0, me, start, -1, now)[1]
+        first = ledger.arrive(seg.buf, 0, me, start, -1, now)[1]
+        second = ledger.arrive(seg.buf, 0, me, start, -1, now)[1]
+        assert a and b and first and second
+        assert ledger.holder_state(seg.buf, first) == ledger.HOLDER_WAITING
+        ledger.leave(seg.buf, a, me, "released", now)  # grants `first`
+        assert ledger.holder_state(seg.buf, first) == ledger.HOLDER_RUNNING
+        was, _ = ledger.leave(seg.buf, first, me, "cancelled", now)  # its cancel lands late
+        assert was == "running"
+        assert ledger.holder_state(seg.buf, second) == ledger.HOLDER_RUNNING  # handed on
+        ledger.leave(seg.buf, b, me, "released", now)
+        ledger.leave(seg.buf, second, me, "released", now)
+    assert _p1(segment_name) == (0, 0, 0, 0)
+
+
+def test_double_release_and_foreign_release_are_harmless_and_logged(
+    adm: Admission, segment_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    seg = adm._seg
+    with seg.lock:
+        t = ledger.arrive(seg.buf, 0, os.getpid(), adm._start, -1, time.time())[1]
+    assert t is not None
+    with seg.lock:
+        assert ledger.leave(seg.buf, t, os.getpid() + 1, "released", time.time())[0] == "stale"
+    assert _p1(segment_name) == (1, 0, 1, 0)
+    caplog.set_level(logging.WARNING)
+    adm._release(t)
+    adm._release(t)
+    assert _p1(segment_name) == (0, 0, 0, 0)
+    assert "no longer holds" in caplog.text
+
+
+def test_r_a1_lowering_the_limit_never_cancels_running_work(
+    adm: Admission, segment_name: str
+) -> None:
+    seg = adm._seg
+    epoch = writer.take_epoch(seg, os.getpid(), adm._start, time.time(), 1.0, "test")
+    with adm.slot_blocking("p1"), adm.slot_blocking("p1"):
+        now = time.time()
+        writer.publish(
+            seg,
+            epoch,
+            1,
+            "ok",
+            [
+                writer.Publication(
+                    "p1",
+                    True,
+                    2,
+                    "provider",
+                    limit=0,
+                    reason="drained",
+                    observed_at=now,
+                    expires_at=now + 30,
+                )
+            ],
+            now,
+        )
+        p = read_view(segment_name).provider("p1")
+        assert p is not None and (p.effective_limit, p.running) == (0, 2)
+        with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=0.2):
+            pass
+
+
+def test_r_l7_r_a9_an_expired_limit_falls_back_without_any_sidecar(
+    adm: Admission, segment_name: str
+) -> None:
+    """A discovered 0 that expires lets waiters in on the stored fallback, on their own."""
+    seg = adm._seg
+    epoch = writer.take_epoch(seg, os.getpid(), adm._start, time.time(), 1.0, "test")
+    now = time.time()
+    writer.publish(
+        seg,
+        epoch,
+        1,
+        "ok",
+        [
+            writer.Publication(
+                "p1",
+                True,
+                2,
+                "provider",
+                limit=0,
+                reason="no slots",
+                observed_at=now - 28.8,
+                expires_at=now + 1.2,
+            )
+        ],
+        now,
+    )
+    assert read_view(segment_name).provider("p1").source == "discovered"  # type: ignore[union-attr]
+    started = time.monotonic()
+    with adm.slot_blocking("p1", timeout=10):
+        waited = time.monotonic() - started
+        p = read_view(segment_name).provider("p1")
+        assert p is not None and p.source == "provider" and "expired" in p.reason
+    assert 1.0 <= waited < 5.0
+
+
+def test_r_a2_queue_full_in_one_process(
+    segment_name: str, write_config: Callable[..., Path]
+) -> None:
+    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 1}]})
+    adm = Admission.attach(config=cfg, segment=segment_name)
+    release = threading.Event()
+    try:
+
+        def wait_one() -> None:
+            with adm.slot_blocking("p1", timeout=30):
+                release.wait()
+
+        with adm.slot_blocking("p1"):
+            threads = [threading.Thread(target=wait_one) for _ in range(32)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 10
+            while _p1(segment_name)[1] < 32 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            with pytest.raises(QueueFull), adm.slot_blocking("p1", timeout=30):
+                pass
+            release.set()
+        for t in threads:
+            t.join(timeout=30)
+        assert _p1(segment_name) == (0, 0, 0, 0)
+    finally:
+        release.set()
+        adm.close()
+
+
+def test_r_a7_a_waiting_process_wakes_at_most_10_times_a_second(adm: Admission) -> None:
+    with adm.slot_blocking("p1"), adm.slot_blocking("p1"):
+        before = adm.wakeups
+        with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=2.0):
+            pass
+        assert adm.wakeups - before <= 2.0 * 10 + 2  # the arrival's own post and the exit
+
+
+def test_unknown_provider_says_what_to_check(adm: Admission) -> None:
+    with pytest.raises(UnknownProvider) as info, adm.slot_blocking("nope"):
+        pass
+    assert "nope" in str(info.value) and "config" in str(info.value)
+
+
+def test_slots_held_at_close_are_released(
+    segment_name: str, write_config: Callable[..., Path]
+) -> None:
+    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
+    adm = Admission.attach(config=cfg, segment=segment_name)
+    cm = adm.slot_blocking("p1")
+    cm.__enter__()
+    adm.close()
+    assert _p1(segment_name) == (0, 0, 0, 0)
+    cm.__exit__(None, None, None)  # harmless after close
