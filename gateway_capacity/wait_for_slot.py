@@ -14,9 +14,9 @@ R-W5) samples ``{url}/upstream/{model}/metrics`` with one GET per sample
 Exit codes: 0 room; 1 no room with ``--check``, or gave up after
 ``--max-wait``; 2 a fatal answer or a usage error.
 
-The key is never taken from argv and never printed; messages about
-``--key-env``/``--key-file`` do not echo their values either, because a key
-pasted there by mistake would otherwise end up in a log.
+The key is never taken from argv and never printed; a message about
+``--key-env`` does not echo the name either, because a key pasted there by
+mistake would otherwise end up in a log.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import math
 import os
 import re
 import ssl
-import stat
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +41,8 @@ from gateway_capacity.common import add_target_options, fail, segment_from_args
 if TYPE_CHECKING:
     import httpx
 
+    from sidecar.credential import Secret
+
 RUNNING: Final = "vllm:num_requests_running"
 WAITING: Final = "vllm:num_requests_waiting"
 
@@ -51,7 +52,6 @@ DEFAULT_INTERVAL_S: Final = 5.0
 DEFAULT_MAX_WAIT_S: Final = 600.0
 DEFAULT_TIMEOUT_S: Final = 5.0  # the whole of one sample: connect, headers and body
 MAX_BODY_BYTES: Final = 4 * 1024 * 1024  # the text parser is slow on huge lines
-MAX_KEY_FILE_BYTES: Final = 64 * 1024
 
 EXIT_ROOM: Final = 0
 EXIT_NO_ROOM: Final = 1
@@ -214,94 +214,37 @@ def describe(last: Sample, need: int) -> str:
 
 
 # --------------------------------------------------------------------------- the key
-
-
-class Secret:
-    """A key that does not show itself in reprs, tracebacks or f-strings."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: str) -> None:
-        self._value = value
-
-    def reveal(self) -> str:
-        return self._value
-
-    def __repr__(self) -> str:
-        return "Secret('***')"
-
-    __str__ = __repr__
-
-
-class KeyUnusable(Exception):
-    """The key cannot be used. The message never contains the key, the env name or the path."""
-
-
-def _clean_key(raw: bytes, source: str) -> Secret:
-    """Trailing CR/LF/space/tab trimmed (a key file written on Windows works); one token only."""
-    value = raw.rstrip(b"\r\n \t")
-    if not value:
-        raise KeyUnusable(f"{source} is empty")
-    # A bearer token is visible ASCII; anything else cannot go into a header as is.
-    if any(byte < 0x21 or byte > 0x7E for byte in value):
-        raise KeyUnusable(
-            f"{source} holds more than one line, spaces or non-ASCII characters; "
-            "it must hold the key alone"
-        )
-    return Secret(value.decode("ascii"))
+# The key file follows the probe's rules (sidecar/credential.py, R-P7): a regular
+# file, not a symlink, mode 600 or stricter, trailing CR/LF/space trimmed.
 
 
 def key_from_env(name: str) -> Secret:
+    """The key in environment variable ``name``, trimmed and checked like a key file."""
+    from sidecar.credential import CredentialError, Secret
+
     if not _ENV_NAME.match(name):
-        raise KeyUnusable("--key-env takes the NAME of an environment variable, not a key")
+        raise CredentialError("--key-env takes the NAME of an environment variable, not a key")
     value = os.environ.get(name)
     if value is None:
-        raise KeyUnusable("the environment variable named by --key-env is not set")
-    return _clean_key(
-        value.encode("utf-8", "surrogateescape"), "the environment variable named by --key-env"
-    )
-
-
-def key_from_file(path: str) -> tuple[Secret, str | None]:
-    """The key and, when the file is readable by group or others, a warning (R-P7 hygiene).
-
-    Opened non-blocking so a FIFO cannot hang us; only a regular file is read.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise KeyUnusable("--key-file: no such file") from None
-    except PermissionError:
-        raise KeyUnusable("--key-file: permission denied") from None
-    except OSError as exc:
-        raise KeyUnusable(f"--key-file: cannot be opened ({exc.strerror})") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise KeyUnusable("--key-file is not a regular file")
-        if info.st_size > MAX_KEY_FILE_BYTES:
-            raise KeyUnusable(f"--key-file is larger than {MAX_KEY_FILE_BYTES} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        while size <= MAX_KEY_FILE_BYTES:
-            chunk = os.read(fd, MAX_KEY_FILE_BYTES + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > MAX_KEY_FILE_BYTES:
-            raise KeyUnusable(f"--key-file is larger than {MAX_KEY_FILE_BYTES} bytes")
-    except OSError as exc:
-        raise KeyUnusable(f"--key-file: cannot be read ({exc.strerror})") from None
-    finally:
-        os.close(fd)
-    warning = None
-    if info.st_mode & 0o044:
-        warning = (
-            f"warning: --key-file is readable by group or others "
-            f"(mode {stat.S_IMODE(info.st_mode):04o}); chmod 600 it"
+        raise CredentialError("the environment variable named by --key-env is not set")
+    key = value.encode("utf-8", "surrogateescape").rstrip(b"\r\n ")
+    if not key:
+        raise CredentialError("the environment variable named by --key-env is empty")
+    if any(byte < 0x21 or byte > 0x7E for byte in key):
+        raise CredentialError(
+            "the environment variable named by --key-env contains whitespace, a control "
+            "character or non-ASCII inside the key"
         )
-    return _clean_key(b"".join(chunks), "--key-file"), warning
+    return Secret(key.decode("ascii"))
+
+
+def key_from_file(path: str) -> Secret:
+    """The key in ``path`` (or ``systemd-credential:NAME``), read by the probe's reader."""
+    from sidecar.credential import SYSTEMD_PREFIX, read_credential
+
+    if not path.startswith(SYSTEMD_PREFIX):
+        path = os.path.abspath(path)
+    return read_credential(path)
 
 
 # --------------------------------------------------------------------------- metrics mode
@@ -346,11 +289,19 @@ class MetricsSampler:
         timeout: float = DEFAULT_TIMEOUT_S,
         ca_file: str | None = None,
     ) -> None:
+        import httpx
+
         self.url = url
         self.limit = limit
         self._key = key
         self.timeout = timeout
-        self._ca_file = ca_file
+        # Built once: loading a CA bundle takes longer than a loopback sample, and
+        # must not eat into the sample's deadline.
+        self._verify: ssl.SSLContext = (
+            ssl.create_default_context(cafile=ca_file)
+            if ca_file is not None
+            else httpx.create_ssl_context(trust_env=False)
+        )
 
     def __call__(self) -> Sample:
         return asyncio.run(self.sample())
@@ -366,9 +317,6 @@ class MetricsSampler:
         }
         if self._key is not None:
             headers["Authorization"] = f"Bearer {self._key.reveal()}"
-        verify: ssl.SSLContext | bool = True
-        if self._ca_file is not None:
-            verify = ssl.create_default_context(cafile=self._ca_file)
         try:
             async with (
                 asyncio.timeout(self.timeout),
@@ -376,7 +324,7 @@ class MetricsSampler:
                     follow_redirects=False,
                     trust_env=False,
                     timeout=httpx.Timeout(self.timeout),
-                    verify=verify,
+                    verify=self._verify,
                 ) as client,
                 client.stream("GET", self.url, headers=headers) as response,
             ):
@@ -534,7 +482,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     metrics.add_argument(
         "--key-file",
         metavar="PATH",
-        help="read the bearer key from PATH (trailing CR/LF tolerated; keep it mode 600)",
+        help="read the bearer key from PATH: a regular file, mode 600, trailing CR/LF tolerated",
     )
     # A key in argv is readable by every user of the host: refuse it, loudly.
     metrics.add_argument(
@@ -606,15 +554,15 @@ def _metrics_sampler(args: argparse.Namespace) -> MetricsSampler:
         fail(str(exc), code=EXIT_FATAL)
     if args.ca_file is not None and not os.path.isfile(args.ca_file):
         fail("--ca-file is not a readable file", code=EXIT_FATAL)
+    from sidecar.credential import CredentialError
+
     key = None
     try:
         if args.key_env is not None:
             key = key_from_env(args.key_env)
         elif args.key_file is not None:
-            key, warning = key_from_file(args.key_file)
-            if warning is not None:
-                print(f"gateway-capacity: {warning}", file=sys.stderr)
-    except KeyUnusable as exc:
+            key = key_from_file(args.key_file)
+    except CredentialError as exc:
         fail(str(exc), code=EXIT_FATAL)
     limit = DEFAULT_LIMIT if args.limit is None else args.limit
     return MetricsSampler(url, limit=limit, key=key, timeout=args.timeout, ca_file=args.ca_file)
