@@ -14,7 +14,9 @@ import json
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 
 @dataclass
@@ -123,3 +125,55 @@ def snapshot(
 
 def body_of(doc: Any) -> bytes:
     return json.dumps(doc).encode()
+
+
+class FakeLocalAPI:
+    """Answers ``GET /localapi/v0/whois?addr=IP`` like tailscaled: 200 + JSON for peers,
+    404 otherwise, 403 for a wrong Host header."""
+
+    def __init__(self, path: Path, peers: dict[str, str], status: int | None = None) -> None:
+        self.path = path
+        self.peers = peers
+        self.status = status
+        self.requests: list[tuple[str, str]] = []  # (target, host header)
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> FakeLocalAPI:
+        self._server = await asyncio.start_unix_server(self._serve, str(self.path))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        target = head[0].split(" ")[1]
+        headers = {
+            k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:] if h)
+        }
+        host = headers.get("host", "")
+        self.requests.append((target, host))
+        url = urlsplit(target)
+        addr = parse_qs(url.query).get("addr", [""])[0]
+        if host not in ("", "local-tailscaled.sock"):
+            status, body = 403, b"invalid localapi request\n"
+        elif self.status is not None:
+            status, body = self.status, b"denied\n"
+        elif url.path != "/localapi/v0/whois":
+            status, body = 404, b"404 page not found\n"
+        elif addr in self.peers:
+            status = 200
+            body = json.dumps(
+                {
+                    "Node": {"Name": self.peers[addr] + ".", "Addresses": [addr + "/32"]},
+                    "UserProfile": {"LoginName": "ops@example.com"},
+                }
+            ).encode()
+        else:
+            status, body = 404, f"no match for IP:port {addr}\n".encode()
+        status_head = f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n"
+        status_head += "Connection: close\r\n\r\n"
+        writer.write(status_head.encode() + body)
+        await writer.drain()
+        writer.close()

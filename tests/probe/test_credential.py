@@ -1,0 +1,149 @@
+"""The key reader (R-P7): what a credential file may look like, and that the key never shows."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+from sidecar.credential import CredentialError, Secret, read_credential
+
+KEY = "sk-cred-4f9a0c2b7e1d"
+
+
+def write_key(path: Path, data: bytes, mode: int = 0o600) -> str:
+    path.write_bytes(data)
+    path.chmod(mode)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        KEY.encode(),
+        KEY.encode() + b"\n",
+        KEY.encode() + b"\r\n",
+        KEY.encode() + b"  \r\n",
+        KEY.encode() + b"\n\n",
+    ],
+)
+def test_r_p7_trailing_cr_lf_and_spaces_are_trimmed(tmp_path: Path, data: bytes) -> None:
+    assert read_credential(write_key(tmp_path / "k", data)).reveal() == KEY
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"", "empty"),
+        (b"\r\n", "empty"),
+        (b"   \n", "empty"),
+        (b"sk-cred part2\n", "whitespace"),
+        (b" " + KEY.encode(), "whitespace"),
+        (b"sk-cred\tpart2", "whitespace"),
+        (b"sk-cred\npart2\n", "whitespace"),
+        (b"sk-cred\x00part2", "control"),
+        ("sk-cr\u00e9d".encode(), "non-ASCII"),
+        (b"k" * 4097, "larger than 4096"),
+    ],
+)
+def test_r_p7_bad_key_contents_are_refused_without_showing_them(
+    tmp_path: Path, data: bytes, match: str
+) -> None:
+    with pytest.raises(CredentialError, match=match) as info:
+        read_credential(write_key(tmp_path / "k", data))
+    message = str(info.value)
+    assert "sk-cred" not in message and "part2" not in message
+
+
+def test_r_p7_key_of_exactly_4096_bytes_is_accepted(tmp_path: Path) -> None:
+    assert len(read_credential(write_key(tmp_path / "k", b"k" * 4096)).reveal()) == 4096
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o644, 0o660, 0o610])
+def test_r_p7_file_accessible_to_group_or_others_is_refused_like_openssh(
+    tmp_path: Path, mode: int
+) -> None:
+    path = write_key(tmp_path / "k", KEY.encode(), mode)
+    with pytest.raises(CredentialError, match=f"mode 0{mode:o}.*chmod 600"):
+        read_credential(path)
+
+
+def test_r_p7_owner_only_read_is_accepted(tmp_path: Path) -> None:
+    assert read_credential(write_key(tmp_path / "k", KEY.encode(), 0o400)).reveal() == KEY
+
+
+def test_r_p7_symlink_is_refused_even_to_a_good_file(tmp_path: Path) -> None:
+    target = write_key(tmp_path / "real.key", KEY.encode())
+    link = tmp_path / "link.key"
+    link.symlink_to(target)
+    with pytest.raises(CredentialError, match="symlink"):
+        read_credential(str(link))
+
+
+def test_r_p7_directory_is_not_a_regular_file(tmp_path: Path) -> None:
+    d = tmp_path / "keydir"
+    d.mkdir(mode=0o700)
+    with pytest.raises(CredentialError, match="not a regular file"):
+        read_credential(str(d))
+
+
+def test_r_p7_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "key.fifo"
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(CredentialError, match="not a regular file"):
+        read_credential(str(fifo))  # a blocking open would hang here (no writer)
+
+
+def test_r_p7_missing_file_says_so(tmp_path: Path) -> None:
+    with pytest.raises(CredentialError, match="cannot be opened: No such file"):
+        read_credential(str(tmp_path / "absent.key"))
+
+
+def test_r_p7_relative_path_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CredentialError, match="absolute path"):
+        read_credential("provider.key")
+
+
+def test_r_p7_systemd_credential_is_read_from_credentials_directory(tmp_path: Path) -> None:
+    creds = tmp_path / "creds"
+    creds.mkdir(mode=0o700)
+    write_key(creds / "local-inference.key", KEY.encode() + b"\n", 0o400)
+    secret = read_credential(
+        "systemd-credential:local-inference.key", credentials_directory=str(creds)
+    )
+    assert secret.reveal() == KEY
+
+
+def test_r_p7_systemd_credential_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_key(tmp_path / "router", KEY.encode())
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+    assert read_credential("systemd-credential:router").reveal() == KEY
+
+
+def test_r_p7_systemd_credential_without_directory_is_explained(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    with pytest.raises(CredentialError, match=r"\$CREDENTIALS_DIRECTORY"):
+        read_credential("systemd-credential:router")
+
+
+@pytest.mark.parametrize("name", ["", "../etc/shadow", "a/b", ".."])
+def test_r_p7_systemd_credential_name_is_one_component(tmp_path: Path, name: str) -> None:
+    with pytest.raises(CredentialError, match="one path component"):
+        read_credential(f"systemd-credential:{name}", credentials_directory=str(tmp_path))
+
+
+def test_r_p7_secret_never_shows_the_key() -> None:
+    secret = Secret(KEY)
+    percent = "%s %r" % (secret, secret)  # noqa: UP031 (how logging formats)
+    shown = [repr(secret), str(secret), f"{secret}", f"{secret!r}", percent, repr([secret])]
+    assert all(KEY not in text for text in shown)
+    assert repr(secret) == "Secret(****)"
+    assert secret.reveal() == KEY
+    with pytest.raises(TypeError):
+        pickle.dumps(secret)
