@@ -1,0 +1,68 @@
+"""``gateway-capacity sidecar``: run the capacity sidecar in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "sidecar",
+        help="probe opted-in providers and publish their limits into the segment",
+        description="Polls GET {baseUrl}/capacity of every opted-in provider, publishes the "
+        "effective limits with a heartbeat, reaps dead holders, follows config changes. "
+        "Never writes the config file. SIGTERM/SIGINT stop it; the segment stays.",
+    )
+    p.add_argument("--config", metavar="PATH", required=True, help="the gateway's JSON config")
+    p.add_argument("--segment", metavar="NAME", help="segment name (default: from --config)")
+    p.add_argument(
+        "--refresh", type=float, default=15.0, metavar="S", help="probe period (default 15)"
+    )
+    p.add_argument(
+        "--await-legacy",
+        action="append",
+        default=[],
+        metavar="PID|PIDFILE",
+        help="an older handler that cannot share counters: opted-in providers admit nothing "
+        "new until it exits (repeatable)",
+    )
+    p.add_argument(
+        "--parent-pid", type=int, metavar="PID", help="exit when this process exits (macOS child)"
+    )
+    p.add_argument(
+        "--group-shared",
+        action="store_true",
+        help="create the segment and semaphores 0660 (group) instead of 0600",
+    )
+    p.add_argument(
+        "--metrics-listen", metavar="HOST:PORT", help="serve Prometheus metrics (off by default)"
+    )
+    p.add_argument("--log-format", choices=("text", "json"), default="text")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument(
+        "--tailscale-socket", metavar="PATH", help="tailscaled LocalAPI socket (for whois)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sidecar.daemon import Options, main, setup_logging
+
+    setup_logging(args.log_format, args.log_level)
+    if args.refresh <= 0:
+        import logging
+
+        logging.getLogger("gateway_capacity.sidecar").error("--refresh must be positive")
+        return 2
+    return main(
+        Options(
+            config_path=args.config,
+            refresh_s=args.refresh,
+            segment=args.segment,
+            await_legacy=args.await_legacy,
+            parent_pid=args.parent_pid,
+            group_shared=args.group_shared,
+            tailscale_socket=args.tailscale_socket,
+            metrics_listen=args.metrics_listen,
+        )
+    )

@@ -1,0 +1,453 @@
+"""The sidecar: probe, decide, publish; reap; follow the config; step aside when fenced.
+
+This module only does I/O and timing. What the limit *is* comes from
+``sidecar.limits.decide`` (pure), what a probe found from ``sidecar.probe``,
+and every byte written to the segment goes through ``shm_layout.writer``,
+which refuses a superseded writer under the segment lock (R-G4).
+
+Tasks, all on one asyncio loop:
+
+* one probe loop per provider with discovery, so a slow provider never
+  delays another (R-P8); each probes at start, every ``refresh_s`` and at
+  once when the config changes (R-P9), then publishes;
+* housekeeping every ``TICK_S``: heartbeat and reaping of dead holders
+  (R-A5), legacy processes (R-G3), the parent (``--parent-pid``), the config
+  file (R-C3, R-C4) and the systemd watchdog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shm_layout import layout, writer
+from shm_layout.liveness import is_alive, my_identity, process_start
+from shm_layout.names import resolve_segment_name
+from shm_layout.segment import Segment
+from sidecar import sdnotify
+from sidecar.config import ConfigError, GatewayConfig, ProviderConfig, load_config
+from sidecar.limits import LimitDecision, ProviderRules, decide, rules_from_config
+from sidecar.replica import ProviderProbe
+
+log = logging.getLogger("gateway_capacity.sidecar")
+
+TICK_S = 0.5  # housekeeping period: reap at least once a second (R-A5)
+CONFIG_POLL_S = 1.0
+
+
+@dataclass
+class Options:
+    config_path: str
+    refresh_s: float = 15.0
+    segment: str | None = None
+    await_legacy: Sequence[str] = ()
+    parent_pid: int | None = None
+    group_shared: bool = False
+    tailscale_socket: str | None = None
+    metrics_listen: str | None = None
+
+
+@dataclass
+class _Legacy:
+    label: str
+    pid: int
+    start: float
+
+
+@dataclass
+class _ProviderState:
+    rules: ProviderRules
+    config: ProviderConfig
+    probe: ProviderProbe | None = None
+    decision: LimitDecision | None = None
+    logged: tuple[Any, ...] = ()
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class StartupError(Exception):
+    """Exit 2: the sidecar cannot start (config unreadable, bad option)."""
+
+
+def parse_legacy(specs: Sequence[str]) -> list[_Legacy]:
+    """``--await-legacy PID|PIDFILE``: the processes to wait for, by pid and start time."""
+    out = []
+    for spec in specs:
+        if spec.isdigit():
+            pid = int(spec)
+        else:
+            try:
+                with open(spec, encoding="ascii") as f:
+                    text = f.read().strip()
+            except OSError as exc:
+                raise StartupError(f"--await-legacy {spec}: cannot read pidfile: {exc}") from None
+            if not text.isdigit():
+                raise StartupError(f"--await-legacy {spec}: pidfile does not hold a pid")
+            pid = int(text)
+        start = process_start(pid)
+        if start is None:
+            log.info("legacy process %s (pid %d) is not running; not waiting for it", spec, pid)
+            continue
+        out.append(_Legacy(spec, pid, start))
+    return out
+
+
+class Sidecar:
+    def __init__(self, options: Options) -> None:
+        self.opts = options
+        try:
+            self.config = load_config(options.config_path)
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from None
+        self.config_stamp = _stamp(options.config_path)
+        self.config_status = "ok"
+        self.legacy = parse_legacy(options.await_legacy)
+        self.segment_name = resolve_segment_name(options.segment, options.config_path)
+        self.seg = Segment.open(self.segment_name, create=True, group_shared=options.group_shared)
+        self.pid, self.start = my_identity()
+        self.providers: dict[str, _ProviderState] = {}
+        self.generation = 0
+        self.epoch = 0
+        self.retired = False
+        self.stop = asyncio.Event()
+        self.exit_code = 0
+        self._watchdog = sdnotify.Watchdog.from_env()
+        self._metrics_server: Any = None
+
+    # --- life cycle ---------------------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        self.epoch = writer.take_epoch(
+            self.seg,
+            self.pid,
+            self.start,
+            time.time(),
+            self.opts.refresh_s,
+            os.path.abspath(self.opts.config_path),
+        )
+        self.generation = self._header("config_generation") + 1
+        log.info(
+            "sidecar started: segment %s, writer epoch %d, refresh %gs, config %s",
+            self.segment_name,
+            self.epoch,
+            self.opts.refresh_s,
+            self.opts.config_path,
+        )
+        for legacy in self.legacy:
+            log.info("waiting for legacy process %s (pid %d) to exit", legacy.label, legacy.pid)
+        self._apply_config(self.config)
+        self._publish()
+        if self.opts.metrics_listen:
+            self._start_metrics(self.opts.metrics_listen)
+        sdnotify.ready()
+        housekeeping = asyncio.create_task(self._housekeeping())
+        await self.stop.wait()
+        housekeeping.cancel()
+        for state in self.providers.values():
+            if state.task is not None:
+                state.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await housekeeping
+        for state in self.providers.values():
+            if state.task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await state.task
+        if not self.retired:
+            writer.set_state(self.seg, self.epoch, layout.SIDECAR_STOPPED)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        self.seg.close()
+        return self.exit_code
+
+    def _on_signal(self, sig: int) -> None:
+        log.info(
+            "received %s: stopping; the segment stays for the handlers", signal.Signals(sig).name
+        )
+        sdnotify.stopping()
+        self.stop.set()
+
+    def _retire(self, exc: writer.Superseded) -> None:
+        if not self.retired:
+            self.retired = True
+            log.warning(
+                "superseded: writer epoch %d was taken over by epoch %d; "
+                "stopping without writing anything more",
+                exc.mine,
+                exc.current,
+            )
+            self.stop.set()
+
+    def _header(self, name: str) -> int:
+        value: int = layout.H[name].get(self.seg.buf)
+        return value
+
+    # --- config ---------------------------------------------------------------------------
+    def _apply_config(self, config: GatewayConfig) -> None:
+        """Adopt ``config``: new rules at once (R-C4), probe loops for discovery providers."""
+        self.config = config
+        for reason in config.skipped:
+            log.warning("config: skipped a provider entry: %s", reason)
+        wanted = {r.provider_id: r for r in rules_from_config(config)}
+        for pid in list(self.providers):
+            if pid not in wanted:
+                gone = self.providers.pop(pid)
+                if gone.task is not None:
+                    gone.task.cancel()
+                log.info("provider %s: removed from the config", pid)
+        for pid, rules in wanted.items():
+            provider = config.provider(pid)
+            assert provider is not None
+            state = self.providers.get(pid)
+            if state is None:
+                state = self.providers[pid] = _ProviderState(rules, provider)
+            else:
+                if state.rules.discovery_active and not rules.discovery_active:
+                    state.probe = None  # R-C4: static at once, nothing stale kept
+                state.rules, state.config = rules, provider
+            state.decision = decide(
+                rules, state.probe, state.decision, time.time(), legacy_draining=self._draining()
+            )
+            self._log_decision(state)
+            if rules.discovery_active:
+                if state.task is None or state.task.done():
+                    state.task = asyncio.create_task(self._probe_loop(pid))
+                else:
+                    state.wake.set()  # probe again now with the new entry (R-P9)
+            elif state.task is not None:
+                state.task.cancel()
+                state.task = None
+
+    def _check_config(self) -> None:
+        stamp = _stamp(self.opts.config_path)
+        if stamp == self.config_stamp:
+            return
+        self.config_stamp = stamp
+        try:
+            config = load_config(self.opts.config_path)
+        except ConfigError as exc:
+            status = f"broken edit ignored ({exc}); keeping the last good config"
+            if status != self.config_status:
+                log.error("config: %s", status)
+                self.config_status = status[: layout.REASON_BYTES]
+                self._publish()
+            return
+        log.info("config: change picked up")
+        self.generation += 1
+        self.config_status = "ok"
+        self._apply_config(config)
+        self._publish()
+
+    # --- probing and publishing -------------------------------------------------------------
+    async def _probe_loop(self, provider_id: str) -> None:
+        from sidecar.probe import probe_provider  # httpx only in the daemon
+
+        while not self.stop.is_set():
+            state = self.providers.get(provider_id)
+            if state is None or not state.rules.discovery_active:
+                return
+            state.wake.clear()
+            probe = await probe_provider(state.config, tailscale_socket=self.opts.tailscale_socket)
+            if self.providers.get(provider_id) is not state or not state.rules.discovery_active:
+                return  # removed or turned off while probing: that answer is not wanted
+            state.probe = probe
+            state.decision = decide(
+                state.rules, probe, state.decision, time.time(), legacy_draining=self._draining()
+            )
+            self._log_decision(state)
+            self._publish()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(state.wake.wait(), self.opts.refresh_s)
+
+    def _draining(self) -> bool:
+        return bool(self.legacy)
+
+    def _redecide_all(self) -> None:
+        now = time.time()
+        for state in self.providers.values():
+            state.decision = decide(
+                state.rules, state.probe, state.decision, now, legacy_draining=self._draining()
+            )
+            self._log_decision(state)
+
+    def _publish(self) -> None:
+        if self.retired:
+            return
+        now = time.time()
+        pubs = []
+        for pid, state in self.providers.items():
+            fallback, fallback_source = _fallback(state.decision, state.rules)
+            pubs.append(_publication(pid, state, fallback, fallback_source))
+        try:
+            warnings = writer.publish(
+                self.seg, self.epoch, self.generation, self.config_status, pubs, now
+            )
+        except writer.Superseded as exc:
+            self._retire(exc)
+            return
+        for w in warnings:
+            log.warning("%s", w)
+
+    def _log_decision(self, state: _ProviderState) -> None:
+        d = state.decision
+        if d is None:
+            return
+        key = (d.effective_limit, d.source, d.reason)
+        if key == state.logged:
+            return  # R-P9: a repeated state is logged once per change
+        state.logged = key
+        log.info(
+            "provider %s: limit %d (%s): %s",
+            d.provider_id,
+            d.effective_limit,
+            d.source,
+            d.reason,
+            extra={"provider": d.provider_id, "limit": d.effective_limit, "source": d.source},
+        )
+
+    # --- housekeeping ------------------------------------------------------------------------
+    async def _housekeeping(self) -> None:
+        last_config = 0.0
+        while True:
+            now = time.time()
+            legacy_before = len(self.legacy)
+            self.legacy = [x for x in self.legacy if is_alive(x.pid, x.start)]
+            if legacy_before and not self.legacy:
+                log.info("legacy generation exited: the discovered budget applies now")
+                self._redecide_all()
+                self._publish()
+            try:
+                reclaimed = writer.heartbeat(self.seg, self.epoch, now, len(self.legacy))
+            except writer.Superseded as exc:
+                self._retire(exc)
+                return
+            if reclaimed:
+                log.warning("reclaimed %d slot(s) held by dead processes", reclaimed)
+            if self.opts.parent_pid is not None and not _pid_alive(self.opts.parent_pid):
+                log.info("parent process %d exited: stopping", self.opts.parent_pid)
+                self.stop.set()
+                return
+            if time.monotonic() - last_config >= CONFIG_POLL_S:
+                last_config = time.monotonic()
+                self._check_config()
+            self._watchdog.maybe_ping(time.monotonic())
+            await asyncio.sleep(TICK_S)
+
+    # --- metrics (off by default) ------------------------------------------------------
+    def _start_metrics(self, listen: str) -> None:
+        from sidecar.metrics import serve_metrics
+
+        host, _, port = listen.rpartition(":")
+        self._metrics_server = serve_metrics(
+            host.strip("[]") or "127.0.0.1", int(port), self.segment_name
+        )
+        log.info("metrics on http://%s/metrics", listen)
+
+
+def _fallback(decision: LimitDecision | None, rules: ProviderRules) -> tuple[int, str]:
+    if decision is not None:
+        return decision.fallback_limit, decision.fallback_source
+    from sidecar.limits import fallback_for
+
+    return fallback_for(rules.provider_max, rules.gateway_max)
+
+
+def _publication(
+    provider_id: str, state: _ProviderState, fallback: int, fallback_source: str
+) -> writer.Publication:
+    d = state.decision
+    discovery = state.config.capacity_discovery
+    if d is None:
+        return writer.Publication(provider_id, discovery, fallback, fallback_source)
+    replicas = [
+        writer.ReplicaRecord(
+            address=r.address,
+            ok=r.ok,
+            complete=r.complete,
+            value=r.value,
+            reason=(f"{r.reason}: {r.detail}" if r.detail else r.reason),
+            observed_at=r.observed_at,
+        )
+        for r in d.replicas
+    ]
+    enforced = d.source in ("discovered", "legacy_drain") and d.expires_at is not None
+    return writer.Publication(
+        provider_id=provider_id,
+        discovery=discovery,
+        fallback=fallback,
+        fallback_source=fallback_source,
+        limit=d.effective_limit if enforced else None,
+        source=d.source,
+        reason=d.reason,
+        discovered=d.discovered,
+        observed_at=d.observed_at,
+        expires_at=d.expires_at if enforced else None,
+        replicas=replicas,
+    )
+
+
+def _stamp(path: str) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return process_start(pid) is not None
+
+
+# --- logging -----------------------------------------------------------------------------------
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "msg": record.getMessage(),
+        }
+        for key in ("provider", "limit", "source"):
+            if hasattr(record, key):
+                doc[key] = getattr(record, key)
+        return json.dumps(doc)
+
+
+def setup_logging(fmt: str, level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for noisy in ("httpx", "httpcore"):  # they log URLs and headers (R-P7)
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(options: Options) -> int:
+    from shm_layout.names import BadSegmentName
+    from shm_layout.segment import SegmentError
+
+    try:
+        sidecar = Sidecar(options)
+    except (StartupError, SegmentError, BadSegmentName) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    return asyncio.run(sidecar.run())
