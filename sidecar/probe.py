@@ -124,17 +124,52 @@ async def probe_provider(
     return ProviderProbe(provider.id, tuple(results))
 
 
-def probe_provider_sync(provider: ProviderConfig, **kwargs: object) -> ProviderProbe:
+def probe_provider_sync(
+    provider: ProviderConfig,
+    *,
+    now_fn: Callable[[], float] = time.time,
+    deadline_s: float = DEADLINE_S,
+    tailscale_socket: str | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    credentials_directory: str | None = None,
+) -> ProviderProbe:
     """:func:`probe_provider` from synchronous code (e.g. ``gateway-capacity verify``)."""
-    return asyncio.run(probe_provider(provider, **kwargs))  # type: ignore[arg-type]
+    return asyncio.run(
+        probe_provider(
+            provider,
+            now_fn=now_fn,
+            deadline_s=deadline_s,
+            tailscale_socket=tailscale_socket,
+            ssl_context=ssl_context,
+            credentials_directory=credentials_directory,
+        )
+    )
 
 
 async def probe_providers(
-    providers: Iterable[ProviderConfig], **kwargs: object
+    providers: Iterable[ProviderConfig],
+    *,
+    now_fn: Callable[[], float] = time.time,
+    deadline_s: float = DEADLINE_S,
+    tailscale_socket: str | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    credentials_directory: str | None = None,
 ) -> Mapping[str, ProviderProbe]:
-    """Probe several providers concurrently and independently (R-P8)."""
+    """Probe several providers concurrently and independently (R-P8), by provider id."""
     todo = list(providers)
-    probes = await asyncio.gather(*(probe_provider(p, **kwargs) for p in todo))  # type: ignore[arg-type]
+    probes = await asyncio.gather(
+        *(
+            probe_provider(
+                p,
+                now_fn=now_fn,
+                deadline_s=deadline_s,
+                tailscale_socket=tailscale_socket,
+                ssl_context=ssl_context,
+                credentials_directory=credentials_directory,
+            )
+            for p in todo
+        )
+    )
     return {p.id: probe for p, probe in zip(todo, probes, strict=True)}
 
 

@@ -17,7 +17,7 @@ import pytest
 from probe_servers import RawServer, Request, body_of, fixed, response, snapshot
 
 from sidecar.config import ProviderConfig
-from sidecar.probe import MAX_BODY_BYTES, probe_provider, probe_providers
+from sidecar.probe import MAX_BODY_BYTES, probe_provider, probe_provider_sync, probe_providers
 from sidecar.replica import ProviderProbe, ReplicaResult
 
 NOW = 1_800_000_000.25
@@ -517,3 +517,17 @@ def test_json_dump_of_results_is_possible_for_the_cli(
 ) -> None:
     replica, _ = probe_with(fixed(200, body_of(snapshot(NOW))), make_provider, no_tailscaled)
     assert json.loads(json.dumps({"reason": replica.reason, "models": replica.models}))
+
+
+def test_sync_wrapper_probes_from_plain_code(
+    make_provider: MakeProvider, no_tailscaled: str
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = probe_provider_sync(
+        make_provider(f"http://127.0.0.1:{port}/v1"), tailscale_socket=no_tailscaled
+    )
+    assert [r.reason for r in result.replicas] == ["unreachable"]
+    refused = probe_provider_sync(make_provider("http://api.example.com/v1"))
+    assert refused.refused is not None and refused.refused.startswith("opt_in_refused:")
