@@ -1,0 +1,94 @@
+"""Helpers for the capacity router tests (imported by conftest and the tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from capacity_router import RouterServer
+
+KEY = "router-test-key-5f2c9a"
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
+    """Poll until ``predicate()`` is truthy; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+def write_registry(path: Path, workers: list[dict[str, Any]]) -> None:
+    """Replace the registry atomically (what a careful operator's editor does)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"workers": workers}))
+    os.replace(tmp, path)
+
+
+def worker(
+    worker_id: str, urls: list[str], models: list[str], slots: Any = None, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "id": worker_id,
+        "urls": urls,
+        "models": models,
+        "slots": slots if slots is not None else {"source": "props"},
+        **extra,
+    }
+
+
+def get_capacity(router: RouterServer, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.get(f"{router.url}/v1/capacity", headers=headers, trust_env=False)
+
+
+def rows(snapshot: Any) -> dict[str, int]:
+    return {m.id: m.max_concurrent_requests for m in snapshot.models}
+
+
+class ScriptedServer:
+    """Answers each path with a scripted (status, headers, body); 404 otherwise."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                status, headers, body = outer.routes.get(self.path, (404, {}, b"not found"))
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self._thread.start()
+
+    def route(self, path: str, status: int, body: bytes | str = b"", **headers: str) -> None:
+        self.routes[path] = (status, headers, body.encode() if isinstance(body, str) else body)
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

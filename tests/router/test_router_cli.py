@@ -1,0 +1,219 @@
+"""``gateway-capacity router`` as an operator runs it: real processes, real HTTP (R-K5, R-P7)."""
+
+from __future__ import annotations
+
+import json
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from router_support import KEY, worker, write_registry
+
+from capacity_router import SimWorker
+from sidecar.contract import decode_snapshot
+
+Sim = Callable[..., SimWorker]
+CLI = [sys.executable, "-m", "gateway_capacity", "router"]
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def read_line(proc: subprocess.Popen[str], timeout: float = 20.0) -> str:
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise AssertionError("router printed nothing in time")
+    return proc.stdout.readline().strip()
+
+
+class Served:
+    def __init__(self, proc: subprocess.Popen[str], url: str) -> None:
+        self.proc = proc
+        self.url = url
+
+    def capacity(self) -> dict[str, int]:
+        response = httpx.get(f"{self.url}/v1/capacity",
+                             headers={"Authorization": f"Bearer {KEY}"}, trust_env=False)
+        assert response.status_code == 200
+        return {m.id: m.max_concurrent_requests for m in decode_snapshot(response.content).models}
+
+    def terminate(self) -> tuple[int, str]:
+        self.proc.send_signal(signal.SIGTERM)
+        _, err = self.proc.communicate(timeout=20)
+        return self.proc.returncode, err
+
+
+@pytest.fixture
+def serve(registry_path: Path, key_file: Path) -> Iterator[Callable[..., Served]]:
+    started: list[Served] = []
+
+    def start(workers: list[dict[str, Any]], *extra: str) -> Served:
+        write_registry(registry_path, workers)
+        proc = subprocess.Popen(
+            [*CLI, "serve", "--workers", str(registry_path), "--key-file", str(key_file),
+             "--listen", "127.0.0.1:0", "--poll", "30", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        line = read_line(proc)
+        assert line.startswith("serving http://127.0.0.1:") and line.endswith("/v1/capacity")
+        served = Served(proc, line.removeprefix("serving ").removesuffix("/v1/capacity"))
+        started.append(served)
+        return served
+
+    yield start
+    for s in started:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.communicate(timeout=20)
+
+
+def test_r_k5_fence_and_unfence_through_the_cli_drain_and_restore_a_worker(
+    serve: Callable[..., Served], sim: Sim, key_file: Path
+) -> None:
+    a, b = sim(10), sim(10)
+    router = serve([worker("a", [a.url], ["wh"]), worker("b", [b.url], ["wh"])])
+    assert router.capacity() == {"wh": 20}
+    with open(f"/proc/{router.proc.pid}/cmdline", "rb") as f:
+        assert KEY.encode() not in f.read()
+
+    outputs: list[str] = []
+    fenced = cli("fence", "a", "--url", router.url, "--key-file", str(key_file))
+    outputs += [fenced.stdout, fenced.stderr]
+    assert fenced.returncode == 0, fenced.stderr
+    assert "worker a fenced" in fenced.stdout
+    assert "wh: 10" in fenced.stdout
+    # --poll 30: only the observation the fence triggered can show this
+    assert router.capacity() == {"wh": 10}
+
+    shown = cli("show", "--url", router.url, "--key-file", str(key_file), "--json")
+    outputs += [shown.stdout, shown.stderr]
+    assert shown.returncode == 0
+    assert decode_snapshot(shown.stdout.encode()).models[0].max_concurrent_requests == 10
+
+    restored = cli("unfence", "a", "--url", router.url, "--key-file", str(key_file), "--json")
+    outputs += [restored.stdout, restored.stderr]
+    assert restored.returncode == 0, restored.stderr
+    answer = json.loads(restored.stdout)
+    assert answer["worker"] == "a" and answer["fenced"] is False
+    assert answer["snapshot"]["models"] == [{"id": "wh", "max_concurrent_requests": 20}]
+    assert router.capacity() == {"wh": 20}
+
+    code, err = router.terminate()
+    assert code == 0
+    outputs.append(err)
+    assert "worker a fenced by the admin endpoint" in err
+    assert all(KEY not in text for text in outputs)
+
+
+def test_r_k5_cli_refusals_exit_1_with_a_reason(
+    serve: Callable[..., Served], sim: Sim, key_file: Path, tmp_path: Path
+) -> None:
+    a = sim(10)
+    router = serve([worker("a", [a.url], ["wh"], fenced=True)])
+    unknown = cli("fence", "nobody", "--url", router.url, "--key-file", str(key_file))
+    assert unknown.returncode == 1
+    assert "unknown worker 'nobody'" in unknown.stderr
+
+    in_file = cli("unfence", "a", "--url", router.url, "--key-file", str(key_file))
+    assert in_file.returncode == 1
+    assert "fenced in the registry file" in in_file.stderr
+
+    other_key = tmp_path / "other.key"
+    other_key.write_text("not-the-router-key\n")
+    other_key.chmod(0o600)
+    wrong = cli("fence", "a", "--url", router.url, "--key-file", str(other_key))
+    assert wrong.returncode == 1
+    assert "unauthorized" in wrong.stderr
+    assert "not-the-router-key" not in wrong.stdout + wrong.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["fence", "a", "--url", "http://192.0.2.1:8731"], "loopback"),
+        (["fence", "a", "--url", "http://user:pw@127.0.0.1:8731"], "credentials"),
+        (["fence", "a/../b"], "not a valid worker id"),
+        (["show", "--url", "http://127.0.0.1:1"], "cannot reach the router"),
+    ],
+)
+def test_r_k5_cli_usage_and_connection_problems_exit_2(
+    key_file: Path, args: list[str], needle: str
+) -> None:
+    result = cli(*args, "--key-file", str(key_file))
+    assert result.returncode == 2
+    assert needle in result.stderr
+    assert KEY not in result.stdout + result.stderr
+
+
+def test_r_p7_cli_refuses_a_group_readable_key_file(tmp_path: Path) -> None:
+    loose = tmp_path / "loose.key"
+    loose.write_text("loose-key-value\n")
+    loose.chmod(0o644)
+    result = cli("show", "--key-file", str(loose))
+    assert result.returncode == 2
+    assert "group or others" in result.stderr
+    assert "loose-key-value" not in result.stdout + result.stderr
+
+
+def test_serve_with_a_broken_registry_exits_2_with_one_line(
+    registry_path: Path, key_file: Path
+) -> None:
+    registry_path.write_text('{"workers": [{"id": "a", "fence": true}]}')
+    result = cli("serve", "--workers", str(registry_path), "--key-file", str(key_file),
+                 "--listen", "127.0.0.1:0")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "invalid registry" in result.stderr
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1", "127.0.0.1:70000", "[::1:0"])
+def test_serve_with_a_bad_listen_address_exits_2(
+    registry_path: Path, key_file: Path, listen: str
+) -> None:
+    write_registry(registry_path, [])
+    result = cli("serve", "--workers", str(registry_path), "--key-file", str(key_file),
+                 "--listen", listen)
+    assert result.returncode == 2
+    assert "--listen" in result.stderr
+
+
+def test_serve_on_ipv6_loopback(registry_path: Path, key_file: Path, sim: Sim) -> None:
+    a = sim(10, host="::1")
+    write_registry(registry_path, [worker("a", [a.url], ["wh"])])
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--workers", str(registry_path), "--key-file", str(key_file),
+         "--listen", "[::1]:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = read_line(proc)
+        assert line.startswith("serving http://[::1]:")
+        served = Served(proc, line.removeprefix("serving ").removesuffix("/v1/capacity"))
+        assert served.capacity() == {"wh": 10}
+        code, _ = served.terminate()
+        assert code == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=20)
+
+
+def test_serve_exits_0_on_sigterm_promptly(serve: Callable[..., Served], sim: Sim) -> None:
+    a = sim(10)
+    router = serve([worker("a", [a.url], ["wh"])])
+    started = time.monotonic()
+    code, err = router.terminate()
+    assert code == 0
+    assert time.monotonic() - started < 15  # honest margin; it takes well under a second
+    assert "Traceback" not in err

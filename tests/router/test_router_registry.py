@@ -1,0 +1,103 @@
+"""The worker registry file: what is refused, and how edits are followed (R-K5 "registered")."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from router_support import worker, write_registry
+
+from capacity_router import RegistryError, RegistryWatcher, parse_registry
+
+
+def body(*workers: dict[str, Any]) -> bytes:
+    return json.dumps({"workers": list(workers)}).encode()
+
+
+def test_registry_example_from_the_docs_parses() -> None:
+    registry = parse_registry(
+        body(
+            worker("mac-studio-1", ["http://100.101.102.103:8080", "http://mac-1.example:8080"],
+                   ["workhorse", "workhorse-long"]),
+            worker("linux-box", ["http://10.0.0.7:8000"], ["workhorse"], {"fixed": 4},
+                   fenced=True),
+        )
+    )
+    assert [w.id for w in registry.workers] == ["mac-studio-1", "linux-box"]
+    assert registry.workers[1].slots.fixed == 4
+    assert registry.workers[1].fenced is True
+    assert registry.workers[0].fenced is False
+
+
+@pytest.mark.parametrize(
+    ("entries", "needle"),
+    [
+        ([worker("a", ["http://h:1"], ["m"]), worker("a", ["http://h:2"], ["m"])], "appears twice"),
+        ([worker("a", ["http://H:80/"], ["m"]), worker("b", ["http://h"], ["m"])], "one id"),
+        ([worker("a", ["http://h:1"], ["m"], fence=True)], "fence"),
+        ([worker("a", ["http://h:1"], ["m"], {"source": "props", "fixed": 3})], "slots must be"),
+        ([worker("a", ["http://h:1"], ["m"], {})], "slots must be"),
+        ([worker("a", ["http://h:1"], ["m"], {"fixed": 3.0})], "Expected `int"),
+        ([worker("a", ["http://h:1"], ["m"], {"fixed": True})], "Expected `int"),
+        ([worker("a", ["http://h:1"], ["m"], {"fixed": 4097})], "<= 4096"),
+        ([worker("a", ["http://h:1"], ["m"], {"source": "metrics"})], "source"),
+        ([worker("a", ["ftp://h:1"], ["m"])], "scheme"),
+        ([worker("a", ["http://user:pw@h:1"], ["m"])], "credentials"),
+        ([worker("a", ["http://h:1?x=1"], ["m"])], "query"),
+        ([worker("a", ["http://h:99999"], ["m"])], "url"),
+        ([worker("a", [], ["m"])], "length"),
+        ([worker("a", ["http://h:1"], [])], "length"),
+        ([worker("a/b", ["http://h:1"], ["m"])], "id"),
+        ([worker("a", ["http://h:1"], [f"m{i}" for i in range(129)])], "length"),
+        (
+            [worker(f"w{i}", [f"http://h{i}:1"], [f"m{i}a", f"m{i}b"]) for i in range(65)],
+            "at most 128",
+        ),
+    ],
+)
+def test_r_k5_bad_registry_is_refused_with_a_reason(
+    entries: list[dict[str, Any]], needle: str
+) -> None:
+    with pytest.raises(RegistryError) as info:
+        parse_registry(body(*entries))
+    assert needle in str(info.value)
+
+
+def test_registry_unknown_top_level_field_is_refused() -> None:
+    with pytest.raises(RegistryError):
+        parse_registry(b'{"workers": [], "worker": []}')
+
+
+def test_registry_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(RegistryError, match="cannot open registry"):
+        RegistryWatcher(tmp_path / "absent.json")
+
+
+def test_registry_watcher_follows_edits_and_keeps_last_good_on_a_broken_one(
+    registry_path: Path,
+) -> None:
+    write_registry(registry_path, [worker("a", ["http://h:1"], ["m"])])
+    watcher = RegistryWatcher(registry_path)
+    assert watcher.refresh() is False
+
+    write_registry(registry_path, [worker("a", ["http://h:1"], ["m"]),
+                                   worker("b", ["http://h:2"], ["m"])])
+    assert watcher.refresh() is True
+    assert [w.id for w in watcher.current.workers] == ["a", "b"]
+
+    registry_path.write_text('{"workers": [')  # in place, truncated
+    assert watcher.refresh() is False
+    assert [w.id for w in watcher.current.workers] == ["a", "b"]
+    assert watcher.last_error is not None and "invalid JSON" in watcher.last_error
+
+    os.unlink(registry_path)
+    assert watcher.refresh() is False
+    assert [w.id for w in watcher.current.workers] == ["a", "b"]
+
+    write_registry(registry_path, [worker("c", ["http://h:3"], ["m"])])
+    assert watcher.refresh() is True
+    assert [w.id for w in watcher.current.workers] == ["c"]
+    assert watcher.last_error is None
