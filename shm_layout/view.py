@@ -313,13 +313,21 @@ def _sidecar(data: bytes, now: float, cache: LivenessCache) -> SidecarView | Non
     )
 
 
-def read_provider_load(name: str, provider_id: str) -> tuple[int, int, int]:
-    """(running, waiting, effective_limit) of one provider, for ``wait-for-slot`` (R-W4).
+@dataclass(frozen=True, slots=True)
+class ProviderLoad:
+    running: int
+    waiting: int
+    effective_limit: int
 
-    Raises ``KeyError`` when the provider is not in the segment.
+
+def read_provider_load(name: str, provider_id: str) -> ProviderLoad:
+    """Running, waiting and the effective limit of one provider, for ``wait-for-slot`` (R-W4).
+
+    Raises ``KeyError`` when the provider is not in the segment, and the
+    ``SegmentError`` family when the segment cannot be read.
     """
     view = read_view(name)
     provider = view.provider(provider_id)
     if provider is None:
         raise KeyError(provider_id)
-    return provider.running, provider.waiting, provider.effective_limit
+    return ProviderLoad(provider.running, provider.waiting, provider.effective_limit)

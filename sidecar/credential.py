@@ -9,8 +9,9 @@ next refresh without a restart. ``credentialFile`` is either
   ``LoadCredentialEncrypted=``). NAME is a single path component.
 
 The file must be a regular file (not a symlink: opened with ``O_NOFOLLOW``; not
-a FIFO or device), at most 4 KiB, and not accessible to group or others (like
-OpenSSH with a private key). Trailing CR, LF and spaces are trimmed; what is
+a FIFO or device), at most 4 KiB, and not accessible to all users (refused,
+like OpenSSH with a private key); access by the file's group is warned about
+once (R-P7), since sharing the key with the gateway's group is a real set-up. Trailing CR, LF and spaces are trimmed; what is
 left must be non-empty printable ASCII with no whitespace or control characters.
 
 The key is only ever held in a :class:`Secret`, whose ``repr``/``str`` never
@@ -20,9 +21,12 @@ show it. No error message contains the file's content.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 from typing import Final
+
+log = logging.getLogger("gateway_capacity.credential")
 
 MAX_KEY_FILE_BYTES: Final = 4096
 SYSTEMD_PREFIX: Final = "systemd-credential:"
@@ -107,11 +111,13 @@ def read_credential(spec: str, *, credentials_directory: str | None = None) -> S
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CredentialError(f"credential file {path} is not a regular file")
-        if st.st_mode & 0o077:
+        if st.st_mode & 0o007:
             raise CredentialError(
-                f"credential file {path} is accessible by group or others "
+                f"credential file {path} is accessible by all users "
                 f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}"
             )
+        if st.st_mode & 0o070:
+            _warn_group_access(path, st)
         if st.st_size > MAX_KEY_FILE_BYTES:
             raise CredentialError(
                 f"credential file {path} is larger than {MAX_KEY_FILE_BYTES} bytes"
@@ -134,6 +140,28 @@ def read_credential(spec: str, *, credentials_directory: str | None = None) -> S
             "inside the key"
         )
     return Secret(key.decode("ascii"))
+
+
+_warned: set[tuple[str, int, int]] = set()
+
+
+def _warn_group_access(path: str, st: os.stat_result) -> None:
+    """R-P7: a group-readable key is warned about, once per file and mode.
+
+    Not refused: sharing the key with the gateway's group (0640), or systemd's
+    credential ACLs that show as 0440, are legitimate set-ups. Access for all
+    users is refused above.
+    """
+    mark = (path, st.st_ino, stat.S_IMODE(st.st_mode))
+    if mark in _warned:
+        return
+    _warned.add(mark)
+    log.warning(
+        "credential file %s is accessible by its group (mode %04o); chmod 600 unless the "
+        "group is meant to read it",
+        path,
+        stat.S_IMODE(st.st_mode),
+    )
 
 
 def _read_at_most(fd: int, limit: int) -> bytes:

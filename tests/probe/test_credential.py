@@ -61,13 +61,26 @@ def test_r_p7_key_of_exactly_4096_bytes_is_accepted(tmp_path: Path) -> None:
     assert len(read_credential(write_key(tmp_path / "k", b"k" * 4096)).reveal()) == 4096
 
 
-@pytest.mark.parametrize("mode", [0o640, 0o604, 0o644, 0o660, 0o610])
-def test_r_p7_file_accessible_to_group_or_others_is_refused_like_openssh(
+@pytest.mark.parametrize("mode", [0o604, 0o644, 0o606, 0o664])
+def test_r_p7_file_accessible_to_all_users_is_refused_like_openssh(
     tmp_path: Path, mode: int
 ) -> None:
     path = write_key(tmp_path / "k", KEY.encode(), mode)
     with pytest.raises(CredentialError, match=f"mode 0{mode:o}.*chmod 600"):
         read_credential(path)
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o660, 0o440])
+def test_r_p7_group_readable_file_is_warned_about_once(
+    tmp_path: Path, mode: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write_key(tmp_path / "k", KEY.encode(), mode)
+    caplog.set_level("WARNING")
+    assert read_credential(path).reveal() == KEY
+    assert read_credential(path).reveal() == KEY
+    warnings = [r for r in caplog.records if "accessible by its group" in r.getMessage()]
+    assert len(warnings) == 1
+    assert KEY not in caplog.text
 
 
 def test_r_p7_owner_only_read_is_accepted(tmp_path: Path) -> None:
