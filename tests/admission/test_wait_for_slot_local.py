@@ -52,20 +52,14 @@ def test_r_w4_local_mode_counts_waiters_and_unknown_provider_exits_2(
     cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 1}]})
     holder = agents("--segment", segment_name, "--config", str(cfg), "hold", "--threads", "3")
     holder.expect("admitted")
-    assert wait_until(
-        lambda: (
-            run_cli(
-                "wait-for-slot",
-                "--segment",
-                segment_name,
-                "--provider",
-                "p1",
-                "--check",
-                "--quiet",
-            ).returncode
-            == 1
-        )
-    )
+
+    def sample() -> str:
+        out = run_cli("wait-for-slot", "--segment", segment_name, "--provider", "p1", "--check")
+        assert out.returncode == 1
+        return out.stderr
+
+    # the two queued behind the holder count against the room, as R-W4 says
+    assert wait_until(lambda: "running 1 + waiting 2 + need 1 = 4 > limit 1" in sample())
     unknown = run_cli("wait-for-slot", "--segment", segment_name, "--provider", "nope", "--check")
     assert unknown.returncode == 2
     assert "nope" in unknown.stderr and "Traceback" not in unknown.stderr
