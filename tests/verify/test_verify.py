@@ -1,0 +1,106 @@
+"""``gateway-capacity verify`` compares a probe made now with the segment (SPEC section 8)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from gwtest import provider_doc, run_cli, wait_until
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "sidecar"))
+from capacity_server import CapacityServer
+
+
+@pytest.fixture
+def router() -> Iterator[tuple[CapacityServer, str]]:
+    key = "sk-verify-" + secrets.token_hex(12)
+    server = CapacityServer(key).start()
+    yield server, key
+    server.stop()
+
+
+def test_verify_agrees_then_differs_and_never_shows_the_key(
+    router: tuple[CapacityServer, str],
+    segment_name: str,
+    write_config: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    server, key = router
+    key_file = tmp_path / "provider.key"
+    key_file.write_text(key + "\r\n")
+    key_file.chmod(0o600)
+    cfg = write_config(
+        {
+            "maxConcurrent": 4,
+            "providers": [
+                {
+                    "id": "li",
+                    "baseUrl": server.base_url,
+                    "credentialFile": str(key_file),
+                    "capacityDiscovery": True,
+                    "models": {"w": "workhorse"},
+                },
+                {"id": "static", "maxConcurrent": 3},
+            ],
+        }
+    )
+    sidecar = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway_capacity",
+            "sidecar",
+            "--config",
+            str(cfg),
+            "--segment",
+            segment_name,
+            "--refresh",
+            "0.3",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert wait_until(
+            lambda: (
+                run_cli("availability", "--segment", segment_name).returncode == 0
+                and provider_doc(segment_name, "li")["effective_limit"] == 20
+            )
+        )
+        ok = run_cli("verify", "--config", str(cfg), "--segment", segment_name, "--json")
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        doc = json.loads(ok.stdout)
+        rows = {r["id"]: r for r in doc["providers"]}
+        assert rows["li"]["rules_limit"] == rows["li"]["segment_limit"] == 20
+        assert rows["static"]["rules_limit"] == rows["static"]["segment_limit"] == 3
+        assert key not in ok.stdout + ok.stderr
+
+        sidecar.send_signal(signal.SIGTERM)
+        assert sidecar.wait(timeout=10) == 0
+        server.set(models={"workhorse": 10})  # the farm changed; nobody published it
+        differs = run_cli("verify", "--config", str(cfg), "--segment", segment_name)
+        assert differs.returncode == 1
+        assert "DIFFERS li: rules 10 (discovered), segment 20 (discovered)" in differs.stdout
+        assert key not in differs.stdout + differs.stderr
+    finally:
+        if sidecar.poll() is None:
+            sidecar.kill()
+            sidecar.wait()
+        assert sidecar.stderr is not None
+        assert key not in sidecar.stderr.read()
+
+
+def test_verify_without_a_segment_exits_3(
+    segment_name: str, write_config: Callable[..., Path]
+) -> None:
+    cfg = write_config({"providers": [{"id": "p"}]})
+    out = run_cli("verify", "--config", str(cfg), "--segment", segment_name)
+    assert out.returncode == 3 and "Traceback" not in out.stderr
