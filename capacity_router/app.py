@@ -128,13 +128,16 @@ def build_app(observer: CapacityObserver, key: KeyFile) -> Starlette:
 
         return endpoint
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/v1/capacity", capacity, methods=["GET"]),
             Route("/admin/fence/{worker}", admin(observer.fence, True), methods=["POST"]),
             Route("/admin/unfence/{worker}", admin(observer.unfence, False), methods=["POST"]),
         ]
     )
+    # Exact paths only: a redirect for "/v1/capacity/" would be a 3xx the probe refuses anyway.
+    app.router.redirect_slashes = False
+    return app
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -61,7 +61,8 @@ def test_r_k5_capacity_is_read_only(router: Router, sim: Sim) -> None:
     for method in ("POST", "PUT", "DELETE", "PATCH"):
         response = httpx.request(method, f"{r.url}/v1/capacity", headers=auth, trust_env=False)
         assert response.status_code == 405
-    assert httpx.get(f"{r.url}/v1/workers", headers=auth, trust_env=False).status_code == 404
+    for path in ("/v1/workers", "/v1/capacity/", "/capacity", "/admin/fence"):
+        assert httpx.get(f"{r.url}{path}", headers=auth, trust_env=False).status_code == 404
 
 
 def test_r_k5_admin_fence_with_a_wrong_key_is_401_and_changes_nothing(
