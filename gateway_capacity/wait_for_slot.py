@@ -536,11 +536,12 @@ def _validate_numbers(args: argparse.Namespace) -> None:
         fail("--max-wait must be 0 or more seconds", code=EXIT_FATAL)
     if args.timeout <= 0:
         fail("--timeout must be more than 0 seconds", code=EXIT_FATAL)
-    if args.limit is not None:
-        if args.limit < 1:
-            fail("--limit must be at least 1", code=EXIT_FATAL)
-        if args.need > args.limit:
-            fail(f"--need {args.need} can never fit under --limit {args.limit}", code=EXIT_FATAL)
+    if args.limit is not None and args.limit < 1:
+        fail("--limit must be at least 1", code=EXIT_FATAL)
+    # local mode learns its limit from the segment; metrics mode knows it now
+    limit = DEFAULT_LIMIT if args.limit is None and not args.provider else args.limit
+    if limit is not None and args.need > limit:
+        fail(f"--need {args.need} can never fit under --limit {limit}", code=EXIT_FATAL)
 
 
 def _metrics_sampler(args: argparse.Namespace) -> MetricsSampler:
