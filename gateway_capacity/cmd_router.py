@@ -188,6 +188,7 @@ def _client(args: argparse.Namespace, action: str) -> int:
 
     from capacity_router import KeyFileError, read_key_file
     from capacity_router.registry import WORKER_ID_PATTERN
+    from sidecar.contract import ContractError, decode_snapshot
 
     base = _loopback_base(args.url)
     if action == "show":
@@ -221,6 +222,12 @@ def _client(args: argparse.Namespace, action: str) -> int:
             file=sys.stderr,
         )
         return 1
+    if action == "show":
+        try:  # show doubles as a contract check of what the router serves
+            decode_snapshot(response.content)
+        except ContractError as exc:
+            print(f"gateway-capacity: router answered an {exc}", file=sys.stderr)
+            return 1
     if args.json:
         print(response.text)
         return 0

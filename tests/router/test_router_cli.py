@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from router_support import KEY, worker, write_registry
+from router_support import KEY, ScriptedServer, worker, write_registry
 
 from capacity_router import SimWorker
 from sidecar.contract import decode_snapshot
@@ -217,3 +217,13 @@ def test_serve_exits_0_on_sigterm_promptly(serve: Callable[..., Served], sim: Si
     assert code == 0
     assert time.monotonic() - started < 15  # honest margin; it takes well under a second
     assert "Traceback" not in err
+
+
+def test_r_k1_show_refuses_an_answer_that_is_not_the_contract(
+    scripted: Callable[[], ScriptedServer], key_file: Path
+) -> None:
+    impostor = scripted()
+    impostor.route("/v1/capacity", 200, '{"object": "inference_capacity", "version": 2}')
+    result = cli("show", "--url", impostor.url, "--key-file", str(key_file))
+    assert result.returncode == 1
+    assert "invalid snapshot" in result.stderr
