@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import math
 import os
@@ -395,32 +394,28 @@ class MetricsSampler:
 
 
 def _sample_local(segment: str, provider_id: str) -> Sample:
-    """One reading of this host's segment (R-W4): gate on the provider's effective limit.
-
-    Expects ``shm_layout.read_provider_load(segment, provider_id)`` to return an
-    object with ``running``, ``waiting`` and ``effective_limit``; the lead wires
-    and tests this.
-    """
+    """One reading of this host's segment (R-W4): gate on the provider's effective limit."""
     try:
-        read_provider_load = importlib.import_module("shm_layout").read_provider_load
-    except (ImportError, AttributeError):
+        from shm_layout import SegmentError, SegmentNotReady, read_provider_load
+    except ImportError:
         return Fatal("local mode is not available in this build")
     try:
         load = read_provider_load(segment, provider_id)
-    except FileNotFoundError:
-        return Fatal(f"no segment {segment} on this host; is the gateway running?")
-    except LookupError:
+    except KeyError:
         return Fatal(f"provider {provider_id!r} is not in segment {segment}")
-    except Exception as exc:
-        return Fatal(f"cannot read segment {segment}: {_one_line(str(exc))}")
-    return Load(float(load.running), float(load.waiting), int(load.effective_limit))
+    except SegmentNotReady as exc:  # another party is creating it right now
+        return NoAnswer(_one_line(str(exc)))
+    except SegmentError as exc:  # missing, not ours, other major version: one line each
+        return Fatal(_one_line(str(exc)))
+    return Load(float(load.running), float(load.waiting), load.effective_limit)
 
 
 def _local_mode_available() -> bool:
     try:
-        return hasattr(importlib.import_module("shm_layout"), "read_provider_load")
+        from shm_layout import read_provider_load  # noqa: F401
     except ImportError:
         return False
+    return True
 
 
 # --------------------------------------------------------------------------- CLI
