@@ -236,10 +236,13 @@ class Sidecar:
         try:
             config = load_config(self.opts.config_path)
         except ConfigError as exc:
-            status = f"broken edit ignored ({exc}); keeping the last good config"
+            # The segment keeps REASON_BYTES of status: verdict first and without the
+            # (long, already known) path, so the why is not cut off (R-C3).
+            why = str(exc).replace(f" {self.opts.config_path}", "")
+            status = f"broken edit ignored, last good config kept: {why}"
             if status != self.config_status:
-                log.error("config: %s", status)
-                self.config_status = status[: layout.REASON_BYTES]
+                log.error("config %s: %s", self.opts.config_path, status)
+                self.config_status = status
                 self._publish()
             return
         log.info("config: change picked up")
