@@ -1,0 +1,452 @@
+"""``gateway-capacity demo``: two ten-slot workers advertise twenty (SPEC section 11).
+
+Everything runs on loopback from this package alone: two simulated
+llama.cpp-style workers, the reference router in front of them, a temporary
+config and 0600 key file, the sidecar with a short refresh, and handler load
+from two generations sharing one segment. It shows the limit, running and
+waiting live while one worker is drained and restored, checks what it saw,
+and removes every process and shared-memory object it made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+PROVIDER = "local-inference"
+MODEL = "workhorse"
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="self-contained demo: 20 advertised, one worker drained to 10, restored to 20",
+    )
+    p.add_argument("--fast", action="store_true", help="shorter phases (for tests)")
+    p.add_argument(
+        "--json", action="store_true", help="live lines on stderr, a JSON summary on stdout"
+    )
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Sample:
+    t: float
+    phase: str
+    advertised: int | None
+    limit: int
+    source: str
+    running: int
+    waiting: int
+
+
+@dataclass
+class Phase:
+    name: str
+    action: str | None  # "fence" / "unfence" worker w2, or nothing
+    expect: int
+    seconds: float
+    reached_s: float | None = None
+    samples: list[Sample] = field(default_factory=list)
+
+
+class Demo:
+    def __init__(self, fast: bool, out: TextIO) -> None:
+        self.fast = fast
+        self.out = out
+        self.tmp = Path(tempfile.mkdtemp(prefix="gwcap-demo-"))
+        self.refresh = 0.3 if fast else 0.5
+        self.clients = 14 if fast else 18
+        self.hold = 3.0 if fast else 6.0
+        self.started = time.monotonic()
+        self.children: list[subprocess.Popen[str]] = []
+        self.sidecar: subprocess.Popen[str] | None = None
+        self.loads: list[subprocess.Popen[str]] = []
+        self.workers: list[Any] = []
+        self.router: Any = None
+        self.segment = ""
+        self.problems: list[str] = []
+
+    # --- set-up -----------------------------------------------------------------------
+    def _say(self, text: str) -> None:
+        print(f"[{time.monotonic() - self.started:5.1f}s] {text}", file=self.out, flush=True)
+
+    def setup(self) -> Path:
+        from capacity_router.app import RouterServer
+        from capacity_router.simworker import SimWorker
+        from shm_layout.names import segment_name_for_config
+
+        key_file = self.tmp / "router.key"
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(24) + "\n")
+        for _ in range(2):
+            worker = SimWorker(slots=10)
+            worker.start()
+            self.workers.append(worker)
+        registry = self.tmp / "workers.json"
+        registry.write_text(
+            json.dumps(
+                {
+                    "workers": [
+                        {
+                            "id": f"w{i + 1}",
+                            "urls": [w.url],
+                            "models": [MODEL],
+                            "slots": {"source": "props"},
+                        }
+                        for i, w in enumerate(self.workers)
+                    ]
+                }
+            )
+        )
+        self.router = RouterServer(registry, key_file, poll_interval=0.25)
+        self.router.start()
+        config = self.tmp / "gateway.json"
+        config.write_text(
+            json.dumps(
+                {
+                    "maxConcurrent": 4,
+                    "providers": [
+                        {
+                            "id": PROVIDER,
+                            "type": "chat-completions-api",
+                            "baseUrl": f"{self.router.url}/v1",
+                            "credentialFile": str(key_file),
+                            "capacityDiscovery": True,
+                            "models": {"local-workhorse": MODEL},
+                        }
+                    ],
+                },
+                indent=2,
+            )
+        )
+        self.segment = segment_name_for_config(config)
+        self._say(
+            f"2 simulated workers (10 slots each), router {self.router.url}/v1/capacity, "
+            f"segment {self.segment}"
+        )
+        return config
+
+    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen[str]:
+        log = open(self.tmp / log_name, "w")  # noqa: SIM115 (closed with the process)
+        proc = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        log.close()
+        self.children.append(proc)
+        return proc
+
+    def start_processes(self, config: Path) -> None:
+        parent = str(os.getpid())
+        self.sidecar = self._spawn(
+            [
+                "-m",
+                "gateway_capacity",
+                "sidecar",
+                "--config",
+                str(config),
+                "--segment",
+                self.segment,
+                "--refresh",
+                str(self.refresh),
+                "--parent-pid",
+                parent,
+            ],
+            "sidecar.log",
+        )
+        self._say(f"sidecar pid {self.sidecar.pid}, refresh {self.refresh}s")
+        if not self._wait_for_limit(20, timeout=20):
+            raise DemoFailed("the sidecar did not publish 20 within 20 s (see its log above)")
+        for generation in ("handler-1.0", "handler-2.0"):
+            proc = self._spawn(
+                [
+                    "-m",
+                    "gateway_capacity.demo_load",
+                    "--config",
+                    str(config),
+                    "--segment",
+                    self.segment,
+                    "--generation",
+                    generation,
+                    "--provider",
+                    PROVIDER,
+                    "--clients",
+                    str(self.clients),
+                    "--stop-file",
+                    str(self.tmp / "stop"),
+                    "--parent-pid",
+                    parent,
+                    "--seed",
+                    str(len(self.loads)),
+                ],
+                f"{generation}.log",
+            )
+            self.loads.append(proc)
+        self._say(
+            f"load: 2 handler generations x {self.clients} concurrent requests, one shared budget"
+        )
+
+    # --- observing ----------------------------------------------------------------------
+    def _advertised(self) -> int | None:
+        snap = self.router.snapshot()
+        if snap is None:
+            return None
+        for row in snap.models:
+            if row.id == MODEL:
+                return int(row.max_concurrent_requests)
+        return 0
+
+    def _sample(self, phase: str) -> Sample | None:
+        from shm_layout.segment import SegmentError
+        from shm_layout.view import read_view
+
+        try:
+            view = read_view(self.segment)
+        except SegmentError:
+            return None
+        p = view.provider(PROVIDER)
+        if p is None:
+            return None
+        return Sample(
+            time.monotonic() - self.started,
+            phase,
+            self._advertised(),
+            p.effective_limit,
+            p.source,
+            p.running,
+            p.waiting,
+        )
+
+    def _wait_for_limit(self, expect: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = self._sample("start")
+            if s is not None and s.limit == expect and s.source == "discovered":
+                return True
+            time.sleep(0.1)
+        return False
+
+    def run_phase(self, phase: Phase) -> None:
+        if phase.action is not None:
+            getattr(self.router, phase.action)("w2")
+        self._say(f"--- {phase.name} (expect {phase.expect}) ---")
+        began = time.monotonic()
+        last_line = 0.0
+        until = began + 30.0  # generous bound to reach the expected limit
+        while True:
+            now = time.monotonic()
+            s = self._sample(phase.name)
+            if s is not None:
+                phase.samples.append(s)
+                if phase.reached_s is None and s.limit == phase.expect:
+                    phase.reached_s = now - began
+                    until = now + self.hold
+                if now - last_line >= 0.5:
+                    last_line = now
+                    self._say(
+                        f"advertised {s.advertised if s.advertised is not None else '-':>2}  "
+                        f"limit {s.limit:>2} ({s.source})  running {s.running:>2}  "
+                        f"waiting {s.waiting:>2}/32"
+                    )
+            if now >= until:
+                break
+            time.sleep(0.1)
+        if phase.reached_s is None:
+            self.problems.append(f"{phase.name}: the limit never reached {phase.expect}")
+
+    def finish_load(self) -> list[dict[str, Any]]:
+        (self.tmp / "stop").touch()
+        self._say("stopping the load: no new requests; running ones finish")
+        totals = []
+        for proc in self.loads:
+            out, _ = proc.communicate(timeout=30)
+            if proc.returncode != 0:
+                self.problems.append(f"a load process exited {proc.returncode}")
+            with contextlib.suppress(ValueError, IndexError):
+                totals.append(json.loads(out.strip().splitlines()[-1]))
+        return totals
+
+    # --- checking -----------------------------------------------------------------------
+    def check(self, phases: list[Phase]) -> dict[str, Any]:
+        from shm_layout.view import read_view
+
+        samples = [s for ph in phases for s in ph.samples]
+        peak_waiting = max((s.waiting for s in samples), default=0)
+        if peak_waiting > 32:
+            self.problems.append(f"waiting reached {peak_waiting} > 32")
+        # Above the limit in force, running may only go down (R-A1: lowering the limit
+        # cancels nothing, and nothing new is admitted until running is below it).
+        for prev, cur in itertools.pairwise(samples):
+            if cur.running > cur.limit and cur.running > prev.running:
+                self.problems.append(
+                    f"running rose to {cur.running} above limit {cur.limit} at {cur.t:.1f}s"
+                )
+        view = read_view(self.segment)
+        p = view.provider(PROVIDER)
+        assert p is not None
+        leftover = [h for h in view.holders]
+        if p.running or p.waiting or p.stored_running or p.stored_waiting or leftover:
+            self.problems.append(
+                f"left behind: running {p.running}, waiting {p.waiting}, records {len(leftover)}"
+            )
+        if p.counters["peak_running"] > 20:
+            self.problems.append(f"peak running {p.counters['peak_running']} > 20")
+        return {
+            "phases": [
+                {
+                    "name": ph.name,
+                    "expected_limit": ph.expect,
+                    "reached_after_s": None if ph.reached_s is None else round(ph.reached_s, 2),
+                    "limits_seen": sorted({s.limit for s in ph.samples}),
+                    "advertised_seen": sorted(
+                        {s.advertised for s in ph.samples if s.advertised is not None}
+                    ),
+                    "peak_running": max((s.running for s in ph.samples), default=0),
+                    "peak_waiting": max((s.waiting for s in ph.samples), default=0),
+                }
+                for ph in phases
+            ],
+            "peak_running": p.counters["peak_running"],
+            "peak_waiting": p.counters["peak_waiting"],
+            "admitted": p.counters["admitted_total"],
+            "rejected": p.counters["rejected_total"],
+            "timeouts": p.counters["timeouts_total"],
+            "final_running": p.running,
+            "final_waiting": p.waiting,
+            "holder_records_left": len(leftover),
+        }
+
+    # --- tear-down -------------------------------------------------------------------------
+    def cleanup(self) -> list[str]:
+        """Stop everything; returns what could not be cleaned (empty when all is gone)."""
+        from shm_layout.segment import unlink_segment
+
+        (self.tmp / "stop").touch()
+        if self.sidecar is not None and self.sidecar.poll() is None:
+            self.sidecar.send_signal(signal.SIGTERM)
+        for proc in self.children:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        if self.router is not None:
+            self.router.stop()
+        for worker in self.workers:
+            worker.stop()
+        if self.segment:
+            unlink_segment(self.segment)
+        left = []
+        shm = Path("/dev/shm")
+        if self.segment and shm.is_dir():
+            base = self.segment.lstrip("/")
+            left += [
+                str(p) for p in shm.iterdir() if p.name == base or p.name.startswith(f"sem.{base}.")
+            ]
+        left += [f"pid {c.pid}" for c in self.children if c.poll() is None]
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return left
+
+    def sidecar_log(self) -> str:
+        with contextlib.suppress(OSError):
+            return (self.tmp / "sidecar.log").read_text()
+        return ""
+
+
+class DemoFailed(Exception):
+    pass
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    out = sys.stderr if args.json else sys.stdout
+    demo = Demo(args.fast, out)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    summary: dict[str, Any] = {}
+    try:
+        config = demo.setup()
+        demo.start_processes(config)
+        phases = [
+            Phase("two workers", None, 20, demo.hold),
+            Phase("w2 drained (fenced)", "fence", 10, demo.hold),
+            Phase("w2 restored", "unfence", 20, demo.hold),
+        ]
+        for phase in phases:
+            demo.run_phase(phase)
+        summary["load"] = demo.finish_load()
+        summary.update(demo.check(phases))
+    except DemoFailed as exc:
+        demo.problems.append(str(exc))
+        print(demo.sidecar_log(), file=sys.stderr)
+    except KeyboardInterrupt:
+        demo.problems.append("interrupted")
+    finally:
+        left = demo.cleanup()
+        signal.signal(signal.SIGTERM, previous)
+    if left:
+        demo.problems.append(f"not cleaned up: {', '.join(left)}")
+    summary["segment"] = demo.segment
+    summary["cleaned_up"] = not left
+    summary["problems"] = demo.problems
+    summary["ok"] = not demo.problems
+    _print_summary(summary, out)
+    if args.json:
+        print(json.dumps(summary))
+    return 0 if summary["ok"] else 1
+
+
+def _print_summary(summary: dict[str, Any], out: TextIO) -> None:
+    print("\nsummary", file=out)
+    for ph in summary.get("phases", []):
+        print(
+            f"  {ph['name']:<22} advertised {ph['advertised_seen']} -> limit {ph['limits_seen']} "
+            f"(reached {ph['expected_limit']} after {ph['reached_after_s']}s); peak running "
+            f"{ph['peak_running']}, peak waiting {ph['peak_waiting']}",
+            file=out,
+        )
+    if "admitted" in summary:
+        print(
+            f"  admitted {summary['admitted']}, queue-full {summary['rejected']}, timeouts "
+            f"{summary['timeouts']}; peak running {summary['peak_running']} (never above the "
+            f"limit in force), peak waiting {summary['peak_waiting']} (bound 32)",
+            file=out,
+        )
+        for load in summary.get("load", []):
+            print(f"  {load['generation']}: {load['admitted']} requests admitted", file=out)
+        print(
+            f"  at the end: running {summary['final_running']}, waiting "
+            f"{summary['final_waiting']}, holder records {summary['holder_records_left']}",
+            file=out,
+        )
+    print(
+        "  cleaned up: every process and shared-memory object"
+        if summary["cleaned_up"]
+        else "  NOT cleaned up",
+        file=out,
+    )
+    for problem in summary["problems"]:
+        print(f"  PROBLEM: {problem}", file=out)
+    print("  result: " + ("OK" if summary["ok"] else "FAILED"), file=out)
