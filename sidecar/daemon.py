@@ -26,16 +26,24 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shm_layout import layout, writer
 from shm_layout.liveness import is_alive, my_identity, process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.segment import Segment
+from shm_layout.view import parse_view, snapshot_bytes
 from sidecar import sdnotify
 from sidecar.config import ConfigError, GatewayConfig, ProviderConfig, load_config
-from sidecar.limits import LimitDecision, ProviderRules, decide, rules_from_config
+from sidecar.limits import (
+    DISCOVERED,
+    DISCOVERED_CAP,
+    LimitDecision,
+    ProviderRules,
+    decide,
+    rules_from_config,
+)
 from sidecar.replica import ProviderProbe
 
 log = logging.getLogger("gateway_capacity.sidecar")
@@ -115,6 +123,7 @@ class Sidecar:
         self.seg = Segment.open(self.segment_name, create=True, group_shared=options.group_shared)
         self.pid, self.start = my_identity()
         self.providers: dict[str, _ProviderState] = {}
+        self.inherited: dict[str, LimitDecision] = {}
         self.generation = 0
         self.epoch = 0
         self.retired = False
@@ -137,6 +146,7 @@ class Sidecar:
             os.path.abspath(self.opts.config_path),
         )
         self.generation = self._header("config_generation") + 1
+        self.inherited = self._inherit_limits(time.time())
         log.info(
             "sidecar started: segment %s, writer epoch %d, refresh %gs, config %s",
             self.segment_name,
@@ -215,9 +225,7 @@ class Sidecar:
                 if state.rules.discovery_active and not rules.discovery_active:
                     state.probe = None  # R-C4: static at once, nothing stale kept
                 state.rules, state.config = rules, provider
-            state.decision = decide(
-                rules, state.probe, state.decision, time.time(), legacy_draining=self._draining()
-            )
+            state.decision = self._decide(state, time.time())
             self._log_decision(state)
             if rules.discovery_active:
                 if state.task is None or state.task.done():
@@ -264,13 +272,63 @@ class Sidecar:
             if self.providers.get(provider_id) is not state or not state.rules.discovery_active:
                 return  # removed or turned off while probing: that answer is not wanted
             state.probe = probe
-            state.decision = decide(
-                state.rules, probe, state.decision, time.time(), legacy_draining=self._draining()
-            )
+            state.decision = self._decide(state, time.time())
             self._log_decision(state)
             self._publish()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(state.wake.wait(), self.opts.refresh_s)
+
+    def _decide(self, state: _ProviderState, now: float) -> LimitDecision:
+        """Section 5's decision, except that a restart does not undo a limit in force.
+
+        Until a provider's first probe, a discovered limit that the previous
+        sidecar published and that has not expired stays in force (R-L7, R-G5):
+        publishing the fallback meanwhile would let waiters in that the farm
+        has no room for (or shut out work it has room for).
+        """
+        decision = decide(
+            state.rules, state.probe, state.decision, now, legacy_draining=self._draining()
+        )
+        pid = state.rules.provider_id
+        if state.probe is not None or not state.rules.discovery_active:
+            self.inherited.pop(pid, None)
+            return decision
+        kept = self.inherited.get(pid)
+        if kept is None or decision.source != decision.fallback_source:
+            return decision  # nothing kept, or not a fallback (e.g. a legacy drain)
+        if kept.expires_at is None or kept.expires_at <= now:
+            self.inherited.pop(pid, None)
+            return decision
+        ceiling = min(DISCOVERED_CAP, state.rules.provider_max or DISCOVERED_CAP)
+        limit = min(kept.effective_limit, ceiling)
+        return replace(
+            kept,
+            effective_limit=limit,
+            discovered=limit,
+            fallback_limit=decision.fallback_limit,
+            fallback_source=decision.fallback_source,
+        )
+
+    def _inherit_limits(self, now: float) -> dict[str, LimitDecision]:
+        """Unexpired discovered limits in the segment, as the previous sidecar left them."""
+        data, _ = snapshot_bytes(self.seg.buf)
+        kept = {}
+        for p in parse_view(self.segment_name, data, now=now).providers:
+            if p.source != DISCOVERED or p.expires_at is None or p.expires_at <= now:
+                continue
+            prefix = "kept from the previous sidecar until the first probe: "
+            kept[p.id] = LimitDecision(
+                provider_id=p.id,
+                effective_limit=p.effective_limit,
+                source=DISCOVERED,
+                reason=p.reason if p.reason.startswith(prefix) else prefix + p.reason,
+                discovered=p.effective_limit,
+                observed_at=p.observed_at,
+                expires_at=p.expires_at,
+                fallback_limit=p.fallback_limit,
+                fallback_source=p.fallback_source,
+            )
+        return kept
 
     def _draining(self) -> bool:
         return bool(self.legacy)
@@ -278,9 +336,7 @@ class Sidecar:
     def _redecide_all(self) -> None:
         now = time.time()
         for state in self.providers.values():
-            state.decision = decide(
-                state.rules, state.probe, state.decision, now, legacy_draining=self._draining()
-            )
+            state.decision = self._decide(state, now)
             self._log_decision(state)
 
     def _publish(self) -> None:
