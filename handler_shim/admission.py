@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import os
 import threading
@@ -74,7 +75,10 @@ class _Waiter:
         if self.event is not None:
             self.event.set()
         elif self.loop is not None and self.future is not None:
-            self.loop.call_soon_threadsafe(_resolve, self.future)
+            # The loop may be gone (its asyncio.run() ended while we waited): the waiter's
+            # own cleanup or close() frees the record, so there is no one left to tell.
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(_resolve, self.future)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -374,14 +378,17 @@ class Admission:
             with self._guard:
                 waiters = list(self._waiters.values())
                 interested = {w.ticket.provider for w in waiters} | set(self._holding)
-            for w in waiters:
-                state = ledger.holder_state(self._buf, w.ticket)
-                if state != HOLDER_WAITING:
-                    w.wake()
-            now = time.monotonic()
-            if interested and now - last_sweep >= SWEEP_S:
-                last_sweep = now
-                self._sweep(interested)
+            try:
+                for w in waiters:
+                    state = ledger.holder_state(self._buf, w.ticket)
+                    if state != HOLDER_WAITING:
+                        w.wake()
+                now = time.monotonic()
+                if interested and now - last_sweep >= SWEEP_S:
+                    last_sweep = now
+                    self._sweep(interested)
+            except Exception:  # this thread must outlive any one bad turn
+                log.exception("admission dispatcher: unexpected error; continuing")
 
     def _sweep(self, providers: set[int]) -> None:
         """Reclaim dead holders and apply limit changes nobody announced (R-A5, R-L7)."""

@@ -10,8 +10,9 @@ next refresh without a restart. ``credentialFile`` is either
 
 The file must be a regular file (not a symlink: opened with ``O_NOFOLLOW``; not
 a FIFO or device), at most 4 KiB, and not accessible to all users (refused,
-like OpenSSH with a private key); access by the file's group is warned about
-once (R-P7), since sharing the key with the gateway's group is a real set-up. Trailing CR, LF and spaces are trimmed; what is
+like OpenSSH with a private key); access by the file's group is warned
+about once (R-P7), since sharing the key with the gateway's group is a real
+set-up. Trailing CR, LF and spaces are trimmed; what is
 left must be non-empty printable ASCII with no whitespace or control characters.
 
 The key is only ever held in a :class:`Secret`, whose ``repr``/``str`` never
