@@ -222,6 +222,39 @@ M = _fields(
     ],
 )
 
+# Hot-path codecs: several adjacent fields in one call. Each is checked against the
+# field table above, so they can never disagree with it.
+ADMISSION_BLOCK = struct.Struct("<iIiIdddQiIII")  # fallback_limit .. waiting
+ADMISSION_BLOCK_OFFSET = P["fallback_limit"].offset
+COUNTS = struct.Struct("<II")  # running, waiting
+COUNTS_OFFSET = P["running"].offset
+HOLDER_BODY = struct.Struct("<IdQQi4xd")  # pid, start, ticket, serial, member, (pad), since
+HOLDER_BODY_OFFSET = K["pid"].offset
+
+
+def _check_block(codec: struct.Struct, offset: int, table: dict[str, Field], names: str) -> None:
+    """``codec`` at ``offset`` must be exactly these fields in order, gaps as padding."""
+    expected = "<"
+    at = offset
+    for name in names.split():
+        field = table[name]
+        if field.offset > at:
+            expected += f"{field.offset - at}x"
+        expected += field.codec.format.lstrip("<")
+        at = field.offset + field.codec.size
+    assert codec.format == expected, (codec.format, expected)
+
+
+_check_block(
+    ADMISSION_BLOCK,
+    ADMISSION_BLOCK_OFFSET,
+    P,
+    "fallback_limit fallback_source published_limit published_source published_at observed_at "
+    "expires_at published_epoch discovered queue_bound running waiting",
+)
+_check_block(COUNTS, COUNTS_OFFSET, P, "running waiting")
+_check_block(HOLDER_BODY, HOLDER_BODY_OFFSET, K, "pid start ticket serial member since")
+
 PROVIDERS_BASE = HEADER_SIZE
 HOLDERS_BASE = PROVIDERS_BASE + PROVIDER_COUNT * PROVIDER_ROW_SIZE
 MEMBERS_BASE = HOLDERS_BASE + PROVIDER_COUNT * HOLDERS_PER_PROVIDER * HOLDER_ROW_SIZE

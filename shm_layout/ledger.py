@@ -97,17 +97,23 @@ def effective_limit(buf: Buf, p: int, now: float) -> Limit:
     return Limit(min(max(fallback, 0), RUNNING_ROOM), source, reason)
 
 
-_published, _expires, _fallback = P["published_limit"], P["expires_at"], P["fallback_limit"]
+_block, _block_off = layout.ADMISSION_BLOCK, layout.ADMISSION_BLOCK_OFFSET
+_counts, _counts_off = layout.COUNTS, layout.COUNTS_OFFSET
+_body, _body_off = layout.HOLDER_BODY, layout.HOLDER_BODY_OFFSET
+
+
+def _limit_from(fallback: int, published: int, expires: float, now: float) -> int:
+    if published >= 0 and now < expires:
+        return min(published, RUNNING_ROOM)
+    return min(max(fallback, 0), RUNNING_ROOM)
 
 
 def limit_value(buf: Buf, p: int, now: float) -> int:
     """The number :func:`effective_limit` gives, without building its explanation (hot path)."""
-    base = provider_base(p)
-    published: int = _published.get(buf, base)
-    if published >= 0 and now < _expires.get(buf, base):
-        return min(published, RUNNING_ROOM)
-    fallback: int = _fallback.get(buf, base)
-    return min(max(fallback, 0), RUNNING_ROOM)
+    fallback, _, published, _, _, _, expires, *_ = _block.unpack_from(
+        buf, provider_base(p) + _block_off
+    )
+    return _limit_from(fallback, published, expires, now)
 
 
 # --- arrival ------------------------------------------------------------------------------
@@ -136,9 +142,11 @@ def arrive(
     buf: Buf, p: int, pid: int, start: float, member: int, now: float, *, may_wait: bool = True
 ) -> tuple[Decision, Ticket | None]:
     base = provider_base(p)
-    running, waiting = _running.get(buf, base), _waiting.get(buf, base)
+    fallback, _, published, _, _, _, expires, _, _, bound, running, waiting = _block.unpack_from(
+        buf, base + _block_off
+    )
     decision = decide_arrival(
-        running, waiting, limit_value(buf, p, now), P["queue_bound"].get(buf, base)
+        running, waiting, _limit_from(fallback, published, expires, now), bound
     )
     if decision == "full" or (decision == "wait" and not may_wait):
         return decision, None
@@ -147,22 +155,18 @@ def arrive(
         return "full", None
     hb = holder_base(p, h)
     serial = _serial.get(buf, hb) + 1
-    _serial.put(buf, serial, hb)
-    _pid.put(buf, pid, hb)
-    _start.put(buf, start, hb)
-    _member.put(buf, member, hb)
-    _since.put(buf, now, hb)
     if decision == "admit":
-        _ticket.put(buf, 0, hb)
+        _body.pack_into(buf, hb + _body_off, pid, start, 0, serial, member, now)
         _state.put(buf, HOLDER_RUNNING, hb)  # state last
-        _count_running(buf, base, running + 1)
+        _counts.pack_into(buf, base + _counts_off, running + 1, waiting)
+        _note_running(buf, base, running + 1)
         P["admitted_total"].put(buf, P["admitted_total"].get(buf, base) + 1, base)
     else:
         ticket = P["next_ticket"].get(buf, base) + 1
         P["next_ticket"].put(buf, ticket, base)
-        _ticket.put(buf, ticket, hb)
+        _body.pack_into(buf, hb + _body_off, pid, start, ticket, serial, member, now)
         _state.put(buf, HOLDER_WAITING, hb)
-        _waiting.put(buf, waiting + 1, base)
+        _counts.pack_into(buf, base + _counts_off, running, waiting + 1)
         if waiting + 1 > P["peak_waiting"].get(buf, base):
             P["peak_waiting"].put(buf, waiting + 1, base)
     return decision, Ticket(p, h, serial)
@@ -186,6 +190,10 @@ def grantable(buf: Buf, p: int, now: float) -> bool:
 
 def _count_running(buf: Buf, base: int, running: int) -> None:
     _running.put(buf, running, base)
+    _note_running(buf, base, running)
+
+
+def _note_running(buf: Buf, base: int, running: int) -> None:
     if running > P["peak_running"].get(buf, base):
         P["peak_running"].put(buf, running, base)
 
@@ -220,15 +228,16 @@ def leave(buf: Buf, t: Ticket, pid: int, outcome: Outcome, now: float) -> tuple[
     base = provider_base(p)
     hb = holder_base(p, t.holder)
     state = _state.get(buf, hb)
-    if _serial.get(buf, hb) != t.serial or _pid.get(buf, hb) != pid or state == HOLDER_FREE:
+    owner, _, _, serial, _, _ = _body.unpack_from(buf, hb + _body_off)
+    if serial != t.serial or owner != pid or state == HOLDER_FREE:
         return "stale", set()
     _state.put(buf, HOLDER_FREE, hb)
+    running, waiting = _counts.unpack_from(buf, base + _counts_off)
     if state == HOLDER_RUNNING:
-        _running.put(buf, max(_running.get(buf, base) - 1, 0), base)
-        was = "running"
+        running, was = max(running - 1, 0), "running"
     else:
-        _waiting.put(buf, max(_waiting.get(buf, base) - 1, 0), base)
-        was = "waiting"
+        waiting, was = max(waiting - 1, 0), "waiting"
+    _counts.pack_into(buf, base + _counts_off, running, waiting)
     if outcome == "timeout":
         P["timeouts_total"].put(buf, P["timeouts_total"].get(buf, base) + 1, base)
     elif outcome == "cancelled":
@@ -244,7 +253,7 @@ def pump(buf: Buf, p: int, now: float) -> set[int]:
     slot is never handed to a corpse (R-A5).
     """
     base = provider_base(p)
-    running, waiting = _running.get(buf, base), _waiting.get(buf, base)
+    running, waiting = _counts.unpack_from(buf, base + _counts_off)
     if waiting == 0:
         return set()
     limit = limit_value(buf, p, now)
