@@ -1,0 +1,293 @@
+"""``make bench``: gateway-capacity admission measured against what else one could use (SPEC 10).
+
+Usage: ``.venv/bin/python bench/run.py [--quick] [--only SECTION,...] [--out PATH]``
+
+Sections (all by default): ``micro`` (uncontended acquire+release, side by
+side), ``handoff`` (cross-process release-to-running latency), ``throughput``
+(contended slots/s, 1..16 processes, limit 4), ``idle`` (CPU of 32 blocked
+waiters, R-A7), ``sidecar`` (RSS and CPU of ``gateway-capacity sidecar``).
+The table goes to stdout and to ``bench/results-latest.txt``; progress goes
+to stderr. docs/benchmarks.md explains every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bench_common import (
+    Cleanup,
+    fmt_ratio,
+    fmt_us,
+    median,
+    raise_on_sigterm,
+    render_table,
+)
+
+SECTIONS = ("micro", "handoff", "throughput", "idle", "sidecar")
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROCESS_COUNTS = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class Plan:
+    micro_rounds: int
+    micro_target_s: float
+    handoff_slots_each: int
+    throughput_rounds: int
+    throughput_s: float
+    idle_s: float
+    sidecar_s: float
+
+
+FULL = Plan(7, 0.2, 250, 3, 2.0, 5.0, 10.0)
+QUICK = Plan(3, 0.04, 60, 1, 0.5, 2.0, 4.0)
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --- sections: each returns its block of the report --------------------------------------
+def section_micro(cleanup: Cleanup, plan: Plan) -> str:
+    from bench_micro import run_micro
+
+    results, notes = run_micro(
+        cleanup, rounds=plan.micro_rounds, target_s=plan.micro_target_s, log=log
+    )
+    by_key = {r.key: median(r.per_op_ns) for r in results}
+    shim = by_key.get("shim_blocking", float("nan"))
+    floor = by_key.get("floor", float("nan"))
+    rows = []
+    for r in results:
+        m = median(r.per_op_ns)
+        rows.append(
+            [
+                r.label,
+                fmt_us(m),
+                fmt_us(min(r.per_op_ns)),
+                f"{1e9 / m:,.0f}",
+                fmt_ratio(m / shim),
+                fmt_ratio(m / floor),
+            ]
+        )
+    table = render_table(
+        ["acquire+release, uncontended", "median us", "best us", "per s", "/shim", "/floor"],
+        rows,
+        right={1, 2, 3, 4, 5},
+    )
+    head = (
+        f"1. Uncontended acquire+release, one thread (median of {plan.micro_rounds} interleaved "
+        "rounds; /shim = time / slot_blocking time, /floor = time / floor time)"
+    )
+    return "\n".join([head, "", table, *notes])
+
+
+def section_handoff(cleanup: Cleanup, plan: Plan) -> str:
+    from bench_procs import run_handoff
+
+    labels = {
+        "shim": "shim slot_blocking, limit 1",
+        "sem": "floor: posix_ipc semaphore, value 1",
+        "flock": "fcntl.flock mutex",
+    }
+    results = {}
+    for kind in labels:
+        log(f"hand-off: {kind}, 2 processes x {plan.handoff_slots_each} slots")
+        results[kind] = run_handoff(cleanup, kind, plan.handoff_slots_each)
+    floor_p50 = results["sem"].p50
+    rows = [
+        [
+            labels[k],
+            str(len(r.latencies_ns)),
+            fmt_us(r.p50),
+            fmt_us(r.p99),
+            fmt_us(max(r.latencies_ns)),
+            fmt_ratio(r.p50 / floor_p50),
+        ]
+        for k, r in results.items()
+    ]
+    table = render_table(
+        [
+            "release in A -> waiter in B running",
+            "hand-offs",
+            "p50 us",
+            "p99 us",
+            "max us",
+            "p50/floor",
+        ],
+        rows,
+        right={1, 2, 3, 4, 5},
+    )
+    head = (
+        "2. Cross-process hand-off latency (2 spawned processes ping-pong one slot, each held "
+        "2 ms; time.monotonic_ns across processes)"
+    )
+    return "\n".join([head, "", table])
+
+
+def section_throughput(cleanup: Cleanup, plan: Plan) -> str:
+    from bench_procs import CONTENDED_LIMIT, run_throughput
+
+    runs = run_throughput(
+        cleanup, ("shim", "sem"), PROCESS_COUNTS, plan.throughput_rounds, plan.throughput_s, log
+    )
+    rates = {kind: {n: median(r.rates) for n, r in by_n.items()} for kind, by_n in runs.items()}
+    base = rates["shim"][PROCESS_COUNTS[0]]
+    rows = [
+        [
+            str(n),
+            f"{rates['shim'][n]:,.0f}",
+            f"{rates['sem'][n]:,.0f}",
+            fmt_ratio(rates["shim"][n] / rates["sem"][n]),
+            fmt_ratio(rates["shim"][n] / base),
+            _percent(runs["shim"][n].queued),
+            str(len(runs["shim"][n].errors) + len(runs["sem"][n].errors)),
+        ]
+        for n in PROCESS_COUNTS
+    ]
+    table = render_table(
+        [
+            "processes",
+            "shim slots/s",
+            "floor slots/s",
+            "shim/floor",
+            "shim vs 1 proc",
+            "shim queued",
+            "errors",
+        ],
+        rows,
+        right={0, 1, 2, 3, 4, 5, 6},
+    )
+    head = (
+        f"3. Contended throughput, limit {CONTENDED_LIMIT}, empty slots, all processes together "
+        f"(median of {plan.throughput_rounds} x {plan.throughput_s:g} s; floor = a posix_ipc "
+        f"semaphore of value {CONTENDED_LIMIT})"
+    )
+    errors = sorted(
+        {
+            f"{kind}, {n} processes: {e}"
+            for kind in runs
+            for n in runs[kind]
+            for e in runs[kind][n].errors
+        }
+    )
+    notes = [f"error: {e}" for e in errors]
+    return "\n".join([head, "", table, *notes])
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f} %"
+
+
+def section_idle(cleanup: Cleanup, plan: Plan) -> str:
+    from bench_procs import run_idle
+
+    log(f"idle: 4 processes x 8 threads blocked for {plan.idle_s:g}s")
+    r = run_idle(cleanup, processes=4, threads=8, seconds=plan.idle_s)
+    verdict = "meets R-A7 (< 2 %)" if r.cpu_percent < 2.0 else "ABOVE R-A7's 2 %"
+    return "\n".join(
+        [
+            "4. Idle waiters (R-A7)",
+            "",
+            f"{r.waiters} waiters (4 processes x 8 threads) blocked {r.seconds:.1f} s: "
+            f"{r.cpu_percent:.2f} % of one core in total, {verdict}; "
+            f"{r.wakeups_per_s:.1f} dispatcher wake-ups/s per process (R-A7 allows 10)",
+        ]
+    )
+
+
+def section_sidecar(cleanup: Cleanup, plan: Plan) -> str:
+    from bench_sidecar import run_sidecar, sidecar_available
+
+    head = "5. Sidecar footprint (one loopback provider, --refresh 1)"
+    if not sidecar_available():
+        log("sidecar: command missing")
+        return "\n".join([head, "", "sidecar: not measured (command missing)"])
+    log(f"sidecar: {plan.sidecar_s:g}s against a loopback capacity server")
+    r = run_sidecar(cleanup, plan.sidecar_s)
+    published = "none" if r.published is None else str(r.published)
+    return "\n".join(
+        [
+            head,
+            "",
+            f"over {r.seconds:.1f} s: RSS {r.rss_mib:.1f} MiB (peak {r.peak_rss_mib:.1f} MiB), "
+            f"CPU {r.cpu_percent:.2f} % of one core, {r.probes} probes answered, "
+            f"published limit {published}",
+        ]
+    )
+
+
+RUNNERS: dict[str, Callable[[Cleanup, Plan], str]] = {
+    "micro": section_micro,
+    "handoff": section_handoff,
+    "throughput": section_throughput,
+    "idle": section_idle,
+    "sidecar": section_sidecar,
+}
+
+
+def banner(quick: bool) -> str:
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"gateway-capacity benchmark, {'quick' if quick else 'full'} run, {now}\n"
+        f"nproc {os.cpu_count()}, {platform.machine()}, Linux {platform.release()}, "
+        f"Python {platform.python_version()}, load average at start {load}\n"
+        "us = microseconds; every figure below is from this one run"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="short smoke run (< 60 s)")
+    parser.add_argument(
+        "--only", metavar="SECTION,...", help=f"run only these sections of {','.join(SECTIONS)}"
+    )
+    parser.add_argument(
+        "--out",
+        default=os.path.join(HERE, "results-latest.txt"),
+        metavar="PATH",
+        help="where to write the table too (default bench/results-latest.txt)",
+    )
+    args = parser.parse_args(argv)
+    chosen = SECTIONS if not args.only else tuple(s.strip() for s in args.only.split(","))
+    unknown = [s for s in chosen if s not in RUNNERS]
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    plan = QUICK if args.quick else FULL
+
+    raise_on_sigterm()
+    blocks = [banner(args.quick)]
+    started = time.monotonic()
+    failed = []
+    for name in chosen:
+        cleanup = Cleanup()  # each section leaves nothing behind for the next
+        try:
+            blocks.append(RUNNERS[name](cleanup, plan))
+        except KeyboardInterrupt:
+            log("interrupted; cleaning up")
+            return 130
+        except Exception as exc:  # report it, and still measure the other sections
+            log(f"{name}: failed: {type(exc).__name__}: {exc}")
+            blocks.append(f"{name}: FAILED ({type(exc).__name__}: {exc})")
+            failed.append(name)
+        finally:
+            cleanup.run()
+    blocks.append(f"(run took {time.monotonic() - started:.0f} s)")
+    report = "\n\n".join(blocks) + "\n"
+    sys.stdout.write(report)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(report)
+    log(f"written to {os.path.relpath(args.out)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
