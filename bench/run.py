@@ -245,7 +245,10 @@ def banner(quick: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        description="gateway-capacity admission measured side by side with the alternatives "
+        "(SPEC section 10); see docs/benchmarks.md"
+    )
     parser.add_argument("--quick", action="store_true", help="short smoke run (< 60 s)")
     parser.add_argument(
         "--only", metavar="SECTION,...", help=f"run only these sections of {','.join(SECTIONS)}"
