@@ -1,0 +1,148 @@
+"""The sidecar follows the gateway's config file live, and never writes it (R-C1, R-C3, R-C4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from capacity_server import CapacityServer
+from sidecar_e2e import (
+    EXE,
+    SidecarProc,
+    clean_env,
+    cli_json,
+    cli_provider,
+    discovered,
+    wait_provider,
+)
+
+Entry = Callable[..., dict[str, Any]]
+StartSidecar = Callable[..., SidecarProc]
+
+
+def _fingerprint(path: Path) -> tuple[bytes, int, int, int]:
+    st = os.stat(path)
+    return path.read_bytes(), st.st_mtime_ns, st.st_ino, st.st_ctime_ns
+
+
+def _rewrite(path: Path, doc: dict[str, Any]) -> None:
+    """Change the file in place, as an editor that does not rename would."""
+    before = os.stat(path).st_mtime_ns
+    path.write_text(json.dumps(doc))
+    if os.stat(path).st_mtime_ns == before:  # coarse file system clock: make the change visible
+        os.utime(path, ns=(before + 1_000_000, before + 1_000_000))
+
+
+def test_r_c4_toggling_capacity_discovery_is_followed_live_and_r_c1_file_is_never_written(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    capacity: CapacityServer,
+    entry: Entry,
+    start_sidecar: StartSidecar,
+) -> None:
+    on = {"maxConcurrent": 8, "providers": [entry(capacity)]}
+    off = {"maxConcurrent": 8, "providers": [entry(capacity, capacityDiscovery=False)]}
+    config = write_config(on)
+    sidecar = start_sidecar(config, segment_name)
+    wait_provider(segment_name, "p1", discovered(20))
+
+    _rewrite(config, off)
+    written = _fingerprint(config)
+    # "at once": the file is polled every second; 5 s is room for a loaded machine
+    p = wait_provider(
+        segment_name, "p1", lambda p: p["source"] == "gateway", timeout=5, what="static"
+    )
+    assert p["effective_limit"] == 8 and p["capacity_discovery"] is False
+    assert p["expires_at"] is None and p["discovered"] is None
+    assert "capacityDiscovery off" in p["reason"]
+    asked = capacity.requests
+    time.sleep(1.0)  # three refreshes: no probe (and no key) goes out while discovery is off
+    assert capacity.requests <= asked + 1  # at most the one in flight at the switch
+
+    resumed_from = capacity.requests
+    _rewrite(config, on)
+    written = _fingerprint(config)
+    wait_provider(segment_name, "p1", discovered(20), timeout=5, what="discovered again")
+    assert cli_provider(segment_name, "p1")["capacity_discovery"] is True
+    assert capacity.requests > resumed_from
+
+    time.sleep(1.5)  # more config polls and publications
+    sidecar.signal(15)
+    assert sidecar.wait(10) == 0
+    assert _fingerprint(config) == written  # R-C1: not written, renamed or touched
+
+
+def test_r_c3_broken_edit_keeps_the_last_good_config_and_availability_says_so(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    capacity: CapacityServer,
+    entry: Entry,
+    start_sidecar: StartSidecar,
+) -> None:
+    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
+    sidecar = start_sidecar(config, segment_name)
+    wait_provider(segment_name, "p1", discovered(20))
+    assert cli_json("availability", "--segment", segment_name)["config_status"] == "ok"
+
+    before = os.stat(config).st_mtime_ns
+    config.write_text('{"maxConcurrent": 8, "providers": [')  # an editor saved half a file
+    if os.stat(config).st_mtime_ns == before:
+        os.utime(config, ns=(before + 1_000_000, before + 1_000_000))
+
+    def status() -> str:
+        return str(cli_json("availability", "--segment", segment_name)["config_status"])
+
+    deadline = time.monotonic() + 5
+    while status() == "ok" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    text = status()
+    assert "last good config" in text, text
+    assert "not valid JSON" in text, text
+
+    # still running on the last good config: still probing, still following the router
+    capacity.set(models={"workhorse": 10})
+    wait_provider(segment_name, "p1", discovered(10), what="still discovering")
+    time.sleep(1.2)
+    broken = [line for line in sidecar.log_lines() if "last good config" in line]
+    assert len(broken) == 1, broken  # logged once, not at every poll
+
+    # a good edit is adopted, and the status clears
+    _rewrite(config, {"maxConcurrent": 8, "providers": [entry(capacity, maxConcurrent=6)]})
+    p = wait_provider(segment_name, "p1", discovered(6), timeout=5, what="good edit adopted")
+    assert "provider maxConcurrent 6" in p["reason"]
+    assert status() == "ok"
+
+
+@pytest.mark.parametrize("problem", ["missing", "not-json", "providers-not-a-list"])
+def test_r_c3_config_unusable_at_start_exits_2_with_one_clear_line(
+    problem: str, segment_name: str, tmp_path: Path
+) -> None:
+    config = tmp_path / "gateway.json"
+    if problem == "not-json":
+        config.write_text("{ this is not json")
+    elif problem == "providers-not-a-list":
+        config.write_text('{"providers": {"id": "p1"}}')
+    done = subprocess.run(
+        [EXE, "sidecar", "--config", str(config), "--segment", segment_name, "--refresh", "0.3"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+    )
+    assert done.returncode == 2, done
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert str(config) in lines[0], lines[0]
+    assert done.stdout == ""
+    # nothing was created: the operator's view says there is no segment
+    view = subprocess.run(
+        [EXE, "availability", "--segment", segment_name, "--json"], capture_output=True, timeout=30
+    )
+    assert view.returncode == 3

@@ -1,0 +1,243 @@
+"""Start, stop, crash, restart and hand-over of the sidecar (R-G4, R-G5, R-L7, R-A5, R-A9)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from capacity_server import CapacityServer
+from sidecar_e2e import (
+    SidecarProc,
+    cli_json,
+    cli_provider,
+    cli_providers,
+    discovered,
+    wait_doc,
+    wait_provider,
+)
+
+Entry = Callable[..., dict[str, Any]]
+StartSidecar = Callable[..., SidecarProc]
+
+
+def _sidecar_of(segment: str) -> dict[str, Any]:
+    doc = cli_json("availability", "--segment", segment)
+    assert doc["sidecar"] is not None
+    return dict(doc["sidecar"])
+
+
+def test_r_g4_a_second_sidecar_fences_the_first_which_exits_0_and_never_writes_again(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    servers: Callable[..., CapacityServer],
+    entry: Entry,
+    start_sidecar: StartSidecar,
+) -> None:
+    old_router, new_router = servers(), servers()
+    old_config = write_config(
+        {"maxConcurrent": 8, "providers": [entry(old_router), entry(old_router, "old-only")]},
+        name="old.json",
+    )
+    new_config = write_config(
+        {"maxConcurrent": 8, "providers": [entry(new_router, maxConcurrent=15)]}, name="new.json"
+    )
+    first = start_sidecar(old_config, segment_name)
+    wait_provider(segment_name, "p1", discovered(20))
+    first_epoch = _sidecar_of(segment_name)["writer_epoch"]
+
+    second = start_sidecar(new_config, segment_name)
+    assert first.wait(10) == 0  # retired, not failed: Restart=on-failure leaves it down
+    wait_provider(segment_name, "p1", discovered(15), what="the new sidecar's limit")
+    now = _sidecar_of(segment_name)
+    assert now["pid"] == second.pid and now["alive"] and now["state"] == "running"
+    assert now["writer_epoch"] == first_epoch + 1
+
+    log = first.log_text()
+    match = re.search(r"superseded.*epoch (\d+)\b.*epoch (\d+)", log)
+    assert match, log
+    assert (int(match.group(1)), int(match.group(2))) == (first_epoch, first_epoch + 1)
+
+    # what the first sidecar published is gone and stays gone: the new config rules
+    asked = old_router.requests
+    time.sleep(1.0)
+    shown = cli_providers(segment_name)
+    assert shown["p1"]["effective_limit"] == 15 and "maxConcurrent 15" in shown["p1"]["reason"]
+    assert shown["old-only"]["configured"] is False
+    assert old_router.requests == asked  # the retired sidecar stopped polling
+    assert second.poll() is None
+
+
+def test_r_l7_r_a9_after_sigkill_handlers_keep_the_discovered_limit_until_expiry_then_fallback(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    capacity: CapacityServer,
+    entry: Entry,
+    start_sidecar: StartSidecar,
+    agents: Callable[..., Any],
+) -> None:
+    # snapshots 27 s old: each discovered limit expires 3 s after its probe
+    capacity.set(observed_offset=-27.0)
+    config = write_config({"maxConcurrent": 2, "providers": [entry(capacity)]})
+    sidecar = start_sidecar(config, segment_name)
+    wait_provider(segment_name, "p1", discovered(20))
+    first = agents("--segment", segment_name, "--provider", "p1", "hold", "--threads", "3")
+    for _ in range(3):
+        first.expect("admitted")  # 3 > fallback 2: the discovered limit is in force
+
+    sidecar.kill()  # SIGKILL: no goodbye written
+    p = cli_provider(segment_name, "p1")
+    read_by = time.time()
+    expires_at = p["expires_at"]
+    assert expires_at is not None
+    if read_by < expires_at:  # normally ~2 s to spare; skip only on a badly stalled machine
+        assert (p["effective_limit"], p["source"]) == (20, "discovered"), p
+    assert _sidecar_of(segment_name)["alive"] is False
+
+    # after expiry the handlers apply the stored fallback on their own
+    p = wait_provider(
+        segment_name, "p1", lambda p: p["source"] == "gateway", timeout=15, what="expired"
+    )
+    assert time.time() >= expires_at
+    p = cli_provider(segment_name, "p1")
+    assert p["effective_limit"] == 2 and "expired" in p["reason"], p
+    assert p["running"] == 3  # nothing running was cancelled (R-A1)
+
+    late = agents("--segment", segment_name, "--provider", "p1", "hold", "--timeout", "1")
+    late.expect("timeout")  # 3 running >= 2: no new admission
+    first.send("release")
+    for _ in range(3):
+        first.expect("released")
+    up_to = agents(
+        "--segment", segment_name, "--provider", "p1", "hold", "--threads", "3", "--timeout", "1.5"
+    )
+    up_to.expect("admitted")
+    up_to.expect("admitted")
+    up_to.expect("timeout")  # exactly the fallback's 2, with no sidecar at all
+    assert len([e for e in up_to.seen if e["event"] == "admitted"]) == 2
+
+
+def test_r_g5_a_restarted_sidecar_reattaches_without_resetting_running_or_waiting(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    capacity: CapacityServer,
+    entry: Entry,
+    start_sidecar: StartSidecar,
+    agents: Callable[..., Any],
+) -> None:
+    capacity.set(models={"workhorse": 2})
+    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
+    first = start_sidecar(config, segment_name)
+    wait_provider(segment_name, "p1", discovered(2))
+    holder = agents("--segment", segment_name, "--provider", "p1", "hold", "--threads", "4")
+    holder.expect("admitted")
+    holder.expect("admitted")
+    wait_provider(segment_name, "p1", lambda p: (p["running"], p["waiting"]) == (2, 2))
+    epoch = _sidecar_of(segment_name)["writer_epoch"]
+
+    first.kill()  # a crash; systemd's Restart=on-failure starts a new one
+    second = start_sidecar(config, segment_name)
+    wait_doc(
+        segment_name,
+        lambda d: d["sidecar"]["pid"] == second.pid and d["sidecar"]["writer_epoch"] == epoch + 1,
+    )
+    wait_provider(
+        segment_name, "p1", lambda p: p["reason"] == "discovered 2", what="the first probe"
+    )
+    time.sleep(0.7)  # a few refreshes and heartbeats of the new sidecar
+    p = cli_provider(segment_name, "p1")
+    # counters kept, and the restart did not let the waiters in on the fallback (8)
+    assert (p["running"], p["waiting"]) == (2, 2), p
+    inspected = cli_json("inspect", "--segment", segment_name)["providers"][0]
+    assert (inspected["stored_running"], inspected["stored_waiting"]) == (2, 2)
+    # because before its first answer the limit in force stayed in force (R-L7)
+    [first_word] = [line for line in second.log_lines() if "provider p1: limit" in line][:1]
+    assert "limit 2 (discovered): kept from the previous sidecar" in first_word, first_word
+
+    capacity.set(models={"workhorse": 4})  # the waiters it kept are the ones admitted
+    holder.expect("admitted", timeout=5)
+    holder.expect("admitted", timeout=5)
+    wait_provider(segment_name, "p1", lambda p: (p["running"], p["waiting"]) == (4, 0))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_stop_signal_exits_0_leaves_the_segment_and_handlers_keep_working(
+    sig: signal.Signals,
+    segment_name: str,
+    write_config: Callable[..., Path],
+    capacity: CapacityServer,
+    entry: Entry,
+    start_sidecar: StartSidecar,
+    agents: Callable[..., Any],
+) -> None:
+    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
+    sidecar = start_sidecar(config, segment_name)
+    wait_provider(segment_name, "p1", discovered(20))
+    sidecar.signal(sig)
+    assert sidecar.wait(10) == 0
+    assert sig.name in sidecar.log_text()
+
+    doc = cli_json("availability", "--segment", segment_name)  # the segment is still there
+    assert doc["sidecar"]["alive"] is False and doc["sidecar"]["state"] == "stopped"
+    assert doc["providers"][0]["id"] == "p1"
+    handler = agents("--segment", segment_name, "--provider", "p1", "cycle", "3")
+    handler.expect("done")
+    assert handler.finish() == 0
+
+
+def test_parent_pid_the_sidecar_exits_0_when_its_parent_exits(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    capacity: CapacityServer,
+    entry: Entry,
+    start_sidecar: StartSidecar,
+) -> None:
+    parent = subprocess.Popen(["sleep", "60"])
+    try:
+        config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
+        sidecar = start_sidecar(config, segment_name, "--parent-pid", str(parent.pid))
+        wait_provider(segment_name, "p1", discovered(20))
+        time.sleep(0.6)
+        assert sidecar.poll() is None  # alive while the parent lives
+        parent.kill()  # not reaped yet: a zombie parent has exited too
+        assert sidecar.wait(10) == 0
+        assert f"parent process {parent.pid} exited" in sidecar.log_text()
+    finally:
+        parent.kill()
+        parent.wait()
+    assert cli_json("availability", "--segment", segment_name)["sidecar"]["alive"] is False
+
+
+def test_r_a5_the_sidecar_reclaims_a_sigkilled_holders_slot_within_2s(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    capacity: CapacityServer,
+    entry: Entry,
+    start_sidecar: StartSidecar,
+    agents: Callable[..., Any],
+) -> None:
+    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
+    sidecar = start_sidecar(config, segment_name)
+    wait_provider(segment_name, "p1", discovered(20))
+    holder = agents("--segment", segment_name, "--provider", "p1", "hold")
+    holder.expect("admitted")
+    assert cli_provider(segment_name, "p1")["running"] == 1
+
+    holder.kill()  # SIGKILL; nobody else waits or arrives: only the sidecar can reap
+    killed_at = time.monotonic()
+
+    def reclaimed() -> bool:
+        return "reclaimed 1 slot" in sidecar.log_text()
+
+    deadline = killed_at + 2.0 + 1.5  # the 2 s of R-A5, plus room for a busy host
+    while not reclaimed() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reclaimed(), sidecar.log_text()
+    p = cli_json("inspect", "--segment", segment_name)["providers"][0]
+    assert (p["stored_running"], p["running"]) == (0, 0), p
+    assert p["counters"]["reclaimed_total"] == 1
