@@ -120,6 +120,11 @@ class Sidecar:
         self.config_status = "ok"
         self.legacy = parse_legacy(options.await_legacy)
         self.segment_name = resolve_segment_name(options.segment, options.config_path)
+        self._metrics_server: Any = None
+        if options.metrics_listen:
+            # Before the segment and the writer epoch: a sidecar that cannot start must
+            # not first fence the one that is running (R-G4) and then leave none.
+            self._start_metrics(options.metrics_listen)
         self.seg = Segment.open(self.segment_name, create=True, group_shared=options.group_shared)
         self.pid, self.start = my_identity()
         self.providers: dict[str, _ProviderState] = {}
@@ -130,7 +135,6 @@ class Sidecar:
         self.stop = asyncio.Event()
         self.exit_code = 0
         self._watchdog = sdnotify.Watchdog.from_env()
-        self._metrics_server: Any = None
 
     # --- life cycle ---------------------------------------------------------------------
     async def run(self) -> int:
@@ -158,8 +162,6 @@ class Sidecar:
             log.info("waiting for legacy process %s (pid %d) to exit", legacy.label, legacy.pid)
         self._apply_config(self.config)
         self._publish()
-        if self.opts.metrics_listen:
-            self._start_metrics(self.opts.metrics_listen)
         sdnotify.ready()
         housekeeping = asyncio.create_task(self._housekeeping())
         await self.stop.wait()
@@ -406,11 +408,25 @@ class Sidecar:
     def _start_metrics(self, listen: str) -> None:
         from sidecar.metrics import serve_metrics
 
-        host, _, port = listen.rpartition(":")
-        self._metrics_server = serve_metrics(
-            host.strip("[]") or "127.0.0.1", int(port), self.segment_name
-        )
-        log.info("metrics on http://%s/metrics", listen)
+        host, port = parse_listen(listen)
+        try:
+            self._metrics_server = serve_metrics(host, port, self.segment_name)
+        except OSError as exc:
+            raise StartupError(
+                f"--metrics-listen {listen}: cannot listen: {exc.strerror or exc}"
+            ) from None
+        bound_host, bound_port = self._metrics_server.server_address[:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        log.info("metrics on http://%s:%d/metrics", shown, bound_port)
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT``; an empty host is 127.0.0.1); ``StartupError`` if not."""
+    host, sep, port = listen.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    if not sep or not port.isascii() or not port.isdigit() or int(port) > 65535:
+        raise StartupError(f"--metrics-listen {listen}: expected HOST:PORT, e.g. 127.0.0.1:9464")
+    return host, int(port)
 
 
 def _fallback(decision: LimitDecision | None, rules: ProviderRules) -> tuple[int, str]:

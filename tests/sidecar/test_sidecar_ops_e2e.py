@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,7 +19,7 @@ import httpx
 import pytest
 from capacity_server import CapacityServer
 from prometheus_client.parser import text_string_to_metric_families
-from sidecar_e2e import EXE, SidecarProc, clean_env, discovered, free_port, wait_provider
+from sidecar_e2e import EXE, SidecarProc, clean_env, cli_json, discovered, wait_provider
 
 Entry = Callable[..., dict[str, Any]]
 StartSidecar = Callable[..., SidecarProc]
@@ -44,13 +45,15 @@ def test_metrics_listen_serves_prometheus_metrics_labelled_by_provider(
     config = write_config(
         {"maxConcurrent": 8, "providers": [entry(capacity), {"id": "static", "maxConcurrent": 3}]}
     )
-    port = free_port()
-    start_sidecar(config, segment_name, "--metrics-listen", f"127.0.0.1:{port}")
+    sidecar = start_sidecar(config, segment_name, "--metrics-listen", "127.0.0.1:0")
     wait_provider(segment_name, "p1", discovered(20))
     holder = agents("--segment", segment_name, "--provider", "p1", "hold")
     holder.expect("admitted")
 
-    url = f"http://127.0.0.1:{port}/metrics"
+    # port 0: the kernel picks one, the log says which
+    found = re.search(r"metrics on (http://127\.0\.0\.1:(\d+)/metrics)", sidecar.log_text())
+    assert found and int(found.group(2)) > 0, sidecar.log_text()
+    url = found.group(1)
     deadline = time.monotonic() + 10
     text = _scrape(url)
     while text is None and time.monotonic() < deadline:
@@ -77,6 +80,34 @@ def test_metrics_listen_serves_prometheus_metrics_labelled_by_provider(
     assert value("expires_at", provider="p1") > time.time()
     assert 0 <= samples[("gateway_capacity_sidecar_heartbeat_age_seconds", ())] < 10
     assert key not in text
+
+
+@pytest.mark.parametrize("listen", ["busy", "127.0.0.1:notaport", "127.0.0.1"])
+def test_r_g4_an_unusable_metrics_address_exits_2_without_fencing_the_running_sidecar(
+    listen: str,
+    segment_name: str,
+    write_config: Callable[..., Path],
+    capacity: CapacityServer,
+    entry: Entry,
+    start_sidecar: StartSidecar,
+) -> None:
+    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
+    running = start_sidecar(config, segment_name)
+    wait_provider(segment_name, "p1", discovered(20))
+    epoch = cli_json("availability", "--segment", segment_name)["sidecar"]["writer_epoch"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        if listen == "busy":
+            listen = f"127.0.0.1:{busy.getsockname()[1]}"
+        failed = start_sidecar(config, segment_name, "--metrics-listen", listen)
+        assert failed.wait(30) == 2
+    lines = failed.log_lines()
+    assert len(lines) == 1 and "--metrics-listen" in lines[0], lines
+    assert "Traceback" not in failed.log_text()
+    sidecar = cli_json("availability", "--segment", segment_name)["sidecar"]
+    assert (sidecar["pid"], sidecar["writer_epoch"]) == (running.pid, epoch)
+    assert running.poll() is None
 
 
 def test_r_p7_json_logs_are_one_object_a_line_and_the_key_appears_nowhere(
