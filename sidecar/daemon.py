@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -48,6 +49,7 @@ from sidecar.replica import ProviderProbe
 
 log = logging.getLogger("gateway_capacity.sidecar")
 
+_NUMBERS = re.compile(r"\d+(?:\.\d+)?")
 TICK_S = 0.5  # housekeeping period: reap at least once a second (R-A5)
 CONFIG_POLL_S = 1.0
 
@@ -363,11 +365,17 @@ class Sidecar:
         d = state.decision
         if d is None:
             return
-        key = (d.effective_limit, d.source, d.reason)
+        # R-P9: a repeated state is logged once per change. Numbers in the reason are
+        # not a change: a router whose clock lags says "stale (observed_at <new>)" at
+        # every refresh; the limit itself is part of the key.
+        key = (d.effective_limit, d.source, _NUMBERS.sub("#", d.reason))
         if key == state.logged:
-            return  # R-P9: a repeated state is logged once per change
+            return
         state.logged = key
-        log.info(
+        # discovery that found no usable answer is worth a warning; the rest is news
+        failed = state.probe is not None and d.source == d.fallback_source
+        log.log(
+            logging.WARNING if failed else logging.INFO,
             "provider %s: limit %d (%s): %s",
             d.provider_id,
             d.effective_limit,

@@ -165,7 +165,7 @@ def test_r_l5_every_failure_reason_reaches_availability_with_the_fallback(
     providers.append(entry(_unused_url(), "refused-port"))
     cases["refused-port"] = ("unreachable", {}, {})
     config = write_config({"maxConcurrent": 8, "providers": providers})
-    start_sidecar(config, segment_name)
+    sidecar = start_sidecar(config, segment_name)
 
     def failed_with(reason: str) -> Callable[[dict[str, Any]], bool]:
         return lambda p: bool(p["replicas"]) and p["replicas"][0]["reason"].startswith(reason)
@@ -190,6 +190,13 @@ def test_r_l5_every_failure_reason_reaches_availability_with_the_fallback(
         assert replica["reason"].startswith(reason), (pid, p)
         assert reason in p["reason"] and p["reason"].startswith("no valid answer"), (pid, p)
     assert elsewhere.requests == 0  # the redirect was not followed
+
+    # R-P9: a failure repeated at every refresh is logged once, not every 0.3 s
+    lines = sidecar.log_lines()
+    for pid, (reason, _, _) in cases.items():
+        logged = [line for line in lines if f"{pid}: limit " in line and f"1 {reason}" in line]
+        assert len(logged) == 1, (pid, logged)
+        assert " WARNING " in logged[0], logged  # discovery failing is worth a warning
 
 
 def test_r_l6_incomplete_answers_can_lower_but_never_raise_the_limit(
