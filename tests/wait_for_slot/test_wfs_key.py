@@ -12,6 +12,9 @@ import pytest
 
 KEY = "sk-wfs-7f3a9c2e51d04b8e0a"
 
+# a regression that turns one sample into a 600 s wait should fail fast, not hang
+pytestmark = pytest.mark.timeout(60)
+
 
 def target(server) -> tuple[str, ...]:
     return ("--url", server.url, "--model", "workhorse")

@@ -11,6 +11,9 @@ import subprocess
 import pytest
 import trustme
 
+# a regression that turns one sample into a 600 s wait should fail fast, not hang
+pytestmark = pytest.mark.timeout(60)
+
 FAST = ("--interval", "0.05", "--timeout", "5")
 
 

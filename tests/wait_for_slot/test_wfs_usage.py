@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+# a regression that turns one sample into a 600 s wait should fail fast, not hang
+pytestmark = pytest.mark.timeout(60)
+
 
 @pytest.mark.parametrize(
     ("extra", "words"),
