@@ -72,7 +72,7 @@ def test_r_c4_toggling_capacity_discovery_is_followed_live_and_r_c1_file_is_neve
     assert cli_provider(segment_name, "p1")["capacity_discovery"] is True
     assert capacity.requests > resumed_from
 
-    time.sleep(1.5)  # more config polls and publications
+    time.sleep(1.1)  # another config poll and more publications
     sidecar.signal(15)
     assert sidecar.wait(10) == 0
     assert _fingerprint(config) == written  # R-C1: not written, renamed or touched
@@ -117,6 +117,36 @@ def test_r_c3_broken_edit_keeps_the_last_good_config_and_availability_says_so(
     p = wait_provider(segment_name, "p1", discovered(6), timeout=5, what="good edit adopted")
     assert "provider maxConcurrent 6" in p["reason"]
     assert status() == "ok"
+
+
+def test_r_p9_a_config_edit_probes_at_once_and_providers_come_and_go(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    capacity: CapacityServer,
+    entry: Entry,
+    start_sidecar: StartSidecar,
+) -> None:
+    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
+    start_sidecar(config, segment_name, refresh=60.0)  # no timed refresh during the test
+    wait_provider(segment_name, "p1", discovered(20), what="the probe at start")
+    asked = capacity.requests
+    capacity.set(models={"workhorse": 10})
+
+    _rewrite(
+        config,
+        {"maxConcurrent": 8, "providers": [entry(capacity), {"id": "added", "maxConcurrent": 2}]},
+    )
+    # the edit triggers a probe now, not in 60 s (R-P9), and the new provider is admitted for
+    wait_provider(segment_name, "p1", discovered(10), timeout=5, what="probe on config change")
+    assert capacity.requests == asked + 1
+    added = wait_provider(segment_name, "added", lambda p: p["configured"], timeout=5)
+    assert (added["effective_limit"], added["source"]) == (2, "provider")
+
+    _rewrite(config, {"maxConcurrent": 8, "providers": [{"id": "added", "maxConcurrent": 2}]})
+    gone = wait_provider(segment_name, "p1", lambda p: not p["configured"], timeout=5)
+    # a provider dropped from the config keeps only its stored fallback
+    assert (gone["effective_limit"], gone["source"]) == (8, "gateway"), gone
+    assert cli_provider(segment_name, "added")["configured"] is True
 
 
 @pytest.mark.parametrize("problem", ["missing", "not-json", "providers-not-a-list"])

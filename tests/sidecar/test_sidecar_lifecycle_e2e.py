@@ -241,3 +241,27 @@ def test_r_a5_the_sidecar_reclaims_a_sigkilled_holders_slot_within_2s(
     p = cli_json("inspect", "--segment", segment_name)["providers"][0]
     assert (p["stored_running"], p["running"]) == (0, 0), p
     assert p["counters"]["reclaimed_total"] == 1
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["owner-only", "group-shared"])
+def test_r_g6_the_sidecar_creates_the_segment_owner_only_unless_group_shared(
+    shared: bool,
+    segment_name: str,
+    write_config: Callable[..., Path],
+    capacity: CapacityServer,
+    entry: Entry,
+    start_sidecar: StartSidecar,
+) -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm to look at on this system")
+    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
+    start_sidecar(config, segment_name, *(["--group-shared"] if shared else []))
+    wait_provider(segment_name, "p1", discovered(20))
+    name = segment_name.lstrip("/")
+    objects = [shm / name, shm / f"sem.{name}.L", shm / f"sem.{name}.R"]
+    expected = 0o660 if shared else 0o600
+    for path in objects:
+        assert path.exists(), path
+        assert path.stat().st_mode & 0o777 == expected, (path, oct(path.stat().st_mode))
+    assert cli_json("inspect", "--segment", segment_name)["header"]["group_shared"] is shared
