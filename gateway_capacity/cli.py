@@ -43,7 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse would echo them, and a stray word may be a pasted key (R-P7, R-W3)
+        parser.print_usage(sys.stderr)
+        print(
+            f"gateway-capacity: error: {len(extra)} unrecognized argument(s) (not shown)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         code: int = args.func(args)
     except KeyboardInterrupt:
