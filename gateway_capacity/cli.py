@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         # argparse would echo them, and a stray word may be a pasted key (R-P7, R-W3)
         parser.print_usage(sys.stderr)
+        shown = [_safe_word(word) for word in extra]
         print(
-            f"gateway-capacity: error: {len(extra)} unrecognized argument(s) (not shown)",
-            file=sys.stderr,
+            f"gateway-capacity: error: unrecognized arguments: {' '.join(shown)}", file=sys.stderr
         )
         return 2
     try:
@@ -57,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return code
+
+
+def _safe_word(word: str) -> str:
+    """An option name is shown (a typo is worth seeing); values and bare words are not."""
+    if word.startswith("--") and len(word) > 2:
+        name, eq, _ = word.partition("=")
+        return name + ("=(not shown)" if eq else "")
+    return "(a word, not shown)"
 
 
 if __name__ == "__main__":
