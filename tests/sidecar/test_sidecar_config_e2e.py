@@ -149,12 +149,21 @@ def test_r_p9_a_config_edit_probes_at_once_and_providers_come_and_go(
     assert cli_provider(segment_name, "added")["configured"] is True
 
 
-@pytest.mark.parametrize("problem", ["missing", "not-json", "providers-not-a-list"])
+@pytest.mark.parametrize(
+    "problem", ["missing", "unreadable", "a-directory", "not-json", "providers-not-a-list"]
+)
 def test_r_c3_config_unusable_at_start_exits_2_with_one_clear_line(
     problem: str, segment_name: str, tmp_path: Path
 ) -> None:
     config = tmp_path / "gateway.json"
-    if problem == "not-json":
+    if problem == "unreadable":
+        if os.geteuid() == 0:
+            pytest.skip("root reads a mode-000 file anyway")
+        config.write_text("{}")
+        config.chmod(0)
+    elif problem == "a-directory":
+        config.mkdir()
+    elif problem == "not-json":
         config.write_text("{ this is not json")
     elif problem == "providers-not-a-list":
         config.write_text('{"providers": {"id": "p1"}}')
