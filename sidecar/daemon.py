@@ -303,7 +303,9 @@ class Sidecar:
         if kept.expires_at is None or kept.expires_at <= now:
             self.inherited.pop(pid, None)
             return decision
-        ceiling = min(DISCOVERED_CAP, state.rules.provider_max or DISCOVERED_CAP)
+        ceiling = DISCOVERED_CAP
+        if state.rules.provider_max is not None:  # 0 is a ceiling too
+            ceiling = min(ceiling, state.rules.provider_max)
         limit = min(kept.effective_limit, ceiling)
         return replace(
             kept,
