@@ -22,8 +22,9 @@ _LINUX = sys.platform.startswith("linux")
 def _linux_start(pid: int) -> float | None:
     try:
         fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
+    # Any other error (EMFILE, EACCES...) propagates: not knowing is not "dead".
     try:
         data = os.read(fd, 1024)
     finally:
@@ -61,7 +62,11 @@ def my_identity() -> tuple[int, float]:
 
 
 def is_alive(pid: int, start: float) -> bool:
-    """True when ``pid`` runs and is the same process that recorded ``start``."""
+    """True when ``pid`` runs and is the same process that recorded ``start``.
+
+    Errs on the side of "alive": taking a live process for dead would reclaim
+    its slots or break the lock, while a dead one is simply found next time.
+    """
     if pid <= 0:
         return False
     try:
@@ -70,7 +75,10 @@ def is_alive(pid: int, start: float) -> bool:
         if exc.errno == errno.ESRCH:
             return False
         # EPERM: exists but belongs to someone else; fall through to the start time
-    return process_start(pid) == start
+    try:
+        return process_start(pid) == start
+    except OSError:
+        return True
 
 
 class LivenessCache:

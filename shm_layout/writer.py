@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from shm_layout import layout, ledger
 from shm_layout.layout import SOURCE_CODES, H, P, R
 from shm_layout.segment import Segment
+from shm_layout.view import ReplicaView
+
+ReplicaRecord = ReplicaView  # a replica is written with the fields it is read with
 
 
 class Superseded(Exception):
@@ -24,16 +27,6 @@ class Superseded(Exception):
         self.mine = mine
         self.current = current
         super().__init__(f"writer epoch {mine} was superseded by epoch {current}")
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaRecord:
-    address: str
-    ok: bool
-    complete: bool
-    value: int | None
-    reason: str
-    observed_at: float | None
 
 
 @dataclass(frozen=True, slots=True)
