@@ -261,3 +261,25 @@ def test_slots_held_at_close_are_released(
     adm.close()
     assert _p1(segment_name) == (0, 0, 0, 0)
     cm.__exit__(None, None, None)  # harmless after close
+
+
+def test_a_static_limit_above_the_segments_room_is_clamped_with_a_warning(
+    segment_name: str, write_config: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    from gwtest import run_cli
+
+    from shm_layout.layout import RUNNING_ROOM
+
+    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 500}]})
+    caplog.set_level(logging.WARNING)
+    adm = Admission.attach(config=cfg, segment=segment_name)
+    try:
+        assert f"admitting at most {RUNNING_ROOM}" in caplog.text
+        import json
+
+        doc = json.loads(run_cli("inspect", "--segment", segment_name, "--json").stdout)
+        p1 = doc["providers"][0]
+        assert p1["effective_limit"] == p1["fallback_limit"] == RUNNING_ROOM
+        assert p1["clamped"] is True
+    finally:
+        adm.close()
