@@ -121,6 +121,12 @@ class Sidecar:
         self.config_stamp = _stamp(options.config_path)
         self.config_status = "ok"
         self.legacy = parse_legacy(options.await_legacy)
+        self.parent: tuple[int, float] | None = None
+        if options.parent_pid is not None:
+            parent_start = process_start(options.parent_pid)
+            if parent_start is None:
+                raise StartupError(f"--parent-pid {options.parent_pid}: no such process")
+            self.parent = (options.parent_pid, parent_start)  # pid reuse cannot fool us
         self.segment_name = resolve_segment_name(options.segment, options.config_path)
         self._metrics_server: Any = None
         if options.metrics_listen:
@@ -272,9 +278,12 @@ class Sidecar:
             if state is None or not state.rules.discovery_active:
                 return
             state.wake.clear()
-            probe = await probe_provider(state.config, tailscale_socket=self.opts.tailscale_socket)
+            asked = state.config
+            probe = await probe_provider(asked, tailscale_socket=self.opts.tailscale_socket)
             if self.providers.get(provider_id) is not state or not state.rules.discovery_active:
                 return  # removed or turned off while probing: that answer is not wanted
+            if state.config is not asked:
+                continue  # the entry changed while we probed (a new baseUrl?): ask again
             state.probe = probe
             state.decision = self._decide(state, time.time())
             self._log_decision(state)
@@ -404,11 +413,11 @@ class Sidecar:
                 return
             if reclaimed:
                 log.warning("reclaimed %d slot(s) held by dead processes", reclaimed)
-            if self.opts.parent_pid is not None and not _pid_alive(self.opts.parent_pid):
+            if self.parent is not None and not is_alive(*self.parent):
                 log.info("parent process %d exited: stopping", self.opts.parent_pid)
                 self.stop.set()
                 return
-            if time.monotonic() - last_config >= CONFIG_POLL_S:
+            if time.monotonic() - last_config >= min(CONFIG_POLL_S, self.opts.refresh_s):
                 last_config = time.monotonic()
                 self._check_config()
             self._watchdog.maybe_ping(time.monotonic())
@@ -487,16 +496,6 @@ def _stamp(path: str) -> tuple[int, int, int, int] | None:
     except OSError:
         return None
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return process_start(pid) is not None
 
 
 # --- logging -----------------------------------------------------------------------------------

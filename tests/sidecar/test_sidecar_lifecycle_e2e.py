@@ -265,3 +265,18 @@ def test_r_g6_the_sidecar_creates_the_segment_owner_only_unless_group_shared(
         assert path.exists(), path
         assert path.stat().st_mode & 0o777 == expected, (path, oct(path.stat().st_mode))
     assert cli_json("inspect", "--segment", segment_name)["header"]["group_shared"] is shared
+
+
+def test_parent_pid_that_is_not_running_is_exit_2_before_taking_the_epoch(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    capacity: CapacityServer,
+    entry: Entry,
+    start_sidecar: StartSidecar,
+) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process now
+    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
+    sidecar = start_sidecar(config, segment_name, "--parent-pid", str(gone.pid))
+    assert sidecar.wait(10) == 2
+    assert f"--parent-pid {gone.pid}: no such process" in sidecar.log_text()
