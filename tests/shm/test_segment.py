@@ -247,3 +247,20 @@ def test_unlink_segment_removes_every_semaphore(segment_name: str) -> None:
     with pytest.raises(posix_ipc.ExistentialError):
         posix_ipc.Semaphore(names.doorbell_name(segment_name, 5))
     assert wait_until(lambda: True)
+
+
+def test_watch_refreshes_the_availability_view(
+    segment_name: str, write_config: Callable[..., Path]
+) -> None:
+    from handler_shim import Admission
+
+    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
+    adm = Admission.attach(config=cfg, segment=segment_name, generation="watched")
+    try:
+        out = run_cli("watch", "--segment", segment_name, "--count", "2", "--interval", "0.1")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.count("p1 [static]  limit 2 (provider)") == 2
+        assert "watched (1 process)" in out.stdout
+    finally:
+        adm.close()
+    assert run_cli("watch", "--segment", "/gwt-nowhere", "--count", "1").returncode == 3
