@@ -96,7 +96,7 @@ def test_r_a7_async_wait_does_not_block_the_event_loop(adm: Admission) -> None:
         beat.cancel()
         return ticks
 
-    assert asyncio.run(scenario()) >= 20  # ~50 if the loop ran freely; 1 if it was blocked
+    assert asyncio.run(scenario()) >= 10  # ~50 if the loop ran freely; 1 or 2 if it was blocked
 
 
 def test_r_a4_a_grant_that_races_with_a_cancel_is_handed_on(
