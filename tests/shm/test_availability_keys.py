@@ -1,0 +1,81 @@
+"""availability --json carries every key SPEC section 8 names, with a publishing writer."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from gwtest import run_cli
+
+from handler_shim import Admission
+from shm_layout import writer
+from shm_layout.liveness import my_identity
+
+PROVIDER_KEYS = {
+    "id",
+    "capacity_discovery",
+    "effective_limit",
+    "source",
+    "reason",
+    "running",
+    "waiting",
+    "queue_bound",
+    "fallback_limit",
+    "discovered",
+    "observed_at",
+    "expires_at",
+    "replicas",
+}
+REPLICA_KEYS = {"address", "ok", "complete", "value", "reason", "observed_at"}
+SIDECAR_KEYS = {"pid", "alive", "heartbeat_age_s", "writer_epoch"}
+
+
+def test_availability_json_has_the_spec_keys(
+    segment_name: str, write_config: Callable[..., Path]
+) -> None:
+    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 12}]})
+    adm = Admission.attach(config=cfg, segment=segment_name, generation="handler-2.0")
+    try:
+        pid, start = my_identity()
+        epoch = writer.take_epoch(adm._seg, pid, start, time.time(), 15.0, str(cfg))
+        now = time.time()
+        writer.publish(
+            adm._seg,
+            epoch,
+            1,
+            "ok",
+            [
+                writer.Publication(
+                    "p1",
+                    True,
+                    12,
+                    "provider",
+                    limit=10,
+                    reason="discovered 20, capped",
+                    discovered=10,
+                    observed_at=now - 1,
+                    expires_at=now + 29,
+                    replicas=[writer.ReplicaRecord("127.0.0.1", True, True, 20, "ok", now - 1)],
+                )
+            ],
+            now,
+        )
+        out = run_cli("availability", "--segment", segment_name, "--json")
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        assert {"segment", "layout", "sidecar", "generations", "providers"} <= set(doc)
+        assert doc["segment"] == segment_name
+        assert doc["layout"] == {"major": 1, "minor": 0}
+        assert set(doc["sidecar"]) >= SIDECAR_KEYS
+        assert doc["sidecar"]["pid"] == os.getpid() and doc["sidecar"]["writer_epoch"] == epoch
+        assert doc["generations"][0]["generation"] == "handler-2.0"
+        p1 = doc["providers"][0]
+        assert set(p1) >= PROVIDER_KEYS
+        assert (p1["effective_limit"], p1["source"], p1["discovered"]) == (10, "discovered", 10)
+        assert set(p1["replicas"][0]) >= REPLICA_KEYS
+        assert p1["replicas"][0]["value"] == 20
+    finally:
+        adm.close()
