@@ -28,6 +28,21 @@ def segment_name() -> Iterator[str]:
 
 
 @pytest.fixture
+def key() -> str:
+    """A unique, recognisable key, so a leak check can search every output for it (R-P7)."""
+    return "sk-test-" + secrets.token_hex(16)
+
+
+@pytest.fixture
+def key_file(tmp_path: Path, key: str) -> Path:
+    """``key`` in a 0600 file, newline-terminated as an editor leaves it."""
+    path = tmp_path / "provider.key"
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
 def write_config(tmp_path: Path) -> Callable[..., Path]:
     def write(doc: dict[str, Any], name: str = "gateway.json") -> Path:
         path = tmp_path / name

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import secrets
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,20 +13,6 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # probe_servers, under --import-mode=importlib
 
 from sidecar.config import ProviderConfig
-
-
-@pytest.fixture
-def key() -> str:
-    # a recognisable, unique key so a leak check can search for it
-    return "sk-probe-" + secrets.token_hex(16)
-
-
-@pytest.fixture
-def key_file(tmp_path: Path, key: str) -> Path:
-    path = tmp_path / "provider.key"
-    path.write_text(key + "\n")
-    path.chmod(0o600)
-    return path
 
 
 @pytest.fixture

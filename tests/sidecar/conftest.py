@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import secrets
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,20 +14,6 @@ sys.path.insert(0, os.path.dirname(__file__))  # helpers, under --import-mode=im
 
 from capacity_server import CapacityServer
 from sidecar_e2e import SidecarProc
-
-
-@pytest.fixture
-def key() -> str:
-    """A unique key, so a leak check can search every output for it (R-P7)."""
-    return "sk-sidecar-" + secrets.token_hex(16)
-
-
-@pytest.fixture
-def key_file(tmp_path: Path, key: str) -> Path:
-    path = tmp_path / "provider.key"
-    path.write_text(key + "\n")
-    path.chmod(0o600)
-    return path
 
 
 @pytest.fixture
