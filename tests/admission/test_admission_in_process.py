@@ -28,6 +28,24 @@ def adm(segment_name: str, write_config: Callable[..., Path]) -> Iterator[Admiss
     a.close()
 
 
+def _publish(adm: Admission, limit: int, expires_in: float) -> None:
+    """Publish ``limit`` for p1 as a sidecar would, expiring ``expires_in`` s from now."""
+    seg = adm._seg
+    epoch = writer.take_epoch(seg, os.getpid(), adm._start, time.time(), 1.0, "test")
+    now = time.time()
+    publication = writer.Publication(
+        "p1",
+        True,
+        2,
+        "provider",
+        limit=limit,
+        reason="published by the test",
+        observed_at=now + expires_in - 30.0,
+        expires_at=now + expires_in,
+    )
+    writer.publish(seg, epoch, 1, "ok", [publication], now)
+
+
 def _p1(segment: str) -> tuple[int, int, int, int]:
     p = read_view(segment).provider("p1")
     assert p is not None
@@ -143,29 +161,8 @@ def test_double_release_and_foreign_release_are_harmless_and_logged(
 def test_r_a1_lowering_the_limit_never_cancels_running_work(
     adm: Admission, segment_name: str
 ) -> None:
-    seg = adm._seg
-    epoch = writer.take_epoch(seg, os.getpid(), adm._start, time.time(), 1.0, "test")
     with adm.slot_blocking("p1"), adm.slot_blocking("p1"):
-        now = time.time()
-        writer.publish(
-            seg,
-            epoch,
-            1,
-            "ok",
-            [
-                writer.Publication(
-                    "p1",
-                    True,
-                    2,
-                    "provider",
-                    limit=0,
-                    reason="drained",
-                    observed_at=now,
-                    expires_at=now + 30,
-                )
-            ],
-            now,
-        )
+        _publish(adm, limit=0, expires_in=30.0)
         p = read_view(segment_name).provider("p1")
         assert p is not None and (p.effective_limit, p.running) == (0, 2)
         with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=0.2):
@@ -176,28 +173,7 @@ def test_r_l7_r_a9_an_expired_limit_falls_back_without_any_sidecar(
     adm: Admission, segment_name: str
 ) -> None:
     """A discovered 0 that expires lets waiters in on the stored fallback, on their own."""
-    seg = adm._seg
-    epoch = writer.take_epoch(seg, os.getpid(), adm._start, time.time(), 1.0, "test")
-    now = time.time()
-    writer.publish(
-        seg,
-        epoch,
-        1,
-        "ok",
-        [
-            writer.Publication(
-                "p1",
-                True,
-                2,
-                "provider",
-                limit=0,
-                reason="no slots",
-                observed_at=now - 28.8,
-                expires_at=now + 1.2,
-            )
-        ],
-        now,
-    )
+    _publish(adm, limit=0, expires_in=1.2)
     assert read_view(segment_name).provider("p1").source == "discovered"  # type: ignore[union-attr]
     started = time.monotonic()
     with adm.slot_blocking("p1", timeout=10):
