@@ -203,6 +203,10 @@ class Admission:
             waiters = list(self._waiters.values())
             self._waiters.clear()
         atexit.unregister(self.close)
+        if os.getpid() != self._pid:
+            # A forked child inherited this object (and its atexit hook): the records
+            # and the member row are the parent's, not ours to free.
+            return
         for w in waiters:
             w.wake()  # they find the record gone and raise
         self._doorbell.release()  # let the dispatcher see _closed

@@ -259,3 +259,24 @@ def test_a_static_limit_above_the_segments_room_is_clamped_with_a_warning(
         assert p1["clamped"] is True
     finally:
         adm.close()
+
+
+def test_a_forked_child_never_frees_its_parents_slots(adm: Admission, segment_name: str) -> None:
+    """gunicorn-style preload: a child that inherits an attached Admission must attach
+    again; using or closing the inherited one leaves the parent's records alone."""
+    with adm.slot_blocking("p1"):
+        child = os.fork()
+        if child == 0:  # pragma: no cover - runs in the child
+            code = 0
+            try:
+                with adm.slot_blocking("p1"):
+                    code = 3  # must not get here
+            except Exception as exc:
+                code = 0 if "attach again" in str(exc) else 4
+            adm.close()  # what its atexit hook would do
+            os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        view = read_view(segment_name)
+        assert _p1(segment_name) == (1, 0, 1, 0)  # the parent's slot is still held
+        assert [m.pid for m in view.members] == [os.getpid()]
