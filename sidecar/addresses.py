@@ -27,12 +27,14 @@ Nothing here imports httpx at module level: ``sidecar.config`` (and through it
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import ipaddress
 import os
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -67,6 +69,8 @@ def default_tailscale_socket() -> str:
 
 def parse_ip(text: str) -> IPAddress | None:
     """An IP literal (brackets and a zone are not accepted), IPv4-mapped IPv6 unmapped."""
+    if "%" in text:
+        return None  # fe80::1%eth0: a zone names a link, not a host we can check
     try:
         ip = ipaddress.ip_address(text)
     except ValueError:
@@ -143,9 +147,10 @@ async def resolve(host: str, port: int) -> tuple[str, ...]:
     literal = parse_ip(host)
     if literal is not None:
         return (str(literal),)
-    loop = asyncio.get_running_loop()
     try:
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        # shield: a deadline abandons the wait, not the lookup, which the next
+        # refresh joins instead of starting another one
+        infos = await asyncio.shield(_lookup(host, port))
     except (socket.gaierror, UnicodeError) as exc:
         raise ResolveError(f"{host} did not resolve: {exc}") from None
     found: list[str] = []
@@ -162,6 +167,40 @@ async def resolve(host: str, port: int) -> tuple[str, ...]:
     return tuple(found)
 
 
+# One lookup at a time per (host, port), on a pool of our own: a resolver that hangs
+# for one provider's name holds one thread, not every thread of the loop's default
+# executor, so it cannot starve the other providers' lookups (R-P8).
+_RESOLVER_THREADS = 16
+_resolver_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_in_flight: dict[tuple[str, int], asyncio.Future[list[Any]]] = {}
+
+
+def _lookup(host: str, port: int) -> asyncio.Future[list[Any]]:
+    global _resolver_pool
+    key = (host, port)
+    pending = _in_flight.get(key)
+    loop = asyncio.get_running_loop()
+    if pending is not None and not pending.done() and pending.get_loop() is loop:
+        return pending
+    if _resolver_pool is None:
+        _resolver_pool = concurrent.futures.ThreadPoolExecutor(
+            _RESOLVER_THREADS, thread_name_prefix="gwcap-resolve"
+        )
+    future: asyncio.Future[list[Any]] = loop.run_in_executor(
+        _resolver_pool, functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+    )
+    _in_flight[key] = future
+    future.add_done_callback(lambda done: _forget(key, done))
+    return future
+
+
+def _forget(key: tuple[str, int], done: asyncio.Future[list[Any]]) -> None:
+    if _in_flight.get(key) is done:
+        del _in_flight[key]
+    if not done.cancelled():
+        done.exception()  # retrieved, so an abandoned failure is not logged as unhandled
+
+
 # --- Tailscale LocalAPI whois ----------------------------------------------
 
 WhoisAnswer = Literal["peer", "not_peer", "unavailable"]
@@ -173,11 +212,15 @@ class WhoisResult:
     detail: str  # peer name, or why the daemon could not say
 
 
-async def whois(ip: str, socket_path: str) -> WhoisResult:
-    """Ask tailscaled whether ``ip`` is a peer: ``GET /localapi/v0/whois?addr=IP``.
+async def whois(ip: str, socket_path: str, port: int = 0) -> WhoisResult:
+    """Ask tailscaled whether ``ip`` is a peer: ``GET /localapi/v0/whois?addr=IP:PORT``.
 
-    200 = peer, 404 = not a peer. No socket, a refused connection, or any other
-    answer = ``unavailable`` (the caller falls back to the range check and says so).
+    ``addr`` carries a port because older tailscaled versions parse it as
+    IP:port only (newer ones take both). 200 = peer, 404 = not a peer. No
+    socket or a refused connection = ``unavailable`` (no daemon: the caller
+    falls back to the range check and says so). Any other answer (403 access
+    denied, 5xx while the daemon is down) = ``not_peer``: a daemon that
+    answers but cannot confirm a peer must not let the key through (R-P1).
     The caller's deadline bounds the call.
     """
     import httpx  # here, not at the top: the handler side imports this module
@@ -188,8 +231,9 @@ async def whois(ip: str, socket_path: str) -> WhoisResult:
         async with httpx.AsyncClient(
             transport=transport, trust_env=False, follow_redirects=False
         ) as client:
+            addr = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
             resp = await client.get(
-                f"http://{LOCALAPI_HOST}/localapi/v0/whois", params={"addr": ip}
+                f"http://{LOCALAPI_HOST}/localapi/v0/whois", params={"addr": addr}
             )
     except (httpx.HTTPError, OSError) as exc:
         why = str(exc).strip() or type(exc).__name__
@@ -198,7 +242,8 @@ async def whois(ip: str, socket_path: str) -> WhoisResult:
         return WhoisResult("not_peer", f"tailscaled says {ip} is not a peer of this tailnet")
     if resp.status_code != 200:
         return WhoisResult(
-            "unavailable", f"tailscaled at {socket_path} answered http_{resp.status_code}"
+            "not_peer",
+            f"tailscaled answered http_{resp.status_code} for {ip}: cannot confirm a peer",
         )
     name = ""
     try:
@@ -234,13 +279,15 @@ class AddressCheck:
         return tuple(v.address for v in self.verdicts)
 
 
-async def check_address(address: str, tailnet: bool, socket_path: str) -> AddressVerdict:
+async def check_address(
+    address: str, tailnet: bool, socket_path: str, port: int = 0
+) -> AddressVerdict:
     ip = parse_ip(address)
     kind = classify(ip) if ip is not None else "other"
     if kind == "loopback":
         return AddressVerdict(address, True, "loopback")
     if kind == "tailscale" and tailnet:
-        answer = await whois(address, socket_path)
+        answer = await whois(address, socket_path, port)
         if answer.answer == "peer":
             return AddressVerdict(address, True, answer.detail)
         if answer.answer == "not_peer":
@@ -265,7 +312,9 @@ async def check_provider_addresses(
         return AddressCheck((), static)
     path = socket_path if socket_path is not None else default_tailscale_socket()
     addresses = await resolve(host, port)
-    verdicts = tuple(await asyncio.gather(*(check_address(a, tailnet, path) for a in addresses)))
+    verdicts = tuple(
+        await asyncio.gather(*(check_address(a, tailnet, path, port) for a in addresses))
+    )
     bad = [v for v in verdicts if not v.allowed]
     if bad:
         why = "; ".join(f"{v.address}: {v.detail}" for v in bad)

@@ -155,13 +155,18 @@ class FakeLocalAPI:
         host = headers.get("host", "")
         self.requests.append((target, host))
         url = urlsplit(target)
-        addr = parse_qs(url.query).get("addr", [""])[0]
+        addr_port = parse_qs(url.query).get("addr", [""])[0]
+        # like tailscaled's netip.ParseAddrPort (older versions accept nothing else)
+        addr, sep, port = addr_port.rpartition(":")
+        addr = addr.removeprefix("[").removesuffix("]")
         if host not in ("", "local-tailscaled.sock"):
             status, body = 403, b"invalid localapi request\n"
         elif self.status is not None:
             status, body = self.status, b"denied\n"
         elif url.path != "/localapi/v0/whois":
             status, body = 404, b"404 page not found\n"
+        elif not sep or not port.isdigit():
+            status, body = 400, b"invalid 'addr' parameter\n"
         elif addr in self.peers:
             status = 200
             body = json.dumps(

@@ -71,9 +71,10 @@ def test_r_p1_address_ranges(address: str, kind: str) -> None:
     assert classify(ip) == kind
 
 
-def test_r_p1_scoped_link_local_is_never_loopback() -> None:
-    ip = parse_ip("::1%lo")
-    assert ip is not None and classify(ip) == "other"
+def test_r_p1_scoped_link_local_is_never_loopback(tmp_path: Path) -> None:
+    assert parse_ip("::1%lo") is None  # a zone names a link, not a host
+    verdict = asyncio.run(check_address("::1%lo", True, str(tmp_path / "none.sock")))
+    assert not verdict.allowed
 
 
 @pytest.mark.parametrize(
@@ -129,7 +130,8 @@ def test_r_p1_whois_peer_answer_names_the_peer(socket_path: Path) -> None:
     answer, requests = asyncio.run(scenario())
     assert answer.answer == "peer"
     assert answer.detail == "tailnet peer router.tailnet.ts.net"
-    assert requests == [("/localapi/v0/whois?addr=100.101.102.103", LOCALAPI_HOST)]
+    # IP:port, which every tailscaled version parses (older ones take nothing else)
+    assert requests == [("/localapi/v0/whois?addr=100.101.102.103%3A0", LOCALAPI_HOST)]
 
 
 def test_r_p1_whois_404_means_not_a_peer(socket_path: Path) -> None:
@@ -146,12 +148,36 @@ def test_r_p1_whois_without_daemon_is_unavailable(tmp_path: Path) -> None:
     assert "no tailscaled at" in answer.detail
 
 
-def test_r_p1_whois_denied_is_unavailable_not_a_peer(socket_path: Path) -> None:
-    async def scenario() -> str:
-        async with FakeLocalAPI(socket_path, {}, status=403):
-            return (await whois("100.101.102.103", str(socket_path))).answer
+@pytest.mark.parametrize("status", [400, 403, 500, 503])
+def test_r_p1_a_daemon_that_answers_but_cannot_confirm_a_peer_refuses(
+    socket_path: Path, status: int
+) -> None:
+    """Only "no daemon" falls back to the range check: a 403 (access denied) or a 5xx
+    (daemon up, backend down: 100.64/10 may then route to an ISP) must not let the key
+    through."""
 
-    assert asyncio.run(scenario()) == "unavailable"
+    async def scenario() -> AddressCheck:
+        async with FakeLocalAPI(socket_path, {"100.101.102.103": "router"}, status=status):
+            return await check_provider_addresses("100.101.102.103", 443, True, str(socket_path))
+
+    check = asyncio.run(scenario())
+    assert check.refused is not None
+    assert f"http_{status}" in check.refused and "cannot confirm a peer" in check.refused
+
+
+def test_r_p1_ipv6_whois_sends_a_bracketed_address_and_port(socket_path: Path) -> None:
+    async def scenario() -> list[tuple[str, str]]:
+        async with FakeLocalAPI(socket_path, {}) as api:
+            await whois("fd7a:115c:a1e0::1", str(socket_path), 8443)
+        return api.requests
+
+    (request,) = asyncio.run(scenario())
+    assert request[0] == "/localapi/v0/whois?addr=%5Bfd7a%3A115c%3Aa1e0%3A%3A1%5D%3A8443"
+
+
+def test_r_p1_an_address_with_a_zone_id_is_never_accepted() -> None:
+    assert parse_ip("fd7a:115c:a1e0::53%lo") is None
+    assert parse_ip("fe80::1%eth0") is None
 
 
 def test_r_p1_tailnet_address_of_a_peer_is_allowed(socket_path: Path) -> None:
@@ -210,3 +236,52 @@ def test_r_p1_probe_of_a_public_host_is_refused_statically(
     )
     assert result.replicas == ()
     assert result.refused is not None and result.refused.startswith("opt_in_refused:")
+
+
+def test_r_p8_a_hanging_resolver_holds_one_thread_and_never_starves_other_providers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name whose lookup hangs (MagicDNS down, say) is looked up once at a time:
+    later refreshes join the lookup in flight instead of taking another thread, so
+    other providers' lookups keep their threads. (The real resolver cannot be made to
+    hang here: getaddrinfo is wrapped for one made-up name.)"""
+    import socket
+    import threading
+
+    real = socket.getaddrinfo
+    release = threading.Event()
+    calls = []
+
+    def getaddrinfo(host: str, *args: object, **kwargs: object) -> object:
+        if host == "router.hang.test":
+            calls.append(host)
+            release.wait(30)
+            raise socket.gaierror(socket.EAI_AGAIN, "released")
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+    async def refresh() -> tuple[str, tuple[str, ...]]:
+        async def hung() -> str:
+            try:
+                async with asyncio.timeout(0.2):
+                    await resolve("router.hang.test", 80)
+            except TimeoutError:
+                return "timeout"
+            return "resolved?"
+
+        async def local() -> tuple[str, ...]:
+            async with asyncio.timeout(5):
+                return await resolve("localhost", 80)
+
+        return await asyncio.gather(hung(), local())
+
+    async def scenario() -> list[tuple[str, tuple[str, ...]]]:
+        return [await refresh() for _ in range(12)]  # more than the default pool (cpus + 4)
+
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert all(h == "timeout" and loc for h, loc in results)
+    assert len(calls) == 1  # one thread ever waited on the hung name

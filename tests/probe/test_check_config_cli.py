@@ -108,10 +108,10 @@ def test_check_config_reports_every_provider_and_sends_nothing(
     assert by_id["broken"]["reason"].startswith("config_invalid:tailnet")
     assert report["skipped"] == ["providers[7]: id is missing or not a string (entry skipped)"]
     assert sorted(t for t, _ in whois_requests) == [
-        "/localapi/v0/whois?addr=100.101.102.103",
-        "/localapi/v0/whois?addr=100.101.102.103",
-        "/localapi/v0/whois?addr=100.101.102.104",
-        "/localapi/v0/whois?addr=100.101.102.104",
+        "/localapi/v0/whois?addr=100.101.102.103%3A443",
+        "/localapi/v0/whois?addr=100.101.102.103%3A443",
+        "/localapi/v0/whois?addr=100.101.102.104%3A443",
+        "/localapi/v0/whois?addr=100.101.102.104%3A443",
     ]  # JSON run and text run, one lookup per address each
 
     for pid in ("loop", "peer", "stranger", "public", "loose", "static", "broken"):
