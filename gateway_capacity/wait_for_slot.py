@@ -268,7 +268,14 @@ def metrics_url(base_url: str, model: str) -> str:
         raise ValueError("--model must be a model id such as 'workhorse' or 'org/model'")
     # llama-swap routes model ids that contain '/', so the slash stays as it is
     path = quote(model, safe="/-._~:@+")
-    return f"{base_url.rstrip('/')}/upstream/{path}/metrics"
+    url = f"{base_url.rstrip('/')}/upstream/{path}/metrics"
+    import httpx
+
+    try:
+        httpx.URL(url).host  # noqa: B018 - rejects control characters, bad IDNA names
+    except Exception:  # httpx.InvalidURL, idna errors: a usage error, never a traceback
+        raise ValueError("--url is not a valid URL (bad characters or host name)") from None
+    return url
 
 
 class MetricsSampler:
@@ -340,6 +347,8 @@ class MetricsSampler:
                     "give --ca-file PATH for a private CA"
                 )
             return NoAnswer(f"no answer ({_one_line(str(exc)) or type(exc).__name__})")
+        except httpx.HTTPError as exc:  # a malformed answer (e.g. a body that will not decode)
+            return Fatal(f"unusable answer from {self.url}: {type(exc).__name__}")
         if isinstance(body, Fatal):
             return body
         try:
@@ -382,8 +391,13 @@ class MetricsSampler:
         declared = response.headers.get("Content-Length")
         if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             return too_large
+        coding = response.headers.get("Content-Encoding", "identity").strip().lower()
+        if coding not in ("", "identity"):
+            # we asked for identity; a compressed body would only be measured after
+            # inflating it, so the cap would mean nothing
+            return Fatal(f"the metrics answer is compressed ({coding}); asked for identity")
         body = bytearray()
-        async for chunk in response.aiter_bytes():
+        async for chunk in response.aiter_raw():
             body += chunk
             if len(body) > MAX_BODY_BYTES:
                 return too_large

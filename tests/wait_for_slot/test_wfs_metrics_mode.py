@@ -399,3 +399,29 @@ def test_installed_command_exits_0_1_2_as_a_real_process(make_server, cli_proces
     assert ran.code == 2
     assert "not found (HTTP 404)" in one_line(ran.stderr)
     assert "Traceback" not in ran.stderr
+
+
+def test_r_w2_a_compressed_answer_exits_2_without_being_inflated(server, cli, answer, vllm_text):
+    """We ask for identity; a gzip body would only be measured after inflating it."""
+    import gzip
+
+    server.serve(
+        answer(body=gzip.compress(vllm_text().encode()), headers={"Content-Encoding": "gzip"})
+    )
+    ran = cli(*target(server), *FAST)
+    assert ran.code == 2
+    assert "compressed (gzip)" in one_line(ran.stderr)
+
+
+def test_r_w2_a_body_that_will_not_decode_is_a_one_line_exit_2(server, cli, answer):
+    server.serve(answer(body=b"not gzip at all", headers={"Content-Encoding": "gzip"}))
+    ran = cli(*target(server), *FAST)
+    assert ran.code == 2
+    assert "Traceback" not in ran.stderr
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9/x\ty", "http://xn--a.com:9"])
+def test_r_w2_an_unusable_url_is_a_usage_error(cli, url):
+    ran = cli("--url", url, "--model", "m", "--check")
+    assert ran.code == 2
+    assert "--url is not a valid URL" in one_line(ran.stderr)
