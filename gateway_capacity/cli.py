@@ -27,6 +27,7 @@ _COMMANDS = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gateway-capacity",
+        allow_abbrev=False,
         description="Capacity-following, generation-shared admission for an inference gateway.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -38,7 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue  # not built yet
         module.register(sub)
+    _no_abbreviations(parser)
     return parser
+
+
+def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """``--key`` must never be taken for ``--key-file`` (and its value then echoed as a
+    path): no prefix matching in any parser or subparser."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _no_abbreviations(child)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,3 +14,24 @@ def test_unrecognized_arguments_are_refused_without_being_shown() -> None:
     assert typo.returncode == 2
     assert "--segmnt" in typo.stderr and "--token=(not shown)" in typo.stderr
     assert "sk-abc-999" not in typo.stderr
+
+
+def test_options_are_never_abbreviated_so_a_key_is_not_taken_for_a_path() -> None:
+    """``router show --key K`` once matched ``--key-file`` by prefix and printed
+    'cannot open key file K' (R-P7)."""
+    for args in (
+        ("router", "show", "--key", "sk-typed-as-key-777"),
+        (
+            "wait-for-slot",
+            "--url",
+            "http://127.0.0.1:9",
+            "--model",
+            "m",
+            "--key",
+            "sk-typed-as-key-777",
+        ),
+        ("availability", "--seg", "/gwt-x"),
+    ):
+        out = run_cli(*args)
+        assert out.returncode == 2, args
+        assert "sk-typed-as-key-777" not in out.stdout + out.stderr
