@@ -57,6 +57,9 @@ LEGACY_DRAIN: Final = "legacy_drain"
 SOURCES: Final = frozenset({DISCOVERED, "provider", "gateway", "default", LEGACY_DRAIN})
 
 _DETAIL_MAX = 80  # keep reasons short; a detail is a phrase, never a body
+# probe refusals that mean "not opted in" (R-L1), as opposed to an opted-in provider
+# whose probe failed (unreachable, timeout, credential_error: R-L5)
+_OPT_IN_REFUSED = ("not_requested", "config_invalid", "opt_in_refused", "address_refused")
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +232,8 @@ def decide(
     else:
         found = _discover(rules, pairs, previous, now, fallback)
 
+    if isinstance(found, str) and found.startswith(_OPT_IN_REFUSED):
+        return static(found, views)  # R-L1: refused at probe time is not opted in, drain or not
     if legacy_draining:  # R-G3
         return _drain(rules, found, now, fallback, fallback_source, views)
     if isinstance(found, str):  # R-L5: fallback at once
@@ -350,13 +355,16 @@ def _drain(
     views: tuple[ReplicaView, ...],
 ) -> LimitDecision:
     reason = "legacy handler generation draining: new admissions wait"
+    # The drain is this sidecar's own assertion, not an observation: it holds for
+    # SNAPSHOT_TTL_S from now (the daemon re-asserts it well before that), so it never
+    # lapses between refreshes and lapses soon after a sidecar that died mid-drain.
+    expires_at = now + SNAPSHOT_TTL_S
     if isinstance(found, _Found):
         discovered: int | None = found.limit
         observed_at: float | None = found.observed_at
-        expires_at = found.observed_at + SNAPSHOT_TTL_S
         reason += f"; then discovered {found.limit}"
     else:
-        discovered, observed_at, expires_at = None, None, now + SNAPSHOT_TTL_S
+        discovered, observed_at = None, None
         reason += f"; then fallback {fallback} ({found})"
     return LimitDecision(
         provider_id=rules.provider_id,

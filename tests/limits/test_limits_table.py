@@ -239,7 +239,13 @@ ROWS: dict[str, Row] = {
     "r_g3_drain_holds_opted_in_provider_at_0": Row(
         rules(gateway_max=8), probe(ok(A, {W: 20}, age=4.0)), 0, "legacy_drain",
         ("legacy", "then discovered 20"), draining=True,
-        fields={"discovered": 20, "expires_at": NOW + 26.0, "fallback_limit": 8},
+        # the drain is asserted, not observed: it holds 30 s from now (the sidecar
+        # re-asserts it), whatever the age of the snapshot behind "then"
+        fields={"discovered": 20, "expires_at": NOW + 30.0, "fallback_limit": 8},
+    ),
+    "r_g3_r_l1_drain_leaves_a_provider_refused_at_probe_time_on_its_fallback": Row(
+        rules(gateway_max=8), ProviderProbe(PID, refused="address_refused:10.0.0.9: public"),
+        8, "gateway", ("address_refused",), draining=True,
     ),
     "r_g3_drain_applies_even_when_the_probe_failed": Row(
         rules(gateway_max=8), probe(fail(A, "timeout")), 0, "legacy_drain", ("then fallback 8",),
