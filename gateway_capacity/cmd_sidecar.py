@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+MAX_REFRESH_S = 25.0
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
@@ -49,10 +51,15 @@ def run(args: argparse.Namespace) -> int:
     from sidecar.daemon import Options, main, setup_logging
 
     setup_logging(args.log_format, args.log_level)
-    if args.refresh <= 0:
+    if not 0 < args.refresh < MAX_REFRESH_S:  # also refuses nan and inf
         import logging
 
-        logging.getLogger("gateway_capacity.sidecar").error("--refresh must be positive")
+        logging.getLogger("gateway_capacity.sidecar").error(
+            "--refresh must be a number of seconds above 0 and below %g: a discovered "
+            "limit expires 30 s after its observation (R-L7), so a longer period would "
+            "let it lapse between refreshes",
+            MAX_REFRESH_S,
+        )
         return 2
     return main(
         Options(

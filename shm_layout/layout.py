@@ -121,12 +121,10 @@ FLAG_GROUP_SHARED = 1
 SIDECAR_NONE = 0
 SIDECAR_RUNNING = 1
 SIDECAR_STOPPED = 2
-SIDECAR_RETIRED = 3
 SIDECAR_STATES = {
     SIDECAR_NONE: "none",
     SIDECAR_RUNNING: "running",
     SIDECAR_STOPPED: "stopped",
-    SIDECAR_RETIRED: "retired",
 }
 
 # --- provider rows ------------------------------------------------------------------------

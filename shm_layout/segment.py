@@ -52,8 +52,8 @@ class IncompatibleLayout(SegmentError):
         super().__init__(
             f"segment {name} has layout {found[0]}.{found[1]}, this program speaks "
             f"{MAJOR}.{MINOR}: not compatible (different major version). Stop the other "
-            f"generation, or remove the segment with 'gateway-capacity inspect --segment {name} "
-            "--unlink' once nothing uses it."
+            f"generation, or once nothing uses it remove the segment with 'gateway-capacity "
+            f"inspect --segment {name} --unlink --force'."
         )
 
 
@@ -78,6 +78,15 @@ class Segment:
         self.lock = SegmentLock(name, buf, self.mode, on_repair=self._repair)
         self._doorbells: dict[int, posix_ipc.Semaphore] = {}
         self._closed = False
+        identity = _identity_of(name)
+        self._identity = None if identity == _UNKNOWN else identity
+
+    def still_named(self) -> bool:
+        """Is the object under our name still the one we mapped? (No after an
+        ``inspect --unlink --force`` and a re-creation by someone else.)"""
+        if self._identity is None:
+            return True  # could not tell at open: never claim it was replaced
+        return _identity_of(self.name) in (self._identity, _UNKNOWN)
 
     # --- open ------------------------------------------------------------------------
     @classmethod
@@ -128,6 +137,24 @@ class Segment:
         from shm_layout import ledger  # ledger stands on this module
 
         ledger.recount(self.buf)
+
+
+_UNKNOWN = (-1, -1)
+
+
+def _identity_of(name: str) -> tuple[int, int] | None:
+    """(device, inode) of the shm object now under ``name``; None when there is none."""
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=True)
+    except posix_ipc.ExistentialError:
+        return None
+    except PermissionError:
+        return _UNKNOWN
+    try:
+        info = os.fstat(shm.fd)
+    finally:
+        shm.close_fd()
+    return info.st_dev, info.st_ino
 
 
 # --- creation and attachment -----------------------------------------------------------
@@ -193,7 +220,8 @@ def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
         if info.st_mode & stat.S_IRWXO:
             raise UnsafePermissions(
                 f"segment {name} is accessible to all users (mode {info.st_mode & 0o777:o}); "
-                "refusing to use it. Remove it and let gateway-capacity create it again."
+                "refusing to use it. Remove it ('gateway-capacity inspect --segment "
+                f"{name} --unlink --force') and let gateway-capacity create it again."
             )
         deadline = time.monotonic() + INIT_WAIT_S
         while True:

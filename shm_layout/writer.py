@@ -115,13 +115,17 @@ def publish(
         H["config_status"].put(buf, layout.encode_text(config_status, layout.REASON_BYTES))
         seen: set[int] = set()
         for pub in publications:
-            p, _ = ledger.ensure_provider(
-                buf, pub.provider_id, pub.fallback, pub.fallback_source, pub.discovery
-            )
+            try:
+                p, _ = ledger.ensure_provider(
+                    buf, pub.provider_id, pub.fallback, pub.fallback_source, pub.discovery
+                )
+            except ledger.TableFull as exc:
+                warnings.append(f"provider {pub.provider_id}: not published: {exc}")
+                continue
             seen.add(p)
             if ledger.set_fallback(buf, p, pub.fallback, pub.fallback_source, pub.discovery):
                 warnings.append(
-                    f"provider {pub.provider_id}: static limit {pub.fallback} is above the "
+                    f"provider {pub.provider_id}: configured limit {pub.fallback} is above the "
                     f"segment's room of {layout.RUNNING_ROOM} running; clamped"
                 )
             _write_publication(buf, p, pub, epoch, now)
@@ -132,6 +136,10 @@ def publish(
             if p not in seen:
                 P["flags"].put(buf, P["flags"].get(buf, base) & ~layout.PFLAG_CONFIGURED, base)
                 P["published_limit"].put(buf, -1, base)
+                for name in ("observed_at", "expires_at"):
+                    P[name].put(buf, 0.0, base)
+                P["discovered"].put(buf, -1, base)
+                P["replica_count"].put(buf, 0, base)
                 P["reason"].put(
                     buf, layout.encode_text("not in the config any more", layout.REASON_BYTES), base
                 )

@@ -52,6 +52,8 @@ log = logging.getLogger("gateway_capacity.sidecar")
 _NUMBERS = re.compile(r"\d+(?:\.\d+)?")
 TICK_S = 0.5  # housekeeping period: reap at least once a second (R-A5)
 CONFIG_POLL_S = 1.0
+DRAIN_REPUBLISH_S = 5.0
+SEGMENT_CHECK_S = 2.0
 
 
 @dataclass
@@ -79,6 +81,7 @@ class _ProviderState:
     config: ProviderConfig
     probe: ProviderProbe | None = None
     decision: LimitDecision | None = None
+    last_discovered: LimitDecision | None = None  # R-L6's base, kept across a failed refresh
     logged: tuple[Any, ...] = ()
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
@@ -89,26 +92,60 @@ class StartupError(Exception):
 
 
 def parse_legacy(specs: Sequence[str]) -> list[_Legacy]:
-    """``--await-legacy PID|PIDFILE``: the processes to wait for, by pid and start time."""
+    """``--await-legacy PID|PIDFILE``: the processes to wait for, by pid and start time.
+
+    A pidfile that is gone, or names a process started after the file was last
+    written (its pid was reused), means the legacy process has already exited:
+    a sidecar restarted after the upgrade must not refuse to start, nor wait
+    for an unrelated process.
+    """
     out = []
     for spec in specs:
+        written: float | None = None
         if spec.isdigit():
             pid = int(spec)
         else:
             try:
                 with open(spec, encoding="ascii") as f:
                     text = f.read().strip()
-            except OSError as exc:
+                    written = os.fstat(f.fileno()).st_mtime
+            except FileNotFoundError:
+                log.info("legacy pidfile %s is gone: that process has exited", spec)
+                continue
+            except (OSError, UnicodeDecodeError) as exc:
                 raise StartupError(f"--await-legacy {spec}: cannot read pidfile: {exc}") from None
             if not text.isdigit():
                 raise StartupError(f"--await-legacy {spec}: pidfile does not hold a pid")
             pid = int(text)
         start = process_start(pid)
         if start is None:
-            log.info("legacy process %s (pid %d) is not running; not waiting for it", spec, pid)
+            log.info(
+                "legacy process %s is not running; not waiting for it", _legacy_label(spec, pid)
+            )
+            continue
+        if written is not None and _started_after(pid, written):
+            log.info(
+                "legacy pidfile %s names pid %d, which started after the file was written "
+                "(a reused pid): not waiting for it",
+                spec,
+                pid,
+            )
             continue
         out.append(_Legacy(spec, pid, start))
     return out
+
+
+def _legacy_label(spec: str, pid: int) -> str:
+    return f"pid {pid}" if spec == str(pid) else f"{spec} (pid {pid})"
+
+
+def _started_after(pid: int, when: float) -> bool:
+    import psutil
+
+    try:
+        return bool(psutil.Process(pid).create_time() > when + 1.0)
+    except psutil.Error:
+        return False
 
 
 class Sidecar:
@@ -143,6 +180,7 @@ class Sidecar:
         self.stop = asyncio.Event()
         self.exit_code = 0
         self._watchdog = sdnotify.Watchdog.from_env()
+        self._warned: set[str] = set()
 
     # --- life cycle ---------------------------------------------------------------------
     async def run(self) -> int:
@@ -167,7 +205,9 @@ class Sidecar:
             self.opts.config_path,
         )
         for legacy in self.legacy:
-            log.info("waiting for legacy process %s (pid %d) to exit", legacy.label, legacy.pid)
+            log.info(
+                "waiting for legacy process %s to exit", _legacy_label(legacy.label, legacy.pid)
+            )
         self._apply_config(self.config)
         self._publish()
         sdnotify.ready()
@@ -234,7 +274,9 @@ class Sidecar:
             else:
                 if state.rules.discovery_active and not rules.discovery_active:
                     state.probe = None  # R-C4: static at once, nothing stale kept
-                state.rules, state.config = rules, provider
+                if provider != state.config:  # by value: an unchanged entry keeps its probe
+                    state.config = provider
+                state.rules = rules
             state.decision = self._decide(state, time.time())
             self._log_decision(state)
             if rules.discovery_active:
@@ -263,6 +305,8 @@ class Sidecar:
                 self.config_status = status
                 self._publish()
             return
+        if config == self.config and self.config_status == "ok":
+            return  # touched or rewritten with the same content: nothing to redo (R-P9)
         log.info("config: change picked up")
         self.generation += 1
         self.config_status = "ok"
@@ -279,7 +323,12 @@ class Sidecar:
                 return
             state.wake.clear()
             asked = state.config
-            probe = await probe_provider(asked, tailscale_socket=self.opts.tailscale_socket)
+            try:
+                probe = await probe_provider(asked, tailscale_socket=self.opts.tailscale_socket)
+            except Exception:  # probe_provider never raises for a provider's fault; be sure
+                self._log_unexpected(f"probe of {provider_id}")
+                await asyncio.sleep(self.opts.refresh_s)
+                continue
             if self.providers.get(provider_id) is not state or not state.rules.discovery_active:
                 return  # removed or turned off while probing: that answer is not wanted
             if state.config is not asked:
@@ -292,6 +341,14 @@ class Sidecar:
                 await asyncio.wait_for(state.wake.wait(), self.opts.refresh_s)
 
     def _decide(self, state: _ProviderState, now: float) -> LimitDecision:
+        decision = self._decide_once(state, now)
+        if decision.source == DISCOVERED and decision.discovered is not None:
+            # R-L6's base is the last *discovered* limit while unexpired, not the last
+            # decision: one failed refresh in between must not reset it to the fallback.
+            state.last_discovered = decision
+        return decision
+
+    def _decide_once(self, state: _ProviderState, now: float) -> LimitDecision:
         """Section 5's decision, except that a restart does not undo a limit in force.
 
         Until a provider's first probe, a discovered limit that the previous
@@ -300,7 +357,7 @@ class Sidecar:
         has no room for (or shut out work it has room for).
         """
         decision = decide(
-            state.rules, state.probe, state.decision, now, legacy_draining=self._draining()
+            state.rules, state.probe, state.last_discovered, now, legacy_draining=self._draining()
         )
         pid = state.rules.provider_id
         if state.probe is not None or not state.rules.discovery_active:
@@ -361,7 +418,9 @@ class Sidecar:
         pubs = []
         for pid, state in self.providers.items():
             fallback, fallback_source = _fallback(state.decision, state.rules)
-            pubs.append(_publication(pid, state, fallback, fallback_source))
+            status = self.config.statuses.get(pid)
+            requested = status.discovery_requested if status else state.config.capacity_discovery
+            pubs.append(_publication(pid, state, fallback, fallback_source, requested))
         try:
             warnings = writer.publish(
                 self.seg, self.epoch, self.generation, self.config_status, pubs, now
@@ -369,8 +428,13 @@ class Sidecar:
         except writer.Superseded as exc:
             self._retire(exc)
             return
+        except Exception:
+            self._log_unexpected("publication")
+            return
         for w in warnings:
-            log.warning("%s", w)
+            if w not in self._warned:  # R-P9: once per sidecar run, not every publication
+                self._warned.add(w)
+                log.warning("%s", w)
 
     def _log_decision(self, state: _ProviderState) -> None:
         d = state.decision
@@ -397,31 +461,66 @@ class Sidecar:
 
     # --- housekeeping ------------------------------------------------------------------------
     async def _housekeeping(self) -> None:
-        last_config = 0.0
+        last = {"config": 0.0, "drain": time.monotonic(), "segment": time.monotonic()}
         while True:
-            now = time.time()
-            legacy_before = len(self.legacy)
-            self.legacy = [x for x in self.legacy if is_alive(x.pid, x.start)]
-            if legacy_before and not self.legacy:
-                log.info("legacy generation exited: the discovered budget applies now")
-                self._redecide_all()
-                self._publish()
             try:
-                reclaimed = writer.heartbeat(self.seg, self.epoch, now, len(self.legacy))
-            except writer.Superseded as exc:
-                self._retire(exc)
-                return
-            if reclaimed:
-                log.warning("reclaimed %d slot(s) held by dead processes", reclaimed)
-            if self.parent is not None and not is_alive(*self.parent):
-                log.info("parent process %d exited: stopping", self.opts.parent_pid)
-                self.stop.set()
-                return
-            if time.monotonic() - last_config >= min(CONFIG_POLL_S, self.opts.refresh_s):
-                last_config = time.monotonic()
-                self._check_config()
-            self._watchdog.maybe_ping(time.monotonic())
+                if not self._housekeep(last):
+                    return
+            except Exception:  # one bad turn must not stop heartbeat and reaping
+                self._log_unexpected("housekeeping")
             await asyncio.sleep(TICK_S)
+
+    def _housekeep(self, last: dict[str, float]) -> bool:
+        """One turn of housekeeping; False when the sidecar is to stop."""
+        now = time.time()
+        legacy_before = len(self.legacy)
+        self.legacy = [x for x in self.legacy if is_alive(x.pid, x.start)]
+        if legacy_before and not self.legacy:
+            log.info("legacy generation exited: the discovered budget applies now")
+            self._redecide_all()
+            self._publish()
+        elif self.legacy and time.monotonic() - last["drain"] >= DRAIN_REPUBLISH_S:
+            # A drain is asserted by this sidecar, not observed: keep it fresh so
+            # it never lapses between refreshes, and lapses soon if we die (R-G3).
+            last["drain"] = time.monotonic()
+            self._redecide_all()
+            self._publish()
+        try:
+            reclaimed = writer.heartbeat(self.seg, self.epoch, now, len(self.legacy))
+        except writer.Superseded as exc:
+            self._retire(exc)
+            return False
+        if reclaimed:
+            log.warning("reclaimed %d slot(s) held by dead processes", reclaimed)
+        if self.parent is not None and not is_alive(*self.parent):
+            log.info("parent process %d exited: stopping", self.opts.parent_pid)
+            self.stop.set()
+            return False
+        if time.monotonic() - last["segment"] >= SEGMENT_CHECK_S:
+            last["segment"] = time.monotonic()
+            if not self.seg.still_named():
+                log.error(
+                    "segment %s was removed or replaced under this sidecar (inspect "
+                    "--unlink --force?); exiting so that a restart attaches to the "
+                    "current one",
+                    self.segment_name,
+                )
+                self.exit_code = 1
+                self.stop.set()
+                return False
+        if time.monotonic() - last["config"] >= min(CONFIG_POLL_S, self.opts.refresh_s):
+            last["config"] = time.monotonic()
+            self._check_config()
+        self._watchdog.maybe_ping(time.monotonic())
+        return True
+
+    def _log_unexpected(self, where: str) -> None:
+        """Log an unexpected exception with its traceback, once per distinct message."""
+        exc = sys.exc_info()[1]
+        text = f"{where}: {type(exc).__name__}: {exc}"
+        if text not in self._warned:
+            self._warned.add(text)
+            log.exception("unexpected error in %s; carrying on", where)
 
     # --- metrics (off by default) ------------------------------------------------------
     def _start_metrics(self, listen: str) -> None:
@@ -457,10 +556,14 @@ def _fallback(decision: LimitDecision | None, rules: ProviderRules) -> tuple[int
 
 
 def _publication(
-    provider_id: str, state: _ProviderState, fallback: int, fallback_source: str
+    provider_id: str,
+    state: _ProviderState,
+    fallback: int,
+    fallback_source: str,
+    requested: bool,
 ) -> writer.Publication:
     d = state.decision
-    discovery = state.config.capacity_discovery
+    discovery = requested  # "capacity_discovery" = requested in the file, active or not
     if d is None:
         return writer.Publication(provider_id, discovery, fallback, fallback_source)
     replicas = [
