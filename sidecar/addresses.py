@@ -27,12 +27,12 @@ Nothing here imports httpx at module level: ``sidecar.config`` (and through it
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import functools
+import contextlib
 import ipaddress
 import os
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -167,31 +167,44 @@ async def resolve(host: str, port: int) -> tuple[str, ...]:
     return tuple(found)
 
 
-# One lookup at a time per (host, port), on a pool of our own: a resolver that hangs
-# for one provider's name holds one thread, not every thread of the loop's default
-# executor, so it cannot starve the other providers' lookups (R-P8).
-_RESOLVER_THREADS = 16
-_resolver_pool: concurrent.futures.ThreadPoolExecutor | None = None
+# One lookup at a time per (host, port), each on a daemon thread of its own: a resolver
+# that hangs for one provider's name holds one thread, not the loop's shared executor,
+# so it cannot starve the other providers' lookups (R-P8), and being a daemon thread it
+# cannot hold up the process's exit either. Later refreshes join the lookup in flight.
 _in_flight: dict[tuple[str, int], asyncio.Future[list[Any]]] = {}
 
 
 def _lookup(host: str, port: int) -> asyncio.Future[list[Any]]:
-    global _resolver_pool
     key = (host, port)
-    pending = _in_flight.get(key)
     loop = asyncio.get_running_loop()
+    pending = _in_flight.get(key)
     if pending is not None and not pending.done() and pending.get_loop() is loop:
         return pending
-    if _resolver_pool is None:
-        _resolver_pool = concurrent.futures.ThreadPoolExecutor(
-            _RESOLVER_THREADS, thread_name_prefix="gwcap-resolve"
-        )
-    future: asyncio.Future[list[Any]] = loop.run_in_executor(
-        _resolver_pool, functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
-    )
+    future: asyncio.Future[list[Any]] = loop.create_future()
     _in_flight[key] = future
     future.add_done_callback(lambda done: _forget(key, done))
+
+    def run() -> None:
+        try:
+            result: Any = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            outcome = (True, result)
+        except BaseException as exc:  # handed to the waiting coroutine
+            outcome = (False, exc)
+        with contextlib.suppress(RuntimeError):  # the loop may be closed by now
+            loop.call_soon_threadsafe(_settle, future, outcome)
+
+    threading.Thread(target=run, name=f"gwcap-resolve-{host}", daemon=True).start()
     return future
+
+
+def _settle(future: asyncio.Future[list[Any]], outcome: tuple[bool, Any]) -> None:
+    if future.done():
+        return
+    ok, value = outcome
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
 
 
 def _forget(key: tuple[str, int], done: asyncio.Future[list[Any]]) -> None:
