@@ -178,8 +178,8 @@ class Admission:
     def slot_blocking(self, provider: str, timeout: float | None = None) -> Iterator[None]:
         """Hold one running slot of ``provider`` for the body of the ``with``."""
         ticket = self._acquire_blocking(self._provider(provider), timeout)
-        self._hold(ticket.provider, +1)
         try:
+            self._hold(ticket.provider, +1)
             yield
         finally:
             self._release(ticket)
@@ -188,14 +188,20 @@ class Admission:
     async def slot(self, provider: str, timeout: float | None = None) -> AsyncIterator[None]:
         """``async with`` form of :meth:`slot_blocking`; never blocks the event loop on a wait."""
         ticket = await self._acquire_async(self._provider(provider), timeout)
-        self._hold(ticket.provider, +1)
         try:
+            self._hold(ticket.provider, +1)
             yield
         finally:
             self._release(ticket)
 
     def close(self) -> None:
-        """Deregister; slots still held by this process are released."""
+        """Deregister; slots still held by this Admission are released."""
+        if os.getpid() != self._pid:
+            # A forked child inherited this object (and its atexit hook): the records
+            # and the member row are the parent's, not ours to free. Checked before
+            # taking any lock: a lock held by a parent thread at fork stays held here.
+            self._closed = True
+            return
         with self._guard:
             if self._closed:
                 return
@@ -203,10 +209,6 @@ class Admission:
             waiters = list(self._waiters.values())
             self._waiters.clear()
         atexit.unregister(self.close)
-        if os.getpid() != self._pid:
-            # A forked child inherited this object (and its atexit hook): the records
-            # and the member row are the parent's, not ours to free.
-            return
         for w in waiters:
             w.wake()  # they find the record gone and raise
         self._doorbell.release()  # let the dispatcher see _closed
@@ -215,7 +217,7 @@ class Admission:
                 # the semaphores must outlive every thread that may touch them
                 thread.join()
         with self._seg.lock:
-            rings = ledger.release_all_of(self._buf, self._pid, time.time())
+            rings = ledger.release_all_of(self._buf, self._pid, self._member, time.time())
             ledger.unregister_member(self._buf, self._member, self._pid)
         self._seg.ring(rings)
         self._seg.close()
@@ -374,7 +376,7 @@ class Admission:
     def _dispatch(self) -> None:
         last_sweep = 0.0
         while True:
-            self._doorbell.acquire()  # blocks without a timeout: portable (R-A10)
+            ipc.wait(self._doorbell)  # blocks without a timeout: portable (R-A10)
             ipc.drain(self._doorbell)
             if self._closed:
                 return

@@ -26,6 +26,14 @@ GROUP_SHARED = 0o660
 _umask_guard = threading.Lock()
 
 
+def _fresh_guard_in_child() -> None:
+    global _umask_guard
+    _umask_guard = threading.Lock()  # a parent thread may have held it at fork
+
+
+os.register_at_fork(after_in_child=_fresh_guard_in_child)
+
+
 def timeouts_supported() -> bool:
     if os.environ.get(FORCE_NO_TIMEOUT_ENV, "") not in ("", "0"):
         return False
@@ -53,25 +61,48 @@ def open_semaphore(name: str, mode: int, initial_value: int) -> posix_ipc.Semaph
         return posix_ipc.Semaphore(name, posix_ipc.O_CREAT, mode, initial_value)
 
 
+# sem_wait is never restarted after a signal handler runs (signal(7)); posix_ipc then
+# raises SignalError. Every wait here retries, so a handler's SIGUSR1/SIGHUP/SIGCHLD
+# neither kills the dispatcher thread nor leaves a slot behind.
+
+
 def try_acquire(sem: posix_ipc.Semaphore) -> bool:
-    try:
-        sem.acquire(0)
-    except posix_ipc.BusyError:
-        return False
-    return True
+    while True:
+        try:
+            sem.acquire(0)
+        except posix_ipc.BusyError:
+            return False
+        except posix_ipc.SignalError:
+            continue
+        return True
+
+
+def wait(sem: posix_ipc.Semaphore) -> None:
+    """Block until ``sem`` is acquired; no timeout (portable, R-A10)."""
+    while True:
+        try:
+            sem.acquire()
+        except posix_ipc.SignalError:
+            continue
+        return
 
 
 def timed_acquire(sem: posix_ipc.Semaphore, timeout: float, *, use_timeouts: bool) -> bool:
     """Acquire within ``timeout`` seconds; False when it could not."""
     if try_acquire(sem):
         return True
-    if use_timeouts:
-        try:
-            sem.acquire(timeout)
-        except posix_ipc.BusyError:
-            return False
-        return True
     deadline = time.monotonic() + timeout
+    if use_timeouts:
+        while True:
+            try:
+                sem.acquire(max(deadline - time.monotonic(), 0.0))
+            except posix_ipc.BusyError:
+                return False
+            except posix_ipc.SignalError:
+                if time.monotonic() >= deadline:
+                    return try_acquire(sem)
+                continue
+            return True
     pause = 0.0001
     while True:
         remaining = deadline - time.monotonic()

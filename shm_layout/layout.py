@@ -15,8 +15,9 @@ per-OS value only ever compared for equality (see ``liveness``).
 Version rules (R-G2): a reader attaches when the major version matches.
 Minor versions only append fields inside the reserved tail of a row or the
 header, never move one; a reader ignores what it does not know. Row and
-table sizes are in the header, so a reader uses the creator's sizes, not its
-own constants, to find tables. docs/DESIGN.md is this file as a byte table.
+table sizes are in the header; a reader checks that they are its own (the
+same major means the same geometry) and refuses the segment otherwise.
+docs/DESIGN.md is this file as a byte table.
 """
 
 from __future__ import annotations

@@ -345,8 +345,12 @@ def dead_holders(buf: Buf, providers: list[int], cache: LivenessCache) -> bool:
     return False
 
 
-def release_all_of(buf: Buf, pid: int, now: float) -> set[int]:
-    """Free every record of ``pid`` (a process that detaches); returns doorbells to ring."""
+def release_all_of(buf: Buf, pid: int, member: int, now: float) -> set[int]:
+    """Free every record of one attachment (``pid`` and its ``member`` row) that detaches.
+
+    By member too: a process may hold two attachments (two libraries, a re-attach on
+    reload), and closing one must not free the other's slots. Returns doorbells to ring.
+    """
     rings: set[int] = set()
     for p in range(PROVIDER_COUNT):
         base = provider_base(p)
@@ -355,7 +359,11 @@ def release_all_of(buf: Buf, pid: int, now: float) -> set[int]:
         freed = False
         for h in range(HOLDERS_PER_PROVIDER):
             hb = holder_base(p, h)
-            if _state.get(buf, hb) != HOLDER_FREE and _pid.get(buf, hb) == pid:
+            if (
+                _state.get(buf, hb) != HOLDER_FREE
+                and _pid.get(buf, hb) == pid
+                and _member.get(buf, hb) == member
+            ):
                 _state.put(buf, HOLDER_FREE, hb)
                 freed = True
         if freed:

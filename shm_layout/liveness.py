@@ -42,8 +42,10 @@ def _psutil_start(pid: int) -> float | None:
         if proc.status() == psutil.STATUS_ZOMBIE:
             return None
         return float(proc.create_time())
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return None
+    except psutil.AccessDenied as exc:  # exists, but we may not look: not "dead"
+        raise PermissionError(f"cannot read the start time of pid {pid}") from exc
 
 
 def process_start(pid: int) -> float | None:
@@ -69,16 +71,21 @@ def is_alive(pid: int, start: float) -> bool:
     """
     if pid <= 0:
         return False
+    someone_elses = False
     try:
         os.kill(pid, 0)  # cheap first answer for the common "gone" case
     except OSError as exc:
         if exc.errno == errno.ESRCH:
             return False
-        # EPERM: exists but belongs to someone else; fall through to the start time
+        someone_elses = exc.errno == errno.EPERM  # exists, belongs to another user
     try:
-        return process_start(pid) == start
+        now = process_start(pid)
     except OSError:
         return True
+    if now is None:
+        # Invisible to us (hidepid=2 on /proc) although kill() says it exists: alive.
+        return someone_elses
+    return now == start
 
 
 class LivenessCache:

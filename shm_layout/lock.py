@@ -47,7 +47,6 @@ SLICE_S = 0.05  # how often a blocked waiter looks at the owner
 # no runnable process can still be inside that window. R-A6's 1 s is met for the case
 # that matters, a holder that died with its owner recorded.
 EMPTY_OWNER_STUCK_S = 5.0
-RECOVERY_STUCK_S = 0.5
 
 
 class SegmentLock:
@@ -70,15 +69,23 @@ class SegmentLock:
         if not ipc.try_acquire(self._sem):
             self._wait()
         buf = self._buf
-        H["lock_owner_start"].put(buf, self._start)  # start before pid: see module docstring
-        H["lock_owner_pid"].put(buf, self._pid)
-        H["lock_seq"].put(buf, H["lock_seq"].get(buf) + 1)
-        seq = H["change_seq"].get(buf)
-        H["change_seq"].put(buf, seq + 1 if seq % 2 == 0 else seq + 2)
-        if H["repair_needed"].get(buf):
-            log.warning("segment lock was recovered from a dead holder; repairing counters")
-            self._on_repair()
-            H["repair_needed"].put(buf, 0)
+        try:
+            H["lock_owner_start"].put(buf, self._start)  # start before pid: module docstring
+            H["lock_owner_pid"].put(buf, self._pid)
+            H["lock_seq"].put(buf, H["lock_seq"].get(buf) + 1)
+            seq = H["change_seq"].get(buf)
+            H["change_seq"].put(buf, seq + 1 if seq % 2 == 0 else seq + 2)
+            if H["repair_needed"].get(buf):
+                log.warning(
+                    "repairing counters from the holder records (a lock holder died or was "
+                    "interrupted mid-update)"
+                )
+                self._on_repair()
+                H["repair_needed"].put(buf, 0)
+        except BaseException:  # e.g. KeyboardInterrupt: never leave the lock held by us
+            H["repair_needed"].put(buf, 1)
+            self.release()
+            raise
 
     def release(self) -> None:
         buf = self._buf
@@ -97,6 +104,10 @@ class SegmentLock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if exc_type is not None:
+            # An exception (a KeyboardInterrupt, a SystemExit from a signal handler) may
+            # have stopped a write half way: the next holder recounts from the records.
+            H["repair_needed"].put(self._buf, 1)
         self.release()
 
     def close(self) -> None:
@@ -154,15 +165,23 @@ class SegmentLock:
             H["recovery_owner_pid"].put(self._buf, 0)
             self._recovery.release()
 
+    def _recovery_owner(self) -> tuple[int, float]:
+        return H["recovery_owner_pid"].get(self._buf), H["recovery_owner_start"].get(self._buf)
+
     def _take_recovery(self) -> None:
-        # The recovery section is a handful of stores, so a holder that stays in it
-        # for RECOVERY_STUCK_S and is dead (or unrecorded) will never leave it.
+        # The same rules as for the lock itself: a recorded holder that is dead is taken
+        # over at once; an unrecorded one only after EMPTY_OWNER_STUCK_S, since a live
+        # process may be descheduled between taking .R and writing its name.
+        observed = self._recovery_owner()
         since = time.monotonic()
         while not ipc.timed_acquire(self._recovery, SLICE_S, use_timeouts=self._use_timeouts):
-            pid = H["recovery_owner_pid"].get(self._buf)
-            start = H["recovery_owner_start"].get(self._buf)
-            if time.monotonic() - since >= RECOVERY_STUCK_S and (
-                pid == 0 or not is_alive(pid, start)
+            current = self._recovery_owner()
+            if current != observed:
+                observed, since = current, time.monotonic()
+                continue
+            pid, start = current
+            if (pid != 0 and not is_alive(pid, start)) or (
+                pid == 0 and time.monotonic() - since >= EMPTY_OWNER_STUCK_S
             ):
                 break  # take it over: the dead holder's post will never come
         H["recovery_owner_start"].put(self._buf, self._start)

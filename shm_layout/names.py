@@ -2,7 +2,7 @@
 
 macOS limits POSIX IPC names to 31 bytes including the leading slash. Every
 semaphore of a segment is the segment name plus a suffix of at most
-:data:`SUFFIX_ROOM` bytes (``.L``, ``.R``, ``.d127``), so a segment name may
+:data:`SUFFIX_ROOM` bytes (``.L``, ``.R``, ``.C``, ``.d127``), so a segment name may
 use at most ``31 - SUFFIX_ROOM`` bytes.
 """
 
@@ -69,6 +69,10 @@ def lock_name(segment: str) -> str:
 
 def recovery_name(segment: str) -> str:
     return segment + ".R"
+
+
+def creation_name(segment: str) -> str:
+    return segment + ".C"
 
 
 def doorbell_name(segment: str, member_index: int) -> str:

@@ -93,16 +93,19 @@ class Segment:
     def open(cls, name: str, *, create: bool = True, group_shared: bool = False) -> Segment:
         """Attach to ``name``; with ``create``, create it first if it does not exist."""
         names.check_segment_name(name)
-        for _attempt in range(3):
+        for _attempt in range(5):
             if create:
                 buf = _try_create(name, group_shared)
                 if buf is not None:
                     return cls(name, buf, created=True)
             try:
                 return cls(name, _attach(name), created=False)
-            except _Abandoned:
-                log.warning("segment %s was abandoned by its creator before init; recreating", name)
-                _unlink_shm(name)
+            except SegmentMissing:
+                if not create:
+                    raise
+                continue  # removed between our create attempt and our attach: again
+            except _Abandoned as abandoned:
+                _remove_abandoned(name, abandoned.identity, abandoned.mode)
                 if not create:
                     raise SegmentMissing(f"no segment {name}") from None
         raise SegmentNotReady(f"segment {name} could not be created or attached; try again")
@@ -123,7 +126,13 @@ class Segment:
     def doorbell(self, member: int) -> posix_ipc.Semaphore:
         sem = self._doorbells.get(member)
         if sem is None:
-            sem = ipc.open_semaphore(names.doorbell_name(self.name, member), self.mode, 0)
+            name = names.doorbell_name(self.name, member)
+            try:
+                # usually it exists (its owner made it when registering): open it without
+                # O_CREAT, so no umask change happens on a releasing thread's hot path
+                sem = posix_ipc.Semaphore(name)
+            except posix_ipc.ExistentialError:
+                sem = ipc.open_semaphore(name, self.mode, 0)
             self._doorbells[member] = sem
         return sem
 
@@ -159,7 +168,33 @@ def _identity_of(name: str) -> tuple[int, int] | None:
 
 # --- creation and attachment -----------------------------------------------------------
 class _Abandoned(Exception):
-    pass
+    """The object under the name was never initialised and its creator is gone."""
+
+    def __init__(self, identity: tuple[int, int], mode: int) -> None:
+        self.identity = identity
+        self.mode = mode
+
+
+def _remove_abandoned(name: str, identity: tuple[int, int], mode: int) -> None:
+    """Unlink an abandoned creation, once, whoever else found it at the same time.
+
+    Serialised by the ``.C`` semaphore and done only while the name still maps the
+    very object that was judged abandoned: without both, a late attacher would unlink
+    the segment another one had just created in its place, and the processes would
+    end up on separate segments with separate budgets.
+    """
+    creation = ipc.open_semaphore(names.creation_name(name), mode, 1)
+    try:
+        if not ipc.timed_acquire(creation, 2.0, use_timeouts=ipc.timeouts_supported()):
+            return  # someone is at it (or died at it): the caller retries from the top
+        try:
+            if _identity_of(name) == identity:
+                log.warning("segment %s was abandoned by its creator before init; recreating", name)
+                _unlink_shm(name)
+        finally:
+            creation.release()
+    finally:
+        creation.close()
 
 
 def _try_create(name: str, group_shared: bool) -> mmap.mmap | None:
@@ -217,6 +252,7 @@ def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
         ) from None
     try:
         info = os.fstat(shm.fd)
+        identity = (info.st_dev, info.st_ino)
         if info.st_mode & stat.S_IRWXO:
             raise UnsafePermissions(
                 f"segment {name} is accessible to all users (mode {info.st_mode & 0o777:o}); "
@@ -236,16 +272,16 @@ def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
                     head.close()
                 if ready:
                     break
-                if magic not in (MAGIC, bytes(len(MAGIC))) or size != layout.TOTAL_SIZE:
+                if magic not in (MAGIC, bytes(len(MAGIC))) or not _our_size(size):
                     break  # someone else's object: refused below, never removed
             else:
                 creator = (0, 0.0)
                 magic, major, minor = b"", 0, 0
             if time.monotonic() >= deadline:
                 if creator[0] == 0 or not is_alive(*creator):
-                    if size not in (0, layout.TOTAL_SIZE):
+                    if size != 0 and not _our_size(size):
                         break
-                    raise _Abandoned()
+                    raise _Abandoned(identity, stat.S_IMODE(info.st_mode))
                 raise SegmentNotReady(
                     f"segment {name} is still being initialised by pid {creator[0]}; try again"
                 )
@@ -257,15 +293,48 @@ def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
             )
         if major != MAJOR:
             raise IncompatibleLayout(name, (major, minor))
-        if size < layout.TOTAL_SIZE:
+        if not _our_size(size) or not _our_geometry(name):
             raise NotOurSegment(
-                f"segment {name} is {size} bytes, layout {major}.{minor} needs "
-                f"{layout.TOTAL_SIZE}: damaged or not ours"
+                f"segment {name} is {size} bytes or has other table sizes than layout "
+                f"{major}.{minor} of this program ({layout.TOTAL_SIZE} bytes): damaged or "
+                "not ours"
             )
         access = mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE
         return mmap.mmap(shm.fd, layout.TOTAL_SIZE, access=access)
     finally:
         shm.close_fd()
+
+
+def _our_size(size: int) -> bool:
+    # macOS reports a shm object's size rounded up to its page size (16 KiB on Apple
+    # silicon); 64 KiB of slack covers any page size in use.
+    return layout.TOTAL_SIZE <= size < layout.TOTAL_SIZE + 65536
+
+
+def _our_geometry(name: str) -> bool:
+    """The header's table sizes are this program's (same major means same geometry)."""
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=True)
+    except posix_ipc.ExistentialError:
+        return False
+    try:
+        head = mmap.mmap(shm.fd, layout.HEADER_SIZE, access=mmap.ACCESS_READ)
+    finally:
+        shm.close_fd()
+    try:
+        expected = {
+            "header_size": layout.HEADER_SIZE,
+            "provider_row_size": layout.PROVIDER_ROW_SIZE,
+            "provider_count": layout.PROVIDER_COUNT,
+            "holder_row_size": layout.HOLDER_ROW_SIZE,
+            "holders_per_provider": layout.HOLDERS_PER_PROVIDER,
+            "member_row_size": layout.MEMBER_ROW_SIZE,
+            "member_count": layout.MEMBER_COUNT,
+            "total_size": layout.TOTAL_SIZE,
+        }
+        return all(H[k].get(head) == v for k, v in expected.items())
+    finally:
+        head.close()
 
 
 def map_readonly(name: str) -> mmap.mmap:
@@ -293,6 +362,7 @@ def unlink_segment(name: str) -> bool:
     existed = _unlink_shm(name)
     ipc.unlink_semaphore(names.lock_name(name))
     ipc.unlink_semaphore(names.recovery_name(name))
+    ipc.unlink_semaphore(names.creation_name(name))
     for member in range(layout.MEMBER_COUNT):
         ipc.unlink_semaphore(names.doorbell_name(name, member))
     return existed

@@ -280,3 +280,69 @@ def test_a_forked_child_never_frees_its_parents_slots(adm: Admission, segment_na
         view = read_view(segment_name)
         assert _p1(segment_name) == (1, 0, 1, 0)  # the parent's slot is still held
         assert [m.pid for m in view.members] == [os.getpid()]
+
+
+def test_r_a7_a_handled_signal_neither_kills_the_dispatcher_nor_loses_a_grant(
+    adm: Admission,
+) -> None:
+    """sem_wait is not restarted after a signal handler runs: posix_ipc raises
+    SignalError, which used to end the dispatcher thread; later grants were lost."""
+    import signal
+
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)  # a gateway's reload handler
+    try:
+        dispatcher = next(t for t in adm._threads if t.name == "gwcap-dispatch")
+        time.sleep(0.1)  # let it block in sem_wait
+        assert dispatcher.ident is not None
+        signal.pthread_kill(dispatcher.ident, signal.SIGUSR1)
+        time.sleep(0.2)
+        assert dispatcher.is_alive()
+
+        release = threading.Event()
+
+        def hold_both() -> None:
+            with adm.slot_blocking("p1"), adm.slot_blocking("p1"):
+                release.wait(5)
+
+        holder = threading.Thread(target=hold_both)
+        holder.start()
+        time.sleep(0.1)
+        threading.Timer(0.3, release.set).start()
+        with adm.slot_blocking("p1", timeout=5):  # the grant reaches us via the dispatcher
+            pass
+        holder.join()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_r_a1_closing_one_attachment_leaves_another_in_the_same_process_alone(
+    segment_name: str, write_config: Callable[..., Path]
+) -> None:
+    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 1}]})
+    a = Admission.attach(config=cfg, segment=segment_name, generation="lib-a")
+    b = Admission.attach(config=cfg, segment=segment_name, generation="lib-b")
+    try:
+        with b.slot_blocking("p1"):
+            a.close()
+            assert _p1(segment_name) == (1, 0, 1, 0)  # b's slot is still counted
+            with pytest.raises(AdmissionTimeout), b.slot_blocking("p1", timeout=0.2):
+                pass  # and the limit of 1 still holds
+    finally:
+        b.close()
+
+
+def test_r_a6_an_exception_inside_the_lock_makes_the_next_holder_repair(
+    adm: Admission, segment_name: str
+) -> None:
+    """A KeyboardInterrupt (or a SIGTERM handler's SystemExit) may stop a write half way."""
+    from shm_layout.layout import H, P
+    from shm_layout.ledger import provider_base
+
+    seg = adm._seg
+    with pytest.raises(KeyboardInterrupt), seg.lock:
+        P["running"].put(seg.buf, 7, provider_base(0))  # a half-done update
+        raise KeyboardInterrupt
+    assert H["repair_needed"].get(seg.buf) == 1
+    with seg.lock:
+        pass
+    assert _p1(segment_name) == (0, 0, 0, 0)  # recounted from the records

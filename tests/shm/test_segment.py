@@ -264,3 +264,54 @@ def test_watch_refreshes_the_availability_view(
     finally:
         adm.close()
     assert run_cli("watch", "--segment", "/gwt-nowhere", "--count", "1").returncode == 3
+
+
+ABANDONED_RACE = """
+import json, sys, time
+sys.path.insert(0, {root!r})
+from shm_layout.segment import Segment
+from shm_layout.layout import H
+go = float(sys.argv[2])
+while time.time() < go:
+    time.sleep(0.0005)
+seg = Segment.open(sys.argv[1])
+doc = {{"created_at": H["created_at"].get(seg.buf), "creator": H["creator_pid"].get(seg.buf)}}
+print(json.dumps(doc))
+"""
+
+
+def test_r_g2_processes_that_find_an_abandoned_segment_together_end_on_one(
+    segment_name: str,
+) -> None:
+    """Each attacher that judged the never-initialised object abandoned used to unlink
+    whatever was under the name, including the segment another had just created: the
+    processes ended up on separate segments with separate budgets."""
+    shm = posix_ipc.SharedMemory(segment_name, posix_ipc.O_CREX, 0o600, layout.TOTAL_SIZE)
+    shm.close_fd()  # a creator that died before its init mark
+    go = time.time() + 1.0
+    script = ABANDONED_RACE.format(root=str(ROOT))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, segment_name, str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(6)
+    ]
+    seen = set()
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        doc = json.loads(out)
+        seen.add((doc["creator"], doc["created_at"]))
+    assert len(seen) == 1  # every process is on the same, initialised segment
+
+
+def test_r_a10_a_size_rounded_up_to_a_page_is_still_ours() -> None:
+    """macOS reports a shm object's size rounded up to its page size."""
+    from shm_layout.segment import _our_size
+
+    rounded = (layout.TOTAL_SIZE + 16383) // 16384 * 16384
+    assert _our_size(layout.TOTAL_SIZE) and _our_size(rounded)
+    assert not _our_size(4096) and not _our_size(layout.TOTAL_SIZE - 1)
