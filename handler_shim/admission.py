@@ -286,12 +286,20 @@ class Admission:
             return ticket
         waiter = _Waiter(ticket, event=threading.Event())
         self._add_waiter(waiter)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        assert waiter.event is not None
         try:
-            granted = waiter.event is not None and waiter.event.wait(timeout)
+            while True:
+                remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                if not waiter.event.wait(remaining):
+                    return self._after_wait(waiter, granted=False)
+                waiter.event.clear()  # before looking: a grant after the look sets it again
+                settled = self._settled(waiter)
+                if settled is not None:
+                    return settled
         except BaseException:
             self._give_up(waiter, "cancelled")
             raise
-        return self._after_wait(waiter, granted)
 
     async def _acquire_async(self, p: int, timeout: float | None) -> Ticket:
         ticket = self._arrive(p)
@@ -301,26 +309,46 @@ class Admission:
         loop = asyncio.get_running_loop()
         waiter = _Waiter(ticket, loop=loop, future=loop.create_future())
         self._add_waiter(waiter)
-        assert waiter.future is not None
         try:
             async with asyncio.timeout(timeout):
-                await waiter.future
-            granted = True
+                while True:
+                    assert waiter.future is not None
+                    await waiter.future
+                    waiter.future = loop.create_future()  # before looking, as above
+                    settled = self._settled(waiter)
+                    if settled is not None:
+                        return settled
         except TimeoutError:
-            granted = False
+            return self._after_wait(waiter, granted=False)
         except BaseException:  # CancelledError and friends
             self._give_up(waiter, "cancelled")
             raise
-        return self._after_wait(waiter, granted)
 
-    def _after_wait(self, waiter: _Waiter, granted: bool) -> Ticket:
-        state = ledger.holder_state(self._buf, waiter.ticket) if not self._closed else None
-        if granted and state == HOLDER_RUNNING:
+    def _settled(self, waiter: _Waiter) -> Ticket | None:
+        """After a wake-up: the ticket when granted, None when still waiting.
+
+        The dispatcher reads records without the lock, and CPython's struct
+        pack_into zero-fills a field before writing it, so a lock-free read can
+        catch a state half written (0 on its way from WAITING to RUNNING). The
+        verdict is therefore read under the segment lock, where writes are whole;
+        a wake-up that read a half-written value just goes back to waiting.
+        """
+        if self._closed:
+            self._forget(waiter)
+            raise AdmissionError("this Admission was closed while waiting")
+        with self._seg.lock:
+            state = ledger.holder_state(self._buf, waiter.ticket)
+        if state == HOLDER_RUNNING:
             self._forget(waiter)
             return waiter.ticket
-        if state is None or (granted and state != HOLDER_WAITING):
-            self._forget(waiter)
-            raise AdmissionError("the admission record was removed while waiting (closed?)")
+        if state == HOLDER_WAITING:
+            return None
+        self._forget(waiter)
+        raise AdmissionError("the admission record was removed while waiting (reclaimed?)")
+
+    def _after_wait(self, waiter: _Waiter, granted: bool) -> Ticket:
+        """The wait timed out: leave the queue; a grant that raced with us is handed on."""
+        assert not granted
         self._give_up(waiter, "timeout")
         raise AdmissionTimeout("no slot was granted within the timeout")
 

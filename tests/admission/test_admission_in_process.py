@@ -346,3 +346,48 @@ def test_r_a6_an_exception_inside_the_lock_makes_the_next_holder_repair(
     with seg.lock:
         pass
     assert _p1(segment_name) == (0, 0, 0, 0)  # recounted from the records
+
+
+def test_r_a4_a_wake_on_a_half_written_record_goes_back_to_waiting(
+    adm: Admission, segment_name: str
+) -> None:
+    """CPython's pack_into zero-fills a field before writing it, so the dispatcher's
+    lock-free read can catch a state as 0 on its way from WAITING to RUNNING. That
+    once surfaced as a spurious 'record was removed while waiting' (bench, 8 processes).
+    The waiter must settle the question under the lock and keep waiting."""
+    from shm_layout.layout import K
+
+    seg = adm._seg
+    outcome: dict[str, object] = {}
+
+    def wait_for_a_slot() -> None:
+        try:
+            with adm.slot_blocking("p1", timeout=15):
+                outcome["ok"] = True
+        except Exception as exc:  # recorded, asserted below
+            outcome["error"] = exc
+
+    first, second = adm.slot_blocking("p1"), adm.slot_blocking("p1")
+    first.__enter__()
+    second.__enter__()
+    waiter = threading.Thread(target=wait_for_a_slot)
+    waiter.start()
+    try:
+        deadline = time.monotonic() + 10
+        while _p1(segment_name)[1] != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (h,) = [x.index for x in read_view(segment_name).holders if x.state == "waiting"]
+        hb = ledger.holder_base(0, h)
+        with seg.lock:  # a writer in the middle of pack_into
+            K["state"].put(seg.buf, 0, hb)
+            seg.ring([adm._member])  # the dispatcher looks now and sees 0
+            time.sleep(0.3)
+            K["state"].put(seg.buf, ledger.HOLDER_WAITING, hb)  # the write completes
+        time.sleep(0.3)
+        assert "error" not in outcome, outcome
+        assert waiter.is_alive()  # still waiting, as it should
+    finally:
+        second.__exit__(None, None, None)  # now a real grant
+        waiter.join(timeout=15)
+        first.__exit__(None, None, None)
+    assert outcome == {"ok": True}
