@@ -5,9 +5,10 @@
 Each trial starts PROCESSES handler processes (default 8) that loop on empty
 ``slot_blocking`` slots against one provider with limit 4 for SECONDS (default 3),
 on a fresh segment. A process that gets the AdmissionError dumps the holder record
-of its ticket as it saw it, stops, and the trial is reported. Seen here about once
-in 20-60 trials on 2 cores; the cause is not found yet (see the note on the issue
-that introduced this script).
+of its ticket as it saw it, stops, and the trial is reported. Before the fix in
+handler_shim (a woken waiter now settles its record's state under the lock, since a
+lock-free read can catch a field half written by pack_into) it hit about once in
+20-60 trials on 2 cores; kept as a regression check (docs/benchmarks.md).
 """
 
 from __future__ import annotations
