@@ -1,7 +1,7 @@
 """``availability``, ``inspect`` and ``watch``: the operator's views of the segment.
 
 They read without the lock (``shm_layout.view``), so they work while
-handlers are busy and even while a dead writer's lock awaits recovery.
+handlers are busy and even while a lock holder is stopped.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def inspect_doc(view: Any) -> dict[str, Any]:
     doc["header"] = {
         "created_at": view.created_at,
         "group_shared": view.group_shared,
-        "lock_owner_pid": view.lock_owner_pid or None,
+        "lock_kind": view.lock_kind,
         "lock_repairs": view.lock_repairs,
         "config_path": view.config_path or None,
     }
@@ -198,19 +198,22 @@ def run_inspect(args: argparse.Namespace) -> int:
         )
     if not view.holders:
         print("  (none)")
-    print(f"lock: owner pid {view.lock_owner_pid or '-'}, recoveries so far {view.lock_repairs}")
+    print(f"lock: {view.lock_kind}, repairs after a holder died inside it: {view.lock_repairs}")
     return 0
 
 
 def _unlink(args: argparse.Namespace) -> int:
-    from shm_layout.segment import unlink_segment
+    from shm_layout.segment import SegmentError, SegmentMissing, unlink_segment
+    from shm_layout.view import read_view
 
     name = segment_from_args(args)
     try:
-        view = _read(args)
-    except SystemExit:
+        view = read_view(name)
+    except SegmentMissing:
+        view = None
+    except SegmentError as exc:
         if not args.force:
-            raise
+            fail(f"{exc}; add --force to remove it anyway", 2)
         view = None
     if view is not None and not args.force:
         live = [f"handler pid {m.pid} ({m.generation})" for m in view.members if m.alive]
@@ -223,7 +226,11 @@ def _unlink(args: argparse.Namespace) -> int:
                 "stop them first or add --force",
                 1,
             )
-    if not unlink_segment(name) and view is None:
+    try:
+        existed = unlink_segment(name)
+    except SegmentError as exc:
+        fail(str(exc), 2)
+    if not existed and view is None:
         fail(f"no segment {name}", EXIT_NO_SEGMENT)
     print(f"removed segment {name} and its semaphores")
     return 0

@@ -1,23 +1,39 @@
 """Shared admission for every handler process and generation (SPEC section 6).
 
 One running budget and one bounded FIFO queue per provider live in the
-segment (``shm_layout.ledger`` holds the protocol and its invariants). This
-module is the handler's side of it:
+segment. Every step that changes them (arrive, leave, grant, reap) is one call
+into the compiled core (``shm_layout/_core.c``), which takes the segment lock,
+does its few writes and lets the lock go with the GIL released: no thread of
+this process ever holds the lock while it waits for the GIL (R-A11).
+``shm_layout/ledger.py`` states the protocol and its invariants.
 
-* the fast path takes the segment lock for a few microseconds, admits, and
-  returns; nothing else runs;
-* a request that must wait gets a holder record with a ticket, then waits on
+This module is the handler's side of it:
+
+* a slot is a :class:`~shm_layout._core.Ticket`. The core fills it in *before*
+  it lets the lock go, so an exception landing anywhere after the call still
+  finds the record, and a ticket dropped while its record lives frees the
+  record itself (R-A12);
+* a request that must wait gets a WAITING record with a ticket, then waits on
   an in-process event. One *dispatcher* thread per process waits on this
   process's doorbell semaphore, which the granting process posts, and wakes
-  the local waiters whose records became RUNNING;
-* while this process waits or holds slots, a *ticker* posts the doorbell
-  every ``TICK_S`` so the dispatcher also notices what nobody announces: a
-  published limit that expired, or a holder or waiter that died (swept once a
-  second, R-A5). The ticker uses ``time.sleep`` only: no semaphore timeouts
-  anywhere (R-A10);
-* a waiter that times out or is cancelled frees its record under the lock;
-  if a grant raced with it, freeing the RUNNING record hands the slot on
-  (R-A4).
+  the local waiters whose records changed;
+* while this process waits or holds slots, a *ticker* posts the doorbell every
+  ``TICK_S`` so the dispatcher also notices what nobody announces: a published
+  limit that expired, or a holder that died (reaped once a second, R-A5, so
+  that even without a sidecar a dead process's places come back within 2 s).
+  It uses ``time.sleep`` only: no semaphore timeouts anywhere (R-A10);
+* a waiter that times out or is cancelled frees its record; if a grant raced
+  with it, freeing the RUNNING record hands the slot on (R-A4);
+* the async form never waits for the lock on the event loop: it tries the lock
+  once (microseconds), and when the lock is busy or stalled it waits in a
+  worker thread instead (R-A11).
+
+Errors (all ``AdmissionError``, exported by ``handler_shim``)::
+
+    AdmissionError
+     +-- QueueFull          the provider's queue holds its bound already (R-A2)
+     +-- AdmissionTimeout   no slot within the timeout (also a TimeoutError)
+     +-- UnknownProvider    not in the segment (also a KeyError)
 """
 
 from __future__ import annotations
@@ -29,21 +45,32 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TypeVar
 
-from shm_layout import ipc, ledger
-from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING, RUNNING_ROOM
-from shm_layout.ledger import Ticket
-from shm_layout.liveness import LivenessCache, my_identity
+from shm_layout import _core, ipc, layout, ledger, writer
+from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING
+from shm_layout.liveness import process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.segment import Segment
 
 log = logging.getLogger("gateway_capacity.admission")
 
 TICK_S = 0.25  # a waiting process looks around 4 times a second (R-A7 allows 10)
-SWEEP_S = 1.0  # and checks holders' liveness once a second (R-A5: reclaim within 2 s)
+SWEEP_S = 1.0  # and reaps dead holders once a second (R-A5: reclaim within 2 s)
+
+_NO_DEADLINE = -1.0
+_fork_generation = 0
+
+
+def _forked() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 class AdmissionError(Exception):
@@ -65,7 +92,7 @@ class UnknownProvider(AdmissionError, KeyError):
 
 @dataclass(eq=False)
 class _Waiter:
-    ticket: Ticket
+    ticket: _core.Ticket
     event: threading.Event | None = None
     loop: asyncio.AbstractEventLoop | None = None
     future: asyncio.Future[None] | None = None
@@ -100,6 +127,8 @@ def providers_from_config(path: str | os.PathLike[str]) -> list[ProviderEntry]:
     from sidecar.config import fallback_limit, load_config  # config only: no httpx
 
     cfg = load_config(path)
+    for skipped in cfg.skipped:
+        log.warning("config %s: %s", cfg.source, skipped)
     out = []
     for provider in cfg.providers:
         limit, source = fallback_limit(provider, cfg)
@@ -107,23 +136,47 @@ def providers_from_config(path: str | os.PathLike[str]) -> list[ProviderEntry]:
     return out
 
 
+_T = TypeVar("_T")
+
+
 class Admission:
     """A handler process's attachment to the shared admission state."""
 
-    def __init__(self, segment: Segment, generation: str) -> None:
+    def __init__(
+        self, segment: Segment, generation: str, overflow: dict[str, str] | None = None
+    ) -> None:
         self._seg = segment
+        self._core = segment.core
         self._buf = segment.buf
-        self._pid, self._start = my_identity()
+        self._pid = os.getpid()
+        self._fork_generation = _fork_generation
         self.generation = generation
         self._index: dict[str, int] = {}
-        self._waiters: dict[Ticket, _Waiter] = {}
-        self._guard = threading.Lock()  # protects _waiters and thread start
+        self._overflow = dict(overflow or {})  # provider id -> why it has no row
+        self._waiters: dict[int, _Waiter] = {}
+        self._guard = threading.Lock()  # protects _waiters and _closed
         self._closed = False
-        self._holding: dict[int, int] = {}  # provider -> running slots this process holds
         self.wakeups = 0  # dispatcher wake-ups, for R-A7's "at most 10 a second"
-        with segment.lock:
-            self._member = ledger.register_member(self._buf, self._pid, self._start, generation)
-        self._doorbell = segment.doorbell(self._member)
+        start = process_start(self._pid) or 0.0  # informational (inspect)
+        member, _ = self._core.register(
+            self._pid,
+            start,
+            layout.encode_text(generation, layout.ID_BYTES),
+            layout.MAJOR,
+            layout.MINOR,
+            time.time(),
+        )
+        if member < 0:
+            raise AdmissionError(
+                f"segment {segment.name} already has {layout.MEMBER_COUNT} attached handler "
+                "processes; stop some, or give this gateway its own segment"
+            )
+        self._member = member
+        try:
+            self._doorbell = segment.doorbell(member)
+        except BaseException:
+            self._core.unregister(time.time())
+            raise
         ipc.drain(self._doorbell)  # posts meant for an earlier owner of this member row
         self._threads = [
             threading.Thread(target=self._dispatch, name="gwcap-dispatch", daemon=True),
@@ -150,56 +203,57 @@ class Admission:
 
         With ``config``, providers missing from the segment are added with their
         static fallback (R-A8, R-A9), so handlers work before any sidecar runs.
+        A provider that does not fit the segment's table is named in a warning and
+        raises on use; the others work (R-A13).
         """
         name = resolve_segment_name(segment, config)
         entries = providers_from_config(config) if config is not None else []
         seg = Segment.open(name, create=True, group_shared=group_shared)
+        overflow: dict[str, str] = {}
         try:
-            with seg.lock:
-                for e in entries:
-                    _, created = ledger.ensure_provider(
-                        seg.buf, e.provider_id, e.fallback, e.fallback_source, e.discovery
+            for e in entries:
+                try:
+                    _, created = writer.ensure_provider(
+                        seg, e.provider_id, e.fallback, e.fallback_source, e.discovery
                     )
-                    if created and e.fallback > RUNNING_ROOM:
-                        log.warning(
-                            "provider %s: maxConcurrent %d is above what the segment can hold; "
-                            "admitting at most %d at once",
-                            e.provider_id,
-                            e.fallback,
-                            RUNNING_ROOM,
-                        )
-            return cls(seg, generation)
+                except writer.TableFull as exc:
+                    overflow[e.provider_id] = str(exc)
+                    continue
+                if created and e.fallback > layout.RUNNING_ROOM:
+                    log.warning(
+                        "provider %s: maxConcurrent %d is above what the segment can hold; "
+                        "admitting at most %d at once",
+                        e.provider_id,
+                        e.fallback,
+                        layout.RUNNING_ROOM,
+                    )
+            if overflow:
+                log.warning(
+                    "segment %s holds at most %d providers; these have no budget and raise "
+                    "on use: %s",
+                    name,
+                    layout.PROVIDER_COUNT,
+                    ", ".join(sorted(overflow)),
+                )
+            return cls(seg, generation, overflow)
         except BaseException:
             seg.close()
             raise
 
     # --- the public API -----------------------------------------------------------------
-    @contextmanager
-    def slot_blocking(self, provider: str, timeout: float | None = None) -> Iterator[None]:
+    def slot_blocking(self, provider: str, timeout: float | None = None) -> _BlockingSlot:
         """Hold one running slot of ``provider`` for the body of the ``with``."""
-        ticket = self._acquire_blocking(self._provider(provider), timeout)
-        try:
-            self._hold(ticket.provider, +1)
-            yield
-        finally:
-            self._release(ticket)
+        return _BlockingSlot(self, self._provider(provider), timeout)
 
-    @asynccontextmanager
-    async def slot(self, provider: str, timeout: float | None = None) -> AsyncIterator[None]:
+    def slot(self, provider: str, timeout: float | None = None) -> _AsyncSlot:
         """``async with`` form of :meth:`slot_blocking`; never blocks the event loop on a wait."""
-        ticket = await self._acquire_async(self._provider(provider), timeout)
-        try:
-            self._hold(ticket.provider, +1)
-            yield
-        finally:
-            self._release(ticket)
+        return _AsyncSlot(self, self._provider(provider), timeout)
 
     def close(self) -> None:
         """Deregister; slots still held by this Admission are released."""
-        if os.getpid() != self._pid:
+        if self._fork_generation != _fork_generation:
             # A forked child inherited this object (and its atexit hook): the records
-            # and the member row are the parent's, not ours to free. Checked before
-            # taking any lock: a lock held by a parent thread at fork stays held here.
+            # and the member row are the parent's, not ours to free.
             self._closed = True
             return
         with self._guard:
@@ -216,10 +270,7 @@ class Admission:
             if thread is not threading.current_thread():
                 # the semaphores must outlive every thread that may touch them
                 thread.join()
-        with self._seg.lock:
-            rings = ledger.release_all_of(self._buf, self._pid, self._member, time.time())
-            ledger.unregister_member(self._buf, self._member, self._pid)
-        self._seg.ring(rings)
+        self._core.unregister(time.time())  # frees every record of ours, grants, rings
         self._seg.close()
 
     def __enter__(self) -> Admission:
@@ -232,7 +283,7 @@ class Admission:
     def _provider(self, provider_id: str) -> int:
         if self._closed:
             raise AdmissionError("this Admission is closed")
-        if os.getpid() != self._pid:
+        if self._fork_generation != _fork_generation:
             raise AdmissionError(
                 f"Admission was attached in pid {self._pid}; call Admission.attach again in "
                 "the forked child"
@@ -241,37 +292,21 @@ class Admission:
         if p is None:
             p = ledger.find_provider(self._buf, provider_id)
             if p is None:
-                raise UnknownProvider(
-                    f"provider {provider_id!r} is not in segment {self._seg.name}: is it in the "
-                    "gateway config the sidecar (or the first handler) read?"
-                )
+                raise UnknownProvider(self._unknown_reason(provider_id))
             self._index[provider_id] = p
         return p
 
-    def _arrive(self, p: int) -> Ticket | None:
-        """Admitted: a RUNNING ticket. Queued: a WAITING ticket. Full: QueueFull."""
-        now = time.time()
-        with self._seg.lock:
-            decision, ticket = ledger.arrive(
-                self._buf, p, self._pid, self._start, self._member, now
-            )
-            if decision == "full":
-                # Dead processes may be holding places: sweep before refusing anyone.
-                _, rings = ledger.reap(self._buf, now)
-                decision, ticket = ledger.arrive(
-                    self._buf, p, self._pid, self._start, self._member, now
-                )
-                if decision == "full":
-                    ledger.count_rejection(self._buf, p)
-            else:
-                rings = set()
-        self._seg.ring(rings)
-        if decision == "full":
-            raise QueueFull(
-                f"provider {self._provider_name(p)}: {ledger.queue_bound(self._buf, p)} requests "
-                "are already waiting"
-            )
-        return ticket
+    def _unknown_reason(self, provider_id: str) -> str:
+        if provider_id in self._overflow:
+            return f"provider {provider_id!r} has no budget: {self._overflow[provider_id]}"
+        try:
+            ledger.encode_provider_id(provider_id)
+        except ledger.ProviderIdError as exc:
+            return str(exc)
+        return (
+            f"provider {provider_id!r} is not in segment {self._seg.name}: is it in the gateway "
+            "config the sidecar (or the first handler) read?"
+        )
 
     def _provider_name(self, p: int) -> str:
         for name, index in self._index.items():
@@ -279,126 +314,72 @@ class Admission:
                 return name
         return str(p)
 
-    def _acquire_blocking(self, p: int, timeout: float | None) -> Ticket:
-        ticket = self._arrive(p)
-        assert ticket is not None
-        if ledger.holder_state(self._buf, ticket) == HOLDER_RUNNING:
-            return ticket
+    def _queue_full(self, p: int) -> QueueFull:
+        return QueueFull(
+            f"provider {self._provider_name(p)}: {layout.QUEUE_BOUND} requests are already waiting"
+        )
+
+    def _arrive_code(self, ticket: _core.Ticket, p: int, blocking: bool, timeout: float) -> int:
+        code: int = self._core.arrive(ticket, p, self._pid, time.time(), True, blocking, timeout)
+        return code
+
+    def _state(self, ticket: _core.Ticket) -> int:
+        state: int = self._core.state(ticket)
+        return state
+
+    def _leave(self, ticket: _core.Ticket, outcome: int, blocking: bool = True) -> int:
+        """Free the ticket's record. -1 when the lock was busy (non-blocking only)."""
+        if self._closed:
+            return 0  # close() released it already
+        was: int = self._core.leave(ticket, outcome, time.time(), blocking)
+        return was
+
+    # --- waiting, blocking form -------------------------------------------------------
+    def _wait_blocking(self, ticket: _core.Ticket, deadline: float | None) -> None:
         waiter = _Waiter(ticket, event=threading.Event())
         self._add_waiter(waiter)
-        deadline = None if timeout is None else time.monotonic() + timeout
         assert waiter.event is not None
         try:
             while True:
                 remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                 if not waiter.event.wait(remaining):
-                    return self._after_wait(waiter, granted=False)
+                    self._forget(waiter)
+                    self._leave(ticket, _core.TIMEOUT)  # a grant that raced is handed on
+                    raise AdmissionTimeout("no slot was granted within the timeout")
                 waiter.event.clear()  # before looking: a grant after the look sets it again
-                settled = self._settled(waiter)
-                if settled is not None:
-                    return settled
-        except BaseException:
-            self._give_up(waiter, "cancelled")
-            raise
-
-    async def _acquire_async(self, p: int, timeout: float | None) -> Ticket:
-        ticket = self._arrive(p)
-        assert ticket is not None
-        if ledger.holder_state(self._buf, ticket) == HOLDER_RUNNING:
-            return ticket
-        loop = asyncio.get_running_loop()
-        waiter = _Waiter(ticket, loop=loop, future=loop.create_future())
-        self._add_waiter(waiter)
-        try:
-            async with asyncio.timeout(timeout):
-                while True:
-                    assert waiter.future is not None
-                    await waiter.future
-                    waiter.future = loop.create_future()  # before looking, as above
-                    settled = self._settled(waiter)
-                    if settled is not None:
-                        return settled
-        except TimeoutError:
-            return self._after_wait(waiter, granted=False)
-        except BaseException:  # CancelledError and friends
-            self._give_up(waiter, "cancelled")
-            raise
-
-    def _settled(self, waiter: _Waiter) -> Ticket | None:
-        """After a wake-up: the ticket when granted, None when still waiting.
-
-        The dispatcher reads records without the lock, and CPython's struct
-        pack_into zero-fills a field before writing it, so a lock-free read can
-        catch a state half written (0 on its way from WAITING to RUNNING). The
-        verdict is therefore read under the segment lock, where writes are whole;
-        a wake-up that read a half-written value just goes back to waiting.
-        """
-        if self._closed:
+                if self._settled(waiter):
+                    return
+        finally:
             self._forget(waiter)
+
+    def _settled(self, waiter: _Waiter) -> bool:
+        """After a wake-up: True when granted, False when still waiting."""
+        if self._closed:
             raise AdmissionError("this Admission was closed while waiting")
-        with self._seg.lock:
-            state = ledger.holder_state(self._buf, waiter.ticket)
+        state = self._state(waiter.ticket)
         if state == HOLDER_RUNNING:
-            self._forget(waiter)
-            return waiter.ticket
+            return True
         if state == HOLDER_WAITING:
-            return None
-        self._forget(waiter)
-        raise AdmissionError("the admission record was removed while waiting (reclaimed?)")
-
-    def _after_wait(self, waiter: _Waiter, granted: bool) -> Ticket:
-        """The wait timed out: leave the queue; a grant that raced with us is handed on."""
-        assert not granted
-        self._give_up(waiter, "timeout")
-        raise AdmissionTimeout("no slot was granted within the timeout")
-
-    def _give_up(self, waiter: _Waiter, outcome: ledger.Outcome) -> None:
-        self._forget(waiter)
-        if self._closed:
-            return
-        with self._seg.lock:
-            was, rings = ledger.leave(self._buf, waiter.ticket, self._pid, outcome, time.time())
-        self._seg.ring(rings)  # a grant that raced with us is handed on (R-A4)
-        if was == "running":
-            log.debug("a grant raced with %s; handed on", outcome)
-
-    def _hold(self, p: int, delta: int) -> None:
-        with self._guard:
-            count = self._holding.get(p, 0) + delta
-            if count > 0:
-                self._holding[p] = count
-            else:
-                self._holding.pop(p, None)
-
-    def _release(self, ticket: Ticket) -> None:
-        self._hold(ticket.provider, -1)
-        if self._closed:
-            return  # close() released it already
-        with self._seg.lock:
-            was, rings = ledger.leave(self._buf, ticket, self._pid, "released", time.time())
-        self._seg.ring(rings)
-        if was == "stale":
-            log.warning(
-                "release of a slot this process no longer holds (released twice, or reclaimed)"
-            )
+            return False
+        raise AdmissionError("the admission record was removed while waiting")
 
     # --- waiting: dispatcher and ticker threads ---------------------------------------
     def _add_waiter(self, waiter: _Waiter) -> None:
         with self._guard:
             if self._closed:
                 raise AdmissionError("this Admission is closed")
-            self._waiters[waiter.ticket] = waiter
+            self._waiters[id(waiter)] = waiter
         # The grant may have happened between arrive() and now: look once more.
         self._doorbell.release()
 
     def _forget(self, waiter: _Waiter) -> None:
         with self._guard:
-            self._waiters.pop(waiter.ticket, None)
+            self._waiters.pop(id(waiter), None)
 
     def _tick(self) -> None:
         while not self._closed:
             time.sleep(TICK_S)
-            if (self._waiters or self._holding) and not self._closed:
+            if (self._waiters or self._core.held) and not self._closed:
                 self._doorbell.release()
 
     def _dispatch(self) -> None:
@@ -411,28 +392,160 @@ class Admission:
             self.wakeups += 1
             with self._guard:
                 waiters = list(self._waiters.values())
-                interested = {w.ticket.provider for w in waiters} | set(self._holding)
             try:
                 for w in waiters:
-                    state = ledger.holder_state(self._buf, w.ticket)
-                    if state != HOLDER_WAITING:
+                    if self._state(w.ticket) != HOLDER_WAITING:
                         w.wake()
                 now = time.monotonic()
-                if interested and now - last_sweep >= SWEEP_S:
+                if (waiters or self._core.held) and now - last_sweep >= SWEEP_S:
                     last_sweep = now
-                    self._sweep(interested)
+                    # Reclaim dead holders and apply limit changes nobody announced
+                    # (R-A5, R-L7): one locked step in the core.
+                    reclaimed = self._core.reap(time.time())
+                    if reclaimed > 0:
+                        log.warning("reclaimed %d slot(s) of dead processes", reclaimed)
+                repaired = self._core.take_repaired()
+                if repaired:
+                    log.warning(
+                        "a process died holding the segment lock; counters were repaired from "
+                        "the holder records"
+                    )
+            except _core.CoreError:
+                if self._closed:
+                    return
+                log.exception("admission dispatcher: unexpected error; continuing")
             except Exception:  # this thread must outlive any one bad turn
                 log.exception("admission dispatcher: unexpected error; continuing")
 
-    def _sweep(self, providers: set[int]) -> None:
-        """Reclaim dead holders and apply limit changes nobody announced (R-A5, R-L7)."""
-        cache = LivenessCache()
-        now = time.time()
-        stuck = any(ledger.grantable(self._buf, p, now) for p in providers)
-        if not stuck and not ledger.dead_holders(self._buf, sorted(providers), cache):
+    # --- off the event loop -----------------------------------------------------------
+    async def _off_loop(self, fn: Callable[..., _T], *args: object) -> _T:
+        """Run a core call that may wait for the lock in a worker thread (R-A11).
+
+        If the awaiting task is cancelled, the call still completes in its thread;
+        the caller's cleanup sees its result on the ticket.
+        """
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(None, fn, *args)
+        try:
+            return await asyncio.shield(future)
+        except BaseException:
+            # Let the thread finish what it started before anyone looks at the ticket.
+            await _finish_quietly(future)
+            raise
+
+
+async def _finish_quietly(future: asyncio.Future[_T]) -> None:
+    while not future.done():
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(future)
+
+
+class _BlockingSlot:
+    """``with adm.slot_blocking(provider, timeout):`` one running slot for the body."""
+
+    __slots__ = ("_adm", "_p", "_ticket", "_timeout")
+
+    def __init__(self, adm: Admission, p: int, timeout: float | None) -> None:
+        self._adm = adm
+        self._p = p
+        self._timeout = timeout
+        self._ticket = _core.Ticket()
+
+    def __enter__(self) -> None:
+        adm, ticket, timeout = self._adm, self._ticket, self._timeout
+        try:
+            if timeout is None:
+                deadline = None
+                code = adm._core.arrive(ticket, self._p, adm._pid, time.time(), True, True, -1.0)
+            else:
+                deadline = time.monotonic() + timeout
+                code = adm._arrive_code(ticket, self._p, True, max(timeout, 0.0))
+            if code == _core.ADMIT:
+                return
+            if code == _core.FULL:
+                raise adm._queue_full(self._p)
+            if code == _core.BUSY:  # the lock stayed busy for the whole timeout
+                raise AdmissionTimeout("the segment lock stayed busy for the whole timeout")
+            adm._wait_blocking(ticket, deadline)
+        except BaseException:
+            # Whatever landed (a timeout, a KeyboardInterrupt, an exception from a signal
+            # handler): leave nothing behind (R-A12). Should this line itself be skipped,
+            # the ticket frees its record when it is dropped.
+            adm._leave(ticket, _core.CANCELLED)
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        adm = self._adm
+        if not adm._closed:  # else close() released it already
+            adm._core.leave(self._ticket, _core.RELEASED, time.time(), True)
+
+
+class _AsyncSlot:
+    """``async with adm.slot(provider, timeout):`` the same, without blocking the loop."""
+
+    __slots__ = ("_adm", "_p", "_ticket", "_timeout")
+
+    def __init__(self, adm: Admission, p: int, timeout: float | None) -> None:
+        self._adm = adm
+        self._p = p
+        self._timeout = timeout
+        self._ticket = _core.Ticket()
+
+    async def __aenter__(self) -> None:
+        adm, ticket = self._adm, self._ticket
+        try:
+            # The fast path: one try-lock step on the loop (microseconds, R-A11).
+            code = adm._core.arrive(ticket, self._p, adm._pid, time.time(), True, False, -1.0)
+            if code == _core.ADMIT:
+                return
+            async with asyncio.timeout(self._timeout):
+                await self._acquire(code)
+        except TimeoutError:
+            await self._leave(_core.TIMEOUT)
+            raise AdmissionTimeout("no slot was granted within the timeout") from None
+        except BaseException:  # CancelledError, QueueFull and friends (R-A4, R-A12)
+            await self._leave(_core.CANCELLED)
+            raise
+
+    async def _acquire(self, code: int) -> None:
+        adm, ticket, p = self._adm, self._ticket, self._p
+        if code == _core.BUSY:  # the lock is busy or stalled: wait for it off the loop
+            code = await adm._off_loop(adm._arrive_code, ticket, p, True, _NO_DEADLINE)
+        if code == _core.ADMIT:
             return
-        with self._seg.lock:
-            reclaimed, rings = ledger.reap(self._buf, now, cache)
-        if reclaimed:
-            log.warning("reclaimed %d slot(s) of dead processes", reclaimed)
-        self._seg.ring(rings)
+        if code == _core.FULL:
+            raise adm._queue_full(p)
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(ticket, loop=loop, future=loop.create_future())
+        adm._add_waiter(waiter)
+        try:
+            while True:
+                assert waiter.future is not None
+                await waiter.future
+                waiter.future = loop.create_future()  # before looking, as above
+                if adm._settled(waiter):
+                    return
+        finally:
+            adm._forget(waiter)
+
+    async def _leave(self, outcome: int) -> None:
+        adm, ticket = self._adm, self._ticket
+        if adm._leave(ticket, outcome, blocking=False) == -1:  # the lock is busy: not here
+            await adm._off_loop(adm._leave, ticket, outcome, True)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        adm = self._adm
+        if adm._closed:
+            return  # close() released it already
+        if adm._core.leave(self._ticket, _core.RELEASED, time.time(), False) == -1:
+            await adm._off_loop(adm._leave, self._ticket, _core.RELEASED, True)

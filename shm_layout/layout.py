@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAGIC = b"GWCAPSG\x00"
-MAJOR = 1
+MAJOR = 2  # 2: kernel-held lock and liveness (_core.c); 1 used pid heuristics
 MINOR = 0
 
 PROVIDER_COUNT = 64
@@ -93,14 +93,12 @@ H = _fields(
         ("flags", "I"),  # FLAG_GROUP_SHARED
         ("created_at", "d"),
         ("creator_pid", "I"),
+        ("lock_kind", "I"),  # LOCK_* below: which lock every process of this segment uses
         ("creator_start", "d"),
-        # the lock (lock.py)
-        ("lock_owner_pid", "I"),
-        ("repair_needed", "I"),
-        ("lock_owner_start", "d"),
+        # the lock (lock.py, _core.c)
+        ("dirty", "I"),  # 1 while a lock holder is inside a section: a death there => repair
+        ("repairs", "I"),  # repairs after a holder died inside a section (R-A6), for inspect
         ("lock_seq", "Q"),  # +1 on every acquisition
-        ("recovery_owner_pid", "I"),
-        ("recovery_owner_start", "d"),
         ("change_seq", "Q"),  # odd while a lock holder may be mid-write (readers retry)
         # the single writer of limits (R-G4)
         ("writer_epoch", "Q"),
@@ -111,11 +109,18 @@ H = _fields(
         ("config_generation", "Q"),
         ("refresh_s", "d"),
         ("legacy_alive", "I"),  # awaited legacy processes still alive (R-G3)
-        ("repairs", "I"),  # lock recoveries so far (R-A6), for inspect
         ("config_status", f"{REASON_BYTES}s"),
         ("config_path", "256s"),
     ],
 )
+# The robust mutex of LOCK_ROBUST lives at a fixed, 64-byte aligned place at the end of
+# the header (pthread_mutex_t is 40 bytes on Linux; the field leaves room for any libc).
+MUTEX_OFFSET = 896
+MUTEX_SIZE = HEADER_SIZE - MUTEX_OFFSET
+assert max(f.offset + f.codec.size for f in H.values()) <= MUTEX_OFFSET
+LOCK_ROBUST = 1  # a process-shared robust pthread mutex in the header (Linux)
+LOCK_FILE = 2  # an fcntl record lock on a lock file beside the segment (macOS; forced in tests)
+LOCK_KINDS = {LOCK_ROBUST: "robust-mutex", LOCK_FILE: "lock-file"}
 INIT_MARK = 0x494E4954  # "INIT"
 FLAG_GROUP_SHARED = 1
 
@@ -194,11 +199,11 @@ K = _fields(
     HOLDER_ROW_SIZE,
     [
         ("state", "I"),  # HOLDER_* below; written last when claiming
-        ("pid", "I"),
-        ("start", "d"),
+        ("pid", "I"),  # informational: liveness comes from the member's lock
+        ("member_serial", "Q"),  # the owner's registration (member row serial)
         ("ticket", "Q"),
         ("serial", "Q"),  # bumped on every claim: a stale handle cannot touch a reused row
-        ("member", "i"),  # member row (doorbell) of the owner, -1 none
+        ("member", "i"),  # member row (liveness lock and doorbell) of the owner
         ("since", "d"),  # when it started waiting, or was admitted
     ],
 )
@@ -212,8 +217,9 @@ M = _fields(
     MEMBER_ROW_SIZE,
     [
         ("in_use", "I"),
-        ("pid", "I"),
+        ("pid", "I"),  # as its own PID namespace sees it: informational
         ("start", "d"),
+        ("serial", "Q"),  # bumped on every registration of the row
         ("major", "H"),
         ("minor", "H"),
         ("attached_at", "d"),
@@ -227,7 +233,7 @@ ADMISSION_BLOCK = struct.Struct("<iIiIdddQiIII")  # fallback_limit .. waiting
 ADMISSION_BLOCK_OFFSET = P["fallback_limit"].offset
 COUNTS = struct.Struct("<II")  # running, waiting
 COUNTS_OFFSET = P["running"].offset
-HOLDER_BODY = struct.Struct("<IdQQi4xd")  # pid, start, ticket, serial, member, (pad), since
+HOLDER_BODY = struct.Struct("<IQQQi4xd")  # pid, member_serial, ticket, serial, member, since
 HOLDER_BODY_OFFSET = K["pid"].offset
 
 
@@ -252,7 +258,7 @@ _check_block(
     "expires_at published_epoch discovered queue_bound running waiting",
 )
 _check_block(COUNTS, COUNTS_OFFSET, P, "running waiting")
-_check_block(HOLDER_BODY, HOLDER_BODY_OFFSET, K, "pid start ticket serial member since")
+_check_block(HOLDER_BODY, HOLDER_BODY_OFFSET, K, "pid member_serial ticket serial member since")
 
 PROVIDERS_BASE = HEADER_SIZE
 HOLDERS_BASE = PROVIDERS_BASE + PROVIDER_COUNT * PROVIDER_ROW_SIZE
@@ -270,3 +276,32 @@ def encode_text(text: str, size: int) -> bytes:
 
 def decode_text(raw: bytes) -> str:
     return raw.split(b"\x00", 1)[0].decode("utf-8", "replace")
+
+
+def core_offsets() -> dict[str, int]:
+    """What ``_core.Core`` needs to know of this layout: every offset it touches."""
+    out = {f"h.{n}": H[n].offset for n in ("dirty", "lock_seq", "change_seq", "repairs")}
+    out["h.mutex"] = MUTEX_OFFSET
+    out.update({f"p.{n}": f.offset for n, f in P.items()})
+    out.update({f"k.{n}": f.offset for n, f in K.items()})
+    out.update({f"m.{n}": f.offset for n, f in M.items()})
+    out.update(
+        {
+            "g.providers_base": PROVIDERS_BASE,
+            "g.provider_row_size": PROVIDER_ROW_SIZE,
+            "g.provider_count": PROVIDER_COUNT,
+            "g.holders_base": HOLDERS_BASE,
+            "g.holder_row_size": HOLDER_ROW_SIZE,
+            "g.holders_per_provider": HOLDERS_PER_PROVIDER,
+            "g.members_base": MEMBERS_BASE,
+            "g.member_row_size": MEMBER_ROW_SIZE,
+            "g.member_count": MEMBER_COUNT,
+            "g.running_room": RUNNING_ROOM,
+            "g.id_bytes": ID_BYTES,
+            "g.reason_bytes": REASON_BYTES,
+            "g.label_bytes": ID_BYTES,
+            "g.total_size": TOTAL_SIZE,
+            "g.mutex_size": MUTEX_SIZE,
+        }
+    )
+    return out

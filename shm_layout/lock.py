@@ -1,188 +1,121 @@
-"""The segment lock: a named semaphore whose holder is written into the header (R-A6).
+"""The segment lock and holder liveness: kernel-held, never guessed (R-A5, R-A6, R-A11).
 
-Invariant: while ``lock_owner_pid`` is non-zero, that process (identified by
-pid and start time) holds the lock. The holder writes its identity right
-after taking the semaphore and clears it right before posting it, so a
-non-zero owner that is dead can only mean it died holding the lock.
+The lock and every admission step under it live in the compiled core
+(``_core.c``, whose comment is the full story); this module chooses the lock's
+kind when a segment is created, finds its lock target, and opens the core.
 
-A waiter that cannot take the lock watches the owner. When the owner is
-dead (recovered within about 0.1 s), or the owner field stays empty for
-``EMPTY_OWNER_STUCK_S`` with no acquisition in between (a death inside the
-few-statement windows between the semaphore call and the owner fields), it
-recovers: under the small recovery semaphore it
-checks that nothing changed, clears the owner, flags ``repair_needed`` and
-posts the semaphore on the dead holder's behalf. The next holder repairs
-the counters from the holder records (the records are the truth).
+Two kinds, recorded in the header so that every process of a segment uses the
+same one:
 
-Unlike nginx's ``ngx_shmtx_force_unlock``, which frees the lock but leaves
-the data it guarded as the dead worker left it, every recovery here is
-followed by a repair.
+* ``LOCK_ROBUST`` (Linux): a process-shared robust mutex in the header. When its
+  owner dies the kernel hands it to the next waiter with ``EOWNERDEAD``; a live
+  owner keeps it however long it is paused. Members (registered processes) hold
+  an OFD record lock on byte ``1 + m`` of the shm object itself.
+* ``LOCK_FILE`` (macOS, where a ``shm_open`` descriptor cannot be locked and robust
+  mutexes do not exist): an fcntl record lock on byte 0 of a lock file beside the
+  segment, members on bytes ``1 + m`` of the same file. Set
+  ``GATEWAY_CAPACITY_LOCK_FILE=1`` to use it on Linux (the tests run both).
 
-``change_seq`` is a sequence counter for lock-free readers: odd while a
-holder may be writing, even otherwise. A reader that sees it change, or odd,
-retries.
+Either way a record is alive exactly while its owner's member byte is locked,
+which the kernel undoes when the process dies, and never because of a pid: a
+process paused for minutes, or in another PID namespace, is alive; a recycled
+pid cannot make a dead one look alive.
+
+The lock file's directory is ``$GATEWAY_CAPACITY_LOCK_DIR``, else ``/dev/shm``
+where it exists (it is shared exactly like the segment, also under systemd's
+``PrivateTmp=``), else ``/tmp``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import mmap
-import time
-from collections.abc import Callable
-from types import TracebackType
+import os
+import stat
+from collections.abc import Sequence
 
-import posix_ipc
+from shm_layout import _core, ipc, layout
 
-from shm_layout import ipc, names
-from shm_layout.layout import H
-from shm_layout.liveness import is_alive, my_identity
+FORCE_LOCK_FILE_ENV = "GATEWAY_CAPACITY_LOCK_FILE"
+LOCK_DIR_ENV = "GATEWAY_CAPACITY_LOCK_DIR"
 
-log = logging.getLogger("gateway_capacity.lock")
-
-SLICE_S = 0.05  # how often a blocked waiter looks at the owner
-# An empty owner is ambiguous: a holder that died right after sem_wait, or a live one
-# descheduled between sem_wait and writing its owner (or between clearing it and
-# sem_post). Robbing the live one would let two processes in, so wait long enough that
-# no runnable process can still be inside that window. R-A6's 1 s is met for the case
-# that matters, a holder that died with its owner recorded.
-EMPTY_OWNER_STUCK_S = 5.0
+CoreError = _core.CoreError
 
 
-class SegmentLock:
-    def __init__(
-        self,
-        segment: str,
-        buf: mmap.mmap,
-        mode: int,
-        on_repair: Callable[[], None],
-    ) -> None:
-        self._buf = buf
-        self._sem = ipc.open_semaphore(names.lock_name(segment), mode, 1)
-        self._recovery = ipc.open_semaphore(names.recovery_name(segment), mode, 1)
-        self._on_repair = on_repair
-        self._use_timeouts = ipc.timeouts_supported()
-        self._pid, self._start = my_identity()
+class LockSetupError(Exception):
+    """The lock target cannot be used (its message says what to fix)."""
 
-    # --- public -----------------------------------------------------------------------
-    def acquire(self) -> None:
-        if not ipc.try_acquire(self._sem):
-            self._wait()
-        buf = self._buf
-        try:
-            H["lock_owner_start"].put(buf, self._start)  # start before pid: module docstring
-            H["lock_owner_pid"].put(buf, self._pid)
-            H["lock_seq"].put(buf, H["lock_seq"].get(buf) + 1)
-            seq = H["change_seq"].get(buf)
-            H["change_seq"].put(buf, seq + 1 if seq % 2 == 0 else seq + 2)
-            if H["repair_needed"].get(buf):
-                log.warning(
-                    "repairing counters from the holder records (a lock holder died or was "
-                    "interrupted mid-update)"
-                )
-                self._on_repair()
-                H["repair_needed"].put(buf, 0)
-        except BaseException:  # e.g. KeyboardInterrupt: never leave the lock held by us
-            H["repair_needed"].put(buf, 1)
-            self.release()
-            raise
 
-    def release(self) -> None:
-        buf = self._buf
-        H["change_seq"].put(buf, H["change_seq"].get(buf) + 1)
-        H["lock_owner_pid"].put(buf, 0)
-        H["lock_owner_start"].put(buf, 0.0)
-        self._sem.release()
+def kind_for_new_segment() -> int:
+    if os.environ.get(FORCE_LOCK_FILE_ENV, "") not in ("", "0"):
+        return layout.LOCK_FILE
+    return layout.LOCK_ROBUST if _core.HAVE_ROBUST else layout.LOCK_FILE
 
-    def __enter__(self) -> SegmentLock:
-        self.acquire()
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc_type is not None:
-            # An exception (a KeyboardInterrupt, a SystemExit from a signal handler) may
-            # have stopped a write half way: the next holder recounts from the records.
-            H["repair_needed"].put(self._buf, 1)
-        self.release()
+def lock_file_path(segment: str) -> str:
+    directory = os.environ.get(LOCK_DIR_ENV) or (
+        "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+    )
+    return os.path.join(directory, segment.lstrip("/") + ".lock")
 
-    def close(self) -> None:
-        for sem in (self._sem, self._recovery):
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                sem.close()
 
-    # --- slow path --------------------------------------------------------------------
-    def _owner(self) -> tuple[int, float, int]:
-        buf = self._buf
-        return (
-            H["lock_owner_pid"].get(buf),
-            H["lock_owner_start"].get(buf),
-            H["lock_seq"].get(buf),
+def prepare(buf: object, segment: str, kind: int, mode: int) -> None:
+    """At creation, before the init mark: make the lock usable for everyone to come."""
+    if kind == layout.LOCK_ROBUST:
+        _core.init_mutex(buf, layout.MUTEX_OFFSET)
+    else:
+        ensure_lock_file(segment, mode)
+
+
+def ensure_lock_file(segment: str, mode: int) -> str:
+    path = lock_file_path(segment)
+    try:
+        with ipc.exact_mode(mode):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        raise LockSetupError(
+            f"cannot open the lock file {path} ({exc.strerror}); set ${LOCK_DIR_ENV} to a "
+            "directory every process of this gateway can write"
+        ) from None
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)  # no lock is held through it yet; the core keeps its own descriptor
+    if not stat.S_ISREG(info.st_mode) or info.st_mode & stat.S_IRWXO:
+        raise LockSetupError(
+            f"lock file {path} is not a private regular file (mode {info.st_mode & 0o777:o}); "
+            "remove it and let gateway-capacity create it again"
         )
+    return path
 
-    def _wait(self) -> None:
-        observed = self._owner()
-        since = time.monotonic()
-        while True:
-            if ipc.timed_acquire(self._sem, SLICE_S, use_timeouts=self._use_timeouts):
-                return
-            current = self._owner()
-            now = time.monotonic()
-            if current != observed:
-                observed, since = current, now
-                continue
-            pid, start, _ = current
-            if pid == 0:
-                stuck = now - since >= EMPTY_OWNER_STUCK_S
-            else:
-                stuck = not is_alive(pid, start)
-            if stuck:
-                self._recover(observed)
-                observed, since = self._owner(), time.monotonic()
 
-    def _recover(self, observed: tuple[int, float, int]) -> None:
-        self._take_recovery()
-        try:
-            if self._owner() != observed:
-                return  # someone else recovered it, or it moved on
-            pid = observed[0]
-            log.warning(
-                "segment lock holder %s is gone; recovering the lock",
-                f"pid {pid}" if pid else "(unrecorded)",
-            )
-            buf = self._buf
-            H["lock_owner_pid"].put(buf, 0)
-            H["lock_owner_start"].put(buf, 0.0)
-            H["lock_seq"].put(buf, observed[2] + 1)
-            H["repair_needed"].put(buf, 1)
-            H["repairs"].put(buf, H["repairs"].get(buf) + 1)
-            self._sem.release()
-        finally:
-            H["recovery_owner_pid"].put(self._buf, 0)
-            self._recovery.release()
+def _target(segment: str, kind: int) -> tuple[str, bool]:
+    if kind == layout.LOCK_ROBUST:
+        return segment, True
+    return lock_file_path(segment), False
 
-    def _recovery_owner(self) -> tuple[int, float]:
-        return H["recovery_owner_pid"].get(self._buf), H["recovery_owner_start"].get(self._buf)
 
-    def _take_recovery(self) -> None:
-        # The same rules as for the lock itself: a recorded holder that is dead is taken
-        # over at once; an unrecorded one only after EMPTY_OWNER_STUCK_S, since a live
-        # process may be descheduled between taking .R and writing its name.
-        observed = self._recovery_owner()
-        since = time.monotonic()
-        while not ipc.timed_acquire(self._recovery, SLICE_S, use_timeouts=self._use_timeouts):
-            current = self._recovery_owner()
-            if current != observed:
-                observed, since = current, time.monotonic()
-                continue
-            pid, start = current
-            if (pid != 0 and not is_alive(pid, start)) or (
-                pid == 0 and time.monotonic() - since >= EMPTY_OWNER_STUCK_S
-            ):
-                break  # take it over: the dead holder's post will never come
-        H["recovery_owner_start"].put(self._buf, self._start)
-        H["recovery_owner_pid"].put(self._buf, self._pid)
+def open_core(segment: str, buf: object, kind: int) -> _core.Core:
+    """The compiled core for a writable mapping of ``segment``."""
+    target, is_shm = _target(segment, kind)
+    try:
+        return _core.Core(buf, layout.core_offsets(), kind, target, is_shm, segment)
+    except CoreError as exc:
+        raise LockSetupError(str(exc)) from None
+
+
+def members_alive(segment: str, kind: int, members: Sequence[tuple[int, int]]) -> list[bool]:
+    """For readers: is the process registered as each (member, serial) alive?
+
+    When the lock target cannot be opened the answer is "alive" for all: not
+    knowing is never "dead" (R-A5).
+    """
+    if not members:
+        return []
+    target, is_shm = _target(segment, kind)
+    try:
+        return list(_core.probe(target, is_shm, kind, list(members)))
+    except CoreError:
+        return [True] * len(members)
+
+
+def kind_name(kind: int) -> str:
+    return layout.LOCK_KINDS.get(kind, f"unknown({kind})")

@@ -2,7 +2,7 @@
 
 macOS limits POSIX IPC names to 31 bytes including the leading slash. Every
 semaphore of a segment is the segment name plus a suffix of at most
-:data:`SUFFIX_ROOM` bytes (``.L``, ``.R``, ``.C``, ``.d127``), so a segment name may
+:data:`SUFFIX_ROOM` bytes (``.C``, ``.d127``), so a segment name may
 use at most ``31 - SUFFIX_ROOM`` bytes.
 """
 
@@ -61,14 +61,6 @@ def resolve_segment_name(
     if config is not None:
         return segment_name_for_config(config)
     raise BadSegmentName(f"no segment: give --config PATH or --segment NAME (or set ${ENV_VAR})")
-
-
-def lock_name(segment: str) -> str:
-    return segment + ".L"
-
-
-def recovery_name(segment: str) -> str:
-    return segment + ".R"
 
 
 def creation_name(segment: str) -> str:

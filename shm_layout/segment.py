@@ -22,10 +22,9 @@ import time
 
 import posix_ipc
 
-from shm_layout import ipc, layout, names
-from shm_layout.layout import INIT_MARK, MAGIC, MAJOR, MINOR, H
+from shm_layout import _core, ipc, layout, lock, names
+from shm_layout.layout import INIT_MARK, MAGIC, MAJOR, MINOR, H, K, M, P
 from shm_layout.liveness import is_alive, my_identity
-from shm_layout.lock import SegmentLock
 
 log = logging.getLogger("gateway_capacity.segment")
 
@@ -65,8 +64,13 @@ class UnsafePermissions(SegmentError):
     pass
 
 
+class DamagedSegment(NotOurSegment):
+    """Ours by its header, but its tables hold values no writer of ours produces."""
+
+
 class Segment:
-    """A mapped segment. Methods that change shared state need ``self.lock`` held."""
+    """A mapped segment. Shared state changes only through ``self.core`` (the compiled
+    core takes the lock for each step: Python never holds it)."""
 
     def __init__(self, name: str, buf: mmap.mmap, created: bool) -> None:
         self.name = name
@@ -75,7 +79,12 @@ class Segment:
         self.mode = (
             ipc.GROUP_SHARED if H["flags"].get(buf) & layout.FLAG_GROUP_SHARED else ipc.OWNER_ONLY
         )
-        self.lock = SegmentLock(name, buf, self.mode, on_repair=self._repair)
+        self.lock_kind = H["lock_kind"].get(buf)
+        try:
+            self.core: _core.Core = lock.open_core(name, buf, self.lock_kind)
+        except lock.LockSetupError as exc:
+            buf.close()
+            raise SegmentError(f"segment {name}: {exc}") from None
         self._doorbells: dict[int, posix_ipc.Semaphore] = {}
         self._closed = False
         identity = _identity_of(name)
@@ -114,7 +123,7 @@ class Segment:
         if self._closed:
             return
         self._closed = True
-        self.lock.close()
+        self.core.close()
         for sem in self._doorbells.values():
             sem.close()
         self._doorbells.clear()
@@ -133,6 +142,10 @@ class Segment:
                 sem = posix_ipc.Semaphore(name)
             except posix_ipc.ExistentialError:
                 sem = ipc.open_semaphore(name, self.mode, 0)
+            except ipc.DENIED:
+                raise SegmentError(
+                    f"doorbell {name} belongs to another user; see the group-shared option"
+                ) from None
             self._doorbells[member] = sem
         return sem
 
@@ -140,12 +153,6 @@ class Segment:
         for member in members:
             if 0 <= member < layout.MEMBER_COUNT:
                 self.doorbell(member).release()
-
-    # --- repair (R-A6): counters are derived from the holder records -------------------
-    def _repair(self) -> None:
-        from shm_layout import ledger  # ledger stands on this module
-
-        ledger.recount(self.buf)
 
 
 _UNKNOWN = (-1, -1)
@@ -157,7 +164,7 @@ def _identity_of(name: str) -> tuple[int, int] | None:
         shm = posix_ipc.SharedMemory(name, read_only=True)
     except posix_ipc.ExistentialError:
         return None
-    except PermissionError:
+    except ipc.DENIED:
         return _UNKNOWN
     try:
         info = os.fstat(shm.fd)
@@ -225,17 +232,16 @@ def _try_create(name: str, group_shared: bool) -> mmap.mmap | None:
     H["member_count"].put(buf, layout.MEMBER_COUNT)
     H["total_size"].put(buf, layout.TOTAL_SIZE)
     H["flags"].put(buf, layout.FLAG_GROUP_SHARED if group_shared else 0)
-    # A semaphore left behind by an earlier segment of the same name (removed by hand,
-    # or after a crash) may hold a stale count: start from known values.
-    _reset_semaphores(name, mode)
+    kind = lock.kind_for_new_segment()
+    try:
+        lock.prepare(buf, name, kind, mode)
+    except lock.LockSetupError as exc:
+        buf.close()
+        _unlink_shm(name)
+        raise SegmentError(f"segment {name}: {exc}") from None
+    H["lock_kind"].put(buf, kind)
     H["init_complete"].put(buf, INIT_MARK)  # last (R-G2)
     return buf
-
-
-def _reset_semaphores(name: str, mode: int) -> None:
-    for sem_name, value in ((names.lock_name(name), 1), (names.recovery_name(name), 1)):
-        ipc.unlink_semaphore(sem_name)
-        ipc.open_semaphore(sem_name, mode, value).close()
 
 
 def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
@@ -245,7 +251,7 @@ def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
         raise SegmentMissing(
             f"no segment {name}: nothing has created it yet (start the sidecar or a handler)"
         ) from None
-    except PermissionError:
+    except ipc.DENIED:
         raise SegmentError(
             f"segment {name} exists but this user may not open it (owner-only by default; "
             "see the group-shared option)"
@@ -268,6 +274,7 @@ def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
                     ready = H["init_complete"].get(head) == INIT_MARK
                     magic, major, minor = (H[k].get(head) for k in ("magic", "major", "minor"))
                     creator = (H["creator_pid"].get(head), H["creator_start"].get(head))
+                    geometry_ok = _our_geometry(head)
                 finally:
                     head.close()
                 if ready:
@@ -277,6 +284,7 @@ def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
             else:
                 creator = (0, 0.0)
                 magic, major, minor = b"", 0, 0
+                geometry_ok = False
             if time.monotonic() >= deadline:
                 if creator[0] == 0 or not is_alive(*creator):
                     if size != 0 and not _our_size(size):
@@ -293,14 +301,22 @@ def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
             )
         if major != MAJOR:
             raise IncompatibleLayout(name, (major, minor))
-        if not _our_size(size) or not _our_geometry(name):
+        if not _our_size(size) or not geometry_ok:
             raise NotOurSegment(
                 f"segment {name} is {size} bytes or has other table sizes than layout "
                 f"{major}.{minor} of this program ({layout.TOTAL_SIZE} bytes): damaged or "
                 "not ours"
             )
         access = mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE
-        return mmap.mmap(shm.fd, layout.TOTAL_SIZE, access=access)
+        buf = mmap.mmap(shm.fd, layout.TOTAL_SIZE, access=access)
+        problem = damage(buf)
+        if problem is not None:
+            buf.close()
+            raise DamagedSegment(
+                f"segment {name} is damaged ({problem}); once no handler uses it, remove it "
+                f"with 'gateway-capacity inspect --segment {name} --unlink --force'"
+            )
+        return buf
     finally:
         shm.close_fd()
 
@@ -311,30 +327,47 @@ def _our_size(size: int) -> bool:
     return layout.TOTAL_SIZE <= size < layout.TOTAL_SIZE + 65536
 
 
-def _our_geometry(name: str) -> bool:
+def _our_geometry(head: mmap.mmap) -> bool:
     """The header's table sizes are this program's (same major means same geometry)."""
-    try:
-        shm = posix_ipc.SharedMemory(name, read_only=True)
-    except posix_ipc.ExistentialError:
-        return False
-    try:
-        head = mmap.mmap(shm.fd, layout.HEADER_SIZE, access=mmap.ACCESS_READ)
-    finally:
-        shm.close_fd()
-    try:
-        expected = {
-            "header_size": layout.HEADER_SIZE,
-            "provider_row_size": layout.PROVIDER_ROW_SIZE,
-            "provider_count": layout.PROVIDER_COUNT,
-            "holder_row_size": layout.HOLDER_ROW_SIZE,
-            "holders_per_provider": layout.HOLDERS_PER_PROVIDER,
-            "member_row_size": layout.MEMBER_ROW_SIZE,
-            "member_count": layout.MEMBER_COUNT,
-            "total_size": layout.TOTAL_SIZE,
-        }
-        return all(H[k].get(head) == v for k, v in expected.items())
-    finally:
-        head.close()
+    expected = {
+        "header_size": layout.HEADER_SIZE,
+        "provider_row_size": layout.PROVIDER_ROW_SIZE,
+        "provider_count": layout.PROVIDER_COUNT,
+        "holder_row_size": layout.HOLDER_ROW_SIZE,
+        "holders_per_provider": layout.HOLDERS_PER_PROVIDER,
+        "member_row_size": layout.MEMBER_ROW_SIZE,
+        "member_count": layout.MEMBER_COUNT,
+        "total_size": layout.TOTAL_SIZE,
+    }
+    return all(H[k].get(head) == v for k, v in expected.items())
+
+
+def damage(buf: mmap.mmap | bytes) -> str | None:
+    """What makes this initialised segment unusable, or None: values that no writer of
+    ours can produce (random bytes over the tables, a scribbling program)."""
+    if H["lock_kind"].get(buf) not in layout.LOCK_KINDS:
+        return f"unknown lock kind {H['lock_kind'].get(buf)}"
+    from shm_layout.ledger import holder_base, member_base, provider_base
+
+    ended = False
+    for p in range(layout.PROVIDER_COUNT):
+        base = provider_base(p)
+        in_use = P["in_use"].get(buf, base)
+        if in_use not in (0, 1) or (ended and in_use):
+            return f"provider row {p} is not a row this program writes"
+        ended = ended or not in_use
+        # (counters may disagree with the records after a death inside a section: the
+        # next lock holder repairs them, so they are no sign of damage)
+        if in_use:
+            states = {
+                K["state"].get(buf, holder_base(p, h)) for h in range(layout.HOLDERS_PER_PROVIDER)
+            }
+            if not states <= set(layout.HOLDER_STATES):
+                return f"provider row {p} has holder records in no known state"
+    for m in range(layout.MEMBER_COUNT):
+        if M["in_use"].get(buf, member_base(m)) not in (0, 1):
+            return f"member row {m} is not a row this program writes"
+    return None
 
 
 def map_readonly(name: str) -> mmap.mmap:
@@ -354,14 +387,18 @@ def _unlink_shm(name: str) -> bool:
         posix_ipc.unlink_shared_memory(name)
     except posix_ipc.ExistentialError:
         return False
+    except ipc.DENIED:
+        raise SegmentError(
+            f"segment {name} belongs to another user: remove it as that user (or root)"
+        ) from None
     return True
 
 
 def unlink_segment(name: str) -> bool:
     """Remove the segment and all its semaphores. True when the segment existed."""
     existed = _unlink_shm(name)
-    ipc.unlink_semaphore(names.lock_name(name))
-    ipc.unlink_semaphore(names.recovery_name(name))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(lock.lock_file_path(name))
     ipc.unlink_semaphore(names.creation_name(name))
     for member in range(layout.MEMBER_COUNT):
         ipc.unlink_semaphore(names.doorbell_name(name, member))

@@ -7,7 +7,8 @@ retries the reader returns the copy anyway with ``consistent=False``.
 
 Running and waiting are counted from the holder records of *live* processes,
 never from the counters, so a dead process's records are not counted even
-before they are reclaimed (R-A5).
+before they are reclaimed (R-A5). Liveness is the kernel's word: a record's
+member still holds its lock byte (``lock.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from shm_layout.layout import (
     R,
 )
 from shm_layout.ledger import effective_limit, holder_base, member_base, provider_base
-from shm_layout.liveness import LivenessCache
+from shm_layout.liveness import is_alive
+from shm_layout.lock import kind_name, members_alive
 from shm_layout.segment import map_readonly
 
 READ_RETRIES = 200
@@ -115,7 +117,7 @@ class SegmentView:
     group_shared: bool
     consistent: bool
     read_at: float
-    lock_owner_pid: int
+    lock_kind: str
     lock_repairs: int
     config_status: str
     config_path: str
@@ -159,8 +161,10 @@ def parse_view(
     name: str, data: bytes, consistent: bool = True, *, now: float | None = None
 ) -> SegmentView:
     now = time.time() if now is None else now
-    cache = LivenessCache()
-    members = _members(data, cache)
+    kind = H["lock_kind"].get(data)
+    registered = _registrations(data)
+    alive = dict(zip(registered, members_alive(name, kind, registered), strict=True))
+    members = _members(data, alive)
     labels = {m.index: m.generation for m in members}
     providers: list[ProviderView] = []
     holders: list[HolderView] = []
@@ -175,20 +179,20 @@ def parse_view(
             state = K["state"].get(data, hb)
             if state == HOLDER_FREE:
                 continue
-            pid, start = K["pid"].get(data, hb), K["start"].get(data, hb)
-            alive = cache.alive(pid, start)
-            if alive and state == HOLDER_RUNNING:
-                running += 1
-            elif alive and state == HOLDER_WAITING:
-                waiting += 1
+            pid = K["pid"].get(data, hb)
             member = K["member"].get(data, hb)
+            holder_alive = alive.get((member, K["member_serial"].get(data, hb)), False)
+            if holder_alive and state == HOLDER_RUNNING:
+                running += 1
+            elif holder_alive and state == HOLDER_WAITING:
+                waiting += 1
             holders.append(
                 HolderView(
                     provider=pid_text,
                     index=h,
                     state=HOLDER_STATES.get(state, f"corrupt({state})"),
                     pid=pid,
-                    alive=alive,
+                    alive=holder_alive,
                     ticket=K["ticket"].get(data, hb),
                     serial=K["serial"].get(data, hb),
                     member=member,
@@ -205,11 +209,11 @@ def parse_view(
         group_shared=bool(H["flags"].get(data) & layout.FLAG_GROUP_SHARED),
         consistent=consistent,
         read_at=now,
-        lock_owner_pid=H["lock_owner_pid"].get(data),
+        lock_kind=kind_name(kind),
         lock_repairs=H["repairs"].get(data),
         config_status=layout.decode_text(H["config_status"].get(data)),
         config_path=layout.decode_text(H["config_path"].get(data)),
-        sidecar=_sidecar(data, now, cache),
+        sidecar=_sidecar(data, now),
         providers=tuple(providers),
         holders=tuple(holders),
         members=tuple(members),
@@ -276,7 +280,16 @@ def _provider(data: bytes, p: int, running: int, waiting: int, now: float) -> Pr
     )
 
 
-def _members(data: bytes, cache: LivenessCache) -> list[MemberView]:
+def _registrations(data: bytes) -> list[tuple[int, int]]:
+    """(member, serial) of every member row in use."""
+    return [
+        (m, M["serial"].get(data, member_base(m)))
+        for m in range(layout.MEMBER_COUNT)
+        if M["in_use"].get(data, member_base(m))
+    ]
+
+
+def _members(data: bytes, alive: dict[tuple[int, int], bool]) -> list[MemberView]:
     out = []
     for m in range(layout.MEMBER_COUNT):
         mb = member_base(m)
@@ -287,7 +300,7 @@ def _members(data: bytes, cache: LivenessCache) -> list[MemberView]:
             MemberView(
                 index=m,
                 pid=pid,
-                alive=cache.alive(pid, M["start"].get(data, mb)),
+                alive=alive.get((m, M["serial"].get(data, mb)), False),
                 generation=layout.decode_text(M["label"].get(data, mb)),
                 layout=f"{M['major'].get(data, mb)}.{M['minor'].get(data, mb)}",
                 attached_at=M["attached_at"].get(data, mb),
@@ -296,14 +309,14 @@ def _members(data: bytes, cache: LivenessCache) -> list[MemberView]:
     return out
 
 
-def _sidecar(data: bytes, now: float, cache: LivenessCache) -> SidecarView | None:
+def _sidecar(data: bytes, now: float) -> SidecarView | None:
     pid = H["sidecar_pid"].get(data)
     if pid == 0:
         return None
     heartbeat = H["heartbeat"].get(data)
     return SidecarView(
         pid=pid,
-        alive=cache.alive(pid, H["sidecar_start"].get(data)),
+        alive=_sidecar_alive(pid, H["sidecar_start"].get(data)),
         state=layout.SIDECAR_STATES.get(H["sidecar_state"].get(data), "unknown"),
         heartbeat_age_s=round(now - heartbeat, 3) if heartbeat else None,
         writer_epoch=H["writer_epoch"].get(data),
@@ -311,6 +324,13 @@ def _sidecar(data: bytes, now: float, cache: LivenessCache) -> SidecarView | Non
         refresh_s=H["refresh_s"].get(data),
         legacy_alive=H["legacy_alive"].get(data),
     )
+
+
+def _sidecar_alive(pid: int, start: float) -> bool:
+    try:
+        return is_alive(pid, start)
+    except (OverflowError, ValueError):  # a damaged header: not a pid we can ask about
+        return False
 
 
 @dataclass(frozen=True, slots=True)

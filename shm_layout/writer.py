@@ -1,10 +1,14 @@
 """The single writer of limits: fencing epochs, publication and heartbeat (R-G4, R-L7, R-L9).
 
-A sidecar takes the next ``writer_epoch`` under the lock when it starts.
-Every later write re-checks, under the same lock, that the header still
-carries its epoch; a sidecar that finds a newer one raises
-:class:`Superseded` and has written nothing. So a retired sidecar can never
-put an older configuration or limit back.
+A sidecar takes the next ``writer_epoch`` when it starts. Every later write is
+committed by the core only while the header still carries that epoch (a guard
+checked under the lock); a sidecar that finds a newer one raises
+:class:`Superseded` and has written nothing. So a retired sidecar can never put
+an older configuration or limit back.
+
+Python never holds the segment lock (R-A11): each write is decided here on
+plain values, then committed as one list of (offset, bytes) by
+``Core.transact``, which applies it under the lock with the GIL released.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shm_layout import layout, ledger
-from shm_layout.layout import SOURCE_CODES, H, P, R
+from shm_layout.layout import SOURCE_CODES, Field, H, P, R
 from shm_layout.segment import Segment
 from shm_layout.view import ReplicaView
 
@@ -27,6 +31,25 @@ class Superseded(Exception):
         self.mine = mine
         self.current = current
         super().__init__(f"writer epoch {mine} was superseded by epoch {current}")
+
+
+class Patch:
+    """Writes to commit in one locked step, in order."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[int, bytes]] = []
+
+    def put(self, f: Field, value: object, base: int = 0) -> None:
+        self.writes.append((base + f.offset, f.codec.pack(value)))
+
+
+def _epoch_guard(epoch: int) -> list[tuple[int, bytes]]:
+    return [(H["writer_epoch"].offset, H["writer_epoch"].codec.pack(epoch))]
+
+
+def _commit(seg: Segment, epoch: int, patch: Patch, now: float, *, pump: bool = False) -> None:
+    if not seg.core.transact(_epoch_guard(epoch), patch.writes, pump, now):
+        raise Superseded(epoch, H["writer_epoch"].get(seg.buf))
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,23 +76,18 @@ class Publication:
 def take_epoch(
     seg: Segment, pid: int, start: float, now: float, refresh_s: float, config_path: str
 ) -> int:
-    with seg.lock:
-        buf = seg.buf
-        epoch: int = H["writer_epoch"].get(buf) + 1
-        H["writer_epoch"].put(buf, epoch)
-        H["sidecar_start"].put(buf, start)
-        H["sidecar_pid"].put(buf, pid)
-        H["sidecar_state"].put(buf, layout.SIDECAR_RUNNING)
-        H["heartbeat"].put(buf, now)
-        H["refresh_s"].put(buf, refresh_s)
-        H["config_path"].put(buf, layout.encode_text(config_path, 256))
-    return epoch
-
-
-def _check(seg: Segment, epoch: int) -> None:
-    current = H["writer_epoch"].get(seg.buf)
-    if current != epoch:
-        raise Superseded(epoch, current)
+    while True:
+        current: int = H["writer_epoch"].get(seg.buf)
+        patch = Patch()
+        patch.put(H["sidecar_start"], start)
+        patch.put(H["sidecar_pid"], pid)
+        patch.put(H["sidecar_state"], layout.SIDECAR_RUNNING)
+        patch.put(H["heartbeat"], now)
+        patch.put(H["refresh_s"], refresh_s)
+        patch.put(H["config_path"], layout.encode_text(config_path, 256))
+        patch.put(H["writer_epoch"], current + 1)  # compare-and-set on the epoch
+        if seg.core.transact(_epoch_guard(current), patch.writes, False, now):
+            return current + 1
 
 
 def heartbeat(seg: Segment, epoch: int, now: float, legacy_alive: int = 0) -> int:
@@ -77,20 +95,19 @@ def heartbeat(seg: Segment, epoch: int, now: float, legacy_alive: int = 0) -> in
 
     Returns how many holder records were reclaimed.
     """
-    with seg.lock:
-        _check(seg, epoch)
-        H["heartbeat"].put(seg.buf, now)
-        H["legacy_alive"].put(seg.buf, legacy_alive)
-        reclaimed, rings = ledger.reap(seg.buf, now)
-    seg.ring(rings)
+    patch = Patch()
+    patch.put(H["heartbeat"], now)
+    patch.put(H["legacy_alive"], legacy_alive)
+    _commit(seg, epoch, patch, now)
+    reclaimed: int = seg.core.reap(now)
     return reclaimed
 
 
 def set_state(seg: Segment, epoch: int, state: int) -> None:
     """Record how the sidecar left (stopped / retired); only the holder of ``epoch`` may."""
-    with seg.lock:
-        if H["writer_epoch"].get(seg.buf) == epoch:
-            H["sidecar_state"].put(seg.buf, state)
+    patch = Patch()
+    patch.put(H["sidecar_state"], state)
+    seg.core.transact(_epoch_guard(epoch), patch.writes, False, 0.0)
 
 
 def publish(
@@ -108,66 +125,119 @@ def publish(
     fallback. Returns warnings (clamped static limits) for the caller to log.
     """
     warnings: list[str] = []
-    with seg.lock:
-        _check(seg, epoch)
-        buf = seg.buf
-        H["config_generation"].put(buf, config_generation)
-        H["config_status"].put(buf, layout.encode_text(config_status, layout.REASON_BYTES))
-        seen: set[int] = set()
-        for pub in publications:
-            try:
-                p, _ = ledger.ensure_provider(
-                    buf, pub.provider_id, pub.fallback, pub.fallback_source, pub.discovery
-                )
-            except ledger.TableFull as exc:
-                warnings.append(f"provider {pub.provider_id}: not published: {exc}")
-                continue
-            seen.add(p)
-            if ledger.set_fallback(buf, p, pub.fallback, pub.fallback_source, pub.discovery):
-                warnings.append(
-                    f"provider {pub.provider_id}: configured limit {pub.fallback} is above the "
-                    f"segment's room of {layout.RUNNING_ROOM} running; clamped"
-                )
-            _write_publication(buf, p, pub, epoch, now)
-        for p in range(layout.PROVIDER_COUNT):
-            base = ledger.provider_base(p)
-            if not P["in_use"].get(buf, base):
-                break
-            if p not in seen:
-                P["flags"].put(buf, P["flags"].get(buf, base) & ~layout.PFLAG_CONFIGURED, base)
-                P["published_limit"].put(buf, -1, base)
-                for name in ("observed_at", "expires_at"):
-                    P[name].put(buf, 0.0, base)
-                P["discovered"].put(buf, -1, base)
-                P["replica_count"].put(buf, 0, base)
-                P["reason"].put(
-                    buf, layout.encode_text("not in the config any more", layout.REASON_BYTES), base
-                )
-        rings = ledger.pump_all(buf, now)
-    seg.ring(rings)
+    buf = seg.buf
+    current = H["writer_epoch"].get(buf)
+    if current != epoch:  # checked again, under the lock, when committing
+        raise Superseded(epoch, current)
+    patch = Patch()
+    patch.put(H["config_generation"], config_generation)
+    patch.put(H["config_status"], layout.encode_text(config_status, layout.REASON_BYTES))
+    seen: set[int] = set()
+    for pub in publications:
+        try:
+            p, _ = ensure_provider(
+                seg, pub.provider_id, pub.fallback, pub.fallback_source, pub.discovery
+            )
+        except (TableFull, ledger.ProviderIdError) as exc:
+            warnings.append(f"provider {pub.provider_id}: not published: {exc}")
+            continue
+        seen.add(p)
+        if _set_fallback(patch, buf, p, pub.fallback, pub.fallback_source, pub.discovery):
+            warnings.append(
+                f"provider {pub.provider_id}: configured limit {pub.fallback} is above the "
+                f"segment's room of {layout.RUNNING_ROOM} running; clamped"
+            )
+        _write_publication(patch, p, pub, epoch, now)
+    for p in range(layout.PROVIDER_COUNT):
+        base = ledger.provider_base(p)
+        if not P["in_use"].get(buf, base):
+            break
+        if p not in seen:
+            patch.put(P["flags"], P["flags"].get(buf, base) & ~layout.PFLAG_CONFIGURED, base)
+            patch.put(P["published_limit"], -1, base)
+            patch.put(P["observed_at"], 0.0, base)
+            patch.put(P["expires_at"], 0.0, base)
+            patch.put(P["discovered"], -1, base)
+            patch.put(P["replica_count"], 0, base)
+            patch.put(
+                P["reason"],
+                layout.encode_text("not in the config any more", layout.REASON_BYTES),
+                base,
+            )
+    _commit(seg, epoch, patch, now, pump=True)
     return warnings
 
 
-def _write_publication(buf: ledger.Buf, p: int, pub: Publication, epoch: int, now: float) -> None:
+class TableFull(Exception):
+    pass
+
+
+def ensure_provider(
+    seg: Segment, provider_id: str, fallback: int, fallback_source: str, discovery: bool
+) -> tuple[int, bool]:
+    """The row of ``provider_id``, claimed if new (R-A8). Returns (index, created).
+
+    Raises :class:`TableFull` when all rows are taken, ``ledger.ProviderIdError``
+    when the id cannot be stored whole (R-A13).
+    """
+    raw = ledger.encode_provider_id(provider_id)
+    clamped = fallback > layout.RUNNING_ROOM
+    flags = layout.PFLAG_CONFIGURED | (layout.PFLAG_DISCOVERY if discovery else 0)
+    flags |= layout.PFLAG_CLAMPED if clamped else 0
+    reason = "no sidecar has published yet" if discovery else "static limit"
+    p, created = seg.core.ensure_provider(
+        raw,
+        min(max(fallback, 0), layout.RUNNING_ROOM),
+        SOURCE_CODES[fallback_source],
+        flags,
+        layout.QUEUE_BOUND,
+        layout.encode_text(reason, layout.REASON_BYTES),
+    )
+    if p < 0:
+        raise TableFull(
+            f"the segment holds at most {layout.PROVIDER_COUNT} providers; {provider_id!r} does "
+            "not fit"
+        )
+    return p, bool(created)
+
+
+def _set_fallback(
+    patch: Patch, buf: ledger.Buffer | object, p: int, fallback: int, source: str, discovery: bool
+) -> bool:
+    """Store the configured fallback (R-L7). True when it had to be clamped."""
     base = ledger.provider_base(p)
-    # Fields first, the limit last: a lock-free reader sees old or new, never a mix that
-    # pairs a new limit with an old expiry.
-    P["published_source"].put(buf, SOURCE_CODES.get(pub.source, SOURCE_CODES["discovered"]), base)
-    P["published_at"].put(buf, now, base)
-    P["observed_at"].put(buf, pub.observed_at or 0.0, base)
-    P["expires_at"].put(buf, pub.expires_at or 0.0, base)
-    P["published_epoch"].put(buf, epoch, base)
-    P["discovered"].put(buf, -1 if pub.discovered is None else pub.discovered, base)
-    P["reason"].put(buf, layout.encode_text(pub.reason, layout.REASON_BYTES), base)
+    clamped = fallback > layout.RUNNING_ROOM
+    patch.put(P["fallback_limit"], min(max(fallback, 0), layout.RUNNING_ROOM), base)
+    patch.put(P["fallback_source"], layout.SOURCE_CODES[source], base)
+    flags = P["flags"].get(buf, base) & ~(layout.PFLAG_DISCOVERY | layout.PFLAG_CLAMPED)
+    flags |= layout.PFLAG_CONFIGURED
+    if discovery:
+        flags |= layout.PFLAG_DISCOVERY
+    if clamped:
+        flags |= layout.PFLAG_CLAMPED
+    patch.put(P["flags"], flags, base)
+    return clamped
+
+
+def _write_publication(patch: Patch, p: int, pub: Publication, epoch: int, now: float) -> None:
+    base = ledger.provider_base(p)
+    # Fields first, the limit last (the core applies writes in order).
+    patch.put(P["published_source"], SOURCE_CODES.get(pub.source, SOURCE_CODES["discovered"]), base)
+    patch.put(P["published_at"], now, base)
+    patch.put(P["observed_at"], pub.observed_at or 0.0, base)
+    patch.put(P["expires_at"], pub.expires_at or 0.0, base)
+    patch.put(P["published_epoch"], epoch, base)
+    patch.put(P["discovered"], -1 if pub.discovered is None else pub.discovered, base)
+    patch.put(P["reason"], layout.encode_text(pub.reason, layout.REASON_BYTES), base)
     replicas = list(pub.replicas)[: layout.REPLICA_COUNT]
     for r, rep in enumerate(replicas):
         rb = base + layout.REPLICA_BASE + r * layout.REPLICA_ROW_SIZE
-        R["address"].put(buf, layout.encode_text(rep.address, 48), rb)
-        R["ok"].put(buf, int(rep.ok), rb)
-        R["complete"].put(buf, int(rep.complete), rb)
-        R["value"].put(buf, -1 if rep.value is None else rep.value, rb)
-        R["observed_at"].put(buf, rep.observed_at or 0.0, rb)
-        R["reason"].put(buf, layout.encode_text(rep.reason, 64), rb)
-    P["replica_count"].put(buf, len(replicas), base)
+        patch.put(R["address"], layout.encode_text(rep.address, 48), rb)
+        patch.put(R["ok"], int(rep.ok), rb)
+        patch.put(R["complete"], int(rep.complete), rb)
+        patch.put(R["value"], -1 if rep.value is None else rep.value, rb)
+        patch.put(R["observed_at"], rep.observed_at or 0.0, rb)
+        patch.put(R["reason"], layout.encode_text(rep.reason, 64), rb)
+    patch.put(P["replica_count"], len(replicas), base)
     limit = -1 if pub.limit is None or pub.expires_at is None else max(pub.limit, 0)
-    P["published_limit"].put(buf, limit, base)
+    patch.put(P["published_limit"], limit, base)

@@ -11,9 +11,10 @@ It prints one JSON object per line (flushed) for each event, with
   cycle N [--hold-ms MS]             N slot_blocking enter/exit rounds
   async-hold [--timeout T]           like hold with one slot, via ``async with slot``
   lock                               take the segment lock and never release it
-  rawlock                            take the lock semaphore only (a death inside
-                                     the window before the owner is written)
   scribble                           take the lock, corrupt the counters, hang
+  interruptible --stop-file F        loop on slot_blocking, catching every
+                                     KeyboardInterrupt, until the file F exists;
+                                     then report and stay alive until stdin ends
 """
 
 from __future__ import annotations
@@ -51,26 +52,22 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--hold-ms", type=float, default=0.0)
+    ap.add_argument("--stop-file", default="")
     args = ap.parse_args()
 
     adm = Admission.attach(config=args.config, generation=args.gen, segment=args.segment)
     emit("attached", segment=adm.segment_name)
 
-    if args.command in ("lock", "rawlock", "scribble"):
-        seg = adm._seg  # the test wants a process that dies inside the lock
-        if args.command == "rawlock":
-            seg.lock._sem.acquire()
-        else:
-            seg.lock.acquire()
-            if args.command == "scribble":
-                from shm_layout.layout import P
-                from shm_layout.ledger import provider_base
-
-                P["running"].put(seg.buf, 17, provider_base(0))
-                P["waiting"].put(seg.buf, 9, provider_base(0))
+    if args.command in ("lock", "scribble"):
+        # the test wants a process that stops or dies inside the lock, as if frozen in
+        # the middle of a section (scribble: after writing counters that are wrong)
+        adm._core.hold_lock(args.command == "scribble")
         emit("locked")
         time.sleep(3600)
         return 0
+
+    if args.command == "interruptible":
+        return interruptible(adm, args.provider, args.stop_file)
 
     if args.command == "cycle":
         for _ in range(args.count):
@@ -129,6 +126,48 @@ def main() -> int:
         t.join()
     adm.close()
     emit("closed")
+    return 0
+
+
+def interruptible(adm: Admission, provider: str, stop_file: str) -> int:
+    """R-A12: a handler that catches KeyboardInterrupt and goes on serving.
+
+    The handlers nest three deep so that an interrupt landing between them (at a loop's
+    back edge, where Python looks for signals) is caught one level up: the point is
+    what happens inside the slot calls, not in this loop."""
+    counts = {"interrupts": 0, "slots": 0}
+
+    def serve() -> None:
+        while not os.path.exists(stop_file):
+            try:
+                with adm.slot_blocking(provider, timeout=5.0):
+                    counts["slots"] += 1
+            except AdmissionTimeout:
+                emit("timeout")
+
+    def level(depth: int) -> None:
+        while not os.path.exists(stop_file):
+            try:
+                if depth == 0:
+                    serve()
+                else:
+                    level(depth - 1)
+            except KeyboardInterrupt:
+                counts["interrupts"] += 1
+
+    emit("serving")
+    while not os.path.exists(stop_file):
+        try:
+            level(2)
+        except KeyboardInterrupt:
+            counts["interrupts"] += 1
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    emit("quiet", **counts)
+    for _ in sys.stdin:
+        pass
+    adm.close()
     return 0
 
 

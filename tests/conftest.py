@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gwtest, under importlib mode
 
-from gwtest import NO_TIMEOUT_ENV, Agent
+from gwtest import LOCK_FILE_ENV, NO_TIMEOUT_ENV, Agent
 
 
 @pytest.fixture
@@ -52,13 +52,18 @@ def write_config(tmp_path: Path) -> Callable[..., Path]:
     return write
 
 
-@pytest.fixture(params=["sem-timeouts", "no-sem-timeouts"])
+@pytest.fixture(params=["linux", "macos-path"])
 def sem_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test with semaphore timeouts and with the forced macOS path (R-A10)."""
-    if request.param == "no-sem-timeouts":
+    """Run a test on Linux's own path (robust mutex in the segment, semaphore timeouts
+    available) and on the path macOS takes, forced here (a lock file beside the segment,
+    no semaphore timeouts: R-A10). Segments created under the test use that lock; every
+    process attaching follows what the segment's header says."""
+    if request.param == "macos-path":
         monkeypatch.setenv(NO_TIMEOUT_ENV, "1")
+        monkeypatch.setenv(LOCK_FILE_ENV, "1")
     else:
         monkeypatch.delenv(NO_TIMEOUT_ENV, raising=False)
+        monkeypatch.delenv(LOCK_FILE_ENV, raising=False)
     return str(request.param)
 
 

@@ -16,15 +16,22 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT = ROOT / "tests" / "agent.py"
+LOCK_FILE_ENV = "GATEWAY_CAPACITY_LOCK_FILE"
 NO_TIMEOUT_ENV = "GATEWAY_CAPACITY_NO_SEM_TIMEOUT"
 
 
 class Agent:
     """One tests/agent.py process; its JSON events arrive on a queue."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        command: list[str] | None = None,
+    ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(AGENT), *args],
+            command or [sys.executable, str(AGENT), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -34,6 +41,11 @@ class Agent:
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.seen: list[dict[str, Any]] = []
         threading.Thread(target=self._pump, daemon=True).start()
+
+    @classmethod
+    def from_command(cls, command: list[str]) -> Agent:
+        """An agent started by a wrapper (``unshare ... python tests/agent.py ...``)."""
+        return cls([], command=command)
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None

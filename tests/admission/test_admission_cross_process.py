@@ -7,13 +7,16 @@ multi-process tests run in both semaphore modes (R-A10).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from gwtest import Agent, availability, provider_doc, run_cli, wait_until
 
+from shm_layout.layout import MAJOR, MINOR
 from shm_layout.view import read_view
 
 
@@ -184,27 +187,33 @@ def test_r_a5_a_killed_waiter_leaves_the_queue_within_2s_and_is_never_counted(
     holder.expect("released")
 
 
-def test_r_a5_reclaim_is_pid_reuse_safe(
-    segment_name: str, write_config: Callable[..., Path]
+def _inspect(segment: str) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(run_cli("inspect", "--segment", segment, "--json").stdout)
+    return doc
+
+
+def test_r_a5_reuse_of_a_dead_process_registration_never_makes_it_look_alive(
+    sem_mode: str,
+    segment_name: str,
+    write_config: Callable[..., Path],
+    agents: Callable[..., Agent],
 ) -> None:
-    """A record naming a live pid with another start time is a dead process's record."""
-    import os
-
-    from shm_layout import ledger
-    from shm_layout.segment import Segment
-
-    seg = Segment.open(segment_name)
-    try:
-        with seg.lock:
-            p, _ = ledger.ensure_provider(seg.buf, "p1", 1, "provider", False)
-            now = time.time()
-            decision, ticket = ledger.arrive(seg.buf, p, os.getpid(), 12345.0, -1, now)
-            assert decision == "admit" and ticket is not None
-            reclaimed, _ = ledger.reap(seg.buf, now)
-        assert reclaimed == 1
-        assert read_view(segment_name).provider("p1").stored_running == 0  # type: ignore[union-attr]
-    finally:
-        seg.close()
+    """Liveness is the member's kernel-held lock, checked against the row's serial, never
+    a pid: when a dead process's member row is taken by a new process, the dead one's
+    records do not come back to life with it."""
+    cfg = _cfg(write_config, 1)
+    base = ("--segment", segment_name, "--config", str(cfg))
+    dead = agents(*base, "hold")
+    dead.expect("admitted")
+    (member,) = [g["index"] for g in _inspect(segment_name)["generations"]]
+    dead.kill()
+    heir = agents(*base, "hold")
+    heir.expect("admitted", timeout=10)  # the dead one's slot was freed, not inherited
+    assert [g["index"] for g in _inspect(segment_name)["generations"]] == [member]  # reused
+    p1 = provider_doc(segment_name)
+    assert p1["running"] == 1
+    heir.send("release")
+    heir.expect("released")
 
 
 def test_r_a8_r_a9_r_g1_first_handler_creates_the_segment_with_static_limits(
@@ -230,7 +239,7 @@ def test_r_a8_r_a9_r_g1_first_handler_creates_the_segment_with_static_limits(
     assert limits == {"p1": (2, "provider"), "gw": (5, "gateway"), "disc": (5, "gateway")}
     assert doc["sidecar"] is None
     gens = [(g["generation"], g["pid"], g["layout"]) for g in doc["generations"]]
-    assert gens == [("handler-2.0", a.pid, "1.0")]
+    assert gens == [("handler-2.0", a.pid, f"{MAJOR}.{MINOR}")]
     a.send("release")
     a.expect("released")
     assert a.finish() == 0

@@ -11,7 +11,7 @@ from pathlib import Path
 from gwtest import run_cli
 
 from handler_shim import Admission
-from shm_layout import writer
+from shm_layout import layout, writer
 from shm_layout.liveness import my_identity
 
 PROVIDER_KEYS = {
@@ -68,7 +68,7 @@ def test_availability_json_has_the_spec_keys(
         doc = json.loads(out.stdout)
         assert {"segment", "layout", "sidecar", "generations", "providers"} <= set(doc)
         assert doc["segment"] == segment_name
-        assert doc["layout"] == {"major": 1, "minor": 0}
+        assert doc["layout"] == {"major": layout.MAJOR, "minor": layout.MINOR}
         assert set(doc["sidecar"]) >= SIDECAR_KEYS
         assert doc["sidecar"]["pid"] == os.getpid() and doc["sidecar"]["writer_epoch"] == epoch
         assert doc["generations"][0]["generation"] == "handler-2.0"

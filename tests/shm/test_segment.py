@@ -114,7 +114,9 @@ def test_r_g2_segment_abandoned_before_init_is_recreated(segment_name: str) -> N
 
 
 @needs_dev_shm
-def test_r_g6_segment_and_semaphores_are_owner_only_by_default(segment_name: str) -> None:
+def test_r_g6_segment_and_semaphores_are_owner_only_by_default(
+    sem_mode: str, segment_name: str
+) -> None:
     old = os.umask(0)  # a permissive umask must not widen anything
     try:
         seg = Segment.open(segment_name)
@@ -123,23 +125,30 @@ def test_r_g6_segment_and_semaphores_are_owner_only_by_default(segment_name: str
         os.umask(old)
     seg.close()
     base = segment_name.lstrip("/")
-    paths = [DEV_SHM / base, DEV_SHM / f"sem.{base}.L", DEV_SHM / f"sem.{base}.R"]
-    paths.append(DEV_SHM / f"sem.{base}.d0")
+    paths = [DEV_SHM / base, DEV_SHM / f"sem.{base}.d0"]
+    if sem_mode == "macos-path":
+        paths.append(DEV_SHM / f"{base}.lock")  # the lock file beside the segment
     for path in paths:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
 
 
 @needs_dev_shm
-def test_r_g6_group_shared_is_0660_even_under_a_strict_umask(segment_name: str) -> None:
+def test_r_g6_group_shared_is_0660_even_under_a_strict_umask(
+    sem_mode: str, segment_name: str
+) -> None:
     old = os.umask(0o077)
     try:
         seg = Segment.open(segment_name, group_shared=True)
+        seg.doorbell(0)
     finally:
         os.umask(old)
     seg.close()
     base = segment_name.lstrip("/")
-    assert stat.S_IMODE((DEV_SHM / base).stat().st_mode) == 0o660
-    assert stat.S_IMODE((DEV_SHM / f"sem.{base}.L").stat().st_mode) == 0o660
+    paths = [DEV_SHM / base, DEV_SHM / f"sem.{base}.d0"]
+    if sem_mode == "macos-path":
+        paths.append(DEV_SHM / f"{base}.lock")
+    for path in paths:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o660, path
 
 
 def test_r_g6_a_world_accessible_segment_is_refused(segment_name: str) -> None:
