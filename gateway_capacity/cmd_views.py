@@ -56,7 +56,7 @@ def _read(args: argparse.Namespace) -> Any:
 
 
 def availability_doc(view: Any) -> dict[str, Any]:
-    """The JSON of ``availability`` (SPEC section 8)."""
+    """The JSON of ``availability`` (REQUIREMENTS.md section 8)."""
     sidecar = None
     if view.sidecar is not None:
         s = view.sidecar

@@ -10,7 +10,7 @@ from shm_layout.names import BadSegmentName, resolve_segment_name
 
 
 def add_target_options(parser: argparse.ArgumentParser) -> None:
-    """Every command takes ``--config PATH`` or ``--segment NAME`` (SPEC section 8)."""
+    """Every command takes ``--config PATH`` or ``--segment NAME`` (REQUIREMENTS.md section 8)."""
     parser.add_argument("--config", metavar="PATH", help="the gateway's JSON config file")
     parser.add_argument(
         "--segment",

@@ -1,4 +1,4 @@
-"""The gateway's JSON config file, read-only (SPEC section 2, R-C1..R-C3).
+"""The gateway's JSON config file, read-only (REQUIREMENTS.md section 2, R-C1..R-C3).
 
 The file belongs to the gateway: it is opened read-only and never written,
 renamed or touched (R-C1). Unknown fields anywhere are ignored, so a newer
@@ -37,7 +37,7 @@ import msgspec
 from sidecar.addresses import classify, is_localhost_name, parse_ip, static_opt_in
 from sidecar.credential import check_credential_spec
 
-DEFAULT_MAX_CONCURRENT: Final = 4  # SPEC section 5: fallback when neither level sets one
+DEFAULT_MAX_CONCURRENT: Final = 4  # REQUIREMENTS.md section 5: fallback when neither level sets one
 MAX_PROVIDER_ID_BYTES: Final = 64
 MAX_LIMIT: Final = 2**31 - 1  # fits any 32-bit counter in the segment
 

@@ -1,4 +1,4 @@
-"""The effective admission limit of one provider (SPEC section 5), as one pure function.
+"""The effective admission limit of one provider (REQUIREMENTS.md section 5), as one pure function.
 
 Invariant: a provider's published limit is exactly one of
 

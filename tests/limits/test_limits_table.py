@@ -1,4 +1,4 @@
-"""SPEC section 5 (R-L1..R-L9) and R-G3, one row per behaviour, named by R-id."""
+"""REQUIREMENTS.md section 5 (R-L1..R-L9) and R-G3, one row per behaviour, named by R-id."""
 
 from __future__ import annotations
 

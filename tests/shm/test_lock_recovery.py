@@ -45,7 +45,7 @@ def test_r_a6_lock_of_a_sigkilled_holder_is_recovered_within_1s(
         killed = time.monotonic()
         with seg.lock:
             recovered = time.monotonic() - killed
-        assert recovered < 1.0, f"took {recovered:.2f}s"  # SPEC R-A6 deadline
+        assert recovered < 1.0, f"took {recovered:.2f}s"  # R-A6 deadline
         assert H["repairs"].get(seg.buf) == 1
         with seg.lock:  # and it is an ordinary lock again
             pass
