@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         description="Capacity-following, generation-shared admission for an inference gateway.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMANDS:
         try:
@@ -41,6 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
         module.register(sub)
     _no_abbreviations(parser)
     return parser
+
+
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml), never a second copy of it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gateway-capacity")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install .)"
 
 
 def _no_abbreviations(parser: argparse.ArgumentParser) -> None:

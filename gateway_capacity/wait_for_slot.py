@@ -1,4 +1,4 @@
-"""``gateway-capacity wait-for-slot``: the client-side gate before a fan-out (REQUIREMENTS.md section 9).
+"""``gateway-capacity wait-for-slot``: the client-side gate before a fan-out (section 9).
 
 A client counts only its own requests, so before launching several it asks
 how busy the server is and waits until ``running + waiting + need <= limit``.

@@ -1,4 +1,4 @@
-"""``gateway-capacity verify`` compares a probe made now with the segment (REQUIREMENTS.md section 8)."""
+"""``gateway-capacity verify`` compares a probe made now with the segment (section 8)."""
 
 from __future__ import annotations
 
