@@ -71,6 +71,8 @@ def availability_doc(view: Any) -> dict[str, Any]:
         }
     return {
         "segment": view.name,
+        # the config the sidecar read for this segment (null: no sidecar has written it)
+        "config_path": view.config_path or None,
         "layout": {"major": view.major, "minor": view.minor},
         "consistent": view.consistent,
         "config_status": view.config_status or None,
@@ -131,7 +133,14 @@ def _age(t: float | None, now: float) -> str:
 
 def availability_text(view: Any) -> str:
     now = time.time()
-    lines = [f"segment {view.name}  layout {view.major}.{view.minor}"]
+    lines = [
+        f"segment {view.name}  layout {view.major}.{view.minor}  "
+        + (
+            f"config path {view.config_path}"
+            if view.config_path
+            else "config path unknown (no sidecar has written this segment)"
+        )
+    ]
     if not view.consistent:
         lines.append("  (a writer was mid-update; figures may be torn)")
     s = view.sidecar

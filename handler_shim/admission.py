@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
+from handler_shim import siblings
 from shm_layout import ipc, ledger
 from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING, RUNNING_ROOM
 from shm_layout.ledger import Ticket
@@ -155,6 +156,7 @@ class Admission:
         entries = providers_from_config(config) if config is not None else []
         seg = Segment.open(name, create=True, group_shared=group_shared)
         try:
+            siblings.warn_if_split_budget(name, [e.provider_id for e in entries])
             with seg.lock:
                 for e in entries:
                     _, created = ledger.ensure_provider(
