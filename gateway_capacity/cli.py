@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
+
+from gateway_capacity import common
 
 # subcommand module, in the order --help lists them
 _COMMANDS = (
@@ -75,11 +79,25 @@ def main(argv: list[str] | None = None) -> int:
             f"gateway-capacity: error: unrecognized arguments: {' '.join(shown)}", file=sys.stderr
         )
         return 2
+    common.json_errors = bool(getattr(args, "json", False))
     try:
         code: int = args.func(args)
+        sys.stdout.flush()
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _reader_went_away()
     return code
+
+
+def _reader_went_away() -> int:
+    """``gateway-capacity inspect --json | head``: the reader closed the pipe. End quietly
+    as coreutils do (status 128 + SIGPIPE), and keep the interpreter's final flush of
+    stdout from printing a traceback of its own."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def _safe_word(word: str) -> str:

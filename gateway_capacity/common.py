@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import NoReturn
 
@@ -28,8 +29,17 @@ def segment_from_args(args: argparse.Namespace) -> str:
         fail(str(exc), code=2)
 
 
+# Set by the entry point when the command runs with --json: errors are JSON then too.
+json_errors = False
+
+
 def fail(message: str, code: int) -> NoReturn:
-    print(f"gateway-capacity: {message}", file=sys.stderr)
+    """One line that says what to fix, then exit ``code``. In ``--json`` mode the line
+    is ``{"error": "..."}`` on stdout, so a caller parsing stdout gets JSON either way."""
+    if json_errors:
+        print(json.dumps({"error": message}))
+    else:
+        print(f"gateway-capacity: {message}", file=sys.stderr)
     raise SystemExit(code)
 
 
