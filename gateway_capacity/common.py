@@ -41,5 +41,3 @@ def fail(message: str, code: int) -> NoReturn:
     else:
         print(f"gateway-capacity: {message}", file=sys.stderr)
     raise SystemExit(code)
-
-
