@@ -1,4 +1,4 @@
-"""``make bench``: gateway-capacity admission measured against what else one could use (SPEC 10).
+"""``make bench``: gateway-capacity admission measured against what else one could use (REQUIREMENTS.md section 10).
 
 Usage: ``.venv/bin/python bench/run.py [--quick] [--only SECTION,...] [--out PATH]``
 
@@ -247,7 +247,7 @@ def banner(quick: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="gateway-capacity admission measured side by side with the alternatives "
-        "(SPEC section 10); see docs/benchmarks.md"
+        "(REQUIREMENTS.md section 10); see docs/benchmarks.md"
     )
     parser.add_argument("--quick", action="store_true", help="short smoke run (< 60 s)")
     parser.add_argument(

@@ -1,4 +1,4 @@
-"""Reference capacity router (SPEC section 4, R-K5).
+"""Reference capacity router (REQUIREMENTS.md section 4, R-K5).
 
 Answers ``GET /v1/capacity`` with the sum, per model id, of the slots of
 distinct healthy, registered, unfenced workers. Shares only the contract

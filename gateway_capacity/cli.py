@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
+
+from gateway_capacity import common
 
 # subcommand module, in the order --help lists them
 _COMMANDS = (
@@ -30,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         description="Capacity-following, generation-shared admission for an inference gateway.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMANDS:
         try:
@@ -41,6 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
         module.register(sub)
     _no_abbreviations(parser)
     return parser
+
+
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml), never a second copy of it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gateway-capacity")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install .)"
 
 
 def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
@@ -64,11 +79,25 @@ def main(argv: list[str] | None = None) -> int:
             f"gateway-capacity: error: unrecognized arguments: {' '.join(shown)}", file=sys.stderr
         )
         return 2
+    common.json_errors = bool(getattr(args, "json", False))
     try:
         code: int = args.func(args)
+        sys.stdout.flush()
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _reader_went_away()
     return code
+
+
+def _reader_went_away() -> int:
+    """``gateway-capacity inspect --json | head``: the reader closed the pipe. End quietly
+    as coreutils do (status 128 + SIGPIPE), and keep the interpreter's final flush of
+    stdout from printing a traceback of its own."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def _safe_word(word: str) -> str:

@@ -3,9 +3,14 @@
 Reads the gateway's config (read-only), then for every provider that asks for
 discovery does what a probe does before it sends anything: the static opt-in,
 one resolution of the host with every address checked (loopback, Tailscale
-ranges, tailscaled whois where it answers), and a read of the key file. Nothing
-is sent to any provider and the key is never shown. Exit 2 with one line when
-the file cannot be read or parsed, else 0.
+ranges, tailscaled whois where it answers), and a read of the key file. Every
+problem of a provider is reported, not only the first, so one edit can fix them
+all. Nothing is sent to any provider and the key is never shown. It also names
+the segment the config's users will share, and what that name derives from.
+
+Exit 2 with one line when the file cannot be read or parsed; with ``--strict``,
+1 when a provider that asks for discovery cannot have it (or an entry is
+skipped); else 0.
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 from typing import Any
 
 from gateway_capacity.common import fail
+from shm_layout.names import ENV_VAR, BadSegmentName, resolve_segment_name
 from sidecar.addresses import ResolveError, check_provider_addresses
 from sidecar.config import (
     ConfigError,
@@ -24,6 +31,8 @@ from sidecar.config import (
     fallback_limit,
     load_config,
     parse_base_url,
+    provider_problems,
+    raw_provider_entries,
 )
 from sidecar.credential import CredentialError, read_credential
 
@@ -43,6 +52,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--config", metavar="PATH", required=True, help="the gateway's JSON config")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when a provider that asks for discovery cannot have it, "
+        "or an entry is skipped",
+    )
+    parser.add_argument(
         "--tailscale-socket",
         metavar="PATH",
         help="tailscaled LocalAPI socket for the peer check (default: "
@@ -56,17 +71,37 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config)
     except ConfigError as exc:
         fail(str(exc), code=2)
-    report = asyncio.run(_check(config, args.tailscale_socket))
+    entries = raw_provider_entries(args.config)
+    report = asyncio.run(_check(config, entries, args.tailscale_socket))
+    report["segment"], report["segment_from"] = _segment(args.config)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(_render(report))
+    if args.strict and (
+        report["skipped"]
+        or any(p["discovery_requested"] and not p["discovery_active"] for p in report["providers"])
+    ):
+        return 1
     return 0
 
 
-async def _check(config: GatewayConfig, socket_path: str | None) -> dict[str, Any]:
+def _segment(config_path: str) -> tuple[str | None, str]:
+    """The segment the sidecar and handlers will use, and what the name comes from."""
+    try:
+        name = resolve_segment_name(None, config_path)
+    except BadSegmentName as exc:
+        return None, f"${ENV_VAR} is unusable: {exc}"
+    if os.environ.get(ENV_VAR):
+        return name, f"${ENV_VAR}"
+    return name, f"the config path {os.path.abspath(config_path)}"
+
+
+async def _check(
+    config: GatewayConfig, entries: dict[str, dict[str, Any]], socket_path: str | None
+) -> dict[str, Any]:
     providers = await asyncio.gather(
-        *(_check_provider(config, p, socket_path) for p in config.providers)
+        *(_check_provider(config, p, entries.get(p.id, {}), socket_path) for p in config.providers)
     )
     return {
         "config": config.source,
@@ -77,64 +112,88 @@ async def _check(config: GatewayConfig, socket_path: str | None) -> dict[str, An
 
 
 async def _check_provider(
-    config: GatewayConfig, provider: ProviderConfig, socket_path: str | None
+    config: GatewayConfig,
+    provider: ProviderConfig,
+    raw: dict[str, Any],
+    socket_path: str | None,
 ) -> dict[str, Any]:
     status = config.statuses[provider.id]
     limit, source = fallback_limit(provider, config)
+    if raw:
+        provider, problems = provider_problems(raw)
+    else:
+        problems = []
+    if status.discovery_requested and not status.discovery_active and not problems:
+        problems = [status.reason]  # the raw entry changed under us: the loader's word
     entry: dict[str, Any] = {
         "id": provider.id,
         "discovery_requested": status.discovery_requested,
         "discovery_active": False,
         "reason": status.reason,
+        "problems": problems,
         "fallback_limit": limit,
         "fallback_source": source,
         "endpoint": None,
         "addresses": [],
         "credential": None,
     }
-    if not status.discovery_active:
+    if not status.discovery_requested:
         return entry
-    assert provider.base_url is not None and provider.credential_file is not None
-    endpoint = parse_base_url(provider.base_url)
-    entry["endpoint"] = endpoint.url
+    # The address and key checks run whenever they can, even after a static problem,
+    # so that every problem is reported at once.
+    try:
+        endpoint = parse_base_url(provider.base_url) if provider.base_url else None
+    except ValueError:
+        endpoint = None
+    if endpoint is not None and not any(p.startswith("opt_in_refused:") for p in problems):
+        entry["endpoint"] = endpoint.url
+        await _check_addresses(entry, endpoint.host, endpoint.port, provider.tailnet, socket_path)
+    if provider.credential_file is not None and not any("credentialFile" in p for p in problems):
+        try:
+            read_credential(provider.credential_file)
+        except CredentialError as exc:
+            entry["credential"] = str(exc)
+            problems.append(f"credential_error:{exc}")
+        else:
+            entry["credential"] = "ok"
+    if problems:
+        entry["reason"] = problems[0]
+        return entry
+    entry["discovery_active"] = True
+    notes = sorted(
+        {a["detail"] for a in entry["addresses"] if a["detail"].startswith("range-checked")}
+    )
+    if notes:
+        entry["reason"] = f"{status.reason}, {'; '.join(notes)}"
+    return entry
+
+
+async def _check_addresses(
+    entry: dict[str, Any], host: str, port: int, tailnet: bool, socket_path: str | None
+) -> None:
+    problems: list[str] = entry["problems"]
     try:
         async with asyncio.timeout(CHECK_DEADLINE_S):
-            check = await check_provider_addresses(
-                endpoint.host, endpoint.port, provider.tailnet, socket_path
-            )
+            check = await check_provider_addresses(host, port, tailnet, socket_path)
     except TimeoutError:
-        entry["reason"] = (
-            f"timeout:resolving and checking {endpoint.host} took over {CHECK_DEADLINE_S:g} s"
-        )
-        return entry
+        problems.append(f"timeout:resolving and checking {host} took over {CHECK_DEADLINE_S:g} s")
+        return
     except ResolveError as exc:
-        entry["reason"] = f"unreachable:{exc}"
-        return entry
+        problems.append(f"unreachable:{exc}")
+        return
     entry["addresses"] = [
         {"address": v.address, "allowed": v.allowed, "detail": v.detail} for v in check.verdicts
     ]
     if check.refused is not None:
-        entry["reason"] = f"address_refused:{check.refused}"
-        return entry
-    try:
-        read_credential(provider.credential_file)
-    except CredentialError as exc:
-        entry["credential"] = str(exc)
-        entry["reason"] = f"credential_error:{exc}"
-        return entry
-    entry["credential"] = "ok"
-    entry["discovery_active"] = True
-    notes = sorted({v.detail for v in check.verdicts if v.detail.startswith("range-checked")})
-    if notes:
-        entry["reason"] = f"{status.reason}, {'; '.join(notes)}"
-    return entry
+        problems.append(f"address_refused:{check.refused}")
 
 
 def _render(report: dict[str, Any]) -> str:
     gateway = report["max_concurrent"]
     lines = [
         f"config {report['config']}: gateway maxConcurrent "
-        f"{gateway if gateway is not None else 'not set'}"
+        f"{gateway if gateway is not None else 'not set'}",
+        f"segment {report['segment'] or '(none)'} (from {report['segment_from']})",
     ]
     for p in report["providers"]:
         if p["discovery_active"]:
@@ -146,7 +205,9 @@ def _render(report: dict[str, Any]) -> str:
         lines.append(
             f"{p['id']}: {state}; fallback {p['fallback_limit']} from {p['fallback_source']}"
         )
-        if p["reason"] != "not_requested":
+        if len(p["problems"]) > 1:
+            lines.extend(f"  problem: {why}" for why in p["problems"])
+        elif p["reason"] != "not_requested":
             lines.append(f"  reason: {p['reason']}")
         if p["endpoint"]:
             lines.append(f"  endpoint: {p['endpoint']}")

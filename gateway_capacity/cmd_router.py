@@ -7,6 +7,7 @@ options::
     gateway-capacity router fence   WORKER --key-file PATH [--url URL] [--json]
     gateway-capacity router unfence WORKER --key-file PATH [--url URL] [--json]
     gateway-capacity router show    --key-file PATH [--url URL] [--json]
+    gateway-capacity router simworker --slots N [--port P] [--host 127.0.0.1|::1]
 
 The key is only ever read from the key file: never an argument, never printed.
 ``fence``/``unfence``/``show`` talk to a router on this host (loopback URL).
@@ -86,6 +87,22 @@ def register(subparsers: Any) -> None:
     show = actions.add_parser("show", help="print the router's current snapshot")
     _add_client_options(show)
 
+    text = "serve a simulated llama.cpp-style worker (GET /props, GET /health) on loopback"
+    simworker = actions.add_parser("simworker", help=text, description=text)
+    simworker.add_argument(
+        "--slots", type=_slot_count, required=True, metavar="N", help="its total_slots"
+    )
+    simworker.add_argument(
+        "--port", type=_port, default=0, metavar="P", help="port (default 0: a free one)"
+    )
+    simworker.add_argument(
+        "--host", default="127.0.0.1", choices=("127.0.0.1", "::1"),
+        help="loopback address to serve on (default 127.0.0.1)",
+    )
+    simworker.add_argument(
+        "--model", default="sim-model", metavar="NAME", help="name shown in its model_path"
+    )
+
 
 def _add_client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -96,10 +113,26 @@ def _add_client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the router's JSON answer")
 
 
+def _slot_count(text: str) -> int:
+    from sidecar.contract import MAX_SLOTS
+
+    if not text.isdigit() or int(text) > MAX_SLOTS:
+        raise argparse.ArgumentTypeError(f"must be an integer 0..{MAX_SLOTS}: {text!r}")
+    return int(text)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 0..65535: {text!r}")
+    return int(text)
+
+
 def run(args: argparse.Namespace) -> int:
     action: str = args.router_action
     if action == "serve":
         return _serve(args)
+    if action == "simworker":
+        return _simworker(args)
     return _client(args, action)
 
 
@@ -154,6 +187,35 @@ def _serve(args: argparse.Namespace) -> int:
                 return 1
     finally:
         server.stop()
+    return 0
+
+
+def _simworker(args: argparse.Namespace) -> int:
+    """A stand-in worker for trying the router from the shell; stops on SIGTERM or Ctrl-C."""
+    import signal
+    import threading
+
+    from capacity_router import SimWorker
+
+    worker = SimWorker(slots=args.slots, host=args.host, port=args.port, model=args.model)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        worker.start()
+    except OSError as exc:
+        where = f"[{args.host}]" if ":" in args.host else args.host
+        fail(f"cannot listen on {where}:{args.port}: {exc.strerror or exc}", code=2)
+    print(f"simulated worker on {worker.url} ({args.slots} slots): GET /props, GET /health",
+          flush=True)
+    try:
+        stop.wait()
+    finally:
+        worker.stop()
     return 0
 
 

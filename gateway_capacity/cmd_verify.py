@@ -1,8 +1,11 @@
 """``gateway-capacity verify``: probe now, apply the rules, compare with the segment.
 
 Exit 0 when every provider's effective limit in the segment is what the
-rules give for a probe made now; 1 when any differs; 2 for a config error;
-3 when there is no segment. The key is read by the probe and never shown.
+rules give for a probe made now; 1 when any differs, or a configured upstream
+model is missing from a complete answer (a typo in ``models`` holds the limit
+at 0); 2 when it could not compare (a provider with discovery got no valid
+answer: router down, 404, timeout...; "ok" would be a guess) or for a config
+error; 3 when there is no segment. The key is read by the probe and never shown.
 A router whose answer changes between the sidecar's last refresh and this
 probe shows as a difference: run it again.
 """
@@ -33,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from shm_layout.segment import SegmentError, SegmentMissing
     from shm_layout.view import read_view
     from sidecar.config import ConfigError, load_config
-    from sidecar.limits import LimitDecision, decide, rules_from_config
+    from sidecar.limits import OPT_IN_REFUSED, LimitDecision, decide, rules_from_config
     from sidecar.probe import probe_providers
 
     if not args.config:
@@ -76,14 +79,27 @@ def run(args: argparse.Namespace) -> int:
                 fallback_limit=seen.fallback_limit,
                 fallback_source=seen.fallback_source,
             )
-        decision = decide(r, probes.get(r.provider_id), previous, now, legacy_draining=draining)
+        probe = probes.get(r.provider_id)
+        decision = decide(r, probe, previous, now, legacy_draining=draining)
         segment_limit = None if seen is None else seen.effective_limit
         same = segment_limit == min(decision.effective_limit, _room())
+        answered = any(v.ok for v in decision.replicas)
+        refused_opt_in = probe is not None and (probe.refused or "").startswith(OPT_IN_REFUSED)
+        if r.discovery_active and not refused_opt_in and not answered:
+            status = "no_answer"
+        elif not same:
+            status = "differs"
+        elif decision.missing_models:
+            status = "missing_models"
+        else:
+            status = "ok"
         agree = agree and same
         rows.append(
             {
                 "id": r.provider_id,
                 "agree": same,
+                "status": status,
+                "missing_models": list(decision.missing_models),
                 "rules_limit": decision.effective_limit,
                 "rules_source": decision.source,
                 "rules_reason": decision.reason,
@@ -102,18 +118,44 @@ def run(args: argparse.Namespace) -> int:
                 ],
             }
         )
+    statuses = {row["status"] for row in rows}
+    if statuses & {"differs", "missing_models"}:
+        code = 1
+    elif "no_answer" in statuses:
+        code = 2
+    else:
+        code = 0
     if args.json:
-        print(json.dumps({"segment": name, "agree": agree, "providers": rows}, indent=2))
+        print(
+            json.dumps(
+                {"segment": name, "agree": agree, "ok": code == 0, "providers": rows}, indent=2
+            )
+        )
     else:
         for row in rows:
-            mark = "ok " if row["agree"] else "DIFFERS"
             print(
-                f"{mark} {row['id']}: rules {row['rules_limit']} ({row['rules_source']}), "
-                f"segment {row['segment_limit']} ({row['segment_source']}): {row['rules_reason']}"
+                f"{_MARKS[row['status']]} {row['id']}: rules {row['rules_limit']} "
+                f"({row['rules_source']}), segment {row['segment_limit']} "
+                f"({row['segment_source']}): {row['rules_reason']}"
             )
+            if row["status"] == "missing_models":
+                print(
+                    f"    the router does not report {', '.join(row['missing_models'])}: "
+                    "check the provider's models in the config (the limit stays 0)"
+                )
+            elif row["status"] == "no_answer":
+                print("    no valid answer from any replica: could not compare")
             for rep in row["replicas"]:
                 print(f"    replica {rep['address']}: {rep['reason']} value {rep['value']}")
-    return 0 if agree else 1
+    return code
+
+
+_MARKS = {
+    "ok": "ok ",
+    "differs": "DIFFERS",
+    "missing_models": "MISSING MODEL",
+    "no_answer": "NO ANSWER",
+}
 
 
 def _room() -> int:

@@ -16,12 +16,30 @@ from typing import Any
 from gateway_capacity.common import add_target_options, fail, segment_from_args
 
 EXIT_NO_SEGMENT = 3
+EXIT_UNHEALTHY = 1
+# The sidecar beats every 0.5 s; ten missed beats is no scheduling hiccup but a stopped
+# or wedged sidecar (systemd's watchdog, at 20 s, is the slower backstop).
+STALE_HEARTBEAT_S = 5.0
+FALLBACK_SOURCES = ("provider", "gateway", "default")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("availability", help="effective limit, running and waiting per provider")
     add_target_options(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="health check: exit 1 when the sidecar is dead or stale, or a provider that "
+        "asks for discovery is on its fallback; one line per problem",
+    )
+    p.add_argument(
+        "--max-heartbeat-age",
+        type=float,
+        default=STALE_HEARTBEAT_S,
+        metavar="S",
+        help=f"with --check: a heartbeat older than this is stale (default {STALE_HEARTBEAT_S:g})",
+    )
     p.set_defaults(func=run_availability)
 
     p = sub.add_parser("inspect", help="everything availability shows, plus holder records")
@@ -56,7 +74,7 @@ def _read(args: argparse.Namespace) -> Any:
 
 
 def availability_doc(view: Any) -> dict[str, Any]:
-    """The JSON of ``availability`` (SPEC section 8)."""
+    """The JSON of ``availability`` (REQUIREMENTS.md section 8)."""
     sidecar = None
     if view.sidecar is not None:
         s = view.sidecar
@@ -64,6 +82,7 @@ def availability_doc(view: Any) -> dict[str, Any]:
             "pid": s.pid,
             "alive": s.alive,
             "state": s.state,
+            "status": sidecar_status(s),
             "heartbeat_age_s": s.heartbeat_age_s,
             "writer_epoch": s.writer_epoch,
             "config_generation": s.config_generation,
@@ -71,6 +90,8 @@ def availability_doc(view: Any) -> dict[str, Any]:
         }
     return {
         "segment": view.name,
+        # the config the sidecar read for this segment (null: no sidecar has written it)
+        "config_path": view.config_path or None,
         "layout": {"major": view.major, "minor": view.minor},
         "consistent": view.consistent,
         "config_status": view.config_status or None,
@@ -131,7 +152,14 @@ def _age(t: float | None, now: float) -> str:
 
 def availability_text(view: Any) -> str:
     now = time.time()
-    lines = [f"segment {view.name}  layout {view.major}.{view.minor}"]
+    lines = [
+        f"segment {view.name}  layout {view.major}.{view.minor}  "
+        + (
+            f"config path {view.config_path}"
+            if view.config_path
+            else "config path unknown (no sidecar has written this segment)"
+        )
+    ]
     if not view.consistent:
         lines.append("  (a writer was mid-update; figures may be torn)")
     s = view.sidecar
@@ -139,8 +167,9 @@ def availability_text(view: Any) -> str:
         lines.append("sidecar: none has run (handlers use their static limits)")
     else:
         beat = "-" if s.heartbeat_age_s is None else f"{s.heartbeat_age_s:.1f}s ago"
-        state = ("alive" if s.alive else "dead") + f", {s.state}"
-        lines.append(f"sidecar: pid {s.pid} ({state}), heartbeat {beat}, epoch {s.writer_epoch}")
+        lines.append(
+            f"sidecar: pid {s.pid} {sidecar_status(s)}, heartbeat {beat}, epoch {s.writer_epoch}"
+        )
     if view.config_status:
         lines.append(f"config: {view.config_status}")
     gens: dict[str, int] = {}
@@ -173,8 +202,51 @@ def availability_text(view: Any) -> str:
     return "\n".join(lines)
 
 
+def sidecar_status(s: Any) -> str:
+    """The sidecar's state as one phrase (the process's liveness and what it last wrote)."""
+    if s.alive:
+        return "running" if s.state == "running" else "stopping"
+    if s.state == "running":
+        return "died without stopping (crashed or killed)"
+    return "stopped"
+
+
+def health_problems(view: Any, max_heartbeat_age: float) -> list[str]:
+    """What ``availability --check`` fails on, one line each (empty: healthy)."""
+    problems = []
+    s = view.sidecar
+    if s is None:
+        problems.append(f"no sidecar has ever written segment {view.name}")
+    elif not s.alive:
+        problems.append(f"sidecar pid {s.pid} {sidecar_status(s)}")
+    elif s.state != "running":
+        problems.append(f"sidecar pid {s.pid} is stopping")
+    elif s.heartbeat_age_s is None or s.heartbeat_age_s > max_heartbeat_age:
+        age = "never" if s.heartbeat_age_s is None else f"{s.heartbeat_age_s:.1f}s ago"
+        problems.append(
+            f"sidecar pid {s.pid} is stale: last heartbeat {age} "
+            f"(limit {max_heartbeat_age:g}s; stopped or wedged?)"
+        )
+    for p in view.providers:
+        if p.capacity_discovery and p.source in FALLBACK_SOURCES:
+            problems.append(
+                f"provider {p.id}: discovery failed, on fallback {p.effective_limit} "
+                f"({p.source}): {p.reason}"
+            )
+    return problems
+
+
 def run_availability(args: argparse.Namespace) -> int:
     view = _read(args)
+    if args.check:
+        problems = health_problems(view, args.max_heartbeat_age)
+        if args.json:
+            print(json.dumps({"ok": not problems, "problems": problems}, indent=2))
+        elif problems:
+            print("\n".join(problems))
+        else:
+            print(f"ok: segment {view.name}, sidecar pid {view.sidecar.pid} running")
+        return EXIT_UNHEALTHY if problems else 0
     if args.json:
         print(json.dumps(availability_doc(view), indent=2))
     else:
@@ -207,14 +279,16 @@ def _unlink(args: argparse.Namespace) -> int:
     from shm_layout.view import read_view
 
     name = segment_from_args(args)
+    unread = None  # why the segment could not be read, when it could not
     try:
         view = read_view(name)
     except SegmentMissing:
         view = None
     except SegmentError as exc:
-        if not args.force:
-            fail(f"{exc}; add --force to remove it anyway", 2)
         view = None
+        unread = str(exc).split(";")[0].split(". ")[0].rstrip(".")
+        if not args.force:
+            fail(f"cannot tell who uses {name}: {unread}; add --force to remove it anyway", 2)
     if view is not None and not args.force:
         live = [f"handler pid {m.pid} ({m.generation})" for m in view.members if m.alive]
         live += [f"{h.state} holder pid {h.pid}" for h in view.holders if h.alive]
@@ -230,9 +304,12 @@ def _unlink(args: argparse.Namespace) -> int:
         existed = unlink_segment(name)
     except SegmentError as exc:
         fail(str(exc), 2)
-    if not existed and view is None:
+    if not existed and view is None and unread is None:
         fail(f"no segment {name}", EXIT_NO_SEGMENT)
-    print(f"removed segment {name} and its semaphores")
+    if unread is not None:
+        print(f"removed segment {name} and its semaphores without reading it ({unread})")
+    else:
+        print(f"removed segment {name} and its semaphores")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import NoReturn
 
@@ -10,7 +11,7 @@ from shm_layout.names import BadSegmentName, resolve_segment_name
 
 
 def add_target_options(parser: argparse.ArgumentParser) -> None:
-    """Every command takes ``--config PATH`` or ``--segment NAME`` (SPEC section 8)."""
+    """Every command takes ``--config PATH`` or ``--segment NAME`` (REQUIREMENTS.md section 8)."""
     parser.add_argument("--config", metavar="PATH", help="the gateway's JSON config file")
     parser.add_argument(
         "--segment",
@@ -28,8 +29,15 @@ def segment_from_args(args: argparse.Namespace) -> str:
         fail(str(exc), code=2)
 
 
+# Set by the entry point when the command runs with --json: errors are JSON then too.
+json_errors = False
+
+
 def fail(message: str, code: int) -> NoReturn:
-    print(f"gateway-capacity: {message}", file=sys.stderr)
+    """One line that says what to fix, then exit ``code``. In ``--json`` mode the line
+    is ``{"error": "..."}`` on stdout, so a caller parsing stdout gets JSON either way."""
+    if json_errors:
+        print(json.dumps({"error": message}))
+    else:
+        print(f"gateway-capacity: {message}", file=sys.stderr)
     raise SystemExit(code)
-
-

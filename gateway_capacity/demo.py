@@ -1,4 +1,4 @@
-"""``gateway-capacity demo``: two ten-slot workers advertise twenty (SPEC section 11).
+"""``gateway-capacity demo``: two ten-slot workers advertise twenty (REQUIREMENTS.md section 11).
 
 Everything runs on loopback from this package alone: two simulated
 llama.cpp-style workers, the reference router in front of them, a temporary

@@ -1,4 +1,4 @@
-"""``gateway-capacity wait-for-slot``: the client-side gate before a fan-out (SPEC section 9).
+"""``gateway-capacity wait-for-slot``: the client-side gate before a fan-out (section 9).
 
 A client counts only its own requests, so before launching several it asks
 how busy the server is and waits until ``running + waiting + need <= limit``.
@@ -12,7 +12,8 @@ R-W5) samples ``{url}/upstream/{model}/metrics`` with one GET per sample
 (exit 2 with its one-line reason).
 
 Exit codes: 0 room; 1 no room with ``--check``, or gave up after
-``--max-wait``; 2 a fatal answer or a usage error.
+``--max-wait``; 2 a fatal answer, a usage error, or (``--check``) a server
+that could not be reached at all.
 
 The key is never taken from argv and never printed; a message about
 ``--key-env`` does not echo the name either, because a key pasted there by
@@ -79,6 +80,13 @@ class NoAnswer:
     """No usable answer this time (no answer, timeout, 5xx, 429): no room, keep sampling."""
 
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unreachable(NoAnswer):
+    """The server could not be reached at all (connection refused, no route, unknown
+    name): more likely a wrong URL or port than a busy server. No room, like any
+    :class:`NoAnswer`, but said as "no answer"; ``--check`` gives up on it at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +189,10 @@ def wait_for_slot(
         seen = describe(last, need)
         if isinstance(last, Fatal):
             return Result(EXIT_FATAL, "error", last, count, waited)
+        if check and isinstance(last, Unreachable):
+            # one sample, and it reached nothing: "no room" would send the caller into a
+            # retry loop against a typo; say why and stop
+            return Result(EXIT_FATAL, "unreachable", last, count, waited)
         if isinstance(last, Load) and last.has_room(need):
             progress(seen)
             return Result(EXIT_ROOM, "room", last, count, waited)
@@ -207,6 +219,8 @@ def describe(last: Sample, need: int) -> str:
             f"running {last.running:g} + waiting {last.waiting:g} + need {need} = {total:g} "
             f"{relation} limit {last.limit}: {verdict}"
         )
+    if isinstance(last, Unreachable):
+        return f"no answer: {last.reason} (is the URL right?)"
     if isinstance(last, NoAnswer):
         return f"no room: {last.reason}"
     return last.reason
@@ -346,6 +360,13 @@ class MetricsSampler:
                     f"the server's TLS certificate is not trusted ({_one_line(str(exc))}); "
                     "give --ca-file PATH for a private CA"
                 )
+            if isinstance(exc, httpx.ConnectError):
+                why = (
+                    "connection refused"
+                    if _caused_by(exc, ConnectionRefusedError)
+                    else _one_line(str(exc)) or type(exc).__name__
+                )
+                return Unreachable(f"cannot connect to {self.url} ({why})")
             return NoAnswer(f"no answer ({_one_line(str(exc)) or type(exc).__name__})")
         except httpx.HTTPError as exc:  # a malformed answer (e.g. a body that will not decode)
             return Fatal(f"unusable answer from {self.url}: {type(exc).__name__}")
@@ -523,7 +544,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--max-wait", type=float, default=DEFAULT_MAX_WAIT_S, metavar="S",
         help=f"give up (exit 1) after this many seconds (default {DEFAULT_MAX_WAIT_S:g})",
     )  # fmt: skip
-    parser.add_argument("--check", action="store_true", help="one sample: exit 0 room, 1 no room")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="one sample: exit 0 room, 1 no room, 2 the server could not be reached at all",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     parser.set_defaults(func=run)
@@ -624,9 +649,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.finish()
     if args.json:
-        print(json.dumps(result.as_json(args.need)))
-    if isinstance(result.last, Fatal):
-        fail(result.last.reason, code=EXIT_FATAL)
+        doc = result.as_json(args.need)
+        if result.code == EXIT_FATAL:
+            doc["error"] = describe(result.last, args.need)
+        print(json.dumps(doc))
+        return result.code
+    if result.code == EXIT_FATAL:
+        fail(describe(result.last, args.need), code=EXIT_FATAL)
     return result.code
 
 

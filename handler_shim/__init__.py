@@ -1,5 +1,5 @@
 """What inference handlers import: one admission budget per provider, shared by every
-process and generation on this host (SPEC section 6).
+process and generation on this host (REQUIREMENTS.md section 6).
 
     from handler_shim import Admission, QueueFull, AdmissionTimeout
     adm = Admission.attach(config="gateway.json", generation="handler-2.0")

@@ -1,4 +1,4 @@
-"""Shared admission for every handler process and generation (SPEC section 6).
+"""Shared admission for every handler process and generation (REQUIREMENTS.md section 6).
 
 One running budget and one bounded FIFO queue per provider live in the
 segment. Every step that changes them (arrive, leave, grant, reap) is one call
@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TypeVar
 
+from handler_shim import siblings
 from shm_layout import _core, ipc, layout, ledger, writer
 from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING
 from shm_layout.liveness import process_start
@@ -211,6 +212,7 @@ class Admission:
         seg = Segment.open(name, create=True, group_shared=group_shared)
         overflow: dict[str, str] = {}
         try:
+            siblings.warn_if_split_budget(name, [e.provider_id for e in entries])
             for e in entries:
                 try:
                     _, created = writer.ensure_provider(

@@ -1,4 +1,4 @@
-"""Segment and semaphore names (SPEC section 8, R-A10).
+"""Segment and semaphore names (REQUIREMENTS.md section 8, R-A10).
 
 macOS limits POSIX IPC names to 31 bytes including the leading slash. Every
 semaphore of a segment is the segment name plus a suffix of at most

@@ -35,6 +35,7 @@ from shm_layout.lock import kind_name, members_alive
 from shm_layout.segment import map_readonly
 
 READ_RETRIES = 200
+STUCK_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,15 +135,25 @@ class SegmentView:
 
 
 def snapshot_bytes(buf: Any) -> tuple[bytes, bool]:
-    """Copy the segment under the sequence counter: (copy, consistent)."""
+    """Copy the segment under the sequence counter: (copy, consistent).
+
+    A section lasts microseconds. The same odd value for ``STUCK_S`` means a
+    holder that is stopped, or died inside and nobody has entered since: the copy
+    is returned at once, marked inconsistent, rather than after every retry.
+    """
     seq = H["change_seq"]
     copy = b""
+    stuck: tuple[int, float] | None = None
     for _ in range(READ_RETRIES):
         before = seq.get(buf)
         if before % 2 == 0:
             copy = bytes(buf)
             if seq.get(buf) == before:
                 return copy, True
+        elif stuck is None or stuck[0] != before:
+            stuck = (before, time.monotonic())
+        elif time.monotonic() - stuck[1] >= STUCK_S:
+            break
         time.sleep(0.001)
     return copy or bytes(buf), False
 

@@ -1,4 +1,4 @@
-"""The gateway's JSON config file, read-only (SPEC section 2, R-C1..R-C3).
+"""The gateway's JSON config file, read-only (REQUIREMENTS.md section 2, R-C1..R-C3).
 
 The file belongs to the gateway: it is opened read-only and never written,
 renamed or touched (R-C1). Unknown fields anywhere are ignored, so a newer
@@ -37,7 +37,7 @@ import msgspec
 from sidecar.addresses import classify, is_localhost_name, parse_ip, static_opt_in
 from sidecar.credential import check_credential_spec
 
-DEFAULT_MAX_CONCURRENT: Final = 4  # SPEC section 5: fallback when neither level sets one
+DEFAULT_MAX_CONCURRENT: Final = 4  # REQUIREMENTS.md section 5: fallback when neither level sets one
 MAX_PROVIDER_ID_BYTES: Final = 64
 MAX_LIMIT: Final = 2**31 - 1  # fits any 32-bit counter in the segment
 
@@ -199,6 +199,61 @@ def check_provider(provider: ProviderConfig) -> ProviderStatus:
     )
 
 
+def provider_problems(entry: Mapping[str, Any]) -> tuple[ProviderConfig, list[str]]:
+    """Every static reason a provider entry cannot have discovery, not just the first,
+    and the entry made of its well-typed fields (a wrong-typed ``tailnet`` counts as
+    absent, with its problem listed).
+
+    :func:`check_provider` stops at the first problem (the sidecar publishes one
+    reason); ``check-config`` shows them all, so one edit fixes an entry. Each item
+    has the ``config_invalid:``/``opt_in_refused:`` form of :class:`ProviderStatus`.
+    """
+    problems: list[str] = []
+    usable: dict[str, Any] = {"id": entry.get("id")}
+    bad: set[str] = set()
+    for name, value in entry.items():
+        if name == "id" or name not in _ENTRY_FIELDS:
+            continue
+        try:
+            msgspec.convert({"id": usable["id"], name: value}, ProviderConfig, strict=True)
+        except msgspec.ValidationError as exc:
+            problems.append(f"config_invalid:{_field_message(str(exc))}")
+            bad.add(name)
+        else:
+            usable[name] = value
+    provider = msgspec.convert(usable, ProviderConfig, strict=True)
+    if entry.get("capacityDiscovery") is not True:
+        return provider, problems
+
+    def missing(field: str, why: str) -> None:
+        if field not in bad:  # a wrong type is already reported above
+            problems.append(f"config_invalid:{why}")
+
+    endpoint = None
+    if provider.base_url is None:
+        missing("baseUrl", "baseUrl is required for capacityDiscovery")
+    else:
+        try:
+            endpoint = parse_base_url(provider.base_url)
+        except ValueError as exc:
+            problems.append(f"config_invalid:{exc}")
+    if provider.credential_file is None:
+        missing("credentialFile", "credentialFile is required for capacityDiscovery")
+    else:
+        problem = check_credential_spec(provider.credential_file)
+        if problem is not None:
+            problems.append(f"config_invalid:{problem}")
+    if not provider.models:
+        missing("models", "models is empty: no upstream model id to match capacity rows")
+    if endpoint is not None and "tailnet" not in bad:
+        problem = static_opt_in(endpoint.host, provider.tailnet)
+        if problem is not None:
+            problems.append(f"opt_in_refused:{problem}")
+    if "tailnet" in bad:
+        problems.append("opt_in_refused:tailnet must be true or false to decide the opt-in")
+    return provider, problems
+
+
 def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
     """Read and judge the gateway's config file (read-only; R-C1, R-C3)."""
     source = os.fspath(path)
@@ -210,9 +265,33 @@ def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
     return parse_config(data, source)
 
 
+_ENTRY_FIELDS: Final = frozenset(ProviderConfig.__struct_encode_fields__)
+# Editors on Windows (and PowerShell's Out-File) start UTF-8 files with a BOM; JSON
+# forbids it (RFC 8259 section 8.1) but allows a parser to ignore it, as we do.
+UTF8_BOM: Final = b"\xef\xbb\xbf"
+
+
+def raw_provider_entries(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """The provider entries as written, by id (first wins); ``{}`` when unreadable.
+
+    For ``check-config``, which reports every problem of an entry.
+    """
+    try:
+        with open(os.fspath(path), "rb") as f:
+            doc = msgspec.json.decode(f.read().removeprefix(UTF8_BOM))
+    except (OSError, msgspec.DecodeError):
+        return {}
+    entries = doc.get("providers") if isinstance(doc, dict) else None
+    found: dict[str, dict[str, Any]] = {}
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+            found.setdefault(entry["id"], entry)
+    return found
+
+
 def parse_config(data: bytes, source: str = "<config>") -> GatewayConfig:
     try:
-        doc = msgspec.json.decode(data)
+        doc = msgspec.json.decode(data.removeprefix(UTF8_BOM))
     except msgspec.DecodeError as exc:
         raise ConfigError(f"config {source} is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):

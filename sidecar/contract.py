@@ -1,9 +1,9 @@
-"""The capacity contract (SPEC section 4): the wire types a router answers with.
+"""The capacity contract (REQUIREMENTS.md section 4): the wire types a router answers with.
 
 Shared by the gateway side (``sidecar.probe``) and the producer side
 (``capacity_router``). Nothing else in the project parses this JSON.
 
-Decoding is strict where the SPEC is strict (R-K1..R-K3: types, ranges, row
+Decoding is strict where the requirements are strict (R-K1..R-K3: types, ranges, row
 count) and lenient where it asks for forward compatibility (R-K6: unknown
 fields are ignored). Semantic checks that msgspec cannot express (unique ids,
 finite ``observed_at``, the literal ``object``/``version``) are in

@@ -447,8 +447,12 @@ class Sidecar:
         if key == state.logged:
             return
         state.logged = key
-        # discovery that found no usable answer is worth a warning; the rest is news
-        failed = state.probe is not None and d.source == d.fallback_source
+        # discovery that found no usable answer is worth a warning, and so is a configured
+        # model the router does not report (a typo in models holds the limit at 0); the
+        # rest is news
+        failed = (state.probe is not None and d.source == d.fallback_source) or bool(
+            d.missing_models
+        )
         log.log(
             logging.WARNING if failed else logging.INFO,
             "provider %s: limit %d (%s): %s",

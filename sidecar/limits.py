@@ -1,4 +1,4 @@
-"""The effective admission limit of one provider (SPEC section 5), as one pure function.
+"""The effective admission limit of one provider (REQUIREMENTS.md section 5), as one pure function.
 
 Invariant: a provider's published limit is exactly one of
 
@@ -59,7 +59,8 @@ SOURCES: Final = frozenset({DISCOVERED, "provider", "gateway", "default", LEGACY
 _DETAIL_MAX = 80  # keep reasons short; a detail is a phrase, never a body
 # probe refusals that mean "not opted in" (R-L1), as opposed to an opted-in provider
 # whose probe failed (unreachable, timeout, credential_error: R-L5)
-_OPT_IN_REFUSED = ("not_requested", "config_invalid", "opt_in_refused", "address_refused")
+OPT_IN_REFUSED: Final = ("not_requested", "config_invalid", "opt_in_refused", "address_refused")
+_OPT_IN_REFUSED = OPT_IN_REFUSED
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,9 @@ class LimitDecision:
     fallback_limit: int
     fallback_source: str  # "provider", "gateway" or "default"
     replicas: tuple[ReplicaView, ...] = ()
+    # configured upstream models a complete answer did not report: a typo in ``models``
+    # or a model the farm no longer serves; the limit is 0 (R-L3) and worth a WARNING
+    missing_models: tuple[str, ...] = ()
 
 
 def fallback_for(provider_max: int | None, gateway_max: int | None) -> tuple[int, str]:
@@ -249,6 +253,7 @@ def decide(
         fallback_limit=fallback,
         fallback_source=fallback_source,
         replicas=views,
+        missing_models=_absent_models(pairs, rules.upstream_models),
     )
 
 
@@ -402,6 +407,20 @@ def _observed(view: ReplicaView) -> float:
     return view.observed_at
 
 
+def _absent_models(
+    pairs: list[tuple[ReplicaResult, ReplicaView]], upstream_models: tuple[str, ...]
+) -> tuple[str, ...]:
+    """Configured upstream models that some valid, complete answer does not list."""
+    absent = {
+        m
+        for replica, view in pairs
+        if view.ok and view.complete
+        for m in upstream_models
+        if m not in replica.models
+    }
+    return tuple(sorted(absent))
+
+
 def _missing_models(
     complete: list[tuple[ReplicaResult, ReplicaView, int]],
     upstream_models: tuple[str, ...],
@@ -413,7 +432,11 @@ def _missing_models(
     for replica, view, _ in complete:
         absent = [m for m in upstream_models if m not in replica.models]
         if absent:
-            return f"{', '.join(absent)} missing from {view.address}"
+            plural = "s" if len(absent) > 1 else ""
+            return (
+                f"upstream model{plural} {', '.join(absent)} missing from {view.address} "
+                "(check models in the config)"
+            )
     return ""
 
 

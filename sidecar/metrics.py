@@ -1,4 +1,4 @@
-"""Prometheus metrics of the sidecar's segment, labelled ``provider`` (SPEC section 8).
+"""Prometheus metrics of the sidecar's segment, labelled ``provider`` (REQUIREMENTS.md section 8).
 
 Off by default (``--metrics-listen HOST:PORT``). Every scrape reads the segment
 lock-free, so the figures are the handlers' live ones, not the sidecar's memory.

@@ -1,4 +1,4 @@
-"""The demo runs from the package alone and cleans up after itself (SPEC section 11)."""
+"""The demo runs from the package alone and cleans up after itself (REQUIREMENTS.md section 11)."""
 
 from __future__ import annotations
 

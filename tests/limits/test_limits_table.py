@@ -1,4 +1,4 @@
-"""SPEC section 5 (R-L1..R-L9) and R-G3, one row per behaviour, named by R-id."""
+"""REQUIREMENTS.md section 5 (R-L1..R-L9) and R-G3, one row per behaviour, named by R-id."""
 
 from __future__ import annotations
 
@@ -117,7 +117,12 @@ ROWS: dict[str, Row] = {
     ),
     "r_l3_r_l8_model_missing_from_complete_snapshot_counts_0": Row(
         rules(models=(W, "coder"), gateway_max=8), probe(ok(A, {W: 20})), 0, "discovered",
-        ("coder missing from 10.0.0.1",),
+        ("upstream model coder missing from 10.0.0.1",),
+        fields={"missing_models": ("coder",)},
+    ),
+    "r_l3_every_model_present_names_none_missing": Row(
+        rules(models=(W, "coder")), probe(ok(A, {W: 20, "coder": 6})), 6, "discovered",
+        fields={"missing_models": ()},
     ),
     # --- R-L4: caps
     "r_l4_capped_at_64": Row(

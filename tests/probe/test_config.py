@@ -1,4 +1,4 @@
-"""The gateway's config file (R-C1..R-C3, R-P1 static part, SPEC section 5 fallback)."""
+"""The gateway's config file (R-C1..R-C3, R-P1 static part, REQUIREMENTS.md section 5 fallback)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from sidecar.config import (
     parse_config,
 )
 
-SPEC_EXAMPLE = {
+EXAMPLE_CONFIG = {
     "maxConcurrent": 8,
     "providers": [
         {
@@ -56,7 +56,7 @@ def parse(doc: Any) -> GatewayConfig:
 
 def test_r_c2_spec_example_loads_with_models_mapping_to_upstream_ids(tmp_path: Path) -> None:
     path = tmp_path / "gateway.json"
-    path.write_text(json.dumps(SPEC_EXAMPLE))
+    path.write_text(json.dumps(EXAMPLE_CONFIG))
     cfg = load_config(path)
     (p,) = cfg.providers
     assert cfg.max_concurrent == 8
@@ -73,7 +73,7 @@ def test_r_c2_spec_example_loads_with_models_mapping_to_upstream_ids(tmp_path: P
 
 
 def test_r_c1_unknown_fields_anywhere_are_accepted(tmp_path: Path) -> None:
-    doc = json.loads(json.dumps(SPEC_EXAMPLE))
+    doc = json.loads(json.dumps(EXAMPLE_CONFIG))
     doc["routes"] = [{"anything": True}]
     doc["providers"][0]["headers"] = {"X-Thing": "1"}
     doc["providers"][0]["retry"] = {"max": 3, "nested": [1, {"deep": None}]}
@@ -83,7 +83,7 @@ def test_r_c1_unknown_fields_anywhere_are_accepted(tmp_path: Path) -> None:
 
 def test_r_c1_load_never_modifies_the_file(tmp_path: Path) -> None:
     path = tmp_path / "gateway.json"
-    path.write_text(json.dumps(SPEC_EXAMPLE, indent=4) + "\n")
+    path.write_text(json.dumps(EXAMPLE_CONFIG, indent=4) + "\n")
     path.chmod(0o444)
     before = (
         path.stat(),

@@ -1,4 +1,4 @@
-"""availability --json carries every key SPEC section 8 names, with a publishing writer."""
+"""availability --json carries every key of section 8, with a publishing writer."""
 
 from __future__ import annotations
 

@@ -97,10 +97,13 @@ def test_r_g2_an_object_that_is_not_ours_is_a_one_line_error(segment_name: str) 
     shm.close_fd()
     with pytest.raises(NotOurSegment):
         Segment.open(segment_name)
-    out = run_cli("inspect", "--segment", segment_name, "--json")
+    out = run_cli("inspect", "--segment", segment_name)
     assert out.returncode == 2
     assert "not a gateway-capacity segment" in out.stderr
     assert "Traceback" not in out.stderr
+    as_json = run_cli("inspect", "--segment", segment_name, "--json")  # the error as JSON
+    assert as_json.returncode == 2 and as_json.stderr == ""
+    assert "not a gateway-capacity segment" in json.loads(as_json.stdout)["error"]
 
 
 def test_r_g2_segment_abandoned_before_init_is_recreated(segment_name: str) -> None:
@@ -191,10 +194,13 @@ def test_segment_name_precedence_flag_then_env_then_config(
 
 
 def test_availability_without_a_segment_exits_3_with_one_line(segment_name: str) -> None:
-    out = run_cli("availability", "--segment", segment_name, "--json")
+    out = run_cli("availability", "--segment", segment_name)
     assert out.returncode == 3
     assert len(out.stderr.strip().splitlines()) == 1
     assert out.stdout == ""
+    as_json = run_cli("availability", "--segment", segment_name, "--json")
+    assert as_json.returncode == 3 and as_json.stderr == ""
+    assert json.loads(as_json.stdout)["error"].startswith(f"no segment {segment_name}")
 
 
 def test_r_g5_segment_outlives_its_processes_and_unlink_refuses_while_live(

@@ -1,4 +1,4 @@
-"""``gateway-capacity verify`` compares a probe made now with the segment (SPEC section 8)."""
+"""``gateway-capacity verify`` compares a probe made now with the segment (section 8)."""
 
 from __future__ import annotations
 
@@ -104,3 +104,104 @@ def test_verify_without_a_segment_exits_3(
     cfg = write_config({"providers": [{"id": "p"}]})
     out = run_cli("verify", "--config", str(cfg), "--segment", segment_name)
     assert out.returncode == 3 and "Traceback" not in out.stderr
+
+
+def _sidecar(cfg: Path, segment: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway_capacity", "sidecar", "--config", str(cfg),
+         "--segment", segment, "--refresh", "0.3"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
+def _opted_in(server: CapacityServer, key_file: Path, models: dict[str, str]) -> dict[str, object]:
+    return {
+        "id": "li",
+        "baseUrl": server.base_url,
+        "credentialFile": str(key_file),
+        "capacityDiscovery": True,
+        "models": models,
+    }
+
+
+def test_r_l3_a_model_typo_is_a_sidecar_warning_and_verify_exits_1(
+    router: tuple[CapacityServer, str],
+    segment_name: str,
+    write_config: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    server, key = router
+    key_file = tmp_path / "provider.key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    # the router serves "workhorse"; the config asks for "workhors"
+    cfg = write_config(
+        {"maxConcurrent": 4, "providers": [_opted_in(server, key_file, {"w": "workhors"})]}
+    )
+    sidecar = _sidecar(cfg, segment_name)
+    try:
+        assert wait_until(
+            lambda: (
+                run_cli("availability", "--segment", segment_name).returncode == 0
+                and "workhors " in provider_doc(segment_name, "li")["reason"]
+            ),
+            timeout=30,
+        )
+        doc = provider_doc(segment_name, "li")
+        assert doc["effective_limit"] == 0 and doc["source"] == "discovered"
+        out = run_cli("verify", "--config", str(cfg), "--segment", segment_name)
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "MISSING MODEL li" in out.stdout
+        assert "the router does not report workhors" in out.stdout
+        doc = json.loads(
+            run_cli("verify", "--config", str(cfg), "--segment", segment_name, "--json").stdout
+        )
+        assert doc["ok"] is False and doc["providers"][0]["missing_models"] == ["workhors"]
+    finally:
+        sidecar.send_signal(signal.SIGTERM)
+        sidecar.wait(timeout=20)
+        assert sidecar.stderr is not None
+        log = sidecar.stderr.read()
+    warnings = [line for line in log.splitlines() if " WARNING " in line and "workhors " in line]
+    assert warnings, log
+    assert "upstream model workhors missing from 127.0.0.1" in warnings[0]
+    assert key not in log
+
+
+@pytest.mark.parametrize("failure", ["router_down", "404"])
+def test_verify_that_could_not_compare_exits_2_never_ok(
+    failure: str,
+    router: tuple[CapacityServer, str],
+    segment_name: str,
+    write_config: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    server, key = router
+    key_file = tmp_path / "provider.key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    cfg = write_config(
+        {"maxConcurrent": 4, "providers": [_opted_in(server, key_file, {"w": "workhorse"})]}
+    )
+    # a segment as a handler leaves it (no sidecar): fallback 4, which is also what the
+    # rules give when nothing answers, so a naive comparison would say "ok"
+    attach = run_cli("availability", "--segment", segment_name)
+    assert attach.returncode == 3
+    subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from handler_shim import Admission; "
+         "Admission.attach(config=sys.argv[1], segment=sys.argv[2]).close()",
+         str(cfg), segment_name],
+        check=True, timeout=60,
+    )  # fmt: skip
+    if failure == "router_down":
+        server.stop()
+    else:
+        server.set(status=404)
+    out = run_cli("verify", "--config", str(cfg), "--segment", segment_name)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "NO ANSWER li" in out.stdout and "could not compare" in out.stdout
+    assert not out.stdout.startswith("ok")
+    assert key not in out.stdout + out.stderr

@@ -14,6 +14,8 @@ from gateway_capacity.wait_for_slot import (
     MetricsError,
     NoAnswer,
     Sample,
+    Unreachable,
+    describe,
     parse_load,
     wait_for_slot,
 )
@@ -185,3 +187,23 @@ def test_r_w2_parse_names_the_missing_gauge():
     with pytest.raises(MetricsError, match="no vllm:num_requests_running gauge"):
         parse_load("vllm:num_requests_waiting 0\n")
     assert parse_load("vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n") == (0.0, 0.0)
+
+
+def test_check_gives_up_at_once_when_the_only_sample_reached_nothing():
+    time = FakeTime()
+    result, _ = run(time, [Unreachable("cannot connect to http://x (connection refused)")],
+                    check=True)  # fmt: skip
+    assert (result.code, result.outcome, result.samples) == (2, "unreachable", 1)
+
+
+def test_without_check_an_unreachable_server_is_no_room_and_sampling_goes_on():
+    time = FakeTime()
+    result, _ = run(
+        time,
+        [Unreachable("cannot connect"), Unreachable("cannot connect"), Load(0, 0, 6)],
+        interval=1.0,
+        max_wait=10.0,
+    )
+    assert (result.code, result.outcome, result.samples) == (0, "room", 3)
+    assert describe(Unreachable("cannot connect"), 1).startswith("no answer: cannot connect")
+    assert describe(NoAnswer("busy (HTTP 429)"), 1) == "no room: busy (HTTP 429)"

@@ -214,10 +214,28 @@ def test_r_w2_429_and_5xx_count_as_no_room_and_sampling_goes_on(
     assert len(server.requests) == 3
 
 
-def test_r_w2_no_answer_counts_as_no_room(cli, closed_port):
+def test_check_against_a_port_nothing_listens_on_gives_up_at_once_with_exit_2(cli, closed_port):
     ran = cli("--url", f"http://127.0.0.1:{closed_port}", "--model", "m", "--check")
-    assert ran.code == 1
-    assert "no answer" in ran.stderr
+    assert ran.code == 2  # not 1 ("no room"): a wrong port is not a busy server
+    line = one_line(ran.stderr)
+    assert line.startswith("gateway-capacity: no answer: cannot connect to http://127.0.0.1:")
+    assert "(connection refused)" in line and "no room" not in line
+    as_json = cli("--url", f"http://127.0.0.1:{closed_port}", "--model", "m", "--check", "--json")
+    assert as_json.code == 2
+    doc = json.loads(as_json.stdout)
+    assert doc["outcome"] == "unreachable" and doc["error"].startswith("no answer: cannot connect")
+
+
+def test_r_w2_without_check_an_unreachable_server_is_said_as_no_answer_while_it_waits(
+    cli, closed_port
+):
+    ran = cli("--url", f"http://127.0.0.1:{closed_port}", "--model", "m",
+              "--interval", "0.05", "--max-wait", "0.3")  # fmt: skip
+    assert ran.code == 1  # still no room (R-W2), and it gave up at --max-wait
+    progress = [line for line in ran.stderr.splitlines() if line.startswith("wait-for-slot: ")]
+    assert len(progress) >= 2
+    assert all("no answer: cannot connect to" in line for line in progress)
+    assert not any("no room" in line for line in progress)
 
 
 def test_r_w2_a_server_that_never_answers_is_no_room_after_the_sample_deadline(server, cli, answer):

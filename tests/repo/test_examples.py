@@ -1,0 +1,140 @@
+"""examples/ load as the product reads them; ``router simworker`` serves what the router reads."""
+
+from __future__ import annotations
+
+import json
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from capacity_router.registry import parse_registry
+from sidecar.config import fallback_limit, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+CLI = [sys.executable, "-m", "gateway_capacity"]
+
+
+def test_example_gateway_config_loads_with_discovery_active_on_loopback() -> None:
+    config = load_config(EXAMPLES / "gateway.json")
+    assert not config.skipped
+    ids = [p.id for p in config.providers]
+    assert ids == ["local-inference", "cloud-fallback"]
+    assert config.statuses["local-inference"].discovery_active
+    assert config.statuses["local-inference"].reason == "opt_in_ok:loopback"
+    cloud = config.provider("cloud-fallback")
+    assert cloud is not None and not config.statuses["cloud-fallback"].discovery_requested
+    assert fallback_limit(cloud, config) == (4, "provider")
+
+
+def test_example_worker_registry_parses_as_the_router_reads_it() -> None:
+    registry = parse_registry((EXAMPLES / "workers.json").read_bytes())
+    assert [w.id for w in registry.workers] == ["w1", "w2"]
+    assert all(w.slots.source == "props" for w in registry.workers)
+
+
+def _first_line(proc: subprocess.Popen[str], timeout: float = 20.0) -> str:
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise AssertionError(f"{proc.args} printed nothing in {timeout}s")
+    return proc.stdout.readline().strip()
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+def test_router_simworker_from_the_shell_serves_what_the_router_sums(
+    tmp_path: Path, processes: list[subprocess.Popen[str]]
+) -> None:
+    # the key-file recipe of examples/README.md, as written (umask 077, one line)
+    key_file = tmp_path / "local-inference.key"
+    subprocess.run(
+        f'umask 077 && {sys.executable} -c \'import secrets; print("sk-" + '
+        f"secrets.token_urlsafe(32))' > {key_file}",
+        shell=True,
+        check=True,
+    )
+    assert key_file.stat().st_mode & 0o777 == 0o600
+
+    urls = []
+    for _ in range(2):
+        proc = subprocess.Popen(
+            [*CLI, "router", "simworker", "--slots", "10", "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        processes.append(proc)
+        line = _first_line(proc)
+        assert line.startswith("simulated worker on http://127.0.0.1:"), line
+        urls.append(line.split()[3])
+
+    registry = json.loads((EXAMPLES / "workers.json").read_text())
+    for entry, url in zip(registry["workers"], urls, strict=True):
+        entry["urls"] = [url]  # the example's fixed ports, moved to the ones just bound
+    (tmp_path / "workers.json").write_text(json.dumps(registry))
+    router = subprocess.Popen(
+        [*CLI, "router", "serve", "--workers", str(tmp_path / "workers.json"),
+         "--key-file", str(key_file), "--listen", "127.0.0.1:0", "--poll", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    processes.append(router)
+    line = _first_line(router)
+    assert line.startswith("serving http://127.0.0.1:"), line
+    base = line.removeprefix("serving ").removesuffix("/v1/capacity")
+
+    def workhorse() -> int | None:
+        out = subprocess.run(
+            [*CLI, "router", "show", "--url", base, "--key-file", str(key_file), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if out.returncode != 0:
+            return None
+        rows = {m["id"]: m["max_concurrent_requests"] for m in json.loads(out.stdout)["models"]}
+        return rows.get("workhorse")
+
+    deadline = time.monotonic() + 20
+    while workhorse() != 20 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert workhorse() == 20  # two simulated ten-slot workers, summed (R-K5)
+
+    processes[0].send_signal(signal.SIGTERM)
+    assert processes[0].wait(timeout=10) == 0  # stops cleanly on SIGTERM
+    deadline = time.monotonic() + 20
+    while workhorse() != 10 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert workhorse() == 10
+
+
+def test_router_simworker_refuses_a_non_loopback_host() -> None:
+    out = subprocess.run(
+        [*CLI, "router", "simworker", "--slots", "10", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "--host" in out.stderr

@@ -1,0 +1,182 @@
+"""availability/inspect as an operator and a monitor use them: --check, pipes, JSON errors,
+removing an unsafe segment. Real sidecars, real signals, real pipes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from gwtest import run_cli, wait_until
+
+from shm_layout.segment import Segment
+
+CLI = str(Path(sys.executable).with_name("gateway-capacity"))
+
+
+@pytest.fixture
+def sidecar(
+    segment_name: str, write_config: Callable[..., Path]
+) -> Iterator[Callable[[dict[str, object]], subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+
+    def start(doc: dict[str, object]) -> subprocess.Popen[str]:
+        cfg = write_config(doc)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway_capacity", "sidecar", "--config", str(cfg),
+             "--segment", segment_name, "--refresh", "0.3"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )  # fmt: skip
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait(timeout=20)
+
+
+def check(segment: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("availability", "--segment", segment, "--check", *extra)
+
+
+def test_check_is_0_while_the_sidecar_runs_and_1_once_it_was_killed(
+    segment_name: str, sidecar: Callable[[dict[str, object]], subprocess.Popen[str]]
+) -> None:
+    proc = sidecar({"providers": [{"id": "static", "maxConcurrent": 3}]})
+    assert wait_until(lambda: check(segment_name).returncode == 0, timeout=30)
+    assert check(segment_name).stdout.startswith(f"ok: segment {segment_name}, sidecar pid")
+
+    proc.kill()
+    proc.wait(timeout=10)
+    out = check(segment_name)
+    assert out.returncode == 1
+    assert out.stdout.strip() == f"sidecar pid {proc.pid} died without stopping (crashed or killed)"
+    text = run_cli("availability", "--segment", segment_name).stdout
+    assert "died without stopping (crashed or killed)" in text
+    assert "(dead, running)" not in text
+
+
+def test_check_is_1_while_the_sidecar_is_stopped_and_0_after_it_continues(
+    segment_name: str, sidecar: Callable[[dict[str, object]], subprocess.Popen[str]]
+) -> None:
+    proc = sidecar({"providers": [{"id": "static"}]})
+    assert wait_until(lambda: check(segment_name).returncode == 0, timeout=30)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        # alive (R-A5: a paused process is alive) but its heartbeat ages: stale
+        assert wait_until(
+            lambda: check(segment_name, "--max-heartbeat-age", "1").returncode == 1, timeout=30
+        )
+        out = check(segment_name, "--max-heartbeat-age", "1")
+        assert f"sidecar pid {proc.pid} is stale: last heartbeat" in out.stdout
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert wait_until(lambda: check(segment_name).returncode == 0, timeout=30)
+
+
+def test_check_is_1_when_a_provider_fell_back_after_failing_discovery(
+    segment_name: str,
+    sidecar: Callable[[dict[str, object]], subprocess.Popen[str]],
+    key_file: Path,
+) -> None:
+    import socket
+
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sidecar(
+        {
+            "maxConcurrent": 5,
+            "providers": [
+                {
+                    "id": "li",
+                    "baseUrl": f"http://127.0.0.1:{port}/v1",
+                    "credentialFile": str(key_file),
+                    "capacityDiscovery": True,
+                    "models": {"w": "workhorse"},
+                },
+                {"id": "static", "maxConcurrent": 2},
+            ],
+        }
+    )
+    assert wait_until(
+        lambda: "provider li: discovery failed" in check(segment_name).stdout, timeout=30
+    )
+    out = check(segment_name, "--json")
+    assert out.returncode == 1
+    doc = json.loads(out.stdout)
+    assert doc["ok"] is False
+    assert len(doc["problems"]) == 1  # the sidecar is fine; "static" is not a problem
+    assert doc["problems"][0].startswith("provider li: discovery failed, on fallback 5 (gateway)")
+
+
+def test_check_is_1_without_any_sidecar(segment_name: str) -> None:
+    Segment.open(segment_name, create=True).close()
+    out = check(segment_name)
+    assert out.returncode == 1
+    assert out.stdout.strip() == f"no sidecar has ever written segment {segment_name}"
+
+
+@pytest.mark.parametrize("command", [["inspect", "--json"], ["availability"]])
+def test_a_reader_that_closes_the_pipe_gets_no_traceback(
+    command: list[str], segment_name: str
+) -> None:
+    Segment.open(segment_name, create=True).close()
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # like `| head` that has already exited: every write fails (EPIPE)
+    try:
+        proc = subprocess.run(
+            [CLI, *command, "--segment", segment_name],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert proc.stderr == ""
+    assert proc.returncode == 128 + signal.SIGPIPE
+
+
+def test_json_mode_reports_errors_as_json_with_the_same_exit_code(segment_name: str) -> None:
+    missing = run_cli("availability", "--segment", segment_name, "--json")
+    assert missing.returncode == 3 and missing.stderr == ""
+    assert json.loads(missing.stdout) == {
+        "error": f"no segment {segment_name}: nothing has created it yet "
+        "(start the sidecar or a handler)"
+    }
+    bad = run_cli("inspect", "--segment", "no-slash", "--json")
+    assert bad.returncode == 2 and bad.stderr == ""
+    assert "must start with '/'" in json.loads(bad.stdout)["error"]
+    plain = run_cli("availability", "--segment", segment_name)
+    assert plain.returncode == 3 and plain.stdout == "" and plain.stderr.count("\n") == 1
+
+
+def test_unlink_force_on_a_world_accessible_segment_says_one_true_thing(
+    segment_name: str,
+) -> None:
+    Segment.open(segment_name, create=True).close()
+    os.chmod("/dev/shm" + segment_name, 0o666)
+    refused = run_cli("inspect", "--segment", segment_name, "--unlink")
+    assert refused.returncode == 2
+    assert "add --force" in refused.stderr and "refusing to use it" not in refused.stderr
+    assert os.path.exists("/dev/shm" + segment_name)
+
+    forced = run_cli("inspect", "--segment", segment_name, "--unlink", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert forced.stderr == ""
+    assert forced.stdout.strip() == (
+        f"removed segment {segment_name} and its semaphores without reading it "
+        f"(segment {segment_name} is accessible to all users (mode 666))"
+    )
+    assert not os.path.exists("/dev/shm" + segment_name)
