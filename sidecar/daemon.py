@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import re
@@ -447,8 +446,11 @@ class Sidecar:
         if key == state.logged:
             return
         state.logged = key
-        # discovery that found no usable answer is worth a warning; the rest is news
-        failed = state.probe is not None and d.source == d.fallback_source
+        # discovery that found no usable answer, or an opt-in that was refused, is worth
+        # a warning; the rest is news
+        failed = d.source == d.fallback_source and (
+            state.probe is not None or state.rules.refused_reason is not None
+        )
         log.log(
             logging.WARNING if failed else logging.INFO,
             "provider %s: limit %d (%s): %s",
@@ -599,33 +601,6 @@ def _stamp(path: str) -> tuple[int, int, int, int] | None:
     except OSError:
         return None
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-# --- logging -----------------------------------------------------------------------------------
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        doc: dict[str, Any] = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "msg": record.getMessage(),
-        }
-        for key in ("provider", "limit", "source"):
-            if hasattr(record, key):
-                doc[key] = getattr(record, key)
-        return json.dumps(doc)
-
-
-def setup_logging(fmt: str, level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    for noisy in ("httpx", "httpcore"):  # they log URLs and headers (R-P7)
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def main(options: Options) -> int:
