@@ -44,6 +44,7 @@ from sidecar.limits import (
     decide,
     rules_from_config,
 )
+from sidecar.metrics import SidecarMetrics, probe_reasons
 from sidecar.replica import ProviderProbe
 
 log = logging.getLogger("gateway_capacity.sidecar")
@@ -165,6 +166,7 @@ class Sidecar:
             self.parent = (options.parent_pid, parent_start)  # pid reuse cannot fool us
         self.segment_name = resolve_segment_name(options.segment, options.config_path)
         self._metrics_server: Any = None
+        self.metrics = SidecarMetrics()  # recorded always, served with --metrics-listen
         if options.metrics_listen:
             # Before the segment and the writer epoch: a sidecar that cannot start must
             # not first fence the one that is running (R-G4) and then leave none.
@@ -226,6 +228,7 @@ class Sidecar:
             writer.set_state(self.seg, self.epoch, layout.SIDECAR_STOPPED)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         self.seg.close()
         return self.exit_code
 
@@ -263,6 +266,7 @@ class Sidecar:
                 gone = self.providers.pop(pid)
                 if gone.task is not None:
                     gone.task.cancel()
+                self.metrics.forget(pid)
                 log.info("provider %s: removed from the config", pid)
         for pid, rules in wanted.items():
             provider = config.provider(pid)
@@ -322,6 +326,7 @@ class Sidecar:
                 return
             state.wake.clear()
             asked = state.config
+            began = time.monotonic()
             try:
                 probe = await probe_provider(asked, tailscale_socket=self.opts.tailscale_socket)
             except Exception:  # probe_provider never raises for a provider's fault; be sure
@@ -330,6 +335,11 @@ class Sidecar:
                 continue
             if self.providers.get(provider_id) is not state or not state.rules.discovery_active:
                 return  # removed or turned off while probing: that answer is not wanted
+            self.metrics.record_probe(
+                provider_id,
+                probe_reasons(probe.refused, (r.reason for r in probe.replicas)),
+                time.monotonic() - began,
+            )
             if state.config is not asked:
                 continue  # the entry changed while we probed (a new baseUrl?): ask again
             state.probe = probe
@@ -514,6 +524,7 @@ class Sidecar:
             last["config"] = time.monotonic()
             self._check_config()
         self._watchdog.maybe_ping(time.monotonic())
+        self.metrics.turned()
         return True
 
     def _log_unexpected(self, where: str) -> None:
@@ -530,14 +541,14 @@ class Sidecar:
 
         host, port = parse_listen(listen)
         try:
-            self._metrics_server = serve_metrics(host, port, self.segment_name)
+            self._metrics_server = serve_metrics(host, port, self.segment_name, self.metrics)
         except OSError as exc:
             raise StartupError(
                 f"--metrics-listen {listen}: cannot listen: {exc.strerror or exc}"
             ) from None
         bound_host, bound_port = self._metrics_server.server_address[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        log.info("metrics on http://%s:%d/metrics", shown, bound_port)
+        log.info("metrics on http://%s:%d/metrics, health on /healthz", shown, bound_port)
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
