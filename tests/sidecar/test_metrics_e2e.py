@@ -19,7 +19,7 @@ import httpx
 import pytest
 from capacity_server import CapacityServer
 from prometheus_client.parser import text_string_to_metric_families
-from sidecar_e2e import SidecarProc, discovered, wait_provider
+from sidecar_e2e import SidecarProc, cli_json, discovered, wait_doc, wait_provider
 
 ROOT = Path(__file__).resolve().parents[2]
 Entry = Callable[..., dict[str, Any]]
@@ -270,3 +270,21 @@ def test_healthz_rule_starting_alive_stalled() -> None:
     m._last_turn = time.monotonic() - HEALTHY_WITHIN_S - 1
     ok, why = m.health()
     assert not ok and why.startswith("stalled")
+
+
+def test_r_a6_a_lock_recovery_is_counted_in_lock_recoveries_total(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    start_sidecar: StartSidecar,
+    agents: Callable[..., Any],
+) -> None:
+    config = write_config({"maxConcurrent": 2, "providers": [{"id": "static"}]})
+    holder = agents("--segment", segment_name, "--config", str(config), "lock")
+    holder.expect("locked")
+    holder.kill()  # SIGKILL while holding the segment lock
+    sidecar = start_sidecar(config, segment_name, "--metrics-listen", "127.0.0.1:0")
+    wait_doc(segment_name, lambda d: d["sidecar"] is not None)  # it took the lock
+    _, _, samples = scrape(metrics_url(sidecar))
+    repairs = cli_json("inspect", "--segment", segment_name)["header"]["lock_repairs"]
+    assert repairs == 1
+    assert value(samples, "gateway_capacity_lock_recoveries_total") == repairs
