@@ -4,12 +4,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo lint bench clean
+.PHONY: test demo lint bench clean schemas
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,lint,bench]'
+	$(PY) -m pip install --quiet -e '.[test,lint,bench,plot]'
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sidecar shm_layout handler_shim capacity_router gateway_capacity tests
 	$(VENV)/bin/mypy sidecar shm_layout handler_shim capacity_router gateway_capacity
+
+# the JSON Schemas of availability/inspect --json, generated from gateway_capacity/schemas.py
+schemas: $(STAMP)
+	$(PY) -m gateway_capacity.schemas docs/schemas
 
 bench: $(STAMP)
 	./scripts/ensure-tools --bench

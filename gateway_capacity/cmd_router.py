@@ -27,6 +27,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from gateway_capacity.common import fail
+from gateway_capacity.logs import add_log_options
 
 DEFAULT_PORT = 8731
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
@@ -75,6 +76,7 @@ def register(subparsers: Any) -> None:
         "--poll-timeout", type=_positive_float, default=2.0, metavar="S",
         help="deadline for one worker's poll (default 2)",
     )
+    add_log_options(serve)
 
     for action, text in (
         ("fence", "drain a worker: its slots leave the next observation (run at once)"),
@@ -151,16 +153,13 @@ def _parse_listen(text: str) -> tuple[str, int]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
     import signal
     import threading
 
     from capacity_router import KeyFileError, RegistryError, RouterServer
+    from gateway_capacity.logs import setup_logging
 
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="gateway-capacity router: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll is noise
+    setup_logging(args.log_format, args.log_level, prefix="router: ")
     host, port = _parse_listen(args.listen)
     server = RouterServer(
         args.workers, args.key_file, host=host, port=port,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from gateway_capacity.logs import add_log_options
+
 MAX_REFRESH_S = 25.0
 
 
@@ -39,8 +41,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--metrics-listen", metavar="HOST:PORT", help="serve Prometheus metrics (off by default)"
     )
-    p.add_argument("--log-format", choices=("text", "json"), default="text")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_log_options(p)
     p.add_argument(
         "--tailscale-socket", metavar="PATH", help="tailscaled LocalAPI socket (for whois)"
     )
@@ -48,7 +49,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sidecar.daemon import Options, main, setup_logging
+    from gateway_capacity.logs import setup_logging
+    from sidecar.daemon import Options, main
 
     setup_logging(args.log_format, args.log_level)
     if not 0 < args.refresh < MAX_REFRESH_S:  # also refuses nan and inf

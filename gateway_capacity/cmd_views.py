@@ -10,10 +10,10 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
 from typing import Any
 
 from gateway_capacity.common import add_target_options, fail, segment_from_args
+from gateway_capacity.schemas import sidecar_status
 
 EXIT_NO_SEGMENT = 3
 EXIT_UNHEALTHY = 1
@@ -74,72 +74,22 @@ def _read(args: argparse.Namespace) -> Any:
 
 
 def availability_doc(view: Any) -> dict[str, Any]:
-    """The JSON of ``availability`` (REQUIREMENTS.md section 8)."""
-    sidecar = None
-    if view.sidecar is not None:
-        s = view.sidecar
-        sidecar = {
-            "pid": s.pid,
-            "alive": s.alive,
-            "state": s.state,
-            "status": sidecar_status(s),
-            "heartbeat_age_s": s.heartbeat_age_s,
-            "writer_epoch": s.writer_epoch,
-            "config_generation": s.config_generation,
-            "legacy_alive": s.legacy_alive,
-        }
-    return {
-        "segment": view.name,
-        # the config the sidecar read for this segment (null: no sidecar has written it)
-        "config_path": view.config_path or None,
-        "layout": {"major": view.major, "minor": view.minor},
-        "consistent": view.consistent,
-        "config_status": view.config_status or None,
-        "sidecar": sidecar,
-        "generations": [
-            {"generation": m.generation, "pid": m.pid, "alive": m.alive, "layout": m.layout}
-            for m in view.members
-        ],
-        "providers": [
-            {
-                "id": p.id,
-                "capacity_discovery": p.capacity_discovery,
-                "configured": p.configured,
-                "effective_limit": p.effective_limit,
-                "source": p.source,
-                "reason": p.reason,
-                "running": p.running,
-                "waiting": p.waiting,
-                "queue_bound": p.queue_bound,
-                "fallback_limit": p.fallback_limit,
-                "fallback_source": p.fallback_source,
-                "discovered": p.discovered,
-                "observed_at": p.observed_at,
-                "expires_at": p.expires_at,
-                "replicas": [asdict(r) for r in p.replicas],
-            }
-            for p in view.providers
-        ],
-    }
+    """JSON of ``availability`` (REQUIREMENTS.md 8), shaped by ``schemas.AvailabilityDoc``."""
+    import msgspec
+
+    from gateway_capacity import schemas
+
+    doc: dict[str, Any] = msgspec.to_builtins(schemas.availability(view))
+    return doc
 
 
 def inspect_doc(view: Any) -> dict[str, Any]:
-    doc = availability_doc(view)
-    doc["header"] = {
-        "created_at": view.created_at,
-        "group_shared": view.group_shared,
-        "lock_kind": view.lock_kind,
-        "lock_repairs": view.lock_repairs,
-        "config_path": view.config_path or None,
-    }
-    for entry, p in zip(doc["providers"], view.providers, strict=True):
-        entry["published_limit"] = p.published_limit
-        entry["clamped"] = p.clamped
-        entry["counters"] = p.counters
-        entry["stored_running"] = p.stored_running
-        entry["stored_waiting"] = p.stored_waiting
-    doc["holders"] = [asdict(h) for h in view.holders]
-    doc["generations"] = [asdict(m) for m in view.members]
+    """The JSON of ``inspect``, shaped by ``schemas.InspectDoc``."""
+    import msgspec
+
+    from gateway_capacity import schemas
+
+    doc: dict[str, Any] = msgspec.to_builtins(schemas.inspect(view))
     return doc
 
 
@@ -200,15 +150,6 @@ def availability_text(view: Any) -> str:
                 f"  replica {r.address}: {r.reason} {state if r.ok else ''} value {value}".rstrip()
             )
     return "\n".join(lines)
-
-
-def sidecar_status(s: Any) -> str:
-    """The sidecar's state as one phrase (the process's liveness and what it last wrote)."""
-    if s.alive:
-        return "running" if s.state == "running" else "stopping"
-    if s.state == "running":
-        return "died without stopping (crashed or killed)"
-    return "stopped"
 
 
 def health_problems(view: Any, max_heartbeat_age: float) -> list[str]:

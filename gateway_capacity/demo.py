@@ -6,6 +6,12 @@ config and 0600 key file, the sidecar with a short refresh, and handler load
 from two generations sharing one segment. It shows the limit, running and
 waiting live while one worker is drained and restored, checks what it saw,
 and removes every process and shared-memory object it made.
+
+At the end it draws what it showed (limit, advertised, running and waiting
+over time) into a PNG when matplotlib is installed (the ``plot`` extra, which
+``make demo`` installs) and prints where; without matplotlib it says so and
+carries on. When its segment cannot be read, or the sidecar stops, it says why
+and exits 1 at once instead of waiting in silence.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from typing import Any, TextIO
 
 PROVIDER = "local-inference"
 MODEL = "workhorse"
+# reads of the segment failing this long (once it was there) end the demo with the reason
+READ_GRACE_S = 2.0
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -38,6 +46,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--fast", action="store_true", help="shorter phases (for tests)")
     p.add_argument(
         "--json", action="store_true", help="live lines on stderr, a JSON summary on stdout"
+    )
+    p.add_argument(
+        "--png",
+        metavar="PATH",
+        help="where to draw the picture (default: a new gateway-capacity-demo-*.png in the "
+        "temporary directory)",
     )
     p.set_defaults(func=run)
 
@@ -79,6 +93,8 @@ class Demo:
         self.router: Any = None
         self.segment = ""
         self.problems: list[str] = []
+        self.seen_segment = False
+        self.read_error: tuple[float, str] | None = None  # since (monotonic), why
 
     # --- set-up -----------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -215,13 +231,19 @@ class Demo:
         return 0
 
     def _sample(self, phase: str) -> Sample | None:
-        from shm_layout.segment import SegmentError
+        from shm_layout.segment import SegmentError, SegmentMissing
         from shm_layout.view import read_view
 
         try:
             view = read_view(self.segment)
-        except SegmentError:
+        except SegmentError as exc:
+            if isinstance(exc, SegmentMissing) and not self.seen_segment:
+                return None  # the sidecar is still starting: it creates the segment
+            if self.read_error is None:
+                self.read_error = (time.monotonic(), str(exc))
             return None
+        self.seen_segment = True
+        self.read_error = None
         p = view.provider(PROVIDER)
         if p is None:
             return None
@@ -235,9 +257,20 @@ class Demo:
             p.waiting,
         )
 
+    def _still_working(self) -> None:
+        """Raise ``DemoFailed`` with the reason when the sidecar stopped or the segment
+        has not been readable for ``READ_GRACE_S``: never wait in silence."""
+        if self.sidecar is not None and self.sidecar.poll() is not None:
+            last = self.sidecar_log().strip().splitlines()
+            why = f": {last[-1]}" if last else ""
+            raise DemoFailed(f"the sidecar exited with status {self.sidecar.returncode}{why}")
+        if self.read_error is not None and time.monotonic() - self.read_error[0] >= READ_GRACE_S:
+            raise DemoFailed(f"cannot read the segment {self.segment}: {self.read_error[1]}")
+
     def _wait_for_limit(self, expect: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self._still_working()
             s = self._sample("start")
             if s is not None and s.limit == expect and s.source == "discovered":
                 return True
@@ -252,6 +285,7 @@ class Demo:
         last_line = 0.0
         until = began + 30.0  # generous bound to reach the expected limit
         while True:
+            self._still_working()
             now = time.monotonic()
             s = self._sample(phase.name)
             if s is not None:
@@ -286,6 +320,7 @@ class Demo:
 
     # --- checking -----------------------------------------------------------------------
     def check(self, phases: list[Phase]) -> dict[str, Any]:
+        from shm_layout.segment import SegmentError
         from shm_layout.view import read_view
 
         samples = [s for ph in phases for s in ph.samples]
@@ -299,9 +334,13 @@ class Demo:
                 self.problems.append(
                     f"running rose to {cur.running} above limit {cur.limit} at {cur.t:.1f}s"
                 )
-        view = read_view(self.segment)
+        try:
+            view = read_view(self.segment)
+        except SegmentError as exc:
+            raise DemoFailed(f"cannot read the segment {self.segment}: {exc}") from None
         p = view.provider(PROVIDER)
-        assert p is not None
+        if p is None:
+            raise DemoFailed(f"the segment {self.segment} has no provider {PROVIDER}")
         leftover = [h for h in view.holders]
         if p.running or p.waiting or p.stored_running or p.stored_waiting or leftover:
             self.problems.append(
@@ -373,6 +412,68 @@ class Demo:
         return ""
 
 
+def draw_picture(phases: list[Phase], png: str | None) -> tuple[str | None, str]:
+    """Draw limit, advertised, running and waiting over time: (path or None, a line to say).
+
+    ``png`` None: a new ``gateway-capacity-demo-*.png`` in the temporary directory.
+    """
+    samples = [s for ph in phases for s in ph.samples]
+    if not samples:
+        return None, "picture: not drawn: nothing was sampled"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None, (
+            "picture: not drawn: matplotlib is not installed "
+            "(pip install 'gateway-capacity[plot]'; make demo installs it)"
+        )
+    if png is None:
+        fd, png = tempfile.mkstemp(prefix="gateway-capacity-demo-", suffix=".png")
+        os.close(fd)
+    t = [s.t for s in samples]
+    fig, ax = plt.subplots(figsize=(11, 5.5), dpi=100)
+    ax.step(t, [s.limit for s in samples], where="post", label="limit in force", lw=2.5)
+    ax.step(
+        t,
+        [s.advertised if s.advertised is not None else float("nan") for s in samples],
+        where="post",
+        label="advertised by the router",
+        ls="--",
+        lw=1.5,
+    )
+    ax.plot(t, [s.running for s in samples], label="running", lw=1.5)
+    ax.plot(t, [s.waiting for s in samples], label="waiting (bound 32)", lw=1.5)
+    for ph in phases:
+        if ph.samples:
+            ax.axvline(ph.samples[0].t, color="grey", lw=0.8, ls=":")
+            ax.annotate(
+                ph.name,
+                (ph.samples[0].t, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(3, -12),
+                textcoords="offset points",
+                fontsize=9,
+                color="dimgrey",
+            )
+    ax.set_xlabel("seconds since the demo started")
+    ax.set_ylabel("requests")
+    ax.set_ylim(bottom=0, top=max(34, *(s.waiting + 2 for s in samples)))
+    ax.set_title("gateway-capacity demo: two 10-slot workers, w2 drained and restored")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=9)
+    fig.tight_layout()
+    try:
+        fig.savefig(png)
+    except OSError as exc:
+        return None, f"picture: not drawn: cannot write {png}: {exc.strerror or exc}"
+    finally:
+        plt.close(fig)
+    return png, f"picture: {png} (limit, advertised, running and waiting over time)"
+
+
 class DemoFailed(Exception):
     pass
 
@@ -386,6 +487,7 @@ def run(args: argparse.Namespace) -> int:
     demo = Demo(args.fast, out)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     summary: dict[str, Any] = {}
+    phases: list[Phase] = []
     try:
         config = demo.setup()
         demo.start_processes(config)
@@ -400,7 +502,10 @@ def run(args: argparse.Namespace) -> int:
         summary.update(demo.check(phases))
     except DemoFailed as exc:
         demo.problems.append(str(exc))
-        print(demo.sidecar_log(), file=sys.stderr)
+        log = demo.sidecar_log().strip().splitlines()
+        if log:
+            print("the sidecar's last log lines:", file=sys.stderr)
+            print("\n".join(f"  {line}" for line in log[-10:]), file=sys.stderr)
     except KeyboardInterrupt:
         demo.problems.append("interrupted")
     finally:
@@ -409,10 +514,12 @@ def run(args: argparse.Namespace) -> int:
     if left:
         demo.problems.append(f"not cleaned up: {', '.join(left)}")
     summary["segment"] = demo.segment
+    summary["picture"], picture_line = draw_picture(phases, args.png)
     summary["cleaned_up"] = not left
     summary["problems"] = demo.problems
     summary["ok"] = not demo.problems
     _print_summary(summary, out)
+    print(picture_line, file=out, flush=True)
     if args.json:
         print(json.dumps(summary))
     return 0 if summary["ok"] else 1

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import re
@@ -45,6 +44,7 @@ from sidecar.limits import (
     decide,
     rules_from_config,
 )
+from sidecar.metrics import SidecarMetrics, probe_reasons
 from sidecar.replica import ProviderProbe
 
 log = logging.getLogger("gateway_capacity.sidecar")
@@ -166,6 +166,7 @@ class Sidecar:
             self.parent = (options.parent_pid, parent_start)  # pid reuse cannot fool us
         self.segment_name = resolve_segment_name(options.segment, options.config_path)
         self._metrics_server: Any = None
+        self.metrics = SidecarMetrics()  # recorded always, served with --metrics-listen
         if options.metrics_listen:
             # Before the segment and the writer epoch: a sidecar that cannot start must
             # not first fence the one that is running (R-G4) and then leave none.
@@ -227,6 +228,7 @@ class Sidecar:
             writer.set_state(self.seg, self.epoch, layout.SIDECAR_STOPPED)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         self.seg.close()
         return self.exit_code
 
@@ -264,6 +266,7 @@ class Sidecar:
                 gone = self.providers.pop(pid)
                 if gone.task is not None:
                     gone.task.cancel()
+                self.metrics.forget(pid)
                 log.info("provider %s: removed from the config", pid)
         for pid, rules in wanted.items():
             provider = config.provider(pid)
@@ -323,6 +326,7 @@ class Sidecar:
                 return
             state.wake.clear()
             asked = state.config
+            began = time.monotonic()
             try:
                 probe = await probe_provider(asked, tailscale_socket=self.opts.tailscale_socket)
             except Exception:  # probe_provider never raises for a provider's fault; be sure
@@ -331,6 +335,11 @@ class Sidecar:
                 continue
             if self.providers.get(provider_id) is not state or not state.rules.discovery_active:
                 return  # removed or turned off while probing: that answer is not wanted
+            self.metrics.record_probe(
+                provider_id,
+                probe_reasons(probe.refused, (r.reason for r in probe.replicas)),
+                time.monotonic() - began,
+            )
             if state.config is not asked:
                 continue  # the entry changed while we probed (a new baseUrl?): ask again
             state.probe = probe
@@ -447,10 +456,13 @@ class Sidecar:
         if key == state.logged:
             return
         state.logged = key
-        # discovery that found no usable answer is worth a warning, and so is a configured
-        # model the router does not report (a typo in models holds the limit at 0); the
-        # rest is news
-        failed = (state.probe is not None and d.source == d.fallback_source) or bool(
+        # discovery that found no usable answer, or an opt-in that was refused, is worth
+        # a warning, and so is a configured model the router does not report (a typo in
+        # models holds the limit at 0); the rest is news
+        failed = (
+            d.source == d.fallback_source
+            and (state.probe is not None or state.rules.refused_reason is not None)
+        ) or bool(
             d.missing_models
         )
         log.log(
@@ -516,6 +528,7 @@ class Sidecar:
             last["config"] = time.monotonic()
             self._check_config()
         self._watchdog.maybe_ping(time.monotonic())
+        self.metrics.turned()
         return True
 
     def _log_unexpected(self, where: str) -> None:
@@ -532,14 +545,14 @@ class Sidecar:
 
         host, port = parse_listen(listen)
         try:
-            self._metrics_server = serve_metrics(host, port, self.segment_name)
+            self._metrics_server = serve_metrics(host, port, self.segment_name, self.metrics)
         except OSError as exc:
             raise StartupError(
                 f"--metrics-listen {listen}: cannot listen: {exc.strerror or exc}"
             ) from None
         bound_host, bound_port = self._metrics_server.server_address[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        log.info("metrics on http://%s:%d/metrics", shown, bound_port)
+        log.info("metrics on http://%s:%d/metrics, health on /healthz", shown, bound_port)
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -603,33 +616,6 @@ def _stamp(path: str) -> tuple[int, int, int, int] | None:
     except OSError:
         return None
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-# --- logging -----------------------------------------------------------------------------------
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        doc: dict[str, Any] = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "msg": record.getMessage(),
-        }
-        for key in ("provider", "limit", "source"):
-            if hasattr(record, key):
-                doc[key] = getattr(record, key)
-        return json.dumps(doc)
-
-
-def setup_logging(fmt: str, level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    for noisy in ("httpx", "httpcore"):  # they log URLs and headers (R-P7)
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def main(options: Options) -> int:

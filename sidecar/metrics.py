@@ -1,78 +1,344 @@
-"""Prometheus metrics of the sidecar's segment, labelled ``provider`` (REQUIREMENTS.md section 8).
+"""Prometheus metrics of the sidecar, labelled ``provider`` (REQUIREMENTS.md section 8).
 
-Off by default (``--metrics-listen HOST:PORT``). Every scrape reads the segment
-lock-free, so the figures are the handlers' live ones, not the sidecar's memory.
+Off by default (``--metrics-listen HOST:PORT``). Names follow Prometheus's
+naming conventions: base units (seconds), ``_total`` for counters,
+``_timestamp_seconds`` for points in time, ``_info`` for build information,
+and no sentinel values: a figure that does not exist (no discovered limit, no
+snapshot) is an absent series, never -1 or 0. ``docs/metrics.md`` lists every
+metric; ``tests/sidecar/test_metrics_e2e.py`` scrapes a real sidecar against it.
+
+Two kinds of figures:
+
+* the segment's (limits, running, waiting, the handlers' counters, lock
+  recoveries), read lock-free at every scrape, so they are the handlers' live
+  figures and survive sidecar restarts (counters count from the segment's
+  creation);
+* the sidecar's own (probe outcomes and durations, process metrics), which
+  count from this sidecar's start, as counters of a process do.
+
+``/metrics`` serves the exposition (only that path; others are 404) and
+``/healthz`` answers 200 while the sidecar's event loop turns, 503 otherwise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from importlib import metadata
+from typing import Any, Final
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from shm_layout.view import read_view
+from shm_layout import layout
+from shm_layout.segment import SegmentError
+from shm_layout.view import SegmentView, read_view
+from sidecar.limits import SOURCES
+from sidecar.replica import REASONS
+
+NAMESPACE: Final = "gateway_capacity"
+# No ``_created`` series: the classic text format, which most scrapers ask for,
+# would show each as a separate gauge family beside its counter.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+# Reasons a probe is refused before anything is sent (sidecar.probe), beside the
+# per-replica outcomes: together the closed set of the ``reason`` label.
+REFUSED_REASONS: Final = frozenset({"not_requested", "config_invalid", "opt_in_refused"})
+PROBE_REASONS: Final = tuple(sorted(REASONS | REFUSED_REASONS))
+# A whole probe has a 3 s deadline (R-P5): buckets resolve loopback answers (ms)
+# as well as a deadline that is being hit.
+PROBE_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0)
+# /healthz: the housekeeping loop turns every 0.5 s; ten missed turns is not alive.
+HEALTHY_WITHIN_S: Final = 5.0
+
+
+def _version() -> str:
+    try:
+        return metadata.version("gateway-capacity")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class SidecarMetrics:
+    """The sidecar's own figures, recorded by the daemon, and its liveness for /healthz."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.probe_results = Counter(
+            "probe_results",
+            "Outcomes of capacity probes: one per replica per refresh, or one per refresh "
+            "when the probe was refused before anything was sent",
+            ["provider", "reason"],
+            namespace=NAMESPACE,
+            registry=self.registry,
+        )
+        self.probe_duration = Histogram(
+            "probe_duration_seconds",
+            "Time one probe of a provider took, all replicas, DNS and address checks included",
+            ["provider"],
+            namespace=NAMESPACE,
+            buckets=PROBE_BUCKETS,
+            registry=self.registry,
+        )
+        self._known: set[str] = set()
+        self._lock = threading.Lock()
+        self._last_turn: float | None = None  # monotonic
+
+    def record_probe(self, provider: str, reasons: Iterable[str], seconds: float) -> None:
+        """One probe of ``provider``: its outcomes (closed names) and how long it took."""
+        with self._lock:
+            if provider not in self._known:
+                # every reason exists from the first probe on, so rate() and alerts see
+                # a 0 -> 1 step instead of a series appearing out of nowhere
+                self._known.add(provider)
+                for reason in PROBE_REASONS:
+                    self.probe_results.labels(provider, reason)
+        for reason in reasons:
+            self.probe_results.labels(provider, reason).inc()
+        self.probe_duration.labels(provider).observe(seconds)
+
+    def forget(self, provider: str) -> None:
+        """``provider`` left the config: its series go (they would never change again)."""
+        with self._lock:
+            if provider not in self._known:
+                return
+            self._known.discard(provider)
+            for reason in PROBE_REASONS:
+                self.probe_results.remove(provider, reason)
+            self.probe_duration.remove(provider)
+
+    def turned(self) -> None:
+        """The event loop made one turn of housekeeping (for /healthz)."""
+        self._last_turn = time.monotonic()
+
+    def health(self) -> tuple[bool, str]:
+        last = self._last_turn
+        if last is None:
+            return False, "starting: the sidecar has not published yet"
+        age = time.monotonic() - last
+        if age > HEALTHY_WITHIN_S:
+            return False, f"stalled: the sidecar's loop last turned {age:.1f} s ago"
+        return True, "ok"
+
+
+def probe_reasons(refused: str | None, replica_reasons: Iterable[str]) -> list[str]:
+    """The ``reason`` label values of one probe (``refused`` is ``<reason>:<detail>``)."""
+    if refused is not None:
+        return [refused.partition(":")[0]]
+    return list(replica_reasons)
 
 
 class SegmentCollector(Collector):
+    """The segment's figures, read at every scrape."""
+
     def __init__(self, segment: str) -> None:
         self.segment = segment
 
-    def collect(self) -> Iterator[Any]:
-        view = read_view(self.segment)
-        gauges = {
-            "effective_limit": "Admission limit in force",
-            "running": "Requests running (live holders)",
-            "waiting": "Requests waiting (live holders)",
-            "fallback_limit": "Static limit used when nothing discovered is in force",
-            "discovered": "Last discovered limit (-1: none)",
-            "expires_at": "When the published limit expires (Unix seconds, 0: none)",
-        }
-        families = {
-            k: GaugeMetricFamily(f"gateway_capacity_{k}", doc, labels=["provider"])
-            for k, doc in gauges.items()
-        }
-        source = GaugeMetricFamily(
-            "gateway_capacity_limit_source",
-            "1 for the source of the limit in force",
-            labels=["provider", "source"],
+    def collect(self) -> Iterator[Metric]:
+        build = InfoMetricFamily(
+            f"{NAMESPACE}_build", "Version of gateway-capacity and of its segment layout"
         )
-        counters = {
-            k: CounterMetricFamily(
-                f"gateway_capacity_{k}", f"{k} since the segment was created", labels=["provider"]
-            )
-            for k in ("admitted", "rejected", "timeouts", "cancelled", "reclaimed")
-        }
-        for p in view.providers:
-            values = {
-                "effective_limit": p.effective_limit,
-                "running": p.running,
-                "waiting": p.waiting,
-                "fallback_limit": p.fallback_limit,
-                "discovered": -1 if p.discovered is None else p.discovered,
-                "expires_at": p.expires_at or 0.0,
-            }
-            for k, v in values.items():
-                families[k].add_metric([p.id], float(v))
-            source.add_metric([p.id, p.source], 1.0)
-            for k, fam in counters.items():
-                fam.add_metric([p.id], float(p.counters[f"{k}_total"]))
-        yield from families.values()
-        yield source
-        yield from counters.values()
+        build.add_metric([], {"version": _version(), "layout": f"{layout.MAJOR}.{layout.MINOR}"})
+        yield build
+        try:
+            view = read_view(self.segment)
+        except SegmentError:
+            # absent series say "no segment"; the sidecar itself notices and exits
+            return
+        yield from _segment_metrics(view)
+
+
+def _gauge(name: str, doc: str, labels: Iterable[str] = ("provider",)) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{NAMESPACE}_{name}", doc, labels=list(labels))
+
+
+# (metric name without namespace and _total, counter in the segment, help)
+_SEGMENT_COUNTERS: Final = (
+    ("requests_admitted", "admitted_total", "Requests admitted to a slot"),
+    ("requests_rejected", "rejected_total", "Requests refused at once: the queue was full"),
+    ("requests_timed_out", "timeouts_total", "Requests that waited until their timeout"),
+    ("requests_cancelled", "cancelled_total", "Waiting requests cancelled by their caller"),
+    (
+        "holders_reclaimed",
+        "reclaimed_total",
+        "Running slots and waiting places of dead processes that were reclaimed",
+    ),
+)
+
+
+def _segment_metrics(view: SegmentView) -> Iterator[Metric]:
+    now = view.read_at
+    limit = _gauge("effective_limit", "Admission limit in force (requests running at once)")
+    source = _gauge(
+        "limit_source",
+        "1 for the source of the limit in force, 0 for the others",
+        ("provider", "source"),
+    )
+    running = _gauge("running", "Requests running (holders of live processes)")
+    waiting = _gauge("waiting", "Requests waiting (holders of live processes)")
+    queue = _gauge("queue_bound", "Most requests that may wait at once")
+    fallback = _gauge("fallback_limit", "Static limit applied when no discovered limit is in force")
+    discovered = _gauge(
+        "discovered_limit", "Limit computed from the last valid snapshots (absent: none)"
+    )
+    observed = _gauge(
+        "snapshot_observed_timestamp_seconds",
+        "observed_at of the oldest snapshot the discovered limit was computed from",
+    )
+    age = _gauge(
+        "snapshot_age_seconds",
+        "Age of that snapshot by the sidecar's clock (a discovered limit expires at 30 s)",
+    )
+    expiry = _gauge(
+        "limit_expiry_timestamp_seconds",
+        "When the published limit lapses to the fallback (absent: nothing published)",
+    )
+    counters = [
+        CounterMetricFamily(
+            f"{NAMESPACE}_{name}",
+            f"{doc}, since the segment was created",
+            labels=["provider"],
+        )
+        for name, _, doc in _SEGMENT_COUNTERS
+    ]
+    for p in view.providers:
+        labels = [p.id]
+        limit.add_metric(labels, p.effective_limit)
+        for name in sorted(SOURCES):
+            source.add_metric([p.id, name], 1.0 if name == p.source else 0.0)
+        running.add_metric(labels, p.running)
+        waiting.add_metric(labels, p.waiting)
+        queue.add_metric(labels, p.queue_bound)
+        fallback.add_metric(labels, p.fallback_limit)
+        if p.discovered is not None:
+            discovered.add_metric(labels, p.discovered)
+        if p.observed_at is not None:
+            observed.add_metric(labels, p.observed_at)
+            age.add_metric(labels, max(0.0, now - p.observed_at))
+        if p.expires_at is not None:
+            expiry.add_metric(labels, p.expires_at)
+        for family, (_, key, _) in zip(counters, _SEGMENT_COUNTERS, strict=True):
+            family.add_metric(labels, p.counters[key])
+    yield from (limit, source, running, waiting, queue, fallback, discovered)
+    yield from (observed, age, expiry)
+    yield from counters
+
+    handlers = _gauge(
+        "handler_processes", "Live handler processes attached, by generation", ("generation",)
+    )
+    live: dict[str, int] = {}
+    for m in view.members:
+        if m.alive:
+            live[m.generation] = live.get(m.generation, 0) + 1
+    for generation, count in sorted(live.items()):
+        handlers.add_metric([generation], count)
+    yield handlers
+
+    recoveries = CounterMetricFamily(
+        f"{NAMESPACE}_lock_recoveries",
+        "Times a process died holding the segment lock and the next holder repaired the "
+        "counters from the holder records (R-A6), since the segment was created",
+    )
+    recoveries.add_metric([], view.lock_repairs)
+    yield recoveries
+
+    config_ok = GaugeMetricFamily(
+        f"{NAMESPACE}_config_last_reload_successful",
+        "1 when the sidecar runs on the config file as it is now, 0 when a broken edit "
+        "was ignored and the last good config is kept",
+    )
+    config_ok.add_metric([], 1.0 if view.config_status in ("", "ok") else 0.0)
+    yield config_ok
+
+    s = view.sidecar
+    if s is not None and s.heartbeat_age_s is not None:
         heartbeat = GaugeMetricFamily(
-            "gateway_capacity_sidecar_heartbeat_age_seconds", "Seconds since the last heartbeat"
+            f"{NAMESPACE}_sidecar_heartbeat_age_seconds",
+            "Seconds since the sidecar's last heartbeat in the segment (every 0.5 s)",
         )
-        if view.sidecar is not None and view.sidecar.heartbeat_age_s is not None:
-            heartbeat.add_metric([], view.sidecar.heartbeat_age_s)
+        heartbeat.add_metric([], max(0.0, s.heartbeat_age_s))
         yield heartbeat
+        legacy = GaugeMetricFamily(
+            f"{NAMESPACE}_legacy_processes",
+            "Legacy handler processes (--await-legacy) still alive: while above 0, "
+            "opted-in providers drain",
+        )
+        legacy.add_metric([], s.legacy_alive)
+        yield legacy
 
 
-def serve_metrics(host: str, port: int, segment: str) -> Any:
-    """Start the metrics HTTP server in a thread; returns the server (``.shutdown()``)."""
-    registry = CollectorRegistry(auto_describe=False)
+def build_registry(segment: str, sidecar: SidecarMetrics) -> CollectorRegistry:
+    """The sidecar's figures, the segment's and the process's, in one registry."""
+    registry = sidecar.registry
     registry.register(SegmentCollector(segment))
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    ProcessCollector(registry=registry)
+    return registry
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _app(
+    registry: CollectorRegistry, health: Callable[[], tuple[bool, str]]
+) -> Callable[..., Iterable[bytes]]:
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        method = environ.get("REQUEST_METHOD", "GET")
+        if path not in ("/metrics", "/healthz"):
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found: metrics are on /metrics, health on /healthz\n"]
+        if method not in ("GET", "HEAD"):
+            start_response(
+                "405 Method Not Allowed",
+                [("Allow", "GET, HEAD"), ("Content-Type", "text/plain; charset=utf-8")],
+            )
+            return [b"method not allowed: use GET\n"]
+        if path == "/metrics":
+            if method == "HEAD":
+                environ = {**environ, "REQUEST_METHOD": "GET"}
+            body: Iterable[bytes] = metrics_app(environ, start_response)
+            return [] if method == "HEAD" else body
+        ok, text = health()
+        start_response(
+            "200 OK" if ok else "503 Service Unavailable",
+            [("Content-Type", "text/plain; charset=utf-8"), ("Cache-Control", "no-store")],
+        )
+        return [] if method == "HEAD" else [text.encode() + b"\n"]
+
+    return app
+
+
+def serve_metrics(host: str, port: int, segment: str, sidecar: SidecarMetrics) -> Any:
+    """Serve ``/metrics`` and ``/healthz`` from a thread; returns the server.
+
+    ``.server_address`` says the bound address; ``.shutdown()`` then
+    ``.server_close()`` stop it. Raises ``OSError`` when it cannot listen.
+    """
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    registry = build_registry(segment, sidecar)
+    server = make_server(
+        str(sockaddr[0]), port, _app(registry, sidecar.health), Server, handler_class=_Quiet
+    )
+    thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
+    thread.start()
     return server

@@ -3,27 +3,60 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import psutil
 
+EXE = str(Path(sys.executable).with_name("gateway-capacity"))
+ROOT = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-def _run_demo() -> dict[str, object]:
-    exe = Path(sys.executable).with_name("gateway-capacity")
+
+def _run_demo(*extra: str) -> dict[str, object]:
     out = subprocess.run(
-        [str(exe), "demo", "--fast", "--json"], capture_output=True, text=True, timeout=120
+        [EXE, "demo", "--fast", "--json", *extra], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
     assert "advertised 20  limit 20 (discovered)" in out.stderr  # shown live
+    picture = summary["picture"]
+    assert isinstance(picture, str), summary
+    assert f"picture: {picture} (limit, advertised, running and waiting" in out.stderr
     return summary
 
 
-def test_demo_shows_20_then_10_then_20_and_leaves_nothing_behind_twice_in_a_row() -> None:
-    for _ in range(2):  # works when run twice in a row
-        summary = _run_demo()
+def _check_png(path: Path) -> None:
+    """A real PNG of a real size, outside the repository."""
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC), path
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (1100, 550), (width, height)
+    assert len(data) > 20_000  # lines and text, not an empty canvas
+    assert ROOT not in path.resolve().parents
+
+
+def test_demo_shows_20_then_10_then_20_and_leaves_nothing_behind_twice_in_a_row(
+    tmp_path: Path,
+) -> None:
+    for run in range(2):  # works when run twice in a row
+        chosen = tmp_path / "demo.png"
+        summary = _run_demo(*(["--png", str(chosen)] if run else []))
+        picture = Path(str(summary["picture"]))
+        try:
+            _check_png(picture)
+            if run:
+                assert picture == chosen
+            else:  # default: a new file in the temporary directory
+                assert picture.parent == Path(tempfile.gettempdir())
+                assert picture.name.startswith("gateway-capacity-demo-")
+        finally:
+            picture.unlink(missing_ok=True)
         assert summary["ok"] is True, summary["problems"]
         phases = summary["phases"]
         assert isinstance(phases, list)
@@ -46,6 +79,79 @@ def test_demo_shows_20_then_10_then_20_and_leaves_nothing_behind_twice_in_a_row(
         assert segment.startswith("gwcap1-")
         if Path("/dev/shm").is_dir():  # the segment and every semaphore of it are gone
             assert not [p for p in Path("/dev/shm").iterdir() if segment in p.name]
+    assert not [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "gateway_capacity" in " ".join(p.cmdline())
+    ]
+
+
+def test_without_matplotlib_the_demo_says_so_instead_of_failing() -> None:
+    """The picture step, run where ``import matplotlib`` fails as on a machine without it
+    (``sys.modules[name] = None`` makes Python refuse the import)."""
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from gateway_capacity.demo import Phase, Sample, draw_picture\n"
+        "ph = Phase('two workers', None, 20, 1.0)\n"
+        "ph.samples.append(Sample(0.1, ph.name, 20, 20, 'discovered', 3, 0))\n"
+        "print(draw_picture([ph], None))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (
+        '(None, "picture: not drawn: matplotlib is not installed (pip install '
+        "'gateway-capacity[plot]'; make demo installs it)\")"
+    )
+
+
+def test_a_segment_that_cannot_be_read_ends_the_demo_with_the_reason_not_silence() -> None:
+    """Remove the demo's segment under it (as ``inspect --unlink --force`` would, by mistake):
+    the demo says why and exits 1 within seconds, without a traceback, and cleans up."""
+    proc = subprocess.Popen(
+        [EXE, "demo", "--fast", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    lines: list[str] = []
+    segment = None
+    try:
+        while not any("advertised 20  limit 20" in x for x in lines):
+            line = proc.stderr.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+            if segment is None and " segment /" in line:
+                segment = line.rsplit(" segment ", 1)[1].strip()
+        assert segment is not None, lines
+        removed = subprocess.run(
+            [EXE, "inspect", "--unlink", "--force", "--segment", segment],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert removed.returncode == 0, removed.stderr
+        gone_at = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - gone_at
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=30)
+    err = "".join(lines) + err
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err + out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["ok"] is False
+    problem = summary["problems"][0]
+    assert problem.startswith(f"cannot read the segment {segment}: ") or problem.startswith(
+        "the sidecar exited with status 1: "
+    ), summary["problems"]
+    assert f"PROBLEM: {problem}" in err
+    assert took < 30, took  # said so, not waited out a phase (30 s) in silence
+    if summary.get("picture"):
+        os.unlink(summary["picture"])
+    assert summary["cleaned_up"] is True
     assert not [
         p
         for p in psutil.Process().children(recursive=True)

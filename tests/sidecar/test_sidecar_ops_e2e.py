@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,6 @@ from typing import Any
 import httpx
 import pytest
 from capacity_server import CapacityServer
-from prometheus_client.parser import text_string_to_metric_families
 from sidecar_e2e import EXE, SidecarProc, clean_env, cli_json, discovered, wait_provider
 
 Entry = Callable[..., dict[str, Any]]
@@ -31,55 +28,6 @@ def _scrape(url: str) -> str | None:
     except httpx.HTTPError:
         return None
     return resp.text if resp.status_code == 200 else None
-
-
-def test_metrics_listen_serves_prometheus_metrics_labelled_by_provider(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Entry,
-    key: str,
-    start_sidecar: StartSidecar,
-    agents: Callable[..., Any],
-) -> None:
-    config = write_config(
-        {"maxConcurrent": 8, "providers": [entry(capacity), {"id": "static", "maxConcurrent": 3}]}
-    )
-    sidecar = start_sidecar(config, segment_name, "--metrics-listen", "127.0.0.1:0")
-    wait_provider(segment_name, "p1", discovered(20))
-    holder = agents("--segment", segment_name, "--provider", "p1", "hold")
-    holder.expect("admitted")
-
-    # port 0: the kernel picks one, the log says which
-    found = re.search(r"metrics on (http://127\.0\.0\.1:(\d+)/metrics)", sidecar.log_text())
-    assert found and int(found.group(2)) > 0, sidecar.log_text()
-    url = found.group(1)
-    deadline = time.monotonic() + 10
-    text = _scrape(url)
-    while text is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-        text = _scrape(url)
-    assert text is not None, "no /metrics answer"
-    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-
-    def value(name: str, **labels: str) -> float:
-        return samples[(f"gateway_capacity_{name}", tuple(sorted(labels.items())))]
-
-    assert value("effective_limit", provider="p1") == 20
-    assert value("effective_limit", provider="static") == 3
-    assert value("running", provider="p1") == 1
-    assert value("waiting", provider="p1") == 0
-    assert value("fallback_limit", provider="p1") == 8
-    assert value("discovered", provider="p1") == 20
-    assert value("limit_source", provider="p1", source="discovered") == 1
-    assert value("limit_source", provider="static", source="provider") == 1
-    assert value("admitted_total", provider="p1") == 1
-    assert value("expires_at", provider="p1") > time.time()
-    assert 0 <= samples[("gateway_capacity_sidecar_heartbeat_age_seconds", ())] < 10
-    assert key not in text
 
 
 @pytest.mark.parametrize("listen", ["busy", "127.0.0.1:notaport", "127.0.0.1"])
