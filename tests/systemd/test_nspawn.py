@@ -373,8 +373,8 @@ def test_reload_rereads_the_config_without_a_restart(box: Box) -> None:
 def test_watchdog_kills_a_stopped_sidecar_and_systemd_restarts_it(box: Box) -> None:
     before = box.show(UNIT, "MainPID", "NRestarts")
     box.run(f"systemctl kill -s STOP --kill-who=main {UNIT}")
-    # WatchdogSec=20s, then SIGABRT (pending on a stopped process) and SIGKILL after
-    # TimeoutStopSec=15s, then RestartSec=5s: about 40 s.
+    # WatchdogSec=20s, then SIGABRT, which systemd follows with SIGCONT so that a
+    # stopped process gets it, then RestartSec=5s: measured about 25 s here.
     box.wait(
         "restarted",
         lambda: (
@@ -394,7 +394,45 @@ def test_systemd_analyze_security_inside_is_at_most_2_0(box: Box) -> None:
     out = box.run(f"systemd-analyze security --no-pager {UNIT}", check=False).stdout
     score = re.search(r"Overall exposure level for \S+: (\d+\.\d)", out)
     assert score, out
+    print(f"systemd-analyze security inside: {score.group(1)}")
     assert float(score.group(1)) <= 2.0, out
+
+
+def test_under_protect_proc_invisible_a_hidden_legacy_process_is_still_awaited(
+    box: Box,
+) -> None:
+    """A drop-in with ProtectProc=invisible (against the unit's advice): the
+    legacy gateway, a root process, vanishes from the sidecar's /proc. The
+    sidecar says so and keeps draining until that process really exits."""
+    name = "hidden"
+    unit = f"gateway-capacity-sidecar@{name}.service"
+    config = f"/etc/gateway-capacity/{name}.json"
+    box.run(f"cp -p {CONFIG} {config}")
+    box.run(f"cp -a /etc/gateway-capacity/keys/{NAME} /etc/gateway-capacity/keys/{name}")
+    box.run("systemd-run --unit=legacy-hidden sleep 600")
+    pid = box.show("legacy-hidden.service", "MainPID")["MainPID"]
+    box.put(f"/etc/gateway-capacity/{name}.env", f'GATEWAY_CAPACITY_ARGS="--await-legacy {pid}"\n')
+    box.put(f"/etc/systemd/system/{unit}.d/protect-proc.conf", "[Service]\nProtectProc=invisible\n")
+    box.run("systemctl daemon-reload")
+    box.run(f"systemctl start {unit}")
+    try:
+        out = box.run(f"{EXE} availability --config {config} --json").stdout
+        p = next(p for p in json.loads(out)["providers"] if p["id"] == "local-inference")
+        assert p["source"] == "legacy_drain", p
+        journal = box.run(f"journalctl -u {unit} --no-pager -o cat").stdout
+        assert "hidepid=invisible" in journal and "does not show it" in journal, journal
+        box.run("systemctl stop legacy-hidden.service")
+
+        def drained() -> bool:
+            out = box.run(f"{EXE} availability --config {config} --json").stdout
+            return any(
+                p["id"] == "local-inference" and p["source"] == "discovered"
+                for p in json.loads(out)["providers"]
+            )
+
+        box.wait("drain over once the hidden process exited", drained, 30)
+    finally:
+        box.run(f"systemctl stop {unit}", check=False)
 
 
 def test_a_missing_key_directory_fails_the_start_at_once(box: Box) -> None:
