@@ -174,9 +174,9 @@ _warned: set[tuple[str, int, int]] = set()
 def _warn_group_access(path: str, st: os.stat_result) -> None:
     """R-P7: a group-readable key is warned about, once per file and mode.
 
-    Not refused: sharing the key with the gateway's group (0640), or systemd's
-    credential ACLs that show as 0440, are legitimate set-ups. Access for all
-    users is refused above.
+    Not refused: sharing the key with the gateway's group (0640) is a
+    legitimate set-up. Access for all users is refused above; systemd's own
+    copies in ``$CREDENTIALS_DIRECTORY`` are never warned about.
     """
     mark = (path, st.st_ino, stat.S_IMODE(st.st_mode))
     if mark in _warned:
