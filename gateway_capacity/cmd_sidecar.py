@@ -69,11 +69,12 @@ def run(args: argparse.Namespace) -> int:
             MAX_REFRESH_S,
         )
         return 2
-    if not 0 <= args.await_legacy_grace <= 60:  # also refuses nan; the unit's start timeout
+    if not 0 <= args.await_legacy_grace <= 25:  # also refuses nan
         import logging
 
         logging.getLogger("gateway_capacity.sidecar").error(
-            "--await-legacy-grace must be between 0 and 60 seconds (TimeoutStartSec= is 30 s)"
+            "--await-legacy-grace must be between 0 and 25 seconds: the sidecar is not ready "
+            "while it waits, and the systemd unit allows 30 s to start (TimeoutStartSec=)"
         )
         return 2
     return main(

@@ -760,6 +760,9 @@ def main(options: Options) -> int:
     from shm_layout.names import BadSegmentName
     from shm_layout.segment import SegmentError
 
+    # Until run() installs the reload handler, a SIGHUP (systemctl kill -s HUP) must
+    # not end the sidecar: systemd counts death by SIGHUP as a clean exit.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         sidecar = Sidecar(options)
     except (StartupError, SegmentError, BadSegmentName) as exc:

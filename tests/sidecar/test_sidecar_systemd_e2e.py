@@ -222,3 +222,38 @@ def test_r_g3_a_legacy_pid_that_proc_hides_is_awaited_not_taken_for_exited(
         except subprocess.TimeoutExpired:
             sidecar.kill()
             sidecar.wait()
+
+
+def test_sighup_while_waiting_for_the_legacy_pidfile_does_not_kill_the_sidecar(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    start_sidecar: StartSidecar,
+    tmp_path: Path,
+) -> None:
+    config = write_config({"providers": [{"id": "p", "maxConcurrent": 3}]})
+    pidfile = tmp_path / "legacy.pid"
+    sidecar = start_sidecar(
+        config, segment_name, "--await-legacy", str(pidfile), "--await-legacy-grace", "20"
+    )
+    _wait_log(sidecar, "does not exist yet")  # still starting up: no reload handler yet
+    sidecar.signal(signal.SIGHUP)
+    pidfile.write_text("999999999\n")  # names no process: the upgrade is over
+    wait_provider(segment_name, "p", lambda p: p["effective_limit"] == 3)
+    assert sidecar.poll() is None, sidecar.log_text()
+
+
+@pytest.mark.parametrize("grace", ["-1", "26", "nan"])
+def test_an_await_legacy_grace_beyond_the_start_timeout_is_refused(
+    grace: str, segment_name: str, write_config: Callable[..., Path]
+) -> None:
+    config = write_config({"providers": [{"id": "p"}]})
+    argv = [EXE, "sidecar", "--config", str(config), "--segment", segment_name]
+    out = subprocess.run(
+        [*argv, "--await-legacy-grace", grace],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+    )
+    assert out.returncode == 2
+    assert "--await-legacy-grace must be" in out.stderr and "Traceback" not in out.stderr
