@@ -275,6 +275,7 @@ class Sidecar:
         self._watchdog = sdnotify.Watchdog.from_env()
         self._warned: set[str] = set()
         self._status_sent = ""
+        self._ready = False  # STATUS= goes out only after READY=1
 
     # --- life cycle ---------------------------------------------------------------------
     async def run(self) -> int:
@@ -308,6 +309,8 @@ class Sidecar:
         self._apply_config(self.config)
         self._publish()
         sdnotify.ready()
+        self._ready = True
+        self._send_status()
         housekeeping = asyncio.create_task(self._housekeeping())
         await self.stop.wait()
         housekeeping.cancel()
@@ -545,6 +548,8 @@ class Sidecar:
     def _send_status(self) -> None:
         """``STATUS=`` for ``systemctl status``: the limit in force per provider,
         sent when it changes (a no-op outside systemd)."""
+        if not self._ready:
+            return
         text = status_line(
             [s.decision for s in self.providers.values()], self.config_status, len(self.legacy)
         )
