@@ -51,21 +51,25 @@ class Box:
         self.log_path = log_path
         self.name = "gwcap-" + secrets.token_hex(4)
         self._mounted_nspawn_dir = False
+        self._made_nspawn_dir = False
         self.proc: subprocess.Popen[bytes] | None = None
         self.pid1 = 0
 
     # --- life cycle ---------------------------------------------------------------------
     def boot(self, timeout: float = 120.0) -> None:
-        if not NSPAWN_DIR.is_dir() or not os.path.ismount(NSPAWN_DIR):
-            # nspawn keeps its propagation directories here; on a host that was not
-            # booted by systemd it is missing, and /run may not take new directories.
-            NSPAWN_DIR.mkdir(parents=True, exist_ok=True)
-            subprocess.run(
+        if not NSPAWN_DIR.exists():
+            # nspawn keeps its mount propagation directories here; on a host that was
+            # not booted by systemd it is missing. Both are undone by close().
+            NSPAWN_DIR.mkdir(parents=True)
+            self._made_nspawn_dir = True
+            mount = subprocess.run(
                 ["mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", str(NSPAWN_DIR)],
-                check=True,
                 capture_output=True,
+                text=True,
                 timeout=30,
             )
+            if mount.returncode != 0:
+                raise BoxError(f"cannot mount a tmpfs on {NSPAWN_DIR}: {mount.stderr.strip()}")
             self._mounted_nspawn_dir = True
         env = dict(os.environ, SYSTEMD_NSPAWN_UNIFIED_HIERARCHY="0")  # cgroup v1 host
         argv = [
@@ -135,6 +139,10 @@ class Box:
         if self._mounted_nspawn_dir:
             subprocess.run(["umount", str(NSPAWN_DIR)], capture_output=True, timeout=30)
             self._mounted_nspawn_dir = False
+        if self._made_nspawn_dir:
+            with contextlib.suppress(OSError):
+                NSPAWN_DIR.rmdir()
+            self._made_nspawn_dir = False
 
     # --- inside -------------------------------------------------------------------------
     def run(
