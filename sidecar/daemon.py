@@ -197,8 +197,7 @@ def proc_hides_other_users(mountinfo: str = "/proc/self/mountinfo") -> str | Non
 
     systemd's ``ProtectProc=invisible|noaccess|ptraceable`` and a manual
     ``mount -o hidepid=...`` both show as a ``hidepid=`` super option of the
-    /proc mount; root (CAP_SYS_PTRACE) sees through it. ``subset=pid``
-    (``ProcSubset=pid``) hides /proc/stat, from which psutil takes boot time.
+    /proc mount; root (CAP_SYS_PTRACE) sees through it.
     """
     try:
         with open(mountinfo, encoding="utf-8", errors="replace") as f:
@@ -213,10 +212,9 @@ def proc_hides_other_users(mountinfo: str = "/proc/self/mountinfo") -> str | Non
     hidden = [
         o for o in options if o.startswith("hidepid=") and o not in ("hidepid=0", "hidepid=off")
     ]
-    hidden += [o for o in options if o == "subset=pid"]
     if not hidden or os.geteuid() == 0:
         return None
-    return "/proc is mounted with " + ",".join(hidden) + " (ProtectProc=/ProcSubset=?)"
+    return f"/proc is mounted with {hidden[-1]} (ProtectProc=?)"
 
 
 def _legacy_label(spec: str, pid: int) -> str:
@@ -340,10 +338,13 @@ class Sidecar:
     def _on_reload(self) -> None:
         log.info("received SIGHUP: re-reading the config %s", self.opts.config_path)
         self.config_stamp = (-1, -1, -1, -1)  # re-read even if the file looks unchanged
+        generation = self.generation
         try:
             self._check_config()
         except Exception:  # a reload must never take the sidecar down
             self._log_unexpected("reload")
+        if self.generation == generation and self.config_status == "ok":
+            log.info("config unchanged")
 
     def _retire(self, exc: writer.Superseded) -> None:
         if not self.retired:

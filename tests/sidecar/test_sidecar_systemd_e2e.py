@@ -43,6 +43,7 @@ def test_sighup_rereads_the_config_and_never_kills_the_sidecar(
     wait_provider(segment_name, "p", lambda p: p["effective_limit"] == 3)
     sidecar.signal(signal.SIGHUP)  # nothing changed: still alive, nothing redone
     _wait_log(sidecar, "received SIGHUP")
+    _wait_log(sidecar, "config unchanged")
     write_config({"maxConcurrent": 8, "providers": [{"id": "p", "maxConcurrent": 5}]})
     sidecar.signal(signal.SIGHUP)
     wait_provider(segment_name, "p", lambda p: p["effective_limit"] == 5, what="reloaded")
