@@ -4,7 +4,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo lint bench clean schemas
+# `make install`: an operator install, the program and its runtime
+# dependencies only (no test or lint extras) in a venv of its own, where the
+# systemd unit's ExecStart= expects it (docs/systemd.md).
+PREFIX ?= /opt/gateway-capacity
+
+.PHONY: test demo lint bench clean schemas install
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +35,14 @@ schemas: $(STAMP)
 bench: $(STAMP)
 	./scripts/ensure-tools --bench
 	$(PY) bench/run.py
+
+install:
+	test -x $(PREFIX)/bin/python || $(PYTHON) -m venv $(PREFIX)
+	$(PREFIX)/bin/python -m pip install --quiet --upgrade .
+	install -D -m 0644 docs/systemd.md $(PREFIX)/share/doc/gateway-capacity/systemd.md
+	install -D -m 0644 systemd/gateway-capacity-sidecar@.service \
+		$(PREFIX)/share/gateway-capacity/systemd/gateway-capacity-sidecar@.service
+	@echo "installed: $(PREFIX)/bin/gateway-capacity"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -31,6 +31,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "new until it exits (repeatable)",
     )
     p.add_argument(
+        "--await-legacy-grace",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="how long a --await-legacy pidfile may take to appear before start-up fails "
+        "(default 10)",
+    )
+    p.add_argument(
         "--parent-pid", type=int, metavar="PID", help="exit when this process exits (macOS child)"
     )
     p.add_argument(
@@ -63,12 +71,21 @@ def run(args: argparse.Namespace) -> int:
             MAX_REFRESH_S,
         )
         return 2
+    if not 0 <= args.await_legacy_grace <= 25:  # also refuses nan
+        import logging
+
+        logging.getLogger("gateway_capacity.sidecar").error(
+            "--await-legacy-grace must be between 0 and 25 seconds: the sidecar is not ready "
+            "while it waits, and the systemd unit allows 30 s to start (TimeoutStartSec=)"
+        )
+        return 2
     return main(
         Options(
             config_path=args.config,
             refresh_s=args.refresh,
             segment=args.segment,
             await_legacy=args.await_legacy,
+            await_legacy_grace_s=args.await_legacy_grace,
             parent_pid=args.parent_pid,
             group_shared=args.group_shared,
             tailscale_socket=args.tailscale_socket,

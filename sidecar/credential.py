@@ -99,6 +99,7 @@ def credential_path(spec: str, credentials_directory: str | None = None) -> str:
 def read_credential(spec: str, *, credentials_directory: str | None = None) -> Secret:
     """Read and check the key ``spec`` names; raise :class:`CredentialError` saying why not."""
     path = credential_path(spec, credentials_directory)
+    systemd_copy = _is_systemd_credential(path, credentials_directory)
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
         fd = os.open(path, flags)
@@ -113,11 +114,17 @@ def read_credential(spec: str, *, credentials_directory: str | None = None) -> S
         if not stat.S_ISREG(st.st_mode):
             raise CredentialError(f"credential file {path} is not a regular file")
         if st.st_mode & 0o007:
+            # systemd made that copy: chmod on it is no fix, the source is.
+            fix = (
+                "check the LoadCredential= source and the unit"
+                if systemd_copy
+                else f"run: chmod 600 {path}"
+            )
             raise CredentialError(
                 f"credential file {path} is accessible by all users "
-                f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}"
+                f"(mode {stat.S_IMODE(st.st_mode):04o}); {fix}"
             )
-        if st.st_mode & 0o070:
+        if st.st_mode & 0o070 and not systemd_copy:
             _warn_group_access(path, st)
         if st.st_size > MAX_KEY_FILE_BYTES:
             raise CredentialError(
@@ -143,15 +150,33 @@ def read_credential(spec: str, *, credentials_directory: str | None = None) -> S
     return Secret(key.decode("ascii"))
 
 
+def _is_systemd_credential(path: str, credentials_directory: str | None) -> bool:
+    """Is ``path`` a file in ``$CREDENTIALS_DIRECTORY``?
+
+    systemd makes those copies itself, on a read-only file system private to
+    the service, with a mode of its own choosing (0400, or 0440 where it grants
+    access through the group or ACLs): the operator cannot chmod them, and no
+    other user of the host can read them, so their group bits are not a finding.
+    """
+    directory = (
+        credentials_directory
+        if credentials_directory is not None
+        else os.environ.get("CREDENTIALS_DIRECTORY")
+    )
+    if not directory:
+        return False
+    return os.path.dirname(os.path.normpath(path)) == os.path.normpath(directory)
+
+
 _warned: set[tuple[str, int, int]] = set()
 
 
 def _warn_group_access(path: str, st: os.stat_result) -> None:
     """R-P7: a group-readable key is warned about, once per file and mode.
 
-    Not refused: sharing the key with the gateway's group (0640), or systemd's
-    credential ACLs that show as 0440, are legitimate set-ups. Access for all
-    users is refused above.
+    Not refused: sharing the key with the gateway's group (0640) is a
+    legitimate set-up. Access for all users is refused above; systemd's own
+    copies in ``$CREDENTIALS_DIRECTORY`` are never warned about.
     """
     mark = (path, st.st_ino, stat.S_IMODE(st.st_mode))
     if mark in _warned:

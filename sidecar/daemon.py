@@ -62,6 +62,7 @@ class Options:
     refresh_s: float = 15.0
     segment: str | None = None
     await_legacy: Sequence[str] = ()
+    await_legacy_grace_s: float = 10.0
     parent_pid: int | None = None
     group_shared: bool = False
     tailscale_socket: str | None = None
@@ -91,13 +92,21 @@ class StartupError(Exception):
     """Exit 2: the sidecar cannot start (config unreadable, bad option)."""
 
 
-def parse_legacy(specs: Sequence[str]) -> list[_Legacy]:
+def parse_legacy(
+    specs: Sequence[str], grace_s: float = 0.0, proc_hides: str | None = None
+) -> list[_Legacy]:
     """``--await-legacy PID|PIDFILE``: the processes to wait for, by pid and start time.
 
-    A pidfile that is gone, or names a process started after the file was last
-    written (its pid was reused), means the legacy process has already exited:
-    a sidecar restarted after the upgrade must not refuse to start, nor wait
-    for an unrelated process.
+    A pidfile that names a process no longer running, or one started after the
+    file was last written (its pid was reused), means the legacy process has
+    already exited: a sidecar restarted after the upgrade must not wait for an
+    unrelated process. A pidfile *path* that does not exist is a typo until
+    proven otherwise: it must appear within ``grace_s`` seconds, or start-up
+    fails (a drain that silently drains nothing is worse than no start).
+
+    ``proc_hides`` (see :func:`proc_hides_other_users`) says that /proc hides
+    other users' processes: a pid that ``kill(pid, 0)`` finds but /proc does
+    not show is then awaited, never taken for exited.
     """
     out = []
     for spec in specs:
@@ -106,22 +115,37 @@ def parse_legacy(specs: Sequence[str]) -> list[_Legacy]:
             pid = int(spec)
         else:
             try:
-                with open(spec, encoding="ascii") as f:
-                    text = f.read().strip()
-                    written = os.fstat(f.fileno()).st_mtime
+                text, written = _read_pidfile(spec, grace_s)
             except FileNotFoundError:
-                log.info("legacy pidfile %s is gone: that process has exited", spec)
-                continue
+                raise StartupError(
+                    f"--await-legacy {spec}: no such pidfile (waited {grace_s:g}s; a typo? "
+                    "if the legacy process has already exited, remove --await-legacy)"
+                ) from None
             except (OSError, UnicodeDecodeError) as exc:
                 raise StartupError(f"--await-legacy {spec}: cannot read pidfile: {exc}") from None
             if not text.isdigit():
                 raise StartupError(f"--await-legacy {spec}: pidfile does not hold a pid")
             pid = int(text)
-        start = process_start(pid)
+        try:
+            start = process_start(pid)
+        except OSError:
+            start = None  # exists, but we may not read it: decided by kill() below
         if start is None:
-            log.info(
-                "legacy process %s is not running; not waiting for it", _legacy_label(spec, pid)
+            if not _exists(pid):
+                log.info(
+                    "legacy process %s is not running; not waiting for it",
+                    _legacy_label(spec, pid),
+                )
+                continue
+            # kill() finds it, /proc does not show it (or not its start time): it
+            # runs as another user behind hidepid / ProtectProc=invisible.
+            log.warning(
+                "legacy process %s exists but /proc does not show it%s: waiting for it, "
+                "and taking it for exited only when kill(pid, 0) no longer finds it",
+                _legacy_label(spec, pid),
+                f" ({proc_hides})" if proc_hides else "",
             )
+            out.append(_Legacy(spec, pid, _UNSEEN_START))
             continue
         if written is not None and _started_after(pid, written):
             log.info(
@@ -133,6 +157,64 @@ def parse_legacy(specs: Sequence[str]) -> list[_Legacy]:
             continue
         out.append(_Legacy(spec, pid, start))
     return out
+
+
+# The start time of a legacy process that /proc does not show: is_alive() then
+# answers from kill(pid, 0) alone (it never compares a start it cannot read).
+_UNSEEN_START = -1.0
+
+
+def _read_pidfile(path: str, grace_s: float) -> tuple[str, float]:
+    """The pidfile's text and mtime, waiting up to ``grace_s`` for it to appear."""
+    deadline = time.monotonic() + grace_s
+    announced = False
+    while True:
+        try:
+            with open(path, encoding="ascii") as f:
+                return f.read().strip(), os.fstat(f.fileno()).st_mtime
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                raise
+            if not announced:
+                announced = True
+                log.info("legacy pidfile %s does not exist yet: waiting up to %gs", path, grace_s)
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+def _exists(pid: int) -> bool:
+    """``kill(pid, 0)``: does any process (of any user) have this pid?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def proc_hides_other_users(mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """Why this process may not see other users' processes in /proc, or None.
+
+    systemd's ``ProtectProc=invisible|noaccess|ptraceable`` and a manual
+    ``mount -o hidepid=...`` both show as a ``hidepid=`` super option of the
+    /proc mount; root (CAP_SYS_PTRACE) sees through it.
+    """
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        return f"cannot read {mountinfo} ({exc.strerror or exc}) to check"
+    options: list[str] = []
+    for line in lines:  # the last /proc mount is the one on top
+        fields = line.split()
+        if len(fields) > 4 and fields[4] == "/proc" and " - proc " in line:
+            options = line.rsplit(" ", 1)[-1].split(",")
+    hidden = [
+        o for o in options if o.startswith("hidepid=") and o not in ("hidepid=0", "hidepid=off")
+    ]
+    if not hidden or os.geteuid() == 0:
+        return None
+    return f"/proc is mounted with {hidden[-1]} (ProtectProc=?)"
 
 
 def _legacy_label(spec: str, pid: int) -> str:
@@ -157,7 +239,16 @@ class Sidecar:
             raise StartupError(str(exc)) from None
         self.config_stamp = _stamp(options.config_path)
         self.config_status = "ok"
-        self.legacy = parse_legacy(options.await_legacy)
+        self.proc_hides = proc_hides_other_users()
+        if self.proc_hides:
+            log.warning(
+                "%s: processes of other users may be invisible here; one that kill(pid, 0) "
+                "still finds is taken for alive, never for exited",
+                self.proc_hides,
+            )
+        self.legacy = parse_legacy(
+            options.await_legacy, options.await_legacy_grace_s, self.proc_hides
+        )
         self.parent: tuple[int, float] | None = None
         if options.parent_pid is not None:
             parent_start = process_start(options.parent_pid)
@@ -182,12 +273,17 @@ class Sidecar:
         self.exit_code = 0
         self._watchdog = sdnotify.Watchdog.from_env()
         self._warned: set[str] = set()
+        self._status_sent = ""
+        self._ready = False  # STATUS= goes out only after READY=1
 
     # --- life cycle ---------------------------------------------------------------------
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        # systemctl reload (ExecReload= sends SIGHUP): re-read the config now. Without
+        # a handler SIGHUP would kill the sidecar, which systemd counts as a clean exit.
+        loop.add_signal_handler(signal.SIGHUP, self._on_reload)
         self.epoch = writer.take_epoch(
             self.seg,
             self.pid,
@@ -212,6 +308,8 @@ class Sidecar:
         self._apply_config(self.config)
         self._publish()
         sdnotify.ready()
+        self._ready = True
+        self._send_status()
         housekeeping = asyncio.create_task(self._housekeeping())
         await self.stop.wait()
         housekeeping.cancel()
@@ -238,6 +336,17 @@ class Sidecar:
         )
         sdnotify.stopping()
         self.stop.set()
+
+    def _on_reload(self) -> None:
+        log.info("received SIGHUP: re-reading the config %s", self.opts.config_path)
+        self.config_stamp = (-1, -1, -1, -1)  # re-read even if the file looks unchanged
+        generation = self.generation
+        try:
+            self._check_config()
+        except Exception:  # a reload must never take the sidecar down
+            self._log_unexpected("reload")
+        if self.generation == generation and self.config_status == "ok":
+            log.info("config unchanged")
 
     def _retire(self, exc: writer.Superseded) -> None:
         if not self.retired:
@@ -444,6 +553,18 @@ class Sidecar:
             if w not in self._warned:  # R-P9: once per sidecar run, not every publication
                 self._warned.add(w)
                 log.warning("%s", w)
+        self._send_status()
+
+    def _send_status(self) -> None:
+        """``STATUS=`` for ``systemctl status``: the limit in force per provider,
+        sent when it changes (a no-op outside systemd)."""
+        if not self._ready:
+            return
+        text = status_line(
+            [s.decision for s in self.providers.values()], self.config_status, len(self.legacy)
+        )
+        if text != self._status_sent and sdnotify.status(text):
+            self._status_sent = text
 
     def _log_decision(self, state: _ProviderState) -> None:
         d = state.decision
@@ -555,6 +676,19 @@ class Sidecar:
         log.info("metrics on http://%s:%d/metrics, health on /healthz", shown, bound_port)
 
 
+def status_line(
+    decisions: Sequence[LimitDecision | None], config_status: str = "ok", legacy: int = 0
+) -> str:
+    """E.g. ``local-inference=20 (discovered), static=4 (provider)``."""
+    parts = [f"{d.provider_id}={d.effective_limit} ({d.source})" for d in decisions if d]
+    text = ", ".join(parts) if parts else "no providers"
+    if legacy:
+        text += f"; waiting for {legacy} legacy process(es)"
+    if config_status != "ok":
+        text += f"; config: {config_status}"
+    return text
+
+
 def parse_listen(listen: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT``; an empty host is 127.0.0.1); ``StartupError`` if not."""
     host, sep, port = listen.rpartition(":")
@@ -622,6 +756,9 @@ def main(options: Options) -> int:
     from shm_layout.names import BadSegmentName
     from shm_layout.segment import SegmentError
 
+    # Until run() installs the reload handler, a SIGHUP (systemctl kill -s HUP) must
+    # not end the sidecar: systemd counts death by SIGHUP as a clean exit.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         sidecar = Sidecar(options)
     except (StartupError, SegmentError, BadSegmentName) as exc:

@@ -79,3 +79,23 @@ def agents() -> Iterator[Callable[..., Agent]]:
     yield start
     for agent in started:
         agent.kill()
+
+
+# Modules whose tests share one expensive module-scoped fixture (a booted
+# container): all their tests go to one xdist worker, in order. xdist's own
+# --dist loadgroup does not group under pytest 9 (it renames node ids, which
+# pytest 9 no longer reads back), so the scheduler is chosen here.
+ONE_WORKER_MODULES = ("tests/systemd/test_nspawn.py::",)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _Scheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            for prefix in ONE_WORKER_MODULES:
+                if nodeid.startswith(prefix):
+                    return prefix
+            return nodeid  # every other test is its own unit, as with --dist load
+
+    return _Scheduling(config, log)

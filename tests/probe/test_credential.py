@@ -160,3 +160,48 @@ def test_r_p7_secret_never_shows_the_key() -> None:
     assert secret.reveal() == KEY
     with pytest.raises(TypeError):
         pickle.dumps(secret)
+
+
+@pytest.mark.parametrize("mode", [0o440, 0o400, 0o640])
+@pytest.mark.parametrize("form", ["systemd-credential", "absolute-path"])
+def test_r_p7_a_systemd_credential_copy_is_not_told_to_chmod(
+    tmp_path: Path,
+    mode: int,
+    form: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """systemd makes the files in $CREDENTIALS_DIRECTORY itself, read-only and
+    private to the service: 'chmod 600' is advice the operator cannot follow."""
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    path = write_key(creds / "key_local-inference", KEY.encode(), mode)
+    spec = "systemd-credential:key_local-inference" if form == "systemd-credential" else path
+    caplog.set_level("DEBUG", logger="gateway_capacity.credential")
+    assert read_credential(spec).reveal() == KEY
+    assert [r.getMessage() for r in caplog.records if r.levelname != "DEBUG"] == []
+
+
+def test_r_p7_a_plain_file_beside_the_credentials_directory_is_still_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    creds = tmp_path / "credentials"
+    (creds / "sub").mkdir(parents=True)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    path = write_key(creds / "sub" / "k", KEY.encode(), 0o440)  # not systemd's own copy
+    caplog.set_level("WARNING")
+    assert read_credential(path).reveal() == KEY
+    assert "chmod 600" in caplog.text
+
+
+def test_r_p7_a_world_readable_systemd_credential_is_refused_without_chmod_advice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    write_key(creds / "key_p", KEY.encode(), 0o444)
+    with pytest.raises(CredentialError, match="all users") as info:
+        read_credential("systemd-credential:key_p")
+    assert "chmod" not in str(info.value) and "LoadCredential=" in str(info.value)

@@ -92,23 +92,6 @@ def test_r_g4_a_sidecar_whose_segment_was_removed_exits_1_instead_of_running_dar
         adm.close()
 
 
-def test_r_g3_a_pidfile_that_is_gone_means_the_legacy_process_has_exited(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Entry,
-    start_sidecar: StartSidecar,
-    tmp_path: Path,
-) -> None:
-    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
-    sidecar = start_sidecar(
-        config, segment_name, "--await-legacy", str(tmp_path / "old-handler.pid")
-    )
-    wait_provider(segment_name, "p1", discovered(20))  # no drain, and it did start
-    assert sidecar.poll() is None
-    assert "is gone: that process has exited" in sidecar.log_text()
-
-
 @pytest.mark.parametrize("refresh", ["0", "30", "inf", "nan", "-1"])
 def test_r_p9_a_refresh_the_expiry_cannot_follow_is_refused(
     refresh: str, segment_name: str, write_config: Callable[..., Path]

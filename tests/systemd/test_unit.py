@@ -211,3 +211,13 @@ def test_unit_runs_the_sidecar_for_the_instance_config_without_parent_pid() -> N
         "/etc/gateway-capacity/%i.json",
     ]
     assert "--parent-pid" not in argv
+
+
+def test_unit_reloads_by_sighup_and_does_not_loop_on_a_missing_key_directory() -> None:
+    """systemctl reload = SIGHUP, which the sidecar takes as "re-read the config";
+    exit 243 (CREDENTIALS: LoadCredential= cannot read the key directory) is not
+    restarted, so the start fails at once as docs/systemd.md says. Both are
+    exercised under a real systemd in test_nspawn.py."""
+    assert _values("ExecReload") == ["/bin/kill -HUP $MAINPID"]
+    (prevent,) = _values("RestartPreventExitStatus")
+    assert set(prevent.split()) == {"2", "243"}

@@ -1,0 +1,260 @@
+"""What the sidecar does for systemd, with real processes: SIGHUP re-reads the
+config (``systemctl reload``), ``STATUS=`` carries the limits, and the
+``--await-legacy`` drain neither stops on a pid that /proc hides nor starts
+on a pidfile path that does not exist (issue 11)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from capacity_server import CapacityServer
+from sidecar_e2e import EXE, SidecarProc, clean_env, discovered, wait_provider
+
+Entry = Callable[..., dict[str, Any]]
+StartSidecar = Callable[..., SidecarProc]
+
+
+def _wait_log(proc: SidecarProc, text: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in proc.log_text():
+        assert proc.poll() is None, f"sidecar exited {proc.poll()}:\n{proc.log_text()}"
+        assert time.monotonic() < deadline, f"{text!r} not logged:\n{proc.log_text()}"
+        time.sleep(0.05)
+
+
+def test_sighup_rereads_the_config_and_never_kills_the_sidecar(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    start_sidecar: StartSidecar,
+) -> None:
+    config = write_config({"maxConcurrent": 8, "providers": [{"id": "p", "maxConcurrent": 3}]})
+    sidecar = start_sidecar(config, segment_name)
+    wait_provider(segment_name, "p", lambda p: p["effective_limit"] == 3)
+    sidecar.signal(signal.SIGHUP)  # nothing changed: still alive, nothing redone
+    _wait_log(sidecar, "received SIGHUP")
+    _wait_log(sidecar, "config unchanged")
+    write_config({"maxConcurrent": 8, "providers": [{"id": "p", "maxConcurrent": 5}]})
+    sidecar.signal(signal.SIGHUP)
+    wait_provider(segment_name, "p", lambda p: p["effective_limit"] == 5, what="reloaded")
+    for _ in range(3):  # a burst of reloads
+        sidecar.signal(signal.SIGHUP)
+    time.sleep(0.5)
+    assert sidecar.poll() is None, sidecar.log_text()
+    assert sidecar.log_text().count("received SIGHUP") >= 2
+    assert "Traceback" not in sidecar.log_text()
+    sidecar.signal(signal.SIGTERM)
+    assert sidecar.wait(10) == 0
+
+
+@pytest.fixture
+def notify_socket() -> Iterator[tuple[str, socket.socket]]:
+    directory = tempfile.mkdtemp(prefix="sdn-", dir="/tmp")  # sun_path: 108 bytes
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        path = os.path.join(directory, "notify")
+        sock.bind(path)
+        yield path, sock
+    finally:
+        sock.close()
+        shutil.rmtree(directory)
+
+
+def _next_status(sock: socket.socket, wanted: str, seen: list[str], timeout: float = 10.0) -> str:
+    """Read datagrams until a STATUS= line containing ``wanted``; all are kept in ``seen``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            message = sock.recv(4096).decode()
+        except TimeoutError:
+            raise AssertionError(f"no STATUS= with {wanted!r} within {timeout}s: {seen}") from None
+        seen.append(message)
+        if message.startswith("STATUS=") and wanted in message:
+            return message
+
+
+def test_status_line_carries_each_providers_limit_and_follows_changes(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    capacity: CapacityServer,
+    entry: Entry,
+    start_sidecar: StartSidecar,
+    notify_socket: tuple[str, socket.socket],
+) -> None:
+    path, sock = notify_socket
+    config = write_config(
+        {"maxConcurrent": 8, "providers": [entry(capacity), {"id": "static", "maxConcurrent": 3}]}
+    )
+    sidecar = start_sidecar(config, segment_name, env=clean_env(NOTIFY_SOCKET=path))
+    seen: list[str] = []
+    status = _next_status(sock, "p1=20 (discovered)", seen)
+    assert status == "STATUS=p1=20 (discovered), static=3 (provider)"
+    assert "READY=1" in seen
+    capacity.set(models={"workhorse": 12})
+    assert _next_status(sock, "p1=12", seen) == "STATUS=p1=12 (discovered), static=3 (provider)"
+    # sent when it changes, not at every refresh (0.3 s here)
+    time.sleep(1.5)
+    sock.settimeout(0.01)
+    later = []
+    with pytest.raises(TimeoutError):
+        while True:
+            later.append(sock.recv(4096).decode())
+    assert [m for m in later if m.startswith("STATUS=")] == [], later
+    assert sidecar.poll() is None
+
+
+def test_r_g3_await_legacy_pidfile_that_never_appears_is_refused_at_start(
+    segment_name: str, write_config: Callable[..., Path], tmp_path: Path
+) -> None:
+    config = write_config({"providers": [{"id": "p"}]})
+    typo = tmp_path / "run" / "legacy-handlr.pid"
+    argv = [EXE, "sidecar", "--config", str(config), "--segment", segment_name]
+    argv += ["--await-legacy", str(typo), "--await-legacy-grace", "0.5"]
+    out = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+    )
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and f"--await-legacy {typo}: no such pidfile" in errors[0], out.stderr
+    assert "Traceback" not in out.stderr
+    assert "has exited" not in out.stderr
+
+
+def test_r_g3_await_legacy_pidfile_that_appears_within_the_grace_is_awaited(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    capacity: CapacityServer,
+    entry: Entry,
+    start_sidecar: StartSidecar,
+    tmp_path: Path,
+) -> None:
+    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
+    pidfile = tmp_path / "legacy.pid"
+    legacy = subprocess.Popen(["sleep", "60"])
+    try:
+        sidecar = start_sidecar(
+            config, segment_name, "--await-legacy", str(pidfile), "--await-legacy-grace", "20"
+        )
+        _wait_log(sidecar, "does not exist yet")
+        pidfile.write_text(f"{legacy.pid}\n")
+        p = wait_provider(segment_name, "p1", lambda p: p["source"] == "legacy_drain")
+        assert p["effective_limit"] == 0
+        legacy.kill()
+        legacy.wait()
+        wait_provider(segment_name, "p1", discovered(20), what="drain over")
+    finally:
+        legacy.kill()
+        legacy.wait()
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory another user can read (pytest's tmp_path is 0700 root)."""
+    directory = Path(tempfile.mkdtemp(prefix="gwcap-hidepid-"))
+    directory.chmod(0o755)
+    yield directory
+    shutil.rmtree(directory)
+
+
+NOBODY = 65534
+
+
+def test_r_g3_a_legacy_pid_that_proc_hides_is_awaited_not_taken_for_exited(
+    segment_name: str,
+    capacity: CapacityServer,
+    entry: Entry,
+    key: str,
+    shared_dir: Path,
+) -> None:
+    """The sidecar as an unprivileged user in a mount namespace whose /proc is
+    mounted hidepid=invisible (what ProtectProc=invisible does), awaiting a
+    root process it cannot see: the drain holds until that process exits."""
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"):
+        pytest.skip("needs root, unshare and setpriv to mount a hidepid /proc")
+    key_file = shared_dir / "p1.key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    os.chown(key_file, NOBODY, NOBODY)
+    config = shared_dir / "gateway.json"
+    doc = {"maxConcurrent": 8, "providers": [entry(capacity, credentialFile=str(key_file))]}
+    config.write_text(json.dumps(doc))
+    config.chmod(0o644)
+    legacy = subprocess.Popen(["sleep", "60"])  # root's: invisible to nobody under hidepid
+    log_path = shared_dir / "sidecar.log"
+    script = (
+        "mount -t proc -o hidepid=invisible proc /proc && "
+        f'exec setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups "$@"'
+    )
+    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
+    argv += [EXE, "sidecar", "--config", str(config), "--segment", segment_name]
+    argv += ["--refresh", "0.3", "--await-legacy", str(legacy.pid)]
+    with open(log_path, "wb") as err:
+        sidecar = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=err, env=clean_env())
+    try:
+        p = wait_provider(segment_name, "p1", lambda p: p["discovered"] == 20, timeout=20)
+        text = log_path.read_text()
+        assert p["source"] == "legacy_drain" and p["effective_limit"] == 0, text
+        assert "hidepid=invisible" in text and "does not show it" in text, text
+        assert "not running" not in text
+        legacy.kill()
+        legacy.wait()
+        wait_provider(segment_name, "p1", discovered(20), what="drain over")
+    finally:
+        legacy.kill()
+        legacy.wait()
+        sidecar.send_signal(signal.SIGTERM)
+        try:
+            sidecar.wait(10)
+        except subprocess.TimeoutExpired:
+            sidecar.kill()
+            sidecar.wait()
+
+
+def test_sighup_while_waiting_for_the_legacy_pidfile_does_not_kill_the_sidecar(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    start_sidecar: StartSidecar,
+    tmp_path: Path,
+) -> None:
+    config = write_config({"providers": [{"id": "p", "maxConcurrent": 3}]})
+    pidfile = tmp_path / "legacy.pid"
+    sidecar = start_sidecar(
+        config, segment_name, "--await-legacy", str(pidfile), "--await-legacy-grace", "20"
+    )
+    _wait_log(sidecar, "does not exist yet")  # still starting up: no reload handler yet
+    sidecar.signal(signal.SIGHUP)
+    pidfile.write_text("999999999\n")  # names no process: the upgrade is over
+    wait_provider(segment_name, "p", lambda p: p["effective_limit"] == 3)
+    assert sidecar.poll() is None, sidecar.log_text()
+
+
+@pytest.mark.parametrize("grace", ["-1", "26", "nan"])
+def test_an_await_legacy_grace_beyond_the_start_timeout_is_refused(
+    grace: str, segment_name: str, write_config: Callable[..., Path]
+) -> None:
+    config = write_config({"providers": [{"id": "p"}]})
+    argv = [EXE, "sidecar", "--config", str(config), "--segment", segment_name]
+    out = subprocess.run(
+        [*argv, "--await-legacy-grace", grace],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+    )
+    assert out.returncode == 2
+    assert "--await-legacy-grace must be" in out.stderr and "Traceback" not in out.stderr
