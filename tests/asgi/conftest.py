@@ -86,6 +86,7 @@ def start_server(tmp_path: Path, segment_name: str, asgi_config: Path) -> Iterat
                 "gunicorn",
                 "-k",
                 "uvicorn.workers.UvicornWorker",
+                "--no-control-socket",  # not the per-user ~/.gunicorn/gunicorn.ctl
                 "-w",
                 str(workers),
                 "--bind",
