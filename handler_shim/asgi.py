@@ -148,21 +148,24 @@ class AdmissionMiddleware:
             await asyncio.to_thread(adm.close)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
-        attached_here = False
+        attached_here = failed = False
 
         async def lifespan_receive() -> Message:
-            nonlocal attached_here
+            nonlocal attached_here, failed
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
                     await self.attach()
                     attached_here = True
                 except Exception as exc:
+                    failed = True
                     await send({"type": "lifespan.startup.failed", "message": _attach_error(exc)})
                     raise _StartupFailed from None
             return message
 
         async def lifespan_send(message: Message) -> None:
+            if failed:
+                return  # the failure is reported; an app that reports its own is not heard
             if message["type"] in (
                 "lifespan.startup.failed",
                 "lifespan.shutdown.complete",
