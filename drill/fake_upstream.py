@@ -7,7 +7,8 @@ Served by uvicorn on a listening socket the drill bound on loopback (``--fd``).
 - ``POST /v1/chat/completions`` (bearer = the key file): answers an SSE stream
   of ``max_tokens`` chunks, one every ``--chunk-s``, then ``data: [DONE]``. A
   request whose ``X-Request-Id`` starts with ``legacy`` is counted apart (the
-  legacy generation is not admitted). The in-flight count goes up when the
+  legacy generation is not admitted); a ``model`` other than ``--model``
+  is answered 404. The in-flight count goes up when the
   request arrives and down before the last byte is sent (or when the client
   goes away), so a gateway that has seen the end of the stream has already
   been counted out.
@@ -34,8 +35,9 @@ Scope = dict[str, Any]
 
 
 class Upstream:
-    def __init__(self, key: bytes, router: str, chunk_s: float) -> None:
+    def __init__(self, key: bytes, router: str, chunk_s: float, model: str) -> None:
         self.key = key
+        self.model = model
         self.router = router.rstrip("/")
         self.chunk_s = chunk_s
         self.inflight = {"admitted": 0, "legacy": 0}
@@ -107,6 +109,9 @@ class Upstream:
             if not message.get("more_body"):
                 break
         request: dict[str, Any] = json.loads(body)
+        if request.get("model") != self.model:  # the gateway maps its alias to the upstream id
+            await _json(send, 404, {"error": {"message": "unknown model", "type": "not_found"}})
+            return
         chunks = int(request.get("max_tokens", 5))
         kind = "legacy" if headers.get("x-request-id", b"").startswith(b"legacy") else "admitted"
         self._count(kind, +1)
@@ -184,10 +189,11 @@ def main() -> None:
     ap.add_argument("--key-file", required=True)
     ap.add_argument("--router", required=True)
     ap.add_argument("--chunk-s", type=float, default=0.2)
+    ap.add_argument("--model", default="workhorse", help="the only upstream model id served")
     args = ap.parse_args()
     with open(args.key_file, "rb") as f:
         key = f.read().strip()
-    app = Upstream(key, args.router, args.chunk_s)
+    app = Upstream(key, args.router, args.chunk_s, args.model)
     uvicorn.run(app, fd=args.fd, log_level="warning", lifespan="off", access_log=False)
 
 
