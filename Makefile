@@ -9,9 +9,9 @@ STAMP  := $(VENV)/.installed
 # systemd unit's ExecStart= expects it (docs/systemd.md).
 PREFIX ?= /opt/gateway-capacity
 
-.PHONY: test demo lint bench clean schemas install
+.PHONY: test demo lint bench drill clean schemas install
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py shm_layout/_core.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,lint,bench,plot]'
@@ -25,8 +25,13 @@ demo: $(STAMP)
 	$(VENV)/bin/gateway-capacity demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check sidecar shm_layout handler_shim capacity_router gateway_capacity tests
-	$(VENV)/bin/mypy sidecar shm_layout handler_shim capacity_router gateway_capacity
+	$(VENV)/bin/ruff check sidecar shm_layout handler_shim capacity_router gateway_capacity tests examples drill
+	$(VENV)/bin/mypy sidecar shm_layout handler_shim capacity_router gateway_capacity examples drill
+
+# The upgrade drill, long form (a few minutes): real gunicorn, sidecar, router; writes the plot
+# that docs/RELIABILITY.md shows. Its short form runs in `make test`.
+drill: $(STAMP)
+	$(PY) drill/upgrade_drill.py --plot docs/upgrade-drill.png
 
 # the JSON Schemas of availability/inspect --json, generated from gateway_capacity/schemas.py
 schemas: $(STAMP)

@@ -5,7 +5,11 @@ process and generation on this host (REQUIREMENTS.md section 6).
     adm = Admission.attach(config="gateway.json", generation="handler-2.0")
     async with adm.slot("local-inference", timeout=30.0):
         ...
+
+An ASGI app admits every HTTP request with ``handler_shim.asgi.AdmissionMiddleware``.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from handler_shim.admission import (
     Admission,
@@ -16,12 +20,25 @@ from handler_shim.admission import (
 )
 from shm_layout.segment import IncompatibleLayout, SegmentError
 
+if TYPE_CHECKING:
+    from handler_shim.asgi import AdmissionMiddleware
+
 __all__ = [
     "Admission",
     "AdmissionError",
+    "AdmissionMiddleware",
     "AdmissionTimeout",
     "IncompatibleLayout",
     "QueueFull",
     "SegmentError",
     "UnknownProvider",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The ASGI middleware is imported on first use: ``import handler_shim`` stays light.
+    if name == "AdmissionMiddleware":
+        from handler_shim.asgi import AdmissionMiddleware
+
+        return AdmissionMiddleware
+    raise AttributeError(f"module 'handler_shim' has no attribute {name!r}")

@@ -1,0 +1,136 @@
+"""Real ASGI servers (uvicorn, gunicorn with uvicorn workers) for the middleware tests.
+
+Each server gets a listening socket the test bound on 127.0.0.1 port 0 and
+passes as an inherited file descriptor (``--fd`` / ``--bind fd://N``): the
+port is known before the server starts and never raced for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # asgi_support
+
+from asgi_support import APP_DIR, Server, StartServer, attached_members, listening_socket
+from gwtest import wait_until
+
+
+@pytest.fixture
+def asgi_config(tmp_path: Path) -> Path:
+    """p1 with a static limit of 2 (no sidecar needed: the first worker creates the segment)."""
+    path = tmp_path / "gateway.json"
+    path.write_text(
+        json.dumps({"maxConcurrent": 4, "providers": [{"id": "p1", "maxConcurrent": 2}]})
+    )
+    return path
+
+
+@pytest.fixture
+def start_server(tmp_path: Path, segment_name: str, asgi_config: Path) -> Iterator[StartServer]:
+    servers: list[Server] = []
+
+    def start(
+        kind: str = "uvicorn",
+        *,
+        workers: int = 1,
+        preload: bool = False,
+        lifespan: str = "auto",
+        timeout: float = 30.0,
+        generation: str = "gen-A",
+        config: Path | None = asgi_config,
+        wait_attached: bool = True,
+    ) -> Server:
+        release_dir = tmp_path / f"release-{len(servers)}"
+        release_dir.mkdir()
+        log = tmp_path / f"server-{len(servers)}.log"
+        sock = listening_socket()
+        env = {
+            **os.environ,
+            "GWT_CONFIG": str(config) if config is not None else "",
+            "GWT_SEGMENT": segment_name,
+            "GWT_TIMEOUT": str(timeout),
+            "GWT_RELEASE_DIR": str(release_dir),
+            "PYTHONUNBUFFERED": "1",
+        }
+        pidfile = None
+        if kind == "uvicorn":
+            env["GWT_GENERATION"] = generation
+            args = [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "asgi_app:app",
+                "--app-dir",
+                str(APP_DIR),
+                "--fd",
+                str(sock.fileno()),
+                "--lifespan",
+                lifespan,
+                "--no-access-log",
+            ]
+        else:
+            pidfile = tmp_path / f"gunicorn-{len(servers)}.pid"
+            conf = tmp_path / f"gunicorn-{len(servers)}.conf.py"
+            conf.write_text(f"raw_env = [{f'GWT_GENERATION={generation}'!r}]\n")
+            args = [
+                sys.executable,
+                "-m",
+                "gunicorn",
+                "-k",
+                "uvicorn.workers.UvicornWorker",
+                "--no-control-socket",  # not the per-user ~/.gunicorn/gunicorn.ctl
+                "-w",
+                str(workers),
+                "--bind",
+                f"fd://{sock.fileno()}",
+                "--chdir",
+                str(APP_DIR),
+                "--pid",
+                str(pidfile),
+                "-c",
+                str(conf),
+                "--graceful-timeout",
+                "10",
+                *(["--preload"] if preload else []),
+                "asgi_app:app",
+            ]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                args,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
+                pass_fds=(sock.fileno(),),
+                cwd=str(tmp_path),
+            )
+        port = sock.getsockname()[1]
+        sock.close()
+        server = Server(proc, port, segment_name, release_dir, log, pidfile)
+        servers.append(server)
+        if wait_attached:
+            expected = workers
+            ok = wait_until(
+                lambda: attached_members(segment_name, generation) >= expected, timeout=30
+            )
+            assert ok, f"{kind} did not attach {expected} worker(s):\n{server.output()}"
+        return server
+
+    yield start
+    for server in servers:
+        server.release()
+        if server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()

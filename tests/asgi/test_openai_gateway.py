@@ -1,0 +1,175 @@
+"""examples/openai_gateway.py under real uvicorn, in front of a real loopback upstream."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from asgi_support import listening_socket
+from gwtest import ROOT, run_cli, wait_until
+
+
+class _Upstream(ThreadingHTTPServer):
+    daemon_threads = True
+    seen: list[dict[str, Any]]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Upstream
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.seen.append(
+            {
+                "path": self.path,
+                "headers": {k.lower(): v for k, v in self.headers.items()},
+                "body": body,
+            }
+        )
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        for i in range(3):
+            self.wfile.write(f"data: {json.dumps({'i': i})}\n\n".encode())
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture
+def upstream() -> Iterator[_Upstream]:
+    server = _Upstream(("127.0.0.1", 0), _Handler)
+    server.seen = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def gateway(
+    tmp_path: Path, upstream: _Upstream, key_file: Path, segment_name: str
+) -> Iterator[tuple[str, Path]]:
+    config = tmp_path / "gateway.json"
+    config.write_text(
+        json.dumps(
+            {
+                "providers": [
+                    {
+                        "id": "local-inference",
+                        "baseUrl": f"http://127.0.0.1:{upstream.server_address[1]}/v1",
+                        "credentialFile": str(key_file),
+                        "maxConcurrent": 2,
+                        "models": {"local-workhorse": "workhorse"},
+                    }
+                ]
+            }
+        )
+    )
+    sock = listening_socket()
+    log = tmp_path / "gateway.log"
+    env = {
+        **os.environ,
+        "GATEWAY_CONFIG": str(config),
+        "GATEWAY_CAPACITY_SEGMENT": segment_name,
+        "GATEWAY_GENERATION": "example-1",
+    }
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "openai_gateway:app",
+                "--app-dir",
+                str(ROOT / "examples"),
+                "--fd",
+                str(sock.fileno()),
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            pass_fds=(sock.fileno(),),
+        )
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        assert wait_until(up, timeout=30, every=0.1), log.read_text()
+        yield base, log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def _counters(segment: str) -> dict[str, int]:
+    doc = json.loads(run_cli("inspect", "--segment", segment, "--json").stdout)
+    provider = next(p for p in doc["providers"] if p["id"] == "local-inference")
+    return {**provider["counters"], "running": provider["running"]}
+
+
+def test_example_gateway_streams_with_the_providers_key_and_the_upstream_model_id(
+    gateway: tuple[str, Path], upstream: _Upstream, key: str, segment_name: str
+) -> None:
+    base, log = gateway
+    body = {"model": "local-workhorse", "stream": True, "messages": [{"role": "user"}]}
+    with httpx.stream(
+        "POST",
+        f"{base}/v1/chat/completions",
+        json=body,
+        headers={"x-request-id": "r-1"},
+        timeout=30,
+    ) as answer:
+        data = answer.read()
+    assert answer.status_code == 200
+    assert answer.headers["content-type"].startswith("text/event-stream")
+    assert data.endswith(b"data: [DONE]\n\n") and data.count(b"data: ") == 4
+    [seen] = upstream.seen
+    assert seen["path"] == "/v1/chat/completions"
+    assert seen["headers"]["authorization"] == f"Bearer {key}"  # the provider's credential
+    assert seen["headers"]["x-request-id"] == "r-1"
+    assert seen["body"]["model"] == "workhorse"  # alias mapped to the upstream id (R-C2)
+    models = httpx.get(f"{base}/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["local-workhorse"]
+    counters = _counters(segment_name)
+    assert counters["admitted_total"] == 1 and counters["running"] == 0  # /v1/models: no slot
+    assert key not in log.read_text()  # R-P7
+
+
+def test_example_gateway_refuses_unknown_models_and_reports_an_unreachable_provider(
+    gateway: tuple[str, Path], upstream: _Upstream, key: str, segment_name: str
+) -> None:
+    base, log = gateway
+    body = {"model": "gpt-nonexistent", "messages": []}
+    answer = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
+    assert answer.status_code == 404
+    assert answer.json()["error"]["code"] == "model_not_found"
+    assert upstream.seen == []
+    upstream.shutdown()
+    upstream.server_close()  # nothing listens there now
+    body["model"] = "local-workhorse"
+    answer = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
+    assert answer.status_code == 502
+    assert answer.json()["error"]["code"] == "upstream_unreachable"
+    counters = _counters(segment_name)
+    assert counters["running"] == 0 and counters["admitted_total"] == 2  # slots released
+    assert key not in log.read_text()
