@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo lint bench clean
+.PHONY: test demo lint bench soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sidecar shm_layout handler_shim capacity_router gateway_capacity tests
 	$(VENV)/bin/mypy sidecar shm_layout handler_shim capacity_router gateway_capacity
+
+# The chaos soak, long form (minutes; a short form runs in `make test`). SOAK_SECONDS to change.
+SOAK_SECONDS ?= 240
+soak: $(STAMP)
+	$(PY) tests/soak/soak.py --seconds $(SOAK_SECONDS) --workers 12 --hammers 2
 
 bench: $(STAMP)
 	./scripts/ensure-tools --bench
