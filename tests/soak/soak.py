@@ -520,6 +520,7 @@ class Report:
     reclaims_timed: int = 0
     reclaim_over_2s: int = 0
     slow_reclaims: list[str] = field(default_factory=list)
+    lock_outage_max_s: float = 0.0
     checks: Counter[str] = field(default_factory=Counter)
     observations: int = 0
     violations: list[str] = field(default_factory=list)
@@ -720,17 +721,31 @@ class Soak:
 
     # -- observation ---------------------------------------------------------------------
     def sampler(self) -> None:
-        # The lock is a semaphore of count 1: a count above 1 lets two processes in (R-A6).
+        """Watches the lock itself: never counted above 1 (R-A6), and how long it stays taken.
+
+        An outage is a stretch during which the semaphore stays at 0 and ``lock_seq``
+        does not move: nobody new got the lock (a holder that is slow, or one that
+        died and is not recovered yet).
+        """
         lock_sem = posix_ipc.Semaphore(names.lock_name(self.segment))
+        header = map_readonly(self.segment)
+        seq, since = H["lock_seq"].get(header), time.monotonic()
         try:
             while not self.stop.wait(0.01):
-                if lock_sem.value > 1:
+                value = lock_sem.value
+                if value > 1:
                     self.fail(
-                        f"R-A6: the lock semaphore counts {lock_sem.value}: two processes can "
+                        f"R-A6: the lock semaphore counts {value}: two processes can "
                         f"hold the lock (t={time.time():.3f})"
                     )
+                now_seq, now = H["lock_seq"].get(header), time.monotonic()
+                if value > 0 or now_seq != seq:
+                    seq, since = now_seq, now
+                else:
+                    self.report.lock_outage_max_s = max(self.report.lock_outage_max_s, now - since)
         finally:
             lock_sem.close()
+            header.close()
 
     def verifier(self) -> None:
         while not self.stop.wait(0.5):
@@ -983,6 +998,7 @@ def summary(soak: Soak) -> dict[str, Any]:
         },
         "kills_survived": {"workers": dict(rep.kills), "sidecar": rep.sidecar_kills},
         "lock_recoveries": rep.repairs,
+        "longest_lock_outage_s": round(rep.lock_outage_max_s, 2),
         "reclaim": {
             "timed": rep.reclaims_timed,
             "max_s": round(rep.reclaim_max_s, 2),
