@@ -521,6 +521,7 @@ class Report:
     reclaim_over_2s: int = 0
     slow_reclaims: list[str] = field(default_factory=list)
     lock_outage_max_s: float = 0.0
+    hammer_entered: int = 0
     checks: Counter[str] = field(default_factory=Counter)
     observations: int = 0
     violations: list[str] = field(default_factory=list)
@@ -593,6 +594,8 @@ class Soak:
                     self.segment,
                     "--refresh",
                     "0.3",
+                    "--parent-pid",  # a soak that dies takes its sidecar with it
+                    str(os.getpid()),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -900,6 +903,8 @@ class Soak:
         for w, code in self.finished:
             _, counters = read_state(w.state)
             rep.outcomes.update(counters)
+            if w.hammer:
+                rep.hammer_entered += counters["entered"]
             err = Path(w.err).read_text(errors="replace").strip()
             self.stderr_lines.extend(
                 f"{w.proc.pid}: {line}"
@@ -962,6 +967,21 @@ class Soak:
             for name, p in self.timeline.indexes.items()
         }
         buf.close()
+        # Accounting: every request the upstream saw was answered or its client was killed
+        # mid-request; the ledger admitted at least every slot a worker entered.
+        up = self.upstream
+        arrived, answered = sum(up.arrived.values()), sum(up.completed.values())
+        if arrived != answered + up.client_gone:
+            rep.lost.append(
+                f"upstream: {arrived} requests arrived, {answered} answered, "
+                f"{up.client_gone} cut by a kill: {arrived - answered - up.client_gone} unaccounted"
+            )
+        admitted = sum(c["admitted_total"] for c in self.counters.values())
+        if admitted < rep.outcomes["entered"]:
+            rep.lost.append(
+                f"workers entered {rep.outcomes['entered']} slots but the segment admitted "
+                f"only {admitted}"
+            )
 
     def close(self) -> None:
         if self.sidecar is not None and self.sidecar.poll() is None:
@@ -993,6 +1013,10 @@ def summary(soak: Soak) -> dict[str, Any]:
             "upstream_answered": sum(soak.upstream.completed.values()),
             "queue_full": rep.outcomes["queue_full"],
             "timeouts": rep.outcomes["timeout"],
+            "entered_by_hammers": rep.hammer_entered,
+            "upstream_cut_by_a_kill": soak.upstream.client_gone,
+            "granted_but_never_entered": sum(c["admitted_total"] for c in soak.counters.values())
+            - rep.outcomes["entered"],
             "segment_counters": soak.counters,
             "upstream_peak_in_flight": dict(soak.upstream.peak),
         },
@@ -1047,6 +1071,8 @@ def main(argv: list[str] | None = None) -> int:
         "(the soak must then report R-A1 violations)",
     )
     args = ap.parse_args(argv)
+    # SIGTERM (a test's timeout, an operator) cleans up like Ctrl-C: processes, segment
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="gwsoak-") as tmp:
         soak = Soak(args, Path(tmp))
         try:

@@ -102,8 +102,11 @@ def main() -> int:
     stop_file = args.state + ".stop"
     adm = Admission.attach(segment=args.segment, generation=args.gen)
 
+    parent = os.getppid()
+
     def stopping() -> bool:
-        return os.path.exists(stop_file)
+        # the driver asks by creating the stop file; a driver that died asks nothing
+        return os.path.exists(stop_file) or os.getppid() != parent
 
     def plan(rng: random.Random) -> tuple[str, float, int]:
         provider = rng.choice(PROVIDERS)

@@ -21,14 +21,20 @@ SOAK = Path(__file__).with_name("soak.py")
 
 def run_soak(tmp_path: Path, *args: str, timeout: float = 110) -> tuple[int, dict[str, Any], str]:
     report = tmp_path / "soak.json"
-    out = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, str(SOAK), "--json", str(report), *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
     )
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # SIGTERM: the soak stops its processes and removes its segment
+        _, err = proc.communicate(timeout=60)
+        raise AssertionError(f"the soak did not end within {timeout} s: {err[-2000:]}") from None
     doc: dict[str, Any] = json.loads(report.read_text()) if report.exists() else {}
-    return out.returncode, doc, out.stderr
+    return proc.returncode, doc, err
 
 
 def test_r_a1_r_a2_r_a5_short_soak_loses_nothing_under_kills_and_bad_answers(
