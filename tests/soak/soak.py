@@ -576,6 +576,8 @@ class Soak:
         os.replace(tmp, self.config)  # as an editor saves: the sidecar never reads half a file
 
     def start_sidecar(self) -> None:
+        self.served_at_sidecar_start = sum(self.router.served.values())
+        self.sidecar_started = time.monotonic()
         log = self.tmp / f"sidecar-{len(self.sidecar_logs)}.log"
         self.sidecar_logs.append(log)
         env = {
@@ -686,6 +688,15 @@ class Soak:
             assert self.sidecar is not None
             if self.args.no_sidecar_kills:
                 continue
+            # A sidecar that starts slowly on a loaded machine gets the chance to probe
+            # once (up to 8 s) before it is killed again, so the router's answers are
+            # really tried; kills during start-up still happen whenever it probes quickly.
+            while (
+                sum(self.router.served.values()) == self.served_at_sidecar_start
+                and time.monotonic() - self.sidecar_started < 8.0
+                and not self.stop.wait(0.2)
+            ):
+                pass
             self.sidecar.kill()
             self.sidecar.wait()
             self.report.sidecar_kills += 1
