@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # systemd unit's ExecStart= expects it (docs/systemd.md).
 PREFIX ?= /opt/gateway-capacity
 
-.PHONY: test demo lint bench drill clean schemas install
+.PHONY: test demo lint bench drill soak clean schemas install
 
 $(STAMP): pyproject.toml setup.py shm_layout/_core.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ drill: $(STAMP)
 # the JSON Schemas of availability/inspect --json, generated from gateway_capacity/schemas.py
 schemas: $(STAMP)
 	$(PY) -m gateway_capacity.schemas docs/schemas
+
+# The chaos soak, long form (minutes; a short form runs in `make test`). SOAK_SECONDS to change.
+SOAK_SECONDS ?= 240
+soak: $(STAMP)
+	$(PY) tests/soak/soak.py --seconds $(SOAK_SECONDS) --workers 12 --hammers 2
 
 bench: $(STAMP)
 	./scripts/ensure-tools --bench

@@ -1,0 +1,57 @@
+"""The bad-input census in docs/RELIABILITY.md cannot drift from the suite.
+
+Every test the census cites must exist, and every test whose name says it feeds
+the product bad input (invalid, malformed, broken, refused, ...) must be cited
+there, so a new one cannot be added without saying what the product does.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "RELIABILITY.md"
+
+BAD_INPUT_WORDS = re.compile(
+    r"invalid|_bad_|malformed|unusable|broken|garbage|corrupt|torn|refuse|usage_error"
+    r"|not_ours|other_major|non_utf8|not_a_count|arbitrary|over_64|over_4_mib|oversize"
+    r"|compressed|redirect|unrecognized|abbreviated|stale|never_escape|missing|wrong"
+    r"|unreadable|scribbl"
+)
+# Names that match the words above but feed no bad input.
+NOT_BAD_INPUT = {
+    "test_help_lists_the_exit_codes",  # "usage" text, not a usage error
+    "test_every_bad_input_test_is_in_the_census",  # this file
+}
+
+
+def census_text() -> str:
+    text = DOC.read_text()
+    start = text.index("## Bad-input census")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def suite_tests() -> set[str]:
+    names: set[str] = set()
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        names.update(re.findall(r"^(?:async )?def (test_\w+)", path.read_text(), re.M))
+    return names
+
+
+def test_every_test_the_census_cites_exists() -> None:
+    cited = set(re.findall(r"`(test_\w+)`", census_text()))
+    assert cited, "the census cites no tests"
+    missing = sorted(cited - suite_tests())
+    assert missing == [], f"docs/RELIABILITY.md cites tests that do not exist: {missing}"
+
+
+def test_every_bad_input_test_is_in_the_census() -> None:
+    cited = set(re.findall(r"`(test_\w+)`", census_text()))
+    bad_input = {n for n in suite_tests() if BAD_INPUT_WORDS.search(n)} - NOT_BAD_INPUT
+    absent = sorted(bad_input - cited)
+    assert absent == [], (
+        "these tests feed bad input but the census in docs/RELIABILITY.md does not say "
+        f"what the product does with it: {absent}"
+    )
