@@ -44,7 +44,7 @@ soak: $(STAMP)
 
 bench: $(STAMP)
 	./scripts/ensure-tools --bench
-	$(PY) bench/run.py
+	$(PY) bench/run.py --plots docs
 
 install:
 	test -x $(PREFIX)/bin/python || $(PYTHON) -m venv $(PREFIX)

@@ -29,6 +29,23 @@ import posix_ipc
 from shm_layout import unlink_segment
 
 
+def create_segment(name: str, *, lock_file: bool) -> None:
+    """Create segment ``name`` with the lock kind asked for; every process that attaches
+    later follows its header, whatever its own environment says."""
+    from shm_layout import lock
+    from shm_layout.segment import Segment
+
+    saved = os.environ.get(lock.FORCE_LOCK_FILE_ENV)
+    os.environ[lock.FORCE_LOCK_FILE_ENV] = "1" if lock_file else "0"
+    try:
+        Segment.open(name).close()
+    finally:
+        if saved is None:
+            del os.environ[lock.FORCE_LOCK_FILE_ENV]
+        else:
+            os.environ[lock.FORCE_LOCK_FILE_ENV] = saved
+
+
 def new_segment_name() -> str:
     """``/gwb-`` + 8 hex: 13 bytes, well under the 26 a segment name may use."""
     return "/gwb-" + secrets.token_hex(4)

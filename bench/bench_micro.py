@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from time import perf_counter_ns
 
 import posix_ipc
-from bench_common import Cleanup, calibrate, new_segment_name, write_config
+from bench_common import Cleanup, calibrate, create_segment, new_segment_name, write_config
 from bench_redis import RedisSemaphore, RedisUnavailable, start_redis
 
 from handler_shim import Admission
@@ -53,6 +53,19 @@ def _shim_cases(cleanup: Cleanup, runner: asyncio.Runner) -> list[Case]:
     name = cleanup.segment(new_segment_name())
     adm = Admission.attach(config=config, generation="bench", segment=name)
     cleanup.push("admission", adm.close)
+    # the same on a segment of the lock-file kind (the macOS path, forced here)
+    file_name = cleanup.segment(new_segment_name())
+    create_segment(file_name, lock_file=True)
+    file_adm = Admission.attach(config=config, generation="bench", segment=file_name)
+    cleanup.push("admission (lock file)", file_adm.close)
+
+    def file_blocking(n: int) -> int:
+        slot = file_adm.slot_blocking
+        t0 = perf_counter_ns()
+        for _ in range(n):
+            with slot(PROVIDER):
+                pass
+        return perf_counter_ns() - t0
 
     def blocking(n: int) -> int:
         slot = adm.slot_blocking
@@ -73,6 +86,7 @@ def _shim_cases(cleanup: Cleanup, runner: asyncio.Runner) -> list[Case]:
     return [
         Case("shim_blocking", "shim slot_blocking()", blocking),
         Case("shim_async", "shim async slot()", lambda n: runner.run(_async(n))),
+        Case("shim_file", "shim slot_blocking(), lock-file kind (macOS path)", file_blocking),
     ]
 
 

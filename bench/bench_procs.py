@@ -29,6 +29,7 @@ from bench_common import (
     Cleanup,
     child_ignores_ctrl_c,
     children_ignore_ctrl_c,
+    create_segment,
     new_segment_name,
     percentile,
     wait_until,
@@ -52,7 +53,7 @@ def _ctx() -> SpawnContext:
 # --- what a worker holds: the shim, or a comparison ------------------------------------------
 def _open_slot(kind: str, spec: tuple[str, ...]) -> tuple[SlotFactory, Callable[[], None]]:
     """A factory of blocking ``with`` slots for ``kind``, and how to let go of it."""
-    if kind == "shim":
+    if kind in ("shim", "shim-file"):
         from handler_shim import Admission
 
         config, segment, provider = spec
@@ -90,9 +91,11 @@ def _open_slot(kind: str, spec: tuple[str, ...]) -> tuple[SlotFactory, Callable[
 def _make_resource(cleanup: Cleanup, kind: str, provider: str, limit: int) -> tuple[str, ...]:
     """Create what ``kind`` shares between the workers (all registered for cleanup)."""
     directory = cleanup.tempdir()
-    if kind == "shim":
+    if kind in ("shim", "shim-file"):
         config = write_config(directory, [{"id": provider, "maxConcurrent": limit}])
-        return (config, cleanup.segment(new_segment_name()), provider)
+        name = cleanup.segment(new_segment_name())
+        create_segment(name, lock_file=kind == "shim-file")
+        return (config, name, provider)
     if kind == "sem":
         name = cleanup.semaphore(new_segment_name() + ".S")
         posix_ipc.Semaphore(name, posix_ipc.O_CREX, 0o600, limit).close()
@@ -443,3 +446,59 @@ def run_idle(cleanup: Cleanup, processes: int, threads: int, seconds: float) -> 
             cpu_percent=100.0 * (cpu1 - cpu0) / wall,
             wakeups_per_s=sum(wakeups) / len(wakeups) / wall,
         )
+
+
+# --- 5. a lock holder's death: how soon another process gets in -------------------------------
+RECOVERY_HOLDER = r"""
+import sys, time
+sys.path.insert(0, {root!r})
+from handler_shim import Admission
+adm = Admission.attach(config={config!r}, segment={segment!r}, generation="doomed")
+adm._core.hold_lock(True)  # frozen inside a section, counters half written
+print("locked", flush=True)
+time.sleep(3600)
+"""
+
+
+def run_recovery(cleanup: Cleanup, kind: str, trials: int) -> list[float]:
+    """Seconds from SIGKILL of a process holding the segment lock to another process's entry.
+
+    The entering process waits in ``slot_blocking`` (in a thread) before the kill, so the
+    figure is the lock's own hand-on plus the repair from the holder records.
+    """
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from handler_shim import Admission
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = []
+    with cleanup.scope() as scope:
+        config, segment, provider = _make_resource(scope, kind, "recovery", 1)
+        adm = Admission.attach(config=config, generation="bench", segment=segment)
+        scope.push("admission", adm.close)
+        for _ in range(trials):
+            code = RECOVERY_HOLDER.format(root=root, config=config, segment=segment)
+            holder = scope.popen(
+                subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+            )
+            assert holder.stdout is not None
+            assert holder.stdout.readline().strip() == b"locked"
+            entered: list[int] = []
+
+            def enter(entered: list[int] = entered) -> None:
+                with adm.slot_blocking(provider, timeout=30):
+                    entered.append(time.monotonic_ns())
+
+            t = threading.Thread(target=enter)
+            t.start()
+            time.sleep(0.05)  # the contender is waiting for the lock
+            killed = time.monotonic_ns()
+            os.kill(holder.pid, signal.SIGKILL)
+            t.join(30)
+            holder.wait(10)
+            if entered:
+                out.append((entered[0] - killed) / 1e9)
+    return out

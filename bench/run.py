@@ -1,10 +1,12 @@
-"""``make bench``: gateway-capacity admission measured against what else one could use (REQUIREMENTS.md section 10).
+"""``make bench``: admission measured against what else one could use (REQUIREMENTS.md 10).
 
-Usage: ``.venv/bin/python bench/run.py [--quick] [--only SECTION,...] [--out PATH]``
+Usage: ``.venv/bin/python bench/run.py [--quick] [--only SECTION,...] [--out PATH]
+[--plots DIR]``
 
 Sections (all by default): ``micro`` (uncontended acquire+release, side by
 side), ``handoff`` (cross-process release-to-running latency), ``throughput``
-(contended slots/s, 1..16 processes, limit 4), ``idle`` (CPU of 32 blocked
+(contended slots/s, 1..16 processes, limit 4), ``recovery`` (a lock holder's
+SIGKILL to the next entry), ``idle`` (CPU of 32 blocked
 waiters, R-A7), ``sidecar`` (RSS and CPU of ``gateway-capacity sidecar``).
 The table goes to stdout and to ``bench/results-latest.txt``; progress goes
 to stderr. docs/benchmarks.md explains every figure.
@@ -30,7 +32,8 @@ from bench_common import (
     render_table,
 )
 
-SECTIONS = ("micro", "handoff", "throughput", "idle", "sidecar")
+SECTIONS = ("micro", "handoff", "throughput", "recovery", "idle", "sidecar")
+PLOT_DATA: dict[str, object] = {}  # what the plots draw, filled by the sections
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROCESS_COUNTS = (1, 2, 4, 8, 16)
 
@@ -94,6 +97,7 @@ def section_handoff(cleanup: Cleanup, plan: Plan) -> str:
 
     labels = {
         "shim": "shim slot_blocking, limit 1",
+        "shim-file": "the same, lock-file kind (macOS path)",
         "sem": "floor: posix_ipc semaphore, value 1",
         "flock": "fcntl.flock mutex",
     }
@@ -101,6 +105,7 @@ def section_handoff(cleanup: Cleanup, plan: Plan) -> str:
     for kind in labels:
         log(f"hand-off: {kind}, 2 processes x {plan.handoff_slots_each} slots")
         results[kind] = run_handoff(cleanup, kind, plan.handoff_slots_each)
+    PLOT_DATA["handoff"] = {labels[k]: r.latencies_ns for k, r in results.items()}
     floor_p50 = results["sem"].p50
     rows = [
         [
@@ -136,19 +141,26 @@ def section_throughput(cleanup: Cleanup, plan: Plan) -> str:
     from bench_procs import CONTENDED_LIMIT, run_throughput
 
     runs = run_throughput(
-        cleanup, ("shim", "sem"), PROCESS_COUNTS, plan.throughput_rounds, plan.throughput_s, log
+        cleanup,
+        ("shim", "shim-file", "sem"),
+        PROCESS_COUNTS,
+        plan.throughput_rounds,
+        plan.throughput_s,
+        log,
     )
     rates = {kind: {n: median(r.rates) for n, r in by_n.items()} for kind, by_n in runs.items()}
+    PLOT_DATA["throughput"] = rates
     base = rates["shim"][PROCESS_COUNTS[0]]
     rows = [
         [
             str(n),
             f"{rates['shim'][n]:,.0f}",
+            f"{rates['shim-file'][n]:,.0f}",
             f"{rates['sem'][n]:,.0f}",
             fmt_ratio(rates["shim"][n] / rates["sem"][n]),
             fmt_ratio(rates["shim"][n] / base),
             _percent(runs["shim"][n].queued),
-            str(len(runs["shim"][n].errors) + len(runs["sem"][n].errors)),
+            str(sum(len(runs[k][n].errors) for k in runs)),
         ]
         for n in PROCESS_COUNTS
     ]
@@ -156,6 +168,7 @@ def section_throughput(cleanup: Cleanup, plan: Plan) -> str:
         [
             "processes",
             "shim slots/s",
+            "lock-file kind",
             "floor slots/s",
             "shim/floor",
             "shim vs 1 proc",
@@ -163,7 +176,7 @@ def section_throughput(cleanup: Cleanup, plan: Plan) -> str:
             "errors",
         ],
         rows,
-        right={0, 1, 2, 3, 4, 5, 6},
+        right={0, 1, 2, 3, 4, 5, 6, 7},
     )
     head = (
         f"3. Contended throughput, limit {CONTENDED_LIMIT}, empty slots, all processes together "
@@ -182,6 +195,29 @@ def section_throughput(cleanup: Cleanup, plan: Plan) -> str:
     return "\n".join([head, "", table, *notes])
 
 
+def section_recovery(cleanup: Cleanup, plan: Plan) -> str:
+    from bench_procs import run_recovery
+
+    trials = max(3, plan.micro_rounds + 3)
+    rows = []
+    for kind, label in (("shim", "robust mutex (Linux)"), ("shim-file", "lock file (macOS path)")):
+        log(f"recovery: {kind}, {trials} kills of a lock holder")
+        times = run_recovery(cleanup, kind, trials)
+        if not times:
+            rows.append([label, "0", "-", "-"])
+            continue
+        rows.append(
+            [label, str(len(times)), f"{1e3 * median(times):.2f}", f"{1e3 * max(times):.2f}"]
+        )
+    table = render_table(["lock kind", "kills", "median ms", "max ms"], rows, right={1, 2, 3})
+    head = (
+        "4. A lock holder's death: SIGKILL of a process frozen inside a section (counters "
+        "half written) to the entry of a process already waiting for the lock, repair "
+        "included (R-A6)"
+    )
+    return "\n".join([head, "", table])
+
+
 def _percent(share: float | None) -> str:
     return "-" if share is None else f"{100 * share:.0f} %"
 
@@ -194,7 +230,7 @@ def section_idle(cleanup: Cleanup, plan: Plan) -> str:
     verdict = "meets R-A7 (< 2 %)" if r.cpu_percent < 2.0 else "ABOVE R-A7's 2 %"
     return "\n".join(
         [
-            "4. Idle waiters (R-A7)",
+            "5. Idle waiters (R-A7)",
             "",
             f"{r.waiters} waiters (4 processes x 8 threads) blocked {r.seconds:.1f} s: "
             f"{r.cpu_percent:.2f} % of one core in total, {verdict}; "
@@ -206,7 +242,7 @@ def section_idle(cleanup: Cleanup, plan: Plan) -> str:
 def section_sidecar(cleanup: Cleanup, plan: Plan) -> str:
     from bench_sidecar import run_sidecar, sidecar_available
 
-    head = "5. Sidecar footprint (one loopback provider, --refresh 1)"
+    head = "6. Sidecar footprint (one loopback provider, --refresh 1)"
     if not sidecar_available():
         log("sidecar: command missing")
         return "\n".join([head, "", "sidecar: not measured (command missing)"])
@@ -228,9 +264,58 @@ RUNNERS: dict[str, Callable[[Cleanup, Plan], str]] = {
     "micro": section_micro,
     "handoff": section_handoff,
     "throughput": section_throughput,
+    "recovery": section_recovery,
     "idle": section_idle,
     "sidecar": section_sidecar,
 }
+
+
+def draw_plots(directory: str) -> list[str]:
+    """Throughput by process count and hand-off latency, as PNGs; returns the paths."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("plots: matplotlib is not installed (the plot extra); no plots drawn")
+        return []
+    written = []
+    rates = PLOT_DATA.get("throughput")
+    if isinstance(rates, dict):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        names = {"shim": "shim (robust mutex)", "shim-file": "shim (lock file)", "sem": "floor"}
+        for kind, by_n in rates.items():
+            ns = sorted(by_n)
+            ax.plot(ns, [by_n[n] for n in ns], marker="o", label=names.get(kind, kind))
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("processes")
+        ax.set_ylabel("slots / s (limit 4, empty slots)")
+        ax.set_title("Contended throughput")
+        ax.legend()
+        fig.tight_layout()
+        path = os.path.join(directory, "bench-throughput.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    handoff = PLOT_DATA.get("handoff")
+    if isinstance(handoff, dict):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for label, lat in handoff.items():
+            xs = sorted(x / 1e3 for x in lat)
+            if xs:
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("release in A to waiter in B running (us)")
+        ax.set_ylabel("share of hand-offs")
+        ax.set_title("Cross-process hand-off latency (cumulative)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(directory, "bench-handoff.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
 
 
 def banner(quick: bool) -> str:
@@ -258,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         default=os.path.join(HERE, "results-latest.txt"),
         metavar="PATH",
         help="where to write the table too (default bench/results-latest.txt)",
+    )
+    parser.add_argument(
+        "--plots", metavar="DIR", help="also draw the throughput and hand-off plots into DIR"
     )
     args = parser.parse_args(argv)
     chosen = SECTIONS if not args.only else tuple(s.strip() for s in args.only.split(","))
@@ -289,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w", encoding="utf-8") as f:
         f.write(report)
     log(f"written to {os.path.relpath(args.out)}")
+    if args.plots:
+        for path in draw_plots(args.plots):
+            log(f"plot: {os.path.relpath(path)}")
     return 1 if failed else 0
 
 
