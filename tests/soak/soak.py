@@ -830,7 +830,7 @@ class Soak:
                         ((max(h.since for h in running), now),),
                     )
                 )
-            if consistent and not H["repair_needed"].get(data):
+            if consistent and not H["dirty"].get(data):
                 self.report.checks["counters vs records"] += 1
                 base = ledger.provider_base(p.index)
                 n_run = sum(
