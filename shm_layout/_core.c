@@ -106,6 +106,8 @@ typedef struct {
     dev_t dev;
     ino_t ino;
     int refs;
+    int spare[4];                  /* duplicates opened in a race: kept open, see below */
+    int nspare;
     pthread_mutex_t mu;            /* KIND_FILE: threads of this process, one at a time */
     uint64_t own[MAX_MEMBERS];     /* serial of each member row this process registered */
 } Target;
@@ -122,15 +124,42 @@ static void after_fork_child(void)
     fork_generation++;
     pthread_mutex_init(&targets_mu, NULL);
     for (int i = 0; i < MAX_TARGETS; i++) {
-        if (targets[i].used)
+        if (targets[i].used) {
             close(targets[i].fd);
+            for (int k = 0; k < targets[i].nspare; k++)
+                close(targets[i].spare[k]);
+        }
         memset(&targets[i], 0, sizeof(Target));
         pthread_mutex_init(&targets[i].mu, NULL);
     }
 }
 
+static int target_find(dev_t dev, ino_t ino)
+{
+    for (int i = 0; i < MAX_TARGETS; i++)
+        if (targets[i].used && targets[i].dev == dev && targets[i].ino == ino)
+            return i;
+    return -1;
+}
+
 static int target_open(const char *path, int is_shm)
 {
+    if (!is_shm) {
+        /* A file this process already uses is found by name, without opening it: to
+         * close a second descriptor would drop every record lock this process holds on
+         * the file (its member locks, and the segment lock another thread may hold). */
+        struct stat st0;
+        if (lstat(path, &st0) == 0) {
+            pthread_mutex_lock(&targets_mu);
+            int i = target_find(st0.st_dev, st0.st_ino);
+            if (i >= 0) {
+                targets[i].refs++;
+                pthread_mutex_unlock(&targets_mu);
+                return i;
+            }
+            pthread_mutex_unlock(&targets_mu);
+        }
+    }
     int fd = is_shm ? shm_open(path, O_RDWR, 0) : open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0 && (errno == EACCES || errno == EPERM))
         fd = is_shm ? shm_open(path, O_RDONLY, 0) : open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
@@ -152,9 +181,14 @@ static int target_open(const char *path, int is_shm)
     int free_slot = -1;
     for (int i = 0; i < MAX_TARGETS; i++) {
         if (targets[i].used && targets[i].dev == st.st_dev && targets[i].ino == st.st_ino) {
-            targets[i].refs++;
+            Target *t = &targets[i];
+            t->refs++;
+            if (is_shm)
+                close(fd); /* OFD locks belong to their own open file description */
+            else if (t->nspare < (int)(sizeof t->spare / sizeof t->spare[0]))
+                t->spare[t->nspare++] = fd; /* closed with the target, never before */
+            /* else: kept open for good; closing it would drop our record locks */
             pthread_mutex_unlock(&targets_mu);
-            close(fd); /* this process holds no record lock through it yet */
             return i;
         }
         if (!targets[i].used && free_slot < 0)
@@ -173,6 +207,7 @@ static int target_open(const char *path, int is_shm)
     t->dev = st.st_dev;
     t->ino = st.st_ino;
     t->refs = 1;
+    t->nspare = 0;
     pthread_mutex_init(&t->mu, NULL);
     pthread_mutex_unlock(&targets_mu);
     return free_slot;
@@ -188,6 +223,9 @@ static void target_release(int i)
             owns |= t->own[m] != 0;
         if (!owns) { /* never close while a registration of ours lives on it */
             close(t->fd);
+            for (int k = 0; k < t->nspare; k++)
+                close(t->spare[k]);
+            t->nspare = 0;
             t->used = 0;
         }
     }
