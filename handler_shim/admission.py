@@ -61,7 +61,7 @@ log = logging.getLogger("gateway_capacity.admission")
 TICK_S = 0.25  # a waiting process looks around 4 times a second (R-A7 allows 10)
 SWEEP_S = 1.0  # and reaps dead holders once a second (R-A5: reclaim within 2 s)
 
-_NO_DEADLINE = -1.0
+LOCK_TURN_S = 0.25  # longest wait for the lock in one off-loop turn of the async form
 _fork_generation = 0
 
 
@@ -514,8 +514,11 @@ class _AsyncSlot:
 
     async def _acquire(self, code: int) -> None:
         adm, ticket, p = self._adm, self._ticket, self._p
-        if code == _core.BUSY:  # the lock is busy or stalled: wait for it off the loop
-            code = await adm._off_loop(adm._arrive_code, ticket, p, True, _NO_DEADLINE)
+        # The lock is busy or stalled: wait for it off the loop, in bounded turns, so that
+        # the timeout or a cancellation lands within one turn even while the holder is
+        # stopped (the thread of a turn cannot be interrupted, only waited for: R-A4).
+        while code == _core.BUSY:
+            code = await adm._off_loop(adm._arrive_code, ticket, p, True, LOCK_TURN_S)
         if code == _core.ADMIT:
             return
         if code == _core.FULL:
