@@ -61,6 +61,7 @@ log = logging.getLogger("gateway_capacity.admission")
 TICK_S = 0.25  # a waiting process looks around 4 times a second (R-A7 allows 10)
 SWEEP_S = 1.0  # and reaps dead holders once a second (R-A5: reclaim within 2 s)
 
+IN_CORE = 0.0  # "now" for a core step: the core reads the clock once it holds the lock
 LOCK_TURN_S = 0.25  # longest wait for the lock in one off-loop turn of the async form
 _fork_generation = 0
 
@@ -175,7 +176,7 @@ class Admission:
         try:
             self._doorbell = segment.doorbell(member)
         except BaseException:
-            self._core.unregister(time.time())
+            self._core.unregister(IN_CORE)
             raise
         ipc.drain(self._doorbell)  # posts meant for an earlier owner of this member row
         self._threads = [
@@ -270,7 +271,7 @@ class Admission:
             if thread is not threading.current_thread():
                 # the semaphores must outlive every thread that may touch them
                 thread.join()
-        self._core.unregister(time.time())  # frees every record of ours, grants, rings
+        self._core.unregister(IN_CORE)  # frees every record of ours, grants, rings
         self._seg.close()
 
     def __enter__(self) -> Admission:
@@ -320,7 +321,7 @@ class Admission:
         )
 
     def _arrive_code(self, ticket: _core.Ticket, p: int, blocking: bool, timeout: float) -> int:
-        code: int = self._core.arrive(ticket, p, self._pid, time.time(), True, blocking, timeout)
+        code: int = self._core.arrive(ticket, p, self._pid, IN_CORE, True, blocking, timeout)
         return code
 
     def _state(self, ticket: _core.Ticket) -> int:
@@ -331,7 +332,7 @@ class Admission:
         """Free the ticket's record. -1 when the lock was busy (non-blocking only)."""
         if self._closed:
             return 0  # close() released it already
-        was: int = self._core.leave(ticket, outcome, time.time(), blocking)
+        was: int = self._core.leave(ticket, outcome, IN_CORE, blocking)
         return was
 
     # --- waiting, blocking form -------------------------------------------------------
@@ -401,7 +402,7 @@ class Admission:
                     last_sweep = now
                     # Reclaim dead holders and apply limit changes nobody announced
                     # (R-A5, R-L7): one locked step in the core.
-                    reclaimed = self._core.reap(time.time())
+                    reclaimed = self._core.reap(IN_CORE)
                     if reclaimed > 0:
                         log.warning("reclaimed %d slot(s) of dead processes", reclaimed)
                 repaired = self._core.take_repaired()
@@ -456,7 +457,7 @@ class _BlockingSlot:
         try:
             if timeout is None:
                 deadline = None
-                code = adm._core.arrive(ticket, self._p, adm._pid, time.time(), True, True, -1.0)
+                code = adm._core.arrive(ticket, self._p, adm._pid, IN_CORE, True, True, -1.0)
             else:
                 deadline = time.monotonic() + timeout
                 code = adm._arrive_code(ticket, self._p, True, max(timeout, 0.0))
@@ -482,7 +483,7 @@ class _BlockingSlot:
     ) -> None:
         adm = self._adm
         if not adm._closed:  # else close() released it already
-            adm._core.leave(self._ticket, _core.RELEASED, time.time(), True)
+            adm._core.leave(self._ticket, _core.RELEASED, IN_CORE, True)
 
 
 class _AsyncSlot:
@@ -500,7 +501,7 @@ class _AsyncSlot:
         adm, ticket = self._adm, self._ticket
         try:
             # The fast path: one try-lock step on the loop (microseconds, R-A11).
-            code = adm._core.arrive(ticket, self._p, adm._pid, time.time(), True, False, -1.0)
+            code = adm._core.arrive(ticket, self._p, adm._pid, IN_CORE, True, False, -1.0)
             if code == _core.ADMIT:
                 return
             async with asyncio.timeout(self._timeout):
@@ -550,5 +551,5 @@ class _AsyncSlot:
         adm = self._adm
         if adm._closed:
             return  # close() released it already
-        if adm._core.leave(self._ticket, _core.RELEASED, time.time(), False) == -1:
+        if adm._core.leave(self._ticket, _core.RELEASED, IN_CORE, False) == -1:
             await adm._off_loop(adm._leave, self._ticket, _core.RELEASED, True)

@@ -336,6 +336,19 @@ static double mono_now(void)
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+/* The wall clock for a section, read once the lock is held. A time the caller read
+ * before waiting for the lock may be long stale (behind a stopped holder), and a
+ * published limit that expired meanwhile must not be applied (R-A1, R-L7). A positive
+ * ``given`` (the model tests' synthetic clock) is used as it is. */
+static double section_now(double given)
+{
+    if (given > 0)
+        return given;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
 /* --- liveness ------------------------------------------------------------------------ */
 typedef struct { signed char known[MAX_MEMBERS]; } AliveCache;
 
@@ -785,6 +798,7 @@ static PyObject *Core_arrive(Core *c, PyObject *args)
     Rings rings = {{0}};
     Py_XSETREF(tk->core, (Core *)Py_NewRef(c)); /* before: a live ticket always knows its core */
     LOCKED(c, blocking, deadline, rc, {
+        now = section_now(now);
         long b = pbase(c, p);
         for (int attempt = 0; attempt < 2; attempt++) {
             uint32_t running = ld32(c, b + c->o[P_RUNNING]);
@@ -915,7 +929,7 @@ static PyObject *Core_leave(Core *c, PyObject *args)
     }
     int rc, was = 0;
     Rings rings = {{0}};
-    LOCKED(c, blocking, 0.0, rc, { was = leave_locked(c, tk, outcome, now, &rings); });
+    LOCKED(c, blocking, 0.0, rc, { now = section_now(now); was = leave_locked(c, tk, outcome, now, &rings); });
     if (rc < 0)
         return lock_error();
     if (rc == 1)
@@ -959,7 +973,7 @@ static PyObject *Core_reap(Core *c, PyObject *args)
     int rc;
     uint32_t reclaimed = 0;
     Rings rings = {{0}};
-    LOCKED(c, blocking, 0.0, rc, { reclaimed = reap(c, now, &rings); });
+    LOCKED(c, blocking, 0.0, rc, { now = section_now(now); reclaimed = reap(c, now, &rings); });
     if (rc < 0)
         return lock_error();
     if (rc == 1)
@@ -980,6 +994,7 @@ static PyObject *Core_pump_all(Core *c, PyObject *args)
     int rc;
     Rings rings = {{0}};
     LOCKED(c, 1, 0.0, rc, {
+        now = section_now(now);
         for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
             if (ld32(c, pbase(c, p) + c->o[P_IN_USE]))
                 pump(c, p, now, &rings, NULL);
@@ -1038,6 +1053,7 @@ static PyObject *Core_register(Core *c, PyObject *args)
     Rings rings = {{0}};
     Target *t = &targets[c->target];
     LOCKED(c, 1, 0.0, rc, {
+        now = section_now(now);
         for (int m = 0; m < c->o[G_MEMBER_COUNT] && got < 0; m++) {
             long mb = mbase(c, m);
             uint64_t old = ld64(c, mb + c->o[M_SERIAL]);
@@ -1093,6 +1109,7 @@ static PyObject *Core_unregister(Core *c, PyObject *args)
     Rings rings = {{0}};
     Target *t = &targets[c->target];
     LOCKED(c, 1, 0.0, rc, {
+        now = section_now(now);
         drop_member_records(c, m, serial, now, &rings);
         long mb = mbase(c, m);
         if (ld64(c, mb + c->o[M_SERIAL]) == serial)
@@ -1216,6 +1233,7 @@ static PyObject *Core_transact(Core *c, PyObject *args)
         int rc, ok = 1;
         Rings rings = {{0}};
         LOCKED(c, 1, 0.0, rc, {
+            now = section_now(now);
             for (Py_ssize_t i = 0; i < ng && ok; i++)
                 ok = memcmp(AT(c, g[i].off), g[i].src, g[i].len) == 0;
             if (ok) {
@@ -1410,11 +1428,8 @@ static void Ticket_dealloc(Ticket *t)
     if (t->live && c && !c->closed && t->fork_gen == fork_generation && c->fork_gen == fork_generation) {
         Rings rings = {{0}};
         int rc;
-        double now;
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        now = ts.tv_sec + ts.tv_nsec * 1e-9;
-        LOCKED(c, 1, 0.0, rc, { leave_locked(c, t, OUT_CANCELLED, now, &rings); });
+        double now = 0.0; /* read under the lock */
+        LOCKED(c, 1, 0.0, rc, { now = section_now(now); leave_locked(c, t, OUT_CANCELLED, now, &rings); });
         if (rc == 0) {
             c->held--;
             Py_BEGIN_ALLOW_THREADS
