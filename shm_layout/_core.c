@@ -61,6 +61,7 @@ enum { R_BUSY = 0, R_ADMIT = 1, R_WAIT = 2, R_FULL = 3, R_WAIT_REFUSED = 4 };
 enum { OUT_RELEASED = 0, OUT_TIMEOUT = 1, OUT_CANCELLED = 2 };
 
 #define MAX_MEMBERS 256
+#define STAMP_AT 4096 /* where a lock file holds its segment's stamp (lock bytes are 0..256) */
 #define MAX_TARGETS 64
 
 /* Offsets and sizes layout.py must provide, in this order. */
@@ -691,13 +692,18 @@ static void Core_dealloc(Core *c)
 
 static int Core_init(Core *c, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"buffer", "offsets", "kind", "target", "target_is_shm", "segment", NULL};
+    static char *kwlist[] = {"buffer", "offsets", "kind", "target", "target_is_shm", "segment", "stamp", NULL};
     PyObject *buffer, *offsets;
     int kind, is_shm;
-    const char *target, *segment;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!isps", kwlist, &buffer, &PyDict_Type, &offsets,
-                                     &kind, &target, &is_shm, &segment))
+    const char *target, *segment, *stamp = NULL;
+    Py_ssize_t stamp_len = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!isps|y#", kwlist, &buffer, &PyDict_Type, &offsets,
+                                     &kind, &target, &is_shm, &segment, &stamp, &stamp_len))
         return -1;
+    if (stamp_len > 256) {
+        PyErr_SetString(PyExc_ValueError, "stamp too long");
+        return -1;
+    }
     c->target = -1;
     c->member = -1;
     pthread_mutex_init(&c->bell_mu, NULL);
@@ -746,6 +752,28 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
     if (t < 0) {
         PyErr_Format(CoreError, "cannot open the lock target %s: %s", target, strerror(errno));
         return -1;
+    }
+    if (stamp_len > 0) {
+        /* The lock file must be the one the segment's creator made (it wrote the stamp):
+         * another file (a different lock directory in this process's environment, or a
+         * file removed and made again) would lock nothing the others lock, and every
+         * other process's members would look dead through it. Read through the table's
+         * descriptor: opening and closing another would drop our record locks. */
+        char seen[256];
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = pread(targets[t].fd, seen, (size_t)stamp_len, STAMP_AT);
+        Py_END_ALLOW_THREADS
+        if (n != stamp_len || memcmp(seen, stamp, (size_t)stamp_len) != 0) {
+            target_release(t);
+            PyErr_Format(CoreError,
+                         "lock file %s is not the one this segment was created with (another "
+                         "lock directory, or the file was removed and made again); give every "
+                         "process the same lock directory, or stop every process of this "
+                         "gateway and remove the segment",
+                         target);
+            return -1;
+        }
     }
     c->target = t;
     return 0;
@@ -1503,11 +1531,14 @@ static PyObject *mod_init_mutex(PyObject *self, PyObject *args)
  * through. ``serial`` 0 means "whoever holds the row". */
 static PyObject *mod_probe(PyObject *self, PyObject *args)
 {
-    const char *target;
+    const char *target, *stamp = NULL;
+    Py_ssize_t stamp_len = 0;
     int is_shm, kind;
     PyObject *seq;
-    if (!PyArg_ParseTuple(args, "spiO", &target, &is_shm, &kind, &seq))
+    if (!PyArg_ParseTuple(args, "spiO|y#", &target, &is_shm, &kind, &seq, &stamp, &stamp_len))
         return NULL;
+    if (stamp_len > 256)
+        return PyErr_Format(PyExc_ValueError, "stamp too long");
     if (kind != KIND_FILE && !(kind == KIND_ROBUST && HAVE_ROBUST))
         return PyErr_Format(CoreError, "lock kind %d is not available on this system", kind);
     PyObject *fast = PySequence_Fast(seq, "a sequence of (member, serial)");
@@ -1521,6 +1552,15 @@ static PyObject *mod_probe(PyObject *self, PyObject *args)
         Py_DECREF(fast);
         return PyErr_Format(CoreError, "cannot open the lock target %s: %s", target, strerror(errno));
     }
+    int unknown = 0; /* not the segment's lock file: nothing it says is known (alive) */
+    if (stamp_len > 0) {
+        char seen[256];
+        ssize_t got;
+        Py_BEGIN_ALLOW_THREADS
+        got = pread(targets[t].fd, seen, (size_t)stamp_len, STAMP_AT);
+        Py_END_ALLOW_THREADS
+        unknown = got != stamp_len || memcmp(seen, stamp, (size_t)stamp_len) != 0;
+    }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
@@ -1533,6 +1573,8 @@ static PyObject *mod_probe(PyObject *self, PyObject *args)
         int alive;
         if (m < 0 || m >= MAX_MEMBERS)
             alive = 0;
+        else if (unknown)
+            alive = 1;
         else if (targets[t].own[m] != 0 && (serial == 0 || targets[t].own[m] == serial))
             alive = 1;
         else
