@@ -648,6 +648,10 @@ static PyObject *CoreError;
 
 static int usable(Core *c)
 {
+    if (!c->closed && (!c->have_view || c->target < 0)) { /* Core.__new__ without __init__ */
+        PyErr_SetString(CoreError, "the core was never opened");
+        return 0;
+    }
     if (c->closed) {
         PyErr_SetString(CoreError, "the segment was closed");
         return 0;
@@ -690,6 +694,16 @@ static void Core_dealloc(Core *c)
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
+static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    Core *c = (Core *)type->tp_alloc(type, 0);
+    if (c) { /* zero is a real index: a Core never opened must release no one's target */
+        c->target = -1;
+        c->member = -1;
+    }
+    return (PyObject *)c;
+}
+
 static int Core_init(Core *c, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"buffer", "offsets", "kind", "target", "target_is_shm", "segment", "stamp", NULL};
@@ -702,6 +716,10 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
         return -1;
     if (stamp_len > 256) {
         PyErr_SetString(PyExc_ValueError, "stamp too long");
+        return -1;
+    }
+    if (c->have_view || c->target >= 0) {
+        PyErr_SetString(PyExc_TypeError, "a Core is opened once");
         return -1;
     }
     c->target = -1;
@@ -1430,7 +1448,7 @@ static PyTypeObject CoreType = {
     .tp_name = "shm_layout._core.Core",
     .tp_basicsize = sizeof(Core),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
+    .tp_new = Core_new,
     .tp_init = (initproc)Core_init,
     .tp_dealloc = (destructor)Core_dealloc,
     .tp_methods = Core_methods,
