@@ -64,7 +64,8 @@ TICK_S = 0.25  # a waiting process looks around 4 times a second (R-A7 allows 10
 # chaos soak on 2 busy cores saw 2.7 s with a 1 s sweep while the sidecar was restarting)
 SWEEP_S = 0.5
 
-_NO_DEADLINE = -1.0
+IN_CORE = 0.0  # "now" for a core step: the core reads the clock once it holds the lock
+LOCK_TURN_S = 0.25  # longest wait for the lock in one off-loop turn of the async form
 _fork_generation = 0
 
 
@@ -178,7 +179,7 @@ class Admission:
         try:
             self._doorbell = segment.doorbell(member)
         except BaseException:
-            self._core.unregister(time.time())
+            self._core.unregister(IN_CORE)
             raise
         ipc.drain(self._doorbell)  # posts meant for an earlier owner of this member row
         self._threads = [
@@ -274,7 +275,7 @@ class Admission:
             if thread is not threading.current_thread():
                 # the semaphores must outlive every thread that may touch them
                 thread.join()
-        self._core.unregister(time.time())  # frees every record of ours, grants, rings
+        self._core.unregister(IN_CORE)  # frees every record of ours, grants, rings
         self._seg.close()
 
     def __enter__(self) -> Admission:
@@ -324,7 +325,7 @@ class Admission:
         )
 
     def _arrive_code(self, ticket: _core.Ticket, p: int, blocking: bool, timeout: float) -> int:
-        code: int = self._core.arrive(ticket, p, self._pid, time.time(), True, blocking, timeout)
+        code: int = self._core.arrive(ticket, p, self._pid, IN_CORE, True, blocking, timeout)
         return code
 
     def _state(self, ticket: _core.Ticket) -> int:
@@ -335,7 +336,7 @@ class Admission:
         """Free the ticket's record. -1 when the lock was busy (non-blocking only)."""
         if self._closed:
             return 0  # close() released it already
-        was: int = self._core.leave(ticket, outcome, time.time(), blocking)
+        was: int = self._core.leave(ticket, outcome, IN_CORE, blocking)
         return was
 
     # --- waiting, blocking form -------------------------------------------------------
@@ -405,7 +406,7 @@ class Admission:
                     last_sweep = now
                     # Reclaim dead holders and apply limit changes nobody announced
                     # (R-A5, R-L7): one locked step in the core.
-                    reclaimed = self._core.reap(time.time())
+                    reclaimed = self._core.reap(IN_CORE)
                     if reclaimed > 0:
                         log.warning("reclaimed %d slot(s) of dead processes", reclaimed)
                 repaired = self._core.take_repaired()
@@ -460,7 +461,7 @@ class _BlockingSlot:
         try:
             if timeout is None:
                 deadline = None
-                code = adm._core.arrive(ticket, self._p, adm._pid, time.time(), True, True, -1.0)
+                code = adm._core.arrive(ticket, self._p, adm._pid, IN_CORE, True, True, -1.0)
             else:
                 deadline = time.monotonic() + timeout
                 code = adm._arrive_code(ticket, self._p, True, max(timeout, 0.0))
@@ -486,7 +487,7 @@ class _BlockingSlot:
     ) -> None:
         adm = self._adm
         if not adm._closed:  # else close() released it already
-            adm._core.leave(self._ticket, _core.RELEASED, time.time(), True)
+            adm._core.leave(self._ticket, _core.RELEASED, IN_CORE, True)
 
 
 class _AsyncSlot:
@@ -504,7 +505,7 @@ class _AsyncSlot:
         adm, ticket = self._adm, self._ticket
         try:
             # The fast path: one try-lock step on the loop (microseconds, R-A11).
-            code = adm._core.arrive(ticket, self._p, adm._pid, time.time(), True, False, -1.0)
+            code = adm._core.arrive(ticket, self._p, adm._pid, IN_CORE, True, False, -1.0)
             if code == _core.ADMIT:
                 return
             async with asyncio.timeout(self._timeout):
@@ -518,8 +519,11 @@ class _AsyncSlot:
 
     async def _acquire(self, code: int) -> None:
         adm, ticket, p = self._adm, self._ticket, self._p
-        if code == _core.BUSY:  # the lock is busy or stalled: wait for it off the loop
-            code = await adm._off_loop(adm._arrive_code, ticket, p, True, _NO_DEADLINE)
+        # The lock is busy or stalled: wait for it off the loop, in bounded turns, so that
+        # the timeout or a cancellation lands within one turn even while the holder is
+        # stopped (the thread of a turn cannot be interrupted, only waited for: R-A4).
+        while code == _core.BUSY:
+            code = await adm._off_loop(adm._arrive_code, ticket, p, True, LOCK_TURN_S)
         if code == _core.ADMIT:
             return
         if code == _core.FULL:
@@ -551,5 +555,5 @@ class _AsyncSlot:
         adm = self._adm
         if adm._closed:
             return  # close() released it already
-        if adm._core.leave(self._ticket, _core.RELEASED, time.time(), False) == -1:
+        if adm._core.leave(self._ticket, _core.RELEASED, IN_CORE, False) == -1:
             await adm._off_loop(adm._leave, self._ticket, _core.RELEASED, True)

@@ -61,6 +61,7 @@ enum { R_BUSY = 0, R_ADMIT = 1, R_WAIT = 2, R_FULL = 3, R_WAIT_REFUSED = 4 };
 enum { OUT_RELEASED = 0, OUT_TIMEOUT = 1, OUT_CANCELLED = 2 };
 
 #define MAX_MEMBERS 256
+#define STAMP_AT 4096 /* where a lock file holds its segment's stamp (lock bytes are 0..256) */
 #define MAX_TARGETS 64
 
 /* Offsets and sizes layout.py must provide, in this order. */
@@ -106,6 +107,8 @@ typedef struct {
     dev_t dev;
     ino_t ino;
     int refs;
+    int spare[4];                  /* duplicates opened in a race: kept open, see below */
+    int nspare;
     pthread_mutex_t mu;            /* KIND_FILE: threads of this process, one at a time */
     uint64_t own[MAX_MEMBERS];     /* serial of each member row this process registered */
 } Target;
@@ -122,15 +125,42 @@ static void after_fork_child(void)
     fork_generation++;
     pthread_mutex_init(&targets_mu, NULL);
     for (int i = 0; i < MAX_TARGETS; i++) {
-        if (targets[i].used)
+        if (targets[i].used) {
             close(targets[i].fd);
+            for (int k = 0; k < targets[i].nspare; k++)
+                close(targets[i].spare[k]);
+        }
         memset(&targets[i], 0, sizeof(Target));
         pthread_mutex_init(&targets[i].mu, NULL);
     }
 }
 
+static int target_find(dev_t dev, ino_t ino)
+{
+    for (int i = 0; i < MAX_TARGETS; i++)
+        if (targets[i].used && targets[i].dev == dev && targets[i].ino == ino)
+            return i;
+    return -1;
+}
+
 static int target_open(const char *path, int is_shm)
 {
+    if (!is_shm) {
+        /* A file this process already uses is found by name, without opening it: to
+         * close a second descriptor would drop every record lock this process holds on
+         * the file (its member locks, and the segment lock another thread may hold). */
+        struct stat st0;
+        if (lstat(path, &st0) == 0) {
+            pthread_mutex_lock(&targets_mu);
+            int i = target_find(st0.st_dev, st0.st_ino);
+            if (i >= 0) {
+                targets[i].refs++;
+                pthread_mutex_unlock(&targets_mu);
+                return i;
+            }
+            pthread_mutex_unlock(&targets_mu);
+        }
+    }
     int fd = is_shm ? shm_open(path, O_RDWR, 0) : open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0 && (errno == EACCES || errno == EPERM))
         fd = is_shm ? shm_open(path, O_RDONLY, 0) : open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
@@ -152,9 +182,14 @@ static int target_open(const char *path, int is_shm)
     int free_slot = -1;
     for (int i = 0; i < MAX_TARGETS; i++) {
         if (targets[i].used && targets[i].dev == st.st_dev && targets[i].ino == st.st_ino) {
-            targets[i].refs++;
+            Target *t = &targets[i];
+            t->refs++;
+            if (is_shm)
+                close(fd); /* OFD locks belong to their own open file description */
+            else if (t->nspare < (int)(sizeof t->spare / sizeof t->spare[0]))
+                t->spare[t->nspare++] = fd; /* closed with the target, never before */
+            /* else: kept open for good; closing it would drop our record locks */
             pthread_mutex_unlock(&targets_mu);
-            close(fd); /* this process holds no record lock through it yet */
             return i;
         }
         if (!targets[i].used && free_slot < 0)
@@ -173,6 +208,7 @@ static int target_open(const char *path, int is_shm)
     t->dev = st.st_dev;
     t->ino = st.st_ino;
     t->refs = 1;
+    t->nspare = 0;
     pthread_mutex_init(&t->mu, NULL);
     pthread_mutex_unlock(&targets_mu);
     return free_slot;
@@ -188,6 +224,9 @@ static void target_release(int i)
             owns |= t->own[m] != 0;
         if (!owns) { /* never close while a registration of ours lives on it */
             close(t->fd);
+            for (int k = 0; k < t->nspare; k++)
+                close(t->spare[k]);
+            t->nspare = 0;
             t->used = 0;
         }
     }
@@ -295,6 +334,19 @@ static double mono_now(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* The wall clock for a section, read once the lock is held. A time the caller read
+ * before waiting for the lock may be long stale (behind a stopped holder), and a
+ * published limit that expired meanwhile must not be applied (R-A1, R-L7). A positive
+ * ``given`` (the model tests' synthetic clock) is used as it is. */
+static double section_now(double given)
+{
+    if (given > 0)
+        return given;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
@@ -596,6 +648,10 @@ static PyObject *CoreError;
 
 static int usable(Core *c)
 {
+    if (!c->closed && (!c->have_view || c->target < 0)) { /* Core.__new__ without __init__ */
+        PyErr_SetString(CoreError, "the core was never opened");
+        return 0;
+    }
     if (c->closed) {
         PyErr_SetString(CoreError, "the segment was closed");
         return 0;
@@ -638,15 +694,34 @@ static void Core_dealloc(Core *c)
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
+static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    Core *c = (Core *)type->tp_alloc(type, 0);
+    if (c) { /* zero is a real index: a Core never opened must release no one's target */
+        c->target = -1;
+        c->member = -1;
+    }
+    return (PyObject *)c;
+}
+
 static int Core_init(Core *c, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"buffer", "offsets", "kind", "target", "target_is_shm", "segment", NULL};
+    static char *kwlist[] = {"buffer", "offsets", "kind", "target", "target_is_shm", "segment", "stamp", NULL};
     PyObject *buffer, *offsets;
     int kind, is_shm;
-    const char *target, *segment;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!isps", kwlist, &buffer, &PyDict_Type, &offsets,
-                                     &kind, &target, &is_shm, &segment))
+    const char *target, *segment, *stamp = NULL;
+    Py_ssize_t stamp_len = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!isps|y#", kwlist, &buffer, &PyDict_Type, &offsets,
+                                     &kind, &target, &is_shm, &segment, &stamp, &stamp_len))
         return -1;
+    if (stamp_len > 256) {
+        PyErr_SetString(PyExc_ValueError, "stamp too long");
+        return -1;
+    }
+    if (c->have_view || c->target >= 0) {
+        PyErr_SetString(PyExc_TypeError, "a Core is opened once");
+        return -1;
+    }
     c->target = -1;
     c->member = -1;
     pthread_mutex_init(&c->bell_mu, NULL);
@@ -695,6 +770,28 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
     if (t < 0) {
         PyErr_Format(CoreError, "cannot open the lock target %s: %s", target, strerror(errno));
         return -1;
+    }
+    if (stamp_len > 0) {
+        /* The lock file must be the one the segment's creator made (it wrote the stamp):
+         * another file (a different lock directory in this process's environment, or a
+         * file removed and made again) would lock nothing the others lock, and every
+         * other process's members would look dead through it. Read through the table's
+         * descriptor: opening and closing another would drop our record locks. */
+        char seen[256];
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = pread(targets[t].fd, seen, (size_t)stamp_len, STAMP_AT);
+        Py_END_ALLOW_THREADS
+        if (n != stamp_len || memcmp(seen, stamp, (size_t)stamp_len) != 0) {
+            target_release(t);
+            PyErr_Format(CoreError,
+                         "lock file %s is not the one this segment was created with (another "
+                         "lock directory, or the file was removed and made again); give every "
+                         "process the same lock directory, or stop every process of this "
+                         "gateway and remove the segment",
+                         target);
+            return -1;
+        }
     }
     c->target = t;
     return 0;
@@ -747,6 +844,7 @@ static PyObject *Core_arrive(Core *c, PyObject *args)
     Rings rings = {{0}};
     Py_XSETREF(tk->core, (Core *)Py_NewRef(c)); /* before: a live ticket always knows its core */
     LOCKED(c, blocking, deadline, rc, {
+        now = section_now(now);
         long b = pbase(c, p);
         for (int attempt = 0; attempt < 2; attempt++) {
             uint32_t running = ld32(c, b + c->o[P_RUNNING]);
@@ -877,7 +975,7 @@ static PyObject *Core_leave(Core *c, PyObject *args)
     }
     int rc, was = 0;
     Rings rings = {{0}};
-    LOCKED(c, blocking, 0.0, rc, { was = leave_locked(c, tk, outcome, now, &rings); });
+    LOCKED(c, blocking, 0.0, rc, { now = section_now(now); was = leave_locked(c, tk, outcome, now, &rings); });
     if (rc < 0)
         return lock_error();
     if (rc == 1)
@@ -921,7 +1019,7 @@ static PyObject *Core_reap(Core *c, PyObject *args)
     int rc;
     uint32_t reclaimed = 0;
     Rings rings = {{0}};
-    LOCKED(c, blocking, 0.0, rc, { reclaimed = reap(c, now, &rings); });
+    LOCKED(c, blocking, 0.0, rc, { now = section_now(now); reclaimed = reap(c, now, &rings); });
     if (rc < 0)
         return lock_error();
     if (rc == 1)
@@ -942,6 +1040,7 @@ static PyObject *Core_pump_all(Core *c, PyObject *args)
     int rc;
     Rings rings = {{0}};
     LOCKED(c, 1, 0.0, rc, {
+        now = section_now(now);
         for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
             if (ld32(c, pbase(c, p) + c->o[P_IN_USE]))
                 pump(c, p, now, &rings, NULL);
@@ -1000,6 +1099,7 @@ static PyObject *Core_register(Core *c, PyObject *args)
     Rings rings = {{0}};
     Target *t = &targets[c->target];
     LOCKED(c, 1, 0.0, rc, {
+        now = section_now(now);
         for (int m = 0; m < c->o[G_MEMBER_COUNT] && got < 0; m++) {
             long mb = mbase(c, m);
             uint64_t old = ld64(c, mb + c->o[M_SERIAL]);
@@ -1055,6 +1155,7 @@ static PyObject *Core_unregister(Core *c, PyObject *args)
     Rings rings = {{0}};
     Target *t = &targets[c->target];
     LOCKED(c, 1, 0.0, rc, {
+        now = section_now(now);
         drop_member_records(c, m, serial, now, &rings);
         long mb = mbase(c, m);
         if (ld64(c, mb + c->o[M_SERIAL]) == serial)
@@ -1178,6 +1279,7 @@ static PyObject *Core_transact(Core *c, PyObject *args)
         int rc, ok = 1;
         Rings rings = {{0}};
         LOCKED(c, 1, 0.0, rc, {
+            now = section_now(now);
             for (Py_ssize_t i = 0; i < ng && ok; i++)
                 ok = memcmp(AT(c, g[i].off), g[i].src, g[i].len) == 0;
             if (ok) {
@@ -1346,7 +1448,7 @@ static PyTypeObject CoreType = {
     .tp_name = "shm_layout._core.Core",
     .tp_basicsize = sizeof(Core),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
+    .tp_new = Core_new,
     .tp_init = (initproc)Core_init,
     .tp_dealloc = (destructor)Core_dealloc,
     .tp_methods = Core_methods,
@@ -1372,11 +1474,8 @@ static void Ticket_dealloc(Ticket *t)
     if (t->live && c && !c->closed && t->fork_gen == fork_generation && c->fork_gen == fork_generation) {
         Rings rings = {{0}};
         int rc;
-        double now;
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        now = ts.tv_sec + ts.tv_nsec * 1e-9;
-        LOCKED(c, 1, 0.0, rc, { leave_locked(c, t, OUT_CANCELLED, now, &rings); });
+        double now = 0.0; /* read under the lock */
+        LOCKED(c, 1, 0.0, rc, { now = section_now(now); leave_locked(c, t, OUT_CANCELLED, now, &rings); });
         if (rc == 0) {
             c->held--;
             Py_BEGIN_ALLOW_THREADS
@@ -1450,11 +1549,14 @@ static PyObject *mod_init_mutex(PyObject *self, PyObject *args)
  * through. ``serial`` 0 means "whoever holds the row". */
 static PyObject *mod_probe(PyObject *self, PyObject *args)
 {
-    const char *target;
+    const char *target, *stamp = NULL;
+    Py_ssize_t stamp_len = 0;
     int is_shm, kind;
     PyObject *seq;
-    if (!PyArg_ParseTuple(args, "spiO", &target, &is_shm, &kind, &seq))
+    if (!PyArg_ParseTuple(args, "spiO|y#", &target, &is_shm, &kind, &seq, &stamp, &stamp_len))
         return NULL;
+    if (stamp_len > 256)
+        return PyErr_Format(PyExc_ValueError, "stamp too long");
     if (kind != KIND_FILE && !(kind == KIND_ROBUST && HAVE_ROBUST))
         return PyErr_Format(CoreError, "lock kind %d is not available on this system", kind);
     PyObject *fast = PySequence_Fast(seq, "a sequence of (member, serial)");
@@ -1468,6 +1570,15 @@ static PyObject *mod_probe(PyObject *self, PyObject *args)
         Py_DECREF(fast);
         return PyErr_Format(CoreError, "cannot open the lock target %s: %s", target, strerror(errno));
     }
+    int unknown = 0; /* not the segment's lock file: nothing it says is known (alive) */
+    if (stamp_len > 0) {
+        char seen[256];
+        ssize_t got;
+        Py_BEGIN_ALLOW_THREADS
+        got = pread(targets[t].fd, seen, (size_t)stamp_len, STAMP_AT);
+        Py_END_ALLOW_THREADS
+        unknown = got != stamp_len || memcmp(seen, stamp, (size_t)stamp_len) != 0;
+    }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
@@ -1480,6 +1591,8 @@ static PyObject *mod_probe(PyObject *self, PyObject *args)
         int alive;
         if (m < 0 || m >= MAX_MEMBERS)
             alive = 0;
+        else if (unknown)
+            alive = 1;
         else if (targets[t].own[m] != 0 && (serial == 0 || targets[t].own[m] == serial))
             alive = 1;
         else

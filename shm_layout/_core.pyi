@@ -36,6 +36,7 @@ class Core:
         target: str,
         target_is_shm: bool,
         segment: str,
+        stamp: bytes = b"",
     ) -> None: ...
     @property
     def member(self) -> tuple[int, int]: ...
@@ -79,5 +80,9 @@ class Core:
 def init_mutex(buffer: object, offset: int) -> None: ...
 def fields() -> tuple[str, ...]: ...
 def probe(
-    target: str, is_shm: bool, kind: int, members: Sequence[tuple[int, int]]
+    target: str,
+    is_shm: bool,
+    kind: int,
+    members: Sequence[tuple[int, int]],
+    stamp: bytes = b"",
 ) -> list[bool]: ...

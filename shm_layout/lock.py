@@ -28,11 +28,13 @@ where it exists (it is shared exactly like the segment, also under systemd's
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 from collections.abc import Sequence
 
 from shm_layout import _core, ipc, layout
+from shm_layout.layout import H
 
 FORCE_LOCK_FILE_ENV = "GATEWAY_CAPACITY_LOCK_FILE"
 LOCK_DIR_ENV = "GATEWAY_CAPACITY_LOCK_DIR"
@@ -57,15 +59,25 @@ def lock_file_path(segment: str) -> str:
     return os.path.join(directory, segment.lstrip("/") + ".lock")
 
 
-def prepare(buf: object, segment: str, kind: int, mode: int) -> None:
+STAMP_AT = 4096  # offset of the stamp in the lock file (_core.c reads it there)
+
+
+def stamp(buf: mmap.mmap | bytes) -> bytes:
+    """What ties a lock file to its segment: the creator's fields of the header."""
+    return b"gwcap-lock:" + b"".join(
+        H[k].codec.pack(H[k].get(buf)) for k in ("created_at", "creator_pid", "creator_start")
+    )
+
+
+def prepare(buf: mmap.mmap, segment: str, kind: int, mode: int) -> None:
     """At creation, before the init mark: make the lock usable for everyone to come."""
     if kind == layout.LOCK_ROBUST:
         _core.init_mutex(buf, layout.MUTEX_OFFSET)
     else:
-        ensure_lock_file(segment, mode)
+        ensure_lock_file(segment, mode, stamp(buf))
 
 
-def ensure_lock_file(segment: str, mode: int) -> str:
+def ensure_lock_file(segment: str, mode: int, mark: bytes) -> str:
     path = lock_file_path(segment)
     try:
         with ipc.exact_mode(mode):
@@ -77,6 +89,13 @@ def ensure_lock_file(segment: str, mode: int) -> str:
         ) from None
     try:
         info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode):
+            os.pwrite(fd, mark, STAMP_AT)  # attachers check it (see open_core)
+    except OSError as exc:
+        raise LockSetupError(
+            f"cannot write the lock file {path} ({exc.strerror}); set ${LOCK_DIR_ENV} to a "
+            "directory every process of this gateway can write"
+        ) from None
     finally:
         os.close(fd)  # no lock is held through it yet; the core keeps its own descriptor
     if not stat.S_ISREG(info.st_mode) or info.st_mode & stat.S_IRWXO:
@@ -93,26 +112,30 @@ def _target(segment: str, kind: int) -> tuple[str, bool]:
     return lock_file_path(segment), False
 
 
-def open_core(segment: str, buf: object, kind: int) -> _core.Core:
+def open_core(segment: str, buf: mmap.mmap, kind: int) -> _core.Core:
     """The compiled core for a writable mapping of ``segment``."""
     target, is_shm = _target(segment, kind)
+    mark = stamp(buf) if kind == layout.LOCK_FILE else b""
     try:
-        return _core.Core(buf, layout.core_offsets(), kind, target, is_shm, segment)
+        return _core.Core(buf, layout.core_offsets(), kind, target, is_shm, segment, mark)
     except CoreError as exc:
         raise LockSetupError(str(exc)) from None
 
 
-def members_alive(segment: str, kind: int, members: Sequence[tuple[int, int]]) -> list[bool]:
+def members_alive(
+    segment: str, kind: int, members: Sequence[tuple[int, int]], mark: bytes = b""
+) -> list[bool]:
     """For readers: is the process registered as each (member, serial) alive?
 
-    When the lock target cannot be opened the answer is "alive" for all: not
-    knowing is never "dead" (R-A5).
+    When the lock target cannot be opened, or (with ``mark``, the segment's
+    :func:`stamp`) is not the file the segment was created with, the answer is
+    "alive" for all: not knowing is never "dead" (R-A5).
     """
     if not members:
         return []
     target, is_shm = _target(segment, kind)
     try:
-        return list(_core.probe(target, is_shm, kind, list(members)))
+        return list(_core.probe(target, is_shm, kind, list(members), mark))
     except CoreError:
         return [True] * len(members)
 

@@ -14,6 +14,7 @@ CPython gh-82300); only :func:`unlink_segment` removes them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -213,7 +214,11 @@ def _try_create(name: str, group_shared: bool) -> mmap.mmap | None:
         return None
     try:
         os.fchmod(shm.fd, mode)
+        _reserve(name, shm.fd)
         buf = mmap.mmap(shm.fd, layout.TOTAL_SIZE)
+    except SegmentError:
+        _unlink_shm(name)
+        raise
     finally:
         shm.close_fd()
     pid, start = my_identity()
@@ -242,6 +247,24 @@ def _try_create(name: str, group_shared: bool) -> mmap.mmap | None:
     H["lock_kind"].put(buf, kind)
     H["init_complete"].put(buf, INIT_MARK)  # last (R-G2)
     return buf
+
+
+def _reserve(name: str, fd: int) -> None:
+    """Give the new object its memory now. ``ftruncate`` alone makes a sparse object
+    whose pages are found missing only when written: on a full ``/dev/shm`` the first
+    write through the mapping killed the process with SIGBUS, with no word of why."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None:  # macOS: no posix_fallocate for shm objects
+        return
+    try:
+        fallocate(fd, 0, layout.TOTAL_SIZE)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise SegmentError(
+                f"segment {name}: no room for its {layout.TOTAL_SIZE} bytes of shared memory "
+                f"({exc.strerror}); free space in /dev/shm (see df /dev/shm) and start again"
+            ) from None
+        # EOPNOTSUPP, EINVAL: a file system without fallocate keeps the old behaviour
 
 
 def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:

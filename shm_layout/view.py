@@ -31,7 +31,7 @@ from shm_layout.layout import (
 )
 from shm_layout.ledger import effective_limit, holder_base, member_base, provider_base
 from shm_layout.liveness import is_alive
-from shm_layout.lock import kind_name, members_alive
+from shm_layout.lock import kind_name, members_alive, stamp
 from shm_layout.segment import map_readonly
 
 READ_RETRIES = 200
@@ -174,7 +174,8 @@ def parse_view(
     now = time.time() if now is None else now
     kind = H["lock_kind"].get(data)
     registered = _registrations(data)
-    alive = dict(zip(registered, members_alive(name, kind, registered), strict=True))
+    mark = stamp(data) if kind == layout.LOCK_FILE else b""
+    alive = dict(zip(registered, members_alive(name, kind, registered, mark), strict=True))
     members = _members(data, alive)
     labels = {m.index: m.generation for m in members}
     providers: list[ProviderView] = []

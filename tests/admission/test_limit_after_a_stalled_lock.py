@@ -1,0 +1,76 @@
+"""The limit in force is judged at the moment of the section, not when the request
+started waiting for the lock (R-A1, R-L7).
+
+The core used to be handed the caller's ``time.time()``, read before it waited for the
+segment lock. Behind a lock holder stopped for longer than a publication's remaining
+life, every waiting request was then admitted against the expired publication: three
+running against a fallback of one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from gwtest import Agent, wait_until
+
+from handler_shim import Admission
+from shm_layout import writer
+from shm_layout.view import read_view
+
+
+def test_r_a1_an_expired_publication_is_not_applied_after_a_stalled_lock(
+    sem_mode: str,
+    segment_name: str,
+    write_config: Callable[..., Path],
+    agents: Callable[..., Agent],
+) -> None:
+    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 1}]})
+    adm = Admission.attach(config=cfg, segment=segment_name, generation="stale")
+    seg = adm._seg
+    epoch = writer.take_epoch(seg, os.getpid(), 0.0, time.time(), 1.0, "test")
+    now = time.time()
+    expires = now + 1.5
+    publication = writer.Publication(
+        "p1",
+        True,
+        1,
+        "provider",
+        limit=3,
+        reason="test",
+        observed_at=now - 28.5,
+        expires_at=expires,
+    )
+    writer.publish(seg, epoch, 1, "ok", [publication], now)
+    holder = agents("--segment", segment_name, "--config", str(cfg), "lock")
+    holder.expect("locked")
+    os.kill(holder.pid, signal.SIGSTOP)
+    release = threading.Event()
+    admitted: list[float] = []
+
+    def one() -> None:
+        with adm.slot_blocking("p1", timeout=20):
+            admitted.append(time.time())
+            release.wait(20)
+
+    threads = [threading.Thread(target=one) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()  # each reads the clock, then waits for the stalled lock
+        assert wait_until(lambda: time.time() > expires + 0.5, 10)
+        holder.kill()  # the kernel frees the lock: the fallback of 1 is in force now
+        assert wait_until(lambda: len(admitted) >= 1, 10)
+        time.sleep(0.5)  # room for a wrong second admission to happen
+        p1 = read_view(segment_name).provider("p1")
+        assert p1 is not None
+        assert p1.effective_limit == 1
+        assert (len(admitted), p1.running) == (1, 1), admitted
+    finally:
+        release.set()
+        for t in threads:
+            t.join()
+        adm.close()
