@@ -527,10 +527,14 @@ static void to_timespec(double t, struct timespec *ts)
     }
 }
 
-static void short_nap(void)
+/* One pause of a poll for a lock that has no timed wait (fcntl record locks): from 0.2 ms,
+ * doubling to 2 ms, so that many waiters behind a stopped holder do not spin a core. */
+static void short_nap(long *ns)
 {
-    struct timespec ts = {0, 200000}; /* 0.2 ms */
+    struct timespec ts = {0, *ns};
     nanosleep(&ts, NULL);
+    if (*ns < 2000000L)
+        *ns *= 2;
 }
 
 /* 0: entered; 1: busy (try) or deadline passed; -1: error (errno). ``deadline`` is
@@ -565,15 +569,23 @@ static int enter(Core *c, int blocking, double deadline)
 #endif
     } else {
         Target *t = &targets[c->target];
+        long nap = 200000L;
         if (!blocking) {
             if (pthread_mutex_trylock(&t->mu) != 0)
                 return 1;
         } else if (deadline > 0) {
+#ifdef __linux__
+            struct timespec ts;
+            to_timespec(deadline, &ts);
+            if (pthread_mutex_clocklock(&t->mu, CLOCK_MONOTONIC, &ts) != 0)
+                return 1;
+#else
             while (pthread_mutex_trylock(&t->mu) != 0) {
                 if (mono_now() >= deadline)
                     return 1;
-                short_nap();
+                short_nap(&nap);
             }
+#endif
         } else
             pthread_mutex_lock(&t->mu);
         int wait = blocking && deadline <= 0;
@@ -584,7 +596,7 @@ static int enter(Core *c, int blocking, double deadline)
                     pthread_mutex_unlock(&t->mu);
                     return 1;
                 }
-                short_nap();
+                short_nap(&nap);
                 continue;
             }
             pthread_mutex_unlock(&t->mu);
@@ -1447,6 +1459,11 @@ static PyMethodDef Core_methods[] = {
     {NULL}
 };
 
+static PyObject *Core_get_busy(Core *c, void *closure)
+{
+    return PyLong_FromLong(c->busy);
+}
+
 static PyObject *Core_get_held(Core *c, void *closure)
 {
     return PyLong_FromLong(c->held);
@@ -1455,6 +1472,7 @@ static PyObject *Core_get_held(Core *c, void *closure)
 static PyGetSetDef Core_getset[] = {
     {"member", (getter)Core_get_member, NULL, "(member, serial) of this registration", NULL},
     {"held", (getter)Core_get_held, NULL, "live tickets of this object (running or waiting)", NULL},
+    {"busy", (getter)Core_get_busy, NULL, "calls of other threads inside the core now", NULL},
     {NULL}
 };
 

@@ -30,6 +30,7 @@ from shm_layout.liveness import is_alive, my_identity
 log = logging.getLogger("gateway_capacity.segment")
 
 INIT_WAIT_S = 2.0
+CLOSE_WAIT_S = 2.0
 
 
 class SegmentError(Exception):
@@ -124,6 +125,19 @@ class Segment:
         if self._closed:
             return
         self._closed = True
+        # Other threads may still be inside the core (a slot() in flight while the
+        # handler shuts down): give them a moment; if they stay, leave the mapping to
+        # the process rather than pull it from under them.
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while self.core.busy and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if self.core.busy:
+            log.warning(
+                "segment %s: closed while other threads were still inside it; its mapping "
+                "stays until the process exits",
+                self.name,
+            )
+            return
         self.core.close()
         for sem in self._doorbells.values():
             sem.close()

@@ -110,3 +110,42 @@ def test_r_a11_a_stopped_lock_holder_never_freezes_the_event_loop(
         adm.close()
     assert worst < 0.5, f"the event loop was blocked for {worst:.2f}s"
     assert admitted >= 3.0
+
+
+def test_r_a12_close_while_other_threads_wait_for_the_lock_leaves_nothing(
+    sem_mode: str,
+    segment_name: str,
+    write_config: Callable[..., Path],
+    agents: Callable[..., Agent],
+) -> None:
+    """A handler shutting down (close(), or the atexit hook) while its threads are still
+    inside slot(), waiting for a lock another process holds: close() returns, the
+    threads finish, and no record of this process is left."""
+    import threading
+
+    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 4}]})
+    adm = Admission.attach(config=cfg, segment=segment_name, generation="closing")
+    holder = agents("--segment", segment_name, "--config", str(cfg), "lock")
+    holder.expect("locked")
+    outcomes: list[str] = []
+
+    def worker() -> None:
+        try:
+            with adm.slot_blocking("p1", timeout=5):
+                time.sleep(0.2)
+            outcomes.append("ok")
+        except Exception as exc:  # recorded and asserted below
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # all three are inside the core, waiting for the lock
+    killer = threading.Timer(1.0, holder.kill)
+    killer.start()
+    adm.close()  # must not raise while they are inside
+    for t in threads:
+        t.join(10)
+    killer.join()
+    assert len(outcomes) == 3, outcomes
+    assert wait_until(lambda: _records_of(segment_name, os.getpid()) == [], timeout=3)
