@@ -119,6 +119,13 @@ def open_core(segment: str, buf: mmap.mmap, kind: int) -> _core.Core:
     try:
         return _core.Core(buf, layout.core_offsets(), kind, target, is_shm, segment, mark)
     except CoreError as exc:
+        if kind == layout.LOCK_FILE and not os.path.exists(target):
+            raise LockSetupError(
+                f"its lock file {target} is gone (removed by hand or by a cleaner of "
+                f"{os.path.dirname(target)}); stop this gateway's handlers and sidecar, then "
+                f"'gateway-capacity inspect --segment {segment} --unlink --force' and start "
+                "them again"
+            ) from None
         raise LockSetupError(str(exc)) from None
 
 

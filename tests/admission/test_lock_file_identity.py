@@ -51,3 +51,15 @@ def test_r_a1_a_process_that_would_lock_another_file_refuses(
     assert "lock file" in message and "\n" not in message, message
     p1 = read_view(segment_name).provider("p1")
     assert p1 is not None and p1.running == 1  # the holder's slot was never taken
+
+
+def test_a_removed_lock_file_is_one_line_that_says_what_to_do(
+    segment_name: str, write_config: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(LOCK_FILE_ENV, "1")
+    cfg = write_config({"providers": [{"id": "p1"}]})
+    Admission.attach(config=cfg, segment=segment_name, generation="first").close()
+    os.unlink(lock.lock_file_path(segment_name))
+    with pytest.raises(SegmentError, match=r"lock file .* is gone.*--unlink --force") as info:
+        Admission.attach(config=cfg, segment=segment_name, generation="second")
+    assert "\n" not in str(info.value)
