@@ -28,13 +28,13 @@ from sidecar.config import (
     ConfigError,
     GatewayConfig,
     ProviderConfig,
-    fallback_limit,
     load_config,
     parse_base_url,
     provider_problems,
     raw_provider_entries,
 )
 from sidecar.credential import CredentialError, read_credential
+from sidecar.limits import fallback_for
 
 CHECK_DEADLINE_S = 3.0  # the probe's own deadline for resolution and checks (R-P5)
 
@@ -118,7 +118,7 @@ async def _check_provider(
     socket_path: str | None,
 ) -> dict[str, Any]:
     status = config.statuses[provider.id]
-    limit, source = fallback_limit(provider, config)
+    limit, source = fallback_for(provider.max_concurrent, config.max_concurrent)
     if raw:
         provider, problems = provider_problems(raw)
     else:

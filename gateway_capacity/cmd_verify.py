@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from shm_layout.segment import SegmentError, SegmentMissing
     from shm_layout.view import read_view
     from sidecar.config import ConfigError, load_config
-    from sidecar.limits import OPT_IN_REFUSED, LimitDecision, decide, rules_from_config
+    from sidecar.limits import OPT_IN_REFUSED, decide, previous_from_view, rules_from_config
     from sidecar.probe import probe_providers
 
     if not args.config:
@@ -66,19 +66,7 @@ def run(args: argparse.Namespace) -> int:
     agree = True
     for r in rules:
         seen = view.provider(r.provider_id)
-        previous = None
-        if seen is not None and seen.discovered is not None:
-            previous = LimitDecision(
-                provider_id=r.provider_id,
-                effective_limit=seen.effective_limit,
-                source=seen.source,
-                reason=seen.reason,
-                discovered=seen.discovered,
-                observed_at=seen.observed_at,
-                expires_at=seen.expires_at,
-                fallback_limit=seen.fallback_limit,
-                fallback_source=seen.fallback_source,
-            )
+        previous = None if seen is None else previous_from_view(seen)
         probe = probes.get(r.provider_id)
         decision = decide(r, probe, previous, now, legacy_draining=draining)
         segment_limit = None if seen is None else seen.effective_limit

@@ -128,14 +128,15 @@ class ProviderEntry:
 
 
 def providers_from_config(path: str | os.PathLike[str]) -> list[ProviderEntry]:
-    from sidecar.config import fallback_limit, load_config  # config only: no httpx
+    from sidecar.config import load_config  # config types and rules only: no httpx
+    from sidecar.limits import fallback_for
 
     cfg = load_config(path)
     for skipped in cfg.skipped:
         log.warning("config %s: %s", cfg.source, skipped)
     out = []
     for provider in cfg.providers:
-        limit, source = fallback_limit(provider, cfg)
+        limit, source = fallback_for(provider.max_concurrent, cfg.max_concurrent)
         out.append(ProviderEntry(provider.id, limit, source, provider.capacity_discovery))
     return out
 

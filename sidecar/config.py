@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final
 from urllib.parse import urlsplit
 
 import msgspec
@@ -37,14 +37,11 @@ import msgspec
 from sidecar.addresses import classify, is_localhost_name, parse_ip, static_opt_in
 from sidecar.credential import check_credential_spec
 
-DEFAULT_MAX_CONCURRENT: Final = 4  # REQUIREMENTS.md section 5: fallback when neither level sets one
 MAX_PROVIDER_ID_BYTES: Final = 64
 MAX_LIMIT: Final = 2**31 - 1  # fits any 32-bit counter in the segment
 
 Limit = Annotated[int, msgspec.Meta(ge=0, le=MAX_LIMIT)]
 UpstreamModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-
-LimitSource = Literal["provider", "gateway", "default"]
 
 
 class ConfigError(Exception):
@@ -120,15 +117,6 @@ class GatewayConfig:
             if p.id == provider_id:
                 return p
         return None
-
-
-def fallback_limit(provider: ProviderConfig, gateway: GatewayConfig) -> tuple[int, LimitSource]:
-    """``provider.maxConcurrent ?? gateway.maxConcurrent ?? 4`` and where it came from."""
-    if provider.max_concurrent is not None:
-        return provider.max_concurrent, "provider"
-    if gateway.max_concurrent is not None:
-        return gateway.max_concurrent, "gateway"
-    return DEFAULT_MAX_CONCURRENT, "default"
 
 
 def parse_base_url(base_url: str) -> Endpoint:

@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from shm_layout import layout, writer
@@ -38,10 +38,12 @@ from sidecar import sdnotify
 from sidecar.config import ConfigError, GatewayConfig, ProviderConfig, load_config
 from sidecar.limits import (
     DISCOVERED,
-    DISCOVERED_CAP,
     LimitDecision,
     ProviderRules,
     decide,
+    fallback_for,
+    inherited_from_view,
+    keep_inherited,
     rules_from_config,
 )
 from sidecar.metrics import SidecarMetrics, probe_reasons
@@ -467,57 +469,28 @@ class Sidecar:
         return decision
 
     def _decide_once(self, state: _ProviderState, now: float) -> LimitDecision:
-        """Section 5's decision, except that a restart does not undo a limit in force.
-
-        Until a provider's first probe, a discovered limit that the previous
-        sidecar published and that has not expired stays in force (R-L7, R-G5):
-        publishing the fallback meanwhile would let waiters in that the farm
-        has no room for (or shut out work it has room for).
-        """
+        """Section 5's decision; until the first probe, a limit inherited from the
+        previous sidecar stays in force (``limits.keep_inherited``)."""
         decision = decide(
             state.rules, state.probe, state.last_discovered, now, legacy_draining=self._draining()
         )
-        pid = state.rules.provider_id
+        provider_id = state.rules.provider_id
         if state.probe is not None or not state.rules.discovery_active:
-            self.inherited.pop(pid, None)
+            self.inherited.pop(provider_id, None)
             return decision
-        kept = self.inherited.get(pid)
-        if kept is None or decision.source != decision.fallback_source:
-            return decision  # nothing kept, or not a fallback (e.g. a legacy drain)
-        if kept.expires_at is None or kept.expires_at <= now:
-            self.inherited.pop(pid, None)
+        kept = self.inherited.get(provider_id)
+        if kept is None:
             return decision
-        ceiling = DISCOVERED_CAP
-        if state.rules.provider_max is not None:  # 0 is a ceiling too
-            ceiling = min(ceiling, state.rules.provider_max)
-        limit = min(kept.effective_limit, ceiling)
-        return replace(
-            kept,
-            effective_limit=limit,
-            discovered=limit,
-            fallback_limit=decision.fallback_limit,
-            fallback_source=decision.fallback_source,
-        )
+        return keep_inherited(decision, kept, state.rules, now) or decision
 
     def _inherit_limits(self, now: float) -> dict[str, LimitDecision]:
         """Unexpired discovered limits in the segment, as the previous sidecar left them."""
         data, _ = snapshot_bytes(self.seg.buf)
         kept = {}
-        for p in parse_view(self.segment_name, data, now=now).providers:
-            if p.source != DISCOVERED or p.expires_at is None or p.expires_at <= now:
-                continue
-            prefix = "kept from the previous sidecar until the first probe: "
-            kept[p.id] = LimitDecision(
-                provider_id=p.id,
-                effective_limit=p.effective_limit,
-                source=DISCOVERED,
-                reason=p.reason if p.reason.startswith(prefix) else prefix + p.reason,
-                discovered=p.effective_limit,
-                observed_at=p.observed_at,
-                expires_at=p.expires_at,
-                fallback_limit=p.fallback_limit,
-                fallback_source=p.fallback_source,
-            )
+        for seen in parse_view(self.segment_name, data, now=now).providers:
+            decision = inherited_from_view(seen, now)
+            if decision is not None:
+                kept[seen.id] = decision
         return kept
 
     def _draining(self) -> bool:
@@ -583,9 +556,7 @@ class Sidecar:
         failed = (
             d.source == d.fallback_source
             and (state.probe is not None or state.rules.refused_reason is not None)
-        ) or bool(
-            d.missing_models
-        )
+        ) or bool(d.missing_models)
         log.log(
             logging.WARNING if failed else logging.INFO,
             "provider %s: limit %d (%s): %s",
@@ -701,8 +672,6 @@ def parse_listen(listen: str) -> tuple[str, int]:
 def _fallback(decision: LimitDecision | None, rules: ProviderRules) -> tuple[int, str]:
     if decision is not None:
         return decision.fallback_limit, decision.fallback_source
-    from sidecar.limits import fallback_for
-
     return fallback_for(rules.provider_max, rules.gateway_max)
 
 
