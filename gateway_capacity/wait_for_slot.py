@@ -233,6 +233,7 @@ def describe(last: Sample, need: int) -> str:
 
 def key_from_env(name: str) -> Secret:
     """The key in environment variable ``name``, trimmed and checked like a key file."""
+    from sidecar.contract import bearer_key
     from sidecar.credential import CredentialError, Secret
 
     if not _ENV_NAME.match(name):
@@ -240,14 +241,10 @@ def key_from_env(name: str) -> Secret:
     value = os.environ.get(name)
     if value is None:
         raise CredentialError("the environment variable named by --key-env is not set")
-    key = value.encode("utf-8", "surrogateescape").rstrip(b"\r\n ")
-    if not key:
-        raise CredentialError("the environment variable named by --key-env is empty")
-    if any(byte < 0x21 or byte > 0x7E for byte in key):
-        raise CredentialError(
-            "the environment variable named by --key-env contains whitespace, a control "
-            "character or non-ASCII inside the key"
-        )
+    try:
+        key = bearer_key(value.encode("utf-8", "surrogateescape"))
+    except ValueError as exc:
+        raise CredentialError(f"the environment variable named by --key-env {exc}") from None
     return Secret(key.decode("ascii"))
 
 
@@ -417,12 +414,10 @@ class MetricsSampler:
             # we asked for identity; a compressed body would only be measured after
             # inflating it, so the cap would mean nothing
             return Fatal(f"the metrics answer is compressed ({coding}); asked for identity")
-        body = bytearray()
-        async for chunk in response.aiter_raw():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                return too_large
-        return bytes(body)
+        from sidecar.contract import read_capped
+
+        body = await read_capped(response.aiter_raw(), MAX_BODY_BYTES)
+        return too_large if body is None else body
 
 
 # --------------------------------------------------------------------------- local mode
