@@ -60,20 +60,30 @@ def register(subparsers: Any) -> None:
     )
     serve.add_argument("--workers", required=True, metavar="FILE", help="worker registry (JSON)")
     serve.add_argument(
-        "--key-file", required=True, metavar="PATH",
+        "--key-file",
+        required=True,
+        metavar="PATH",
         help="bearer key clients must send (owner-only file)",
     )
     serve.add_argument(
-        "--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
+        "--listen",
+        default=DEFAULT_LISTEN,
+        metavar="HOST:PORT",
         help=f"address to serve on (default {DEFAULT_LISTEN}; [::1]:PORT for IPv6; "
         "port 0 picks a free one)",
     )
     serve.add_argument(
-        "--poll", type=_positive_float, default=1.0, metavar="S",
+        "--poll",
+        type=_positive_float,
+        default=1.0,
+        metavar="S",
         help="seconds between observations (default 1)",
     )
     serve.add_argument(
-        "--poll-timeout", type=_positive_float, default=2.0, metavar="S",
+        "--poll-timeout",
+        type=_positive_float,
+        default=2.0,
+        metavar="S",
         help="deadline for one worker's poll (default 2)",
     )
     add_log_options(serve)
@@ -98,7 +108,9 @@ def register(subparsers: Any) -> None:
         "--port", type=_port, default=0, metavar="P", help="port (default 0: a free one)"
     )
     simworker.add_argument(
-        "--host", default="127.0.0.1", choices=("127.0.0.1", "::1"),
+        "--host",
+        default="127.0.0.1",
+        choices=("127.0.0.1", "::1"),
         help="loopback address to serve on (default 127.0.0.1)",
     )
     simworker.add_argument(
@@ -108,7 +120,9 @@ def register(subparsers: Any) -> None:
 
 def _add_client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--url", default=DEFAULT_URL, metavar="URL",
+        "--url",
+        default=DEFAULT_URL,
+        metavar="URL",
         help=f"the router on this host (default {DEFAULT_URL})",
     )
     parser.add_argument("--key-file", required=True, metavar="PATH", help="the router's key file")
@@ -142,14 +156,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _parse_listen(text: str) -> tuple[str, int]:
-    match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([^:\[\]]+):(\d{1,5})", text)
-    if match is None:
-        fail(f"--listen must be HOST:PORT or [IPv6]:PORT, not {text!r}", code=2)
-    host = match.group(1) or match.group(3)
-    port = int(match.group(2) or match.group(4))
-    if port > 65535:
-        fail(f"--listen port out of range: {port}", code=2)
-    return host, port
+    from sidecar.addresses import parse_host_port
+
+    try:
+        return parse_host_port(text)
+    except ValueError as exc:
+        fail(f"--listen {exc}", code=2)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -162,8 +174,12 @@ def _serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_format, args.log_level, prefix="router: ")
     host, port = _parse_listen(args.listen)
     server = RouterServer(
-        args.workers, args.key_file, host=host, port=port,
-        poll_interval=args.poll, poll_timeout=args.poll_timeout,
+        args.workers,
+        args.key_file,
+        host=host,
+        port=port,
+        poll_interval=args.poll,
+        poll_timeout=args.poll_timeout,
     )
     stop = threading.Event()
 
@@ -209,8 +225,10 @@ def _simworker(args: argparse.Namespace) -> int:
     except OSError as exc:
         where = f"[{args.host}]" if ":" in args.host else args.host
         fail(f"cannot listen on {where}:{args.port}: {exc.strerror or exc}", code=2)
-    print(f"simulated worker on {worker.url} ({args.slots} slots): GET /props, GET /health",
-          flush=True)
+    print(
+        f"simulated worker on {worker.url} ({args.slots} slots): GET /props, GET /health",
+        flush=True,
+    )
     try:
         stop.wait()
     finally:
@@ -236,8 +254,9 @@ def _loopback_base(url: str) -> str:
         except ValueError:
             loopback = False
     if parts.scheme not in ("http", "https") or not loopback:
-        fail(f"--url must be an http(s) URL of a router on this host (loopback), not {url!r}",
-             code=2)
+        fail(
+            f"--url must be an http(s) URL of a router on this host (loopback), not {url!r}", code=2
+        )
     if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
         fail("--url must not carry credentials, a query or a fragment", code=2)
     return url.rstrip("/")
@@ -264,11 +283,10 @@ def _client(args: argparse.Namespace, action: str) -> int:
     except KeyFileError as exc:
         fail(str(exc), code=2)
     try:
-        with httpx.Client(trust_env=False, follow_redirects=False,
-                          timeout=_ADMIN_TIMEOUT_S) as client:
-            response = client.request(
-                method, target, headers={b"Authorization": b"Bearer " + key}
-            )
+        with httpx.Client(
+            trust_env=False, follow_redirects=False, timeout=_ADMIN_TIMEOUT_S
+        ) as client:
+            response = client.request(method, target, headers={b"Authorization": b"Bearer " + key})
     except httpx.HTTPError as exc:
         fail(f"cannot reach the router at {base}: {type(exc).__name__}", code=2)
     try:

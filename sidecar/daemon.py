@@ -35,6 +35,7 @@ from shm_layout.names import resolve_segment_name
 from shm_layout.segment import Segment
 from shm_layout.view import parse_view, snapshot_bytes
 from sidecar import sdnotify
+from sidecar.addresses import parse_host_port
 from sidecar.config import ConfigError, GatewayConfig, ProviderConfig, load_config
 from sidecar.limits import (
     DISCOVERED,
@@ -662,11 +663,12 @@ def status_line(
 
 def parse_listen(listen: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT``; an empty host is 127.0.0.1); ``StartupError`` if not."""
-    host, sep, port = listen.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
-    if not sep or not port.isascii() or not port.isdigit() or int(port) > 65535:
-        raise StartupError(f"--metrics-listen {listen}: expected HOST:PORT, e.g. 127.0.0.1:9464")
-    return host, int(port)
+    try:
+        return parse_host_port(listen, empty_host="127.0.0.1")
+    except ValueError:
+        raise StartupError(
+            f"--metrics-listen {listen}: expected HOST:PORT or [IPv6]:PORT, e.g. 127.0.0.1:9464"
+        ) from None
 
 
 def _fallback(decision: LimitDecision | None, rules: ProviderRules) -> tuple[int, str]:
