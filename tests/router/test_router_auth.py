@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
-from router_support import KEY, get_capacity, rows, wait_for, worker, write_registry
+from gwtest import wait_for
+from router_support import KEY, Router, Sim, get_capacity, rows, worker, write_registry
 
-from capacity_router import KeyFileError, RouterServer, SimWorker, read_key_file
+from capacity_router import KeyFileError, RouterServer, read_key_file
 from capacity_router.app import build_app
 from capacity_router.keyfile import KeyFile
 from capacity_router.poller import CapacityObserver
 from capacity_router.registry import RegistryWatcher
-
-Router = Callable[..., RouterServer]
-Sim = Callable[..., SimWorker]
 
 
 @pytest.mark.parametrize(
