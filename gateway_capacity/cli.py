@@ -15,6 +15,7 @@ import signal
 import sys
 
 from gateway_capacity import common
+from gateway_capacity.common import EXIT_USAGE
 
 # subcommand module, in the order --help lists them
 _COMMANDS = (
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"gateway-capacity: error: unrecognized arguments: {' '.join(shown)}", file=sys.stderr
         )
-        return 2
+        return EXIT_USAGE
     common.json_errors = bool(getattr(args, "json", False))
     try:
         code: int = args.func(args)

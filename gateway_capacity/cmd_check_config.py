@@ -21,7 +21,7 @@ import json
 import os
 from typing import Any
 
-from gateway_capacity.common import fail
+from gateway_capacity.common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, fail
 from shm_layout.names import ENV_VAR, BadSegmentName, resolve_segment_name
 from sidecar.addresses import ResolveError, check_provider_addresses
 from sidecar.config import (
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        fail(str(exc), code=2)
+        fail(str(exc), code=EXIT_USAGE)
     entries = raw_provider_entries(args.config)
     report = asyncio.run(_check(config, entries, args.tailscale_socket))
     report["segment"], report["segment_from"] = _segment(args.config)
@@ -82,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
         report["skipped"]
         or any(p["discovery_requested"] and not p["discovery_active"] for p in report["providers"])
     ):
-        return 1
-    return 0
+        return EXIT_PROBLEM
+    return EXIT_OK
 
 
 def _segment(config_path: str) -> tuple[str | None, str]:

@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from gateway_capacity.common import fail
+from gateway_capacity.common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, fail
 from gateway_capacity.logs import add_log_options
 
 DEFAULT_PORT = 8731
@@ -161,7 +161,7 @@ def _parse_listen(text: str) -> tuple[str, int]:
     try:
         return parse_host_port(text)
     except ValueError as exc:
-        fail(f"--listen {exc}", code=2)
+        fail(f"--listen {exc}", code=EXIT_USAGE)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -191,18 +191,18 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         server.start()
     except (RegistryError, KeyFileError) as exc:
-        fail(str(exc), code=2)
+        fail(str(exc), code=EXIT_USAGE)
     except OSError as exc:
-        fail(f"cannot listen on {args.listen}: {exc.strerror or exc}", code=2)
+        fail(f"cannot listen on {args.listen}: {exc.strerror or exc}", code=EXIT_USAGE)
     print(f"serving {server.url}/v1/capacity", flush=True)
     try:
         while not stop.wait(0.5):
             if not server.running:
                 print("gateway-capacity: router stopped unexpectedly", file=sys.stderr)
-                return 1
+                return EXIT_PROBLEM
     finally:
         server.stop()
-    return 0
+    return EXIT_OK
 
 
 def _simworker(args: argparse.Namespace) -> int:
@@ -224,7 +224,7 @@ def _simworker(args: argparse.Namespace) -> int:
         worker.start()
     except OSError as exc:
         where = f"[{args.host}]" if ":" in args.host else args.host
-        fail(f"cannot listen on {where}:{args.port}: {exc.strerror or exc}", code=2)
+        fail(f"cannot listen on {where}:{args.port}: {exc.strerror or exc}", code=EXIT_USAGE)
     print(
         f"simulated worker on {worker.url} ({args.slots} slots): GET /props, GET /health",
         flush=True,
@@ -233,7 +233,7 @@ def _simworker(args: argparse.Namespace) -> int:
         stop.wait()
     finally:
         worker.stop()
-    return 0
+    return EXIT_OK
 
 
 # -- fence / unfence / show ---------------------------------------------------
@@ -245,7 +245,7 @@ def _loopback_base(url: str) -> str:
         parts = urlsplit(url)
         _ = parts.port  # raises on a bad port
     except ValueError as exc:
-        fail(f"--url {url!r}: {exc}", code=2)
+        fail(f"--url {url!r}: {exc}", code=EXIT_USAGE)
     host = parts.hostname or ""
     loopback = host == "localhost"
     if not loopback:
@@ -255,10 +255,11 @@ def _loopback_base(url: str) -> str:
             loopback = False
     if parts.scheme not in ("http", "https") or not loopback:
         fail(
-            f"--url must be an http(s) URL of a router on this host (loopback), not {url!r}", code=2
+            f"--url must be an http(s) URL of a router on this host (loopback), not {url!r}",
+            code=EXIT_USAGE,
         )
     if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
-        fail("--url must not carry credentials, a query or a fragment", code=2)
+        fail("--url must not carry credentials, a query or a fragment", code=EXIT_USAGE)
     return url.rstrip("/")
 
 
@@ -276,19 +277,19 @@ def _client(args: argparse.Namespace, action: str) -> int:
     else:
         worker: str = args.worker
         if re.fullmatch(WORKER_ID_PATTERN, worker) is None:
-            fail(f"not a valid worker id: {worker!r}", code=2)
+            fail(f"not a valid worker id: {worker!r}", code=EXIT_USAGE)
         method, target = "POST", f"{base}/admin/{action}/{quote(worker, safe='')}"
     try:
         key = read_key_file(args.key_file)
     except KeyFileError as exc:
-        fail(str(exc), code=2)
+        fail(str(exc), code=EXIT_USAGE)
     try:
         with httpx.Client(
             trust_env=False, follow_redirects=False, timeout=_ADMIN_TIMEOUT_S
         ) as client:
             response = client.request(method, target, headers={b"Authorization": b"Bearer " + key})
     except httpx.HTTPError as exc:
-        fail(f"cannot reach the router at {base}: {type(exc).__name__}", code=2)
+        fail(f"cannot reach the router at {base}: {type(exc).__name__}", code=EXIT_USAGE)
     try:
         body: Any = msgspec.json.decode(response.content)
     except msgspec.DecodeError:
@@ -300,22 +301,22 @@ def _client(args: argparse.Namespace, action: str) -> int:
             f"{reason or f'HTTP {response.status_code}'}",
             file=sys.stderr,
         )
-        return 1
+        return EXIT_PROBLEM
     if action == "show":
         try:  # show doubles as a contract check of what the router serves
             decode_snapshot(response.content)
         except ContractError as exc:
             print(f"gateway-capacity: router answered an {exc}", file=sys.stderr)
-            return 1
+            return EXIT_PROBLEM
     if args.json:
         print(response.text)
-        return 0
+        return EXIT_OK
     snapshot = body if action == "show" else body.get("snapshot", {})
     if action != "show":
         state = "fenced" if action == "fence" else "restored"
         print(f"worker {args.worker} {state}")
     print(_describe_snapshot(snapshot))
-    return 0
+    return EXIT_OK
 
 
 def _describe_snapshot(snapshot: dict[str, Any]) -> str:

@@ -16,7 +16,15 @@ import argparse
 import json
 from typing import Any
 
-from gateway_capacity.common import add_target_options, fail, segment_from_args
+from gateway_capacity.common import (
+    EXIT_NO_SEGMENT,
+    EXIT_OK,
+    EXIT_PROBLEM,
+    EXIT_USAGE,
+    add_target_options,
+    fail,
+    segment_from_args,
+)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -40,18 +48,18 @@ def run(args: argparse.Namespace) -> int:
     from sidecar.probe import probe_providers
 
     if not args.config:
-        fail("verify needs --config PATH (the rules come from the config)", 2)
+        fail("verify needs --config PATH (the rules come from the config)", EXIT_USAGE)
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        fail(str(exc), 2)
+        fail(str(exc), EXIT_USAGE)
     name = segment_from_args(args)
     try:
         view = read_view(name)
     except SegmentMissing as exc:
-        fail(str(exc), 3)
+        fail(str(exc), EXIT_NO_SEGMENT)
     except SegmentError as exc:
-        fail(str(exc), 2)
+        fail(str(exc), EXIT_USAGE)
 
     rules = rules_from_config(config)
     opted = [
@@ -108,11 +116,11 @@ def run(args: argparse.Namespace) -> int:
         )
     statuses = {row["status"] for row in rows}
     if statuses & {"differs", "missing_models"}:
-        code = 1
+        code = EXIT_PROBLEM
     elif "no_answer" in statuses:
-        code = 2
+        code = EXIT_USAGE
     else:
-        code = 0
+        code = EXIT_OK
     if args.json:
         print(
             json.dumps(

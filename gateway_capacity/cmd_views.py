@@ -12,11 +12,17 @@ import sys
 import time
 from typing import Any
 
-from gateway_capacity.common import add_target_options, fail, segment_from_args
+from gateway_capacity.common import (
+    EXIT_NO_SEGMENT,
+    EXIT_OK,
+    EXIT_PROBLEM,
+    EXIT_USAGE,
+    add_target_options,
+    fail,
+    segment_from_args,
+)
 from gateway_capacity.schemas import sidecar_status
 
-EXIT_NO_SEGMENT = 3
-EXIT_UNHEALTHY = 1
 # The sidecar beats every 0.5 s; ten missed beats is no scheduling hiccup but a stopped
 # or wedged sidecar (systemd's watchdog, at 20 s, is the slower backstop).
 STALE_HEARTBEAT_S = 5.0
@@ -70,7 +76,7 @@ def _read(args: argparse.Namespace) -> Any:
     except SegmentMissing as exc:
         fail(str(exc), EXIT_NO_SEGMENT)
     except SegmentError as exc:
-        fail(str(exc), 2)
+        fail(str(exc), EXIT_USAGE)
 
 
 def availability_doc(view: Any) -> dict[str, Any]:
@@ -187,12 +193,12 @@ def run_availability(args: argparse.Namespace) -> int:
             print("\n".join(problems))
         else:
             print(f"ok: segment {view.name}, sidecar pid {view.sidecar.pid} running")
-        return EXIT_UNHEALTHY if problems else 0
+        return EXIT_PROBLEM if problems else EXIT_OK
     if args.json:
         print(json.dumps(availability_doc(view), indent=2))
     else:
         print(availability_text(view))
-    return 0
+    return EXIT_OK
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -201,7 +207,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     view = _read(args)
     if args.json:
         print(json.dumps(inspect_doc(view), indent=2))
-        return 0
+        return EXIT_OK
     print(availability_text(view))
     print("\nholders:")
     for h in view.holders:
@@ -212,7 +218,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     if not view.holders:
         print("  (none)")
     print(f"lock: {view.lock_kind}, repairs after a holder died inside it: {view.lock_repairs}")
-    return 0
+    return EXIT_OK
 
 
 def _unlink(args: argparse.Namespace) -> int:
@@ -229,7 +235,10 @@ def _unlink(args: argparse.Namespace) -> int:
         view = None
         unread = str(exc).split(";")[0].split(". ")[0].rstrip(".")
         if not args.force:
-            fail(f"cannot tell who uses {name}: {unread}; add --force to remove it anyway", 2)
+            fail(
+                f"cannot tell who uses {name}: {unread}; add --force to remove it anyway",
+                EXIT_USAGE,
+            )
     if view is not None and not args.force:
         live = [f"handler pid {m.pid} ({m.generation})" for m in view.members if m.alive]
         live += [f"{h.state} holder pid {h.pid}" for h in view.holders if h.alive]
@@ -244,14 +253,14 @@ def _unlink(args: argparse.Namespace) -> int:
     try:
         existed = unlink_segment(name)
     except SegmentError as exc:
-        fail(str(exc), 2)
+        fail(str(exc), EXIT_USAGE)
     if not existed and view is None and unread is None:
         fail(f"no segment {name}", EXIT_NO_SEGMENT)
     if unread is not None:
         print(f"removed segment {name} and its semaphores without reading it ({unread})")
     else:
         print(f"removed segment {name} and its semaphores")
-    return 0
+    return EXIT_OK
 
 
 def run_watch(args: argparse.Namespace) -> int:
@@ -268,7 +277,7 @@ def run_watch(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             shown += 1
             if args.count and shown >= args.count:
-                return 0
+                return EXIT_OK
             time.sleep(max(args.interval, 0.1))
     except KeyboardInterrupt:
-        return 0
+        return EXIT_OK

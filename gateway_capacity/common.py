@@ -5,9 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import NoReturn
+from typing import Final, NoReturn
 
 from shm_layout.names import BadSegmentName, resolve_segment_name
+
+# Exit codes, the same for every subcommand (README, REQUIREMENTS.md section 8).
+EXIT_OK: Final = 0
+EXIT_PROBLEM: Final = 1  # it ran and found a problem: differs, unhealthy, --strict, no room
+EXIT_USAGE: Final = 2  # it could not run or judge: bad option, unusable config, no answer
+EXIT_NO_SEGMENT: Final = 3  # there is no segment to read
 
 
 def add_target_options(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +32,7 @@ def segment_from_args(args: argparse.Namespace) -> str:
     try:
         return resolve_segment_name(getattr(args, "segment", None), getattr(args, "config", None))
     except BadSegmentName as exc:
-        fail(str(exc), code=2)
+        fail(str(exc), code=EXIT_USAGE)
 
 
 # Set by the entry point when the command runs with --json: errors are JSON then too.

@@ -20,6 +20,8 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from gateway_capacity.common import EXIT_OK, EXIT_USAGE
+
 SCHEMA_VERSION: Final = 1
 
 Source = Annotated[
@@ -353,13 +355,13 @@ def main(argv: list[str]) -> int:
     """``python -m gateway_capacity.schemas DIR``: (re)write the schemas into DIR."""
     if len(argv) != 1:
         print("usage: python -m gateway_capacity.schemas DIR", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     directory = Path(argv[0])
     directory.mkdir(parents=True, exist_ok=True)
     for name, text in schema_texts().items():
         (directory / name).write_text(text)
         print(directory / name)
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

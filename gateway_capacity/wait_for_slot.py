@@ -36,7 +36,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, TextIO
 from urllib.parse import quote, urlsplit
 
-from gateway_capacity.common import add_target_options, fail, segment_from_args
+from gateway_capacity.common import (
+    EXIT_OK,
+    EXIT_PROBLEM,
+    EXIT_USAGE,
+    add_target_options,
+    fail,
+    segment_from_args,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -53,9 +60,9 @@ DEFAULT_MAX_WAIT_S: Final = 600.0
 DEFAULT_TIMEOUT_S: Final = 5.0  # the whole of one sample: connect, headers and body
 MAX_BODY_BYTES: Final = 4 * 1024 * 1024  # the text parser is slow on huge lines
 
-EXIT_ROOM: Final = 0
-EXIT_NO_ROOM: Final = 1
-EXIT_FATAL: Final = 2
+EXIT_ROOM: Final = EXIT_OK
+EXIT_NO_ROOM: Final = EXIT_PROBLEM
+EXIT_FATAL: Final = EXIT_USAGE
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -575,7 +582,9 @@ def _validate_numbers(args: argparse.Namespace) -> None:
 
 def _metrics_sampler(args: argparse.Namespace) -> MetricsSampler:
     if not args.url or not args.model:
-        fail("give --url BASE and --model M (metrics mode) or --provider ID (local mode)", 2)
+        fail(
+            "give --url BASE and --model M (metrics mode) or --provider ID (local mode)", EXIT_FATAL
+        )
     if args.key_env is not None and args.key_file is not None:
         fail("give --key-env or --key-file, not both", code=EXIT_FATAL)
     try:
