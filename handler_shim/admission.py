@@ -52,6 +52,7 @@ from typing import TypeVar
 
 from handler_shim import siblings
 from shm_layout import _core, ipc, layout, ledger, writer
+from shm_layout.errors import GatewayCapacityError
 from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING
 from shm_layout.liveness import process_start
 from shm_layout.names import resolve_segment_name
@@ -77,8 +78,8 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
-class AdmissionError(Exception):
-    """Base of the admission errors."""
+class AdmissionError(GatewayCapacityError):
+    """Base of the errors of admitting a request (the segment's are :class:`SegmentError`)."""
 
 
 class QueueFull(AdmissionError):

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shm_layout import layout
+from shm_layout.errors import GatewayCapacityError
 from shm_layout.layout import (
     HOLDER_FREE,
     HOLDER_ROW_SIZE,
@@ -113,7 +114,7 @@ def decide_arrival(running: int, waiting: int, limit: int, bound: int) -> Decisi
 
 
 # --- providers: ids are matched in full (R-A13) ------------------------------------------
-class ProviderIdError(ValueError):
+class ProviderIdError(GatewayCapacityError, ValueError):
     """A provider id that cannot be stored in the segment without losing part of it."""
 
 

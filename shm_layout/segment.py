@@ -24,6 +24,7 @@ import time
 import posix_ipc
 
 from shm_layout import _core, ipc, layout, lock, names
+from shm_layout.errors import GatewayCapacityError
 from shm_layout.layout import INIT_MARK, MAGIC, MAJOR, MINOR, H, K, M, P
 from shm_layout.liveness import is_alive, my_identity
 
@@ -33,7 +34,7 @@ INIT_WAIT_S = 2.0
 CLOSE_WAIT_S = 2.0
 
 
-class SegmentError(Exception):
+class SegmentError(GatewayCapacityError):
     """Base of every segment problem; ``str()`` is one line saying what to do."""
 
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shm_layout import layout, ledger
+from shm_layout.errors import GatewayCapacityError
 from shm_layout.layout import SOURCE_CODES, Field, H, P, R
 from shm_layout.segment import Segment
 from shm_layout.view import ReplicaView
@@ -168,8 +169,8 @@ def publish(
     return warnings
 
 
-class TableFull(Exception):
-    pass
+class TableFull(GatewayCapacityError):
+    """Every provider row of the segment is taken (R-A13)."""
 
 
 def ensure_provider(

@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from shm_layout.errors import GatewayCapacityError
 from sidecar.addresses import classify, is_localhost_name, parse_ip, static_opt_in
 from sidecar.credential import check_credential_spec
 
@@ -44,7 +45,7 @@ Limit = Annotated[int, msgspec.Meta(ge=0, le=MAX_LIMIT)]
 UpstreamModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
-class ConfigError(Exception):
+class ConfigError(GatewayCapacityError):
     """The file as a whole cannot be used. ``str()`` is one line naming the file."""
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shm_layout import layout, writer
+from shm_layout.errors import GatewayCapacityError
 from shm_layout.liveness import is_alive, my_identity, process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.segment import Segment
@@ -91,7 +92,7 @@ class _ProviderState:
     task: asyncio.Task[None] | None = None
 
 
-class StartupError(Exception):
+class StartupError(GatewayCapacityError):
     """Exit 2: the sidecar cannot start (config unreadable, bad option)."""
 
 
@@ -724,15 +725,12 @@ def _stamp(path: str) -> tuple[int, int, int, int] | None:
 
 
 def main(options: Options) -> int:
-    from shm_layout.names import BadSegmentName
-    from shm_layout.segment import SegmentError
-
     # Until run() installs the reload handler, a SIGHUP (systemctl kill -s HUP) must
     # not end the sidecar: systemd counts death by SIGHUP as a clean exit.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         sidecar = Sidecar(options)
-    except (StartupError, SegmentError, BadSegmentName) as exc:
+    except GatewayCapacityError as exc:  # StartupError, SegmentError, BadSegmentName ...
         log.error("cannot start: %s", exc)
         return 2
     return asyncio.run(sidecar.run())
