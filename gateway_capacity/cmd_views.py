@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway_capacity.common import (
     EXIT_NO_SEGMENT,
@@ -22,6 +22,9 @@ from gateway_capacity.common import (
     segment_from_args,
 )
 from gateway_capacity.schemas import sidecar_status
+
+if TYPE_CHECKING:
+    from shm_layout.view import SegmentView
 
 # The sidecar beats every 0.5 s; ten missed beats is no scheduling hiccup but a stopped
 # or wedged sidecar (systemd's watchdog, at 20 s, is the slower backstop).
@@ -66,7 +69,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run_watch)
 
 
-def _read(args: argparse.Namespace) -> Any:
+def _read(args: argparse.Namespace) -> SegmentView:
     from shm_layout.segment import SegmentError, SegmentMissing
     from shm_layout.view import read_view
 
@@ -79,7 +82,7 @@ def _read(args: argparse.Namespace) -> Any:
         fail(str(exc), EXIT_USAGE)
 
 
-def availability_doc(view: Any) -> dict[str, Any]:
+def availability_doc(view: SegmentView) -> dict[str, Any]:
     """JSON of ``availability`` (REQUIREMENTS.md 8), shaped by ``schemas.AvailabilityDoc``."""
     import msgspec
 
@@ -89,7 +92,7 @@ def availability_doc(view: Any) -> dict[str, Any]:
     return doc
 
 
-def inspect_doc(view: Any) -> dict[str, Any]:
+def inspect_doc(view: SegmentView) -> dict[str, Any]:
     """The JSON of ``inspect``, shaped by ``schemas.InspectDoc``."""
     import msgspec
 
@@ -106,7 +109,7 @@ def _age(t: float | None, now: float) -> str:
     return f"in {delta:.0f}s" if delta >= 0 else f"{-delta:.0f}s ago"
 
 
-def availability_text(view: Any) -> str:
+def availability_text(view: SegmentView) -> str:
     now = time.time()
     lines = [
         f"segment {view.name}  layout {view.major}.{view.minor}  "
@@ -158,7 +161,7 @@ def availability_text(view: Any) -> str:
     return "\n".join(lines)
 
 
-def health_problems(view: Any, max_heartbeat_age: float) -> list[str]:
+def health_problems(view: SegmentView, max_heartbeat_age: float) -> list[str]:
     """What ``availability --check`` fails on, one line each (empty: healthy)."""
     problems = []
     s = view.sidecar
@@ -192,6 +195,7 @@ def run_availability(args: argparse.Namespace) -> int:
         elif problems:
             print("\n".join(problems))
         else:
+            assert view.sidecar is not None  # health_problems reports a missing one
             print(f"ok: segment {view.name}, sidecar pid {view.sidecar.pid} running")
         return EXIT_PROBLEM if problems else EXIT_OK
     if args.json:

@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from shm_layout import layout, writer
 from shm_layout.errors import GatewayCapacityError
@@ -50,6 +50,9 @@ from sidecar.limits import (
 )
 from sidecar.metrics import SidecarMetrics, probe_reasons
 from sidecar.replica import ProviderProbe
+
+if TYPE_CHECKING:
+    from prometheus_client.exposition import ThreadingWSGIServer
 
 log = logging.getLogger("gateway_capacity.sidecar")
 
@@ -87,7 +90,7 @@ class _ProviderState:
     probe: ProviderProbe | None = None
     decision: LimitDecision | None = None
     last_discovered: LimitDecision | None = None  # R-L6's base, kept across a failed refresh
-    logged: tuple[Any, ...] = ()
+    logged: tuple[int, str, str] | tuple[()] = ()  # what _log_decision last logged
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
@@ -260,7 +263,7 @@ class Sidecar:
                 raise StartupError(f"--parent-pid {options.parent_pid}: no such process")
             self.parent = (options.parent_pid, parent_start)  # pid reuse cannot fool us
         self.segment_name = resolve_segment_name(options.segment, options.config_path)
-        self._metrics_server: Any = None
+        self._metrics_server: ThreadingWSGIServer | None = None
         self.metrics = SidecarMetrics()  # recorded always, served with --metrics-listen
         if options.metrics_listen:
             # Before the segment and the writer epoch: a sidecar that cannot start must
@@ -645,6 +648,7 @@ class Sidecar:
                 f"--metrics-listen {listen}: cannot listen: {exc.strerror or exc}"
             ) from None
         bound_host, bound_port = self._metrics_server.server_address[:2]
+        bound_host = str(bound_host)  # an AF_INET/AF_INET6 address: str already
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         log.info("metrics on http://%s:%d/metrics, health on /healthz", shown, bound_port)
 
