@@ -41,7 +41,7 @@ from sidecar.credential import check_credential_spec
 MAX_PROVIDER_ID_BYTES: Final = 64
 MAX_LIMIT: Final = 2**31 - 1  # fits any 32-bit counter in the segment
 
-Limit = Annotated[int, msgspec.Meta(ge=0, le=MAX_LIMIT)]
+LimitSetting = Annotated[int, msgspec.Meta(ge=0, le=MAX_LIMIT)]
 UpstreamModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
@@ -62,7 +62,7 @@ class ProviderConfig(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
     tailnet: bool = False
     credential_file: str | None = None
     capacity_discovery: bool = False
-    max_concurrent: Limit | None = None
+    max_concurrent: LimitSetting | None = None
     models: dict[str, UpstreamModelId] = {}
 
     @property
@@ -286,7 +286,7 @@ def parse_config(data: bytes, source: str = "<config>") -> GatewayConfig:
     if not isinstance(doc, dict):
         raise ConfigError(f"config {source}: the top level must be a JSON object")
     try:
-        gateway_max = msgspec.convert(doc.get("maxConcurrent"), Limit | None, strict=True)
+        gateway_max = msgspec.convert(doc.get("maxConcurrent"), LimitSetting | None, strict=True)
     except msgspec.ValidationError:
         raise ConfigError(
             f"config {source}: top-level maxConcurrent must be an integer 0..{MAX_LIMIT} or absent"
@@ -342,7 +342,7 @@ def _judge_entry(provider_id: str, entry: dict[str, Any]) -> tuple[ProviderConfi
         # Keep the provider for static admission (R-A8) with what can be trusted:
         # its id and, when valid, its own maxConcurrent.
         try:
-            own_max = msgspec.convert(entry.get("maxConcurrent"), Limit | None, strict=True)
+            own_max = msgspec.convert(entry.get("maxConcurrent"), LimitSetting | None, strict=True)
         except msgspec.ValidationError:
             own_max = None
         kept = ProviderConfig(id=provider_id, max_concurrent=own_max)

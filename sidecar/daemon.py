@@ -34,7 +34,7 @@ from shm_layout.errors import GatewayCapacityError
 from shm_layout.liveness import is_alive, my_identity, process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.segment import Segment
-from shm_layout.view import parse_view, snapshot_bytes
+from shm_layout.view import ReplicaView, parse_view, snapshot_bytes
 from sidecar import sdnotify
 from sidecar.addresses import parse_host_port
 from sidecar.config import ConfigError, GatewayConfig, ProviderConfig, load_config
@@ -367,7 +367,7 @@ class Sidecar:
             self.stop.set()
 
     def _header(self, name: str) -> int:
-        value: int = layout.H[name].get(self.seg.buf)
+        value: int = layout.HEADER[name].get(self.seg.buf)
         return value
 
     # --- config ---------------------------------------------------------------------------
@@ -377,19 +377,19 @@ class Sidecar:
         for reason in config.skipped:
             log.warning("config: skipped a provider entry: %s", reason)
         wanted = {r.provider_id: r for r in rules_from_config(config)}
-        for pid in list(self.providers):
-            if pid not in wanted:
-                gone = self.providers.pop(pid)
+        for provider_id in list(self.providers):
+            if provider_id not in wanted:
+                gone = self.providers.pop(provider_id)
                 if gone.task is not None:
                     gone.task.cancel()
-                self.metrics.forget(pid)
-                log.info("provider %s: removed from the config", pid)
-        for pid, rules in wanted.items():
-            provider = config.provider(pid)
+                self.metrics.forget(provider_id)
+                log.info("provider %s: removed from the config", provider_id)
+        for provider_id, rules in wanted.items():
+            provider = config.provider(provider_id)
             assert provider is not None
-            state = self.providers.get(pid)
+            state = self.providers.get(provider_id)
             if state is None:
-                state = self.providers[pid] = _ProviderState(rules, provider)
+                state = self.providers[provider_id] = _ProviderState(rules, provider)
             else:
                 if state.rules.discovery_active and not rules.discovery_active:
                     state.probe = None  # R-C4: static at once, nothing stale kept
@@ -400,7 +400,7 @@ class Sidecar:
             self._log_decision(state)
             if rules.discovery_active:
                 if state.task is None or state.task.done():
-                    state.task = asyncio.create_task(self._probe_loop(pid))
+                    state.task = asyncio.create_task(self._probe_loop(provider_id))
                 else:
                     state.wake.set()  # probe again now with the new entry (R-P9)
             elif state.task is not None:
@@ -512,11 +512,11 @@ class Sidecar:
             return
         now = time.time()
         pubs = []
-        for pid, state in self.providers.items():
+        for provider_id, state in self.providers.items():
             fallback, fallback_source = _fallback(state.decision, state.rules)
-            status = self.config.statuses.get(pid)
+            status = self.config.statuses.get(provider_id)
             requested = status.discovery_requested if status else state.config.capacity_discovery
-            pubs.append(_publication(pid, state, fallback, fallback_source, requested))
+            pubs.append(_publication(provider_id, state, fallback, fallback_source, requested))
         try:
             warnings = writer.publish(
                 self.seg, self.epoch, self.generation, self.config_status, pubs, now
@@ -694,7 +694,7 @@ def _publication(
     if d is None:
         return writer.Publication(provider_id, discovery, fallback, fallback_source)
     replicas = [
-        writer.ReplicaRecord(
+        ReplicaView(
             address=r.address,
             ok=r.ok,
             complete=r.complete,

@@ -82,7 +82,7 @@ class ProviderRules:
 
 
 @dataclass(frozen=True, slots=True)
-class ReplicaView:
+class JudgedReplica:
     """One replica as an operator sees it (section 8 ``replicas``).
 
     ``ok`` means valid and fresh at ``now``; ``reason`` is the probe's closed
@@ -111,7 +111,7 @@ class LimitDecision:
     expires_at: float | None
     fallback_limit: int
     fallback_source: str  # "provider", "gateway" or "default"
-    replicas: tuple[ReplicaView, ...] = ()
+    replicas: tuple[JudgedReplica, ...] = ()
     # configured upstream models a complete answer did not report: a typo in ``models``
     # or a model the farm no longer serves; the limit is 0 (R-L3) and worth a WARNING
     missing_models: tuple[str, ...] = ()
@@ -170,13 +170,15 @@ def snapshot_value(
     return min(known) if known else None
 
 
-def view_replica(replica: ReplicaResult, upstream_models: Iterable[str], now: float) -> ReplicaView:
+def view_replica(
+    replica: ReplicaResult, upstream_models: Iterable[str], now: float
+) -> JudgedReplica:
     reason, detail = _recheck(replica, now)
     ok = reason == OK
     value = (
         snapshot_value(replica.models, upstream_models, complete=replica.complete) if ok else None
     )
-    return ReplicaView(
+    return JudgedReplica(
         address=replica.address,
         ok=ok,
         complete=replica.complete,
@@ -207,7 +209,7 @@ def decide(
 
     fallback, fallback_source = fallback_for(rules.provider_max, rules.gateway_max)
 
-    def static(reason: str, replicas: tuple[ReplicaView, ...] = ()) -> LimitDecision:
+    def static(reason: str, replicas: tuple[JudgedReplica, ...] = ()) -> LimitDecision:
         return LimitDecision(
             provider_id=rules.provider_id,
             effective_limit=fallback,
@@ -364,7 +366,7 @@ class _Found:
 
 def _discover(
     rules: ProviderRules,
-    pairs: list[tuple[ReplicaResult, ReplicaView]],
+    pairs: list[tuple[ReplicaResult, JudgedReplica]],
     previous: LimitDecision | None,
     now: float,
     fallback: int,
@@ -431,7 +433,7 @@ def _drain(
     now: float,
     fallback: int,
     fallback_source: str,
-    views: tuple[ReplicaView, ...],
+    views: tuple[JudgedReplica, ...],
 ) -> LimitDecision:
     reason = "legacy handler generation draining: new admissions wait"
     # The drain is this sidecar's own assertion, not an observation: it holds for
@@ -476,13 +478,13 @@ def _recheck(replica: ReplicaResult, now: float) -> tuple[str, str]:
     return OK, replica.detail
 
 
-def _observed(view: ReplicaView) -> float:
+def _observed(view: JudgedReplica) -> float:
     assert view.observed_at is not None  # an ok view always has one (_recheck)
     return view.observed_at
 
 
 def _absent_models(
-    pairs: list[tuple[ReplicaResult, ReplicaView]], upstream_models: tuple[str, ...]
+    pairs: list[tuple[ReplicaResult, JudgedReplica]], upstream_models: tuple[str, ...]
 ) -> tuple[str, ...]:
     """Configured upstream models that some valid, complete answer does not list."""
     absent = {
@@ -496,7 +498,7 @@ def _absent_models(
 
 
 def _missing_models(
-    complete: list[tuple[ReplicaResult, ReplicaView, int]],
+    complete: list[tuple[ReplicaResult, JudgedReplica, int]],
     upstream_models: tuple[str, ...],
     raw: int,
 ) -> str:
@@ -514,7 +516,7 @@ def _missing_models(
     return ""
 
 
-def _failure_text(view: ReplicaView) -> str:
+def _failure_text(view: JudgedReplica) -> str:
     if view.ok:  # valid but incomplete and without any of the provider's models
         return f"{view.address} incomplete without the provider's models"
     detail = view.detail
