@@ -37,14 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in _COMMANDS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue  # not built yet
-        module.register(sub)
+    for name in _COMMANDS:  # a module that fails to import is a broken install: say so
+        importlib.import_module(name).register(sub)
     _no_abbreviations(parser)
     return parser
 

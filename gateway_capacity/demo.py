@@ -76,7 +76,7 @@ class Phase:
     name: str
     action: str | None  # "fence" / "unfence" worker w2, or nothing
     expect: int
-    seconds: float
+    seconds: float  # how long the phase holds once its expected limit is reached
     reached_s: float | None = None
     samples: list[Sample] = field(default_factory=list)
 
@@ -297,7 +297,7 @@ class Demo:
                 phase.samples.append(s)
                 if phase.reached_s is None and s.limit == phase.expect:
                     phase.reached_s = now - began
-                    until = now + self.hold
+                    until = now + phase.seconds
                 if now - last_line >= 0.5:
                     last_line = now
                     self._say(

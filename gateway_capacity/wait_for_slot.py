@@ -432,10 +432,8 @@ class MetricsSampler:
 
 def _sample_local(segment: str, provider_id: str) -> Sample:
     """One reading of this host's segment (R-W4): gate on the provider's effective limit."""
-    try:
-        from shm_layout import SegmentError, SegmentNotReady, read_provider_load
-    except ImportError:
-        return Fatal("local mode is not available in this build")
+    from shm_layout import SegmentError, SegmentNotReady, read_provider_load
+
     try:
         load = read_provider_load(segment, provider_id)
     except KeyError:
@@ -445,14 +443,6 @@ def _sample_local(segment: str, provider_id: str) -> Sample:
     except SegmentError as exc:  # missing, not ours, other major version: one line each
         return Fatal(_one_line(str(exc)))
     return Load(float(load.running), float(load.waiting), load.effective_limit)
-
-
-def _local_mode_available() -> bool:
-    try:
-        from shm_layout import read_provider_load  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # --------------------------------------------------------------------------- CLI
@@ -623,8 +613,6 @@ def _local_sampler(args: argparse.Namespace) -> Callable[[], Sample]:
                 code=EXIT_FATAL,
             )
     segment = segment_from_args(args)
-    if not _local_mode_available():
-        fail("local mode is not available in this build", code=EXIT_FATAL)
     provider_id: str = args.provider
     return lambda: _sample_local(segment, provider_id)
 

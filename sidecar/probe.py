@@ -133,7 +133,8 @@ def probe_provider_sync(
     ssl_context: ssl.SSLContext | None = None,
     credentials_directory: str | None = None,
 ) -> ProviderProbe:
-    """:func:`probe_provider` from synchronous code (e.g. ``gateway-capacity verify``)."""
+    """:func:`probe_provider` from synchronous code (tests, scripts; ``verify`` uses
+    :func:`probe_providers`)."""
     return asyncio.run(
         probe_provider(
             provider,
