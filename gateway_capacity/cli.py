@@ -15,7 +15,7 @@ import signal
 import sys
 
 from gateway_capacity import common
-from gateway_capacity.common import EXIT_USAGE
+from gateway_capacity.exits import EXIT_USAGE
 
 # subcommand module, in the order --help lists them
 _COMMANDS = (

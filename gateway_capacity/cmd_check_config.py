@@ -21,7 +21,8 @@ import json
 import os
 from typing import Any
 
-from gateway_capacity.common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, fail
+from gateway_capacity.common import fail
+from gateway_capacity.exits import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from shm_layout.names import ENV_VAR, BadSegmentName, resolve_segment_name
 from sidecar.addresses import ResolveError, check_provider_addresses
 from sidecar.config import (

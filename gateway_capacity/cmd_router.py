@@ -26,7 +26,8 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from gateway_capacity.common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, fail
+from gateway_capacity.common import fail
+from gateway_capacity.exits import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from gateway_capacity.logs import add_log_options
 
 DEFAULT_PORT = 8731

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gateway_capacity.common import EXIT_USAGE
+from gateway_capacity.exits import EXIT_USAGE
 from gateway_capacity.logs import add_log_options
 
 MAX_REFRESH_S = 25.0

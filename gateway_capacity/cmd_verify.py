@@ -17,15 +17,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gateway_capacity.common import (
-    EXIT_NO_SEGMENT,
-    EXIT_OK,
-    EXIT_PROBLEM,
-    EXIT_USAGE,
-    add_target_options,
-    fail,
-    segment_from_args,
-)
+from gateway_capacity.common import add_target_options, fail, segment_from_args
+from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 
 if TYPE_CHECKING:
     from shm_layout.view import SegmentView

@@ -12,15 +12,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from gateway_capacity.common import (
-    EXIT_NO_SEGMENT,
-    EXIT_OK,
-    EXIT_PROBLEM,
-    EXIT_USAGE,
-    add_target_options,
-    fail,
-    segment_from_args,
-)
+from gateway_capacity.common import add_target_options, fail, segment_from_args
+from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from gateway_capacity.schemas import sidecar_status
 
 if TYPE_CHECKING:

@@ -5,15 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Final, NoReturn
+from typing import NoReturn
 
+from gateway_capacity.exits import EXIT_USAGE
 from shm_layout.names import BadSegmentName, resolve_segment_name
-
-# Exit codes, the same for every subcommand (README, REQUIREMENTS.md section 8).
-EXIT_OK: Final = 0
-EXIT_PROBLEM: Final = 1  # it ran and found a problem: differs, unhealthy, --strict, no room
-EXIT_USAGE: Final = 2  # it could not run or judge: bad option, unusable config, no answer
-EXIT_NO_SEGMENT: Final = 3  # there is no segment to read
 
 
 def add_target_options(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ import os
 import random
 import sys
 
-from gateway_capacity.common import EXIT_OK
+from gateway_capacity.exits import EXIT_OK
 from handler_shim import Admission, AdmissionTimeout, QueueFull
 
 

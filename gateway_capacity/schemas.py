@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, cast
 import msgspec
 from msgspec import Meta, Struct
 
-from gateway_capacity.common import EXIT_OK, EXIT_USAGE
+from gateway_capacity.exits import EXIT_OK, EXIT_USAGE
 
 if TYPE_CHECKING:
     from shm_layout.view import ProviderView, SegmentView, SidecarView

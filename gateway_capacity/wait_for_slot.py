@@ -36,14 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, TextIO
 from urllib.parse import quote, urlsplit
 
-from gateway_capacity.common import (
-    EXIT_OK,
-    EXIT_PROBLEM,
-    EXIT_USAGE,
-    add_target_options,
-    fail,
-    segment_from_args,
-)
+from gateway_capacity.common import add_target_options, fail, segment_from_args
+from gateway_capacity.exits import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 
 if TYPE_CHECKING:
     import httpx
