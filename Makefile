@@ -26,6 +26,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sidecar shm_layout handler_shim capacity_router gateway_capacity tests examples drill
+	$(VENV)/bin/ruff format --check sidecar shm_layout handler_shim capacity_router gateway_capacity tests examples drill
 	$(VENV)/bin/mypy sidecar shm_layout handler_shim capacity_router gateway_capacity examples drill
 
 # The upgrade drill, long form (a few minutes): real gunicorn, sidecar, router; writes the plot

@@ -121,8 +121,10 @@ def build_app(observer: CapacityObserver, key: KeyFile) -> Starlette:
             except FencedInRegistry:
                 return _json(
                     409,
-                    {"error": f"worker {worker!r} is fenced in the registry file; "
-                     "edit the file to restore it"},
+                    {
+                        "error": f"worker {worker!r} is fenced in the registry file; "
+                        "edit the file to restore it"
+                    },
                 )
             return _json(200, {"worker": worker, "fenced": fenced, "snapshot": snapshot})
 
@@ -216,8 +218,7 @@ class RouterServer:
                 log.info("key file re-read: new key in use")
             if key.last_error != logged_key_error:
                 if key.last_error is not None:
-                    log.warning("key file not re-read, keeping the current key: %s",
-                                key.last_error)
+                    log.warning("key file not re-read, keeping the current key: %s", key.last_error)
                 logged_key_error = key.last_error
 
         self._observer = CapacityObserver(
@@ -241,8 +242,9 @@ class RouterServer:
             timeout_graceful_shutdown=2,
         )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._thread_main, name="capacity-router",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._thread_main, name="capacity-router", daemon=True
+        )
         self._thread.start()
         self._ready.wait()
         if self._error is not None:

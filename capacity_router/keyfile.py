@@ -6,9 +6,10 @@ stricter than a provider's ``credentialFile``: this process *serves* with the
 key, so a file that others can read is refused, not merely warned about.
 
 Rules: a regular file (symlinks to one are followed), owner-only permissions
-(no group/other bits), at most 4 KiB, trailing CR/LF/space/tab stripped,
-non-empty, printable ASCII without spaces. The key never appears in an error
-message or a repr.
+(no group/other bits), at most 4 KiB; the content rules are the probe's
+(``sidecar.contract.bearer_key``: trailing CR/LF/space stripped, non-empty,
+printable ASCII without spaces). The key never appears in an error message or
+a repr.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass
+
+from sidecar.contract import bearer_key
 
 MAX_KEY_BYTES = 4096
 
@@ -44,15 +47,10 @@ def read_key_file(path: str | os.PathLike[str]) -> bytes:
         os.close(fd)
     if len(raw) > MAX_KEY_BYTES:
         raise KeyFileError(f"key file {path} is larger than {MAX_KEY_BYTES} bytes")
-    key = raw.rstrip(b"\r\n \t")
-    if not key:
-        raise KeyFileError(f"key file {path} is empty")
-    if any(b < 0x21 or b > 0x7E for b in key):
-        raise KeyFileError(
-            f"key file {path} holds characters a bearer key cannot carry "
-            "(whitespace inside, control or non-ASCII)"
-        )
-    return key
+    try:
+        return bearer_key(raw)
+    except ValueError as exc:
+        raise KeyFileError(f"key file {path} {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)

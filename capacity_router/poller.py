@@ -32,7 +32,7 @@ from typing import Annotated, Literal
 import httpx
 import msgspec
 
-from sidecar.contract import MAX_SLOTS, CapacitySnapshot, encode_snapshot
+from sidecar.contract import MAX_SLOTS, CapacitySnapshot, encode_snapshot, read_capped
 
 from .aggregate import Observation, State, aggregate, is_fenced
 from .registry import RegistryWatcher, SlotSource, Worker, endpoint
@@ -84,12 +84,10 @@ async def _status_only(client: httpx.AsyncClient, url: str) -> int:
 
 async def _get(client: httpx.AsyncClient, url: str, limit: int) -> tuple[int, bytes]:
     async with client.stream("GET", url) as response:
-        body = bytearray()
-        async for chunk in response.aiter_raw():
-            body += chunk
-            if len(body) > limit:
-                raise _TooLarge
-        return response.status_code, bytes(body)
+        body = await read_capped(response.aiter_raw(), limit)
+        if body is None:
+            raise _TooLarge
+        return response.status_code, body
 
 
 async def poll_url(
@@ -289,9 +287,7 @@ class CapacityObserver:
         results = await asyncio.gather(*(bounded(w) for w in active))
         observations = {w.id: obs for w, obs in zip(active, results, strict=True)}
         snapshot = aggregate(registry.workers, admin_fenced, observations, observed_at)
-        statuses = tuple(
-            _status(w, admin_fenced, observations.get(w.id)) for w in registry.workers
-        )
+        statuses = tuple(_status(w, admin_fenced, observations.get(w.id)) for w in registry.workers)
         self._log_changes(statuses)
         self._workers = statuses
         self._published = (snapshot, encode_snapshot(snapshot))
@@ -315,9 +311,7 @@ class CapacityObserver:
         self._logged = current
 
 
-def _status(
-    worker: Worker, admin_fenced: frozenset[str], obs: Observation | None
-) -> WorkerStatus:
+def _status(worker: Worker, admin_fenced: frozenset[str], obs: Observation | None) -> WorkerStatus:
     fenced_by: Literal["registry", "admin"] | None = (
         "registry" if worker.fenced else "admin" if worker.id in admin_fenced else None
     )

@@ -54,8 +54,10 @@ class _Handler(BaseHTTPRequestHandler):
             if sim.healthy:
                 self._send(200, b'{"status":"ok"}')
             else:
-                self._send(503, b'{"error":{"code":503,"message":"Loading model",'
-                                b'"type":"unavailable_error"}}')
+                self._send(
+                    503,
+                    b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}',
+                )
         elif path == "/props":
             sim._count_props()
             fault = sim.props_fault
@@ -69,8 +71,9 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._send(200, json.dumps(sim._props()).encode())
         else:
-            self._send(404, b'{"error":{"code":404,"message":"File Not Found",'
-                            b'"type":"not_found_error"}}')
+            self._send(
+                404, b'{"error":{"code":404,"message":"File Not Found","type":"not_found_error"}}'
+            )
 
 
 class SimWorker:
@@ -143,8 +146,10 @@ class SimWorker:
         self._server = _Server(self.host, self.port, self)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-            name=f"simworker-{self.port}", daemon=True,
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"simworker-{self.port}",
+            daemon=True,
         )
         self._thread.start()
         return self.port

@@ -15,6 +15,7 @@ import signal
 import sys
 
 from gateway_capacity import common
+from gateway_capacity.exits import EXIT_USAGE
 
 # subcommand module, in the order --help lists them
 _COMMANDS = (
@@ -36,14 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in _COMMANDS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue  # not built yet
-        module.register(sub)
+    for name in _COMMANDS:  # a module that fails to import is a broken install: say so
+        importlib.import_module(name).register(sub)
     _no_abbreviations(parser)
     return parser
 
@@ -78,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"gateway-capacity: error: unrecognized arguments: {' '.join(shown)}", file=sys.stderr
         )
-        return 2
+        return EXIT_USAGE
     common.json_errors = bool(getattr(args, "json", False))
     try:
         code: int = args.func(args)

@@ -22,19 +22,20 @@ import os
 from typing import Any
 
 from gateway_capacity.common import fail
+from gateway_capacity.exits import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from shm_layout.names import ENV_VAR, BadSegmentName, resolve_segment_name
 from sidecar.addresses import ResolveError, check_provider_addresses
 from sidecar.config import (
     ConfigError,
     GatewayConfig,
     ProviderConfig,
-    fallback_limit,
     load_config,
     parse_base_url,
     provider_problems,
     raw_provider_entries,
 )
 from sidecar.credential import CredentialError, read_credential
+from sidecar.limits import fallback_for
 
 CHECK_DEADLINE_S = 3.0  # the probe's own deadline for resolution and checks (R-P5)
 
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        fail(str(exc), code=2)
+        fail(str(exc), code=EXIT_USAGE)
     entries = raw_provider_entries(args.config)
     report = asyncio.run(_check(config, entries, args.tailscale_socket))
     report["segment"], report["segment_from"] = _segment(args.config)
@@ -82,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
         report["skipped"]
         or any(p["discovery_requested"] and not p["discovery_active"] for p in report["providers"])
     ):
-        return 1
-    return 0
+        return EXIT_PROBLEM
+    return EXIT_OK
 
 
 def _segment(config_path: str) -> tuple[str | None, str]:
@@ -118,7 +119,7 @@ async def _check_provider(
     socket_path: str | None,
 ) -> dict[str, Any]:
     status = config.statuses[provider.id]
-    limit, source = fallback_limit(provider, config)
+    limit, source = fallback_for(provider.max_concurrent, config.max_concurrent)
     if raw:
         provider, problems = provider_problems(raw)
     else:

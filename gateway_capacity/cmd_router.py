@@ -27,6 +27,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from gateway_capacity.common import fail
+from gateway_capacity.exits import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from gateway_capacity.logs import add_log_options
 
 DEFAULT_PORT = 8731
@@ -60,20 +61,30 @@ def register(subparsers: Any) -> None:
     )
     serve.add_argument("--workers", required=True, metavar="FILE", help="worker registry (JSON)")
     serve.add_argument(
-        "--key-file", required=True, metavar="PATH",
+        "--key-file",
+        required=True,
+        metavar="PATH",
         help="bearer key clients must send (owner-only file)",
     )
     serve.add_argument(
-        "--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
+        "--listen",
+        default=DEFAULT_LISTEN,
+        metavar="HOST:PORT",
         help=f"address to serve on (default {DEFAULT_LISTEN}; [::1]:PORT for IPv6; "
         "port 0 picks a free one)",
     )
     serve.add_argument(
-        "--poll", type=_positive_float, default=1.0, metavar="S",
+        "--poll",
+        type=_positive_float,
+        default=1.0,
+        metavar="S",
         help="seconds between observations (default 1)",
     )
     serve.add_argument(
-        "--poll-timeout", type=_positive_float, default=2.0, metavar="S",
+        "--poll-timeout",
+        type=_positive_float,
+        default=2.0,
+        metavar="S",
         help="deadline for one worker's poll (default 2)",
     )
     add_log_options(serve)
@@ -98,7 +109,9 @@ def register(subparsers: Any) -> None:
         "--port", type=_port, default=0, metavar="P", help="port (default 0: a free one)"
     )
     simworker.add_argument(
-        "--host", default="127.0.0.1", choices=("127.0.0.1", "::1"),
+        "--host",
+        default="127.0.0.1",
+        choices=("127.0.0.1", "::1"),
         help="loopback address to serve on (default 127.0.0.1)",
     )
     simworker.add_argument(
@@ -108,7 +121,9 @@ def register(subparsers: Any) -> None:
 
 def _add_client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--url", default=DEFAULT_URL, metavar="URL",
+        "--url",
+        default=DEFAULT_URL,
+        metavar="URL",
         help=f"the router on this host (default {DEFAULT_URL})",
     )
     parser.add_argument("--key-file", required=True, metavar="PATH", help="the router's key file")
@@ -142,14 +157,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _parse_listen(text: str) -> tuple[str, int]:
-    match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([^:\[\]]+):(\d{1,5})", text)
-    if match is None:
-        fail(f"--listen must be HOST:PORT or [IPv6]:PORT, not {text!r}", code=2)
-    host = match.group(1) or match.group(3)
-    port = int(match.group(2) or match.group(4))
-    if port > 65535:
-        fail(f"--listen port out of range: {port}", code=2)
-    return host, port
+    from sidecar.addresses import parse_host_port
+
+    try:
+        return parse_host_port(text)
+    except ValueError as exc:
+        fail(f"--listen {exc}", code=EXIT_USAGE)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -162,8 +175,12 @@ def _serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_format, args.log_level, prefix="router: ")
     host, port = _parse_listen(args.listen)
     server = RouterServer(
-        args.workers, args.key_file, host=host, port=port,
-        poll_interval=args.poll, poll_timeout=args.poll_timeout,
+        args.workers,
+        args.key_file,
+        host=host,
+        port=port,
+        poll_interval=args.poll,
+        poll_timeout=args.poll_timeout,
     )
     stop = threading.Event()
 
@@ -175,18 +192,18 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         server.start()
     except (RegistryError, KeyFileError) as exc:
-        fail(str(exc), code=2)
+        fail(str(exc), code=EXIT_USAGE)
     except OSError as exc:
-        fail(f"cannot listen on {args.listen}: {exc.strerror or exc}", code=2)
+        fail(f"cannot listen on {args.listen}: {exc.strerror or exc}", code=EXIT_USAGE)
     print(f"serving {server.url}/v1/capacity", flush=True)
     try:
         while not stop.wait(0.5):
             if not server.running:
                 print("gateway-capacity: router stopped unexpectedly", file=sys.stderr)
-                return 1
+                return EXIT_PROBLEM
     finally:
         server.stop()
-    return 0
+    return EXIT_OK
 
 
 def _simworker(args: argparse.Namespace) -> int:
@@ -208,14 +225,16 @@ def _simworker(args: argparse.Namespace) -> int:
         worker.start()
     except OSError as exc:
         where = f"[{args.host}]" if ":" in args.host else args.host
-        fail(f"cannot listen on {where}:{args.port}: {exc.strerror or exc}", code=2)
-    print(f"simulated worker on {worker.url} ({args.slots} slots): GET /props, GET /health",
-          flush=True)
+        fail(f"cannot listen on {where}:{args.port}: {exc.strerror or exc}", code=EXIT_USAGE)
+    print(
+        f"simulated worker on {worker.url} ({args.slots} slots): GET /props, GET /health",
+        flush=True,
+    )
     try:
         stop.wait()
     finally:
         worker.stop()
-    return 0
+    return EXIT_OK
 
 
 # -- fence / unfence / show ---------------------------------------------------
@@ -227,7 +246,7 @@ def _loopback_base(url: str) -> str:
         parts = urlsplit(url)
         _ = parts.port  # raises on a bad port
     except ValueError as exc:
-        fail(f"--url {url!r}: {exc}", code=2)
+        fail(f"--url {url!r}: {exc}", code=EXIT_USAGE)
     host = parts.hostname or ""
     loopback = host == "localhost"
     if not loopback:
@@ -236,10 +255,12 @@ def _loopback_base(url: str) -> str:
         except ValueError:
             loopback = False
     if parts.scheme not in ("http", "https") or not loopback:
-        fail(f"--url must be an http(s) URL of a router on this host (loopback), not {url!r}",
-             code=2)
+        fail(
+            f"--url must be an http(s) URL of a router on this host (loopback), not {url!r}",
+            code=EXIT_USAGE,
+        )
     if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
-        fail("--url must not carry credentials, a query or a fragment", code=2)
+        fail("--url must not carry credentials, a query or a fragment", code=EXIT_USAGE)
     return url.rstrip("/")
 
 
@@ -257,20 +278,19 @@ def _client(args: argparse.Namespace, action: str) -> int:
     else:
         worker: str = args.worker
         if re.fullmatch(WORKER_ID_PATTERN, worker) is None:
-            fail(f"not a valid worker id: {worker!r}", code=2)
+            fail(f"not a valid worker id: {worker!r}", code=EXIT_USAGE)
         method, target = "POST", f"{base}/admin/{action}/{quote(worker, safe='')}"
     try:
         key = read_key_file(args.key_file)
     except KeyFileError as exc:
-        fail(str(exc), code=2)
+        fail(str(exc), code=EXIT_USAGE)
     try:
-        with httpx.Client(trust_env=False, follow_redirects=False,
-                          timeout=_ADMIN_TIMEOUT_S) as client:
-            response = client.request(
-                method, target, headers={b"Authorization": b"Bearer " + key}
-            )
+        with httpx.Client(
+            trust_env=False, follow_redirects=False, timeout=_ADMIN_TIMEOUT_S
+        ) as client:
+            response = client.request(method, target, headers={b"Authorization": b"Bearer " + key})
     except httpx.HTTPError as exc:
-        fail(f"cannot reach the router at {base}: {type(exc).__name__}", code=2)
+        fail(f"cannot reach the router at {base}: {type(exc).__name__}", code=EXIT_USAGE)
     try:
         body: Any = msgspec.json.decode(response.content)
     except msgspec.DecodeError:
@@ -282,22 +302,22 @@ def _client(args: argparse.Namespace, action: str) -> int:
             f"{reason or f'HTTP {response.status_code}'}",
             file=sys.stderr,
         )
-        return 1
+        return EXIT_PROBLEM
     if action == "show":
         try:  # show doubles as a contract check of what the router serves
             decode_snapshot(response.content)
         except ContractError as exc:
             print(f"gateway-capacity: router answered an {exc}", file=sys.stderr)
-            return 1
+            return EXIT_PROBLEM
     if args.json:
         print(response.text)
-        return 0
+        return EXIT_OK
     snapshot = body if action == "show" else body.get("snapshot", {})
     if action != "show":
         state = "fenced" if action == "fence" else "restored"
         print(f"worker {args.worker} {state}")
     print(_describe_snapshot(snapshot))
-    return 0
+    return EXIT_OK
 
 
 def _describe_snapshot(snapshot: dict[str, Any]) -> str:

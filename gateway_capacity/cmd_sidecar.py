@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from gateway_capacity.exits import EXIT_USAGE
 from gateway_capacity.logs import add_log_options
 
 MAX_REFRESH_S = 25.0
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             "let it lapse between refreshes",
             MAX_REFRESH_S,
         )
-        return 2
+        return EXIT_USAGE
     if not 0 <= args.await_legacy_grace <= 25:  # also refuses nan
         import logging
 
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             "--await-legacy-grace must be between 0 and 25 seconds: the sidecar is not ready "
             "while it waits, and the systemd unit allows 30 s to start (TimeoutStartSec=)"
         )
-        return 2
+        return EXIT_USAGE
     return main(
         Options(
             config_path=args.config,

@@ -14,9 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from gateway_capacity.common import add_target_options, fail, segment_from_args
+from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
+
+if TYPE_CHECKING:
+    from shm_layout.view import SegmentView
+    from sidecar.limits import ProviderRules
+    from sidecar.replica import ProviderProbe
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -36,53 +43,61 @@ def run(args: argparse.Namespace) -> int:
     from shm_layout.segment import SegmentError, SegmentMissing
     from shm_layout.view import read_view
     from sidecar.config import ConfigError, load_config
-    from sidecar.limits import OPT_IN_REFUSED, LimitDecision, decide, rules_from_config
+    from sidecar.limits import rules_from_config
     from sidecar.probe import probe_providers
 
     if not args.config:
-        fail("verify needs --config PATH (the rules come from the config)", 2)
+        fail("verify needs --config PATH (the rules come from the config)", EXIT_USAGE)
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        fail(str(exc), 2)
+        fail(str(exc), EXIT_USAGE)
     name = segment_from_args(args)
     try:
         view = read_view(name)
     except SegmentMissing as exc:
-        fail(str(exc), 3)
+        fail(str(exc), EXIT_NO_SEGMENT)
     except SegmentError as exc:
-        fail(str(exc), 2)
+        fail(str(exc), EXIT_USAGE)
 
     rules = rules_from_config(config)
-    opted = [
-        p
-        for p in config.providers
-        if any(r.provider_id == p.id and r.discovery_active for r in rules)
-    ]
+    active = {r.provider_id for r in rules if r.discovery_active}
+    opted = [p for p in config.providers if p.id in active]
     probes = asyncio.run(probe_providers(opted, tailscale_socket=args.tailscale_socket))
-    now = time.time()
+    rows = compare(rules, probes, view, time.time())
+    code = exit_code(rows)
+    if args.json:
+        agree = all(row["agree"] for row in rows)
+        doc = {"segment": name, "agree": agree, "ok": code == EXIT_OK, "providers": rows}
+        print(json.dumps(doc, indent=2))
+    elif rows:
+        print(render_text(rows))
+    return code
+
+
+def compare(
+    rules: Sequence[ProviderRules],
+    probes: Mapping[str, ProviderProbe],
+    view: SegmentView,
+    now: float,
+) -> list[dict[str, Any]]:
+    """One row per provider: the rules' limit for ``probes`` at ``now`` beside the segment's.
+
+    Pure: no I/O, no clock. ``status`` is ``ok``, ``differs``, ``missing_models`` or
+    ``no_answer`` (discovery is on and no replica gave a valid answer).
+    """
+    from shm_layout.layout import RUNNING_ROOM
+    from sidecar.limits import OPT_IN_REFUSED, decide, previous_from_view
+
     draining = view.sidecar is not None and view.sidecar.alive and view.sidecar.legacy_alive > 0
     rows: list[dict[str, Any]] = []
-    agree = True
     for r in rules:
         seen = view.provider(r.provider_id)
-        previous = None
-        if seen is not None and seen.discovered is not None:
-            previous = LimitDecision(
-                provider_id=r.provider_id,
-                effective_limit=seen.effective_limit,
-                source=seen.source,
-                reason=seen.reason,
-                discovered=seen.discovered,
-                observed_at=seen.observed_at,
-                expires_at=seen.expires_at,
-                fallback_limit=seen.fallback_limit,
-                fallback_source=seen.fallback_source,
-            )
+        previous = None if seen is None else previous_from_view(seen)
         probe = probes.get(r.provider_id)
         decision = decide(r, probe, previous, now, legacy_draining=draining)
         segment_limit = None if seen is None else seen.effective_limit
-        same = segment_limit == min(decision.effective_limit, _room())
+        same = segment_limit == min(decision.effective_limit, RUNNING_ROOM)
         answered = any(v.ok for v in decision.replicas)
         refused_opt_in = probe is not None and (probe.refused or "").startswith(OPT_IN_REFUSED)
         if r.discovery_active and not refused_opt_in and not answered:
@@ -93,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
             status = "missing_models"
         else:
             status = "ok"
-        agree = agree and same
         rows.append(
             {
                 "id": r.provider_id,
@@ -118,36 +132,38 @@ def run(args: argparse.Namespace) -> int:
                 ],
             }
         )
+    return rows
+
+
+def exit_code(rows: Sequence[Mapping[str, Any]]) -> int:
+    """1 when a limit differs or a model is missing, else 2 when one could not compare."""
     statuses = {row["status"] for row in rows}
     if statuses & {"differs", "missing_models"}:
-        code = 1
-    elif "no_answer" in statuses:
-        code = 2
-    else:
-        code = 0
-    if args.json:
-        print(
-            json.dumps(
-                {"segment": name, "agree": agree, "ok": code == 0, "providers": rows}, indent=2
-            )
+        return EXIT_PROBLEM
+    if "no_answer" in statuses:
+        return EXIT_USAGE
+    return EXIT_OK
+
+
+def render_text(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The human form of :func:`compare`'s rows, one block per provider."""
+    lines = []
+    for row in rows:
+        lines.append(
+            f"{_MARKS[row['status']]} {row['id']}: rules {row['rules_limit']} "
+            f"({row['rules_source']}), segment {row['segment_limit']} "
+            f"({row['segment_source']}): {row['rules_reason']}"
         )
-    else:
-        for row in rows:
-            print(
-                f"{_MARKS[row['status']]} {row['id']}: rules {row['rules_limit']} "
-                f"({row['rules_source']}), segment {row['segment_limit']} "
-                f"({row['segment_source']}): {row['rules_reason']}"
+        if row["status"] == "missing_models":
+            lines.append(
+                f"    the router does not report {', '.join(row['missing_models'])}: "
+                "check the provider's models in the config (the limit stays 0)"
             )
-            if row["status"] == "missing_models":
-                print(
-                    f"    the router does not report {', '.join(row['missing_models'])}: "
-                    "check the provider's models in the config (the limit stays 0)"
-                )
-            elif row["status"] == "no_answer":
-                print("    no valid answer from any replica: could not compare")
-            for rep in row["replicas"]:
-                print(f"    replica {rep['address']}: {rep['reason']} value {rep['value']}")
-    return code
+        elif row["status"] == "no_answer":
+            lines.append("    no valid answer from any replica: could not compare")
+        for rep in row["replicas"]:
+            lines.append(f"    replica {rep['address']}: {rep['reason']} value {rep['value']}")
+    return "\n".join(lines)
 
 
 _MARKS = {
@@ -156,9 +172,3 @@ _MARKS = {
     "missing_models": "MISSING MODEL",
     "no_answer": "NO ANSWER",
 }
-
-
-def _room() -> int:
-    from shm_layout.layout import RUNNING_ROOM
-
-    return RUNNING_ROOM

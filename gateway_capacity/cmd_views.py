@@ -10,13 +10,15 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway_capacity.common import add_target_options, fail, segment_from_args
+from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from gateway_capacity.schemas import sidecar_status
 
-EXIT_NO_SEGMENT = 3
-EXIT_UNHEALTHY = 1
+if TYPE_CHECKING:
+    from shm_layout.view import SegmentView
+
 # The sidecar beats every 0.5 s; ten missed beats is no scheduling hiccup but a stopped
 # or wedged sidecar (systemd's watchdog, at 20 s, is the slower backstop).
 STALE_HEARTBEAT_S = 5.0
@@ -60,7 +62,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run_watch)
 
 
-def _read(args: argparse.Namespace) -> Any:
+def _read(args: argparse.Namespace) -> SegmentView:
     from shm_layout.segment import SegmentError, SegmentMissing
     from shm_layout.view import read_view
 
@@ -70,10 +72,10 @@ def _read(args: argparse.Namespace) -> Any:
     except SegmentMissing as exc:
         fail(str(exc), EXIT_NO_SEGMENT)
     except SegmentError as exc:
-        fail(str(exc), 2)
+        fail(str(exc), EXIT_USAGE)
 
 
-def availability_doc(view: Any) -> dict[str, Any]:
+def availability_doc(view: SegmentView) -> dict[str, Any]:
     """JSON of ``availability`` (REQUIREMENTS.md 8), shaped by ``schemas.AvailabilityDoc``."""
     import msgspec
 
@@ -83,7 +85,7 @@ def availability_doc(view: Any) -> dict[str, Any]:
     return doc
 
 
-def inspect_doc(view: Any) -> dict[str, Any]:
+def inspect_doc(view: SegmentView) -> dict[str, Any]:
     """The JSON of ``inspect``, shaped by ``schemas.InspectDoc``."""
     import msgspec
 
@@ -100,7 +102,7 @@ def _age(t: float | None, now: float) -> str:
     return f"in {delta:.0f}s" if delta >= 0 else f"{-delta:.0f}s ago"
 
 
-def availability_text(view: Any) -> str:
+def availability_text(view: SegmentView) -> str:
     now = time.time()
     lines = [
         f"segment {view.name}  layout {view.major}.{view.minor}  "
@@ -152,7 +154,7 @@ def availability_text(view: Any) -> str:
     return "\n".join(lines)
 
 
-def health_problems(view: Any, max_heartbeat_age: float) -> list[str]:
+def health_problems(view: SegmentView, max_heartbeat_age: float) -> list[str]:
     """What ``availability --check`` fails on, one line each (empty: healthy)."""
     problems = []
     s = view.sidecar
@@ -186,13 +188,14 @@ def run_availability(args: argparse.Namespace) -> int:
         elif problems:
             print("\n".join(problems))
         else:
+            assert view.sidecar is not None  # health_problems reports a missing one
             print(f"ok: segment {view.name}, sidecar pid {view.sidecar.pid} running")
-        return EXIT_UNHEALTHY if problems else 0
+        return EXIT_PROBLEM if problems else EXIT_OK
     if args.json:
         print(json.dumps(availability_doc(view), indent=2))
     else:
         print(availability_text(view))
-    return 0
+    return EXIT_OK
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -201,7 +204,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     view = _read(args)
     if args.json:
         print(json.dumps(inspect_doc(view), indent=2))
-        return 0
+        return EXIT_OK
     print(availability_text(view))
     print("\nholders:")
     for h in view.holders:
@@ -212,7 +215,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     if not view.holders:
         print("  (none)")
     print(f"lock: {view.lock_kind}, repairs after a holder died inside it: {view.lock_repairs}")
-    return 0
+    return EXIT_OK
 
 
 def _unlink(args: argparse.Namespace) -> int:
@@ -229,7 +232,10 @@ def _unlink(args: argparse.Namespace) -> int:
         view = None
         unread = str(exc).split(";")[0].split(". ")[0].rstrip(".")
         if not args.force:
-            fail(f"cannot tell who uses {name}: {unread}; add --force to remove it anyway", 2)
+            fail(
+                f"cannot tell who uses {name}: {unread}; add --force to remove it anyway",
+                EXIT_USAGE,
+            )
     if view is not None and not args.force:
         live = [f"handler pid {m.pid} ({m.generation})" for m in view.members if m.alive]
         live += [f"{h.state} holder pid {h.pid}" for h in view.holders if h.alive]
@@ -244,14 +250,14 @@ def _unlink(args: argparse.Namespace) -> int:
     try:
         existed = unlink_segment(name)
     except SegmentError as exc:
-        fail(str(exc), 2)
+        fail(str(exc), EXIT_USAGE)
     if not existed and view is None and unread is None:
         fail(f"no segment {name}", EXIT_NO_SEGMENT)
     if unread is not None:
         print(f"removed segment {name} and its semaphores without reading it ({unread})")
     else:
         print(f"removed segment {name} and its semaphores")
-    return 0
+    return EXIT_OK
 
 
 def run_watch(args: argparse.Namespace) -> int:
@@ -268,7 +274,7 @@ def run_watch(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             shown += 1
             if args.count and shown >= args.count:
-                return 0
+                return EXIT_OK
             time.sleep(max(args.interval, 0.1))
     except KeyboardInterrupt:
-        return 0
+        return EXIT_OK

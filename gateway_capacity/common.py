@@ -7,6 +7,7 @@ import json
 import sys
 from typing import NoReturn
 
+from gateway_capacity.exits import EXIT_USAGE
 from shm_layout.names import BadSegmentName, resolve_segment_name
 
 
@@ -26,7 +27,7 @@ def segment_from_args(args: argparse.Namespace) -> str:
     try:
         return resolve_segment_name(getattr(args, "segment", None), getattr(args, "config", None))
     except BadSegmentName as exc:
-        fail(str(exc), code=2)
+        fail(str(exc), code=EXIT_USAGE)
 
 
 # Set by the entry point when the command runs with --json: errors are JSON then too.

@@ -30,7 +30,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from capacity_router import RouterServer
+    from capacity_router.simworker import SimWorker
 
 PROVIDER = "local-inference"
 MODEL = "workhorse"
@@ -72,7 +76,7 @@ class Phase:
     name: str
     action: str | None  # "fence" / "unfence" worker w2, or nothing
     expect: int
-    seconds: float
+    seconds: float  # how long the phase holds once its expected limit is reached
     reached_s: float | None = None
     samples: list[Sample] = field(default_factory=list)
 
@@ -89,8 +93,8 @@ class Demo:
         self.children: list[subprocess.Popen[str]] = []
         self.sidecar: subprocess.Popen[str] | None = None
         self.loads: list[subprocess.Popen[str]] = []
-        self.workers: list[Any] = []
-        self.router: Any = None
+        self.workers: list[SimWorker] = []
+        self.router: RouterServer | None = None
         self.segment = ""
         self.problems: list[str] = []
         self.seen_segment = False
@@ -129,8 +133,8 @@ class Demo:
                 }
             )
         )
-        self.router = RouterServer(registry, key_file, poll_interval=0.25)
-        self.router.start()
+        router = self.router = RouterServer(registry, key_file, poll_interval=0.25)
+        router.start()
         config = self.tmp / "gateway.json"
         config.write_text(
             json.dumps(
@@ -222,6 +226,7 @@ class Demo:
 
     # --- observing ----------------------------------------------------------------------
     def _advertised(self) -> int | None:
+        assert self.router is not None  # started before any phase runs
         snap = self.router.snapshot()
         if snap is None:
             return None
@@ -292,7 +297,7 @@ class Demo:
                 phase.samples.append(s)
                 if phase.reached_s is None and s.limit == phase.expect:
                     phase.reached_s = now - began
-                    until = now + self.hold
+                    until = now + phase.seconds
                 if now - last_line >= 0.5:
                     last_line = now
                     self._say(

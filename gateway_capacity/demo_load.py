@@ -18,6 +18,7 @@ import os
 import random
 import sys
 
+from gateway_capacity.exits import EXIT_OK
 from handler_shim import Admission, AdmissionTimeout, QueueFull
 
 
@@ -62,7 +63,7 @@ def main() -> int:
     finally:
         adm.close()
     print(json.dumps({"generation": args.generation, **totals}), flush=True)
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

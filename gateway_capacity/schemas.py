@@ -15,12 +15,22 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, cast
 
 import msgspec
 from msgspec import Meta, Struct
 
+from gateway_capacity.exits import EXIT_OK, EXIT_USAGE
+
+if TYPE_CHECKING:
+    from shm_layout.view import ProviderView, SegmentView, SidecarView
+
 SCHEMA_VERSION: Final = 1
+
+# Closed sets the segment view hands over as plain strings (layout.SIDECAR_STATES and
+# layout.LOCK_KINDS values); the documents name them.
+SidecarState = Literal["none", "running", "stopped", "unknown"]
+LockKind = Literal["robust-mutex", "lock-file"]
 
 Source = Annotated[
     Literal["discovered", "provider", "gateway", "default", "legacy_drain"],
@@ -44,7 +54,7 @@ class Sidecar(Struct, kw_only=True):
 
     pid: int
     alive: Annotated[bool, Meta(description="that process still runs (pid and start time)")]
-    state: Literal["none", "running", "stopped", "unknown"]
+    state: SidecarState
     status: Annotated[
         str,
         Meta(description="one phrase: running, stopping, stopped, died without stopping, ..."),
@@ -126,7 +136,7 @@ class Header(Struct, kw_only=True):
     created_at: UnixTime
     group_shared: Annotated[bool, Meta(description="0660 instead of 0600 (R-G6)")]
     lock_kind: Annotated[
-        Literal["robust-mutex", "lock-file"],
+        LockKind,
         Meta(description="the segment's lock: a robust mutex in it, or a lock file beside it"),
     ]
     lock_repairs: Annotated[
@@ -199,7 +209,7 @@ class InspectDoc(Struct, kw_only=True):
 
 
 # --- from a segment view ----------------------------------------------------------------------
-def _provider_fields(p: Any) -> dict[str, Any]:
+def _provider_fields(p: ProviderView) -> dict[str, Any]:
     return {
         "id": p.id,
         "capacity_discovery": p.capacity_discovery,
@@ -229,7 +239,7 @@ def _provider_fields(p: Any) -> dict[str, Any]:
     }
 
 
-def sidecar_status(s: Any) -> str:
+def sidecar_status(s: SidecarView) -> str:
     """The sidecar's state as one phrase (the process's liveness and what it last wrote)."""
     if s.alive:
         return "running" if s.state == "running" else "stopping"
@@ -238,14 +248,14 @@ def sidecar_status(s: Any) -> str:
     return "stopped"
 
 
-def _sidecar(view: Any) -> Sidecar | None:
+def _sidecar(view: SegmentView) -> Sidecar | None:
     s = view.sidecar
     if s is None:
         return None
     return Sidecar(
         pid=s.pid,
         alive=s.alive,
-        state=s.state,
+        state=cast(SidecarState, s.state),
         status=sidecar_status(s),
         heartbeat_age_s=s.heartbeat_age_s,
         writer_epoch=s.writer_epoch,
@@ -254,7 +264,7 @@ def _sidecar(view: Any) -> Sidecar | None:
     )
 
 
-def availability(view: Any) -> AvailabilityDoc:
+def availability(view: SegmentView) -> AvailabilityDoc:
     """``availability --json`` of a ``shm_layout.view.SegmentView``."""
     return AvailabilityDoc(
         schema_version=SCHEMA_VERSION,
@@ -272,7 +282,7 @@ def availability(view: Any) -> AvailabilityDoc:
     )
 
 
-def inspect(view: Any) -> InspectDoc:
+def inspect(view: SegmentView) -> InspectDoc:
     """``inspect --json`` of a ``shm_layout.view.SegmentView``."""
     return InspectDoc(
         schema_version=SCHEMA_VERSION,
@@ -285,7 +295,7 @@ def inspect(view: Any) -> InspectDoc:
         header=Header(
             created_at=view.created_at,
             group_shared=view.group_shared,
-            lock_kind=view.lock_kind,
+            lock_kind=cast(LockKind, view.lock_kind),
             lock_repairs=view.lock_repairs,
             config_path=view.config_path or None,
         ),
@@ -353,13 +363,13 @@ def main(argv: list[str]) -> int:
     """``python -m gateway_capacity.schemas DIR``: (re)write the schemas into DIR."""
     if len(argv) != 1:
         print("usage: python -m gateway_capacity.schemas DIR", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     directory = Path(argv[0])
     directory.mkdir(parents=True, exist_ok=True)
     for name, text in schema_texts().items():
         (directory / name).write_text(text)
         print(directory / name)
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

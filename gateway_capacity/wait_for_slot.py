@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Final, TextIO
 from urllib.parse import quote, urlsplit
 
 from gateway_capacity.common import add_target_options, fail, segment_from_args
+from gateway_capacity.exits import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 
 if TYPE_CHECKING:
     import httpx
@@ -53,9 +54,9 @@ DEFAULT_MAX_WAIT_S: Final = 600.0
 DEFAULT_TIMEOUT_S: Final = 5.0  # the whole of one sample: connect, headers and body
 MAX_BODY_BYTES: Final = 4 * 1024 * 1024  # the text parser is slow on huge lines
 
-EXIT_ROOM: Final = 0
-EXIT_NO_ROOM: Final = 1
-EXIT_FATAL: Final = 2
+EXIT_ROOM: Final = EXIT_OK
+EXIT_NO_ROOM: Final = EXIT_PROBLEM
+EXIT_FATAL: Final = EXIT_USAGE
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -233,6 +234,7 @@ def describe(last: Sample, need: int) -> str:
 
 def key_from_env(name: str) -> Secret:
     """The key in environment variable ``name``, trimmed and checked like a key file."""
+    from sidecar.contract import bearer_key
     from sidecar.credential import CredentialError, Secret
 
     if not _ENV_NAME.match(name):
@@ -240,14 +242,10 @@ def key_from_env(name: str) -> Secret:
     value = os.environ.get(name)
     if value is None:
         raise CredentialError("the environment variable named by --key-env is not set")
-    key = value.encode("utf-8", "surrogateescape").rstrip(b"\r\n ")
-    if not key:
-        raise CredentialError("the environment variable named by --key-env is empty")
-    if any(byte < 0x21 or byte > 0x7E for byte in key):
-        raise CredentialError(
-            "the environment variable named by --key-env contains whitespace, a control "
-            "character or non-ASCII inside the key"
-        )
+    try:
+        key = bearer_key(value.encode("utf-8", "surrogateescape"))
+    except ValueError as exc:
+        raise CredentialError(f"the environment variable named by --key-env {exc}") from None
     return Secret(key.decode("ascii"))
 
 
@@ -417,12 +415,10 @@ class MetricsSampler:
             # we asked for identity; a compressed body would only be measured after
             # inflating it, so the cap would mean nothing
             return Fatal(f"the metrics answer is compressed ({coding}); asked for identity")
-        body = bytearray()
-        async for chunk in response.aiter_raw():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                return too_large
-        return bytes(body)
+        from sidecar.contract import read_capped
+
+        body = await read_capped(response.aiter_raw(), MAX_BODY_BYTES)
+        return too_large if body is None else body
 
 
 # --------------------------------------------------------------------------- local mode
@@ -430,10 +426,8 @@ class MetricsSampler:
 
 def _sample_local(segment: str, provider_id: str) -> Sample:
     """One reading of this host's segment (R-W4): gate on the provider's effective limit."""
-    try:
-        from shm_layout import SegmentError, SegmentNotReady, read_provider_load
-    except ImportError:
-        return Fatal("local mode is not available in this build")
+    from shm_layout import SegmentError, SegmentNotReady, read_provider_load
+
     try:
         load = read_provider_load(segment, provider_id)
     except KeyError:
@@ -443,14 +437,6 @@ def _sample_local(segment: str, provider_id: str) -> Sample:
     except SegmentError as exc:  # missing, not ours, other major version: one line each
         return Fatal(_one_line(str(exc)))
     return Load(float(load.running), float(load.waiting), load.effective_limit)
-
-
-def _local_mode_available() -> bool:
-    try:
-        from shm_layout import read_provider_load  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # --------------------------------------------------------------------------- CLI
@@ -580,7 +566,9 @@ def _validate_numbers(args: argparse.Namespace) -> None:
 
 def _metrics_sampler(args: argparse.Namespace) -> MetricsSampler:
     if not args.url or not args.model:
-        fail("give --url BASE and --model M (metrics mode) or --provider ID (local mode)", 2)
+        fail(
+            "give --url BASE and --model M (metrics mode) or --provider ID (local mode)", EXIT_FATAL
+        )
     if args.key_env is not None and args.key_file is not None:
         fail("give --key-env or --key-file, not both", code=EXIT_FATAL)
     try:
@@ -619,8 +607,6 @@ def _local_sampler(args: argparse.Namespace) -> Callable[[], Sample]:
                 code=EXIT_FATAL,
             )
     segment = segment_from_args(args)
-    if not _local_mode_available():
-        fail("local mode is not available in this build", code=EXIT_FATAL)
     provider_id: str = args.provider
     return lambda: _sample_local(segment, provider_id)
 

@@ -7,6 +7,24 @@ process and generation on this host (REQUIREMENTS.md section 6).
         ...
 
 An ASGI app admits every HTTP request with ``handler_shim.asgi.AdmissionMiddleware``.
+
+The errors, all exported here; catch the one you mean (``str()`` is one line
+that says what to fix)::
+
+    GatewayCapacityError               anything gateway-capacity refused
+    ├── BadSegmentName (ValueError)    attach: the segment name cannot be used
+    ├── ConfigError                    attach(config=...): the file cannot be read or parsed
+    ├── SegmentError                   attach: the shared segment cannot be used
+    │   ├── SegmentMissing
+    │   ├── SegmentNotReady            its creator never finished initialising it
+    │   ├── UnsafePermissions
+    │   ├── IncompatibleLayout         another major layout version (R-G2)
+    │   └── NotOurSegment
+    │       └── DamagedSegment         ours by its header, values no writer produces
+    └── AdmissionError                 attach: no member row left; use after close()
+        ├── QueueFull                  the provider's queue is at its bound (R-A2)
+        ├── AdmissionTimeout (TimeoutError)  no slot within the timeout (R-A4)
+        └── UnknownProvider (KeyError) not in the segment, or no row for it (R-A13)
 """
 
 from typing import TYPE_CHECKING, Any
@@ -18,27 +36,50 @@ from handler_shim.admission import (
     QueueFull,
     UnknownProvider,
 )
-from shm_layout.segment import IncompatibleLayout, SegmentError
+from shm_layout.errors import GatewayCapacityError
+from shm_layout.names import BadSegmentName
+from shm_layout.segment import (
+    DamagedSegment,
+    IncompatibleLayout,
+    NotOurSegment,
+    SegmentError,
+    SegmentMissing,
+    SegmentNotReady,
+    UnsafePermissions,
+)
 
 if TYPE_CHECKING:
     from handler_shim.asgi import AdmissionMiddleware
+    from sidecar.config import ConfigError
 
 __all__ = [
     "Admission",
     "AdmissionError",
     "AdmissionMiddleware",
     "AdmissionTimeout",
+    "BadSegmentName",
+    "ConfigError",
+    "DamagedSegment",
+    "GatewayCapacityError",
     "IncompatibleLayout",
+    "NotOurSegment",
     "QueueFull",
     "SegmentError",
+    "SegmentMissing",
+    "SegmentNotReady",
     "UnknownProvider",
+    "UnsafePermissions",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    # The ASGI middleware is imported on first use: ``import handler_shim`` stays light.
+    # Imported on first use: ``import handler_shim`` stays light (no ASGI, no msgspec).
     if name == "AdmissionMiddleware":
         from handler_shim.asgi import AdmissionMiddleware
 
         return AdmissionMiddleware
+    if name == "ConfigError":
+        from sidecar.config import ConfigError
+
+        return ConfigError
     raise AttributeError(f"module 'handler_shim' has no attribute {name!r}")

@@ -52,6 +52,7 @@ from typing import TypeVar
 
 from handler_shim import siblings
 from shm_layout import _core, ipc, layout, ledger, writer
+from shm_layout.errors import GatewayCapacityError
 from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING
 from shm_layout.liveness import process_start
 from shm_layout.names import resolve_segment_name
@@ -77,8 +78,8 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
-class AdmissionError(Exception):
-    """Base of the admission errors."""
+class AdmissionError(GatewayCapacityError):
+    """Base of the errors of admitting a request (the segment's are :class:`SegmentError`)."""
 
 
 class QueueFull(AdmissionError):
@@ -128,14 +129,15 @@ class ProviderEntry:
 
 
 def providers_from_config(path: str | os.PathLike[str]) -> list[ProviderEntry]:
-    from sidecar.config import fallback_limit, load_config  # config only: no httpx
+    from sidecar.config import load_config  # config types and rules only: no httpx
+    from sidecar.limits import fallback_for
 
     cfg = load_config(path)
     for skipped in cfg.skipped:
         log.warning("config %s: %s", cfg.source, skipped)
     out = []
     for provider in cfg.providers:
-        limit, source = fallback_limit(provider, cfg)
+        limit, source = fallback_for(provider.max_concurrent, cfg.max_concurrent)
         out.append(ProviderEntry(provider.id, limit, source, provider.capacity_discovery))
     return out
 

@@ -117,11 +117,11 @@ def _sidecar_in_header(name: str) -> bool:
     finally:
         shm.close_fd()
     try:
-        H = layout.H
-        if H["magic"].get(head) != layout.MAGIC or H["major"].get(head) != layout.MAJOR:
+        HEADER = layout.HEADER
+        if HEADER["magic"].get(head) != layout.MAGIC or HEADER["major"].get(head) != layout.MAJOR:
             return False
-        pid = H["sidecar_pid"].get(head)
-        return pid != 0 and is_alive(pid, H["sidecar_start"].get(head))
+        pid = HEADER["sidecar_pid"].get(head)
+        return pid != 0 and is_alive(pid, HEADER["sidecar_start"].get(head))
     except (OverflowError, ValueError):
         return False
     finally:

@@ -38,22 +38,23 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shm_layout import layout
+from shm_layout.errors import GatewayCapacityError
 from shm_layout.layout import (
+    HOLDER,
     HOLDER_FREE,
     HOLDER_ROW_SIZE,
     HOLDER_RUNNING,
     HOLDER_WAITING,
     HOLDERS_BASE,
     HOLDERS_PER_PROVIDER,
+    MEMBER,
     MEMBER_ROW_SIZE,
     MEMBERS_BASE,
+    PROVIDER,
     PROVIDER_COUNT,
     PROVIDER_ROW_SIZE,
     PROVIDERS_BASE,
     RUNNING_ROOM,
-    K,
-    M,
-    P,
 )
 
 Buffer = bytes | bytearray | memoryview | mmap.mmap  # what readers and the model work on
@@ -82,25 +83,25 @@ class Limit:
 def effective_limit(buf: Buffer, p: int, now: float) -> Limit:
     """The limit admission applies now: the published one until it expires, else the fallback."""
     base = provider_base(p)
-    published = P["published_limit"].get(buf, base)
-    reason = layout.decode_text(P["reason"].get(buf, base))
+    published = PROVIDER["published_limit"].get(buf, base)
+    reason = layout.decode_text(PROVIDER["reason"].get(buf, base))
     if published >= 0:
-        expires = P["expires_at"].get(buf, base)
+        expires = PROVIDER["expires_at"].get(buf, base)
         if now < expires:
-            source = layout.SOURCES.get(P["published_source"].get(buf, base), "discovered")
+            source = layout.SOURCES.get(PROVIDER["published_source"].get(buf, base), "discovered")
             return Limit(min(published, RUNNING_ROOM), source, reason)
         reason = f"published limit expired {now - expires:.0f}s ago; using the fallback"
-    fallback = P["fallback_limit"].get(buf, base)
-    source = layout.SOURCES.get(P["fallback_source"].get(buf, base), "default")
+    fallback = PROVIDER["fallback_limit"].get(buf, base)
+    source = layout.SOURCES.get(PROVIDER["fallback_source"].get(buf, base), "default")
     return Limit(min(max(fallback, 0), RUNNING_ROOM), source, reason)
 
 
 def limit_value(buf: Buffer, p: int, now: float) -> int:
     base = provider_base(p)
-    published = P["published_limit"].get(buf, base)
-    if published >= 0 and now < P["expires_at"].get(buf, base):
+    published = PROVIDER["published_limit"].get(buf, base)
+    if published >= 0 and now < PROVIDER["expires_at"].get(buf, base):
         return int(min(published, RUNNING_ROOM))
-    return int(min(max(P["fallback_limit"].get(buf, base), 0), RUNNING_ROOM))
+    return int(min(max(PROVIDER["fallback_limit"].get(buf, base), 0), RUNNING_ROOM))
 
 
 def decide_arrival(running: int, waiting: int, limit: int, bound: int) -> Decision:
@@ -113,7 +114,7 @@ def decide_arrival(running: int, waiting: int, limit: int, bound: int) -> Decisi
 
 
 # --- providers: ids are matched in full (R-A13) ------------------------------------------
-class ProviderIdError(ValueError):
+class ProviderIdError(GatewayCapacityError, ValueError):
     """A provider id that cannot be stored in the segment without losing part of it."""
 
 
@@ -135,9 +136,9 @@ def find_provider(buf: Buffer, provider_id: str) -> int | None:
         return None
     for p in range(PROVIDER_COUNT):
         base = provider_base(p)
-        if not P["in_use"].get(buf, base):
+        if not PROVIDER["in_use"].get(buf, base):
             return None
-        if P["id"].get(buf, base) == wanted:
+        if PROVIDER["id"].get(buf, base) == wanted:
             return p
     return None
 
@@ -171,25 +172,25 @@ class Ledger:
         if not 0 <= m < layout.MEMBER_COUNT:
             return False
         mb = member_base(m)
-        if not M["in_use"].get(self.buf, mb) or M["serial"].get(self.buf, mb) != serial:
+        if not MEMBER["in_use"].get(self.buf, mb) or MEMBER["serial"].get(self.buf, mb) != serial:
             return False
         return self.alive_lock(m, serial)
 
     def _holder_alive(self, hb: int) -> bool:
         return self.member_alive(
-            K["member"].get(self.buf, hb), K["member_serial"].get(self.buf, hb)
+            HOLDER["member"].get(self.buf, hb), HOLDER["member_serial"].get(self.buf, hb)
         )
 
     def _get(self, field: str, base: int) -> int:
-        value: int = P[field].get(self.buf, base)
+        value: int = PROVIDER[field].get(self.buf, base)
         return value
 
     def _bump(self, field: str, base: int, by: int = 1) -> None:
-        P[field].put(self.buf, P[field].get(self.buf, base) + by, base)
+        PROVIDER[field].put(self.buf, PROVIDER[field].get(self.buf, base) + by, base)
 
     def _peak(self, field: str, base: int, value: int) -> None:
-        if value > P[field].get(self.buf, base):
-            P[field].put(self.buf, value, base)
+        if value > PROVIDER[field].get(self.buf, base):
+            PROVIDER[field].put(self.buf, value, base)
 
     # --- arrival --------------------------------------------------------------------
     def arrive(
@@ -213,29 +214,29 @@ class Ledger:
                 return "wait_refused", None, rings
             assert h is not None
             hb = holder_base(p, h)
-            serial = K["serial"].get(buf, hb) + 1
+            serial = HOLDER["serial"].get(buf, hb) + 1
             ticket = 0
             if decision == "wait":
                 ticket = self._get("next_ticket", base) + 1
-                P["next_ticket"].put(buf, ticket, base)
+                PROVIDER["next_ticket"].put(buf, ticket, base)
             layout.HOLDER_BODY.pack_into(
                 buf, hb + layout.HOLDER_BODY_OFFSET, pid, member_serial, ticket, serial, member, now
             )
             if decision == "admit":
-                K["state"].put(buf, HOLDER_RUNNING, hb)  # state last
-                P["running"].put(buf, running + 1, base)
+                HOLDER["state"].put(buf, HOLDER_RUNNING, hb)  # state last
+                PROVIDER["running"].put(buf, running + 1, base)
                 self._peak("peak_running", base, running + 1)
                 self._bump("admitted_total", base)
             else:
-                K["state"].put(buf, HOLDER_WAITING, hb)
-                P["waiting"].put(buf, waiting + 1, base)
+                HOLDER["state"].put(buf, HOLDER_WAITING, hb)
+                PROVIDER["waiting"].put(buf, waiting + 1, base)
                 self._peak("peak_waiting", base, waiting + 1)
             return decision, Ticket(p, h, serial), rings
         raise AssertionError("unreachable")
 
     def _free_record(self, p: int) -> int | None:
         for h in range(HOLDERS_PER_PROVIDER):
-            if K["state"].get(self.buf, holder_base(p, h)) == HOLDER_FREE:
+            if HOLDER["state"].get(self.buf, holder_base(p, h)) == HOLDER_FREE:
                 return h
         return None
 
@@ -245,20 +246,20 @@ class Ledger:
     ) -> tuple[str, set[int]]:
         """Free ``t``'s record if it is still this registration's: (what it was, rings)."""
         buf, base, hb = self.buf, provider_base(t.provider), holder_base(t.provider, t.holder)
-        state = K["state"].get(buf, hb)
+        state = HOLDER["state"].get(buf, hb)
         if (
-            K["serial"].get(buf, hb) != t.serial
+            HOLDER["serial"].get(buf, hb) != t.serial
             or state == HOLDER_FREE
-            or K["member"].get(buf, hb) != member
-            or K["member_serial"].get(buf, hb) != member_serial
+            or HOLDER["member"].get(buf, hb) != member
+            or HOLDER["member_serial"].get(buf, hb) != member_serial
         ):
             return "stale", set()
-        K["state"].put(buf, HOLDER_FREE, hb)
+        HOLDER["state"].put(buf, HOLDER_FREE, hb)
         if state == HOLDER_RUNNING:
-            P["running"].put(buf, max(self._get("running", base) - 1, 0), base)
+            PROVIDER["running"].put(buf, max(self._get("running", base) - 1, 0), base)
             was = "running"
         else:
-            P["waiting"].put(buf, max(self._get("waiting", base) - 1, 0), base)
+            PROVIDER["waiting"].put(buf, max(self._get("waiting", base) - 1, 0), base)
             was = "waiting"
         if outcome == "timeout":
             self._bump("timeouts_total", base)
@@ -286,16 +287,16 @@ class Ledger:
             hb = holder_base(p, h)
             waiting -= 1
             if not self._holder_alive(hb):
-                K["state"].put(buf, HOLDER_FREE, hb)
+                HOLDER["state"].put(buf, HOLDER_FREE, hb)
                 self._bump("reclaimed_total", base)
                 continue
-            K["since"].put(buf, now, hb)
-            K["state"].put(buf, HOLDER_RUNNING, hb)
+            HOLDER["since"].put(buf, now, hb)
+            HOLDER["state"].put(buf, HOLDER_RUNNING, hb)
             running += 1
-            rings.add(K["member"].get(buf, hb))
+            rings.add(HOLDER["member"].get(buf, hb))
             self._bump("admitted_total", base)
-        P["waiting"].put(buf, waiting, base)
-        P["running"].put(buf, running, base)
+        PROVIDER["waiting"].put(buf, waiting, base)
+        PROVIDER["running"].put(buf, running, base)
         self._peak("peak_running", base, running)
         return rings
 
@@ -304,8 +305,8 @@ class Ledger:
         best_ticket = 0
         for h in range(HOLDERS_PER_PROVIDER):
             hb = holder_base(p, h)
-            if K["state"].get(self.buf, hb) == HOLDER_WAITING:
-                ticket = K["ticket"].get(self.buf, hb)
+            if HOLDER["state"].get(self.buf, hb) == HOLDER_WAITING:
+                ticket = HOLDER["ticket"].get(self.buf, hb)
                 if best is None or ticket < best_ticket:
                     best, best_ticket = h, ticket
         return best
@@ -317,7 +318,9 @@ class Ledger:
         return rings
 
     def _providers(self) -> list[int]:
-        return [p for p in range(PROVIDER_COUNT) if P["in_use"].get(self.buf, provider_base(p))]
+        return [
+            p for p in range(PROVIDER_COUNT) if PROVIDER["in_use"].get(self.buf, provider_base(p))
+        ]
 
     # --- crash reclaim (R-A5) and repair (R-A6) -------------------------------------
     def reap(self, now: float) -> tuple[int, set[int]]:
@@ -327,8 +330,8 @@ class Ledger:
             freed = 0
             for h in range(HOLDERS_PER_PROVIDER):
                 hb = holder_base(p, h)
-                if K["state"].get(buf, hb) != HOLDER_FREE and not self._holder_alive(hb):
-                    K["state"].put(buf, HOLDER_FREE, hb)
+                if HOLDER["state"].get(buf, hb) != HOLDER_FREE and not self._holder_alive(hb):
+                    HOLDER["state"].put(buf, HOLDER_FREE, hb)
                     freed += 1
             if freed:
                 reclaimed += freed
@@ -337,23 +340,25 @@ class Ledger:
             rings |= self.pump(p, now)
         for m in range(layout.MEMBER_COUNT):
             mb = member_base(m)
-            if M["in_use"].get(buf, mb) and not self.member_alive(m, M["serial"].get(buf, mb)):
-                M["in_use"].put(buf, 0, mb)
+            if MEMBER["in_use"].get(buf, mb) and not self.member_alive(
+                m, MEMBER["serial"].get(buf, mb)
+            ):
+                MEMBER["in_use"].put(buf, 0, mb)
         return reclaimed, rings
 
     def recount_provider(self, p: int) -> None:
         running = waiting = 0
         for h in range(HOLDERS_PER_PROVIDER):
             hb = holder_base(p, h)
-            state = K["state"].get(self.buf, hb)
+            state = HOLDER["state"].get(self.buf, hb)
             if state == HOLDER_RUNNING:
                 running += 1
             elif state == HOLDER_WAITING:
                 waiting += 1
             elif state != HOLDER_FREE:  # torn write by a dead holder
-                K["state"].put(self.buf, HOLDER_FREE, hb)
-        P["running"].put(self.buf, running, provider_base(p))
-        P["waiting"].put(self.buf, waiting, provider_base(p))
+                HOLDER["state"].put(self.buf, HOLDER_FREE, hb)
+        PROVIDER["running"].put(self.buf, running, provider_base(p))
+        PROVIDER["waiting"].put(self.buf, waiting, provider_base(p))
 
     def repair(self) -> None:
         """What the next lock holder does after one died inside a section."""
@@ -368,11 +373,11 @@ class Ledger:
             for h in range(HOLDERS_PER_PROVIDER):
                 hb = holder_base(p, h)
                 if (
-                    K["state"].get(self.buf, hb) != HOLDER_FREE
-                    and K["member"].get(self.buf, hb) == m
-                    and K["member_serial"].get(self.buf, hb) == serial
+                    HOLDER["state"].get(self.buf, hb) != HOLDER_FREE
+                    and HOLDER["member"].get(self.buf, hb) == m
+                    and HOLDER["member_serial"].get(self.buf, hb) == serial
                 ):
-                    K["state"].put(self.buf, HOLDER_FREE, hb)
+                    HOLDER["state"].put(self.buf, HOLDER_FREE, hb)
                     freed = True
             if freed:
                 self.recount_provider(p)
@@ -390,31 +395,31 @@ class Ledger:
         buf, rings = self.buf, set[int]()
         for m in range(layout.MEMBER_COUNT):
             mb = member_base(m)
-            old = M["serial"].get(buf, mb)
-            if M["in_use"].get(buf, mb):
+            old = MEMBER["serial"].get(buf, mb)
+            if MEMBER["in_use"].get(buf, mb):
                 if self.member_alive(m, old):
                     continue
                 rings |= self.drop_member_records(m, old, now)  # its owner died
-                M["in_use"].put(buf, 0, mb)
+                MEMBER["in_use"].put(buf, 0, mb)
             if taken(m):
                 continue
             serial = old + 1
-            M["pid"].put(buf, pid, mb)
-            M["start"].put(buf, start, mb)
-            M["serial"].put(buf, serial, mb)
-            M["major"].put(buf, layout.MAJOR, mb)
-            M["minor"].put(buf, layout.MINOR, mb)
-            M["attached_at"].put(buf, now, mb)
-            M["label"].put(buf, label[: layout.ID_BYTES], mb)
-            M["in_use"].put(buf, 1, mb)
+            MEMBER["pid"].put(buf, pid, mb)
+            MEMBER["start"].put(buf, start, mb)
+            MEMBER["serial"].put(buf, serial, mb)
+            MEMBER["major"].put(buf, layout.MAJOR, mb)
+            MEMBER["minor"].put(buf, layout.MINOR, mb)
+            MEMBER["attached_at"].put(buf, now, mb)
+            MEMBER["label"].put(buf, label[: layout.ID_BYTES], mb)
+            MEMBER["in_use"].put(buf, 1, mb)
             return m, serial, rings
         return -1, 0, rings
 
     def unregister(self, m: int, serial: int, now: float) -> set[int]:
         rings = self.drop_member_records(m, serial, now)
         mb = member_base(m)
-        if M["serial"].get(self.buf, mb) == serial:
-            M["in_use"].put(self.buf, 0, mb)
+        if MEMBER["serial"].get(self.buf, mb) == serial:
+            MEMBER["in_use"].put(self.buf, 0, mb)
         return rings
 
     def ensure_provider(
@@ -423,18 +428,18 @@ class Ledger:
         wanted = encode_provider_id(provider_id).ljust(layout.ID_BYTES, b"\x00")
         for p in range(PROVIDER_COUNT):
             base = provider_base(p)
-            if P["in_use"].get(self.buf, base):
-                if P["id"].get(self.buf, base) == wanted:
+            if PROVIDER["in_use"].get(self.buf, base):
+                if PROVIDER["id"].get(self.buf, base) == wanted:
                     return p, False
                 continue
-            P["id"].put(self.buf, wanted, base)
-            P["queue_bound"].put(self.buf, layout.QUEUE_BOUND, base)
-            P["published_limit"].put(self.buf, -1, base)
-            P["discovered"].put(self.buf, -1, base)
-            P["fallback_limit"].put(self.buf, fallback, base)
-            P["fallback_source"].put(self.buf, source, base)
-            P["flags"].put(self.buf, flags, base)
-            P["reason"].put(self.buf, reason[: layout.REASON_BYTES], base)
-            P["in_use"].put(self.buf, 1, base)
+            PROVIDER["id"].put(self.buf, wanted, base)
+            PROVIDER["queue_bound"].put(self.buf, layout.QUEUE_BOUND, base)
+            PROVIDER["published_limit"].put(self.buf, -1, base)
+            PROVIDER["discovered"].put(self.buf, -1, base)
+            PROVIDER["fallback_limit"].put(self.buf, fallback, base)
+            PROVIDER["fallback_source"].put(self.buf, source, base)
+            PROVIDER["flags"].put(self.buf, flags, base)
+            PROVIDER["reason"].put(self.buf, reason[: layout.REASON_BYTES], base)
+            PROVIDER["in_use"].put(self.buf, 1, base)
             return p, True
         return -1, False

@@ -34,7 +34,7 @@ import stat
 from collections.abc import Sequence
 
 from shm_layout import _core, ipc, layout
-from shm_layout.layout import H
+from shm_layout.layout import HEADER
 
 FORCE_LOCK_FILE_ENV = "GATEWAY_CAPACITY_LOCK_FILE"
 LOCK_DIR_ENV = "GATEWAY_CAPACITY_LOCK_DIR"
@@ -64,9 +64,8 @@ STAMP_AT = 4096  # offset of the stamp in the lock file (_core.c reads it there)
 
 def stamp(buf: mmap.mmap | bytes) -> bytes:
     """What ties a lock file to its segment: the creator's fields of the header."""
-    return b"gwcap-lock:" + b"".join(
-        H[k].codec.pack(H[k].get(buf)) for k in ("created_at", "creator_pid", "creator_start")
-    )
+    fields = ("created_at", "creator_pid", "creator_start")
+    return b"gwcap-lock:" + b"".join(HEADER[k].codec.pack(HEADER[k].get(buf)) for k in fields)
 
 
 def prepare(buf: mmap.mmap, segment: str, kind: int, mode: int) -> None:

@@ -12,6 +12,8 @@ import hashlib
 import os
 import re
 
+from shm_layout.errors import GatewayCapacityError
+
 ENV_VAR = "GATEWAY_CAPACITY_SEGMENT"
 PREFIX = "/gwcap1-"
 MAX_NAME_BYTES = 31  # macOS PSHMNAMLEN / SEM_NAME_LEN, leading slash included
@@ -21,7 +23,7 @@ MAX_SEGMENT_BYTES = MAX_NAME_BYTES - SUFFIX_ROOM
 _VALID = re.compile(r"^/[A-Za-z0-9._-]+$")
 
 
-class BadSegmentName(ValueError):
+class BadSegmentName(GatewayCapacityError, ValueError):
     """A segment name that cannot be used on every supported OS."""
 
 

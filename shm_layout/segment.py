@@ -24,7 +24,8 @@ import time
 import posix_ipc
 
 from shm_layout import _core, ipc, layout, lock, names
-from shm_layout.layout import INIT_MARK, MAGIC, MAJOR, MINOR, H, K, M, P
+from shm_layout.errors import GatewayCapacityError
+from shm_layout.layout import HEADER, HOLDER, INIT_MARK, MAGIC, MAJOR, MEMBER, MINOR, PROVIDER
 from shm_layout.liveness import is_alive, my_identity
 
 log = logging.getLogger("gateway_capacity.segment")
@@ -33,7 +34,7 @@ INIT_WAIT_S = 2.0
 CLOSE_WAIT_S = 2.0
 
 
-class SegmentError(Exception):
+class SegmentError(GatewayCapacityError):
     """Base of every segment problem; ``str()`` is one line saying what to do."""
 
 
@@ -79,9 +80,11 @@ class Segment:
         self.buf = buf
         self.created = created
         self.mode = (
-            ipc.GROUP_SHARED if H["flags"].get(buf) & layout.FLAG_GROUP_SHARED else ipc.OWNER_ONLY
+            ipc.GROUP_SHARED
+            if HEADER["flags"].get(buf) & layout.FLAG_GROUP_SHARED
+            else ipc.OWNER_ONLY
         )
-        self.lock_kind = H["lock_kind"].get(buf)
+        self.lock_kind = HEADER["lock_kind"].get(buf)
         try:
             self.core: _core.Core = lock.open_core(name, buf, self.lock_kind)
         except lock.LockSetupError as exc:
@@ -236,21 +239,21 @@ def _try_create(name: str, group_shared: bool) -> mmap.mmap | None:
     finally:
         shm.close_fd()
     pid, start = my_identity()
-    H["creator_start"].put(buf, start)
-    H["creator_pid"].put(buf, pid)
-    H["created_at"].put(buf, time.time())
-    H["magic"].put(buf, MAGIC)
-    H["major"].put(buf, MAJOR)
-    H["minor"].put(buf, MINOR)
-    H["header_size"].put(buf, layout.HEADER_SIZE)
-    H["provider_row_size"].put(buf, layout.PROVIDER_ROW_SIZE)
-    H["provider_count"].put(buf, layout.PROVIDER_COUNT)
-    H["holder_row_size"].put(buf, layout.HOLDER_ROW_SIZE)
-    H["holders_per_provider"].put(buf, layout.HOLDERS_PER_PROVIDER)
-    H["member_row_size"].put(buf, layout.MEMBER_ROW_SIZE)
-    H["member_count"].put(buf, layout.MEMBER_COUNT)
-    H["total_size"].put(buf, layout.TOTAL_SIZE)
-    H["flags"].put(buf, layout.FLAG_GROUP_SHARED if group_shared else 0)
+    HEADER["creator_start"].put(buf, start)
+    HEADER["creator_pid"].put(buf, pid)
+    HEADER["created_at"].put(buf, time.time())
+    HEADER["magic"].put(buf, MAGIC)
+    HEADER["major"].put(buf, MAJOR)
+    HEADER["minor"].put(buf, MINOR)
+    HEADER["header_size"].put(buf, layout.HEADER_SIZE)
+    HEADER["provider_row_size"].put(buf, layout.PROVIDER_ROW_SIZE)
+    HEADER["provider_count"].put(buf, layout.PROVIDER_COUNT)
+    HEADER["holder_row_size"].put(buf, layout.HOLDER_ROW_SIZE)
+    HEADER["holders_per_provider"].put(buf, layout.HOLDERS_PER_PROVIDER)
+    HEADER["member_row_size"].put(buf, layout.MEMBER_ROW_SIZE)
+    HEADER["member_count"].put(buf, layout.MEMBER_COUNT)
+    HEADER["total_size"].put(buf, layout.TOTAL_SIZE)
+    HEADER["flags"].put(buf, layout.FLAG_GROUP_SHARED if group_shared else 0)
     kind = lock.kind_for_new_segment()
     try:
         lock.prepare(buf, name, kind, mode)
@@ -258,8 +261,8 @@ def _try_create(name: str, group_shared: bool) -> mmap.mmap | None:
         buf.close()
         _unlink_shm(name)
         raise SegmentError(f"segment {name}: {exc}") from None
-    H["lock_kind"].put(buf, kind)
-    H["init_complete"].put(buf, INIT_MARK)  # last (R-G2)
+    HEADER["lock_kind"].put(buf, kind)
+    HEADER["init_complete"].put(buf, INIT_MARK)  # last (R-G2)
     return buf
 
 
@@ -308,9 +311,9 @@ def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
             if size >= layout.HEADER_SIZE:
                 head = mmap.mmap(shm.fd, layout.HEADER_SIZE, access=mmap.ACCESS_READ)
                 try:
-                    ready = H["init_complete"].get(head) == INIT_MARK
-                    magic, major, minor = (H[k].get(head) for k in ("magic", "major", "minor"))
-                    creator = (H["creator_pid"].get(head), H["creator_start"].get(head))
+                    ready = HEADER["init_complete"].get(head) == INIT_MARK
+                    magic, major, minor = (HEADER[k].get(head) for k in ("magic", "major", "minor"))
+                    creator = (HEADER["creator_pid"].get(head), HEADER["creator_start"].get(head))
                     geometry_ok = _our_geometry(head)
                 finally:
                     head.close()
@@ -376,20 +379,20 @@ def _our_geometry(head: mmap.mmap) -> bool:
         "member_count": layout.MEMBER_COUNT,
         "total_size": layout.TOTAL_SIZE,
     }
-    return all(H[k].get(head) == v for k, v in expected.items())
+    return all(HEADER[k].get(head) == v for k, v in expected.items())
 
 
 def damage(buf: mmap.mmap | bytes) -> str | None:
     """What makes this initialised segment unusable, or None: values that no writer of
     ours can produce (random bytes over the tables, a scribbling program)."""
-    if H["lock_kind"].get(buf) not in layout.LOCK_KINDS:
-        return f"unknown lock kind {H['lock_kind'].get(buf)}"
+    if HEADER["lock_kind"].get(buf) not in layout.LOCK_KINDS:
+        return f"unknown lock kind {HEADER['lock_kind'].get(buf)}"
     from shm_layout.ledger import holder_base, member_base, provider_base
 
     ended = False
     for p in range(layout.PROVIDER_COUNT):
         base = provider_base(p)
-        in_use = P["in_use"].get(buf, base)
+        in_use = PROVIDER["in_use"].get(buf, base)
         if in_use not in (0, 1) or (ended and in_use):
             return f"provider row {p} is not a row this program writes"
         ended = ended or not in_use
@@ -397,12 +400,13 @@ def damage(buf: mmap.mmap | bytes) -> str | None:
         # next lock holder repairs them, so they are no sign of damage)
         if in_use:
             states = {
-                K["state"].get(buf, holder_base(p, h)) for h in range(layout.HOLDERS_PER_PROVIDER)
+                HOLDER["state"].get(buf, holder_base(p, h))
+                for h in range(layout.HOLDERS_PER_PROVIDER)
             }
             if not states <= set(layout.HOLDER_STATES):
                 return f"provider row {p} has holder records in no known state"
     for m in range(layout.MEMBER_COUNT):
-        if M["in_use"].get(buf, member_base(m)) not in (0, 1):
+        if MEMBER["in_use"].get(buf, member_base(m)) not in (0, 1):
             return f"member row {m} is not a row this program writes"
     return None
 

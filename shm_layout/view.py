@@ -19,15 +19,15 @@ from typing import Any
 
 from shm_layout import layout
 from shm_layout.layout import (
+    HEADER,
+    HOLDER,
     HOLDER_FREE,
     HOLDER_RUNNING,
     HOLDER_STATES,
     HOLDER_WAITING,
-    H,
-    K,
-    M,
-    P,
-    R,
+    MEMBER,
+    PROVIDER,
+    REPLICA,
 )
 from shm_layout.ledger import effective_limit, holder_base, member_base, provider_base
 from shm_layout.liveness import is_alive
@@ -141,7 +141,7 @@ def snapshot_bytes(buf: Any) -> tuple[bytes, bool]:
     holder that is stopped, or died inside and nobody has entered since: the copy
     is returned at once, marked inconsistent, rather than after every retry.
     """
-    seq = H["change_seq"]
+    seq = HEADER["change_seq"]
     copy = b""
     stuck: tuple[int, float] | None = None
     for _ in range(READ_RETRIES):
@@ -172,7 +172,7 @@ def parse_view(
     name: str, data: bytes, consistent: bool = True, *, now: float | None = None
 ) -> SegmentView:
     now = time.time() if now is None else now
-    kind = H["lock_kind"].get(data)
+    kind = HEADER["lock_kind"].get(data)
     registered = _registrations(data)
     mark = stamp(data) if kind == layout.LOCK_FILE else b""
     alive = dict(zip(registered, members_alive(name, kind, registered, mark), strict=True))
@@ -182,18 +182,18 @@ def parse_view(
     holders: list[HolderView] = []
     for p in range(layout.PROVIDER_COUNT):
         base = provider_base(p)
-        if not P["in_use"].get(data, base):
+        if not PROVIDER["in_use"].get(data, base):
             break
-        pid_text = layout.decode_text(P["id"].get(data, base))
+        pid_text = layout.decode_text(PROVIDER["id"].get(data, base))
         running = waiting = 0
         for h in range(layout.HOLDERS_PER_PROVIDER):
             hb = holder_base(p, h)
-            state = K["state"].get(data, hb)
+            state = HOLDER["state"].get(data, hb)
             if state == HOLDER_FREE:
                 continue
-            pid = K["pid"].get(data, hb)
-            member = K["member"].get(data, hb)
-            holder_alive = alive.get((member, K["member_serial"].get(data, hb)), False)
+            pid = HOLDER["pid"].get(data, hb)
+            member = HOLDER["member"].get(data, hb)
+            holder_alive = alive.get((member, HOLDER["member_serial"].get(data, hb)), False)
             if holder_alive and state == HOLDER_RUNNING:
                 running += 1
             elif holder_alive and state == HOLDER_WAITING:
@@ -205,26 +205,26 @@ def parse_view(
                     state=HOLDER_STATES.get(state, f"corrupt({state})"),
                     pid=pid,
                     alive=holder_alive,
-                    ticket=K["ticket"].get(data, hb),
-                    serial=K["serial"].get(data, hb),
+                    ticket=HOLDER["ticket"].get(data, hb),
+                    serial=HOLDER["serial"].get(data, hb),
                     member=member,
                     generation=labels.get(member),
-                    since=K["since"].get(data, hb),
+                    since=HOLDER["since"].get(data, hb),
                 )
             )
         providers.append(_provider(data, p, running, waiting, now))
     return SegmentView(
         name=name,
-        major=H["major"].get(data),
-        minor=H["minor"].get(data),
-        created_at=H["created_at"].get(data),
-        group_shared=bool(H["flags"].get(data) & layout.FLAG_GROUP_SHARED),
+        major=HEADER["major"].get(data),
+        minor=HEADER["minor"].get(data),
+        created_at=HEADER["created_at"].get(data),
+        group_shared=bool(HEADER["flags"].get(data) & layout.FLAG_GROUP_SHARED),
         consistent=consistent,
         read_at=now,
         lock_kind=kind_name(kind),
-        lock_repairs=H["repairs"].get(data),
-        config_status=layout.decode_text(H["config_status"].get(data)),
-        config_path=layout.decode_text(H["config_path"].get(data)),
+        lock_repairs=HEADER["repairs"].get(data),
+        config_status=layout.decode_text(HEADER["config_status"].get(data)),
+        config_path=layout.decode_text(HEADER["config_path"].get(data)),
         sidecar=_sidecar(data, now),
         providers=tuple(providers),
         holders=tuple(holders),
@@ -235,28 +235,28 @@ def parse_view(
 def _provider(data: bytes, p: int, running: int, waiting: int, now: float) -> ProviderView:
     base = provider_base(p)
     limit = effective_limit(data, p, now)
-    flags = P["flags"].get(data, base)
-    published = P["published_limit"].get(data, base)
-    discovered = P["discovered"].get(data, base)
-    observed = P["observed_at"].get(data, base)
-    expires = P["expires_at"].get(data, base)
+    flags = PROVIDER["flags"].get(data, base)
+    published = PROVIDER["published_limit"].get(data, base)
+    discovered = PROVIDER["discovered"].get(data, base)
+    observed = PROVIDER["observed_at"].get(data, base)
+    expires = PROVIDER["expires_at"].get(data, base)
     replicas = []
-    for r in range(min(P["replica_count"].get(data, base), layout.REPLICA_COUNT)):
+    for r in range(min(PROVIDER["replica_count"].get(data, base), layout.REPLICA_COUNT)):
         rb = base + layout.REPLICA_BASE + r * layout.REPLICA_ROW_SIZE
-        value = R["value"].get(data, rb)
-        r_observed = R["observed_at"].get(data, rb)
+        value = REPLICA["value"].get(data, rb)
+        r_observed = REPLICA["observed_at"].get(data, rb)
         replicas.append(
             ReplicaView(
-                address=layout.decode_text(R["address"].get(data, rb)),
-                ok=bool(R["ok"].get(data, rb)),
-                complete=bool(R["complete"].get(data, rb)),
+                address=layout.decode_text(REPLICA["address"].get(data, rb)),
+                ok=bool(REPLICA["ok"].get(data, rb)),
+                complete=bool(REPLICA["complete"].get(data, rb)),
                 value=value if value >= 0 else None,
-                reason=layout.decode_text(R["reason"].get(data, rb)),
+                reason=layout.decode_text(REPLICA["reason"].get(data, rb)),
                 observed_at=r_observed or None,
             )
         )
     counters = {
-        k: P[k].get(data, base)
+        k: PROVIDER[k].get(data, base)
         for k in (
             "admitted_total",
             "rejected_total",
@@ -269,7 +269,7 @@ def _provider(data: bytes, p: int, running: int, waiting: int, now: float) -> Pr
     }
     return ProviderView(
         index=p,
-        id=layout.decode_text(P["id"].get(data, base)),
+        id=layout.decode_text(PROVIDER["id"].get(data, base)),
         capacity_discovery=bool(flags & layout.PFLAG_DISCOVERY),
         configured=bool(flags & layout.PFLAG_CONFIGURED),
         clamped=bool(flags & layout.PFLAG_CLAMPED),
@@ -278,26 +278,26 @@ def _provider(data: bytes, p: int, running: int, waiting: int, now: float) -> Pr
         reason=limit.reason,
         running=running,
         waiting=waiting,
-        queue_bound=P["queue_bound"].get(data, base),
-        fallback_limit=P["fallback_limit"].get(data, base),
-        fallback_source=layout.SOURCES.get(P["fallback_source"].get(data, base), "default"),
+        queue_bound=PROVIDER["queue_bound"].get(data, base),
+        fallback_limit=PROVIDER["fallback_limit"].get(data, base),
+        fallback_source=layout.SOURCES.get(PROVIDER["fallback_source"].get(data, base), "default"),
         published_limit=published if published >= 0 else None,
         discovered=discovered if discovered >= 0 else None,
         observed_at=observed or None,
         expires_at=expires or None,
         replicas=tuple(replicas),
         counters=counters,
-        stored_running=P["running"].get(data, base),
-        stored_waiting=P["waiting"].get(data, base),
+        stored_running=PROVIDER["running"].get(data, base),
+        stored_waiting=PROVIDER["waiting"].get(data, base),
     )
 
 
 def _registrations(data: bytes) -> list[tuple[int, int]]:
     """(member, serial) of every member row in use."""
     return [
-        (m, M["serial"].get(data, member_base(m)))
+        (m, MEMBER["serial"].get(data, member_base(m)))
         for m in range(layout.MEMBER_COUNT)
-        if M["in_use"].get(data, member_base(m))
+        if MEMBER["in_use"].get(data, member_base(m))
     ]
 
 
@@ -305,36 +305,36 @@ def _members(data: bytes, alive: dict[tuple[int, int], bool]) -> list[MemberView
     out = []
     for m in range(layout.MEMBER_COUNT):
         mb = member_base(m)
-        if not M["in_use"].get(data, mb):
+        if not MEMBER["in_use"].get(data, mb):
             continue
-        pid = M["pid"].get(data, mb)
+        pid = MEMBER["pid"].get(data, mb)
         out.append(
             MemberView(
                 index=m,
                 pid=pid,
-                alive=alive.get((m, M["serial"].get(data, mb)), False),
-                generation=layout.decode_text(M["label"].get(data, mb)),
-                layout=f"{M['major'].get(data, mb)}.{M['minor'].get(data, mb)}",
-                attached_at=M["attached_at"].get(data, mb),
+                alive=alive.get((m, MEMBER["serial"].get(data, mb)), False),
+                generation=layout.decode_text(MEMBER["label"].get(data, mb)),
+                layout=f"{MEMBER['major'].get(data, mb)}.{MEMBER['minor'].get(data, mb)}",
+                attached_at=MEMBER["attached_at"].get(data, mb),
             )
         )
     return out
 
 
 def _sidecar(data: bytes, now: float) -> SidecarView | None:
-    pid = H["sidecar_pid"].get(data)
+    pid = HEADER["sidecar_pid"].get(data)
     if pid == 0:
         return None
-    heartbeat = H["heartbeat"].get(data)
+    heartbeat = HEADER["heartbeat"].get(data)
     return SidecarView(
         pid=pid,
-        alive=_sidecar_alive(pid, H["sidecar_start"].get(data)),
-        state=layout.SIDECAR_STATES.get(H["sidecar_state"].get(data), "unknown"),
+        alive=_sidecar_alive(pid, HEADER["sidecar_start"].get(data)),
+        state=layout.SIDECAR_STATES.get(HEADER["sidecar_state"].get(data), "unknown"),
         heartbeat_age_s=round(now - heartbeat, 3) if heartbeat else None,
-        writer_epoch=H["writer_epoch"].get(data),
-        config_generation=H["config_generation"].get(data),
-        refresh_s=H["refresh_s"].get(data),
-        legacy_alive=H["legacy_alive"].get(data),
+        writer_epoch=HEADER["writer_epoch"].get(data),
+        config_generation=HEADER["config_generation"].get(data),
+        refresh_s=HEADER["refresh_s"].get(data),
+        legacy_alive=HEADER["legacy_alive"].get(data),
     )
 
 

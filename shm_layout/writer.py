@@ -17,11 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shm_layout import layout, ledger
-from shm_layout.layout import SOURCE_CODES, Field, H, P, R
+from shm_layout.errors import GatewayCapacityError
+from shm_layout.layout import HEADER, PROVIDER, REPLICA, SOURCE_CODES, Field
 from shm_layout.segment import Segment
 from shm_layout.view import ReplicaView
-
-ReplicaRecord = ReplicaView  # a replica is written with the fields it is read with
 
 
 class Superseded(Exception):
@@ -44,12 +43,12 @@ class Patch:
 
 
 def _epoch_guard(epoch: int) -> list[tuple[int, bytes]]:
-    return [(H["writer_epoch"].offset, H["writer_epoch"].codec.pack(epoch))]
+    return [(HEADER["writer_epoch"].offset, HEADER["writer_epoch"].codec.pack(epoch))]
 
 
 def _commit(seg: Segment, epoch: int, patch: Patch, now: float, *, pump: bool = False) -> None:
     if not seg.core.transact(_epoch_guard(epoch), patch.writes, pump, now):
-        raise Superseded(epoch, H["writer_epoch"].get(seg.buf))
+        raise Superseded(epoch, HEADER["writer_epoch"].get(seg.buf))
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,22 +69,23 @@ class Publication:
     discovered: int | None = None
     observed_at: float | None = None
     expires_at: float | None = None
-    replicas: Sequence[ReplicaRecord] = field(default=())
+    # a replica is written with the fields it is read with
+    replicas: Sequence[ReplicaView] = field(default=())
 
 
 def take_epoch(
     seg: Segment, pid: int, start: float, now: float, refresh_s: float, config_path: str
 ) -> int:
     while True:
-        current: int = H["writer_epoch"].get(seg.buf)
+        current: int = HEADER["writer_epoch"].get(seg.buf)
         patch = Patch()
-        patch.put(H["sidecar_start"], start)
-        patch.put(H["sidecar_pid"], pid)
-        patch.put(H["sidecar_state"], layout.SIDECAR_RUNNING)
-        patch.put(H["heartbeat"], now)
-        patch.put(H["refresh_s"], refresh_s)
-        patch.put(H["config_path"], layout.encode_text(config_path, 256))
-        patch.put(H["writer_epoch"], current + 1)  # compare-and-set on the epoch
+        patch.put(HEADER["sidecar_start"], start)
+        patch.put(HEADER["sidecar_pid"], pid)
+        patch.put(HEADER["sidecar_state"], layout.SIDECAR_RUNNING)
+        patch.put(HEADER["heartbeat"], now)
+        patch.put(HEADER["refresh_s"], refresh_s)
+        patch.put(HEADER["config_path"], layout.encode_text(config_path, 256))
+        patch.put(HEADER["writer_epoch"], current + 1)  # compare-and-set on the epoch
         if seg.core.transact(_epoch_guard(current), patch.writes, False, now):
             return current + 1
 
@@ -96,8 +96,8 @@ def heartbeat(seg: Segment, epoch: int, now: float, legacy_alive: int = 0) -> in
     Returns how many holder records were reclaimed.
     """
     patch = Patch()
-    patch.put(H["heartbeat"], now)
-    patch.put(H["legacy_alive"], legacy_alive)
+    patch.put(HEADER["heartbeat"], now)
+    patch.put(HEADER["legacy_alive"], legacy_alive)
     _commit(seg, epoch, patch, now)
     reclaimed: int = seg.core.reap(now)
     return reclaimed
@@ -106,7 +106,7 @@ def heartbeat(seg: Segment, epoch: int, now: float, legacy_alive: int = 0) -> in
 def set_state(seg: Segment, epoch: int, state: int) -> None:
     """Record how the sidecar left (stopped / retired); only the holder of ``epoch`` may."""
     patch = Patch()
-    patch.put(H["sidecar_state"], state)
+    patch.put(HEADER["sidecar_state"], state)
     seg.core.transact(_epoch_guard(epoch), patch.writes, False, 0.0)
 
 
@@ -126,12 +126,12 @@ def publish(
     """
     warnings: list[str] = []
     buf = seg.buf
-    current = H["writer_epoch"].get(buf)
+    current = HEADER["writer_epoch"].get(buf)
     if current != epoch:  # checked again, under the lock, when committing
         raise Superseded(epoch, current)
     patch = Patch()
-    patch.put(H["config_generation"], config_generation)
-    patch.put(H["config_status"], layout.encode_text(config_status, layout.REASON_BYTES))
+    patch.put(HEADER["config_generation"], config_generation)
+    patch.put(HEADER["config_status"], layout.encode_text(config_status, layout.REASON_BYTES))
     seen: set[int] = set()
     for pub in publications:
         try:
@@ -150,17 +150,19 @@ def publish(
         _write_publication(patch, p, pub, epoch, now)
     for p in range(layout.PROVIDER_COUNT):
         base = ledger.provider_base(p)
-        if not P["in_use"].get(buf, base):
+        if not PROVIDER["in_use"].get(buf, base):
             break
         if p not in seen:
-            patch.put(P["flags"], P["flags"].get(buf, base) & ~layout.PFLAG_CONFIGURED, base)
-            patch.put(P["published_limit"], -1, base)
-            patch.put(P["observed_at"], 0.0, base)
-            patch.put(P["expires_at"], 0.0, base)
-            patch.put(P["discovered"], -1, base)
-            patch.put(P["replica_count"], 0, base)
             patch.put(
-                P["reason"],
+                PROVIDER["flags"], PROVIDER["flags"].get(buf, base) & ~layout.PFLAG_CONFIGURED, base
+            )
+            patch.put(PROVIDER["published_limit"], -1, base)
+            patch.put(PROVIDER["observed_at"], 0.0, base)
+            patch.put(PROVIDER["expires_at"], 0.0, base)
+            patch.put(PROVIDER["discovered"], -1, base)
+            patch.put(PROVIDER["replica_count"], 0, base)
+            patch.put(
+                PROVIDER["reason"],
                 layout.encode_text("not in the config any more", layout.REASON_BYTES),
                 base,
             )
@@ -168,8 +170,8 @@ def publish(
     return warnings
 
 
-class TableFull(Exception):
-    pass
+class TableFull(GatewayCapacityError):
+    """Every provider row of the segment is taken (R-A13)."""
 
 
 def ensure_provider(
@@ -207,37 +209,39 @@ def _set_fallback(
     """Store the configured fallback (R-L7). True when it had to be clamped."""
     base = ledger.provider_base(p)
     clamped = fallback > layout.RUNNING_ROOM
-    patch.put(P["fallback_limit"], min(max(fallback, 0), layout.RUNNING_ROOM), base)
-    patch.put(P["fallback_source"], layout.SOURCE_CODES[source], base)
-    flags = P["flags"].get(buf, base) & ~(layout.PFLAG_DISCOVERY | layout.PFLAG_CLAMPED)
+    patch.put(PROVIDER["fallback_limit"], min(max(fallback, 0), layout.RUNNING_ROOM), base)
+    patch.put(PROVIDER["fallback_source"], layout.SOURCE_CODES[source], base)
+    flags = PROVIDER["flags"].get(buf, base) & ~(layout.PFLAG_DISCOVERY | layout.PFLAG_CLAMPED)
     flags |= layout.PFLAG_CONFIGURED
     if discovery:
         flags |= layout.PFLAG_DISCOVERY
     if clamped:
         flags |= layout.PFLAG_CLAMPED
-    patch.put(P["flags"], flags, base)
+    patch.put(PROVIDER["flags"], flags, base)
     return clamped
 
 
 def _write_publication(patch: Patch, p: int, pub: Publication, epoch: int, now: float) -> None:
     base = ledger.provider_base(p)
     # Fields first, the limit last (the core applies writes in order).
-    patch.put(P["published_source"], SOURCE_CODES.get(pub.source, SOURCE_CODES["discovered"]), base)
-    patch.put(P["published_at"], now, base)
-    patch.put(P["observed_at"], pub.observed_at or 0.0, base)
-    patch.put(P["expires_at"], pub.expires_at or 0.0, base)
-    patch.put(P["published_epoch"], epoch, base)
-    patch.put(P["discovered"], -1 if pub.discovered is None else pub.discovered, base)
-    patch.put(P["reason"], layout.encode_text(pub.reason, layout.REASON_BYTES), base)
+    patch.put(
+        PROVIDER["published_source"], SOURCE_CODES.get(pub.source, SOURCE_CODES["discovered"]), base
+    )
+    patch.put(PROVIDER["published_at"], now, base)
+    patch.put(PROVIDER["observed_at"], pub.observed_at or 0.0, base)
+    patch.put(PROVIDER["expires_at"], pub.expires_at or 0.0, base)
+    patch.put(PROVIDER["published_epoch"], epoch, base)
+    patch.put(PROVIDER["discovered"], -1 if pub.discovered is None else pub.discovered, base)
+    patch.put(PROVIDER["reason"], layout.encode_text(pub.reason, layout.REASON_BYTES), base)
     replicas = list(pub.replicas)[: layout.REPLICA_COUNT]
     for r, rep in enumerate(replicas):
         rb = base + layout.REPLICA_BASE + r * layout.REPLICA_ROW_SIZE
-        patch.put(R["address"], layout.encode_text(rep.address, 48), rb)
-        patch.put(R["ok"], int(rep.ok), rb)
-        patch.put(R["complete"], int(rep.complete), rb)
-        patch.put(R["value"], -1 if rep.value is None else rep.value, rb)
-        patch.put(R["observed_at"], rep.observed_at or 0.0, rb)
-        patch.put(R["reason"], layout.encode_text(rep.reason, 64), rb)
-    patch.put(P["replica_count"], len(replicas), base)
+        patch.put(REPLICA["address"], layout.encode_text(rep.address, 48), rb)
+        patch.put(REPLICA["ok"], int(rep.ok), rb)
+        patch.put(REPLICA["complete"], int(rep.complete), rb)
+        patch.put(REPLICA["value"], -1 if rep.value is None else rep.value, rb)
+        patch.put(REPLICA["observed_at"], rep.observed_at or 0.0, rb)
+        patch.put(REPLICA["reason"], layout.encode_text(rep.reason, 64), rb)
+    patch.put(PROVIDER["replica_count"], len(replicas), base)
     limit = -1 if pub.limit is None or pub.expires_at is None else max(pub.limit, 0)
-    patch.put(P["published_limit"], limit, base)
+    patch.put(PROVIDER["published_limit"], limit, base)

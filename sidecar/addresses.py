@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import ipaddress
 import os
+import re
 import socket
 import sys
 import threading
@@ -101,6 +102,24 @@ def classify(ip: IPAddress) -> AddressKind:
     if is_tailscale(ip):
         return "tailscale"
     return "other"
+
+
+_HOST_PORT = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([^:\[\]]*):(\d{1,5})")
+
+
+def parse_host_port(text: str, *, empty_host: str | None = None) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[IPv6]:PORT`` for a listener; ``ValueError`` says what is wrong.
+
+    An empty host (``:9464``) means ``empty_host``, and is refused when that is ``None``.
+    """
+    match = _HOST_PORT.fullmatch(text)
+    host = None if match is None else match.group(1) or match.group(3) or empty_host
+    if match is None or not host:
+        raise ValueError(f"must be HOST:PORT or [IPv6]:PORT, not {text!r}")
+    port = int(match.group(2) or match.group(4))
+    if port > 65535:
+        raise ValueError(f"port out of range: {port}")
+    return host, port
 
 
 def is_localhost_name(host: str) -> bool:

@@ -29,25 +29,23 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final
 from urllib.parse import urlsplit
 
 import msgspec
 
+from shm_layout.errors import GatewayCapacityError
 from sidecar.addresses import classify, is_localhost_name, parse_ip, static_opt_in
 from sidecar.credential import check_credential_spec
 
-DEFAULT_MAX_CONCURRENT: Final = 4  # REQUIREMENTS.md section 5: fallback when neither level sets one
 MAX_PROVIDER_ID_BYTES: Final = 64
 MAX_LIMIT: Final = 2**31 - 1  # fits any 32-bit counter in the segment
 
-Limit = Annotated[int, msgspec.Meta(ge=0, le=MAX_LIMIT)]
+LimitSetting = Annotated[int, msgspec.Meta(ge=0, le=MAX_LIMIT)]
 UpstreamModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
-LimitSource = Literal["provider", "gateway", "default"]
 
-
-class ConfigError(Exception):
+class ConfigError(GatewayCapacityError):
     """The file as a whole cannot be used. ``str()`` is one line naming the file."""
 
 
@@ -64,7 +62,7 @@ class ProviderConfig(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
     tailnet: bool = False
     credential_file: str | None = None
     capacity_discovery: bool = False
-    max_concurrent: Limit | None = None
+    max_concurrent: LimitSetting | None = None
     models: dict[str, UpstreamModelId] = {}
 
     @property
@@ -120,15 +118,6 @@ class GatewayConfig:
             if p.id == provider_id:
                 return p
         return None
-
-
-def fallback_limit(provider: ProviderConfig, gateway: GatewayConfig) -> tuple[int, LimitSource]:
-    """``provider.maxConcurrent ?? gateway.maxConcurrent ?? 4`` and where it came from."""
-    if provider.max_concurrent is not None:
-        return provider.max_concurrent, "provider"
-    if gateway.max_concurrent is not None:
-        return gateway.max_concurrent, "gateway"
-    return DEFAULT_MAX_CONCURRENT, "default"
 
 
 def parse_base_url(base_url: str) -> Endpoint:
@@ -297,7 +286,7 @@ def parse_config(data: bytes, source: str = "<config>") -> GatewayConfig:
     if not isinstance(doc, dict):
         raise ConfigError(f"config {source}: the top level must be a JSON object")
     try:
-        gateway_max = msgspec.convert(doc.get("maxConcurrent"), Limit | None, strict=True)
+        gateway_max = msgspec.convert(doc.get("maxConcurrent"), LimitSetting | None, strict=True)
     except msgspec.ValidationError:
         raise ConfigError(
             f"config {source}: top-level maxConcurrent must be an integer 0..{MAX_LIMIT} or absent"
@@ -353,7 +342,7 @@ def _judge_entry(provider_id: str, entry: dict[str, Any]) -> tuple[ProviderConfi
         # Keep the provider for static admission (R-A8) with what can be trusted:
         # its id and, when valid, its own maxConcurrent.
         try:
-            own_max = msgspec.convert(entry.get("maxConcurrent"), Limit | None, strict=True)
+            own_max = msgspec.convert(entry.get("maxConcurrent"), LimitSetting | None, strict=True)
         except msgspec.ValidationError:
             own_max = None
         kept = ProviderConfig(id=provider_id, max_concurrent=own_max)

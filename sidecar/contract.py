@@ -14,7 +14,8 @@ checked by :func:`check_freshness`.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from collections.abc import AsyncIterable
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -78,3 +79,37 @@ def check_freshness(snap: CapacitySnapshot, now: float) -> str | None:
 
 def encode_snapshot(snap: CapacitySnapshot) -> bytes:
     return msgspec.json.encode(snap)
+
+
+# --- what both ends read besides the snapshot ---------------------------------------------
+
+KEY_TRIMMED: Final = b"\r\n "  # R-P7: trailing CR, LF and spaces, nothing else
+
+
+def bearer_key(raw: bytes) -> bytes:
+    """The bearer key in ``raw`` (a key file's bytes or an environment value).
+
+    Trailing CR, LF and spaces are trimmed (R-P7); what is left must be non-empty
+    printable ASCII without whitespace. ``ValueError`` says what is wrong in words
+    that follow the key's source ("credential file X ..."), never the key itself.
+    """
+    key = raw.rstrip(KEY_TRIMMED)
+    if not key:
+        raise ValueError("is empty")
+    if any(b < 0x21 or b > 0x7E for b in key):
+        raise ValueError("contains whitespace, a control character or non-ASCII inside the key")
+    return key
+
+
+async def read_capped(chunks: AsyncIterable[bytes], limit: int) -> bytes | None:
+    """A body of at most ``limit`` bytes, or ``None`` as soon as it is longer.
+
+    ``chunks`` is the raw (not decoded) stream, e.g. httpx's ``aiter_raw()``;
+    reading stops at the first byte over the limit (R-P6).
+    """
+    body = bytearray()
+    async for chunk in chunks:
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)

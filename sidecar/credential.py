@@ -27,6 +27,8 @@ import os
 import stat
 from typing import Final
 
+from sidecar.contract import bearer_key
+
 log = logging.getLogger("gateway_capacity.credential")
 
 MAX_KEY_FILE_BYTES: Final = 4096
@@ -139,14 +141,10 @@ def read_credential(spec: str, *, credentials_directory: str | None = None) -> S
         os.close(fd)
     if len(data) > MAX_KEY_FILE_BYTES:
         raise CredentialError(f"credential file {path} is larger than {MAX_KEY_FILE_BYTES} bytes")
-    key = data.rstrip(b"\r\n ")
-    if not key:
-        raise CredentialError(f"credential file {path} is empty")
-    if any(b < 0x21 or b > 0x7E for b in key):
-        raise CredentialError(
-            f"credential file {path} contains whitespace, a control character or non-ASCII "
-            "inside the key"
-        )
+    try:
+        key = bearer_key(data)
+    except ValueError as exc:
+        raise CredentialError(f"credential file {path} {exc}") from None
     return Secret(key.decode("ascii"))
 
 

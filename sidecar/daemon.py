@@ -26,26 +26,33 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shm_layout import layout, writer
+from shm_layout.errors import GatewayCapacityError
 from shm_layout.liveness import is_alive, my_identity, process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.segment import Segment
-from shm_layout.view import parse_view, snapshot_bytes
+from shm_layout.view import ReplicaView, parse_view, snapshot_bytes
 from sidecar import sdnotify
+from sidecar.addresses import parse_host_port
 from sidecar.config import ConfigError, GatewayConfig, ProviderConfig, load_config
 from sidecar.limits import (
     DISCOVERED,
-    DISCOVERED_CAP,
     LimitDecision,
     ProviderRules,
     decide,
+    fallback_for,
+    inherited_from_view,
+    keep_inherited,
     rules_from_config,
 )
 from sidecar.metrics import SidecarMetrics, probe_reasons
 from sidecar.replica import ProviderProbe
+
+if TYPE_CHECKING:
+    from prometheus_client.exposition import ThreadingWSGIServer
 
 log = logging.getLogger("gateway_capacity.sidecar")
 
@@ -83,12 +90,12 @@ class _ProviderState:
     probe: ProviderProbe | None = None
     decision: LimitDecision | None = None
     last_discovered: LimitDecision | None = None  # R-L6's base, kept across a failed refresh
-    logged: tuple[Any, ...] = ()
+    logged: tuple[int, str, str] | tuple[()] = ()  # what _log_decision last logged
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
 
-class StartupError(Exception):
+class StartupError(GatewayCapacityError):
     """Exit 2: the sidecar cannot start (config unreadable, bad option)."""
 
 
@@ -256,7 +263,7 @@ class Sidecar:
                 raise StartupError(f"--parent-pid {options.parent_pid}: no such process")
             self.parent = (options.parent_pid, parent_start)  # pid reuse cannot fool us
         self.segment_name = resolve_segment_name(options.segment, options.config_path)
-        self._metrics_server: Any = None
+        self._metrics_server: ThreadingWSGIServer | None = None
         self.metrics = SidecarMetrics()  # recorded always, served with --metrics-listen
         if options.metrics_listen:
             # Before the segment and the writer epoch: a sidecar that cannot start must
@@ -360,7 +367,7 @@ class Sidecar:
             self.stop.set()
 
     def _header(self, name: str) -> int:
-        value: int = layout.H[name].get(self.seg.buf)
+        value: int = layout.HEADER[name].get(self.seg.buf)
         return value
 
     # --- config ---------------------------------------------------------------------------
@@ -370,19 +377,19 @@ class Sidecar:
         for reason in config.skipped:
             log.warning("config: skipped a provider entry: %s", reason)
         wanted = {r.provider_id: r for r in rules_from_config(config)}
-        for pid in list(self.providers):
-            if pid not in wanted:
-                gone = self.providers.pop(pid)
+        for provider_id in list(self.providers):
+            if provider_id not in wanted:
+                gone = self.providers.pop(provider_id)
                 if gone.task is not None:
                     gone.task.cancel()
-                self.metrics.forget(pid)
-                log.info("provider %s: removed from the config", pid)
-        for pid, rules in wanted.items():
-            provider = config.provider(pid)
+                self.metrics.forget(provider_id)
+                log.info("provider %s: removed from the config", provider_id)
+        for provider_id, rules in wanted.items():
+            provider = config.provider(provider_id)
             assert provider is not None
-            state = self.providers.get(pid)
+            state = self.providers.get(provider_id)
             if state is None:
-                state = self.providers[pid] = _ProviderState(rules, provider)
+                state = self.providers[provider_id] = _ProviderState(rules, provider)
             else:
                 if state.rules.discovery_active and not rules.discovery_active:
                     state.probe = None  # R-C4: static at once, nothing stale kept
@@ -393,7 +400,7 @@ class Sidecar:
             self._log_decision(state)
             if rules.discovery_active:
                 if state.task is None or state.task.done():
-                    state.task = asyncio.create_task(self._probe_loop(pid))
+                    state.task = asyncio.create_task(self._probe_loop(provider_id))
                 else:
                     state.wake.set()  # probe again now with the new entry (R-P9)
             elif state.task is not None:
@@ -467,57 +474,28 @@ class Sidecar:
         return decision
 
     def _decide_once(self, state: _ProviderState, now: float) -> LimitDecision:
-        """Section 5's decision, except that a restart does not undo a limit in force.
-
-        Until a provider's first probe, a discovered limit that the previous
-        sidecar published and that has not expired stays in force (R-L7, R-G5):
-        publishing the fallback meanwhile would let waiters in that the farm
-        has no room for (or shut out work it has room for).
-        """
+        """Section 5's decision; until the first probe, a limit inherited from the
+        previous sidecar stays in force (``limits.keep_inherited``)."""
         decision = decide(
             state.rules, state.probe, state.last_discovered, now, legacy_draining=self._draining()
         )
-        pid = state.rules.provider_id
+        provider_id = state.rules.provider_id
         if state.probe is not None or not state.rules.discovery_active:
-            self.inherited.pop(pid, None)
+            self.inherited.pop(provider_id, None)
             return decision
-        kept = self.inherited.get(pid)
-        if kept is None or decision.source != decision.fallback_source:
-            return decision  # nothing kept, or not a fallback (e.g. a legacy drain)
-        if kept.expires_at is None or kept.expires_at <= now:
-            self.inherited.pop(pid, None)
+        kept = self.inherited.get(provider_id)
+        if kept is None:
             return decision
-        ceiling = DISCOVERED_CAP
-        if state.rules.provider_max is not None:  # 0 is a ceiling too
-            ceiling = min(ceiling, state.rules.provider_max)
-        limit = min(kept.effective_limit, ceiling)
-        return replace(
-            kept,
-            effective_limit=limit,
-            discovered=limit,
-            fallback_limit=decision.fallback_limit,
-            fallback_source=decision.fallback_source,
-        )
+        return keep_inherited(decision, kept, state.rules, now) or decision
 
     def _inherit_limits(self, now: float) -> dict[str, LimitDecision]:
         """Unexpired discovered limits in the segment, as the previous sidecar left them."""
         data, _ = snapshot_bytes(self.seg.buf)
         kept = {}
-        for p in parse_view(self.segment_name, data, now=now).providers:
-            if p.source != DISCOVERED or p.expires_at is None or p.expires_at <= now:
-                continue
-            prefix = "kept from the previous sidecar until the first probe: "
-            kept[p.id] = LimitDecision(
-                provider_id=p.id,
-                effective_limit=p.effective_limit,
-                source=DISCOVERED,
-                reason=p.reason if p.reason.startswith(prefix) else prefix + p.reason,
-                discovered=p.effective_limit,
-                observed_at=p.observed_at,
-                expires_at=p.expires_at,
-                fallback_limit=p.fallback_limit,
-                fallback_source=p.fallback_source,
-            )
+        for seen in parse_view(self.segment_name, data, now=now).providers:
+            decision = inherited_from_view(seen, now)
+            if decision is not None:
+                kept[seen.id] = decision
         return kept
 
     def _draining(self) -> bool:
@@ -534,11 +512,11 @@ class Sidecar:
             return
         now = time.time()
         pubs = []
-        for pid, state in self.providers.items():
+        for provider_id, state in self.providers.items():
             fallback, fallback_source = _fallback(state.decision, state.rules)
-            status = self.config.statuses.get(pid)
+            status = self.config.statuses.get(provider_id)
             requested = status.discovery_requested if status else state.config.capacity_discovery
-            pubs.append(_publication(pid, state, fallback, fallback_source, requested))
+            pubs.append(_publication(provider_id, state, fallback, fallback_source, requested))
         try:
             warnings = writer.publish(
                 self.seg, self.epoch, self.generation, self.config_status, pubs, now
@@ -583,9 +561,7 @@ class Sidecar:
         failed = (
             d.source == d.fallback_source
             and (state.probe is not None or state.rules.refused_reason is not None)
-        ) or bool(
-            d.missing_models
-        )
+        ) or bool(d.missing_models)
         log.log(
             logging.WARNING if failed else logging.INFO,
             "provider %s: limit %d (%s): %s",
@@ -672,6 +648,7 @@ class Sidecar:
                 f"--metrics-listen {listen}: cannot listen: {exc.strerror or exc}"
             ) from None
         bound_host, bound_port = self._metrics_server.server_address[:2]
+        bound_host = str(bound_host)  # an AF_INET/AF_INET6 address: str already
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         log.info("metrics on http://%s:%d/metrics, health on /healthz", shown, bound_port)
 
@@ -691,18 +668,17 @@ def status_line(
 
 def parse_listen(listen: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT``; an empty host is 127.0.0.1); ``StartupError`` if not."""
-    host, sep, port = listen.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
-    if not sep or not port.isascii() or not port.isdigit() or int(port) > 65535:
-        raise StartupError(f"--metrics-listen {listen}: expected HOST:PORT, e.g. 127.0.0.1:9464")
-    return host, int(port)
+    try:
+        return parse_host_port(listen, empty_host="127.0.0.1")
+    except ValueError:
+        raise StartupError(
+            f"--metrics-listen {listen}: expected HOST:PORT or [IPv6]:PORT, e.g. 127.0.0.1:9464"
+        ) from None
 
 
 def _fallback(decision: LimitDecision | None, rules: ProviderRules) -> tuple[int, str]:
     if decision is not None:
         return decision.fallback_limit, decision.fallback_source
-    from sidecar.limits import fallback_for
-
     return fallback_for(rules.provider_max, rules.gateway_max)
 
 
@@ -718,7 +694,7 @@ def _publication(
     if d is None:
         return writer.Publication(provider_id, discovery, fallback, fallback_source)
     replicas = [
-        writer.ReplicaRecord(
+        ReplicaView(
             address=r.address,
             ok=r.ok,
             complete=r.complete,
@@ -753,15 +729,12 @@ def _stamp(path: str) -> tuple[int, int, int, int] | None:
 
 
 def main(options: Options) -> int:
-    from shm_layout.names import BadSegmentName
-    from shm_layout.segment import SegmentError
-
     # Until run() installs the reload handler, a SIGHUP (systemctl kill -s HUP) must
     # not end the sidecar: systemd counts death by SIGHUP as a clean exit.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         sidecar = Sidecar(options)
-    except (StartupError, SegmentError, BadSegmentName) as exc:
+    except GatewayCapacityError as exc:  # StartupError, SegmentError, BadSegmentName ...
         log.error("cannot start: %s", exc)
         return 2
     return asyncio.run(sidecar.run())

@@ -39,17 +39,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Final, Literal
 
 from sidecar.contract import MAX_FUTURE_S, STALE_AFTER_S
 from sidecar.replica import OK, ProviderProbe, ReplicaResult
 
 if TYPE_CHECKING:  # attribute access only: importing limits pulls in no config machinery
+    from shm_layout.view import ProviderView
     from sidecar.config import GatewayConfig
 
 DISCOVERED_CAP: Final = 64  # R-L4
 DEFAULT_FALLBACK: Final = 4  # section 5, when neither maxConcurrent is set
+FallbackSource = Literal["provider", "gateway", "default"]
 SNAPSHOT_TTL_S: Final = STALE_AFTER_S  # R-L7: a discovered limit lives 30 s past its snapshot
 
 DISCOVERED: Final = "discovered"
@@ -80,7 +82,7 @@ class ProviderRules:
 
 
 @dataclass(frozen=True, slots=True)
-class ReplicaView:
+class JudgedReplica:
     """One replica as an operator sees it (section 8 ``replicas``).
 
     ``ok`` means valid and fresh at ``now``; ``reason`` is the probe's closed
@@ -109,16 +111,17 @@ class LimitDecision:
     expires_at: float | None
     fallback_limit: int
     fallback_source: str  # "provider", "gateway" or "default"
-    replicas: tuple[ReplicaView, ...] = ()
+    replicas: tuple[JudgedReplica, ...] = ()
     # configured upstream models a complete answer did not report: a typo in ``models``
     # or a model the farm no longer serves; the limit is 0 (R-L3) and worth a WARNING
     missing_models: tuple[str, ...] = ()
 
 
-def fallback_for(provider_max: int | None, gateway_max: int | None) -> tuple[int, str]:
+def fallback_for(provider_max: int | None, gateway_max: int | None) -> tuple[int, FallbackSource]:
     """``provider.maxConcurrent ?? gateway.maxConcurrent ?? 4`` and its source name.
 
-    0 is a real setting, not "unset".
+    The one home of the fallback chain: the daemon, the handlers (before any
+    sidecar ran) and ``check-config`` all ask here. 0 is a real setting, not "unset".
     """
     if provider_max is not None:
         return provider_max, "provider"
@@ -167,13 +170,15 @@ def snapshot_value(
     return min(known) if known else None
 
 
-def view_replica(replica: ReplicaResult, upstream_models: Iterable[str], now: float) -> ReplicaView:
+def view_replica(
+    replica: ReplicaResult, upstream_models: Iterable[str], now: float
+) -> JudgedReplica:
     reason, detail = _recheck(replica, now)
     ok = reason == OK
     value = (
         snapshot_value(replica.models, upstream_models, complete=replica.complete) if ok else None
     )
-    return ReplicaView(
+    return JudgedReplica(
         address=replica.address,
         ok=ok,
         complete=replica.complete,
@@ -204,7 +209,7 @@ def decide(
 
     fallback, fallback_source = fallback_for(rules.provider_max, rules.gateway_max)
 
-    def static(reason: str, replicas: tuple[ReplicaView, ...] = ()) -> LimitDecision:
+    def static(reason: str, replicas: tuple[JudgedReplica, ...] = ()) -> LimitDecision:
         return LimitDecision(
             provider_id=rules.provider_id,
             effective_limit=fallback,
@@ -278,6 +283,77 @@ def decide_all(
     }
 
 
+# --- a decision read back from the segment -------------------------------
+
+_KEPT_PREFIX: Final = "kept from the previous sidecar until the first probe: "
+
+
+def previous_from_view(seen: ProviderView) -> LimitDecision | None:
+    """The decision a segment's provider row records, as :func:`decide`'s ``previous``.
+
+    ``None`` when the row records no discovered value (R-L6 then has no base but
+    the fallback).
+    """
+    if seen.discovered is None:
+        return None
+    return LimitDecision(
+        provider_id=seen.id,
+        effective_limit=seen.effective_limit,
+        source=seen.source,
+        reason=seen.reason,
+        discovered=seen.discovered,
+        observed_at=seen.observed_at,
+        expires_at=seen.expires_at,
+        fallback_limit=seen.fallback_limit,
+        fallback_source=seen.fallback_source,
+    )
+
+
+def inherited_from_view(seen: ProviderView, now: float) -> LimitDecision | None:
+    """A discovered limit the previous sidecar left in force, unexpired at ``now`` (R-L7, R-G5).
+
+    ``None`` when the row holds no such limit.
+    """
+    if seen.source != DISCOVERED or seen.expires_at is None or seen.expires_at <= now:
+        return None
+    reason = seen.reason if seen.reason.startswith(_KEPT_PREFIX) else _KEPT_PREFIX + seen.reason
+    return LimitDecision(
+        provider_id=seen.id,
+        effective_limit=seen.effective_limit,
+        source=DISCOVERED,
+        reason=reason,
+        discovered=seen.effective_limit,
+        observed_at=seen.observed_at,
+        expires_at=seen.expires_at,
+        fallback_limit=seen.fallback_limit,
+        fallback_source=seen.fallback_source,
+    )
+
+
+def keep_inherited(
+    decision: LimitDecision, kept: LimitDecision, rules: ProviderRules, now: float
+) -> LimitDecision | None:
+    """The inherited limit in place of ``decision`` until the first probe, or ``None``.
+
+    A restart does not undo a limit in force (R-L7, R-G5): until a provider's
+    first probe, an unexpired inherited limit stays, under this config's caps
+    (R-L4). ``None`` when it does not apply: ``decision`` is not a fallback (a
+    legacy drain, say) or ``kept`` has expired.
+    """
+    if decision.source != decision.fallback_source:
+        return None
+    if kept.expires_at is None or kept.expires_at <= now:
+        return None
+    limit, _ = _cap(kept.effective_limit, rules.provider_max)
+    return replace(
+        kept,
+        effective_limit=limit,
+        discovered=limit,
+        fallback_limit=decision.fallback_limit,
+        fallback_source=decision.fallback_source,
+    )
+
+
 # --- the discovered value -------------------------------------------------
 
 
@@ -290,7 +366,7 @@ class _Found:
 
 def _discover(
     rules: ProviderRules,
-    pairs: list[tuple[ReplicaResult, ReplicaView]],
+    pairs: list[tuple[ReplicaResult, JudgedReplica]],
     previous: LimitDecision | None,
     now: float,
     fallback: int,
@@ -357,7 +433,7 @@ def _drain(
     now: float,
     fallback: int,
     fallback_source: str,
-    views: tuple[ReplicaView, ...],
+    views: tuple[JudgedReplica, ...],
 ) -> LimitDecision:
     reason = "legacy handler generation draining: new admissions wait"
     # The drain is this sidecar's own assertion, not an observation: it holds for
@@ -402,13 +478,13 @@ def _recheck(replica: ReplicaResult, now: float) -> tuple[str, str]:
     return OK, replica.detail
 
 
-def _observed(view: ReplicaView) -> float:
+def _observed(view: JudgedReplica) -> float:
     assert view.observed_at is not None  # an ok view always has one (_recheck)
     return view.observed_at
 
 
 def _absent_models(
-    pairs: list[tuple[ReplicaResult, ReplicaView]], upstream_models: tuple[str, ...]
+    pairs: list[tuple[ReplicaResult, JudgedReplica]], upstream_models: tuple[str, ...]
 ) -> tuple[str, ...]:
     """Configured upstream models that some valid, complete answer does not list."""
     absent = {
@@ -422,7 +498,7 @@ def _absent_models(
 
 
 def _missing_models(
-    complete: list[tuple[ReplicaResult, ReplicaView, int]],
+    complete: list[tuple[ReplicaResult, JudgedReplica, int]],
     upstream_models: tuple[str, ...],
     raw: int,
 ) -> str:
@@ -440,7 +516,7 @@ def _missing_models(
     return ""
 
 
-def _failure_text(view: ReplicaView) -> str:
+def _failure_text(view: JudgedReplica) -> str:
     if view.ok:  # valid but incomplete and without any of the provider's models
         return f"{view.address} incomplete without the provider's models"
     detail = view.detail

@@ -322,7 +322,9 @@ def _app(
     return app
 
 
-def serve_metrics(host: str, port: int, segment: str, sidecar: SidecarMetrics) -> Any:
+def serve_metrics(
+    host: str, port: int, segment: str, sidecar: SidecarMetrics
+) -> ThreadingWSGIServer:
     """Serve ``/metrics`` and ``/healthz`` from a thread; returns the server.
 
     ``.server_address`` says the bound address; ``.shutdown()`` then

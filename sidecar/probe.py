@@ -33,7 +33,7 @@ import httpx
 
 from sidecar.addresses import AddressVerdict, ResolveError, check_provider_addresses
 from sidecar.config import Endpoint, ProviderConfig, check_provider, parse_base_url
-from sidecar.contract import ContractError, check_freshness, decode_snapshot
+from sidecar.contract import ContractError, check_freshness, decode_snapshot, read_capped
 from sidecar.credential import CredentialError, Secret, read_credential
 from sidecar.replica import OK, ProviderProbe, ReplicaResult
 
@@ -133,7 +133,8 @@ def probe_provider_sync(
     ssl_context: ssl.SSLContext | None = None,
     credentials_directory: str | None = None,
 ) -> ProviderProbe:
-    """:func:`probe_provider` from synchronous code (e.g. ``gateway-capacity verify``)."""
+    """:func:`probe_provider` from synchronous code (tests, scripts; ``verify`` uses
+    :func:`probe_providers`)."""
     return asyncio.run(
         probe_provider(
             provider,
@@ -237,14 +238,12 @@ async def _fetch(
             return ReplicaResult(
                 address, "too_large", f"Content-Length {int(declared)} > {MAX_BODY_BYTES}"
             )
-        body = bytearray()
-        async for chunk in resp.aiter_raw():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                # leaving the block closes the connection: nothing more is read
-                return ReplicaResult(address, "too_large", f"body over {MAX_BODY_BYTES} bytes")
+        body = await read_capped(resp.aiter_raw(), MAX_BODY_BYTES)
+        if body is None:
+            # leaving the block closes the connection: nothing more is read
+            return ReplicaResult(address, "too_large", f"body over {MAX_BODY_BYTES} bytes")
     try:
-        snap = decode_snapshot(bytes(body))
+        snap = decode_snapshot(body)
     except ContractError as exc:
         return ReplicaResult(address, "invalid", str(exc))
     stale = check_freshness(snap, now_fn())

@@ -6,6 +6,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -124,10 +125,33 @@ def provider_doc(segment: str, provider: str = "p1") -> dict[str, Any]:
     raise AssertionError(f"no provider {provider}")
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, every: float = 0.02) -> bool:
+class _NotMet(AssertionError):
+    """A wait ran out of time (and not an assertion inside the predicate)."""
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, every: float = 0.02) -> Any:
+    """Poll until ``predicate()`` is truthy and return it; fail the test after ``timeout``."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise _NotMet(f"condition not met within {timeout} s")
         time.sleep(every)
-    return predicate()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, every: float = 0.02) -> bool:
+    """Like :func:`wait_for`, but answers False after ``timeout`` for the test to assert."""
+    try:
+        return bool(wait_for(predicate, timeout, every))
+    except _NotMet:
+        return False
+
+
+def free_port() -> int:
+    """A port nothing listens on now (127.0.0.1, bound and released): for "refused" tests."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port

@@ -18,13 +18,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.config import (
-    DEFAULT_MAX_CONCURRENT,
     MAX_LIMIT,
     ConfigError,
     GatewayConfig,
-    fallback_limit,
     parse_config,
 )
+from sidecar.limits import DEFAULT_FALLBACK, fallback_for
 
 SOURCE = "/etc/gateway/fuzz.json"
 KNOWN_PROVIDER_FIELDS = {
@@ -182,8 +181,8 @@ def test_r_c2_valid_entries_round_trip_and_fall_back_in_order(
         assert p.max_concurrent == e.get("maxConcurrent")
         assert dict(p.models) == e.get("models", {})
         expected = e.get("maxConcurrent", gateway_max)
-        limit, source = fallback_limit(p, cfg)
-        assert limit == (DEFAULT_MAX_CONCURRENT if expected is None else expected)
+        limit, source = fallback_for(p.max_concurrent, cfg.max_concurrent)
+        assert limit == (DEFAULT_FALLBACK if expected is None else expected)
         assert source == (
             "provider"
             if "maxConcurrent" in e

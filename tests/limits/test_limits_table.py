@@ -15,6 +15,7 @@ from sidecar.limits import (
     decide,
     decide_all,
     fallback_for,
+    keep_inherited,
     snapshot_value,
 )
 from sidecar.replica import ProviderProbe, ReplicaResult
@@ -72,6 +73,8 @@ class Row:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
+# A table: one row a case reads better than ruff format's one field a line.
+# fmt: off
 ROWS: dict[str, Row] = {
     # --- R-L1: no discovery -> fallback, with the fallback's source name
     "r_l1_not_opted_in_uses_provider_max": Row(
@@ -260,6 +263,7 @@ ROWS: dict[str, Row] = {
         rules(provider_max=12, active=False), None, 12, "provider", draining=True,
     ),
 }
+# fmt: on
 
 
 @pytest.mark.parametrize("row", list(ROWS.values()), ids=list(ROWS))
@@ -288,8 +292,9 @@ def test_r_l2_r_l6_twenty_ten_twenty_follows_the_router_at_once() -> None:
     previous = None
     for step, value in enumerate([20, 10, 20]):
         now = NOW + 15 * step
-        p = ProviderProbe(PID, (ReplicaResult(A, "ok", complete=True, observed_at=now - 1,
-                                              models={W: value}),))
+        p = ProviderProbe(
+            PID, (ReplicaResult(A, "ok", complete=True, observed_at=now - 1, models={W: value}),)
+        )
         previous = decide(r, p, previous, now)
         seen.append((previous.effective_limit, previous.source))
     assert seen == [(20, "discovered"), (10, "discovered"), (20, "discovered")]
@@ -298,8 +303,12 @@ def test_r_l2_r_l6_twenty_ten_twenty_follows_the_router_at_once() -> None:
 def test_r_l9_replicas_are_reported_with_value_and_reason() -> None:
     got = decide(
         rules(models=(W, "coder")),
-        probe(ok(A, {W: 20}), ok(B, {W: 4}, complete=False), fail("10.0.0.3", "too_large"),
-              ok("10.0.0.4", {W: 9}, age=40.0)),
+        probe(
+            ok(A, {W: 20}),
+            ok(B, {W: 4}, complete=False),
+            fail("10.0.0.3", "too_large"),
+            ok("10.0.0.4", {W: 9}, age=40.0),
+        ),
         None,
         NOW,
     )
@@ -349,9 +358,7 @@ def test_mismatched_provider_ids_are_a_caller_error() -> None:
 def test_decide_all_keys_by_provider_and_drains_only_opted_in() -> None:
     on = rules(gateway_max=8)
     off = ProviderRules("static", False, 3, 8, (W,), None)
-    got = decide_all(
-        [on, off], {PID: probe(ok(A, {W: 20}))}, {}, NOW, legacy_draining=True
-    )
+    got = decide_all([on, off], {PID: probe(ok(A, {W: 20}))}, {}, NOW, legacy_draining=True)
     assert {k: (d.effective_limit, d.source) for k, d in got.items()} == {
         PID: (0, "legacy_drain"),
         "static": (3, "provider"),
@@ -384,3 +391,27 @@ def test_r_c2_r_c3_rules_from_a_real_config() -> None:
     decision = decide(remote, None, None, NOW)
     assert (decision.effective_limit, decision.source) == (8, "gateway")
     assert decision.reason == remote.refused_reason
+
+
+# --- an inherited limit until the first probe (R-L7, R-G5, R-L4) ------------------------
+
+
+def test_r_g5_inherited_limit_stays_until_first_probe_under_the_new_cap() -> None:
+    fallback = decide(rules(provider_max=12), None, None, NOW)
+    kept = prev_discovered(40, age=5)
+    held = keep_inherited(fallback, kept, rules(provider_max=12), NOW)
+    assert held is not None
+    assert (held.effective_limit, held.discovered, held.source) == (12, 12, "discovered")
+    assert (held.fallback_limit, held.fallback_source) == (12, "provider")
+    assert held.expires_at == kept.expires_at
+
+
+def test_r_l7_expired_inherited_limit_is_not_kept() -> None:
+    fallback = decide(rules(), None, None, NOW)
+    assert keep_inherited(fallback, prev_discovered(20, age=31), rules(), NOW) is None
+
+
+def test_r_g3_inherited_limit_does_not_override_a_legacy_drain() -> None:
+    drain = decide(rules(), None, None, NOW, legacy_draining=True)
+    assert drain.source == "legacy_drain"
+    assert keep_inherited(drain, prev_discovered(20, age=1), rules(), NOW) is None

@@ -23,6 +23,7 @@ from sidecar.addresses import (
     check_address,
     check_provider_addresses,
     classify,
+    parse_host_port,
     parse_ip,
     resolve,
     static_opt_in,
@@ -285,3 +286,26 @@ def test_r_p8_a_hanging_resolver_holds_one_thread_and_never_starves_other_provid
         release.set()
     assert all(h == "timeout" and loc for h, loc in results)
     assert len(calls) == 1  # one thread ever waited on the hung name
+
+
+@pytest.mark.parametrize(
+    ("text", "empty_host", "expected"),
+    [
+        ("127.0.0.1:9464", None, ("127.0.0.1", 9464)),
+        ("[::1]:0", None, ("::1", 0)),
+        ("localhost:8731", None, ("localhost", 8731)),
+        (":9464", "127.0.0.1", ("127.0.0.1", 9464)),
+    ],
+)
+def test_listen_address_host_port_is_parsed(
+    text: str, empty_host: str | None, expected: tuple[str, int]
+) -> None:
+    assert parse_host_port(text, empty_host=empty_host) == expected
+
+
+@pytest.mark.parametrize(
+    "text", ["127.0.0.1", "127.0.0.1:70000", "[::1:0", "::1:9464", ":9464", "host:port"]
+)
+def test_listen_address_without_a_usable_host_port_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match=r"HOST:PORT|port out of range"):
+        parse_host_port(text)

@@ -15,11 +15,11 @@ import pytest
 from sidecar.config import (
     ConfigError,
     GatewayConfig,
-    fallback_limit,
     load_config,
     parse_base_url,
     parse_config,
 )
+from sidecar.limits import fallback_for
 
 EXAMPLE_CONFIG = {
     "maxConcurrent": 8,
@@ -248,19 +248,19 @@ def test_r_l1_fallback_limit(gateway: int | None, provider: int | None, expected
     if gateway is not None:
         doc["maxConcurrent"] = gateway
     cfg = parse(doc)
-    assert fallback_limit(cfg.providers[0], cfg) == expected
+    assert fallback_for(cfg.providers[0].max_concurrent, cfg.max_concurrent) == expected
 
 
 def test_r_c3_invalid_entry_keeps_its_valid_max_concurrent_for_static_admission() -> None:
     cfg = parse({"maxConcurrent": 8, "providers": [good("p", maxConcurrent=3, tailnet="yes")]})
-    assert fallback_limit(cfg.providers[0], cfg) == (3, "provider")
+    assert fallback_for(cfg.providers[0].max_concurrent, cfg.max_concurrent) == (3, "provider")
     assert cfg.statuses["p"].discovery_requested is True
     assert cfg.statuses["p"].discovery_active is False
 
 
 def test_r_c3_invalid_max_concurrent_falls_back_to_gateway_and_says_why() -> None:
     cfg = parse({"maxConcurrent": 8, "providers": [good("p", maxConcurrent="12")]})
-    assert fallback_limit(cfg.providers[0], cfg) == (8, "gateway")
+    assert fallback_for(cfg.providers[0].max_concurrent, cfg.max_concurrent) == (8, "gateway")
     assert cfg.statuses["p"].reason.startswith("config_invalid:maxConcurrent")
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from capacity_router.registry import parse_registry
-from sidecar.config import fallback_limit, load_config
+from sidecar.config import load_config
+from sidecar.limits import fallback_for
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -30,7 +31,7 @@ def test_example_gateway_config_loads_with_discovery_active_on_loopback() -> Non
     assert config.statuses["local-inference"].reason == "opt_in_ok:loopback"
     cloud = config.provider("cloud-fallback")
     assert cloud is not None and not config.statuses["cloud-fallback"].discovery_requested
-    assert fallback_limit(cloud, config) == (4, "provider")
+    assert fallback_for(cloud.max_concurrent, config.max_concurrent) == (4, "provider")
 
 
 def test_example_worker_registry_parses_as_the_router_reads_it() -> None:

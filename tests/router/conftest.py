@@ -47,9 +47,7 @@ def sim() -> Iterator[Callable[..., SimWorker]]:
 
 
 @pytest.fixture
-def router(
-    registry_path: Path, key_file: Path
-) -> Iterator[Callable[..., RouterServer]]:
+def router(registry_path: Path, key_file: Path) -> Iterator[Callable[..., RouterServer]]:
     started: list[RouterServer] = []
 
     def make(

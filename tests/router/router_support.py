@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -13,21 +12,9 @@ from typing import Any
 
 import httpx
 
-from capacity_router import RouterServer
+from capacity_router import RouterServer, SimWorker
 
 KEY = "router-test-key-5f2c9a"
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
-    """Poll until ``predicate()`` is truthy; fail the test after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(interval)
 
 
 def write_registry(path: Path, workers: list[dict[str, Any]]) -> None:
@@ -92,3 +79,8 @@ class ScriptedServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+# The fixtures' types (tests/router/conftest.py), one home for every test module.
+Router = Callable[..., RouterServer]
+Sim = Callable[..., SimWorker]

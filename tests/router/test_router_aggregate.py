@@ -52,8 +52,9 @@ def test_r_k5_a_worker_listed_twice_counts_once() -> None:
 
 
 def test_r_k5_aliases_share_the_scheduler_slots_count_once_per_model_id() -> None:
-    snap = aggregate([w("a", "wh", "wh-long", "wh"), w("b", "wh")], set(),
-                     {"a": ok(10), "b": ok(4)}, NOW)
+    snap = aggregate(
+        [w("a", "wh", "wh-long", "wh"), w("b", "wh")], set(), {"a": ok(10), "b": ok(4)}, NOW
+    )
     assert rows(snap) == {"wh": 14, "wh-long": 10}
 
 
@@ -66,8 +67,12 @@ def test_r_k5_fenced_workers_do_not_count_in_file_or_by_admin() -> None:
 
 
 def test_r_k5_unhealthy_and_unreachable_workers_are_absent_not_incomplete() -> None:
-    snap = aggregate([w("a", "wh"), w("b", "wh"), w("c", "wh")], set(),
-                     {"a": ok(10), "b": UNHEALTHY, "c": UNREACHABLE}, NOW)
+    snap = aggregate(
+        [w("a", "wh"), w("b", "wh"), w("c", "wh")],
+        set(),
+        {"a": ok(10), "b": UNHEALTHY, "c": UNREACHABLE},
+        NOW,
+    )
     assert rows(snap) == {"wh": 10}
     assert snap.complete is True
 
@@ -102,8 +107,9 @@ def test_r_k5_model_with_no_live_worker_is_a_zero_row_in_a_complete_snapshot() -
 
 
 def test_r_k3_sums_are_capped_at_the_contract_maximum() -> None:
-    snap = aggregate([w("a", "wh"), w("b", "wh")], set(),
-                     {"a": ok(MAX_SLOTS), "b": ok(MAX_SLOTS)}, NOW)
+    snap = aggregate(
+        [w("a", "wh"), w("b", "wh")], set(), {"a": ok(MAX_SLOTS), "b": ok(MAX_SLOTS)}, NOW
+    )
     assert rows(snap) == {"wh": MAX_SLOTS}
     decode_snapshot(encode_snapshot(snap))
 
@@ -140,10 +146,7 @@ def test_r_k5_property_each_row_is_the_capped_sum_over_distinct_counted_workers(
     first: dict[str, Worker] = {}
     for worker in registered:
         first.setdefault(worker.id, worker)
-    counted = {
-        i: x for i, x in first.items()
-        if not (x.fenced or i in admin) and i in observations
-    }
+    counted = {i: x for i, x in first.items() if not (x.fenced or i in admin) and i in observations}
     unreadable = {i for i, x in counted.items() if observations[i].state == "unreadable"}
     assert snap.complete is (not unreadable)
     for model, value in rows(snap).items():
@@ -155,7 +158,8 @@ def test_r_k5_property_each_row_is_the_capped_sum_over_distinct_counted_workers(
         assert value == min(expected, MAX_SLOTS)
     every_model = {m for x in first.values() for m in x.models}
     unknown = {
-        m for m in every_model
+        m
+        for m in every_model
         if any(m in counted[i].models for i in unreadable)
         and not any(m in x.models and observations[i].state == "ok" for i, x in counted.items())
     }

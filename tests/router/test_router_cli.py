@@ -14,17 +14,20 @@ from typing import Any
 
 import httpx
 import pytest
-from router_support import KEY, ScriptedServer, worker, write_registry
+from router_support import KEY, ScriptedServer, Sim, worker, write_registry
 
-from capacity_router import SimWorker
 from sidecar.contract import decode_snapshot
 
-Sim = Callable[..., SimWorker]
 CLI = [sys.executable, "-m", "gateway_capacity", "router"]
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def serve_args(registry: Path, key_file: Path, listen: str = "127.0.0.1:0") -> list[str]:
+    """``serve``'s arguments for a registry and key file, listening on ``listen``."""
+    return ["serve", "--workers", str(registry), "--key-file", str(key_file), "--listen", listen]
 
 
 def read_line(proc: subprocess.Popen[str], timeout: float = 20.0) -> str:
@@ -42,8 +45,9 @@ class Served:
         self.url = url
 
     def capacity(self) -> dict[str, int]:
-        response = httpx.get(f"{self.url}/v1/capacity",
-                             headers={"Authorization": f"Bearer {KEY}"}, trust_env=False)
+        response = httpx.get(
+            f"{self.url}/v1/capacity", headers={"Authorization": f"Bearer {KEY}"}, trust_env=False
+        )
         assert response.status_code == 200
         return {m.id: m.max_concurrent_requests for m in decode_snapshot(response.content).models}
 
@@ -60,9 +64,10 @@ def serve(registry_path: Path, key_file: Path) -> Iterator[Callable[..., Served]
     def start(workers: list[dict[str, Any]], *extra: str) -> Served:
         write_registry(registry_path, workers)
         proc = subprocess.Popen(
-            [*CLI, "serve", "--workers", str(registry_path), "--key-file", str(key_file),
-             "--listen", "127.0.0.1:0", "--poll", "30", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [*CLI, *serve_args(registry_path, key_file), "--poll", "30", *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         line = read_line(proc)
         assert line.startswith("serving http://127.0.0.1:") and line.endswith("/v1/capacity")
@@ -169,8 +174,7 @@ def test_serve_with_a_broken_registry_exits_2_with_one_line(
     registry_path: Path, key_file: Path
 ) -> None:
     registry_path.write_text('{"workers": [{"id": "a", "fence": true}]}')
-    result = cli("serve", "--workers", str(registry_path), "--key-file", str(key_file),
-                 "--listen", "127.0.0.1:0")
+    result = cli(*serve_args(registry_path, key_file))
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -182,8 +186,7 @@ def test_serve_with_a_bad_listen_address_exits_2(
     registry_path: Path, key_file: Path, listen: str
 ) -> None:
     write_registry(registry_path, [])
-    result = cli("serve", "--workers", str(registry_path), "--key-file", str(key_file),
-                 "--listen", listen)
+    result = cli(*serve_args(registry_path, key_file, listen))
     assert result.returncode == 2
     assert "--listen" in result.stderr
 
@@ -192,9 +195,10 @@ def test_serve_on_ipv6_loopback(registry_path: Path, key_file: Path, sim: Sim) -
     a = sim(10, host="::1")
     write_registry(registry_path, [worker("a", [a.url], ["wh"])])
     proc = subprocess.Popen(
-        [*CLI, "serve", "--workers", str(registry_path), "--key-file", str(key_file),
-         "--listen", "[::1]:0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [*CLI, *serve_args(registry_path, key_file, "[::1]:0")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         line = read_line(proc)

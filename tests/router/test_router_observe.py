@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-from router_support import KEY, get_capacity, rows, wait_for, worker, write_registry
+from gwtest import wait_for
+from router_support import KEY, Router, Sim, get_capacity, rows, worker, write_registry
 
-from capacity_router import FencedInRegistry, RouterServer, SimWorker, UnknownWorker
+from capacity_router import FencedInRegistry, RouterServer, UnknownWorker
 from sidecar.contract import CapacitySnapshot, decode_snapshot
-
-Router = Callable[..., RouterServer]
-Sim = Callable[..., SimWorker]
 
 
 def served(router: RouterServer) -> CapacitySnapshot:
@@ -33,9 +30,7 @@ def test_r_k5_two_ten_slot_workers_advertise_twenty_over_http(router: Router, si
     assert snap.complete is True
 
 
-def test_r_k5_one_worker_reached_through_several_urls_counts_once(
-    router: Router, sim: Sim
-) -> None:
+def test_r_k5_one_worker_reached_through_several_urls_counts_once(router: Router, sim: Sim) -> None:
     a = sim(10)
     urls = [a.url, a.url.replace("127.0.0.1", "localhost"), a.url + "/"]
     r = router([worker("a", urls, ["wh"])])
@@ -54,8 +49,9 @@ def test_r_k5_unhealthy_and_stopped_workers_are_not_counted_and_return_when_back
     router: Router, sim: Sim
 ) -> None:
     a, b, c = sim(10), sim(10), sim(10)
-    r = router([worker(x, [s.url], ["wh"]) for x, s in (("a", a), ("b", b), ("c", c))],
-               poll_interval=30)  # only the rounds this test runs
+    r = router(
+        [worker(x, [s.url], ["wh"]) for x, s in (("a", a), ("b", b), ("c", c))], poll_interval=30
+    )  # only the rounds this test runs
     assert rows(served(r)) == {"wh": 30}
     b.set_healthy(False)
     c.stop()
@@ -84,8 +80,11 @@ def test_r_k5_answering_worker_whose_slots_cannot_be_read_makes_it_incomplete(
     router: Router, sim: Sim, fault: Any
 ) -> None:
     a, b = sim(10), sim(10)
-    r = router([worker("a", [a.url], ["wh"]), worker("b", [b.url], ["wh", "b-only"])],
-               poll_interval=30, poll_timeout=0.5)
+    r = router(
+        [worker("a", [a.url], ["wh"]), worker("b", [b.url], ["wh", "b-only"])],
+        poll_interval=30,
+        poll_timeout=0.5,
+    )
     b.set_props_fault(fault)  # /health still 200
     snap = r.observe()
     assert snap.complete is False
@@ -182,8 +181,9 @@ def test_r_k5_response_is_the_contract_and_nothing_else(
     router: Router, sim: Sim, key_file: Path, registry_path: Path
 ) -> None:
     a, b = sim(10), sim(10)
-    r = router([worker("worker-secret-id", [a.url], ["wh"]),
-                worker("b", [b.url], ["wh"], {"fixed": 3})])
+    r = router(
+        [worker("worker-secret-id", [a.url], ["wh"]), worker("b", [b.url], ["wh"], {"fixed": 3})]
+    )
     response = get_capacity(r)
     assert response.status_code == 200
     assert response.headers["content-type"] == "application/json"
@@ -194,8 +194,18 @@ def test_r_k5_response_is_the_contract_and_nothing_else(
     assert set(raw) == {"object", "version", "complete", "observed_at", "models"}
     assert all(set(row) == {"id", "max_concurrent_requests"} for row in raw["models"])
     text = response.text
-    for secret in (KEY, "worker-secret-id", a.url, b.url, str(a.port), "127.0.0.1",
-                   str(key_file), str(registry_path), "props", "fixed"):
+    for secret in (
+        KEY,
+        "worker-secret-id",
+        a.url,
+        b.url,
+        str(a.port),
+        "127.0.0.1",
+        str(key_file),
+        str(registry_path),
+        "props",
+        "fixed",
+    ):
         assert secret not in text
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import Callable
 
 import msgspec
 import pytest
+from gwtest import free_port
 from router_support import ScriptedServer
 
 from capacity_router import Observation, Worker
@@ -24,13 +24,6 @@ def poll(slots: SlotSource, url: str, timeout: float = 2.0) -> Observation:
             return await poll_url(client, slots, url, timeout)
 
     return asyncio.run(go())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 @pytest.mark.parametrize(
@@ -130,8 +123,12 @@ def test_r_k5_one_worker_through_several_urls_best_answer_wins(
     server.route("/health", 200)
     server.route("/props", 200, '{"total_slots": 9}')
     worker = msgspec.convert(
-        {"id": "a", "urls": [f"http://127.0.0.1:{free_port()}", server.url],
-         "models": ["m"], "slots": {"source": "props"}},
+        {
+            "id": "a",
+            "urls": [f"http://127.0.0.1:{free_port()}", server.url],
+            "models": ["m"],
+            "slots": {"source": "props"},
+        },
         Worker,
     )
 

@@ -20,10 +20,12 @@ def body(*workers: dict[str, Any]) -> bytes:
 def test_registry_example_from_the_docs_parses() -> None:
     registry = parse_registry(
         body(
-            worker("mac-studio-1", ["http://100.101.102.103:8080", "http://mac-1.example:8080"],
-                   ["workhorse", "workhorse-long"]),
-            worker("linux-box", ["http://10.0.0.7:8000"], ["workhorse"], {"fixed": 4},
-                   fenced=True),
+            worker(
+                "mac-studio-1",
+                ["http://100.101.102.103:8080", "http://mac-1.example:8080"],
+                ["workhorse", "workhorse-long"],
+            ),
+            worker("linux-box", ["http://10.0.0.7:8000"], ["workhorse"], {"fixed": 4}, fenced=True),
         )
     )
     assert [w.id for w in registry.workers] == ["mac-studio-1", "linux-box"]
@@ -83,8 +85,9 @@ def test_registry_watcher_follows_edits_and_keeps_last_good_on_a_broken_one(
     watcher = RegistryWatcher(registry_path)
     assert watcher.refresh() is False
 
-    write_registry(registry_path, [worker("a", ["http://h:1"], ["m"]),
-                                   worker("b", ["http://h:2"], ["m"])])
+    write_registry(
+        registry_path, [worker("a", ["http://h:1"], ["m"]), worker("b", ["http://h:2"], ["m"])]
+    )
     assert watcher.refresh() is True
     assert [w.id for w in watcher.current.workers] == ["a", "b"]
 

@@ -23,8 +23,9 @@ def test_r_k5_sidecar_probe_accepts_the_snapshot_and_sees_a_drain_and_restore(
     tmp_path: Path,
 ) -> None:
     a, b = sim(10), sim(10)
-    r = router([worker("a", [a.url], ["workhorse"]), worker("b", [b.url], ["workhorse"])],
-               poll_interval=30)
+    r = router(
+        [worker("a", [a.url], ["workhorse"]), worker("b", [b.url], ["workhorse"])], poll_interval=30
+    )
     provider = ProviderConfig(
         id="local-inference",
         base_url=f"{r.url}/v1",

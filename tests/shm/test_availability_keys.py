@@ -13,6 +13,7 @@ from gwtest import run_cli
 from handler_shim import Admission
 from shm_layout import layout, writer
 from shm_layout.liveness import my_identity
+from shm_layout.view import ReplicaView
 
 PROVIDER_KEYS = {
     "id",
@@ -58,7 +59,7 @@ def test_availability_json_has_the_spec_keys(
                     discovered=10,
                     observed_at=now - 1,
                     expires_at=now + 29,
-                    replicas=[writer.ReplicaRecord("127.0.0.1", True, True, 20, "ok", now - 1)],
+                    replicas=[ReplicaView("127.0.0.1", True, True, 20, "ok", now - 1)],
                 )
             ],
             now,

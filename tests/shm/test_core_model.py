@@ -32,7 +32,7 @@ from hypothesis.stateful import (
 )
 
 from shm_layout import _core, layout, ledger, lock, writer
-from shm_layout.layout import HOLDER_FREE, HOLDER_RUNNING, HOLDER_WAITING, K, P
+from shm_layout.layout import HOLDER, HOLDER_FREE, HOLDER_RUNNING, HOLDER_WAITING, PROVIDER
 from shm_layout.segment import Segment, unlink_segment
 
 PROVIDERS = ("p0", "p1")
@@ -147,8 +147,14 @@ class CoreAgainstModel(RuleBasedStateMachine):
     def publish(self, provider: int, limit: int, ttl: int) -> None:
         base = ledger.provider_base(provider)
         writes = [
-            (base + P["expires_at"].offset, P["expires_at"].codec.pack(self.now + ttl)),
-            (base + P["published_limit"].offset, P["published_limit"].codec.pack(limit)),
+            (
+                base + PROVIDER["expires_at"].offset,
+                PROVIDER["expires_at"].codec.pack(self.now + ttl),
+            ),
+            (
+                base + PROVIDER["published_limit"].offset,
+                PROVIDER["published_limit"].codec.pack(limit),
+            ),
         ]
         assert self.seg.core.transact([], writes, True, self.now)
         for off, data in writes:
@@ -180,7 +186,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
     def a_lock_holder_dies_mid_section(self, running: int) -> None:
         self.seg.core.die_in_section(running)
         for p in range(len(PROVIDERS)):
-            P["running"].put(self.model_buf, running, ledger.provider_base(p))
+            PROVIDER["running"].put(self.model_buf, running, ledger.provider_base(p))
         self.seg.core.snapshot()  # the next holder repairs before anything else
         self.model.repair()
 
@@ -219,12 +225,15 @@ class CoreAgainstModel(RuleBasedStateMachine):
         for p in range(len(PROVIDERS)):
             base = ledger.provider_base(p)
             states = [
-                K["state"].get(buf, ledger.holder_base(p, h))
+                HOLDER["state"].get(buf, ledger.holder_base(p, h))
                 for h in range(layout.HOLDERS_PER_PROVIDER)
             ]
             running, waiting = states.count(HOLDER_RUNNING), states.count(HOLDER_WAITING)
             assert all(s in (HOLDER_FREE, HOLDER_RUNNING, HOLDER_WAITING) for s in states)
-            assert (P["running"].get(buf, base), P["waiting"].get(buf, base)) == (running, waiting)
+            assert (PROVIDER["running"].get(buf, base), PROVIDER["waiting"].get(buf, base)) == (
+                running,
+                waiting,
+            )
             assert waiting <= layout.QUEUE_BOUND  # R-A2
             limit = ledger.limit_value(buf, p, self.now)
             if waiting and not self.unpumped:  # R-A1/R-A3: nobody waits while there is room

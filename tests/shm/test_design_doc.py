@@ -10,11 +10,11 @@ from shm_layout import layout
 
 _TYPES = {"I": "u32", "i": "i32", "Q": "u64", "d": "f64", "H": "u16", "B": "u8"}
 _TABLES = {
-    "Header": layout.H,
-    "Provider row": layout.P,
-    "Replica row": layout.R,
-    "Holder record": layout.K,
-    "Member row (a registered handler process)": layout.M,
+    "Header": layout.HEADER,
+    "Provider row": layout.PROVIDER,
+    "Replica row": layout.REPLICA,
+    "Holder record": layout.HOLDER,
+    "Member row (a registered handler process)": layout.MEMBER,
 }
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from gwtest import Agent, run_cli
 
 from handler_shim import Admission
-from shm_layout.layout import H
+from shm_layout.layout import HEADER
 
 
 def _locked_agent(
@@ -55,7 +55,7 @@ def test_r_a6_lock_of_a_sigkilled_holder_is_free_at_once(
         assert entered.wait(10)
         recovered = entered_at[0] - killed
         assert recovered < 1.0, f"took {recovered:.2f}s"  # "free again at once" (R-A6)
-        assert H["repairs"].get(adm._buf) == 1  # died inside a section: repaired
+        assert HEADER["repairs"].get(adm._buf) == 1  # died inside a section: repaired
     finally:
         contender.join(timeout=10)
         adm.close()
@@ -85,7 +85,7 @@ def test_r_a6_a_live_holder_is_never_robbed_however_long_it_is_stopped(
         assert not got.wait(7.0)  # well past 5 s: still the stopped holder's
         doc = json.loads(run_cli("availability", "--segment", segment_name, "--json").stdout)
         assert doc["providers"][0]["id"] == "p1"  # lock-free readers are not stuck
-        assert H["repairs"].get(adm._buf) == 0
+        assert HEADER["repairs"].get(adm._buf) == 0
     finally:
         holder.kill()
         contender.join(timeout=10)
@@ -189,7 +189,7 @@ def test_r_a11_a_gil_hog_in_a_holders_process_never_breaks_mutual_exclusion(
         assert entries > 100
         out, _ = hog.communicate(timeout=60)
         assert hog.returncode == 0, out
-        assert H["repairs"].get(adm._buf) == 0
+        assert HEADER["repairs"].get(adm._buf) == 0
         doc = json.loads(run_cli("inspect", "--segment", segment_name, "--json").stdout)
         p1 = doc["providers"][0]
         assert p1["counters"]["peak_running"] <= 2

@@ -19,7 +19,7 @@ import pytest
 from gwtest import ROOT, Agent, run_cli, wait_until
 
 from shm_layout import layout, names
-from shm_layout.layout import H
+from shm_layout.layout import HEADER
 from shm_layout.segment import IncompatibleLayout, NotOurSegment, Segment, unlink_segment
 
 DEV_SHM = Path("/dev/shm")
@@ -33,9 +33,9 @@ go = float(sys.argv[2])
 while time.time() < go:
     time.sleep(0.0005)
 seg = Segment.open(sys.argv[1])
-from shm_layout.layout import H
-print(json.dumps({{"created": seg.created, "init": H["init_complete"].get(seg.buf),
-                  "creator": H["creator_pid"].get(seg.buf)}}))
+from shm_layout.layout import HEADER
+print(json.dumps({{"created": seg.created, "init": HEADER["init_complete"].get(seg.buf),
+                  "creator": HEADER["creator_pid"].get(seg.buf)}}))
 """
 
 
@@ -66,8 +66,8 @@ def test_r_g2_create_attach_race_between_many_processes_has_one_creator(
 
 def test_r_g2_other_major_is_refused_naming_both_versions(segment_name: str) -> None:
     seg = Segment.open(segment_name)
-    H["major"].put(seg.buf, layout.MAJOR + 1)
-    H["minor"].put(seg.buf, 3)
+    HEADER["major"].put(seg.buf, layout.MAJOR + 1)
+    HEADER["minor"].put(seg.buf, 3)
     seg.close()
     with pytest.raises(IncompatibleLayout) as info:
         Segment.open(segment_name)
@@ -83,7 +83,7 @@ def test_r_g2_other_major_is_refused_naming_both_versions(segment_name: str) -> 
 
 def test_r_g2_newer_minor_of_the_same_major_attaches(segment_name: str) -> None:
     seg = Segment.open(segment_name)
-    H["minor"].put(seg.buf, layout.MINOR + 5)
+    HEADER["minor"].put(seg.buf, layout.MINOR + 5)
     seg.close()
     again = Segment.open(segment_name)
     assert not again.created
@@ -112,7 +112,7 @@ def test_r_g2_segment_abandoned_before_init_is_recreated(segment_name: str) -> N
     shm.close_fd()
     seg = Segment.open(segment_name)
     assert seg.created
-    assert H["init_complete"].get(seg.buf) == layout.INIT_MARK
+    assert HEADER["init_complete"].get(seg.buf) == layout.INIT_MARK
     seg.close()
 
 
@@ -246,7 +246,7 @@ def test_r_g5_unlink_force_removes_a_segment_in_use(
 
 def test_readers_report_a_torn_picture_instead_of_hanging(segment_name: str) -> None:
     seg = Segment.open(segment_name)
-    H["change_seq"].put(seg.buf, 7)  # a writer that died mid-write leaves it odd
+    HEADER["change_seq"].put(seg.buf, 7)  # a writer that died mid-write leaves it odd
     seg.close()
     out = run_cli("availability", "--segment", segment_name, "--json")
     assert out.returncode == 0
@@ -285,12 +285,13 @@ ABANDONED_RACE = """
 import json, sys, time
 sys.path.insert(0, {root!r})
 from shm_layout.segment import Segment
-from shm_layout.layout import H
+from shm_layout.layout import HEADER
 go = float(sys.argv[2])
 while time.time() < go:
     time.sleep(0.0005)
 seg = Segment.open(sys.argv[1])
-doc = {{"created_at": H["created_at"].get(seg.buf), "creator": H["creator_pid"].get(seg.buf)}}
+created = HEADER["created_at"].get(seg.buf)
+doc = {{"created_at": created, "creator": HEADER["creator_pid"].get(seg.buf)}}
 print(json.dumps(doc))
 """
 

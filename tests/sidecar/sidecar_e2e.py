@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -174,8 +173,6 @@ def cli_provider(segment: str, provider: str) -> dict[str, Any]:
     raise AssertionError(f"no provider {provider} in availability")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+# The fixtures' types (tests/sidecar/conftest.py), one home for every test module.
+Entry = Callable[..., dict[str, Any]]
+StartSidecar = Callable[..., SidecarProc]

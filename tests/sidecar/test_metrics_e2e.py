@@ -19,13 +19,19 @@ import httpx
 import pytest
 from capacity_server import CapacityServer
 from prometheus_client.parser import text_string_to_metric_families
-from sidecar_e2e import SidecarProc, cli_json, discovered, wait_doc, wait_provider
+from sidecar_e2e import (
+    Entry,
+    SidecarProc,
+    StartSidecar,
+    cli_json,
+    discovered,
+    wait_doc,
+    wait_provider,
+)
 
 from shm_layout import layout
 
 ROOT = Path(__file__).resolve().parents[2]
-Entry = Callable[..., dict[str, Any]]
-StartSidecar = Callable[..., SidecarProc]
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 

@@ -14,16 +14,14 @@ import pytest
 from capacity_server import CapacityServer
 from sidecar_e2e import (
     EXE,
-    SidecarProc,
+    Entry,
+    StartSidecar,
     clean_env,
     cli_json,
     cli_provider,
     discovered,
     wait_provider,
 )
-
-Entry = Callable[..., dict[str, Any]]
-StartSidecar = Callable[..., SidecarProc]
 
 
 def _fingerprint(path: Path) -> tuple[bytes, int, int, int]:

@@ -9,10 +9,14 @@ from typing import Any
 
 import pytest
 from capacity_server import CapacityServer
-from sidecar_e2e import SidecarProc, cli_json, cli_providers, discovered, wait_provider
-
-Entry = Callable[..., dict[str, Any]]
-StartSidecar = Callable[..., SidecarProc]
+from sidecar_e2e import (
+    Entry,
+    StartSidecar,
+    cli_json,
+    cli_providers,
+    discovered,
+    wait_provider,
+)
 
 
 @pytest.fixture

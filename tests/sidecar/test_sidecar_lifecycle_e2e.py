@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from capacity_server import CapacityServer
 from sidecar_e2e import (
-    SidecarProc,
+    Entry,
+    StartSidecar,
     cli_json,
     cli_provider,
     cli_providers,
@@ -21,9 +22,6 @@ from sidecar_e2e import (
     wait_doc,
     wait_provider,
 )
-
-Entry = Callable[..., dict[str, Any]]
-StartSidecar = Callable[..., SidecarProc]
 
 
 def _sidecar_of(segment: str) -> dict[str, Any]:

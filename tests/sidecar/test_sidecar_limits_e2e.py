@@ -13,17 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from capacity_server import CapacityServer
+from gwtest import free_port
 from sidecar_e2e import (
-    SidecarProc,
+    Entry,
+    StartSidecar,
     cli_provider,
     cli_providers,
     discovered,
-    free_port,
     wait_provider,
 )
-
-Entry = Callable[..., dict[str, Any]]
-StartSidecar = Callable[..., SidecarProc]
 
 
 def test_r_l2_r_l4_limit_follows_the_router_20_10_20_and_handlers_follow_it(

@@ -11,15 +11,19 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from capacity_server import CapacityServer
-from sidecar_e2e import EXE, SidecarProc, clean_env, cli_json, discovered, wait_provider
-
-Entry = Callable[..., dict[str, Any]]
-StartSidecar = Callable[..., SidecarProc]
+from sidecar_e2e import (
+    EXE,
+    Entry,
+    StartSidecar,
+    clean_env,
+    cli_json,
+    discovered,
+    wait_provider,
+)
 
 
 def _scrape(url: str) -> str | None:

@@ -12,16 +12,20 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from capacity_server import CapacityServer
-from sidecar_e2e import EXE, SidecarProc, clean_env, discovered, provider_now, wait_provider
+from sidecar_e2e import (
+    EXE,
+    Entry,
+    StartSidecar,
+    clean_env,
+    discovered,
+    provider_now,
+    wait_provider,
+)
 
 from shm_layout.segment import unlink_segment
-
-Entry = Callable[..., dict[str, Any]]
-StartSidecar = Callable[..., SidecarProc]
 
 
 @pytest.fixture

@@ -15,14 +15,10 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from capacity_server import CapacityServer
-from sidecar_e2e import EXE, SidecarProc, clean_env, discovered, wait_provider
-
-Entry = Callable[..., dict[str, Any]]
-StartSidecar = Callable[..., SidecarProc]
+from sidecar_e2e import EXE, Entry, SidecarProc, StartSidecar, clean_env, discovered, wait_provider
 
 
 def _wait_log(proc: SidecarProc, text: str, timeout: float = 10.0) -> None:

@@ -77,7 +77,7 @@ from soak_worker import ARRIVING, RUNNING, STATE_SIZE, read_state  # noqa: E402
 
 from handler_shim import Admission  # noqa: E402
 from shm_layout import ledger  # noqa: E402
-from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING, H, K, P  # noqa: E402
+from shm_layout.layout import HEADER, HOLDER, HOLDER_RUNNING, HOLDER_WAITING, PROVIDER  # noqa: E402
 from shm_layout.segment import map_readonly, unlink_segment  # noqa: E402
 from shm_layout.view import parse_view, snapshot_bytes  # noqa: E402
 
@@ -112,7 +112,7 @@ def lock_holder_pid(segment: str, header: Any) -> int | None:
     from shm_layout import layout as lay
     from shm_layout import lock as lk
 
-    if H["lock_kind"].get(header) == lay.LOCK_ROBUST:
+    if HEADER["lock_kind"].get(header) == lay.LOCK_ROBUST:
         tid = struct.unpack_from("<I", header, lay.MUTEX_OFFSET)[0] & 0x3FFFFFFF
         if not tid:
             return None
@@ -778,11 +778,11 @@ class Soak:
         checked where it matters, by the running counts at the upstream (R-A1).
         """
         header = map_readonly(self.segment)
-        seq, since = H["lock_seq"].get(header), time.monotonic()
+        seq, since = HEADER["lock_seq"].get(header), time.monotonic()
         try:
             while not self.stop.wait(0.01):
                 held = lock_holder_pid(self.segment, header) is not None
-                now_seq, now = H["lock_seq"].get(header), time.monotonic()
+                now_seq, now = HEADER["lock_seq"].get(header), time.monotonic()
                 if not held or now_seq != seq:
                     seq, since = now_seq, now
                 else:
@@ -830,20 +830,20 @@ class Soak:
                         ((max(h.since for h in running), now),),
                     )
                 )
-            if consistent and not H["dirty"].get(data):
+            if consistent and not HEADER["dirty"].get(data):
                 self.report.checks["counters vs records"] += 1
                 base = ledger.provider_base(p.index)
                 n_run = sum(
                     1
                     for h in range(128)
-                    if K["state"].get(data, ledger.holder_base(p.index, h)) == HOLDER_RUNNING
+                    if HOLDER["state"].get(data, ledger.holder_base(p.index, h)) == HOLDER_RUNNING
                 )
                 n_wait = sum(
                     1
                     for h in range(128)
-                    if K["state"].get(data, ledger.holder_base(p.index, h)) == HOLDER_WAITING
+                    if HOLDER["state"].get(data, ledger.holder_base(p.index, h)) == HOLDER_WAITING
                 )
-                stored = (P["running"].get(data, base), P["waiting"].get(data, base))
+                stored = (PROVIDER["running"].get(data, base), PROVIDER["waiting"].get(data, base))
                 if stored != (n_run, n_wait):
                     self.fail(
                         f"counters: {p.id}: stored running/waiting {stored} but the records "
@@ -867,7 +867,7 @@ class Soak:
         Admission.attach(config=self.config, segment=self.segment, generation="soak-setup").close()
         buf = map_readonly(self.segment)
         indexes = {name: ledger.find_provider(buf, name) for name in PROVIDERS}
-        repairs_before = H["repairs"].get(buf)
+        repairs_before = HEADER["repairs"].get(buf)
         buf.close()
         self.timeline = LimitTimeline(
             self.segment,
@@ -990,10 +990,10 @@ class Soak:
         self.checker.verify(final=True)
         rep.violations.extend(self.checker.violations)
         buf = map_readonly(self.segment)
-        rep.repairs = H["repairs"].get(buf) - repairs_before
+        rep.repairs = HEADER["repairs"].get(buf) - repairs_before
         self.counters = {
             name: {
-                k: P[k].get(buf, ledger.provider_base(p))
+                k: PROVIDER[k].get(buf, ledger.provider_base(p))
                 for k in (
                     "admitted_total",
                     "rejected_total",

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from shm_layout import ledger
-from shm_layout.layout import RUNNING_ROOM, H, P
+from shm_layout.layout import HEADER, PROVIDER, RUNNING_ROOM
 from shm_layout.segment import map_readonly
 
 
@@ -41,7 +41,7 @@ def main() -> int:
     rec = record_format(len(indexes))
     buf = map_readonly(segment)
     parent = os.getppid()
-    seq = H["change_seq"]
+    seq = HEADER["change_seq"]
     fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     while os.getppid() == parent:
         before = seq.get(buf)
@@ -49,8 +49,8 @@ def main() -> int:
             values = []
             for p in indexes:
                 base = ledger.provider_base(p)
-                fallback = min(max(P["fallback_limit"].get(buf, base), 0), RUNNING_ROOM)
-                published = min(P["published_limit"].get(buf, base), RUNNING_ROOM)
+                fallback = min(max(PROVIDER["fallback_limit"].get(buf, base), 0), RUNNING_ROOM)
+                published = min(PROVIDER["published_limit"].get(buf, base), RUNNING_ROOM)
                 values.append(max(fallback, published) - understate)
             if seq.get(buf) == before:
                 os.write(fd, rec.pack(time.time(), *values))
