@@ -723,6 +723,21 @@ static PyObject *lock_error(void)
         (c)->busy--;                                          \
     } while (0)
 
+/* Does target ``t`` carry ``stamp`` at STAMP_AT? Read through the table's descriptor
+ * (opening and closing another would drop this process's record locks); the GIL is
+ * released for the read. */
+static int stamp_matches(int t, const char *stamp, Py_ssize_t stamp_len)
+{
+    char seen[256];
+    ssize_t got;
+    if (stamp_len > (Py_ssize_t)sizeof seen)
+        return 0;
+    Py_BEGIN_ALLOW_THREADS
+    got = pread(targets[t].fd, seen, (size_t)stamp_len, STAMP_AT);
+    Py_END_ALLOW_THREADS
+    return got == stamp_len && memcmp(seen, stamp, (size_t)stamp_len) == 0;
+}
+
 static void Core_dealloc(Core *c)
 {
     if (!c->closed && c->target >= 0 && c->fork_gen == fork_generation)
@@ -818,12 +833,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
          * file removed and made again) would lock nothing the others lock, and every
          * other process's members would look dead through it. Read through the table's
          * descriptor: opening and closing another would drop our record locks. */
-        char seen[256];
-        ssize_t n;
-        Py_BEGIN_ALLOW_THREADS
-        n = pread(targets[t].fd, seen, (size_t)stamp_len, STAMP_AT);
-        Py_END_ALLOW_THREADS
-        if (n != stamp_len || memcmp(seen, stamp, (size_t)stamp_len) != 0) {
+        if (!stamp_matches(t, stamp, stamp_len)) {
             target_release(t);
             PyErr_Format(CoreError,
                          "lock file %s is not the one this segment was created with (another "
@@ -1602,14 +1612,8 @@ static PyObject *mod_probe(PyObject *self, PyObject *args)
         return PyErr_Format(CoreError, "cannot open the lock target %s: %s", target, strerror(errno));
     }
     int unknown = 0; /* not the segment's lock file: nothing it says is known (alive) */
-    if (stamp_len > 0) {
-        char seen[256];
-        ssize_t got;
-        Py_BEGIN_ALLOW_THREADS
-        got = pread(targets[t].fd, seen, (size_t)stamp_len, STAMP_AT);
-        Py_END_ALLOW_THREADS
-        unknown = got != stamp_len || memcmp(seen, stamp, (size_t)stamp_len) != 0;
-    }
+    if (stamp_len > 0)
+        unknown = !stamp_matches(t, stamp, stamp_len);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
