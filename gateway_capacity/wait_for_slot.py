@@ -6,7 +6,8 @@ how busy the server is and waits until ``running + waiting + need <= limit``.
 The loop (:func:`wait_for_slot`) knows nothing about where a sample comes
 from: it calls a ``sample() -> Sample`` callable. Metrics mode (R-W1..R-W3,
 R-W5) samples ``{url}/upstream/{model}/metrics`` with one GET per sample
-(:class:`MetricsSampler`); local mode (R-W4) reads this host's segment
+(:class:`~gateway_capacity.wfs_metrics.MetricsSampler`, in a module of its own);
+local mode (R-W4) reads this host's segment
 (:func:`_sample_local`). A sample is a :class:`Load` (gate on it), a
 :class:`NoAnswer` (counts as no room; sampling goes on) or a :class:`Fatal`
 (exit 2 with its one-line reason).
@@ -23,115 +24,44 @@ mistake would otherwise end up in a log.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
 import re
-import ssl
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, TextIO
-from urllib.parse import quote, urlsplit
 
 from gateway_capacity.common import add_target_options, fail, segment_from_args
 from gateway_capacity.exits import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
+from gateway_capacity.wfs_metrics import (
+    DEFAULT_TIMEOUT_S,
+    Fatal,
+    Load,
+    MetricsSampler,
+    NoAnswer,
+    Sample,
+    Unreachable,
+    metrics_url,
+    one_line,
+    secs,
+)
 
 if TYPE_CHECKING:
-    import httpx
-
     from sidecar.credential import Secret
-
-RUNNING: Final = "vllm:num_requests_running"
-WAITING: Final = "vllm:num_requests_waiting"
 
 DEFAULT_LIMIT: Final = 6  # a policy choice (leave slots for latency-sensitive consumers)
 DEFAULT_NEED: Final = 1
 DEFAULT_INTERVAL_S: Final = 5.0
 DEFAULT_MAX_WAIT_S: Final = 600.0
-DEFAULT_TIMEOUT_S: Final = 5.0  # the whole of one sample: connect, headers and body
-MAX_BODY_BYTES: Final = 4 * 1024 * 1024  # the text parser is slow on huge lines
 
 EXIT_ROOM: Final = EXIT_OK
 EXIT_NO_ROOM: Final = EXIT_PROBLEM
 EXIT_FATAL: Final = EXIT_USAGE
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-# --------------------------------------------------------------------------- samples
-
-
-@dataclass(frozen=True, slots=True)
-class Load:
-    """What one sample saw: the server's load and the limit to gate on."""
-
-    running: float
-    waiting: float
-    limit: int
-
-    def has_room(self, need: int) -> bool:
-        return self.running + self.waiting + need <= self.limit
-
-
-@dataclass(frozen=True, slots=True)
-class NoAnswer:
-    """No usable answer this time (no answer, timeout, 5xx, 429): no room, keep sampling."""
-
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Unreachable(NoAnswer):
-    """The server could not be reached at all (connection refused, no route, unknown
-    name): more likely a wrong URL or port than a busy server. No room, like any
-    :class:`NoAnswer`, but said as "no answer"; ``--check`` gives up on it at once."""
-
-
-@dataclass(frozen=True, slots=True)
-class Fatal:
-    """An answer that sampling again will not change (401, 404, a 3xx, no gauges): exit 2."""
-
-    reason: str
-
-
-Sample = Load | NoAnswer | Fatal
-
-
-class MetricsError(ValueError):
-    """Metrics text that does not give both gauges as finite, non-negative numbers."""
-
-
-def parse_load(text: str) -> tuple[float, float]:
-    """``(running, waiting)`` summed over every label set (one series per vLLM ``engine``).
-
-    Parsed with prometheus_client's reference parser. It is a generator that can
-    fail on the last line, so the whole walk is inside the ``try``.
-    """
-    from prometheus_client.parser import text_string_to_metric_families
-
-    totals: dict[str, float | None] = {RUNNING: None, WAITING: None}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name not in totals:
-                    continue
-                value = float(sample.value)
-                if not math.isfinite(value) or value < 0:
-                    raise MetricsError(f"{sample.name} is {value!r}, not a count")
-                totals[sample.name] = (totals[sample.name] or 0.0) + value
-    except MetricsError:
-        raise
-    except Exception as exc:  # the parser raises ValueError, but any failure means the same
-        raise MetricsError(f"malformed metrics text ({_one_line(str(exc))})") from None
-    missing = [name for name, total in totals.items() if total is None]
-    if missing:
-        raise MetricsError(f"the answer has no {' and no '.join(missing)} gauge")
-    running, waiting = totals[RUNNING], totals[WAITING]
-    assert running is not None and waiting is not None
-    return running, waiting
 
 
 # --------------------------------------------------------------------------- the loop
@@ -202,12 +132,12 @@ def wait_for_slot(
             return Result(EXIT_NO_ROOM, "no_room", last, count, waited)
         remaining = deadline - clock()
         if remaining <= 0:
-            progress(f"{seen}; gave up after {_secs(waited)} s")
+            progress(f"{seen}; gave up after {secs(waited)} s")
             return Result(EXIT_NO_ROOM, "gave_up", last, count, waited)
         pause = min(interval, remaining)
         progress(
-            f"{seen}; next sample in {_secs(pause)} s "
-            f"(waited {_secs(waited)} s of {_secs(max_wait)} s)"
+            f"{seen}; next sample in {secs(pause)} s "
+            f"(waited {secs(waited)} s of {secs(max_wait)} s)"
         )
         sleep(pause)
 
@@ -258,169 +188,6 @@ def key_from_file(path: str) -> Secret:
     return read_credential(path)
 
 
-# --------------------------------------------------------------------------- metrics mode
-
-
-def metrics_url(base_url: str, model: str) -> str:
-    """``{base}/upstream/{model}/metrics``, or ValueError with a one-line reason."""
-    parts = urlsplit(base_url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError("--url must be http://HOST[:PORT][/PATH] or https://...")
-    if parts.username is not None or parts.password is not None:
-        # never echo it: the part before '@' is a credential
-        raise ValueError("--url must not carry credentials; use --key-env or --key-file")
-    if parts.query or parts.fragment:
-        raise ValueError("--url must not have a query or a fragment")
-    try:
-        parts.port  # noqa: B018 - raises on a bad port
-    except ValueError:
-        raise ValueError("--url has an invalid port") from None
-    segments = model.split("/")
-    if not model or any(seg in ("", ".", "..") for seg in segments):
-        raise ValueError("--model must be a model id such as 'workhorse' or 'org/model'")
-    # llama-swap routes model ids that contain '/', so the slash stays as it is
-    path = quote(model, safe="/-._~:@+")
-    url = f"{base_url.rstrip('/')}/upstream/{path}/metrics"
-    import httpx
-
-    try:
-        httpx.URL(url).host  # noqa: B018 - rejects control characters, bad IDNA names
-    except Exception:  # httpx.InvalidURL, idna errors: a usage error, never a traceback
-        raise ValueError("--url is not a valid URL (bad characters or host name)") from None
-    return url
-
-
-class MetricsSampler:
-    """One GET of ``{url}/upstream/{model}/metrics`` per call (R-W1, R-W2, R-W5).
-
-    ``timeout`` is one deadline for the whole sample (connect, TLS, headers,
-    body). Redirects are not followed, proxies and other environment settings
-    are ignored, and without a key no ``Authorization`` header is sent.
-    """
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        limit: int,
-        key: Secret | None = None,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        ca_file: str | None = None,
-    ) -> None:
-        import httpx
-
-        self.url = url
-        self.limit = limit
-        self._key = key
-        self.timeout = timeout
-        # Built once: loading a CA bundle takes longer than a loopback sample, and
-        # must not eat into the sample's deadline.
-        self._verify: ssl.SSLContext = (
-            ssl.create_default_context(cafile=ca_file)
-            if ca_file is not None
-            else httpx.create_ssl_context(trust_env=False)
-        )
-
-    def __call__(self) -> Sample:
-        return asyncio.run(self.sample())
-
-    async def sample(self) -> Sample:
-        import httpx
-
-        headers = {
-            "Accept": "text/plain",
-            # compressed bodies would dodge the size cap until decoded
-            "Accept-Encoding": "identity",
-            "User-Agent": "gateway-capacity-wait-for-slot",
-        }
-        if self._key is not None:
-            headers["Authorization"] = f"Bearer {self._key.reveal()}"
-        try:
-            async with (
-                asyncio.timeout(self.timeout),
-                httpx.AsyncClient(
-                    follow_redirects=False,
-                    trust_env=False,
-                    timeout=httpx.Timeout(self.timeout),
-                    verify=self._verify,
-                ) as client,
-                client.stream("GET", self.url, headers=headers) as response,
-            ):
-                early = self._judge_status(response.status_code)
-                if early is not None:
-                    return early
-                body = await self._read_capped(response)
-        except (TimeoutError, httpx.TimeoutException):
-            return NoAnswer(f"no answer within {_secs(self.timeout)} s")
-        except httpx.TransportError as exc:
-            if _caused_by(exc, ssl.SSLCertVerificationError):
-                return Fatal(
-                    f"the server's TLS certificate is not trusted ({_one_line(str(exc))}); "
-                    "give --ca-file PATH for a private CA"
-                )
-            if isinstance(exc, httpx.ConnectError):
-                why = (
-                    "connection refused"
-                    if _caused_by(exc, ConnectionRefusedError)
-                    else _one_line(str(exc)) or type(exc).__name__
-                )
-                return Unreachable(f"cannot connect to {self.url} ({why})")
-            return NoAnswer(f"no answer ({_one_line(str(exc)) or type(exc).__name__})")
-        except httpx.HTTPError as exc:  # a malformed answer (e.g. a body that will not decode)
-            return Fatal(f"unusable answer from {self.url}: {type(exc).__name__}")
-        if isinstance(body, Fatal):
-            return body
-        try:
-            running, waiting = parse_load(body.decode("utf-8"))
-        except UnicodeDecodeError:
-            return Fatal("the metrics answer is not UTF-8 text")
-        except MetricsError as exc:
-            return Fatal(f"{exc} at {self.url}")
-        return Load(running, waiting, self.limit)
-
-    def _judge_status(self, code: int) -> Sample | None:
-        if 200 <= code < 300:
-            return None
-        if 300 <= code < 400:
-            return Fatal(
-                f"redirect refused (HTTP {code}): redirects are not followed; "
-                "point --url at the server itself"
-            )
-        if code == 401:
-            hint = (
-                "no key was sent; give --key-env NAME or --key-file PATH"
-                if self._key is None
-                else "the server did not accept the key"
-            )
-            return Fatal(f"unauthorized (HTTP 401): {hint}")
-        if code == 403:
-            return Fatal("forbidden (HTTP 403): the key may not read this model's metrics")
-        if code == 404:
-            return Fatal(f"not found (HTTP 404): {self.url}; check --url and --model")
-        if code == 429:
-            return NoAnswer("busy (HTTP 429)")
-        if 400 <= code < 500:
-            return Fatal(f"HTTP {code} from {self.url}")
-        if 500 <= code < 600:
-            return NoAnswer(f"HTTP {code}")
-        return Fatal(f"unexpected HTTP status {code} from {self.url}")
-
-    async def _read_capped(self, response: httpx.Response) -> bytes | Fatal:
-        too_large = Fatal(f"the metrics answer is larger than {MAX_BODY_BYTES} bytes")
-        declared = response.headers.get("Content-Length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            return too_large
-        coding = response.headers.get("Content-Encoding", "identity").strip().lower()
-        if coding not in ("", "identity"):
-            # we asked for identity; a compressed body would only be measured after
-            # inflating it, so the cap would mean nothing
-            return Fatal(f"the metrics answer is compressed ({coding}); asked for identity")
-        from sidecar.contract import read_capped
-
-        body = await read_capped(response.aiter_raw(), MAX_BODY_BYTES)
-        return too_large if body is None else body
-
-
 # --------------------------------------------------------------------------- local mode
 
 
@@ -433,9 +200,9 @@ def _sample_local(segment: str, provider_id: str) -> Sample:
     except KeyError:
         return Fatal(f"provider {provider_id!r} is not in segment {segment}")
     except SegmentNotReady as exc:  # another party is creating it right now
-        return NoAnswer(_one_line(str(exc)))
+        return NoAnswer(one_line(str(exc)))
     except SegmentError as exc:  # missing, not ours, other major version: one line each
-        return Fatal(_one_line(str(exc)))
+        return Fatal(one_line(str(exc)))
     return Load(float(load.running), float(load.waiting), load.effective_limit)
 
 
@@ -643,26 +410,3 @@ def run(args: argparse.Namespace) -> int:
     if result.code == EXIT_FATAL:
         fail(describe(result.last, args.need), code=EXIT_FATAL)
     return result.code
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _secs(value: float) -> str:
-    return f"{value:.3g}" if value < 10 else f"{value:.0f}"
-
-
-def _one_line(text: str, limit: int = 160) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
-def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
-    seen: BaseException | None = exc
-    for _ in range(10):  # a short chain; a cycle cannot loop forever
-        if seen is None:
-            return False
-        if isinstance(seen, kind):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False

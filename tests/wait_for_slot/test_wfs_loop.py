@@ -8,16 +8,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway_capacity.wait_for_slot import (
+from gateway_capacity.wait_for_slot import describe, wait_for_slot
+from gateway_capacity.wfs_metrics import (
     Fatal,
     Load,
     MetricsError,
     NoAnswer,
     Sample,
     Unreachable,
-    describe,
     parse_load,
-    wait_for_slot,
 )
 
 
