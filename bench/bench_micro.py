@@ -59,21 +59,18 @@ def _shim_cases(cleanup: Cleanup, runner: asyncio.Runner) -> list[Case]:
     file_adm = Admission.attach(config=config, generation="bench", segment=file_name)
     cleanup.push("admission (lock file)", file_adm.close)
 
-    def file_blocking(n: int) -> int:
-        slot = file_adm.slot_blocking
-        t0 = perf_counter_ns()
-        for _ in range(n):
-            with slot(PROVIDER):
-                pass
-        return perf_counter_ns() - t0
+    def blocking_on(attachment: Admission) -> Callable[[int], int]:
+        def run(n: int) -> int:
+            slot = attachment.slot_blocking
+            t0 = perf_counter_ns()
+            for _ in range(n):
+                with slot(PROVIDER):
+                    pass
+            return perf_counter_ns() - t0
 
-    def blocking(n: int) -> int:
-        slot = adm.slot_blocking
-        t0 = perf_counter_ns()
-        for _ in range(n):
-            with slot(PROVIDER):
-                pass
-        return perf_counter_ns() - t0
+        return run
+
+    blocking, file_blocking = blocking_on(adm), blocking_on(file_adm)
 
     async def _async(n: int) -> int:
         slot = adm.slot

@@ -264,16 +264,23 @@ def _sidecar(view: SegmentView) -> Sidecar | None:
     )
 
 
+def _common(view: SegmentView) -> dict[str, Any]:
+    """The fields both documents open with."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "segment": view.name,
+        "config_path": view.config_path or None,
+        "layout": Layout(major=view.major, minor=view.minor),
+        "consistent": view.consistent,
+        "config_status": view.config_status or None,
+        "sidecar": _sidecar(view),
+    }
+
+
 def availability(view: SegmentView) -> AvailabilityDoc:
     """``availability --json`` of a ``shm_layout.view.SegmentView``."""
     return AvailabilityDoc(
-        schema_version=SCHEMA_VERSION,
-        segment=view.name,
-        config_path=view.config_path or None,
-        layout=Layout(major=view.major, minor=view.minor),
-        consistent=view.consistent,
-        config_status=view.config_status or None,
-        sidecar=_sidecar(view),
+        **_common(view),
         generations=[
             Generation(generation=m.generation, pid=m.pid, alive=m.alive, layout=m.layout)
             for m in view.members
@@ -285,13 +292,7 @@ def availability(view: SegmentView) -> AvailabilityDoc:
 def inspect(view: SegmentView) -> InspectDoc:
     """``inspect --json`` of a ``shm_layout.view.SegmentView``."""
     return InspectDoc(
-        schema_version=SCHEMA_VERSION,
-        segment=view.name,
-        config_path=view.config_path or None,
-        layout=Layout(major=view.major, minor=view.minor),
-        consistent=view.consistent,
-        config_status=view.config_status or None,
-        sidecar=_sidecar(view),
+        **_common(view),
         header=Header(
             created_at=view.created_at,
             group_shared=view.group_shared,

@@ -47,7 +47,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import TypeVar
 
 from handler_shim import siblings
@@ -447,8 +446,8 @@ async def _finish_quietly(future: asyncio.Future[_T]) -> None:
             await asyncio.shield(future)
 
 
-class _BlockingSlot:
-    """``with adm.slot_blocking(provider, timeout):`` one running slot for the body."""
+class _Slot:
+    """One slot of one provider: the ticket the core fills in, and how long to wait."""
 
     __slots__ = ("_adm", "_p", "_ticket", "_timeout")
 
@@ -457,6 +456,12 @@ class _BlockingSlot:
         self._p = p
         self._timeout = timeout
         self._ticket = _core.Ticket()
+
+
+class _BlockingSlot(_Slot):
+    """``with adm.slot_blocking(provider, timeout):`` one running slot for the body."""
+
+    __slots__ = ()
 
     def __enter__(self) -> None:
         adm, ticket, timeout = self._adm, self._ticket, self._timeout
@@ -481,27 +486,16 @@ class _BlockingSlot:
             adm._leave(ticket, _core.CANCELLED)
             raise
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         adm = self._adm
         if not adm._closed:  # else close() released it already
             adm._core.leave(self._ticket, _core.RELEASED, IN_CORE, True)
 
 
-class _AsyncSlot:
+class _AsyncSlot(_Slot):
     """``async with adm.slot(provider, timeout):`` the same, without blocking the loop."""
 
-    __slots__ = ("_adm", "_p", "_ticket", "_timeout")
-
-    def __init__(self, adm: Admission, p: int, timeout: float | None) -> None:
-        self._adm = adm
-        self._p = p
-        self._timeout = timeout
-        self._ticket = _core.Ticket()
+    __slots__ = ()
 
     async def __aenter__(self) -> None:
         adm, ticket = self._adm, self._ticket
@@ -548,12 +542,7 @@ class _AsyncSlot:
         if adm._leave(ticket, outcome, blocking=False) == -1:  # the lock is busy: not here
             await adm._off_loop(adm._leave, ticket, outcome, True)
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         adm = self._adm
         if adm._closed:
             return  # close() released it already

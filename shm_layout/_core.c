@@ -244,7 +244,7 @@ static int byte_cmd(int kind, int what)
     return what == 0 ? F_GETLK : (what == 1 ? F_SETLK : F_SETLKW);
 }
 
-static int byte_lock(int fd, int kind, off_t at, short type, int wait)
+static struct flock one_byte(short type, off_t at)
 {
     struct flock fl;
     memset(&fl, 0, sizeof fl);
@@ -252,6 +252,12 @@ static int byte_lock(int fd, int kind, off_t at, short type, int wait)
     fl.l_whence = SEEK_SET;
     fl.l_start = at;
     fl.l_len = 1;
+    return fl;
+}
+
+static int byte_lock(int fd, int kind, off_t at, short type, int wait)
+{
+    struct flock fl = one_byte(type, at);
     for (;;) {
         if (fcntl(fd, byte_cmd(kind, wait ? 2 : 1), &fl) == 0)
             return 0;
@@ -263,12 +269,7 @@ static int byte_lock(int fd, int kind, off_t at, short type, int wait)
 /* 1: some process holds byte ``at``; 0: nobody does. Unknown answers 1 (R-A5). */
 static int byte_held(int fd, int kind, off_t at)
 {
-    struct flock fl;
-    memset(&fl, 0, sizeof fl);
-    fl.l_type = F_WRLCK;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = at;
-    fl.l_len = 1;
+    struct flock fl = one_byte(F_WRLCK, at);
     for (;;) {
         if (fcntl(fd, byte_cmd(kind, 0), &fl) == 0)
             return fl.l_type != F_UNLCK;

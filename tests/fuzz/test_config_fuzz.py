@@ -16,6 +16,7 @@ from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
+from json_strategies import json_values as json_value_strategy
 
 from sidecar.config import (
     MAX_LIMIT,
@@ -37,20 +38,7 @@ KNOWN_PROVIDER_FIELDS = {
     "models",
 }
 
-json_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20)
-)
-json_values = st.recursive(
-    json_scalars,
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
-    ),
-    max_leaves=25,
-)
+json_values = json_value_strategy(4, 25)
 limits = st.integers(0, MAX_LIMIT)
 ids = st.text(
     st.characters(min_codepoint=0x20, exclude_categories=("Cs",)), min_size=1, max_size=16

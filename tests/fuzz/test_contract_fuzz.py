@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from json_strategies import json_values as json_value_strategy
 
 from sidecar.contract import (
     MAX_FUTURE_S,
@@ -28,20 +29,7 @@ from sidecar.contract import (
     encode_snapshot,
 )
 
-json_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20)
-)
-json_values = st.recursive(
-    json_scalars,
-    lambda inner: (
-        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5)
-    ),
-    max_leaves=30,
-)
+json_values = json_value_strategy(5, 30)
 ROW_FIELDS = {"id", "max_concurrent_requests"}
 model_ids = st.text(min_size=1, max_size=16) | st.text(min_size=250, max_size=256)
 slot_counts = st.integers(0, MAX_SLOTS)
