@@ -271,7 +271,7 @@ def throughput_worker(specs: dict[str, tuple[str, ...]], commands: Any, q: Any) 
 def shim_counters(segment: str, provider: str) -> tuple[int, int]:
     """(slots admitted, arrivals that queued) so far: ``admitted_total`` and ``next_ticket``."""
     from shm_layout import ledger
-    from shm_layout.layout import P
+    from shm_layout.layout import PROVIDER
     from shm_layout.segment import map_readonly
 
     buf = map_readonly(segment)
@@ -279,7 +279,7 @@ def shim_counters(segment: str, provider: str) -> tuple[int, int]:
         p = ledger.find_provider(buf, provider)
         assert p is not None
         base = ledger.provider_base(p)
-        return P["admitted_total"].get(buf, base), P["next_ticket"].get(buf, base)
+        return PROVIDER["admitted_total"].get(buf, base), PROVIDER["next_ticket"].get(buf, base)
     finally:
         buf.close()
 

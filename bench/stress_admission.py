@@ -27,7 +27,7 @@ import json, os, sys, time
 sys.path.insert(0, {root!r})
 from handler_shim import Admission, AdmissionError
 from shm_layout import ledger
-from shm_layout.layout import H, P
+from shm_layout.layout import HEADER, PROVIDER
 
 adm = Admission.attach(config=sys.argv[1], segment=sys.argv[2], generation="stress")
 end = time.monotonic() + float(sys.argv[3])
@@ -40,8 +40,8 @@ while time.monotonic() < end and not seen:
     except AdmissionError as exc:
         seen.append({{
             "error": str(exc), "me": os.getpid(),
-            "reclaimed": P["reclaimed_total"].get(adm._buf, ledger.provider_base(0)),
-            "lock_repairs": H["repairs"].get(adm._buf),
+            "reclaimed": PROVIDER["reclaimed_total"].get(adm._buf, ledger.provider_base(0)),
+            "lock_repairs": HEADER["repairs"].get(adm._buf),
         }})
 adm.close()
 print(json.dumps({{"slots": slots, "seen": seen}}))

@@ -307,9 +307,3 @@ def core_offsets() -> dict[str, int]:
         }
     )
     return out
-
-
-# The one-letter names these tables had. bench/ still imports H and P and is being
-# measured with while this rename lands; drop these once bench/ spells them out.
-H = HEADER
-P = PROVIDER
