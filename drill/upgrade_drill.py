@@ -113,6 +113,9 @@ class Sample:
     legacy_inflight: int
 
 
+RELOAD_DROPS = frozenset({"ReadError", "RemoteProtocolError"})  # no answer at all
+
+
 @dataclass
 class Outcomes:
     ok: int = 0
@@ -121,6 +124,11 @@ class Outcomes:
     bad_429: int = 0
     errors: Counter[str] = field(default_factory=Counter)
     legacy_ok: int = 0
+    # Connections a stopping gunicorn worker closed before it read the request (the
+    # reload's accept race: uvicorn closes connections that have sent nothing yet when
+    # it shuts down). Not lost to admission: the exact accounting (segment admitted =
+    # upstream = whole answers) proves none of them was admitted; reported apart.
+    dropped_by_reload: Counter[str] = field(default_factory=Counter)
 
     @property
     def lost(self) -> int:
@@ -497,6 +505,8 @@ class Drill:
         elif outcome == "bad-429":
             o.bad_429 += 1
             o.errors[outcome] += 1
+        elif outcome in RELOAD_DROPS and not legacy and self.phase == "HUP -> gen-B":
+            o.dropped_by_reload[outcome] += 1
         else:
             o.errors[f"{'legacy ' if legacy else ''}{outcome}"] += 1
 
@@ -735,6 +745,7 @@ class Drill:
                 "client_ok": o.ok,
                 "client_429": o.rejected,
                 "lost": o.lost,
+                "dropped_by_reload_before_admission": sum(o.dropped_by_reload.values()),
                 "final_running": p["running"],
                 "final_waiting": p["waiting"],
                 "holder_records_left": len(left),
