@@ -7,7 +7,9 @@ setup(
         Extension(
             "shm_layout._core",
             sources=["shm_layout/_core.c"],
-            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers",
+                                # the core's float arithmetic must equal ledger.py's, bit for bit
+                                "-ffp-contract=off"],
             # glibc < 2.34 keeps pthread in libpthread; harmless elsewhere
             libraries=["pthread"],
         )

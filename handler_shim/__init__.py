@@ -5,6 +5,8 @@ process and generation on this host (REQUIREMENTS.md section 6).
     adm = Admission.attach(config="gateway.json", generation="handler-2.0")
     async with adm.slot("local-inference", timeout=30.0):
         ...
+    ticket = await adm.acquire("local-inference")   # taken in one callback,
+    adm.release(ticket)                              # given back in another
 
 An ASGI app admits every HTTP request with ``handler_shim.asgi.AdmissionMiddleware``.
 
@@ -34,6 +36,7 @@ from handler_shim.admission import (
     AdmissionError,
     AdmissionTimeout,
     QueueFull,
+    Ticket,
     UnknownProvider,
 )
 from shm_layout.errors import GatewayCapacityError
@@ -67,6 +70,7 @@ __all__ = [
     "SegmentError",
     "SegmentMissing",
     "SegmentNotReady",
+    "Ticket",
     "UnknownProvider",
     "UnsafePermissions",
 ]

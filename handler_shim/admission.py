@@ -42,6 +42,7 @@ import asyncio
 import atexit
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -255,6 +256,49 @@ class Admission:
         """``async with`` form of :meth:`slot_blocking`; never blocks the event loop on a wait."""
         return _AsyncSlot(self, self._provider(provider), timeout)
 
+    async def acquire(self, provider: str, timeout: float | None = None) -> Ticket:
+        """Take one running slot of ``provider`` and return its :class:`Ticket`, for code
+        that takes and gives back the slot in different callbacks (a LiteLLM hook, say).
+        The same waiting and errors as :meth:`slot`; give it back with :meth:`release`."""
+        slot = self.slot(provider, timeout)
+        await slot.__aenter__()
+        return Ticket(provider, slot)
+
+    def acquire_blocking(self, provider: str, timeout: float | None = None) -> Ticket:
+        """The blocking form of :meth:`acquire`."""
+        slot = self.slot_blocking(provider, timeout)
+        slot.__enter__()
+        return Ticket(provider, slot)
+
+    def release(self, ticket: Ticket) -> None:
+        """Give back ``ticket``'s slot. Idempotent; callable from any task or thread;
+        a no-op after :meth:`close` (which released it). Never blocks an event loop:
+        when the segment lock is busy, the release finishes in a thread of its own."""
+        if not isinstance(ticket, Ticket):
+            raise TypeError(f"release() takes a Ticket from acquire(), not {type(ticket).__name__}")
+        slot = ticket._take()
+        if slot is None or self._closed or slot._adm is not self:
+            return
+        core_ticket = slot._ticket
+        if self._core.leave(core_ticket, _core.RELEASED, IN_CORE, False) == -1:
+            threading.Thread(
+                target=self._leave,
+                args=(core_ticket, _core.RELEASED, True),
+                name="gwcap-release",
+                daemon=True,
+            ).start()
+
+    def retry_after(self, provider: str) -> int:
+        """Seconds a refused client should wait before trying again: the provider's mean
+        slot hold time x the queue ahead / the limit, clamped to [1, 60] (1 while no slot
+        has been held yet). Lock-free; never raises for a known provider."""
+        p = self._provider(provider)
+        base = ledger.provider_base(p)
+        mean = float(layout.PROVIDER["hold_mean_s"].get(self._buf, base))
+        waiting = int(layout.PROVIDER["waiting"].get(self._buf, base))
+        limit = ledger.limit_value(self._buf, p, time.time())
+        return retry_after_seconds(mean, waiting, limit)
+
     def close(self) -> None:
         """Deregister; slots still held by this Admission are released."""
         if self._fork_generation != _fork_generation:
@@ -444,6 +488,40 @@ async def _finish_quietly(future: asyncio.Future[_T]) -> None:
     while not future.done():
         with contextlib.suppress(BaseException):
             await asyncio.shield(future)
+
+
+def retry_after_seconds(mean_hold_s: float, queue_ahead: int, limit: int) -> int:
+    """Mean hold x (queue ahead + this request) / limit, clamped to [1, 60] seconds."""
+    if not 0.0 < mean_hold_s <= 86400.0:
+        return 1
+    estimate = mean_hold_s * (max(queue_ahead, 0) + 1) / max(limit, 1)
+    return int(min(max(math.ceil(estimate), 1), 60))
+
+
+class Ticket:
+    """One slot taken with :meth:`Admission.acquire`; give it back with
+    :meth:`Admission.release` (once; later calls do nothing). A ticket dropped without a
+    release frees its slot when it is garbage collected (R-A12), but release it."""
+
+    __slots__ = ("_guard", "_slot", "provider")
+
+    def __init__(self, provider: str, slot: _Slot) -> None:
+        self.provider = provider
+        self._slot: _Slot | None = slot
+        self._guard = threading.Lock()
+
+    @property
+    def released(self) -> bool:
+        return self._slot is None
+
+    def _take(self) -> _Slot | None:
+        with self._guard:
+            slot, self._slot = self._slot, None
+            return slot
+
+    def __repr__(self) -> str:
+        state = "released" if self._slot is None else "held"
+        return f"<Ticket provider={self.provider!r} {state}>"
 
 
 class _Slot:

@@ -71,7 +71,7 @@ static const char *const FIELD_NAMES[] = {
     "p.published_limit", "p.expires_at", "p.discovered", "p.queue_bound", "p.running",
     "p.waiting", "p.next_ticket", "p.admitted_total", "p.rejected_total",
     "p.timeouts_total", "p.cancelled_total", "p.reclaimed_total", "p.peak_running",
-    "p.peak_waiting", "p.reason",
+    "p.peak_waiting", "p.reason", "p.hold_mean_s",
     "k.state", "k.pid", "k.member_serial", "k.ticket", "k.serial", "k.member", "k.since",
     "m.in_use", "m.pid", "m.start", "m.serial", "m.major", "m.minor", "m.attached_at",
     "m.label",
@@ -86,7 +86,7 @@ enum {
     P_PUBLISHED, P_EXPIRES, P_DISCOVERED, P_QUEUE_BOUND, P_RUNNING,
     P_WAITING, P_NEXT_TICKET, P_ADMITTED, P_REJECTED,
     P_TIMEOUTS, P_CANCELLED, P_RECLAIMED, P_PEAK_RUNNING,
-    P_PEAK_WAITING, P_REASON,
+    P_PEAK_WAITING, P_REASON, P_HOLD_MEAN,
     K_STATE, K_PID, K_MEMBER_SERIAL, K_TICKET, K_SERIAL, K_MEMBER, K_SINCE,
     M_IN_USE, M_PID, M_START, M_SERIAL, M_MAJOR, M_MINOR, M_ATTACHED_AT,
     M_LABEL,
@@ -974,6 +974,21 @@ static PyObject *Core_arrive(Core *c, PyObject *args)
     return PyLong_FromLong(decision);
 }
 
+/* The decayed mean hold time of a provider's running slots (Retry-After hints): the
+ * same arithmetic as ledger.py, in the same order (no fused multiply-add: setup.py). */
+#define HOLD_MEAN_WEIGHT 0.2
+static void note_hold(Core *c, long b, double hold)
+{
+    if (!(hold >= 0.0) || hold > 86400.0) /* a clock step, or garbage: not a hold time */
+        return;
+    double mean = ldd(c, b + c->o[P_HOLD_MEAN]);
+    if (!(mean > 0.0) || mean > 86400.0)
+        mean = hold;
+    else
+        mean = mean + (hold - mean) * HOLD_MEAN_WEIGHT;
+    std_(c, b + c->o[P_HOLD_MEAN], mean);
+}
+
 /* The section of leave(): free the ticket's record if it is still ours. */
 static int leave_locked(Core *c, Ticket *tk, int outcome, double now, Rings *rings)
 {
@@ -990,6 +1005,7 @@ static int leave_locked(Core *c, Ticket *tk, int outcome, double now, Rings *rin
         uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
         if (state == RUNNING) {
             st32(c, b + c->o[P_RUNNING], running ? running - 1 : 0);
+            note_hold(c, b, now - ldd(c, hb + c->o[K_SINCE]));
             was = 1;
         } else {
             st32(c, b + c->o[P_WAITING], waiting ? waiting - 1 : 0);

@@ -28,7 +28,7 @@ from typing import Any
 
 MAGIC = b"GWCAPSG\x00"
 MAJOR = 2  # 2: kernel-held lock and liveness (_core.c); 1 used pid heuristics
-MINOR = 0
+MINOR = 1  # 1: hold_mean_s
 
 PROVIDER_COUNT = 64
 HOLDERS_PER_PROVIDER = 128
@@ -162,6 +162,9 @@ PROVIDER = _fields(
         ("peak_waiting", "I"),
         ("reason", f"{REASON_BYTES}s"),
         ("replica_count", "I"),
+        # decayed mean of how long a running slot is held (set by the core on release):
+        # what an honest Retry-After is computed from (REQUIREMENTS section 8)
+        ("hold_mean_s", "d"),
     ],
 )
 PFLAG_DISCOVERY = 1  # capacityDiscovery requested in the config
@@ -231,6 +234,7 @@ MEMBER = _fields(
 # field table above, so they can never disagree with it.
 ADMISSION_BLOCK = struct.Struct("<iIiIdddQiIII")  # fallback_limit .. waiting
 ADMISSION_BLOCK_OFFSET = PROVIDER["fallback_limit"].offset
+HOLD_MEAN_WEIGHT = 0.2  # of the newest hold time in hold_mean_s (the core uses the same)
 COUNTS = struct.Struct("<II")  # running, waiting
 COUNTS_OFFSET = PROVIDER["running"].offset
 HOLDER_BODY = struct.Struct("<IQQQi4xd")  # pid, member_serial, ticket, serial, member, since

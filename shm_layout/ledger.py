@@ -257,6 +257,7 @@ class Ledger:
         HOLDER["state"].put(buf, HOLDER_FREE, hb)
         if state == HOLDER_RUNNING:
             PROVIDER["running"].put(buf, max(self._get("running", base) - 1, 0), base)
+            self._note_hold(base, now - HOLDER["since"].get(buf, hb))
             was = "running"
         else:
             PROVIDER["waiting"].put(buf, max(self._get("waiting", base) - 1, 0), base)
@@ -266,6 +267,18 @@ class Ledger:
         elif outcome == "cancelled":
             self._bump("cancelled_total", base)
         return was, self.pump(t.provider, now)
+
+    def _note_hold(self, base: int, hold: float) -> None:
+        """The decayed mean hold time (for Retry-After); a negative or absurd hold (a
+        stepped clock, garbage) is no sample."""
+        if not 0.0 <= hold <= 86400.0:
+            return
+        mean = PROVIDER["hold_mean_s"].get(self.buf, base)
+        if not 0.0 < mean <= 86400.0:
+            mean = hold
+        else:
+            mean = mean + (hold - mean) * layout.HOLD_MEAN_WEIGHT
+        PROVIDER["hold_mean_s"].put(self.buf, mean, base)
 
     # --- granting -------------------------------------------------------------------
     def pump(self, p: int, now: float) -> set[int]:

@@ -1,0 +1,120 @@
+"""acquire()/release(): a slot taken in one callback and given back in another
+(REQUIREMENTS section 8), and the Retry-After estimate the refusals carry.
+
+Real segment, real core, real threads and event loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from handler_shim import Admission, AdmissionTimeout, QueueFull, Ticket
+from handler_shim.admission import retry_after_seconds
+from shm_layout.view import read_view
+
+
+@pytest.fixture
+def adm(segment_name: str, write_config: Callable[..., Path]) -> Iterator[Admission]:
+    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
+    a = Admission.attach(config=cfg, generation="test", segment=segment_name)
+    yield a
+    a.close()
+
+
+def _running_waiting(segment: str) -> tuple[int, int]:
+    p = read_view(segment).provider("p1")
+    assert p is not None
+    return p.running, p.waiting
+
+
+def test_acquire_in_one_task_release_in_another(adm: Admission, segment_name: str) -> None:
+    async def scenario() -> None:
+        ticket = await adm.acquire("p1")
+        assert isinstance(ticket, Ticket) and not ticket.released
+        assert _running_waiting(segment_name) == (1, 0)
+
+        async def other() -> None:
+            adm.release(ticket)
+
+        await asyncio.create_task(other())
+        assert ticket.released
+        assert _running_waiting(segment_name) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_release_is_idempotent_and_thread_safe(adm: Admission, segment_name: str) -> None:
+    ticket = adm.acquire_blocking("p1")
+    second = adm.acquire_blocking("p1")
+    threads = [threading.Thread(target=adm.release, args=(ticket,)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    adm.release(ticket)
+    # exactly one slot went back: the other ticket still holds its slot
+    assert _running_waiting(segment_name) == (1, 0)
+    adm.release(second)
+    assert _running_waiting(segment_name) == (0, 0)
+
+
+def test_acquire_has_the_same_errors_as_slot(adm: Admission) -> None:
+    a, b = adm.acquire_blocking("p1"), adm.acquire_blocking("p1")
+    with pytest.raises(AdmissionTimeout):
+        adm.acquire_blocking("p1", timeout=0.2)
+
+    async def full() -> None:
+        waiting = [asyncio.create_task(adm.acquire("p1")) for _ in range(32)]
+        await asyncio.sleep(0.3)
+        with pytest.raises(QueueFull):
+            await adm.acquire("p1")
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+    asyncio.run(full())
+    adm.release(a)
+    adm.release(b)
+
+
+def test_release_after_close_is_a_no_op(
+    segment_name: str, write_config: Callable[..., Path]
+) -> None:
+    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
+    a = Admission.attach(config=cfg, generation="test", segment=segment_name)
+    ticket = a.acquire_blocking("p1")
+    a.close()
+    a.release(ticket)  # close() released it; nothing to do, nothing raised
+    assert _running_waiting(segment_name) == (0, 0)
+
+
+def test_r_a12_a_dropped_ticket_frees_its_slot(adm: Admission, segment_name: str) -> None:
+    ticket = adm.acquire_blocking("p1")
+    assert _running_waiting(segment_name) == (1, 0)
+    del ticket
+    gc.collect()
+    assert _running_waiting(segment_name) == (0, 0)
+
+
+def test_release_refuses_what_is_not_a_ticket(adm: Admission) -> None:
+    with pytest.raises(TypeError):
+        adm.release("p1")  # type: ignore[arg-type]
+
+
+def test_retry_after_follows_the_measured_hold_time(adm: Admission) -> None:
+    assert adm.retry_after("p1") == 1  # nothing held yet: no estimate
+    for _ in range(3):
+        with adm.slot_blocking("p1"):
+            threading.Event().wait(0.4)
+    # mean hold ~0.4 s, nobody waiting, limit 2: 0.4 * 1 / 2 -> at least 1
+    assert adm.retry_after("p1") == 1
+    assert retry_after_seconds(4.0, 31, 2) == 60
+    assert retry_after_seconds(3.0, 3, 2) == 6
+    assert retry_after_seconds(float("nan"), 3, 2) == 1
+    assert retry_after_seconds(2.0, 0, 0) == 2
