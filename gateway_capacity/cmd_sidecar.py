@@ -48,6 +48,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="create the segment and semaphores 0660 (group) instead of 0600",
     )
     p.add_argument(
+        "--owner",
+        metavar="USER",
+        help="another user the segment may belong to (the handlers' user, in group-shared "
+        "mode); objects of anyone else are refused (default: $GATEWAY_CAPACITY_OWNER)",
+    )
+    p.add_argument(
+        "--group",
+        metavar="GROUP",
+        help="group-shared mode: the group the segment must have (default: this process's "
+        "group, or $GATEWAY_CAPACITY_GROUP)",
+    )
+    p.add_argument(
         "--metrics-listen", metavar="HOST:PORT", help="serve Prometheus metrics (off by default)"
     )
     add_log_options(p)
@@ -89,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
             await_legacy_grace_s=args.await_legacy_grace,
             parent_pid=args.parent_pid,
             group_shared=args.group_shared,
+            owner=args.owner,
+            group=args.group,
             tailscale_socket=args.tailscale_socket,
             metrics_listen=args.metrics_listen,
         )

@@ -53,6 +53,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--force", action="store_true", help="with --unlink: even while live processes use it"
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 when the segment's lock word is damaged or a sweep repaired damage in "
+        "the last 10 minutes, saying how to recover; one line per problem",
+    )
     p.set_defaults(func=run_inspect)
 
     p = sub.add_parser("watch", help="the availability view, refreshing in place")
@@ -114,6 +120,7 @@ def availability_text(view: SegmentView) -> str:
     ]
     if not view.consistent:
         lines.append("  (a writer was mid-update; figures may be torn)")
+    lines.extend(f"  DAMAGE: {problem}" for problem in damage_problems(view))
     s = view.sidecar
     if s is None:
         lines.append("sidecar: none has run (handlers use their static limits)")
@@ -154,9 +161,30 @@ def availability_text(view: SegmentView) -> str:
     return "\n".join(lines)
 
 
+DAMAGE_RECENT_S = 600.0  # damage repaired this recently fails a check (R-A16)
+
+
+def damage_problems(view: SegmentView) -> list[str]:
+    """A damaged lock word, and damage the sweeps repaired lately, each with the
+    recovery (R-A16)."""
+    problems = []
+    if view.lock_problem:
+        problems.append(f"segment {view.name}: {view.lock_problem}")
+    if view.damage_repairs and (view.damage_age_s or 0.0) <= DAMAGE_RECENT_S:
+        ago = "" if view.damage_age_s is None else f" {view.damage_age_s:.0f}s ago"
+        problems.append(
+            f"segment {view.name}: damage repaired{ago} ({view.damage_note}; "
+            f"{view.damage_repairs} time(s) in all): something writes into the segment that "
+            "no gateway-capacity process writes. Counters were rebuilt from the records; if "
+            "it goes on, stop the handlers and the sidecar, 'gateway-capacity inspect "
+            f"--segment {view.name} --unlink --force', and start them again"
+        )
+    return problems
+
+
 def health_problems(view: SegmentView, max_heartbeat_age: float) -> list[str]:
     """What ``availability --check`` fails on, one line each (empty: healthy)."""
-    problems = []
+    problems = damage_problems(view)
     s = view.sidecar
     if s is None:
         problems.append(f"no sidecar has ever written segment {view.name}")
@@ -202,6 +230,13 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.unlink:
         return _unlink(args)
     view = _read(args)
+    if args.check:
+        problems = damage_problems(view)
+        if args.json:
+            print(json.dumps({"ok": not problems, "problems": problems}, indent=2))
+        else:
+            print("\n".join(problems) if problems else f"ok: segment {view.name} is undamaged")
+        return EXIT_PROBLEM if problems else EXIT_OK
     if args.json:
         print(json.dumps(inspect_doc(view), indent=2))
         return EXIT_OK
@@ -215,6 +250,14 @@ def run_inspect(args: argparse.Namespace) -> int:
     if not view.holders:
         print("  (none)")
     print(f"lock: {view.lock_kind}, repairs after a holder died inside it: {view.lock_repairs}")
+    if view.lock_problem:
+        print(f"lock word: {view.lock_problem}")
+    if view.damage_repairs:
+        print(
+            f"damage repaired by sweeps: {view.damage_repairs} time(s), the last "
+            f"{view.damage_age_s:.0f}s ago: {view.damage_note}"
+        )
+    print(f"owner: {view.owner or 'unknown'}")
     return EXIT_OK
 
 

@@ -111,6 +111,16 @@ class Provider(Struct, kw_only=True):
     replicas: list[Replica]
 
 
+class Damage(Struct, kw_only=True):
+    """What the sweeps found written over in the segment and put right (R-A16)."""
+
+    repairs: Annotated[Count, Meta(description="sweeps that found damage and repaired it")]
+    last: Annotated[str, Meta(description="what the last of them found")]
+    age_s: Annotated[
+        float | None, Meta(description="seconds since the last of them (monotonic clock)")
+    ]
+
+
 class AvailabilityDoc(Struct, kw_only=True):
     """gateway-capacity availability --json: per provider, the limit in force and the
     load on it, and which sidecar keeps the segment."""
@@ -128,6 +138,18 @@ class AvailabilityDoc(Struct, kw_only=True):
         str | None, Meta(description="'ok', or why the last edit of the config was ignored")
     ]
     sidecar: Annotated[Sidecar | None, Meta(description="null: no sidecar has run")]
+    owner: Annotated[
+        str | None,
+        Meta(description="user:group that owns the segment object (R-G6); null: unknown"),
+    ]
+    damage: Annotated[
+        Damage | None,
+        Meta(description="null: no sweep ever found the segment damaged (R-A16)"),
+    ]
+    lock_problem: Annotated[
+        str | None,
+        Meta(description="null, or what is wrong with the lock word and how to recover"),
+    ]
     generations: list[Generation]
     providers: list[Provider]
 
@@ -202,6 +224,9 @@ class InspectDoc(Struct, kw_only=True):
     consistent: bool
     config_status: str | None
     sidecar: Sidecar | None
+    owner: str | None
+    damage: Damage | None
+    lock_problem: str | None
     header: Header
     generations: list[Member]
     providers: list[InspectProvider]
@@ -274,6 +299,13 @@ def _common(view: SegmentView) -> dict[str, Any]:
         "consistent": view.consistent,
         "config_status": view.config_status or None,
         "sidecar": _sidecar(view),
+        "owner": view.owner,
+        "damage": (
+            Damage(repairs=view.damage_repairs, last=view.damage_note, age_s=view.damage_age_s)
+            if view.damage_repairs
+            else None
+        ),
+        "lock_problem": view.lock_problem,
     }
 
 

@@ -1,32 +1,41 @@
 """Shared admission for every handler process and generation (REQUIREMENTS.md section 6).
 
 One running budget and one bounded FIFO queue per provider live in the
-segment. Every step that changes them (arrive, leave, grant, reap) is one call
+segment. Every step that changes them (arrive, leave, grant, sweep) is one call
 into the compiled core (``shm_layout/_core.c``), which takes the segment lock,
-does its few writes and lets the lock go with the GIL released: no thread of
-this process ever holds the lock while it waits for the GIL (R-A11).
-``shm_layout/ledger.py`` states the protocol and its invariants.
+does its few writes and lets the lock go without ever waiting for the GIL in
+between (R-A11). ``shm_layout/ledger.py`` states the protocol and its
+invariants.
 
 This module is the handler's side of it:
 
-* a slot is a :class:`~shm_layout._core.Ticket`. The core fills it in *before*
-  it lets the lock go, so an exception landing anywhere after the call still
-  finds the record, and a ticket dropped while its record lives frees the
-  record itself (R-A12);
-* a request that must wait gets a WAITING record with a ticket, then waits on
-  an in-process event. One *dispatcher* thread per process waits on this
-  process's doorbell semaphore, which the granting process posts, and wakes
-  the local waiters whose records changed;
-* while this process waits or holds slots, a *ticker* posts the doorbell every
-  ``TICK_S`` so the dispatcher also notices what nobody announces: a published
-  limit that expired, or a holder that died (reaped twice a second, R-A5, so
-  that even without a sidecar a dead process's places come back within 2 s).
-  It uses ``time.sleep`` only: no semaphore timeouts anywhere (R-A10);
+* a slot is a :class:`~shm_layout._core.Ticket`, which is also the context
+  manager: ``with``/``async with`` run the common case (admitted at once,
+  released at once) in C, with no Python frame. The core fills the ticket in
+  *before* it lets the lock go, so an exception landing anywhere after the call
+  still finds the record, and a ticket dropped while its record lives frees
+  the record itself (R-A12);
+* a request that must wait is woken one of two ways. On Linux a blocking
+  waiter sleeps on its record's state word itself (a futex, ``Core.wait``): one
+  wake-up per hand-off. An async waiter (and every waiter on macOS) is woken by
+  this process's *dispatcher* thread, which sleeps on the process's doorbell (a
+  named semaphore with a random name, posted by the granting process) and
+  resolves the waiter's future or releases its lock;
+* whoever waits also keeps the host's sweep going: at least every 0.5 s some
+  waiter (or the sidecar's heartbeat) reclaims dead holders' places, checks the
+  counters against the records and applies expiries (R-A5, R-A16, R-L7) — once
+  per host, not once per process. On macOS, where semaphores have no timed
+  wait, a ticker posts the doorbell instead (R-A10);
 * a waiter that times out or is cancelled frees its record; if a grant raced
-  with it, freeing the RUNNING record hands the slot on (R-A4);
-* the async form never waits for the lock on the event loop: it tries the lock
-  once (microseconds), and when the lock is busy or stalled it waits in a
-  worker thread instead (R-A11).
+  with it, freeing the RUNNING record hands the slot on (R-A4). A waiter whose
+  event loop was closed under it is freed by the dispatcher within one sweep,
+  and a grant never stays with it (R-A14);
+* :meth:`Admission.close` refuses new arrivals, frees the waiting, waits a
+  bounded grace for running slots, then cuts the rest with one warning, and
+  always returns (R-A14);
+* when the segment's name leads to another object than the one mapped (removed
+  or replaced by hand), the handler says so once and moves its new arrivals,
+  and its waiters, to what the name leads to now (R-A15).
 
 Errors (all ``AdmissionError``, exported by ``handler_shim``)::
 
@@ -46,26 +55,26 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from handler_shim import siblings
-from shm_layout import _core, ipc, layout, ledger, writer
+from shm_layout import _core, layout, ledger, platform, writer
 from shm_layout.errors import GatewayCapacityError
 from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING
 from shm_layout.liveness import process_start
 from shm_layout.names import resolve_segment_name
-from shm_layout.segment import Segment
+from shm_layout.owners import OwnerPolicy
+from shm_layout.segment import Segment, SegmentError, remove_doorbell
 
 log = logging.getLogger("gateway_capacity.admission")
 
-TICK_S = 0.25  # a waiting process looks around 4 times a second (R-A7 allows 10)
-# and reaps dead holders twice a second: R-A5's 2 s must hold on a loaded host too (a
-# chaos soak on 2 busy cores saw 2.7 s with a 1 s sweep while the sidecar was restarting)
-SWEEP_S = 0.5
+SWEEP_S = 0.5  # the host's sweep, and the longest a waiter sleeps without looking (R-A5)
+TICK_S = 0.25  # macOS only: the ticker's post, standing in for a timed wait (R-A10)
+CLOSE_GRACE_S = 10.0  # close(): how long running slots may go on before they are cut
+JOIN_S = 2.0  # close(): the longest wait for a thread of ours to end
 
-IN_CORE = 0.0  # "now" for a core step: the core reads the clock once it holds the lock
+IN_CORE = 0.0  # "now" for a core step: the core reads the clocks once it holds the lock
 LOCK_TURN_S = 0.25  # longest wait for the lock in one off-loop turn of the async form
 _fork_generation = 0
 
@@ -95,29 +104,6 @@ class UnknownProvider(AdmissionError, KeyError):
         return str(self.args[0])
 
 
-@dataclass(eq=False)
-class _Waiter:
-    ticket: _core.Ticket
-    event: threading.Event | None = None
-    loop: asyncio.AbstractEventLoop | None = None
-    future: asyncio.Future[None] | None = None
-    done: bool = field(default=False)
-
-    def wake(self) -> None:
-        if self.event is not None:
-            self.event.set()
-        elif self.loop is not None and self.future is not None:
-            # The loop may be gone (its asyncio.run() ended while we waited): the waiter's
-            # own cleanup or close() frees the record, so there is no one left to tell.
-            with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(_resolve, self.future)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
 @dataclass(frozen=True, slots=True)
 class ProviderEntry:
     """What a shim that creates provider rows writes from its own reading of the config."""
@@ -145,56 +131,282 @@ def providers_from_config(path: str | os.PathLike[str]) -> list[ProviderEntry]:
 _T = TypeVar("_T")
 
 
+# --- waiters that the dispatcher wakes ---------------------------------------------------
+@dataclass(eq=False)
+class _Waiter:
+    """A waiter woken by the dispatcher: an async task's future, or (macOS) a thread."""
+
+    ticket: _core.Ticket
+    loop: asyncio.AbstractEventLoop | None = None
+    future: asyncio.Future[None] | None = None
+    # a thread's wake-up: a plain lock used as a binary semaphore. Unlike
+    # threading.Event, whose Condition can be left half-released by an exception a
+    # signal handler raises inside it ("release unlocked lock"), acquire() is one C call.
+    gate: threading.Lock | None = None
+    woken: bool = field(default=False)
+
+    def wake(self) -> bool:
+        """Tell the waiter to look. False when nobody is left to tell (its loop is gone)."""
+        if self.gate is not None:
+            if not self.woken:
+                self.woken = True
+                with contextlib.suppress(RuntimeError):
+                    self.gate.release()
+            return True
+        assert self.loop is not None and self.future is not None
+        if self.loop.is_closed():
+            return False
+        try:
+            self.loop.call_soon_threadsafe(_resolve, self.future)
+        except RuntimeError:  # closed between the look and the call
+            return False
+        return True
+
+    def orphaned(self) -> bool:
+        """An async waiter whose event loop is gone: nobody will ever take its grant."""
+        return self.loop is not None and self.loop.is_closed()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+# --- one registration in one segment instance ----------------------------------------------
+class _Attachment:
+    """This process's registration in one segment instance: the mapping, the core, the
+    doorbell, the provider rows it found, and its dispatcher thread."""
+
+    def __init__(self, adm: Admission, seg: Segment) -> None:
+        self.adm = adm
+        self.seg = seg
+        self.core = seg.core
+        self.buf = seg.buf
+        self.index: dict[str, int] = {}
+        self.overflow: dict[str, str] = {}
+        self.waiters: dict[_core.Ticket, _Waiter] = {}
+        self.guard = threading.Lock()  # protects waiters
+        self.stopping = False
+        self.retired = False
+        self.wakeups = 0
+        self.bell = seg.create_doorbell()
+        try:
+            member, _ = self.core.register(
+                os.getpid(),
+                process_start(os.getpid()) or 0.0,  # informational (inspect)
+                layout.encode_text(adm.generation, layout.ID_BYTES),
+                layout.MAJOR,
+                layout.MINOR,
+                IN_CORE,
+                self.bell,
+            )
+        except BaseException:
+            remove_doorbell(self.bell)
+            raise
+        if member < 0:
+            remove_doorbell(self.bell)
+            raise AdmissionError(
+                f"segment {seg.name} already has {layout.MEMBER_COUNT} attached handler "
+                "processes; stop some, or give this gateway its own segment"
+            )
+        self.member = member
+        self.core.set_slow_paths(adm._enter_slow, adm._aenter_slow, adm._aexit_slow)
+        self.threads = [
+            threading.Thread(target=self._dispatch, name="gwcap-dispatch", daemon=True)
+        ]
+        if not platform.semaphore_timeouts():  # macOS: no timed wait; a ticker posts
+            self.threads.append(threading.Thread(target=self._tick, name="gwcap-tick", daemon=True))
+        self._stop = threading.Event()
+        for thread in self.threads:
+            thread.start()
+
+    # --- providers --------------------------------------------------------------------
+    def ensure(self, entries: list[ProviderEntry]) -> None:
+        """Rows for the config's providers (R-A8, R-A9): what a sidecar would write."""
+        for e in entries:
+            try:
+                _, created = writer.ensure_provider(
+                    self.seg, e.provider_id, e.fallback, e.fallback_source, e.discovery
+                )
+            except writer.TableFull as exc:
+                self.overflow[e.provider_id] = str(exc)
+                continue
+            if created and e.fallback > layout.RUNNING_ROOM:
+                log.warning(
+                    "provider %s: maxConcurrent %d is above what the segment can hold; "
+                    "admitting at most %d at once",
+                    e.provider_id,
+                    e.fallback,
+                    layout.RUNNING_ROOM,
+                )
+        if self.overflow:
+            log.warning(
+                "segment %s holds at most %d providers; these have no budget and raise on "
+                "use: %s",
+                self.seg.name,
+                layout.PROVIDER_COUNT,
+                ", ".join(sorted(self.overflow)),
+            )
+
+    def provider(self, provider_id: str) -> int:
+        p = self.index.get(provider_id)
+        if p is None:
+            p = ledger.find_provider(self.buf, provider_id)
+            if p is None:
+                raise UnknownProvider(self.adm._unknown_reason(self, provider_id))
+            self.index[provider_id] = p
+        return p
+
+    def provider_name(self, p: int) -> str:
+        for name, index in self.index.items():
+            if index == p:
+                return name
+        return str(p)
+
+    # --- waiters ------------------------------------------------------------------------
+    def watch(self, waiter: _Waiter) -> None:
+        with self.guard:
+            self.waiters[waiter.ticket] = waiter
+        self.core.post_own()  # the dispatcher looks at once: the grant may be in already
+
+    def unwatch(self, waiter: _Waiter) -> None:
+        with self.guard:
+            self.waiters.pop(waiter.ticket, None)
+
+    def _dispatch(self) -> None:
+        """Sleep on the doorbell; wake the waiters whose records changed; keep the host's
+        sweep going while someone here waits (R-A5); free the records of waiters whose
+        event loop is gone (R-A14); notice a moved name (R-A15)."""
+        last_check = 0.0
+        while not self.stopping:
+            with self.guard:
+                watched = tuple(self.waiters)
+            # back in Python every sweep while someone here waits (an event loop may have
+            # gone) or the attachment is retired; else only when something happened
+            period = SWEEP_S if (watched or self.retired) else -1.0
+            try:
+                changed, reclaimed, posts = self.core.dispatch(period, watched)
+            except _core.CoreError:
+                if self.stopping or self.core.closing:
+                    return
+                self.adm._log_once("dispatch", "admission dispatcher: the core refused a turn")
+                time.sleep(SWEEP_S)
+                continue
+            except Exception:  # this thread must outlive any one bad turn
+                self.adm._log_once("dispatch", "admission dispatcher: unexpected error")
+                time.sleep(SWEEP_S)
+                continue
+            if self.stopping:
+                return
+            self.wakeups += posts
+            if reclaimed > 0:
+                log.warning("reclaimed %d slot(s) of dead processes", reclaimed)
+            with self.guard:
+                woken = [self.waiters.get(t) for t in changed]
+            for waiter in woken:
+                if waiter is not None and not waiter.wake():
+                    self._free_orphan(waiter)
+            now = time.monotonic()
+            if now - last_check >= SWEEP_S:
+                last_check = now
+                self._periodic(watched)
+
+    def _periodic(self, watched: tuple[_core.Ticket, ...]) -> None:
+        with self.guard:
+            orphans = [w for w in self.waiters.values() if w.orphaned()]
+        for waiter in orphans:
+            self._free_orphan(waiter)
+        self.adm._report_events(self)
+        if self.core.moved and not self.retired and not self.core.closing:
+            # say so now; arrivals (and waiters, woken by the core) move when they come
+            self.adm._notice_moved(self)
+        if self.retired and _running(self) == 0 and not self.adm._closing:
+            self.adm._drop_retired(self)
+
+    def _free_orphan(self, waiter: _Waiter) -> None:
+        """A waiter whose event loop is gone: its record is freed here, so that neither a
+        place in the queue nor a grant stays with a request nobody runs (R-A14)."""
+        self.unwatch(waiter)
+        if waiter.ticket.live:
+            waiter.ticket.leave(_core.CANCELLED, True)
+            self.adm._log_once(
+                "orphan",
+                "a request was waiting in an event loop that was closed; its place was freed",
+            )
+
+    def _tick(self) -> None:
+        while not self._stop.wait(TICK_S):
+            if self.waiters or self.core.held:
+                self.core.post_own()
+
+    # --- leaving ------------------------------------------------------------------------
+    def stop_threads(self) -> bool:
+        """End the dispatcher (and ticker); True when they ended in time."""
+        self.stopping = True
+        self._stop.set()
+        with contextlib.suppress(_core.CoreError):
+            self.core.post_own()
+        ended = True
+        deadline = time.monotonic() + JOIN_S
+        for thread in self.threads:
+            if thread is not threading.current_thread():
+                thread.join(max(deadline - time.monotonic(), 0.0))
+                ended = ended and not thread.is_alive()
+        return ended
+
+    def detach(self) -> int:
+        """Unregister (every record of ours goes) and close; returns running slots cut."""
+        ended = self.stop_threads()
+        cut = 0
+        with contextlib.suppress(_core.CoreError):
+            cut = int(self.core.unregister(IN_CORE))
+        remove_doorbell(self.bell)
+        if ended:
+            self.seg.close()
+        return cut
+
+
 class Admission:
     """A handler process's attachment to the shared admission state."""
 
     def __init__(
-        self, segment: Segment, generation: str, overflow: dict[str, str] | None = None
+        self,
+        name: str,
+        generation: str,
+        entries: list[ProviderEntry],
+        policy: OwnerPolicy,
+        group_shared: bool,
     ) -> None:
-        self._seg = segment
-        self._core = segment.core
-        self._buf = segment.buf
+        self.generation = generation
+        self._name = name
+        self._entries = entries
+        self._policy = policy
+        self._group_shared = group_shared
         self._pid = os.getpid()
         self._fork_generation = _fork_generation
-        self.generation = generation
-        self._index: dict[str, int] = {}
-        self._overflow = dict(overflow or {})  # provider id -> why it has no row
-        self._waiters: dict[int, _Waiter] = {}
-        self._guard = threading.Lock()  # protects _waiters and _closed
+        self._lock = threading.Lock()  # attachments: current, retired, closing
+        self._closing = False
         self._closed = False
-        self.wakeups = 0  # dispatcher wake-ups, for R-A7's "at most 10 a second"
-        start = process_start(self._pid) or 0.0  # informational (inspect)
-        member, _ = self._core.register(
-            self._pid,
-            start,
-            layout.encode_text(generation, layout.ID_BYTES),
-            layout.MAJOR,
-            layout.MINOR,
-            time.time(),
-        )
-        if member < 0:
-            raise AdmissionError(
-                f"segment {segment.name} already has {layout.MEMBER_COUNT} attached handler "
-                "processes; stop some, or give this gateway its own segment"
-            )
-        self._member = member
+        self._logged: set[str] = set()
+        self._move_failure: str | None = None
+        self._move_tried = 0.0
+        self._retired: list[_Attachment] = []
+        seg = Segment.open(name, create=True, group_shared=group_shared, policy=policy)
         try:
-            self._doorbell = segment.doorbell(member)
-        except BaseException:
-            self._core.unregister(IN_CORE)
-            raise
-        ipc.drain(self._doorbell)  # posts meant for an earlier owner of this member row
-        self._threads = [
-            threading.Thread(target=self._dispatch, name="gwcap-dispatch", daemon=True),
-            threading.Thread(target=self._tick, name="gwcap-tick", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
-        atexit.register(self.close)
+            from handler_shim import siblings
 
-    @property
-    def segment_name(self) -> str:
-        return self._seg.name
+            siblings.warn_if_split_budget(name, [e.provider_id for e in entries], policy)
+            att = _Attachment(self, seg)
+        except BaseException:
+            seg.close()
+            raise
+        try:
+            att.ensure(entries)
+        except BaseException:
+            att.detach()
+            raise
+        self._current = att
+        atexit.register(self._close_at_exit)
 
     @classmethod
     def attach(
@@ -204,71 +416,77 @@ class Admission:
         *,
         segment: str | None = None,
         group_shared: bool = False,
+        owner: str | int | None = None,
+        group: str | int | None = None,
     ) -> Admission:
         """Attach to (or create) the segment for ``config`` (or ``segment``) and register.
 
         With ``config``, providers missing from the segment are added with their
         static fallback (R-A8, R-A9), so handlers work before any sidecar runs.
         A provider that does not fit the segment's table is named in a warning and
-        raises on use; the others work (R-A13).
+        raises on use; the others work (R-A13). ``owner``: the other user a segment
+        may belong to (the sidecar's, in group-shared mode); ``group``: the group it
+        must have in group-shared mode (default: this process's). Objects of anyone
+        else are refused (R-G6).
         """
         name = resolve_segment_name(segment, config)
         entries = providers_from_config(config) if config is not None else []
-        seg = Segment.open(name, create=True, group_shared=group_shared)
-        overflow: dict[str, str] = {}
-        try:
-            siblings.warn_if_split_budget(name, [e.provider_id for e in entries])
-            for e in entries:
-                try:
-                    _, created = writer.ensure_provider(
-                        seg, e.provider_id, e.fallback, e.fallback_source, e.discovery
-                    )
-                except writer.TableFull as exc:
-                    overflow[e.provider_id] = str(exc)
-                    continue
-                if created and e.fallback > layout.RUNNING_ROOM:
-                    log.warning(
-                        "provider %s: maxConcurrent %d is above what the segment can hold; "
-                        "admitting at most %d at once",
-                        e.provider_id,
-                        e.fallback,
-                        layout.RUNNING_ROOM,
-                    )
-            if overflow:
-                log.warning(
-                    "segment %s holds at most %d providers; these have no budget and raise "
-                    "on use: %s",
-                    name,
-                    layout.PROVIDER_COUNT,
-                    ", ".join(sorted(overflow)),
-                )
-            return cls(seg, generation, overflow)
-        except BaseException:
-            seg.close()
-            raise
+        policy = OwnerPolicy.for_process(owner, group_shared=group_shared, group=group)
+        return cls(name, generation, entries, policy, group_shared)
+
+    # --- what the tests and tools look at ---------------------------------------------
+    @property
+    def segment_name(self) -> str:
+        return self._name
+
+    @property
+    def _seg(self) -> Segment:
+        return self._current.seg
+
+    @property
+    def _core(self) -> _core.Core:
+        return self._current.core
+
+    @property
+    def _buf(self) -> Any:
+        return self._current.buf
+
+    @property
+    def wakeups(self) -> int:
+        """Doorbell wake-ups of this process's dispatchers (R-A7's "at most 10 a second")."""
+        return self._current.wakeups + sum(a.wakeups for a in self._retired)
 
     # --- the public API -----------------------------------------------------------------
-    def slot_blocking(self, provider: str, timeout: float | None = None) -> _BlockingSlot:
-        """Hold one running slot of ``provider`` for the body of the ``with``."""
-        return _BlockingSlot(self, self._provider(provider), timeout)
+    def slot_blocking(self, provider: str, timeout: float | None = None) -> _core.Ticket:
+        """``with adm.slot_blocking(provider, timeout):`` one running slot for the body."""
+        att = self._usable()
+        p = att.index.get(provider)
+        if p is None:
+            p = att.provider(provider)
+        return _core.Ticket(att.core, p, timeout)
 
-    def slot(self, provider: str, timeout: float | None = None) -> _AsyncSlot:
-        """``async with`` form of :meth:`slot_blocking`; never blocks the event loop on a wait."""
-        return _AsyncSlot(self, self._provider(provider), timeout)
+    def slot(self, provider: str, timeout: float | None = None) -> _core.Ticket:
+        """``async with adm.slot(provider, timeout):`` the same; never blocks the event loop
+        on a wait (R-A11)."""
+        att = self._usable()
+        p = att.index.get(provider)
+        if p is None:
+            p = att.provider(provider)
+        return _core.Ticket(att.core, p, timeout)
 
     async def acquire(self, provider: str, timeout: float | None = None) -> Ticket:
         """Take one running slot of ``provider`` and return its :class:`Ticket`, for code
         that takes and gives back the slot in different callbacks (a LiteLLM hook, say).
         The same waiting and errors as :meth:`slot`; give it back with :meth:`release`."""
-        slot = self.slot(provider, timeout)
-        await slot.__aenter__()
-        return Ticket(provider, slot)
+        ticket = self.slot(provider, timeout)
+        await ticket.__aenter__()
+        return Ticket(provider, ticket)
 
     def acquire_blocking(self, provider: str, timeout: float | None = None) -> Ticket:
         """The blocking form of :meth:`acquire`."""
-        slot = self.slot_blocking(provider, timeout)
-        slot.__enter__()
-        return Ticket(provider, slot)
+        ticket = self.slot_blocking(provider, timeout)
+        ticket.__enter__()
+        return Ticket(provider, ticket)
 
     def release(self, ticket: Ticket) -> None:
         """Give back ``ticket``'s slot. Idempotent; callable from any task or thread;
@@ -276,14 +494,13 @@ class Admission:
         when the segment lock is busy, the release finishes in a thread of its own."""
         if not isinstance(ticket, Ticket):
             raise TypeError(f"release() takes a Ticket from acquire(), not {type(ticket).__name__}")
-        slot = ticket._take()
-        if slot is None or self._closed or slot._adm is not self:
+        core_ticket = ticket._take()
+        if core_ticket is None or not core_ticket.live:
             return
-        core_ticket = slot._ticket
-        if self._core.leave(core_ticket, _core.RELEASED, IN_CORE, False) == -1:
+        if core_ticket.leave(_core.RELEASED, False) == -1:
             threading.Thread(
-                target=self._leave,
-                args=(core_ticket, _core.RELEASED, True),
+                target=core_ticket.leave,
+                args=(_core.RELEASED, True),
                 name="gwcap-release",
                 daemon=True,
             ).start()
@@ -292,36 +509,54 @@ class Admission:
         """Seconds a refused client should wait before trying again: the provider's mean
         slot hold time x the queue ahead / the limit, clamped to [1, 60] (1 while no slot
         has been held yet). Lock-free; never raises for a known provider."""
-        p = self._provider(provider)
+        att = self._usable()
+        p = att.provider(provider)
         base = ledger.provider_base(p)
-        mean = float(layout.PROVIDER["hold_mean_s"].get(self._buf, base))
-        waiting = int(layout.PROVIDER["waiting"].get(self._buf, base))
-        limit = ledger.limit_value(self._buf, p, time.time())
+        mean = float(layout.PROVIDER["hold_mean_s"].get(att.buf, base))
+        waiting = int(layout.PROVIDER["waiting"].get(att.buf, base))
+        limit = ledger.limit_value(att.buf, p, platform.deadline_now())
         return retry_after_seconds(mean, waiting, limit)
 
-    def close(self) -> None:
-        """Deregister; slots still held by this Admission are released."""
+    def close(self, grace: float = CLOSE_GRACE_S) -> None:
+        """Deregister, safely (R-A14): new arrivals are refused from now on; waiting
+        requests are refused (their places freed); running slots get ``grace`` seconds to
+        end; what still runs then is released with one warning. Always returns."""
         if self._fork_generation != _fork_generation:
             # A forked child inherited this object (and its atexit hook): the records
             # and the member row are the parent's, not ours to free.
             self._closed = True
             return
-        with self._guard:
-            if self._closed:
+        with self._lock:
+            if self._closing:
                 return
-            self._closed = True
-            waiters = list(self._waiters.values())
-            self._waiters.clear()
-        atexit.unregister(self.close)
-        for w in waiters:
-            w.wake()  # they find the record gone and raise
-        self._doorbell.release()  # let the dispatcher see _closed
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                # the semaphores must outlive every thread that may touch them
-                thread.join()
-        self._core.unregister(IN_CORE)  # frees every record of ours, grants, rings
-        self._seg.close()
+            self._closing = True
+            attachments = [self._current, *self._retired]
+        atexit.unregister(self._close_at_exit)
+        for att in attachments:
+            with contextlib.suppress(_core.CoreError):
+                att.core.begin_close(IN_CORE)
+            with att.guard:
+                waiters = list(att.waiters.values())
+            for w in waiters:
+                w.wake()  # they find the record gone and raise
+        deadline = time.monotonic() + max(grace, 0.0)
+        while any(_running(a) for a in attachments) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        cut = 0
+        for att in attachments:
+            cut += att.detach()
+        self._closed = True
+        if cut:
+            log.warning(
+                "closed with %d running slot(s) still held after a grace of %gs; released "
+                "them (those requests go on without a place in the shared budget)",
+                cut,
+                grace,
+            )
+
+    def _close_at_exit(self) -> None:
+        # the interpreter is ending: the other threads' bodies end with it
+        self.close(grace=0.0)
 
     def __enter__(self) -> Admission:
         return self
@@ -329,145 +564,215 @@ class Admission:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- arrival --------------------------------------------------------------------------
-    def _provider(self, provider_id: str) -> int:
-        if self._closed:
+    # --- arrival ----------------------------------------------------------------------
+    def _usable(self) -> _Attachment:
+        if self._closing:
             raise AdmissionError("this Admission is closed")
         if self._fork_generation != _fork_generation:
             raise AdmissionError(
                 f"Admission was attached in pid {self._pid}; call Admission.attach again in "
                 "the forked child"
             )
-        p = self._index.get(provider_id)
-        if p is None:
-            p = ledger.find_provider(self._buf, provider_id)
-            if p is None:
-                raise UnknownProvider(self._unknown_reason(provider_id))
-            self._index[provider_id] = p
-        return p
+        return self._current
 
-    def _unknown_reason(self, provider_id: str) -> str:
-        if provider_id in self._overflow:
-            return f"provider {provider_id!r} has no budget: {self._overflow[provider_id]}"
+    def _unknown_reason(self, att: _Attachment, provider_id: str) -> str:
+        if provider_id in att.overflow:
+            return f"provider {provider_id!r} has no budget: {att.overflow[provider_id]}"
         try:
             ledger.encode_provider_id(provider_id)
         except ledger.ProviderIdError as exc:
             return str(exc)
         return (
-            f"provider {provider_id!r} is not in segment {self._seg.name}: is it in the gateway "
+            f"provider {provider_id!r} is not in segment {self._name}: is it in the gateway "
             "config the sidecar (or the first handler) read?"
         )
 
-    def _provider_name(self, p: int) -> str:
-        for name, index in self._index.items():
-            if index == p:
-                return name
-        return str(p)
+    def _attachment_of(self, core: _core.Core) -> _Attachment:
+        with self._lock:
+            for att in (self._current, *self._retired):
+                if att.core is core:
+                    return att
+        raise AdmissionError("this slot belongs to a segment this Admission has left")
 
-    def _queue_full(self, p: int) -> QueueFull:
-        return QueueFull(
-            f"provider {self._provider_name(p)}: {layout.QUEUE_BOUND} requests are already waiting"
-        )
+    def _refusal(self, ticket: _core.Ticket, code: int) -> AdmissionError:
+        att = self._attachment_of(ticket.core)
+        if code == _core.FULL:
+            return QueueFull(
+                f"provider {att.provider_name(ticket.provider)}: {layout.QUEUE_BOUND} requests "
+                "are already waiting"
+            )
+        if code == _core.BUSY:  # the lock stayed busy for the whole timeout
+            return AdmissionTimeout("the segment lock stayed busy for the whole timeout")
+        if code == _core.CLOSED:
+            return AdmissionError("this Admission was closed")
+        return AdmissionError(f"admission refused (code {code})")
 
-    def _arrive_code(self, ticket: _core.Ticket, p: int, blocking: bool, timeout: float) -> int:
-        code: int = self._core.arrive(ticket, p, self._pid, IN_CORE, True, blocking, timeout)
-        return code
+    def _moved_ticket(self, ticket: _core.Ticket) -> _core.Ticket:
+        """The name leads elsewhere: move, and point ``ticket`` (not live) at the
+        attachment arrivals go to now, with the same provider by id (R-A15)."""
+        old = self._attachment_of(ticket.core)
+        name = old.provider_name(ticket.provider)
+        att = self._move(old)
+        ticket.rebind(att.core, att.provider(name))
+        return ticket
 
-    def _state(self, ticket: _core.Ticket) -> int:
-        state: int = self._core.state(ticket)
-        return state
-
-    def _leave(self, ticket: _core.Ticket, outcome: int, blocking: bool = True) -> int:
-        """Free the ticket's record. -1 when the lock was busy (non-blocking only)."""
-        if self._closed:
-            return 0  # close() released it already
-        was: int = self._core.leave(ticket, outcome, IN_CORE, blocking)
-        return was
-
-    # --- waiting, blocking form -------------------------------------------------------
-    def _wait_blocking(self, ticket: _core.Ticket, deadline: float | None) -> None:
-        waiter = _Waiter(ticket, event=threading.Event())
-        self._add_waiter(waiter)
-        assert waiter.event is not None
+    # --- the slow paths of the slot context managers (called by the core) --------------
+    def _enter_slow(self, ticket: _core.Ticket, code: int) -> None:
+        """``with`` when the arrival did not admit at once: wait, move, or refuse."""
+        timeout = ticket.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
-                remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                if not waiter.event.wait(remaining):
-                    self._forget(waiter)
-                    self._leave(ticket, _core.TIMEOUT)  # a grant that raced is handed on
+                if code == _core.MOVED:
+                    ticket = self._moved_ticket(ticket)
+                    code = self._arrive_again(ticket, deadline)
+                    continue
+                if code == _core.ADMIT:
+                    return
+                if code != _core.WAIT:
+                    raise self._refusal(ticket, code)
+                result = self._wait_blocking(ticket, deadline)
+                if result == _core.W_GRANTED:
+                    return
+                if result == _core.W_MOVED:
+                    ticket.leave(_core.CANCELLED, True)
+                    code = _core.MOVED
+                    continue
+                if result == _core.W_TIMEOUT:
+                    ticket.leave(_core.TIMEOUT, True)  # a grant that raced is handed on
                     raise AdmissionTimeout("no slot was granted within the timeout")
-                waiter.event.clear()  # before looking: a grant after the look sets it again
-                if self._settled(waiter):
-                    return
+                if result == _core.W_CLOSED or self._closing:
+                    raise AdmissionError("this Admission was closed while waiting")
+                raise AdmissionError("the admission record was removed while waiting")
+        except BaseException:
+            # Whatever landed (a timeout, a KeyboardInterrupt, an exception from a signal
+            # handler): leave nothing behind (R-A12). Should this line itself be skipped,
+            # the ticket frees its record when it is dropped.
+            ticket.leave(_core.CANCELLED, True)
+            raise
+
+    def _arrive_again(self, ticket: _core.Ticket, deadline: float | None) -> int:
+        remaining = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+        code: int = ticket.core.arrive(ticket, ticket.provider, os.getpid(), IN_CORE, True, True,
+                                       remaining, True)
+        return code
+
+    def _wait_blocking(self, ticket: _core.Ticket, deadline: float | None) -> int:
+        """Wait for the grant; a W_* result."""
+        if ticket.futex:  # Linux: the thread sleeps on its record itself (one wake-up)
+            remaining = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+            result, reclaimed = ticket.core.wait(ticket, remaining)
+            if reclaimed:
+                log.warning("reclaimed %d slot(s) of dead processes", reclaimed)
+            with contextlib.suppress(AdmissionError, _core.CoreError):
+                self._report_events(self._attachment_of(ticket.core))
+            return int(result)
+        att = self._attachment_of(ticket.core)  # macOS: the dispatcher wakes us
+        gate = threading.Lock()
+        gate.acquire()
+        waiter = _Waiter(ticket, gate=gate)
+        att.watch(waiter)
+        try:
+            while True:
+                state = att.core.state(ticket)
+                if state == HOLDER_RUNNING:
+                    return _core.W_GRANTED
+                if state != HOLDER_WAITING:
+                    return _core.W_CLOSED if att.core.closing else _core.W_GONE
+                if att.core.closing:
+                    return _core.W_CLOSED
+                if att.core.moved:
+                    return _core.W_MOVED
+                if deadline is None:
+                    gate.acquire()
+                else:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or not gate.acquire(timeout=remaining):
+                        if att.core.state(ticket) == HOLDER_RUNNING:
+                            return _core.W_GRANTED
+                        return _core.W_TIMEOUT
+                waiter.woken = False
         finally:
-            self._forget(waiter)
+            att.unwatch(waiter)
 
-    def _settled(self, waiter: _Waiter) -> bool:
-        """After a wake-up: True when granted, False when still waiting."""
-        if self._closed:
-            raise AdmissionError("this Admission was closed while waiting")
-        state = self._state(waiter.ticket)
-        if state == HOLDER_RUNNING:
-            return True
-        if state == HOLDER_WAITING:
-            return False
-        raise AdmissionError("the admission record was removed while waiting")
+    def _aenter_slow(self, ticket: _core.Ticket, code: int) -> Coroutine[Any, Any, None]:
+        return self._aenter(ticket, code)
 
-    # --- waiting: dispatcher and ticker threads ---------------------------------------
-    def _add_waiter(self, waiter: _Waiter) -> None:
-        with self._guard:
-            if self._closed:
-                raise AdmissionError("this Admission is closed")
-            self._waiters[id(waiter)] = waiter
-        # The grant may have happened between arrive() and now: look once more.
-        self._doorbell.release()
+    async def _aenter(self, ticket: _core.Ticket, code: int) -> None:
+        """``async with`` when the try-lock arrival did not admit at once."""
+        try:
+            async with asyncio.timeout(ticket.timeout):
+                await self._acquire(ticket, code)
+        except TimeoutError:
+            await self._leave_async(ticket, _core.TIMEOUT)
+            raise AdmissionTimeout("no slot was granted within the timeout") from None
+        except BaseException:  # CancelledError, QueueFull and friends (R-A4, R-A12)
+            await self._leave_async(ticket, _core.CANCELLED)
+            raise
 
-    def _forget(self, waiter: _Waiter) -> None:
-        with self._guard:
-            self._waiters.pop(id(waiter), None)
-
-    def _tick(self) -> None:
-        while not self._closed:
-            time.sleep(TICK_S)
-            if (self._waiters or self._core.held) and not self._closed:
-                self._doorbell.release()
-
-    def _dispatch(self) -> None:
-        last_sweep = 0.0
+    async def _acquire(self, ticket: _core.Ticket, code: int) -> None:
         while True:
-            ipc.wait(self._doorbell)  # blocks without a timeout: portable (R-A10)
-            ipc.drain(self._doorbell)
-            if self._closed:
+            # The lock is busy or stalled: wait for it off the loop, in bounded turns, so
+            # that the timeout or a cancellation lands within one turn even while the
+            # holder is stopped (the thread of a turn cannot be interrupted, only waited
+            # for: R-A4).
+            while code == _core.BUSY:
+                code = await self._off_loop(
+                    ticket.core.arrive,
+                    ticket,
+                    ticket.provider,
+                    os.getpid(),
+                    IN_CORE,
+                    True,
+                    True,
+                    LOCK_TURN_S,
+                    False,
+                )
+            if code == _core.MOVED:
+                ticket = self._moved_ticket(ticket)
+                code = _core.BUSY  # arrive again, off the loop
+                continue
+            if code == _core.ADMIT:
                 return
-            self.wakeups += 1
-            with self._guard:
-                waiters = list(self._waiters.values())
-            try:
-                for w in waiters:
-                    if self._state(w.ticket) != HOLDER_WAITING:
-                        w.wake()
-                now = time.monotonic()
-                if (waiters or self._core.held) and now - last_sweep >= SWEEP_S:
-                    last_sweep = now
-                    # Reclaim dead holders and apply limit changes nobody announced
-                    # (R-A5, R-L7): one locked step in the core.
-                    reclaimed = self._core.reap(IN_CORE)
-                    if reclaimed > 0:
-                        log.warning("reclaimed %d slot(s) of dead processes", reclaimed)
-                repaired = self._core.take_repaired()
-                if repaired:
-                    log.warning(
-                        "a process died holding the segment lock; counters were repaired from "
-                        "the holder records"
-                    )
-            except _core.CoreError:
-                if self._closed:
-                    return
-                log.exception("admission dispatcher: unexpected error; continuing")
-            except Exception:  # this thread must outlive any one bad turn
-                log.exception("admission dispatcher: unexpected error; continuing")
+            if code != _core.WAIT:
+                raise self._refusal(ticket, code)
+            if await self._wait_async(ticket) == _core.W_GRANTED:
+                return
+            if ticket.core.moved and not ticket.core.closing:
+                await self._leave_async(ticket, _core.CANCELLED)
+                code = _core.MOVED
+                continue
+            if ticket.core.closing or self._closing:
+                raise AdmissionError("this Admission was closed while waiting")
+            raise AdmissionError("the admission record was removed while waiting")
 
-    # --- off the event loop -----------------------------------------------------------
+    async def _wait_async(self, ticket: _core.Ticket) -> int:
+        att = self._attachment_of(ticket.core)
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(ticket, loop=loop, future=loop.create_future())
+        att.watch(waiter)
+        try:
+            while True:
+                assert waiter.future is not None
+                await waiter.future
+                waiter.future = loop.create_future()  # before looking: a wake after it lands
+                state = att.core.state(ticket) if not att.core.closing else 0
+                if state == HOLDER_RUNNING:
+                    return _core.W_GRANTED
+                if state != HOLDER_WAITING or att.core.closing:
+                    return _core.W_GONE
+                if att.core.moved:
+                    return _core.W_MOVED
+        finally:
+            att.unwatch(waiter)
+
+    async def _leave_async(self, ticket: _core.Ticket, outcome: int) -> None:
+        if ticket.leave(outcome, False) == -1:  # the lock is busy: not on the loop
+            await self._off_loop(ticket.leave, outcome, True)
+
+    def _aexit_slow(self, ticket: _core.Ticket) -> Coroutine[Any, Any, None]:
+        return self._leave_async(ticket, _core.RELEASED)
+
     async def _off_loop(self, fn: Callable[..., _T], *args: object) -> _T:
         """Run a core call that may wait for the lock in a worker thread (R-A11).
 
@@ -482,6 +787,102 @@ class Admission:
             # Let the thread finish what it started before anyone looks at the ticket.
             await _finish_quietly(future)
             raise
+
+    # --- a name that leads elsewhere (R-A15) ----------------------------------------------
+    def _move(self, old: _Attachment) -> _Attachment:
+        """The segment's name leads to another object than ``old``'s: say so once, attach
+        to what it leads to now (creating it if there is none: R-A9), and send arrivals
+        and ``old``'s waiters there. Raises, naming why, when that cannot be done."""
+        with self._lock:
+            if old is not self._current:
+                return self._current
+            if self._closing:
+                raise AdmissionError("this Admission is closed")
+            if self._move_failure and time.monotonic() - self._move_tried < SWEEP_S:
+                raise AdmissionError(self._move_failure)
+            self._move_tried = time.monotonic()
+            self._notice_moved(old)
+            try:
+                seg = Segment.open(
+                    self._name, create=True, group_shared=self._group_shared, policy=self._policy
+                )
+                try:
+                    att = _Attachment(self, seg)
+                except BaseException:
+                    seg.close()
+                    raise
+                att.ensure(self._entries)
+            except GatewayCapacityError as exc:
+                self._move_failure = (
+                    f"segment {self._name} was removed or replaced, and what its name leads to "
+                    f"now cannot be used: {exc}"
+                )
+                log.error("%s", self._move_failure)
+                raise AdmissionError(self._move_failure) from None
+            self._move_failure = None
+            self._current = att
+            old.retired = True
+            self._retired.append(old)
+        old.core.retire()  # its waiters wake, leave and arrive again here
+        return att
+
+    def _notice_moved(self, att: _Attachment) -> None:
+        """Say once (per segment instance) that the name leads elsewhere now (R-A15)."""
+        key = f"moved:{att.seg.identity}"
+        if key in self._logged:
+            return
+        self._logged.add(key)
+        log.error(
+            "segment %s was removed or replaced while this process used it; new requests go "
+            "to what the name leads to now, and the %d running here finish on the old one. "
+            "Never remove a segment while handlers run ('gateway-capacity inspect --unlink' "
+            "refuses while live holders exist)",
+            self._name,
+            _running(att),
+        )
+
+    def _drop_retired(self, att: _Attachment) -> None:
+        """A retired attachment with nothing left running: unregister and close it (from
+        its own dispatcher thread, which ends with it)."""
+        with self._lock:
+            if att not in self._retired or self._closing:
+                return
+            self._retired.remove(att)
+        att.stopping = True
+        with contextlib.suppress(_core.CoreError):
+            att.core.unregister(IN_CORE)
+        remove_doorbell(att.bell)
+        att.seg.close()
+
+    # --- reporting ------------------------------------------------------------------------
+    def _report_events(self, att: _Attachment) -> None:
+        repaired, damage, note = att.core.take_events()
+        if repaired:
+            log.warning(
+                "a process died holding the segment lock; counters were repaired from the "
+                "holder records"
+            )
+        if damage:
+            self._log_once(
+                f"damage:{note}",
+                f"segment {self._name}: damage found and repaired ({note}); something wrote "
+                "into the segment that no gateway-capacity process writes (see inspect)",
+            )
+
+    def _log_once(self, key: str, message: str) -> None:
+        if key in self._logged:
+            return
+        self._logged.add(key)
+        log.error("%s", message)
+
+
+def _running(att: _Attachment) -> int:
+    """Running records of ``att``'s registration, by the segment's word."""
+    try:
+        running, _ = att.core.own_records()
+    except _core.CoreError:
+        return 0
+    return int(running)
 
 
 async def _finish_quietly(future: asyncio.Future[_T]) -> None:
@@ -503,126 +904,22 @@ class Ticket:
     :meth:`Admission.release` (once; later calls do nothing). A ticket dropped without a
     release frees its slot when it is garbage collected (R-A12), but release it."""
 
-    __slots__ = ("_guard", "_slot", "provider")
+    __slots__ = ("_guard", "_ticket", "provider")
 
-    def __init__(self, provider: str, slot: _Slot) -> None:
+    def __init__(self, provider: str, ticket: _core.Ticket) -> None:
         self.provider = provider
-        self._slot: _Slot | None = slot
+        self._ticket: _core.Ticket | None = ticket
         self._guard = threading.Lock()
 
     @property
     def released(self) -> bool:
-        return self._slot is None
+        return self._ticket is None or not self._ticket.live
 
-    def _take(self) -> _Slot | None:
+    def _take(self) -> _core.Ticket | None:
         with self._guard:
-            slot, self._slot = self._slot, None
-            return slot
+            ticket, self._ticket = self._ticket, None
+            return ticket
 
     def __repr__(self) -> str:
-        state = "released" if self._slot is None else "held"
+        state = "released" if self.released else "held"
         return f"<Ticket provider={self.provider!r} {state}>"
-
-
-class _Slot:
-    """One slot of one provider: the ticket the core fills in, and how long to wait."""
-
-    __slots__ = ("_adm", "_p", "_ticket", "_timeout")
-
-    def __init__(self, adm: Admission, p: int, timeout: float | None) -> None:
-        self._adm = adm
-        self._p = p
-        self._timeout = timeout
-        self._ticket = _core.Ticket()
-
-
-class _BlockingSlot(_Slot):
-    """``with adm.slot_blocking(provider, timeout):`` one running slot for the body."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        adm, ticket, timeout = self._adm, self._ticket, self._timeout
-        try:
-            if timeout is None:
-                deadline = None
-                code = adm._core.arrive(ticket, self._p, adm._pid, IN_CORE, True, True, -1.0)
-            else:
-                deadline = time.monotonic() + timeout
-                code = adm._arrive_code(ticket, self._p, True, max(timeout, 0.0))
-            if code == _core.ADMIT:
-                return
-            if code == _core.FULL:
-                raise adm._queue_full(self._p)
-            if code == _core.BUSY:  # the lock stayed busy for the whole timeout
-                raise AdmissionTimeout("the segment lock stayed busy for the whole timeout")
-            adm._wait_blocking(ticket, deadline)
-        except BaseException:
-            # Whatever landed (a timeout, a KeyboardInterrupt, an exception from a signal
-            # handler): leave nothing behind (R-A12). Should this line itself be skipped,
-            # the ticket frees its record when it is dropped.
-            adm._leave(ticket, _core.CANCELLED)
-            raise
-
-    def __exit__(self, *exc_info: object) -> None:
-        adm = self._adm
-        if not adm._closed:  # else close() released it already
-            adm._core.leave(self._ticket, _core.RELEASED, IN_CORE, True)
-
-
-class _AsyncSlot(_Slot):
-    """``async with adm.slot(provider, timeout):`` the same, without blocking the loop."""
-
-    __slots__ = ()
-
-    async def __aenter__(self) -> None:
-        adm, ticket = self._adm, self._ticket
-        try:
-            # The fast path: one try-lock step on the loop (microseconds, R-A11).
-            code = adm._core.arrive(ticket, self._p, adm._pid, IN_CORE, True, False, -1.0)
-            if code == _core.ADMIT:
-                return
-            async with asyncio.timeout(self._timeout):
-                await self._acquire(code)
-        except TimeoutError:
-            await self._leave(_core.TIMEOUT)
-            raise AdmissionTimeout("no slot was granted within the timeout") from None
-        except BaseException:  # CancelledError, QueueFull and friends (R-A4, R-A12)
-            await self._leave(_core.CANCELLED)
-            raise
-
-    async def _acquire(self, code: int) -> None:
-        adm, ticket, p = self._adm, self._ticket, self._p
-        # The lock is busy or stalled: wait for it off the loop, in bounded turns, so that
-        # the timeout or a cancellation lands within one turn even while the holder is
-        # stopped (the thread of a turn cannot be interrupted, only waited for: R-A4).
-        while code == _core.BUSY:
-            code = await adm._off_loop(adm._arrive_code, ticket, p, True, LOCK_TURN_S)
-        if code == _core.ADMIT:
-            return
-        if code == _core.FULL:
-            raise adm._queue_full(p)
-        loop = asyncio.get_running_loop()
-        waiter = _Waiter(ticket, loop=loop, future=loop.create_future())
-        adm._add_waiter(waiter)
-        try:
-            while True:
-                assert waiter.future is not None
-                await waiter.future
-                waiter.future = loop.create_future()  # before looking, as above
-                if adm._settled(waiter):
-                    return
-        finally:
-            adm._forget(waiter)
-
-    async def _leave(self, outcome: int) -> None:
-        adm, ticket = self._adm, self._ticket
-        if adm._leave(ticket, outcome, blocking=False) == -1:  # the lock is busy: not here
-            await adm._off_loop(adm._leave, ticket, outcome, True)
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        adm = self._adm
-        if adm._closed:
-            return  # close() released it already
-        if adm._core.leave(self._ticket, _core.RELEASED, IN_CORE, False) == -1:
-            await adm._off_loop(adm._leave, self._ticket, _core.RELEASED, True)

@@ -10,45 +10,56 @@ a live sidecar whose config has the same provider ids publishes on another
 segment. It then logs one WARNING (once per pair of segments in a process)
 naming both segments and the sidecar's config path, and how to fix it.
 
-Only ``shm_layout.view`` is used (read-only, lock-free); no httpx. Finding the
-other segments needs a directory listing of POSIX shared memory, which Linux
-has (``/dev/shm``) and macOS does not: there the check does nothing.
+The scan trusts nothing another user made (R-G6): a segment whose owner is not
+one this process trusts is skipped by its ``stat`` alone, unopened. It never
+waits on a segment (one that is not initialised is skipped), and its whole run
+is bounded in time however many objects lie in the directory (``SCAN_S``).
+Finding the other segments needs a listing of POSIX shared memory, which Linux
+has and macOS does not (``platform.list_shared_memory``): there the check does
+nothing.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import time
 from collections.abc import Iterable
 
+from shm_layout import platform
 from shm_layout.names import ENV_VAR
+from shm_layout.owners import OwnerPolicy
 from shm_layout.view import SegmentView, read_view
 
 log = logging.getLogger("gateway_capacity.admission")
 
-SHM_DIR = "/dev/shm"
-MAX_SCANNED = 256  # a bound on the work one attach may do on a crowded host
+MAX_SCANNED = 256  # a bound on the segments one attach may look into
+SCAN_S = 0.25  # and on the time it may spend looking
 
 _warned: set[tuple[str, str]] = set()
 
 
-def warn_if_split_budget(segment: str, provider_ids: Iterable[str]) -> None:
+def warn_if_split_budget(
+    segment: str, provider_ids: Iterable[str], policy: OwnerPolicy | None = None
+) -> None:
     """Log a WARNING when ``segment`` has no sidecar but a sibling segment has one for
     the same providers. Never raises: it is a diagnostic, and attaching must go on."""
     try:
-        _check(segment, frozenset(provider_ids))
+        _check(segment, frozenset(provider_ids), policy or OwnerPolicy.for_process())
     except Exception:
         log.debug("split-budget check of %s failed", segment, exc_info=True)
 
 
-def _check(segment: str, provider_ids: frozenset[str]) -> None:
-    own = read_view(segment)
+def _check(segment: str, provider_ids: frozenset[str], policy: OwnerPolicy) -> None:
+    own = read_view(segment, policy=policy, wait_init=False)
     if own.sidecar is not None:
         return  # a sidecar writes this segment: handlers here share its budget
     ids = provider_ids or frozenset(p.id for p in own.providers)
     if not ids:
         return
-    for other in sidecar_segments(segment, os.stat(_path(segment)).st_size):
+    mine = platform.shared_memory_stat(segment)
+    if mine is None:
+        return
+    for other in sidecar_segments(segment, mine.st_size, policy):
         if _provider_ids(other) != ids or (segment, other.name) in _warned:
             continue
         _warned.add((segment, other.name))
@@ -67,71 +78,33 @@ def _check(segment: str, provider_ids: frozenset[str]) -> None:
         )
 
 
-def sidecar_segments(exclude: str, size: int) -> list[SegmentView]:
-    """Other segments of this host (same size as ours) with a live sidecar."""
-    try:
-        names = sorted(os.listdir(SHM_DIR))
-    except OSError:
+def sidecar_segments(
+    exclude: str, size: int, policy: OwnerPolicy, budget_s: float = SCAN_S
+) -> list[SegmentView]:
+    """Other segments of this host (same size as ours, owned by someone ``policy``
+    trusts) with a live sidecar; looked for for at most ``budget_s`` seconds."""
+    names = platform.list_shared_memory()
+    if names is None:
         return []  # no listing of shared memory here (macOS)
+    deadline = time.monotonic() + budget_s
     found = []
     scanned = 0
-    for entry in names:
-        name = "/" + entry
-        if entry.startswith("sem.") or name == exclude or scanned >= MAX_SCANNED:
+    for name in sorted(names):
+        if name == exclude or scanned >= MAX_SCANNED or time.monotonic() >= deadline:
             continue
-        try:
-            st = os.stat(_path(name))
-        except OSError:
-            continue
-        if st.st_size != size:
-            continue
+        st = platform.shared_memory_stat(name)
+        if st is None or st.st_size != size or policy.problem(st) is not None:
+            continue  # not ours by its owner: never opened, never waited on
         scanned += 1
-        if not _sidecar_in_header(name):
-            continue  # cheap: most segments have none, and a full read may wait on a writer
         try:
-            view = read_view(name)
+            view = read_view(name, policy=policy, wait_init=False)
         except Exception:
-            continue  # not ours, not readable, or gone meanwhile
+            continue  # not ours, not ready, not readable, or gone meanwhile
         if view.sidecar is not None and view.sidecar.alive:
             found.append(view)
     return found
 
 
-def _sidecar_in_header(name: str) -> bool:
-    """Does the header of ``name`` (ours, this major) name a sidecar that is alive?"""
-    import mmap
-
-    import posix_ipc
-
-    from shm_layout import layout
-    from shm_layout.liveness import is_alive
-
-    try:
-        shm = posix_ipc.SharedMemory(name, read_only=True)
-    except Exception:
-        return False
-    try:
-        head = mmap.mmap(shm.fd, layout.HEADER_SIZE, access=mmap.ACCESS_READ)
-    except (OSError, ValueError):
-        return False
-    finally:
-        shm.close_fd()
-    try:
-        HEADER = layout.HEADER
-        if HEADER["magic"].get(head) != layout.MAGIC or HEADER["major"].get(head) != layout.MAJOR:
-            return False
-        pid = HEADER["sidecar_pid"].get(head)
-        return pid != 0 and is_alive(pid, HEADER["sidecar_start"].get(head))
-    except (OverflowError, ValueError):
-        return False
-    finally:
-        head.close()
-
-
 def _provider_ids(view: SegmentView) -> frozenset[str]:
     """The providers of the config the segment's sidecar last read."""
     return frozenset(p.id for p in view.providers if p.configured)
-
-
-def _path(segment: str) -> str:
-    return SHM_DIR + segment

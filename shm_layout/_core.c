@@ -1,106 +1,144 @@
 /*
- * The admission core: the segment lock plus one ledger operation, on the mapped
- * memory, with the GIL released (R-A1..R-A6, R-A11, R-A12).
+ * The admission core: the segment lock, liveness, and every admission step, on the
+ * mapped segment, with the GIL released while waiting (R-A1..R-A7, R-A11, R-A12,
+ * R-A14..R-A16). shm_layout/ledger.py is the same protocol in plain Python, the test
+ * oracle; its docstring is the state table, repeated here:
  *
- * Python calls one function per step (arrive, leave, pump, reap, register, ...).
- * Each takes the segment lock, does its few writes and releases the lock before it
- * returns, without ever running Python code or waiting for the GIL in between. This
- * is the only code that writes the admission fields (holder records, running,
- * waiting, tickets, member rows); shm_layout/ledger.py is the same protocol in plain
- * Python, kept as the test oracle.
+ *     FREE -> RUNNING     arrive(): admitted at once (nobody waits, running < limit)
+ *     FREE -> WAITING     arrive(): queued with the next ticket (FIFO, R-A3)
+ *     WAITING -> RUNNING  pump(): the head of the queue, while running < limit
+ *     WAITING -> FREE     leave(): a timeout or cancel before the grant
+ *     RUNNING -> FREE     leave(): a release, or a cancel that lost to a grant (the
+ *                         slot is handed on by the pump that follows, R-A4)
+ *     any -> FREE         sweep()/register(): the owner is dead (R-A5)
+ *
+ * Invariants whenever the lock is free: running/waiting equal the RUNNING/WAITING
+ * records (derived; recounted from the records when in doubt, R-A6, R-A16);
+ * waiting <= 32; nobody waits while running < limit; every record in use names a
+ * member row in use with the record's member serial.
+ *
+ * Sections of this file, each owning one thing:
+ *   1. targets and liveness   the per-process table of lock files/objects, byte locks
+ *   2. the Core object        what one attachment knows; typed access to the mapping
+ *   3. clocks                 the deadline clock (monotonic, counts suspend) and wall
+ *   4. ledger pieces          limit_value .. sweep: the model's steps, same names
+ *   5. the lock               robust mutex or lock file; entry repairs after a death
+ *   6. wake-ups               doorbells (named, per registration) and futexes
+ *   7. Core methods           one Python call = one locked step, GIL released to wait
+ *   8. Ticket                 one holder record's handle; the slot context manager
+ *   9. tests only             hold_lock, abandon, die_in_section
+ *  10. module                 init_mutex, probe, mutex_state, the types
  *
  * Byte offsets are not written here: layout.py hands them over at construction
- * (FIELDS below names what it must give), so the layout lives in one place.
+ * (FIELD_NAMES names what it must give), so the layout lives in one place.
  *
- * The lock (the header records which kind a segment uses; every process follows it):
- *   KIND_ROBUST  a process-shared robust pthread mutex inside the header (Linux). The
- *                kernel marks it when its owner dies (EOWNERDEAD); it is never taken
- *                from a live owner, however long that owner is paused.
- *   KIND_FILE    an fcntl record lock on byte 0 of a lock file beside the segment (macOS,
- *                where a shm_open descriptor cannot be locked and robust mutexes do not
- *                exist; forced on Linux for the tests). The kernel drops it when the
- *                process dies. Record locks belong to the process, so threads of one
- *                process are kept apart by an in-process mutex first.
- * A holder that dies inside a section leaves header.dirty = 1: the next holder
- * recounts running/waiting from the holder records (the records are the truth).
- *
- * Liveness (R-A5): every registered process holds a record lock on byte 1 + m of the
- * lock target (the shm object itself for KIND_ROBUST, as an OFD lock; the lock file
- * for KIND_FILE) for as long as it is registered as member m. The kernel drops it when
- * the process dies; a paused process or one in another PID namespace keeps it. A
- * record is alive while its member row carries the serial the record names and that
- * byte is locked. An error while asking the kernel answers "alive".
+ * Built against the stable ABI (Py_LIMITED_API 3.11, setup.py): one wheel per
+ * platform serves every CPython from 3.11 on.
  */
 #define PY_SSIZE_T_CLEAN
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
 #include <Python.h>
-#include <structmember.h>
 
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <semaphore.h>
+#include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
 #if defined(__linux__) && defined(F_OFD_SETLK)
 #define HAVE_ROBUST 1
 #else
 #define HAVE_ROBUST 0
 #endif
+#if defined(__linux__) && defined(SYS_futex)
+#define HAVE_FUTEX 1
+#else
+#define HAVE_FUTEX 0
+#endif
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+#define HAVE_CLOCKWAIT 1 /* sem_clockwait, pthread_mutex_clocklock: immune to clock steps */
+#else
+#define HAVE_CLOCKWAIT 0
+#endif
 
 enum { KIND_ROBUST = 1, KIND_FILE = 2 };
 enum { FREE = 0, WAITING = 1, RUNNING = 2 };
-enum { R_BUSY = 0, R_ADMIT = 1, R_WAIT = 2, R_FULL = 3, R_WAIT_REFUSED = 4 };
+enum { WAKE_DOORBELL = 0, WAKE_FUTEX = 1 };
+/* arrive() decisions (ledger.Decision) and leave() outcomes (ledger.Outcome) */
+enum { R_BUSY = 0, R_ADMIT = 1, R_WAIT = 2, R_FULL = 3, R_WAIT_REFUSED = 4, R_CLOSED = 5, R_MOVED = 6 };
 enum { OUT_RELEASED = 0, OUT_TIMEOUT = 1, OUT_CANCELLED = 2 };
+/* wait() results */
+enum { W_GRANTED = 1, W_GONE = 2, W_TIMEOUT = 3, W_CLOSED = 4, W_MOVED = 5 };
+/* platform flags (platform.core_flags) */
+enum { F_NO_FUTEX = 1, F_NO_SEM_TIMEOUT = 2, F_NO_SEM_OWNER = 4 };
 
 #define MAX_MEMBERS 256
-#define STAMP_AT 4096 /* where a lock file holds its segment's stamp (lock bytes are 0..256) */
+#define MAX_OWNERS 8
+#define STAMP_AT 4096  /* where a lock file holds its segment's stamp (lock bytes are 0..256) */
 #define MAX_TARGETS 64
+#define MAX_FUTEX 512  /* futex wakes collected in one section; more: wake every waiter */
+#define SWEEP_S 0.5    /* a sweep for dead holders and damage at least this often (R-A5) */
+#define DEADLINE_SLACK_S 60.0 /* a published deadline further ahead than this is damage */
+#define HOLD_MEAN_WEIGHT 0.2
+#define BELL_FORMAT "/gwcb-%016llx" /* names.doorbell_name */
 
 /* Offsets and sizes layout.py must provide, in this order. */
 static const char *const FIELD_NAMES[] = {
-    "h.dirty", "h.lock_seq", "h.change_seq", "h.repairs", "h.mutex",
+    "h.dirty", "h.lock_seq", "h.change_seq", "h.repairs", "h.heartbeat_mono", "h.sweep_mono",
+    "h.damage_repairs", "h.damage_mono", "h.damage_note", "h.mutex",
     "p.in_use", "p.flags", "p.id", "p.fallback_limit", "p.fallback_source",
-    "p.published_limit", "p.expires_at", "p.discovered", "p.queue_bound", "p.running",
+    "p.published_limit", "p.expires_mono", "p.discovered", "p.queue_bound", "p.running",
     "p.waiting", "p.next_ticket", "p.admitted_total", "p.rejected_total",
     "p.timeouts_total", "p.cancelled_total", "p.reclaimed_total", "p.peak_running",
-    "p.peak_waiting", "p.reason", "p.hold_mean_s",
+    "p.peak_waiting", "p.reason", "p.hold_mean_s", "p.counts_check",
     "k.state", "k.pid", "k.member_serial", "k.ticket", "k.serial", "k.member", "k.since",
+    "k.since_mono", "k.waker",
     "m.in_use", "m.pid", "m.start", "m.serial", "m.major", "m.minor", "m.attached_at",
-    "m.label",
+    "m.label", "m.bell",
     "g.providers_base", "g.provider_row_size", "g.provider_count", "g.holders_base",
     "g.holder_row_size", "g.holders_per_provider", "g.members_base", "g.member_row_size",
-    "g.member_count", "g.running_room", "g.id_bytes", "g.reason_bytes", "g.label_bytes",
-    "g.total_size", "g.mutex_size",
+    "g.member_count", "g.running_room", "g.queue_bound", "g.id_bytes", "g.reason_bytes",
+    "g.label_bytes", "g.total_size", "g.mutex_size",
 };
 enum {
-    H_DIRTY, H_LOCK_SEQ, H_CHANGE_SEQ, H_REPAIRS, H_MUTEX,
+    H_DIRTY, H_LOCK_SEQ, H_CHANGE_SEQ, H_REPAIRS, H_HEARTBEAT_MONO, H_SWEEP_MONO,
+    H_DAMAGE_REPAIRS, H_DAMAGE_MONO, H_DAMAGE_NOTE, H_MUTEX,
     P_IN_USE, P_FLAGS, P_ID, P_FALLBACK, P_FALLBACK_SOURCE,
-    P_PUBLISHED, P_EXPIRES, P_DISCOVERED, P_QUEUE_BOUND, P_RUNNING,
+    P_PUBLISHED, P_EXPIRES_MONO, P_DISCOVERED, P_QUEUE_BOUND, P_RUNNING,
     P_WAITING, P_NEXT_TICKET, P_ADMITTED, P_REJECTED,
     P_TIMEOUTS, P_CANCELLED, P_RECLAIMED, P_PEAK_RUNNING,
-    P_PEAK_WAITING, P_REASON, P_HOLD_MEAN,
+    P_PEAK_WAITING, P_REASON, P_HOLD_MEAN, P_COUNTS_CHECK,
     K_STATE, K_PID, K_MEMBER_SERIAL, K_TICKET, K_SERIAL, K_MEMBER, K_SINCE,
+    K_SINCE_MONO, K_WAKER,
     M_IN_USE, M_PID, M_START, M_SERIAL, M_MAJOR, M_MINOR, M_ATTACHED_AT,
-    M_LABEL,
+    M_LABEL, M_BELL,
     G_PROVIDERS_BASE, G_PROVIDER_ROW, G_PROVIDER_COUNT, G_HOLDERS_BASE,
     G_HOLDER_ROW, G_HOLDERS_PER, G_MEMBERS_BASE, G_MEMBER_ROW,
-    G_MEMBER_COUNT, G_RUNNING_ROOM, G_ID_BYTES, G_REASON_BYTES, G_LABEL_BYTES,
-    G_TOTAL_SIZE, G_MUTEX_SIZE,
+    G_MEMBER_COUNT, G_RUNNING_ROOM, G_QUEUE_BOUND, G_ID_BYTES, G_REASON_BYTES,
+    G_LABEL_BYTES, G_TOTAL_SIZE, G_MUTEX_SIZE,
     NFIELDS
 };
 
-/* --- the per-process table of lock targets ------------------------------------------ */
-/* One descriptor per target file per process, never closed while this process may hold
- * a record lock on it: POSIX record locks vanish when *any* descriptor of the file is
- * closed by the process (the pitfall SQLite's os_unix.c describes at length). */
+/* ===== 1. targets and liveness ========================================================
+ * One descriptor per lock target (the shm object for the robust kind, the lock file for
+ * the file kind) per process, never closed while this process may hold a record lock on
+ * it: POSIX record locks vanish when *any* descriptor of the file is closed by the
+ * process (the pitfall SQLite's os_unix.c describes at length). A registered process
+ * holds byte 1 + m of its target for as long as it is member m: the kernel drops it at
+ * the process's death, and only then (R-A5). */
 typedef struct {
     int used;
     int fd;
@@ -233,7 +271,7 @@ static void target_release(int i)
     pthread_mutex_unlock(&targets_mu);
 }
 
-/* F_GETLK / F_SETLK on one byte, for the kind's lock flavour. */
+/* F_GETLK / F_SETLK / F_SETLKW on one byte, for the kind's lock flavour. */
 static int byte_cmd(int kind, int what)
 {
 #if HAVE_ROBUST
@@ -278,7 +316,10 @@ static int byte_held(int fd, int kind, off_t at)
     }
 }
 
-/* --- the Core object ------------------------------------------------------------------ */
+/* ===== 2. the Core object ==============================================================
+ * One attachment of one process to one segment: the mapping, the offsets, the lock
+ * target, this process's registration (member row, serial, doorbell), and what Python
+ * gave it to call back for the slow paths of the slot context managers. */
 typedef struct {
     PyObject_HEAD
     Py_buffer view;
@@ -287,31 +328,59 @@ typedef struct {
     Py_ssize_t size;
     long o[NFIELDS];
     int kind;
+    int flags;                  /* F_* platform flags */
     int target;                 /* index into targets[], -1 none */
     unsigned long fork_gen;
     int closed;
+    int closing;                /* close() began: arrivals refused, waiters told (R-A14) */
+    int moved;                  /* the name leads to another segment now (R-A15) */
+    double named_checked_at;    /* when the name was last compared with the mapping */
     int busy;                   /* calls in flight with the GIL released */
     int member;                 /* our registration, -1 none */
     uint64_t member_serial;
-    char bell_prefix[64];       /* segment name: doorbell m is "<name>.d<m>" */
-    sem_t *bells[MAX_MEMBERS];
+    uint64_t bell;              /* our doorbell's id (names.doorbell_name) */
+    sem_t *own_bell;            /* our doorbell, waited on by dispatch() */
+    char name[64];              /* the segment's name, for identity checks */
+    dev_t seg_dev;              /* the object we mapped (R-A15) */
+    ino_t seg_ino;
+    uid_t owners[MAX_OWNERS];   /* who may own a doorbell we post (R-G6) */
+    int nowners;
+    long group;                 /* group-shared: the group a doorbell must have; -1 none */
+    sem_t *bells[MAX_MEMBERS];  /* other members' doorbells, opened when first rung */
+    uint64_t bell_ids[MAX_MEMBERS];
     pthread_mutex_t bell_mu;
-    uint64_t repaired;          /* repairs this object performed; Python logs them */
-    long held;                  /* live tickets (running or waiting): the sweep is due */
+    uint64_t repaired;          /* lock repairs this object performed; Python logs them */
+    uint64_t damage;            /* damage repairs this object performed (R-A16) */
+    char damage_note[64];       /* what it found last */
+    long held;                  /* live tickets (running or waiting) */
+    long held_running;          /* of them running */
+    double lock_report_at;      /* when a stuck lock was last reported (deadline clock) */
+    int lock_suspect;           /* a long-held lock names a thread that is not here */
+    PyObject *slow_enter;       /* callables for the slot context managers' slow paths */
+    PyObject *slow_aenter;
+    PyObject *slow_aexit;
 } Core;
 
 typedef struct {
     PyObject_HEAD
-    Core *core;                 /* strong reference while live */
+    Core *core;                 /* strong reference while set */
     int provider;
     int holder;
     uint64_t serial;
-    int live;
+    int live;                   /* the record is ours (running or waiting) */
+    int running;                /* ... and running */
+    int busy;                   /* an operation on it is in flight (GIL released) */
+    int futex;                  /* its owner thread waits on the record itself */
+    double timeout;             /* for the context managers: < 0 none */
     unsigned long fork_gen;
 } Ticket;
 
-static PyTypeObject CoreType;
-static PyTypeObject TicketType;
+static PyTypeObject *CoreType;
+static PyTypeObject *TicketType;
+static PyTypeObject *DoneType;
+static PyObject *DONE;          /* an awaitable that is already done (fast __aenter__) */
+static PyObject *CoreError;     /* also a GatewayCapacityError (R-A16) */
+static PyObject *DamagedLock;
 
 /* typed access ------------------------------------------------------------------------ */
 #define AT(c, off) ((void *)((c)->base + (off)))
@@ -324,6 +393,8 @@ static inline double ldd(Core *c, long off) { double d; uint64_t u = ld64(c, off
 static inline void std_(Core *c, long off, double d) { uint64_t u; memcpy(&u, &d, 8); st64(c, off, u); }
 static inline void inc64(Core *c, long off) { st64(c, off, ld64(c, off) + 1); }
 
+#define BUSY_ADD(c, n) __atomic_add_fetch(&(c)->busy, (n), __ATOMIC_RELAXED)
+
 static inline long pbase(Core *c, int p) { return c->o[G_PROVIDERS_BASE] + (long)p * c->o[G_PROVIDER_ROW]; }
 static inline long hbase(Core *c, int p, int h)
 {
@@ -331,70 +402,114 @@ static inline long hbase(Core *c, int p, int h)
 }
 static inline long mbase(Core *c, int m) { return c->o[G_MEMBERS_BASE] + (long)m * c->o[G_MEMBER_ROW]; }
 
-static double mono_now(void)
+/* ===== 3. clocks ======================================================================
+ * Deadlines (a published limit's expiry, sweeps, hold times) are on the deadline clock:
+ * monotonic, the same for every process of the host, counting time suspended (Linux
+ * CLOCK_BOOTTIME; macOS CLOCK_MONOTONIC counts sleep). A step of the wall clock moves
+ * none of them (R-L7). The wall clock is only written for people (since, attached_at). */
+static double clock_read(clockid_t id)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(id, &ts);
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* The wall clock for a section, read once the lock is held. A time the caller read
- * before waiting for the lock may be long stale (behind a stopped holder), and a
- * published limit that expired meanwhile must not be applied (R-A1, R-L7). A positive
- * ``given`` (the model tests' synthetic clock) is used as it is. */
-static double section_now(double given)
+static double deadline_clock(void)
 {
-    if (given > 0)
-        return given;
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
+#ifdef CLOCK_BOOTTIME
+    return clock_read(CLOCK_BOOTTIME);
+#else
+    return clock_read(CLOCK_MONOTONIC);
+#endif
 }
 
-/* --- liveness ------------------------------------------------------------------------ */
-typedef struct { signed char known[MAX_MEMBERS]; } AliveCache;
+typedef struct { double wall, mono; } Now;
 
-static int member_alive(Core *c, int m, uint64_t serial, AliveCache *cache)
+/* The clocks for a section, read once the lock is held: a time read before a long wait
+ * for the lock (behind a stopped holder) could apply a limit that expired meanwhile
+ * (R-A1, R-L7). A positive ``given`` (the model tests' synthetic clock) is both. */
+static Now section_now(double given)
 {
-    if (m < 0 || m >= c->o[G_MEMBER_COUNT])
-        return 0; /* no process can hold a row that does not exist */
-    long mb = mbase(c, m);
-    if (!ld32(c, mb + c->o[M_IN_USE]) || ld64(c, mb + c->o[M_SERIAL]) != serial)
-        return 0; /* the row was freed or handed to another process since */
-    if (cache && cache->known[m] >= 0)
-        return cache->known[m];
-    Target *t = &targets[c->target];
-    int alive = t->own[m] == serial ? 1 : byte_held(t->fd, c->kind, 1 + (off_t)m);
-    if (cache)
-        cache->known[m] = (signed char)alive;
-    return alive;
+    Now n;
+    if (given > 0) {
+        n.wall = n.mono = given;
+        return n;
+    }
+    n.wall = clock_read(CLOCK_REALTIME);
+    n.mono = deadline_clock();
+    return n;
 }
 
-static int holder_alive(Core *c, long hb, AliveCache *cache)
+static void to_timespec(double t, struct timespec *ts)
 {
-    return member_alive(c, ldi32(c, hb + c->o[K_MEMBER]), ld64(c, hb + c->o[K_MEMBER_SERIAL]), cache);
+    if (t < 0)
+        t = 0;
+    ts->tv_sec = (time_t)t;
+    ts->tv_nsec = (long)((t - (double)ts->tv_sec) * 1e9);
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
 }
 
-/* --- ledger pieces (the lock is held) ------------------------------------------------ */
-typedef struct { uint64_t bits[MAX_MEMBERS / 64]; } Rings;
+/* ===== 4. ledger pieces (the lock is held) =============================================
+ * The same steps as ledger.Ledger, with the same names and the same order of writes:
+ * tests/shm/test_core_model.py requires the same bytes after every step. */
 
-static void ring_add(Rings *r, int m)
+/* What the wake-ups of one section are: doorbells to post and record words to wake,
+ * collected under the lock and delivered after it (section 6). */
+typedef struct {
+    uint64_t bits[MAX_MEMBERS / 64];
+    long futex[MAX_FUTEX];
+    int nfutex;
+    int futex_overflow;
+    uint64_t unlink[MAX_MEMBERS]; /* doorbells of dead members, removed after the section */
+    int nunlink;
+} Rings;
+
+static void ring_member(Rings *r, int m)
 {
     if (m >= 0 && m < MAX_MEMBERS)
         r->bits[m / 64] |= (uint64_t)1 << (m % 64);
 }
 
-static int limit_of(Core *c, int p, double now)
+static void ring_record(Core *c, Rings *r, long hb)
+{
+    if (ld32(c, hb + c->o[K_WAKER]) == WAKE_FUTEX) {
+        if (r->nfutex < MAX_FUTEX)
+            r->futex[r->nfutex++] = hb + c->o[K_STATE];
+        else
+            r->futex_overflow = 1;
+    } else
+        ring_member(r, ldi32(c, hb + c->o[K_MEMBER]));
+}
+
+static void note_damage(Core *c, const char *what)
+{
+    /* Counted and described once per sweep that finds any (R-A16); Python logs it. */
+    c->damage++;
+    snprintf(c->damage_note, sizeof c->damage_note, "%s", what);
+}
+
+/* A published deadline further ahead than any publication can set (30 s after an
+ * observation at most 5 s in the future, R-K4) is damage, never obeyed (R-A16). */
+static int published_in_force(Core *c, long b, double now)
+{
+    if (ldi32(c, b + c->o[P_PUBLISHED]) < 0)
+        return 0;
+    double expires = ldd(c, b + c->o[P_EXPIRES_MONO]);
+    return now < expires && expires - now <= DEADLINE_SLACK_S;
+}
+
+static int limit_value(Core *c, int p, double now)
 {
     long b = pbase(c, p);
-    int32_t published = ldi32(c, b + c->o[P_PUBLISHED]);
     int32_t room = (int32_t)c->o[G_RUNNING_ROOM];
-    if (published >= 0 && now < ldd(c, b + c->o[P_EXPIRES]))
-        return published < room ? published : room;
-    int32_t fallback = ldi32(c, b + c->o[P_FALLBACK]);
-    if (fallback < 0)
-        fallback = 0;
-    return fallback < room ? fallback : room;
+    int32_t value = published_in_force(c, b, now) ? ldi32(c, b + c->o[P_PUBLISHED])
+                                                  : ldi32(c, b + c->o[P_FALLBACK]);
+    if (value < 0)
+        value = 0;
+    return value < room ? value : room;
 }
 
 static void note_peak(Core *c, long b, long field, uint32_t value)
@@ -403,9 +518,25 @@ static void note_peak(Core *c, long b, long field, uint32_t value)
         st32(c, b + c->o[field], value);
 }
 
-static void recount_provider(Core *c, int p)
+/* running and waiting, always written with their check word (layout.counts_check). */
+static inline uint64_t counts_word(uint32_t running, uint32_t waiting)
+{
+    return ~(((uint64_t)waiting << 32) | running);
+}
+
+static void put_counts(Core *c, long b, uint32_t running, uint32_t waiting)
+{
+    st32(c, b + c->o[P_RUNNING], running);
+    st32(c, b + c->o[P_WAITING], waiting);
+    st64(c, b + c->o[P_COUNTS_CHECK], counts_word(running, waiting));
+}
+
+/* Rebuild running/waiting from the records (the records are the truth). Returns 1 when
+ * the stored counters or a record's state were wrong. */
+static int recount_provider(Core *c, int p)
 {
     uint32_t running = 0, waiting = 0;
+    int wrong = 0;
     for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
         long hb = hbase(c, p, h);
         uint32_t s = ld32(c, hb + c->o[K_STATE]);
@@ -413,12 +544,26 @@ static void recount_provider(Core *c, int p)
             running++;
         else if (s == WAITING)
             waiting++;
-        else if (s != FREE) /* a torn write by a holder that died */
+        else if (s != FREE) { /* a torn write by a holder that died, or garbage */
             st32(c, hb + c->o[K_STATE], FREE);
+            wrong = 1;
+        }
     }
     long b = pbase(c, p);
-    st32(c, b + c->o[P_RUNNING], running);
-    st32(c, b + c->o[P_WAITING], waiting);
+    wrong |= ld32(c, b + c->o[P_RUNNING]) != running || ld32(c, b + c->o[P_WAITING]) != waiting ||
+             ld64(c, b + c->o[P_COUNTS_CHECK]) != counts_word(running, waiting);
+    put_counts(c, b, running, waiting);
+    return wrong;
+}
+
+/* Counters no writer of ours produces (R-A16): out of range, or not matching the check
+ * word written with them. Never obeyed: recounted first. */
+static int counters_damaged(Core *c, long b)
+{
+    uint32_t running = ld32(c, b + c->o[P_RUNNING]);
+    uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
+    return running > (uint32_t)c->o[G_HOLDERS_PER] || waiting > (uint32_t)c->o[G_QUEUE_BOUND] ||
+           ld64(c, b + c->o[P_COUNTS_CHECK]) != counts_word(running, waiting);
 }
 
 static int head_waiter(Core *c, int p)
@@ -438,15 +583,68 @@ static int head_waiter(Core *c, int p)
     return best;
 }
 
+/* --- liveness ------------------------------------------------------------------------ */
+typedef struct { signed char held[MAX_MEMBERS]; } AliveCache;
+
+static int member_byte_held(Core *c, int m, AliveCache *cache)
+{
+    if (cache && cache->held[m] >= 0)
+        return cache->held[m];
+    Target *t = &targets[c->target];
+    int held = t->own[m] != 0 ? 1 : byte_held(t->fd, c->kind, 1 + (off_t)m);
+    if (cache)
+        cache->held[m] = (signed char)held;
+    return held;
+}
+
+/* Is the registration (m, serial) alive? The kernel's word: somebody holds row m's lock
+ * byte. The row must also say (m, serial): a row handed to another process drops the
+ * old registration's records first (register), so a record whose serial its held row
+ * does not carry exists only by damage, and damage is never a reason to reclaim a slot
+ * whose process lives (R-A16): alive, and noted. */
+static int member_alive(Core *c, int m, uint64_t serial, AliveCache *cache)
+{
+    if (m < 0 || m >= c->o[G_MEMBER_COUNT])
+        return 0; /* no process can hold a row that does not exist */
+    if (!member_byte_held(c, m, cache))
+        return 0;
+    long mb = mbase(c, m);
+    if (ld32(c, mb + c->o[M_IN_USE]) == 1 && ld64(c, mb + c->o[M_SERIAL]) == serial)
+        return 1;
+    note_damage(c, "a record's member serial is not its live member row's");
+    return 1;
+}
+
+static int holder_alive(Core *c, long hb, AliveCache *cache)
+{
+    return member_alive(c, ldi32(c, hb + c->o[K_MEMBER]), ld64(c, hb + c->o[K_MEMBER_SERIAL]), cache);
+}
+
+/* The hold time of a record that stops running, into the provider's decayed mean (for
+ * Retry-After). Negative or absurd hold times are no sample. */
+static void note_hold(Core *c, long b, double hold)
+{
+    if (!(hold >= 0.0) || hold > 86400.0)
+        return;
+    double mean = ldd(c, b + c->o[P_HOLD_MEAN]);
+    if (!(mean > 0.0) || mean > 86400.0)
+        mean = hold;
+    else
+        mean = mean + (hold - mean) * HOLD_MEAN_WEIGHT;
+    std_(c, b + c->o[P_HOLD_MEAN], mean);
+}
+
 /* Grant head waiters while there is room; a dead head is reclaimed, never granted. */
-static void pump(Core *c, int p, double now, Rings *rings, AliveCache *cache)
+static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
 {
     long b = pbase(c, p);
+    if (counters_damaged(c, b) && recount_provider(c, p))
+        note_damage(c, "provider counters were written over");
     uint32_t running = ld32(c, b + c->o[P_RUNNING]);
     uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
     if (waiting == 0)
         return;
-    uint32_t limit = (uint32_t)limit_of(c, p, now);
+    uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
     int recounted = 0;
     while (waiting > 0 && running < limit) {
         int h = head_waiter(c, p);
@@ -466,14 +664,14 @@ static void pump(Core *c, int p, double now, Rings *rings, AliveCache *cache)
             inc64(c, b + c->o[P_RECLAIMED]);
             continue;
         }
-        std_(c, hb + c->o[K_SINCE], now);
+        std_(c, hb + c->o[K_SINCE], now.wall);
+        std_(c, hb + c->o[K_SINCE_MONO], now.mono);
         st32(c, hb + c->o[K_STATE], RUNNING);
         running++;
-        ring_add(rings, ldi32(c, hb + c->o[K_MEMBER]));
+        ring_record(c, rings, hb);
         inc64(c, b + c->o[P_ADMITTED]);
     }
-    st32(c, b + c->o[P_WAITING], waiting);
-    st32(c, b + c->o[P_RUNNING], running);
+    put_counts(c, b, running, waiting);
     note_peak(c, b, P_PEAK_RUNNING, running);
 }
 
@@ -484,11 +682,93 @@ static void repair_all(Core *c)
             recount_provider(c, p);
 }
 
+/* Free one member's records, recount and grant. */
+static void drop_member_records(Core *c, int m, uint64_t serial, Now now, Rings *rings, uint32_t *running_freed)
+{
+    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+        long b = pbase(c, p);
+        if (!ld32(c, b + c->o[P_IN_USE]))
+            continue;
+        int freed = 0;
+        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+            long hb = hbase(c, p, h);
+            uint32_t s = ld32(c, hb + c->o[K_STATE]);
+            if (s != FREE && ldi32(c, hb + c->o[K_MEMBER]) == m &&
+                ld64(c, hb + c->o[K_MEMBER_SERIAL]) == serial) {
+                if (s == RUNNING && running_freed)
+                    (*running_freed)++;
+                st32(c, hb + c->o[K_STATE], FREE);
+                freed++;
+            }
+        }
+        if (freed) {
+            recount_provider(c, p);
+            pump(c, p, now, rings, NULL);
+        }
+    }
+}
+
+/* Free this registration's WAITING records, as cancellations (ledger.cancel_waiting):
+ * what close() does first, so that nothing of ours can be granted any more (R-A14). */
+static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
+{
+    uint32_t freed = 0;
+    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+        long b = pbase(c, p);
+        if (!ld32(c, b + c->o[P_IN_USE]))
+            continue;
+        uint32_t here = 0;
+        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+            long hb = hbase(c, p, h);
+            if (ld32(c, hb + c->o[K_STATE]) == WAITING && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
+                ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial) {
+                st32(c, hb + c->o[K_STATE], FREE);
+                here++;
+            }
+        }
+        if (here) {
+            freed += here;
+            st64(c, b + c->o[P_CANCELLED], ld64(c, b + c->o[P_CANCELLED]) + here);
+            recount_provider(c, p);
+            pump(c, p, now, rings, NULL);
+        }
+    }
+    return freed;
+}
+
+/* Free the member row of a process that is gone; its doorbell is removed after the
+ * section (sem_unlink is a file system call). */
+static void free_member_row(Core *c, int m, Rings *rings)
+{
+    long mb = mbase(c, m);
+    st32(c, mb + c->o[M_IN_USE], 0);
+    uint64_t bell = ld64(c, mb + c->o[M_BELL]);
+    if (bell && rings->nunlink < MAX_MEMBERS)
+        rings->unlink[rings->nunlink++] = bell;
+    st64(c, mb + c->o[M_BELL], 0);
+}
+
+/* This process's own member row, as it registered it: repaired if it was written over
+ * (R-A16). The row is ours; nobody else writes it legitimately. */
+static void check_own_row(Core *c)
+{
+    if (c->member < 0)
+        return;
+    long mb = mbase(c, c->member);
+    if (ld32(c, mb + c->o[M_IN_USE]) != 1 || ld64(c, mb + c->o[M_SERIAL]) != c->member_serial ||
+        ld64(c, mb + c->o[M_BELL]) != c->bell) {
+        st64(c, mb + c->o[M_SERIAL], c->member_serial);
+        st64(c, mb + c->o[M_BELL], c->bell);
+        st32(c, mb + c->o[M_IN_USE], 1);
+        note_damage(c, "this process's member row was written over");
+    }
+}
+
 /* Free every record of dead processes (and their member rows); then grant. */
-static uint32_t reap(Core *c, double now, Rings *rings)
+static uint32_t reap(Core *c, Now now, Rings *rings)
 {
     AliveCache cache;
-    memset(cache.known, -1, sizeof cache.known);
+    memset(cache.held, -1, sizeof cache.held);
     uint32_t reclaimed = 0;
     for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
         long b = pbase(c, p);
@@ -511,22 +791,97 @@ static uint32_t reap(Core *c, double now, Rings *rings)
     }
     for (int m = 0; m < c->o[G_MEMBER_COUNT]; m++) {
         long mb = mbase(c, m);
-        if (ld32(c, mb + c->o[M_IN_USE]) && !member_alive(c, m, ld64(c, mb + c->o[M_SERIAL]), &cache))
-            st32(c, mb + c->o[M_IN_USE], 0);
+        if (ld32(c, mb + c->o[M_IN_USE]) && !member_byte_held(c, m, &cache))
+            free_member_row(c, m, rings);
     }
     return reclaimed;
 }
 
-/* --- the lock ------------------------------------------------------------------------ */
-static void to_timespec(double t, struct timespec *ts)
+/* The sweep (R-A5, R-A16): reap, then check every provider's counters against its
+ * records and values against their ranges, and record when it ran. Done at least every
+ * SWEEP_S by whoever needs it first (a waiter, the sidecar's heartbeat): once per host,
+ * not once per process. */
+static uint32_t sweep(Core *c, Now now, Rings *rings)
 {
-    ts->tv_sec = (time_t)t;
-    ts->tv_nsec = (long)((t - (double)ts->tv_sec) * 1e9);
-    if (ts->tv_nsec >= 1000000000L) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000L;
+    uint64_t damage_before = c->damage;
+    check_own_row(c);
+    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+        long b = pbase(c, p);
+        if (!ld32(c, b + c->o[P_IN_USE]))
+            continue;
+        if (ld32(c, b + c->o[P_QUEUE_BOUND]) != (uint32_t)c->o[G_QUEUE_BOUND]) {
+            st32(c, b + c->o[P_QUEUE_BOUND], (uint32_t)c->o[G_QUEUE_BOUND]);
+            note_damage(c, "a provider's queue bound was written over");
+        }
+        if (recount_provider(c, p))
+            note_damage(c, "provider counters disagreed with the records");
+        if (ldi32(c, b + c->o[P_PUBLISHED]) >= 0 &&
+            ldd(c, b + c->o[P_EXPIRES_MONO]) - now.mono > DEADLINE_SLACK_S) {
+            st32(c, b + c->o[P_PUBLISHED], (uint32_t)-1); /* never obeyed: the fallback */
+            note_damage(c, "a published limit's deadline lies too far ahead");
+        }
     }
+    uint32_t reclaimed = reap(c, now, rings);
+    if (c->damage != damage_before) {
+        st32(c, c->o[H_DAMAGE_REPAIRS], ld32(c, c->o[H_DAMAGE_REPAIRS]) + 1);
+        std_(c, c->o[H_DAMAGE_MONO], now.mono);
+        memset(AT(c, c->o[H_DAMAGE_NOTE]), 0, 64);
+        memcpy(AT(c, c->o[H_DAMAGE_NOTE]), c->damage_note, strnlen(c->damage_note, 63));
+    }
+    std_(c, c->o[H_SWEEP_MONO], now.mono);
+    return reclaimed;
 }
+
+/* Is a sweep due? Lock-free: a racing reader sees the old or the new time. */
+static int sweep_due(Core *c)
+{
+    double last = ldd(c, c->o[H_SWEEP_MONO]);
+    double now = deadline_clock();
+    return !(now - last < SWEEP_S) || last > now + 1.0; /* garbage ahead: due */
+}
+
+/* ===== 5. the lock ======================================================================
+ *   KIND_ROBUST  a process-shared robust pthread mutex inside the header (Linux). The
+ *                kernel marks it when its owner dies (EOWNERDEAD); it is never taken
+ *                from a live owner, however long that owner is paused.
+ *   KIND_FILE    an fcntl record lock on byte 0 of a lock file beside the segment (macOS,
+ *                where a shm_open descriptor cannot be locked and robust mutexes do not
+ *                exist; forced on Linux for the tests). The kernel drops it when the
+ *                process dies. Record locks belong to the process, so threads of one
+ *                process are kept apart by an in-process mutex first.
+ * A holder that dies inside a section leaves header.dirty = 1: the next holder recounts
+ * running/waiting from the holder records (R-A6). A lock word no pthread call of ours
+ * can have written is refused before glibc sees it (R-A16). */
+
+#if HAVE_ROBUST && defined(__GLIBC__)
+static int template_kind = -1; /* __kind of a process-shared robust mutex, as glibc sets it */
+
+static void learn_template_kind(void)
+{
+    pthread_mutex_t probe;
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init(&probe, &a);
+    template_kind = probe.__data.__kind;
+    pthread_mutex_destroy(&probe);
+    pthread_mutexattr_destroy(&a);
+}
+
+/* 1 when the mutex could be one pthread_mutex_init of ours made, 0 when its bytes say
+ * otherwise (glibc aborts, or fails with EINVAL, or waits for good on such words). */
+static int mutex_sane(const pthread_mutex_t *mu)
+{
+    if (template_kind < 0)
+        learn_template_kind();
+    int kind = __atomic_load_n(&mu->__data.__kind, __ATOMIC_RELAXED);
+    unsigned int count = __atomic_load_n(&mu->__data.__count, __ATOMIC_RELAXED);
+    return kind == template_kind && count <= 1; /* glibc keeps 1 in a robust one once locked */
+}
+#else
+static int mutex_sane(const void *mu) { (void)mu; return 1; }
+#endif
 
 /* One pause of a poll for a lock that has no timed wait (fcntl record locks): from 0.2 ms,
  * doubling to 2 ms, so that many waiters behind a stopped holder do not spin a core. */
@@ -538,20 +893,29 @@ static void short_nap(long *ns)
         *ns *= 2;
 }
 
-/* 0: entered; 1: busy (try) or deadline passed; -1: error (errno). ``deadline`` is
- * CLOCK_MONOTONIC seconds, 0 for none. */
+#define E_DAMAGED_LOCK (-2)
+
+/* 0: entered; 1: busy (try) or deadline passed; -1: error (errno); E_DAMAGED_LOCK.
+ * ``deadline`` is on the deadline clock, 0 for none. */
 static int enter(Core *c, int blocking, double deadline)
 {
     if (c->kind == KIND_ROBUST) {
 #if HAVE_ROBUST
         pthread_mutex_t *mu = (pthread_mutex_t *)AT(c, c->o[H_MUTEX]);
+        if (!mutex_sane(mu))
+            return E_DAMAGED_LOCK;
         int rc;
         if (!blocking)
             rc = pthread_mutex_trylock(mu);
         else if (deadline > 0) {
+            /* the deadline clock may be BOOTTIME; the wait is on MONOTONIC: convert */
             struct timespec ts;
-            to_timespec(deadline, &ts);
+            to_timespec(clock_read(CLOCK_MONOTONIC) + (deadline - deadline_clock()), &ts);
+#if HAVE_CLOCKWAIT
             rc = pthread_mutex_clocklock(mu, CLOCK_MONOTONIC, &ts);
+#else
+            rc = pthread_mutex_timedlock(mu, &ts);
+#endif
         } else
             rc = pthread_mutex_lock(mu);
         if (rc == EOWNERDEAD) { /* its holder died inside: dirty tells what to repair */
@@ -560,6 +924,8 @@ static int enter(Core *c, int blocking, double deadline)
         }
         if (rc == EBUSY || rc == ETIMEDOUT)
             return 1;
+        if (rc == EINVAL || rc == ENOTRECOVERABLE)
+            return E_DAMAGED_LOCK;
         if (rc != 0) {
             errno = rc;
             return -1;
@@ -575,25 +941,18 @@ static int enter(Core *c, int blocking, double deadline)
             if (pthread_mutex_trylock(&t->mu) != 0)
                 return 1;
         } else if (deadline > 0) {
-#ifdef __linux__
-            struct timespec ts;
-            to_timespec(deadline, &ts);
-            if (pthread_mutex_clocklock(&t->mu, CLOCK_MONOTONIC, &ts) != 0)
-                return 1;
-#else
             while (pthread_mutex_trylock(&t->mu) != 0) {
-                if (mono_now() >= deadline)
+                if (deadline_clock() >= deadline)
                     return 1;
                 short_nap(&nap);
             }
-#endif
         } else
             pthread_mutex_lock(&t->mu);
         int wait = blocking && deadline <= 0;
         while (byte_lock(t->fd, c->kind, 0, F_WRLCK, wait) != 0) {
             int e = errno;
             if (e == EAGAIN || e == EACCES) {
-                if (!blocking || mono_now() >= deadline) {
+                if (!blocking || deadline_clock() >= deadline) {
                     pthread_mutex_unlock(&t->mu);
                     return 1;
                 }
@@ -632,49 +991,130 @@ static void leave_lock(Core *c)
     }
 }
 
-static int any_ring(const Rings *r)
+/* ===== 6. wake-ups ======================================================================
+ * A granted record's owner is told after the lock is let go, one of two ways, chosen by
+ * the owner when it arrived (the record's ``waker``):
+ *   WAKE_FUTEX     its waiting thread sleeps on the record's state word itself (Linux):
+ *                  one wake-up per hand-off, no name, nothing another user can touch.
+ *   WAKE_DOORBELL  its process's doorbell, a named semaphore, is posted; the process's
+ *                  dispatcher looks (async waiters everywhere, every waiter on macOS).
+ * A doorbell's name comes from a random id its owner wrote into its member row when it
+ * registered (names.doorbell_name): nobody who cannot read the segment can guess it,
+ * and a doorbell of another segment or registration is never posted (R-A15). Where the
+ * platform shows a semaphore's owner (Linux), a doorbell is posted only when its owner
+ * is one this segment trusts (R-G6). */
+static int bell_owner_ok(Core *c, const char *name)
+{
+    if (c->flags & F_NO_SEM_OWNER)
+        return 1; /* macOS: unguessable names instead */
+#ifdef __linux__
+    char path[96];
+    snprintf(path, sizeof path, "/dev/shm/sem.%s", name + 1);
+    struct stat st;
+    if (lstat(path, &st) != 0 || !S_ISREG(st.st_mode) || (st.st_mode & (S_IWOTH | S_IROTH)))
+        return 0;
+    if (c->group >= 0 && (long)st.st_gid != c->group)
+        return 0;
+    for (int i = 0; i < c->nowners; i++)
+        if (st.st_uid == c->owners[i])
+            return 1;
+    return 0;
+#else
+    return 1;
+#endif
+}
+
+static void post_member(Core *c, int m)
+{
+    uint64_t bell = ld64(c, mbase(c, m) + c->o[M_BELL]);
+    if (bell == 0)
+        return; /* no doorbell (not registered any more) */
+    pthread_mutex_lock(&c->bell_mu);
+    sem_t *s = c->bells[m];
+    if (s == NULL || c->bell_ids[m] != bell) {
+        if (s)
+            sem_close(s);
+        char name[40];
+        snprintf(name, sizeof name, BELL_FORMAT, (unsigned long long)bell);
+        s = bell_owner_ok(c, name) ? sem_open(name, 0) : SEM_FAILED;
+        if (s == SEM_FAILED)
+            s = NULL;
+        c->bells[m] = s;
+        c->bell_ids[m] = bell;
+    }
+    if (s)
+        sem_post(s);
+    pthread_mutex_unlock(&c->bell_mu);
+}
+
+#if HAVE_FUTEX
+static long futex_op(void *addr, int op, uint32_t val, const struct timespec *rel)
+{
+    return syscall(SYS_futex, addr, op, val, rel, NULL, 0);
+}
+#endif
+
+static void wake_records(Core *c, Rings *r)
+{
+#if HAVE_FUTEX
+    for (int i = 0; i < r->nfutex; i++)
+        futex_op(AT(c, r->futex[i]), FUTEX_WAKE, INT32_MAX, NULL);
+    if (r->futex_overflow) /* more than one section's room: wake every futex waiter */
+        for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
+            for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+                long hb = hbase(c, p, h);
+                if (ld32(c, hb + c->o[K_WAKER]) == WAKE_FUTEX)
+                    futex_op(AT(c, hb + c->o[K_STATE]), FUTEX_WAKE, INT32_MAX, NULL);
+            }
+#else
+    (void)c;
+    (void)r;
+#endif
+}
+
+static int rings_pending(const Rings *r)
 {
     for (int w = 0; w < MAX_MEMBERS / 64; w++)
         if (r->bits[w])
             return 1;
-    return 0;
+    return r->nfutex || r->futex_overflow || r->nunlink;
 }
 
-static void ring(Core *c, Rings *r)
+static void deliver(Core *c, Rings *r)
 {
+    wake_records(c, r);
     for (int w = 0; w < MAX_MEMBERS / 64; w++) {
         uint64_t bits = r->bits[w];
         while (bits) {
             int m = w * 64 + __builtin_ctzll(bits);
             bits &= bits - 1;
-            pthread_mutex_lock(&c->bell_mu);
-            sem_t *s = c->bells[m];
-            if (s == NULL) {
-                char name[80];
-                snprintf(name, sizeof name, "%s.d%d", c->bell_prefix, m);
-                s = sem_open(name, 0);
-                if (s == SEM_FAILED)
-                    s = NULL; /* its owner makes it when registering; nobody to wake */
-                c->bells[m] = s;
-            }
-            pthread_mutex_unlock(&c->bell_mu);
-            if (s)
-                sem_post(s);
+            post_member(c, m);
         }
+    }
+    for (int i = 0; i < r->nunlink; i++) {
+        char name[40];
+        snprintf(name, sizeof name, BELL_FORMAT, (unsigned long long)r->unlink[i]);
+        sem_unlink(name);
     }
 }
 
-/* --- Python glue --------------------------------------------------------------------- */
-/* Post the doorbells collected in a section, with the GIL released; nothing to do is free. */
-#define RING(c, r)                                             \
+/* Deliver the wake-ups collected in a section, with the GIL released; none is free. */
+#define DELIVER(c, r)                                          \
     do {                                                       \
-        if (any_ring(r)) {                                     \
+        if (rings_pending(r)) {                                \
             Py_BEGIN_ALLOW_THREADS                             \
-            ring((c), (r));                                    \
+            deliver((c), (r));                                 \
             Py_END_ALLOW_THREADS                               \
         }                                                      \
     } while (0)
-static PyObject *CoreError;
+
+/* ===== 7. Core methods ===================================================================
+ * One Python call = one locked step. The lock is tried once with the GIL held: an
+ * uncontended lock then costs no GIL hand-off, and the section (pure C, microseconds,
+ * never waiting) runs while no other thread of this process runs at all. Only when the
+ * lock is busy is the GIL released, and then the wait, the section and the unlock all
+ * happen before it is taken back: the lock is never held while this thread waits for
+ * the GIL (R-A11). */
 
 static int usable(Core *c)
 {
@@ -693,21 +1133,20 @@ static int usable(Core *c)
     return 1;
 }
 
-static PyObject *lock_error(void)
+static PyObject *lock_error(Core *c, int rc)
 {
-    return PyErr_Format(CoreError, "segment lock: %s", strerror(errno));
+    if (rc == E_DAMAGED_LOCK)
+        return PyErr_Format(DamagedLock,
+                            "segment %s: its lock word is damaged (no lock call of ours wrote it); stop "
+                            "its handlers and sidecar, then 'gateway-capacity inspect --segment %s "
+                            "--unlink --force' and start them again",
+                            c->name, c->name);
+    return PyErr_Format(CoreError, "segment %s: lock: %s", c->name, strerror(errno));
 }
 
-/* Run ``body`` under the lock. Sets rc: 0 done, 1 busy, -1 error.
- *
- * First one non-blocking try with the GIL held: an uncontended lock then costs no GIL
- * hand-off, and the section (pure C, microseconds, no waiting) runs while no other
- * thread of this process runs at all. Only when the lock is busy is the GIL released,
- * and then the wait, the section and the unlock all happen before it is taken back: the
- * lock is never held while this thread waits for the GIL (R-A11). */
 #define LOCKED(c, blocking, deadline, rc, body)                \
     do {                                                      \
-        (c)->busy++;                                          \
+        BUSY_ADD(c, 1);                                       \
         rc = enter((c), 0, 0.0);                              \
         if (rc == 0) {                                        \
             body;                                             \
@@ -721,12 +1160,11 @@ static PyObject *lock_error(void)
             }                                                 \
             Py_END_ALLOW_THREADS                              \
         }                                                     \
-        (c)->busy--;                                          \
+        BUSY_ADD(c, -1);                                      \
     } while (0)
 
 /* Does target ``t`` carry ``stamp`` at STAMP_AT? Read through the table's descriptor
- * (opening and closing another would drop this process's record locks); the GIL is
- * released for the read. */
+ * (opening and closing another would drop this process's record locks). */
 static int stamp_matches(int t, const char *stamp, Py_ssize_t stamp_len)
 {
     char seen[256];
@@ -741,35 +1179,50 @@ static int stamp_matches(int t, const char *stamp, Py_ssize_t stamp_len)
 
 static void Core_dealloc(Core *c)
 {
+    PyTypeObject *tp = Py_TYPE((PyObject *)c);
     if (!c->closed && c->target >= 0 && c->fork_gen == fork_generation)
         target_release(c->target);
     for (int m = 0; m < MAX_MEMBERS; m++)
         if (c->bells[m])
             sem_close(c->bells[m]);
+    if (c->own_bell && c->fork_gen == fork_generation)
+        sem_close(c->own_bell);
     if (c->have_view)
         PyBuffer_Release(&c->view);
-    Py_TYPE(c)->tp_free((PyObject *)c);
+    Py_XDECREF(c->slow_enter);
+    Py_XDECREF(c->slow_aenter);
+    Py_XDECREF(c->slow_aexit);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(c);
+    Py_DECREF(tp);
 }
 
 static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    Core *c = (Core *)type->tp_alloc(type, 0);
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    Core *c = (Core *)alloc(type, 0);
     if (c) { /* zero is a real index: a Core never opened must release no one's target */
         c->target = -1;
         c->member = -1;
+        c->group = -1;
     }
     return (PyObject *)c;
 }
 
+/* Core(buffer, offsets, kind, target, target_is_shm, segment, stamp, flags, owners,
+ *      group, identity) */
 static int Core_init(Core *c, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"buffer", "offsets", "kind", "target", "target_is_shm", "segment", "stamp", NULL};
-    PyObject *buffer, *offsets;
-    int kind, is_shm;
+    static char *kwlist[] = {"buffer", "offsets", "kind", "target", "target_is_shm", "segment", "stamp",
+                             "flags", "owners", "group", "identity", NULL};
+    PyObject *buffer, *offsets, *owners = NULL, *identity = NULL;
+    int kind, is_shm, flags = 0;
+    long group = -1;
     const char *target, *segment, *stamp = NULL;
     Py_ssize_t stamp_len = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!isps|y#", kwlist, &buffer, &PyDict_Type, &offsets,
-                                     &kind, &target, &is_shm, &segment, &stamp, &stamp_len))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!isps|y#iOlO", kwlist, &buffer, &PyDict_Type, &offsets,
+                                     &kind, &target, &is_shm, &segment, &stamp, &stamp_len, &flags,
+                                     &owners, &group, &identity))
         return -1;
     if (stamp_len > 256) {
         PyErr_SetString(PyExc_ValueError, "stamp too long");
@@ -781,6 +1234,8 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
     }
     c->target = -1;
     c->member = -1;
+    c->flags = flags;
+    c->group = group;
     pthread_mutex_init(&c->bell_mu, NULL);
     for (int i = 0; i < NFIELDS; i++) {
         PyObject *v = PyDict_GetItemString(offsets, FIELD_NAMES[i]);
@@ -796,6 +1251,22 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "too many members for the core");
         return -1;
     }
+    if (owners && owners != Py_None) {
+        PyObject *seq = PySequence_Tuple(owners);
+        if (!seq)
+            return -1;
+        Py_ssize_t n = PyTuple_Size(seq);
+        for (Py_ssize_t i = 0; i < n && c->nowners < MAX_OWNERS; i++) {
+            long uid = PyLong_AsLong(PyTuple_GetItem(seq, i));
+            if (uid == -1 && PyErr_Occurred()) {
+                Py_DECREF(seq);
+                return -1;
+            }
+            c->owners[c->nowners++] = (uid_t)uid;
+        }
+        Py_DECREF(seq);
+    } else
+        c->owners[c->nowners++] = geteuid();
     if (kind != KIND_FILE && !(kind == KIND_ROBUST && HAVE_ROBUST)) {
         PyErr_Format(CoreError, "lock kind %d is not available on this system", kind);
         return -1;
@@ -813,11 +1284,18 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "the buffer is smaller than the layout");
         return -1;
     }
-    if (strlen(segment) >= sizeof c->bell_prefix) {
+    if (strlen(segment) >= sizeof c->name) {
         PyErr_SetString(PyExc_ValueError, "segment name too long");
         return -1;
     }
-    strcpy(c->bell_prefix, segment);
+    strcpy(c->name, segment);
+    if (identity && identity != Py_None) {
+        unsigned long long dev, ino;
+        if (!PyArg_ParseTuple(identity, "KK", &dev, &ino))
+            return -1;
+        c->seg_dev = (dev_t)dev;
+        c->seg_ino = (ino_t)ino;
+    }
     c->kind = kind;
     c->fork_gen = fork_generation;
     int t;
@@ -828,25 +1306,37 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
         PyErr_Format(CoreError, "cannot open the lock target %s: %s", target, strerror(errno));
         return -1;
     }
-    if (stamp_len > 0) {
+    if (stamp_len > 0 && !stamp_matches(t, stamp, stamp_len)) {
         /* The lock file must be the one the segment's creator made (it wrote the stamp):
-         * another file (a different lock directory in this process's environment, or a
-         * file removed and made again) would lock nothing the others lock, and every
-         * other process's members would look dead through it. Read through the table's
-         * descriptor: opening and closing another would drop our record locks. */
-        if (!stamp_matches(t, stamp, stamp_len)) {
-            target_release(t);
-            PyErr_Format(CoreError,
-                         "lock file %s is not the one this segment was created with (another "
-                         "lock directory, or the file was removed and made again); give every "
-                         "process the same lock directory, or stop every process of this "
-                         "gateway and remove the segment",
-                         target);
-            return -1;
-        }
+         * another file would lock nothing the others lock, and every other process's
+         * members would look dead through it. */
+        target_release(t);
+        PyErr_Format(CoreError,
+                     "lock file %s is not the one this segment was created with (another "
+                     "lock directory, or the file was removed and made again); give every "
+                     "process the same lock directory, or stop every process of this "
+                     "gateway and remove the segment",
+                     target);
+        return -1;
     }
     c->target = t;
     return 0;
+}
+
+/* set_slow_paths(enter, aenter, aexit): the Python callables the slot context managers
+ * call when the fast path (admitted at once / released at once) does not apply. */
+static PyObject *Core_set_slow_paths(Core *c, PyObject *args)
+{
+    PyObject *e, *ae, *ax;
+    if (!PyArg_ParseTuple(args, "OOO", &e, &ae, &ax))
+        return NULL;
+    Py_XDECREF(c->slow_enter);
+    Py_XDECREF(c->slow_aenter);
+    Py_XDECREF(c->slow_aexit);
+    c->slow_enter = Py_NewRef(e);
+    c->slow_aenter = Py_NewRef(ae);
+    c->slow_aexit = Py_NewRef(ax);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Core_close(Core *c, PyObject *unused)
@@ -860,6 +1350,9 @@ static PyObject *Core_close(Core *c, PyObject *unused)
     c->closed = 1;
     if (c->target >= 0 && c->fork_gen == fork_generation)
         target_release(c->target);
+    if (c->own_bell && c->fork_gen == fork_generation)
+        sem_close(c->own_bell); /* no thread waits on it: busy was 0 */
+    c->own_bell = NULL;
     if (c->have_view) {
         PyBuffer_Release(&c->view);
         c->have_view = 0;
@@ -869,146 +1362,214 @@ static PyObject *Core_close(Core *c, PyObject *unused)
 
 static double deadline_arg(double timeout)
 {
-    return timeout < 0 ? 0.0 : mono_now() + (timeout > 0 ? timeout : 1e-9);
+    return timeout < 0 ? 0.0 : deadline_clock() + (timeout > 0 ? timeout : 1e-9);
 }
 
-/* arrive(ticket, provider, pid, now, may_wait, blocking, timeout) -> decision code */
-static PyObject *Core_arrive(Core *c, PyObject *args)
+/* 1 the name leads to the object we mapped, 0 it does not (removed or replaced by hand),
+ * -1 cannot tell (R-A15). Opens and closes a descriptor of the shm object, which drops
+ * no lock of ours (OFD locks belong to their own descriptions; the file kind locks the
+ * lock file, not the object). */
+static int name_leads_here(Core *c)
 {
-    Ticket *tk;
-    int p, may_wait, blocking;
-    unsigned int pid;
-    double now, timeout;
-    if (!PyArg_ParseTuple(args, "O!iIdppd", &TicketType, &tk, &p, &pid, &now, &may_wait, &blocking, &timeout))
-        return NULL;
-    if (!usable(c))
-        return NULL;
-    if (c->member < 0) {
-        PyErr_SetString(CoreError, "not registered");
-        return NULL;
-    }
-    if (p < 0 || p >= c->o[G_PROVIDER_COUNT] || tk->live) {
-        PyErr_SetString(PyExc_ValueError, "bad provider or a ticket in use");
-        return NULL;
-    }
-    int rc, decision = R_FULL;
-    double deadline = deadline_arg(timeout);
-    Rings rings = {{0}};
-    Py_XSETREF(tk->core, (Core *)Py_NewRef(c)); /* before: a live ticket always knows its core */
-    LOCKED(c, blocking, deadline, rc, {
-        now = section_now(now);
-        long b = pbase(c, p);
-        for (int attempt = 0; attempt < 2; attempt++) {
-            uint32_t running = ld32(c, b + c->o[P_RUNNING]);
-            uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
-            uint32_t bound = ld32(c, b + c->o[P_QUEUE_BOUND]);
-            uint32_t limit = (uint32_t)limit_of(c, p, now);
-            if (waiting == 0 && running < limit)
-                decision = R_ADMIT;
-            else if (waiting >= bound)
+    if (c->seg_ino == 0)
+        return -1;
+    int fd = shm_open(c->name, O_RDONLY, 0);
+    if (fd < 0)
+        return errno == ENOENT ? 0 : -1;
+    struct stat st;
+    int answer = fstat(fd, &st) != 0 ? -1 : (st.st_dev == c->seg_dev && st.st_ino == c->seg_ino);
+    close(fd);
+    return answer;
+}
+
+/* At most every SWEEP_S, an arrival compares the name with the mapping first: a handler
+ * notices within one sweep that the name leads elsewhere (R-A15). */
+static int name_moved(Core *c)
+{
+    if (c->moved)
+        return 1;
+    double now = deadline_clock();
+    if (now - c->named_checked_at < SWEEP_S)
+        return 0;
+    c->named_checked_at = now;
+    if (name_leads_here(c) == 0)
+        c->moved = 1;
+    return c->moved;
+}
+
+/* The arrival section (ledger.Ledger.arrive). */
+static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, int may_wait, int futex,
+                         Rings *rings)
+{
+    if (c->member < 0 || c->closing)
+        return R_CLOSED; /* unregistered or closing meanwhile: nothing may run (R-A14) */
+    check_own_row(c);
+    long b = pbase(c, p);
+    int decision = R_FULL;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        if (counters_damaged(c, b) && recount_provider(c, p))
+            note_damage(c, "provider counters were written over");
+        uint32_t running = ld32(c, b + c->o[P_RUNNING]);
+        uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
+        uint32_t bound = (uint32_t)c->o[G_QUEUE_BOUND];
+        uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
+        if (waiting == 0 && running < limit)
+            decision = R_ADMIT;
+        else if (waiting >= bound)
+            decision = R_FULL;
+        else
+            decision = R_WAIT;
+        int h = -1;
+        if (decision != R_FULL) {
+            for (int i = 0; i < c->o[G_HOLDERS_PER]; i++)
+                if (ld32(c, hbase(c, p, i) + c->o[K_STATE]) == FREE) {
+                    h = i;
+                    break;
+                }
+            if (h < 0)
                 decision = R_FULL;
-            else
-                decision = R_WAIT;
-            int h = -1;
-            if (decision != R_FULL) {
-                for (int i = 0; i < c->o[G_HOLDERS_PER]; i++)
-                    if (ld32(c, hbase(c, p, i) + c->o[K_STATE]) == FREE) {
-                        h = i;
-                        break;
-                    }
-                if (h < 0)
-                    decision = R_FULL;
-            }
-            if (decision == R_FULL && attempt == 0) { /* dead processes may hold places */
-                reap(c, now, &rings);
-                continue;
-            }
-            if (decision == R_FULL) {
-                inc64(c, b + c->o[P_REJECTED]);
-                break;
-            }
-            if (decision == R_WAIT && !may_wait) {
-                decision = R_WAIT_REFUSED;
-                break;
-            }
-            long hb = hbase(c, p, h);
-            uint64_t serial = ld64(c, hb + c->o[K_SERIAL]) + 1;
-            uint64_t ticket = 0;
-            if (decision == R_WAIT) {
-                ticket = ld64(c, b + c->o[P_NEXT_TICKET]) + 1;
-                st64(c, b + c->o[P_NEXT_TICKET], ticket);
-            }
-            st32(c, hb + c->o[K_PID], pid);
-            st64(c, hb + c->o[K_MEMBER_SERIAL], c->member_serial);
-            st64(c, hb + c->o[K_TICKET], ticket);
-            st64(c, hb + c->o[K_SERIAL], serial);
-            st32(c, hb + c->o[K_MEMBER], (uint32_t)c->member);
-            std_(c, hb + c->o[K_SINCE], now);
-            /* the ticket is ours before the lock is let go: an exception that lands
-             * after this call returns still finds it (R-A12) */
-            tk->provider = p;
-            tk->holder = h;
-            tk->serial = serial;
-            tk->fork_gen = c->fork_gen;
-            tk->live = 1;
-            if (decision == R_ADMIT) {
-                st32(c, hb + c->o[K_STATE], RUNNING); /* state last */
-                st32(c, b + c->o[P_RUNNING], running + 1);
-                note_peak(c, b, P_PEAK_RUNNING, running + 1);
-                inc64(c, b + c->o[P_ADMITTED]);
-            } else {
-                st32(c, hb + c->o[K_STATE], WAITING);
-                st32(c, b + c->o[P_WAITING], waiting + 1);
-                note_peak(c, b, P_PEAK_WAITING, waiting + 1);
-            }
+        }
+        if (decision == R_FULL && attempt == 0) {
+            /* Before refusing: are the counters true? (Dead places are the sweep's.) */
+            if (recount_provider(c, p))
+                note_damage(c, "provider counters disagreed with the records");
+            continue;
+        }
+        if (decision == R_FULL) {
+            inc64(c, b + c->o[P_REJECTED]);
             break;
         }
+        if (decision == R_WAIT && !may_wait) {
+            decision = R_WAIT_REFUSED;
+            break;
+        }
+        long hb = hbase(c, p, h);
+        uint64_t serial = ld64(c, hb + c->o[K_SERIAL]) + 1;
+        uint64_t ticket = 0;
+        if (decision == R_WAIT) {
+            ticket = ld64(c, b + c->o[P_NEXT_TICKET]) + 1;
+            st64(c, b + c->o[P_NEXT_TICKET], ticket);
+        }
+        st32(c, hb + c->o[K_PID], pid);
+        st64(c, hb + c->o[K_MEMBER_SERIAL], c->member_serial);
+        st64(c, hb + c->o[K_TICKET], ticket);
+        st64(c, hb + c->o[K_SERIAL], serial);
+        st32(c, hb + c->o[K_MEMBER], (uint32_t)c->member);
+        std_(c, hb + c->o[K_SINCE], now.wall);
+        std_(c, hb + c->o[K_SINCE_MONO], now.mono);
+        st32(c, hb + c->o[K_WAKER], futex ? WAKE_FUTEX : WAKE_DOORBELL);
+        /* the ticket is ours before the lock is let go: an exception that lands after
+         * this call returns still finds it (R-A12) */
+        tk->provider = p;
+        tk->holder = h;
+        tk->serial = serial;
+        tk->fork_gen = c->fork_gen;
+        tk->futex = futex;
+        tk->live = 1;
+        tk->running = decision == R_ADMIT;
+        if (decision == R_ADMIT) {
+            st32(c, hb + c->o[K_STATE], RUNNING); /* state last */
+            put_counts(c, b, running + 1, waiting);
+            note_peak(c, b, P_PEAK_RUNNING, running + 1);
+            inc64(c, b + c->o[P_ADMITTED]);
+        } else {
+            st32(c, hb + c->o[K_STATE], WAITING);
+            put_counts(c, b, running, waiting + 1);
+            note_peak(c, b, P_PEAK_WAITING, waiting + 1);
+        }
+        break;
+    }
+    (void)rings;
+    return decision;
+}
+
+static void set_core(Ticket *tk, Core *c)
+{
+    if (tk->core != c) {
+        Core *old = tk->core;
+        tk->core = (Core *)Py_NewRef((PyObject *)c);
+        Py_XDECREF((PyObject *)old);
+    }
+}
+
+/* The arrival, on ticket ``tk``, as one call. Returns the decision, or -1 with an
+ * exception set. */
+static int do_arrive(Core *c, Ticket *tk, int p, unsigned int pid, double given, int may_wait, int blocking,
+                     double timeout, int futex)
+{
+    if (!usable(c))
+        return -1;
+    if (p < 0 || p >= c->o[G_PROVIDER_COUNT] || tk->live || tk->busy) {
+        PyErr_SetString(PyExc_ValueError, "bad provider or a ticket in use");
+        return -1;
+    }
+    if (futex && ((c->flags & F_NO_FUTEX) || !HAVE_FUTEX))
+        futex = 0;
+    if (!c->closing && given <= 0 && name_moved(c))
+        return R_MOVED; /* the caller moves to what the name leads to now */
+    int rc, decision = R_FULL;
+    double deadline = deadline_arg(timeout);
+    Rings rings;
+    memset(&rings, 0, sizeof rings);
+    set_core(tk, c); /* before: a live ticket always knows its core */
+    tk->busy = 1;
+    LOCKED(c, blocking, deadline, rc, {
+        Now now = section_now(given);
+        decision = arrive_locked(c, tk, p, pid, now, may_wait, futex, &rings);
     });
-    if (rc < 0)
-        return lock_error();
+    tk->busy = 0;
+    if (rc < 0 || rc == E_DAMAGED_LOCK) {
+        lock_error(c, rc);
+        return -1;
+    }
     if (rc == 1)
-        return PyLong_FromLong(R_BUSY);
-    if (tk->live)
+        return R_BUSY;
+    if (tk->live) {
         c->held++;
-    RING(c, &rings);
-    return PyLong_FromLong(decision);
+        if (tk->running)
+            c->held_running++;
+    }
+    DELIVER(c, &rings);
+    return decision;
 }
 
-/* The decayed mean hold time of a provider's running slots (Retry-After hints): the
- * same arithmetic as ledger.py, in the same order (no fused multiply-add: setup.py). */
-#define HOLD_MEAN_WEIGHT 0.2
-static void note_hold(Core *c, long b, double hold)
+/* arrive(ticket, provider, pid, now, may_wait, blocking, timeout, futex=False) -> code */
+static PyObject *Core_arrive(Core *c, PyObject *args)
 {
-    if (!(hold >= 0.0) || hold > 86400.0) /* a clock step, or garbage: not a hold time */
-        return;
-    double mean = ldd(c, b + c->o[P_HOLD_MEAN]);
-    if (!(mean > 0.0) || mean > 86400.0)
-        mean = hold;
-    else
-        mean = mean + (hold - mean) * HOLD_MEAN_WEIGHT;
-    std_(c, b + c->o[P_HOLD_MEAN], mean);
+    PyObject *tko;
+    int p, may_wait, blocking, futex = 0;
+    unsigned int pid;
+    double now, timeout;
+    if (!PyArg_ParseTuple(args, "O!iIdppd|p", TicketType, &tko, &p, &pid, &now, &may_wait, &blocking,
+                          &timeout, &futex))
+        return NULL;
+    int code = do_arrive(c, (Ticket *)tko, p, pid, now, may_wait, blocking, timeout, futex);
+    return code < 0 ? NULL : PyLong_FromLong(code);
 }
 
-/* The section of leave(): free the ticket's record if it is still ours. */
-static int leave_locked(Core *c, Ticket *tk, int outcome, double now, Rings *rings)
+/* The leave section (ledger.Ledger.leave): free the ticket's record if it is still ours.
+ * 0 stale, 1 was running, 2 was waiting. */
+static int leave_locked(Core *c, Ticket *tk, int outcome, Now now, Rings *rings)
 {
-    int was = 0; /* 0 stale, 1 running, 2 waiting */
+    int was = 0;
     int p = tk->provider;
     long b = pbase(c, p);
     long hb = hbase(c, p, tk->holder);
     uint32_t state = ld32(c, hb + c->o[K_STATE]);
-    if (ld64(c, hb + c->o[K_SERIAL]) == tk->serial && state != FREE &&
+    if (ld64(c, hb + c->o[K_SERIAL]) == tk->serial && (state == RUNNING || state == WAITING) &&
         ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
         ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial) {
+        if (counters_damaged(c, b) && recount_provider(c, p))
+            note_damage(c, "provider counters were written over");
         st32(c, hb + c->o[K_STATE], FREE);
         uint32_t running = ld32(c, b + c->o[P_RUNNING]);
         uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
         if (state == RUNNING) {
-            st32(c, b + c->o[P_RUNNING], running ? running - 1 : 0);
-            note_hold(c, b, now - ldd(c, hb + c->o[K_SINCE]));
+            put_counts(c, b, running ? running - 1 : 0, waiting);
+            note_hold(c, b, now.mono - ldd(c, hb + c->o[K_SINCE_MONO]));
             was = 1;
         } else {
-            st32(c, b + c->o[P_WAITING], waiting ? waiting - 1 : 0);
+            put_counts(c, b, running, waiting ? waiting - 1 : 0);
             was = 2;
         }
         if (outcome == OUT_TIMEOUT)
@@ -1017,134 +1578,440 @@ static int leave_locked(Core *c, Ticket *tk, int outcome, double now, Rings *rin
             inc64(c, b + c->o[P_CANCELLED]);
         pump(c, p, now, rings, NULL);
     }
+    return was;
+}
+
+/* Bookkeeping after a ticket stopped being live. */
+static void ticket_done(Core *c, Ticket *tk)
+{
+    if (tk->live) {
+        c->held--;
+        if (tk->running)
+            c->held_running--;
+    }
     tk->live = 0;
+    tk->running = 0;
+}
+
+/* leave ``tk`` with ``outcome``: -1 busy (non-blocking), 0 stale, 1 running, 2 waiting;
+ * -2 with an exception set. */
+static int do_leave(Ticket *tk, int outcome, double given, int blocking)
+{
+    Core *c = tk->core;
+    if (!tk->live || tk->busy || c == NULL)
+        return 0;
+    if (c->closed || c->fork_gen != fork_generation || tk->fork_gen != c->fork_gen) {
+        tk->live = 0; /* close() released it already, or a forked child's copy */
+        tk->running = 0;
+        return 0;
+    }
+    int rc, was = 0;
+    Rings rings;
+    memset(&rings, 0, sizeof rings);
+    tk->busy = 1; /* a second release in another thread is a no-op, never a double free */
+    LOCKED(c, blocking, 0.0, rc, {
+        Now now = section_now(given);
+        was = leave_locked(c, tk, outcome, now, &rings);
+    });
+    tk->busy = 0;
+    if (rc < 0 || rc == E_DAMAGED_LOCK) {
+        lock_error(c, rc);
+        return -2;
+    }
+    if (rc == 1)
+        return -1;
+    ticket_done(c, tk);
+    DELIVER(c, &rings);
     return was;
 }
 
 /* leave(ticket, outcome, now, blocking) -> -1 busy, 0 stale, 1 was running, 2 was waiting */
 static PyObject *Core_leave(Core *c, PyObject *args)
 {
-    Ticket *tk;
+    PyObject *tko;
     int outcome, blocking;
     double now;
-    if (!PyArg_ParseTuple(args, "O!idp", &TicketType, &tk, &outcome, &now, &blocking))
+    if (!PyArg_ParseTuple(args, "O!idp", TicketType, &tko, &outcome, &now, &blocking))
         return NULL;
-    if (!tk->live)
-        return PyLong_FromLong(0);
-    if (!usable(c))
+    Ticket *tk = (Ticket *)tko;
+    if (tk->core != c || !tk->live)
+        return PyLong_FromLong(0); /* another registration's ticket, or done: not ours */
+    if (!c->closed && !usable(c))
         return NULL;
-    if (tk->core != c) /* another registration's ticket: not ours to touch */
-        return PyLong_FromLong(0);
-    if (tk->fork_gen != c->fork_gen) { /* a forked child's copy of its parent's ticket */
-        tk->live = 0;
-        return PyLong_FromLong(0);
-    }
-    int rc, was = 0;
-    Rings rings = {{0}};
-    LOCKED(c, blocking, 0.0, rc, { now = section_now(now); was = leave_locked(c, tk, outcome, now, &rings); });
-    if (rc < 0)
-        return lock_error();
-    if (rc == 1)
-        return PyLong_FromLong(-1);
-    c->held--;
-    Py_CLEAR(tk->core);
-    RING(c, &rings);
-    return PyLong_FromLong(was);
+    int was = do_leave(tk, outcome, now, blocking);
+    return was == -2 ? NULL : PyLong_FromLong(was);
 }
 
-/* state(ticket) -> the record's state while it is this ticket's, else 0 (FREE). Lock-free:
- * every write here is one aligned store, so a reader sees the old or the new value. */
-static PyObject *Core_state(Core *c, PyObject *arg)
+/* The record's state while it is this ticket's, else FREE. Lock-free: every write of a
+ * record is one aligned store, so a reader sees the old or the new value. */
+static uint32_t ticket_state(Core *c, Ticket *tk)
 {
-    if (!PyObject_TypeCheck(arg, &TicketType)) {
-        PyErr_SetString(PyExc_TypeError, "a Ticket");
-        return NULL;
-    }
-    Ticket *tk = (Ticket *)arg;
-    if (!usable(c))
-        return NULL;
-    if (!tk->live)
-        return PyLong_FromLong(FREE);
+    if (!tk->live || tk->core != c || c->closed)
+        return FREE;
     long hb = hbase(c, tk->provider, tk->holder);
     uint32_t state = ld32(c, hb + c->o[K_STATE]);
     if (ld64(c, hb + c->o[K_SERIAL]) != tk->serial)
-        state = FREE;
+        return FREE;
+    return state;
+}
+
+static PyObject *Core_state(Core *c, PyObject *arg)
+{
+    if (!PyObject_TypeCheck(arg, TicketType)) {
+        PyErr_SetString(PyExc_TypeError, "a Ticket");
+        return NULL;
+    }
+    if (!usable(c))
+        return NULL;
+    Ticket *tk = (Ticket *)arg;
+    uint32_t state = ticket_state(c, tk);
+    if (state == RUNNING && tk->live && !tk->running) {
+        tk->running = 1;
+        c->held_running++;
+    }
     return PyLong_FromLong(state);
 }
 
-static PyObject *Core_reap(Core *c, PyObject *args)
+/* A sweep if one is due, when the lock is free at once (a try: whoever has it is doing
+ * something, maybe the sweep). Returns what it reclaimed; the GIL may be released. */
+static uint32_t sweep_if_due(Core *c)
 {
-    double now;
+    uint32_t reclaimed = 0;
+    if (!sweep_due(c))
+        return 0;
+    Rings rings;
+    memset(&rings, 0, sizeof rings);
+    BUSY_ADD(c, 1);
+    int rc = enter(c, 0, 0.0);
+    if (rc == 0) {
+        if (sweep_due(c)) /* someone else may have swept between the look and the lock */
+            reclaimed = sweep(c, section_now(0.0), &rings);
+        leave_lock(c);
+    }
+    BUSY_ADD(c, -1);
+    if (rc == 0)
+        deliver(c, &rings);
+    return reclaimed;
+}
+
+/* wait(ticket, timeout) -> W_*: the waiting thread sleeps on its record's state word
+ * (Linux futex) until it is granted, freed, the timeout passes, close() or a move tells
+ * it to stop. Every SWEEP_S it looks whether the host's sweep is due (R-A5) and does it.
+ * The GIL is released throughout; a signal returns to Python long enough to run its
+ * handlers (a KeyboardInterrupt then propagates, and the caller leaves the record). */
+static PyObject *Core_wait(Core *c, PyObject *args)
+{
+    PyObject *tko;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "O!d", TicketType, &tko, &timeout))
+        return NULL;
+    Ticket *tk = (Ticket *)tko;
+    if (!usable(c))
+        return NULL;
+#if HAVE_FUTEX
+    if (!tk->futex || tk->core != c) {
+        PyErr_SetString(PyExc_ValueError, "wait() is for a ticket that arrived with futex=True");
+        return NULL;
+    }
+    double deadline = timeout < 0 ? 0.0 : deadline_clock() + timeout;
+    long hb = hbase(c, tk->provider, tk->holder);
+    uint32_t *word = (uint32_t *)AT(c, hb + c->o[K_STATE]);
+    int result = 0;
+    uint32_t reclaimed = 0;
+    for (;;) {
+        int interrupted = 0;
+        BUSY_ADD(c, 1);
+        Py_BEGIN_ALLOW_THREADS
+        for (;;) {
+            uint32_t state = ticket_state(c, tk);
+            if (state == RUNNING) {
+                result = W_GRANTED;
+                break;
+            }
+            if (state != WAITING) {
+                result = W_GONE;
+                break;
+            }
+            if (c->closing) {
+                result = W_CLOSED;
+                break;
+            }
+            if (c->moved) {
+                result = W_MOVED;
+                break;
+            }
+            double now = deadline_clock();
+            if (deadline > 0 && now >= deadline) {
+                result = W_TIMEOUT;
+                break;
+            }
+            reclaimed += sweep_if_due(c);
+            /* a little jitter, so that many waiters do not look all at once */
+            double nap = SWEEP_S * (0.75 + 0.5 * ((double)(hb % 97) / 97.0));
+            if (deadline > 0 && deadline - now < nap)
+                nap = deadline - now;
+            struct timespec rel;
+            to_timespec(nap, &rel);
+            long r = futex_op(word, FUTEX_WAIT, WAITING, &rel);
+            if (r != 0 && errno == EINTR) {
+                interrupted = 1;
+                break;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        BUSY_ADD(c, -1);
+        if (!interrupted)
+            break;
+        if (PyErr_CheckSignals() < 0)
+            return NULL; /* a handler raised: the caller's cleanup leaves the record */
+    }
+    if (result == W_GRANTED && !tk->running) {
+        tk->running = 1;
+        c->held_running++;
+    }
+    return Py_BuildValue("iI", result, reclaimed);
+#else
+    PyErr_SetString(PyExc_NotImplementedError, "futex waits need Linux");
+    return NULL;
+#endif
+}
+
+/* dispatch(period, watched) -> (changed, reclaimed, posts): this process's doorbell
+ * waiter. Sleeps on the doorbell and comes back to Python only when there is something
+ * to do: a post (a grant for a watched ticket, a new watch, close), a move, a reclaim to
+ * report, or, when ``period`` >= 0, every ``period`` seconds (Python looks for waiters
+ * whose event loop is gone). While this process holds or watches anything it keeps the
+ * host's sweep going (R-A5): where the platform has timed semaphore waits the doorbell
+ * wait times out every SWEEP_S, in C, without the GIL; elsewhere (macOS) a ticker posts.
+ * Returns the tickets of ``watched`` whose records are not WAITING any more (granted,
+ * freed), or all of them when closing or moved. */
+static PyObject *Core_dispatch(Core *c, PyObject *args)
+{
+    double period;
+    PyObject *watched;
+    if (!PyArg_ParseTuple(args, "dO", &period, &watched))
+        return NULL;
+    if (!usable(c))
+        return NULL;
+    if (c->own_bell == NULL) {
+        PyErr_SetString(CoreError, "not registered");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Tuple(watched);
+    if (!seq)
+        return NULL;
+    int nwatched = (int)PyTuple_Size(seq);
+    sem_t *bell = c->own_bell;
+    int posts = 0;
+    uint32_t reclaimed = 0;
+    int timed = !(c->flags & F_NO_SEM_TIMEOUT);
+    BUSY_ADD(c, 1);
+    Py_BEGIN_ALLOW_THREADS
+    double started = deadline_clock();
+    for (;;) {
+        int rc;
+        if (timed) {
+            struct timespec ts;
+#if HAVE_CLOCKWAIT
+            to_timespec(clock_read(CLOCK_MONOTONIC) + SWEEP_S, &ts);
+            rc = sem_clockwait(bell, CLOCK_MONOTONIC, &ts);
+#else
+            to_timespec(clock_read(CLOCK_REALTIME) + SWEEP_S, &ts);
+            rc = sem_timedwait(bell, &ts);
+#endif
+        } else
+            rc = sem_wait(bell);
+        if (rc == 0)
+            posts++;
+        while (sem_trywait(bell) == 0)
+            posts++;
+        if (c->closing)
+            break;
+        if (c->held > 0 || nwatched > 0) {
+            reclaimed += sweep_if_due(c);
+            if (nwatched > 0 || c->held > 0)
+                name_moved(c); /* a process that only waits or holds notices a move too */
+        }
+        if (posts || reclaimed || c->moved || !timed)
+            break;
+        if (period >= 0 && deadline_clock() - started >= period)
+            break;
+    }
+    Py_END_ALLOW_THREADS
+    BUSY_ADD(c, -1);
+    PyObject *changed = PyList_New(0);
+    for (Py_ssize_t i = 0; changed && i < nwatched; i++) {
+        PyObject *o = PyTuple_GetItem(seq, i);
+        if (!PyObject_TypeCheck(o, TicketType))
+            continue;
+        Ticket *tk = (Ticket *)o;
+        if (c->closing || c->moved || ticket_state(c, tk) != WAITING)
+            if (PyList_Append(changed, o) < 0)
+                Py_CLEAR(changed);
+    }
+    Py_DECREF(seq);
+    if (!changed)
+        return NULL;
+    return Py_BuildValue("NIi", changed, reclaimed, posts);
+}
+
+/* post_own(): wake this process's dispatcher (a new watch, close, a move). */
+static PyObject *Core_post_own(Core *c, PyObject *unused)
+{
+    if (c->own_bell && c->fork_gen == fork_generation)
+        sem_post(c->own_bell);
+    Py_RETURN_NONE;
+}
+
+/* Wake every thread of ours that waits on a record of this core (close, move). */
+static void wake_own_waiters(Core *c)
+{
+#if HAVE_FUTEX
+    if (c->member < 0)
+        return;
+    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+        if (!ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+            continue;
+        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+            long hb = hbase(c, p, h);
+            if (ld32(c, hb + c->o[K_STATE]) == WAITING && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
+                ld32(c, hb + c->o[K_WAKER]) == WAKE_FUTEX)
+                futex_op(AT(c, hb + c->o[K_STATE]), FUTEX_WAKE, INT32_MAX, NULL);
+        }
+    }
+#else
+    (void)c;
+#endif
+}
+
+/* begin_close(now) -> waiting records freed: refuse every arrival from now on, free this
+ * registration's WAITING records (no grant can reach them after this), and tell every
+ * waiter of ours; running records stay until their bodies end or close() cuts them. */
+static PyObject *Core_begin_close(Core *c, PyObject *args)
+{
+    double given;
+    if (!PyArg_ParseTuple(args, "d", &given))
+        return NULL;
+    c->closing = 1;
+    if (c->closed || c->fork_gen != fork_generation || c->member < 0)
+        return PyLong_FromLong(0);
+    int rc;
+    uint32_t freed = 0;
+    Rings rings;
+    memset(&rings, 0, sizeof rings);
+    Py_BEGIN_ALLOW_THREADS
+    wake_own_waiters(c); /* before the records are freed: they are still WAITING here */
+    Py_END_ALLOW_THREADS
+    LOCKED(c, 1, 0.0, rc, { freed = cancel_own_waiting(c, section_now(given), &rings); });
+    if (rc < 0 || rc == E_DAMAGED_LOCK)
+        return lock_error(c, rc);
+    Py_BEGIN_ALLOW_THREADS
+    if (c->own_bell)
+        sem_post(c->own_bell);
+    Py_END_ALLOW_THREADS
+    DELIVER(c, &rings);
+    return PyLong_FromUnsignedLong(freed);
+}
+
+/* retire(): the segment's name leads elsewhere now; waiters here move (R-A15). */
+static PyObject *Core_retire(Core *c, PyObject *unused)
+{
+    c->moved = 1;
+    if (c->closed || c->fork_gen != fork_generation)
+        Py_RETURN_NONE;
+    Py_BEGIN_ALLOW_THREADS
+    wake_own_waiters(c);
+    if (c->own_bell)
+        sem_post(c->own_bell);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* still_named() -> 1 the name leads to the object we mapped, 0 it does not, -1 unknown. */
+static PyObject *Core_still_named(Core *c, PyObject *unused)
+{
+    int answer;
+    Py_BEGIN_ALLOW_THREADS
+    answer = name_leads_here(c);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(answer);
+}
+
+static PyObject *Core_sweep(Core *c, PyObject *args)
+{
+    double given;
     int blocking = 1;
-    if (!PyArg_ParseTuple(args, "d|p", &now, &blocking))
+    if (!PyArg_ParseTuple(args, "d|p", &given, &blocking))
         return NULL;
     if (!usable(c))
         return NULL;
     int rc;
     uint32_t reclaimed = 0;
-    Rings rings = {{0}};
-    LOCKED(c, blocking, 0.0, rc, { now = section_now(now); reclaimed = reap(c, now, &rings); });
-    if (rc < 0)
-        return lock_error();
+    Rings rings;
+    memset(&rings, 0, sizeof rings);
+    LOCKED(c, blocking, 0.0, rc, { reclaimed = sweep(c, section_now(given), &rings); });
+    if (rc < 0 || rc == E_DAMAGED_LOCK)
+        return lock_error(c, rc);
     if (rc == 1)
         return PyLong_FromLong(-1);
-    RING(c, &rings);
+    DELIVER(c, &rings);
+    return PyLong_FromUnsignedLong(reclaimed);
+}
+
+static PyObject *Core_reap(Core *c, PyObject *args)
+{
+    double given;
+    int blocking = 1;
+    if (!PyArg_ParseTuple(args, "d|p", &given, &blocking))
+        return NULL;
+    if (!usable(c))
+        return NULL;
+    int rc;
+    uint32_t reclaimed = 0;
+    Rings rings;
+    memset(&rings, 0, sizeof rings);
+    LOCKED(c, blocking, 0.0, rc, { reclaimed = reap(c, section_now(given), &rings); });
+    if (rc < 0 || rc == E_DAMAGED_LOCK)
+        return lock_error(c, rc);
+    if (rc == 1)
+        return PyLong_FromLong(-1);
+    DELIVER(c, &rings);
     return PyLong_FromUnsignedLong(reclaimed);
 }
 
 static PyObject *Core_pump_all(Core *c, PyObject *args)
 {
-    double now;
-    if (!PyArg_ParseTuple(args, "d", &now))
+    double given;
+    if (!PyArg_ParseTuple(args, "d", &given))
         return NULL;
     if (!usable(c))
         return NULL;
     int rc;
-    Rings rings = {{0}};
+    Rings rings;
+    memset(&rings, 0, sizeof rings);
     LOCKED(c, 1, 0.0, rc, {
-        now = section_now(now);
+        Now now = section_now(given);
         for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
             if (ld32(c, pbase(c, p) + c->o[P_IN_USE]))
                 pump(c, p, now, &rings, NULL);
     });
-    if (rc < 0)
-        return lock_error();
-    RING(c, &rings);
+    if (rc < 0 || rc == E_DAMAGED_LOCK)
+        return lock_error(c, rc);
+    DELIVER(c, &rings);
     Py_RETURN_NONE;
 }
 
-/* Free one member's records, recount and grant; the lock is held. */
-static void drop_member_records(Core *c, int m, uint64_t serial, double now, Rings *rings)
-{
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
-        long b = pbase(c, p);
-        if (!ld32(c, b + c->o[P_IN_USE]))
-            continue;
-        int freed = 0;
-        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
-            long hb = hbase(c, p, h);
-            if (ld32(c, hb + c->o[K_STATE]) != FREE && ldi32(c, hb + c->o[K_MEMBER]) == m &&
-                ld64(c, hb + c->o[K_MEMBER_SERIAL]) == serial) {
-                st32(c, hb + c->o[K_STATE], FREE);
-                freed++;
-            }
-        }
-        if (freed) {
-            recount_provider(c, p);
-            pump(c, p, now, rings, NULL);
-        }
-    }
-}
-
-/* register(pid, start, label, major, minor, now) -> (member, serial); -1 when full */
+/* register(pid, start, label, major, minor, now, bell) -> (member, serial); -1 when full.
+ * ``bell`` is the id of the doorbell the caller created for this registration. */
 static PyObject *Core_register(Core *c, PyObject *args)
 {
     unsigned int pid;
-    double start, now;
+    double start, given;
     const char *label;
     Py_ssize_t label_len;
     int major, minor;
-    if (!PyArg_ParseTuple(args, "Idy#iid", &pid, &start, &label, &label_len, &major, &minor, &now))
+    unsigned long long bell = 0;
+    if (!PyArg_ParseTuple(args, "Idy#iid|K", &pid, &start, &label, &label_len, &major, &minor, &given, &bell))
         return NULL;
     if (!usable(c))
         return NULL;
@@ -1154,20 +2021,29 @@ static PyObject *Core_register(Core *c, PyObject *args)
     }
     if (label_len > c->o[G_LABEL_BYTES])
         label_len = c->o[G_LABEL_BYTES];
+    sem_t *own = NULL;
+    if (bell) {
+        char name[40];
+        snprintf(name, sizeof name, BELL_FORMAT, bell);
+        own = sem_open(name, 0);
+        if (own == SEM_FAILED)
+            return PyErr_Format(CoreError, "cannot open this process's doorbell %s: %s", name, strerror(errno));
+    }
     int rc, got = -1;
     uint64_t serial = 0;
-    Rings rings = {{0}};
+    Rings rings;
+    memset(&rings, 0, sizeof rings);
     Target *t = &targets[c->target];
     LOCKED(c, 1, 0.0, rc, {
-        now = section_now(now);
+        Now now = section_now(given);
         for (int m = 0; m < c->o[G_MEMBER_COUNT] && got < 0; m++) {
             long mb = mbase(c, m);
             uint64_t old = ld64(c, mb + c->o[M_SERIAL]);
             if (ld32(c, mb + c->o[M_IN_USE])) {
-                if (member_alive(c, m, old, NULL))
+                if (member_byte_held(c, m, NULL))
                     continue;
-                drop_member_records(c, m, old, now, &rings); /* its owner died */
-                st32(c, mb + c->o[M_IN_USE], 0);
+                drop_member_records(c, m, old, now, &rings, NULL); /* its owner died */
+                free_member_row(c, m, &rings);
             }
             if (t->own[m] != 0)
                 continue;
@@ -1180,53 +2056,67 @@ static PyObject *Core_register(Core *c, PyObject *args)
             st64(c, mb + c->o[M_SERIAL], serial);
             *(uint16_t *)AT(c, mb + c->o[M_MAJOR]) = (uint16_t)major;
             *(uint16_t *)AT(c, mb + c->o[M_MINOR]) = (uint16_t)minor;
-            std_(c, mb + c->o[M_ATTACHED_AT], now);
+            std_(c, mb + c->o[M_ATTACHED_AT], now.wall);
             memset(AT(c, mb + c->o[M_LABEL]), 0, c->o[G_LABEL_BYTES]);
             memcpy(AT(c, mb + c->o[M_LABEL]), label, label_len);
+            st64(c, mb + c->o[M_BELL], bell);
             st32(c, mb + c->o[M_IN_USE], 1); /* last */
             t->own[m] = serial;
             got = m;
+            c->member = m;
+            c->member_serial = serial;
+            c->bell = bell;
         }
     });
-    if (rc < 0)
-        return lock_error();
-    if (got >= 0) {
-        c->member = got;
-        c->member_serial = serial;
+    if (rc < 0 || rc == E_DAMAGED_LOCK) {
+        if (own)
+            sem_close(own);
+        return lock_error(c, rc);
     }
-    RING(c, &rings);
+    if (got >= 0)
+        c->own_bell = own;
+    else if (own)
+        sem_close(own);
+    DELIVER(c, &rings);
     return Py_BuildValue("iK", got, (unsigned long long)serial);
 }
 
-/* unregister(now): free every record of this registration, the member row, its lock. */
+/* unregister(now) -> running records it freed: every record of this registration, the
+ * member row and its lock byte go, in one section; from its start no arrival of ours can
+ * write a record (R-A14). */
 static PyObject *Core_unregister(Core *c, PyObject *args)
 {
-    double now;
-    if (!PyArg_ParseTuple(args, "d", &now))
+    double given;
+    if (!PyArg_ParseTuple(args, "d", &given))
         return NULL;
     if (!usable(c))
         return NULL;
     if (c->member < 0)
-        Py_RETURN_NONE;
+        return PyLong_FromLong(0);
     int m = c->member, rc;
     uint64_t serial = c->member_serial;
-    Rings rings = {{0}};
+    uint32_t cut = 0;
+    Rings rings;
+    memset(&rings, 0, sizeof rings);
     Target *t = &targets[c->target];
     LOCKED(c, 1, 0.0, rc, {
-        now = section_now(now);
-        drop_member_records(c, m, serial, now, &rings);
+        Now now = section_now(given);
+        c->member = -1; /* inside the section: an arrival waiting for the lock sees it */
+        drop_member_records(c, m, serial, now, &rings, &cut);
         long mb = mbase(c, m);
-        if (ld64(c, mb + c->o[M_SERIAL]) == serial)
+        if (ld64(c, mb + c->o[M_SERIAL]) == serial) {
             st32(c, mb + c->o[M_IN_USE], 0);
+            st64(c, mb + c->o[M_BELL], 0);
+        }
         t->own[m] = 0;
         byte_lock(t->fd, c->kind, 1 + (off_t)m, F_UNLCK, 0);
     });
-    if (rc < 0)
-        return lock_error();
-    c->member = -1;
+    if (rc < 0 || rc == E_DAMAGED_LOCK)
+        return lock_error(c, rc);
     c->held = 0;
-    RING(c, &rings);
-    Py_RETURN_NONE;
+    c->held_running = 0;
+    DELIVER(c, &rings);
+    return PyLong_FromUnsignedLong(cut);
 }
 
 /* ensure_provider(id, fallback, source, flags, queue_bound, reason) -> (index, created);
@@ -1267,6 +2157,7 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
             }
             memcpy(AT(c, b + c->o[P_ID]), padded, c->o[G_ID_BYTES]);
             st32(c, b + c->o[P_QUEUE_BOUND], (uint32_t)bound);
+            put_counts(c, b, 0, 0);
             st32(c, b + c->o[P_PUBLISHED], (uint32_t)-1);
             st32(c, b + c->o[P_DISCOVERED], (uint32_t)-1);
             st32(c, b + c->o[P_FALLBACK], (uint32_t)fallback);
@@ -1280,8 +2171,8 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
             break;
         }
     });
-    if (rc < 0)
-        return lock_error();
+    if (rc < 0 || rc == E_DAMAGED_LOCK)
+        return lock_error(c, rc);
     return Py_BuildValue("ii", index, created);
 }
 
@@ -1293,16 +2184,16 @@ typedef struct { long off; Py_ssize_t len; const char *src; } Patch;
 
 static int parse_patches(Core *c, PyObject *seq, Patch **out, Py_ssize_t *n, PyObject **keep)
 {
-    PyObject *fast = PySequence_Fast(seq, "a sequence of (offset, bytes)");
-    if (!fast)
+    PyObject *tuple = PySequence_Tuple(seq);
+    if (!tuple)
         return -1;
-    *keep = fast;
-    *n = PySequence_Fast_GET_SIZE(fast);
+    *keep = tuple;
+    *n = PyTuple_Size(tuple);
     *out = PyMem_Calloc(*n ? *n : 1, sizeof(Patch));
     if (!*out)
         return -1;
     for (Py_ssize_t i = 0; i < *n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        PyObject *item = PyTuple_GetItem(tuple, i);
         long off;
         const char *src;
         Py_ssize_t len;
@@ -1322,9 +2213,9 @@ static int parse_patches(Core *c, PyObject *seq, Patch **out, Py_ssize_t *n, PyO
 static PyObject *Core_transact(Core *c, PyObject *args)
 {
     PyObject *guards, *writes;
-    int do_pump;
-    double now;
-    if (!PyArg_ParseTuple(args, "OOpd", &guards, &writes, &do_pump, &now))
+    int do_pump, do_sweep = 0;
+    double given;
+    if (!PyArg_ParseTuple(args, "OOpd|p", &guards, &writes, &do_pump, &given, &do_sweep))
         return NULL;
     if (!usable(c))
         return NULL;
@@ -1333,24 +2224,27 @@ static PyObject *Core_transact(Core *c, PyObject *args)
     PyObject *kg = NULL, *kw = NULL, *result = NULL;
     if (parse_patches(c, guards, &g, &ng, &kg) == 0 && parse_patches(c, writes, &w, &nw, &kw) == 0) {
         int rc, ok = 1;
-        Rings rings = {{0}};
+        Rings rings;
+        memset(&rings, 0, sizeof rings);
         LOCKED(c, 1, 0.0, rc, {
-            now = section_now(now);
+            Now now = section_now(given);
             for (Py_ssize_t i = 0; i < ng && ok; i++)
                 ok = memcmp(AT(c, g[i].off), g[i].src, g[i].len) == 0;
             if (ok) {
                 for (Py_ssize_t i = 0; i < nw; i++)
                     memcpy(AT(c, w[i].off), w[i].src, w[i].len);
-                if (do_pump)
+                if (do_sweep)
+                    sweep(c, now, &rings);
+                else if (do_pump)
                     for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
                         if (ld32(c, pbase(c, p) + c->o[P_IN_USE]))
                             pump(c, p, now, &rings, NULL);
             }
         });
-        if (rc < 0)
-            lock_error();
+        if (rc < 0 || rc == E_DAMAGED_LOCK)
+            lock_error(c, rc);
         else {
-            RING(c, &rings);
+            DELIVER(c, &rings);
             result = PyBool_FromLong(ok);
         }
     }
@@ -1369,18 +2263,248 @@ static PyObject *Core_snapshot(Core *c, PyObject *unused)
     PyObject *out = PyBytes_FromStringAndSize(NULL, c->o[G_TOTAL_SIZE]);
     if (!out)
         return NULL;
-    char *dst = PyBytes_AS_STRING(out);
+    char *dst = PyBytes_AsString(out);
     int rc;
     LOCKED(c, 1, 0.0, rc, { memcpy(dst, c->base, c->o[G_TOTAL_SIZE]); });
-    if (rc < 0) {
+    if (rc < 0 || rc == E_DAMAGED_LOCK) {
         Py_DECREF(out);
-        return lock_error();
+        return lock_error(c, rc);
     }
     return out;
 }
 
-/* hold_lock(dirty=False): tests only. Take the lock and never let it go, as a process
- * frozen inside a section would. */
+/* own_records() -> (running, waiting): this registration's records, read lock-free
+ * (close() waits for the running to end). */
+static PyObject *Core_own_records(Core *c, PyObject *unused)
+{
+    if (!usable(c))
+        return NULL;
+    long running = 0, waiting = 0;
+    if (c->member >= 0)
+        for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+            if (!ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+                continue;
+            for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+                long hb = hbase(c, p, h);
+                uint32_t s = ld32(c, hb + c->o[K_STATE]);
+                if (s != FREE && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
+                    ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial) {
+                    if (s == RUNNING)
+                        running++;
+                    else if (s == WAITING)
+                        waiting++;
+                }
+            }
+        }
+    return Py_BuildValue("ll", running, waiting);
+}
+
+/* take_events() -> (lock repairs, damage repairs, damage note): since the last call. */
+static PyObject *Core_take_events(Core *c, PyObject *unused)
+{
+    uint64_t repaired = c->repaired, damage = c->damage;
+    c->repaired = 0;
+    c->damage = 0;
+    return Py_BuildValue("KKs", (unsigned long long)repaired, (unsigned long long)damage, c->damage_note);
+}
+
+static PyObject *Core_get_member(Core *c, void *closure)
+{
+    return Py_BuildValue("iK", c->member, (unsigned long long)c->member_serial);
+}
+
+static PyObject *Core_get_busy(Core *c, void *closure) { return PyLong_FromLong(__atomic_load_n(&c->busy, __ATOMIC_RELAXED)); }
+static PyObject *Core_get_held(Core *c, void *closure) { return PyLong_FromLong(c->held); }
+static PyObject *Core_get_held_running(Core *c, void *closure) { return PyLong_FromLong(c->held_running); }
+static PyObject *Core_get_closing(Core *c, void *closure) { return PyBool_FromLong(c->closing); }
+static PyObject *Core_get_moved(Core *c, void *closure) { return PyBool_FromLong(c->moved); }
+
+/* ===== 8. Ticket =========================================================================
+ * One holder record's handle, filled in by the core before the lock is let go (R-A12).
+ * It is also the slot context manager: ``with Ticket(core, p, timeout)`` and ``async
+ * with`` run the fast path here, in C, with no Python frame (admitted at once, released
+ * at once); anything else (waiting, refusals, a busy lock on the event loop) goes to
+ * the Python callables the core was given (Core.set_slow_paths). A ticket dropped while
+ * its record lives frees the record in its deallocator: the last line of R-A12. */
+
+static PyObject *Ticket_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    Ticket *t = (Ticket *)alloc(type, 0);
+    if (t) {
+        t->provider = -1;
+        t->holder = -1;
+        t->timeout = -1.0;
+    }
+    return (PyObject *)t;
+}
+
+/* Ticket(core=None, provider=-1, timeout=None) */
+static int Ticket_init(Ticket *t, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"core", "provider", "timeout", NULL};
+    PyObject *core = Py_None, *timeout = Py_None;
+    int provider = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OiO", kwlist, &core, &provider, &timeout))
+        return -1;
+    if (t->live) {
+        PyErr_SetString(PyExc_ValueError, "a live ticket");
+        return -1;
+    }
+    if (core != Py_None) {
+        if (!PyObject_TypeCheck(core, CoreType)) {
+            PyErr_SetString(PyExc_TypeError, "core must be a Core");
+            return -1;
+        }
+        set_core(t, (Core *)core);
+    }
+    t->provider = provider;
+    if (timeout == Py_None)
+        t->timeout = -1.0;
+    else {
+        t->timeout = PyFloat_AsDouble(timeout);
+        if (t->timeout == -1.0 && PyErr_Occurred())
+            return -1;
+        if (t->timeout < 0)
+            t->timeout = 0.0;
+    }
+    return 0;
+}
+
+static void Ticket_dealloc(Ticket *t)
+{
+    PyTypeObject *tp = Py_TYPE((PyObject *)t);
+    Core *c = t->core;
+    if (t->live && !t->busy && c && !c->closed && t->fork_gen == fork_generation &&
+        c->fork_gen == fork_generation) {
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        if (do_leave(t, OUT_CANCELLED, 0.0, 1) == -2)
+            PyErr_Clear();
+        PyErr_Restore(et, ev, tb);
+    }
+    t->live = 0;
+    PyObject *core_ref = (PyObject *)t->core;
+    t->core = NULL;
+    Py_XDECREF(core_ref);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(t);
+    Py_DECREF(tp);
+}
+
+static PyObject *Ticket_enter(Ticket *t, PyObject *unused)
+{
+    Core *c = t->core;
+    if (c == NULL) {
+        PyErr_SetString(PyExc_ValueError, "a ticket without a core");
+        return NULL;
+    }
+    int code = do_arrive(c, t, t->provider, (unsigned int)getpid(), 0.0, 1, 1, t->timeout, 1);
+    if (code < 0)
+        return NULL;
+    if (code == R_ADMIT)
+        Py_RETURN_NONE;
+    if (c->slow_enter == NULL) {
+        PyErr_Format(CoreError, "no slow path for decision %d", code);
+        return NULL;
+    }
+    return PyObject_CallFunction(c->slow_enter, "Oi", (PyObject *)t, code);
+}
+
+static PyObject *Ticket_exit(Ticket *t, PyObject *args)
+{
+    if (t->live && do_leave(t, OUT_RELEASED, 0.0, 1) == -2)
+        return NULL;
+    Py_RETURN_FALSE;
+}
+
+static PyObject *Ticket_aenter(Ticket *t, PyObject *unused)
+{
+    Core *c = t->core;
+    if (c == NULL) {
+        PyErr_SetString(PyExc_ValueError, "a ticket without a core");
+        return NULL;
+    }
+    /* one try-lock step on the loop (microseconds, R-A11); never waits here */
+    int code = do_arrive(c, t, t->provider, (unsigned int)getpid(), 0.0, 1, 0, -1.0, 0);
+    if (code < 0)
+        return NULL;
+    if (code == R_ADMIT)
+        return Py_NewRef(DONE);
+    if (c->slow_aenter == NULL) {
+        PyErr_Format(CoreError, "no slow path for decision %d", code);
+        return NULL;
+    }
+    return PyObject_CallFunction(c->slow_aenter, "Oi", (PyObject *)t, code);
+}
+
+static PyObject *Ticket_aexit(Ticket *t, PyObject *args)
+{
+    if (!t->live)
+        return Py_NewRef(DONE);
+    int was = do_leave(t, OUT_RELEASED, 0.0, 0);
+    if (was == -2)
+        return NULL;
+    if (was != -1)
+        return Py_NewRef(DONE);
+    Core *c = t->core; /* the lock is busy: leave off the loop */
+    if (c == NULL || c->slow_aexit == NULL)
+        return Py_NewRef(DONE);
+    return PyObject_CallFunction(c->slow_aexit, "O", (PyObject *)t);
+}
+
+/* leave(outcome, blocking=True) -> as Core.leave, on the ticket's own core. */
+static PyObject *Ticket_leave(Ticket *t, PyObject *args)
+{
+    int outcome, blocking = 1;
+    if (!PyArg_ParseTuple(args, "i|p", &outcome, &blocking))
+        return NULL;
+    int was = do_leave(t, outcome, 0.0, blocking);
+    return was == -2 ? NULL : PyLong_FromLong(was);
+}
+
+/* rebind(core, provider): a ticket that is not live moves to another core, where its
+ * provider may have another row (R-A15). */
+static PyObject *Ticket_rebind(Ticket *t, PyObject *args)
+{
+    PyObject *core;
+    int provider;
+    if (!PyArg_ParseTuple(args, "O!i", CoreType, &core, &provider))
+        return NULL;
+    if (t->live || t->busy) {
+        PyErr_SetString(PyExc_ValueError, "a live ticket stays with its core");
+        return NULL;
+    }
+    set_core(t, (Core *)core);
+    t->provider = provider;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ticket_get_provider(Ticket *t, void *x) { return PyLong_FromLong(t->provider); }
+static PyObject *Ticket_get_holder(Ticket *t, void *x) { return PyLong_FromLong(t->holder); }
+static PyObject *Ticket_get_serial(Ticket *t, void *x) { return PyLong_FromUnsignedLongLong(t->serial); }
+static PyObject *Ticket_get_live(Ticket *t, void *x) { return PyBool_FromLong(t->live); }
+static PyObject *Ticket_get_futex(Ticket *t, void *x) { return PyBool_FromLong(t->futex); }
+static PyObject *Ticket_get_core(Ticket *t, void *x) { return Py_NewRef(t->core ? (PyObject *)t->core : Py_None); }
+static PyObject *Ticket_get_timeout(Ticket *t, void *x)
+{
+    if (t->timeout < 0)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(t->timeout);
+}
+
+static PyObject *Ticket_repr(Ticket *t)
+{
+    return PyUnicode_FromFormat("<Ticket provider=%d holder=%d serial=%llu%s>", t->provider, t->holder,
+                                (unsigned long long)t->serial, t->live ? " live" : "");
+}
+
+/* ===== 9. tests only ======================================================================
+ * What a test needs to play a process frozen or killed inside the lock, and a death that
+ * drops a registration's lock byte. Nothing in the product calls these. */
+
+/* hold_lock(dirty=False): take the lock and never let it go, as a process frozen inside
+ * a section would. */
 static PyObject *Core_hold_lock(Core *c, PyObject *args)
 {
     int dirty = 0;
@@ -1393,7 +2517,7 @@ static PyObject *Core_hold_lock(Core *c, PyObject *args)
     rc = enter(c, 1, 0.0);
     Py_END_ALLOW_THREADS
     if (rc != 0)
-        return lock_error();
+        return lock_error(c, rc);
     if (dirty) /* as if killed mid-write: counters that disagree with the records */
         for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
             if (ld32(c, pbase(c, p) + c->o[P_IN_USE]))
@@ -1401,9 +2525,9 @@ static PyObject *Core_hold_lock(Core *c, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* abandon(): tests only. What the kernel does to a registration when its process dies:
- * the member's lock byte is dropped; the row and the records stay as they were. This
- * object is unusable afterwards. */
+/* abandon(): what the kernel does to a registration when its process dies: the member's
+ * lock byte is dropped; the row and the records stay as they were. This object is
+ * unusable afterwards. */
 static PyObject *Core_abandon(Core *c, PyObject *unused)
 {
     if (!usable(c))
@@ -1423,9 +2547,9 @@ static PyObject *Core_abandon(Core *c, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* die_in_section(running): tests only. Enter the lock, write ``running`` over every
- * provider's counter, and let the lock go with ``dirty`` still set, as the kernel does
- * when a holder dies in the middle of a section. */
+/* die_in_section(running): enter the lock, write ``running`` over every provider's
+ * counter, and let the lock go with ``dirty`` still set, as the kernel does when a
+ * holder dies in the middle of a section. */
 static PyObject *Core_die_in_section(Core *c, PyObject *args)
 {
     unsigned int running;
@@ -1451,127 +2575,108 @@ static PyObject *Core_die_in_section(Core *c, PyObject *args)
     }
     Py_END_ALLOW_THREADS
     if (rc != 0)
-        return lock_error();
+        return lock_error(c, rc);
     Py_RETURN_NONE;
 }
 
-static PyObject *Core_take_repaired(Core *c, PyObject *unused)
-{
-    uint64_t n = c->repaired;
-    c->repaired = 0;
-    return PyLong_FromUnsignedLongLong(n);
-}
-
-static PyObject *Core_get_member(Core *c, void *closure)
-{
-    return Py_BuildValue("iK", c->member, (unsigned long long)c->member_serial);
-}
-
 static PyMethodDef Core_methods[] = {
-    {"arrive", (PyCFunction)Core_arrive, METH_VARARGS, "arrive(ticket, provider, pid, now, may_wait, blocking, timeout) -> code"},
+    {"arrive", (PyCFunction)Core_arrive, METH_VARARGS, "arrive(ticket, provider, pid, now, may_wait, blocking, timeout, futex=False) -> code"},
     {"leave", (PyCFunction)Core_leave, METH_VARARGS, "leave(ticket, outcome, now, blocking) -> -1 busy, 0 stale, 1 running, 2 waiting"},
     {"state", (PyCFunction)Core_state, METH_O, "state(ticket) -> record state (lock-free)"},
+    {"wait", (PyCFunction)Core_wait, METH_VARARGS, "wait(ticket, timeout) -> (W_*, reclaimed): sleep on the record (Linux)"},
+    {"dispatch", (PyCFunction)Core_dispatch, METH_VARARGS, "dispatch(period, watched) -> (changed, reclaimed, posts)"},
+    {"post_own", (PyCFunction)Core_post_own, METH_NOARGS, "wake this process's dispatcher"},
+    {"begin_close", (PyCFunction)Core_begin_close, METH_VARARGS, "begin_close(now) -> waiting records freed"},
+    {"retire", (PyCFunction)Core_retire, METH_NOARGS, "the name leads elsewhere: waiters move"},
+    {"still_named", (PyCFunction)Core_still_named, METH_NOARGS, "1 same object, 0 replaced or gone, -1 unknown"},
+    {"sweep", (PyCFunction)Core_sweep, METH_VARARGS, "sweep(now, blocking=True) -> reclaimed, -1 busy"},
     {"reap", (PyCFunction)Core_reap, METH_VARARGS, "reap(now, blocking=True) -> reclaimed, -1 busy"},
     {"pump_all", (PyCFunction)Core_pump_all, METH_VARARGS, "pump_all(now)"},
-    {"register", (PyCFunction)Core_register, METH_VARARGS, "register(pid, start, label, major, minor, now) -> (member, serial)"},
-    {"unregister", (PyCFunction)Core_unregister, METH_VARARGS, "unregister(now)"},
+    {"register", (PyCFunction)Core_register, METH_VARARGS, "register(pid, start, label, major, minor, now, bell=0) -> (member, serial)"},
+    {"unregister", (PyCFunction)Core_unregister, METH_VARARGS, "unregister(now) -> running records cut"},
     {"ensure_provider", (PyCFunction)Core_ensure_provider, METH_VARARGS, "ensure_provider(id, fallback, source, flags, bound, reason) -> (index, created)"},
-    {"transact", (PyCFunction)Core_transact, METH_VARARGS, "transact(guards, writes, pump, now) -> bool"},
+    {"transact", (PyCFunction)Core_transact, METH_VARARGS, "transact(guards, writes, pump, now, sweep=False) -> bool"},
     {"snapshot", (PyCFunction)Core_snapshot, METH_NOARGS, "snapshot() -> bytes"},
+    {"own_records", (PyCFunction)Core_own_records, METH_NOARGS, "(running, waiting) records of this registration"},
+    {"take_events", (PyCFunction)Core_take_events, METH_NOARGS, "(lock repairs, damage repairs, note) since the last call"},
+    {"set_slow_paths", (PyCFunction)Core_set_slow_paths, METH_VARARGS, "set_slow_paths(enter, aenter, aexit)"},
+    {"close", (PyCFunction)Core_close, METH_NOARGS, "release the buffer and the lock target"},
     {"hold_lock", (PyCFunction)Core_hold_lock, METH_VARARGS, "tests only: take the lock and keep it"},
-    {"take_repaired", (PyCFunction)Core_take_repaired, METH_NOARGS, "repairs since the last call"},
     {"abandon", (PyCFunction)Core_abandon, METH_NOARGS, "tests only: drop the member lock as death does"},
     {"die_in_section", (PyCFunction)Core_die_in_section, METH_VARARGS, "tests only: a holder's death mid-section"},
-    {"close", (PyCFunction)Core_close, METH_NOARGS, "release the buffer and the lock target"},
     {NULL}
 };
-
-static PyObject *Core_get_busy(Core *c, void *closure)
-{
-    return PyLong_FromLong(c->busy);
-}
-
-static PyObject *Core_get_held(Core *c, void *closure)
-{
-    return PyLong_FromLong(c->held);
-}
 
 static PyGetSetDef Core_getset[] = {
     {"member", (getter)Core_get_member, NULL, "(member, serial) of this registration", NULL},
     {"held", (getter)Core_get_held, NULL, "live tickets of this object (running or waiting)", NULL},
+    {"held_running", (getter)Core_get_held_running, NULL, "of them running, as far as this process knows", NULL},
     {"busy", (getter)Core_get_busy, NULL, "calls of other threads inside the core now", NULL},
+    {"closing", (getter)Core_get_closing, NULL, "close() began", NULL},
+    {"moved", (getter)Core_get_moved, NULL, "retired: the name leads elsewhere", NULL},
     {NULL}
 };
 
-static PyTypeObject CoreType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shm_layout._core.Core",
-    .tp_basicsize = sizeof(Core),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = Core_new,
-    .tp_init = (initproc)Core_init,
-    .tp_dealloc = (destructor)Core_dealloc,
-    .tp_methods = Core_methods,
-    .tp_getset = Core_getset,
+static PyType_Slot Core_slots[] = {
+    {Py_tp_new, Core_new},
+    {Py_tp_init, Core_init},
+    {Py_tp_dealloc, Core_dealloc},
+    {Py_tp_methods, Core_methods},
+    {Py_tp_getset, Core_getset},
+    {Py_tp_doc, "One attachment of this process to one segment (see _core.c)."},
+    {0, NULL},
 };
 
-/* --- Ticket: one holder record's handle; frees its record if dropped while live ------- */
-static PyObject *Ticket_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
-{
-    Ticket *t = (Ticket *)type->tp_alloc(type, 0);
-    if (t) {
-        t->provider = -1;
-        t->holder = -1;
-    }
-    return (PyObject *)t;
-}
+static PyType_Spec Core_spec = {"shm_layout._core.Core", sizeof(Core), 0, Py_TPFLAGS_DEFAULT, Core_slots};
 
-static void Ticket_dealloc(Ticket *t)
-{
-    /* The last line of defence of R-A12: a ticket dropped while its record lives (an
-     * exception landed where no Python cleanup could run) frees the record now. */
-    Core *c = t->core;
-    if (t->live && c && !c->closed && t->fork_gen == fork_generation && c->fork_gen == fork_generation) {
-        Rings rings = {{0}};
-        int rc;
-        double now = 0.0; /* read under the lock */
-        LOCKED(c, 1, 0.0, rc, { now = section_now(now); leave_locked(c, t, OUT_CANCELLED, now, &rings); });
-        if (rc == 0) {
-            c->held--;
-            RING(c, &rings);
-        }
-    }
-    t->live = 0;
-    Py_CLEAR(t->core);
-    Py_TYPE(t)->tp_free((PyObject *)t);
-}
-
-static PyMemberDef Ticket_members[] = {
-    {"provider", T_INT, offsetof(Ticket, provider), READONLY, NULL},
-    {"holder", T_INT, offsetof(Ticket, holder), READONLY, NULL},
-    {"serial", T_ULONGLONG, offsetof(Ticket, serial), READONLY, NULL},
-    {"live", T_BOOL, offsetof(Ticket, live), READONLY, NULL},
+static PyMethodDef Ticket_methods[] = {
+    {"__enter__", (PyCFunction)Ticket_enter, METH_NOARGS, "arrive; wait if it must (the slow path)"},
+    {"__exit__", (PyCFunction)Ticket_exit, METH_VARARGS, "release"},
+    {"__aenter__", (PyCFunction)Ticket_aenter, METH_NOARGS, "arrive without blocking the loop"},
+    {"__aexit__", (PyCFunction)Ticket_aexit, METH_VARARGS, "release without blocking the loop"},
+    {"leave", (PyCFunction)Ticket_leave, METH_VARARGS, "leave(outcome, blocking=True)"},
+    {"rebind", (PyCFunction)Ticket_rebind, METH_VARARGS, "rebind(core, provider): move a ticket that is not live"},
     {NULL}
 };
 
-static PyObject *Ticket_repr(Ticket *t)
-{
-    return PyUnicode_FromFormat("<Ticket provider=%d holder=%d serial=%llu%s>", t->provider, t->holder,
-                                (unsigned long long)t->serial, t->live ? " live" : "");
-}
-
-static PyTypeObject TicketType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shm_layout._core.Ticket",
-    .tp_basicsize = sizeof(Ticket),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = Ticket_new,
-    .tp_dealloc = (destructor)Ticket_dealloc,
-    .tp_members = Ticket_members,
-    .tp_repr = (reprfunc)Ticket_repr,
+static PyGetSetDef Ticket_getset[] = {
+    {"provider", (getter)Ticket_get_provider, NULL, NULL, NULL},
+    {"holder", (getter)Ticket_get_holder, NULL, NULL, NULL},
+    {"serial", (getter)Ticket_get_serial, NULL, NULL, NULL},
+    {"live", (getter)Ticket_get_live, NULL, NULL, NULL},
+    {"futex", (getter)Ticket_get_futex, NULL, NULL, NULL},
+    {"core", (getter)Ticket_get_core, NULL, NULL, NULL},
+    {"timeout", (getter)Ticket_get_timeout, NULL, NULL, NULL},
+    {NULL}
 };
 
-/* --- module functions ------------------------------------------------------------------ */
+static PyType_Slot Ticket_slots[] = {
+    {Py_tp_new, Ticket_new},
+    {Py_tp_init, Ticket_init},
+    {Py_tp_dealloc, Ticket_dealloc},
+    {Py_tp_methods, Ticket_methods},
+    {Py_tp_getset, Ticket_getset},
+    {Py_tp_repr, Ticket_repr},
+    {Py_tp_doc, "One holder record's handle, and the slot context manager."},
+    {0, NULL},
+};
+
+static PyType_Spec Ticket_spec = {"shm_layout._core.Ticket", sizeof(Ticket), 0, Py_TPFLAGS_DEFAULT, Ticket_slots};
+
+/* Done: ``await`` on it returns None at once (the fast path of __aenter__/__aexit__). */
+static PyObject *Done_await(PyObject *self) { return Py_NewRef(self); }
+static PyObject *Done_next(PyObject *self) { return NULL; /* exhausted: StopIteration(None) */ }
+
+static PyType_Slot Done_slots[] = {
+    {Py_am_await, Done_await},
+    {Py_tp_iter, Done_await},
+    {Py_tp_iternext, Done_next},
+    {0, NULL},
+};
+
+static PyType_Spec Done_spec = {"shm_layout._core.Done", sizeof(PyObject), 0, Py_TPFLAGS_DEFAULT, Done_slots};
+
+/* ===== 10. module ========================================================================= */
 static PyObject *mod_init_mutex(PyObject *self, PyObject *args)
 {
     Py_buffer view;
@@ -1601,9 +2706,36 @@ static PyObject *mod_init_mutex(PyObject *self, PyObject *args)
 #endif
 }
 
-/* probe(target, is_shm, kind, [(m, serial), ...]) -> [bool, ...]: is each member's
- * process alive, by the kernel's word, for readers that hold no Core (views). Goes
- * through the per-process table, so it never closes a descriptor this process locks
+/* mutex_state(buffer, offset) -> (sane, locked, owner_tid, owner_exists): what a reader
+ * can tell of the robust mutex without touching it (inspect --check, attach). */
+static PyObject *mod_mutex_state(PyObject *self, PyObject *args)
+{
+    Py_buffer view;
+    long off;
+    if (!PyArg_ParseTuple(args, "y*l", &view, &off))
+        return NULL;
+#if HAVE_ROBUST && defined(__GLIBC__)
+    if (off < 0 || off + (long)sizeof(pthread_mutex_t) > view.len) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "mutex offset outside the buffer");
+        return NULL;
+    }
+    const pthread_mutex_t *mu = (const pthread_mutex_t *)((const char *)view.buf + off);
+    int sane = mutex_sane(mu);
+    int word = __atomic_load_n(&mu->__data.__lock, __ATOMIC_RELAXED);
+    int tid = word & FUTEX_TID_MASK;
+    int exists = tid == 0 ? 0 : (kill(tid, 0) == 0 || errno == EPERM);
+    PyBuffer_Release(&view);
+    return Py_BuildValue("OOii", sane ? Py_True : Py_False, word != 0 ? Py_True : Py_False, tid, exists);
+#else
+    PyBuffer_Release(&view);
+    return Py_BuildValue("OOii", Py_True, Py_False, 0, 0);
+#endif
+}
+
+/* probe(target, is_shm, kind, [(m, serial), ...], stamp=b"") -> [bool, ...]: is each
+ * member's process alive, by the kernel's word, for readers that hold no Core (views).
+ * Goes through the per-process table, so it never closes a descriptor this process locks
  * through. ``serial`` 0 means "whoever holds the row". */
 static PyObject *mod_probe(PyObject *self, PyObject *args)
 {
@@ -1617,26 +2749,26 @@ static PyObject *mod_probe(PyObject *self, PyObject *args)
         return PyErr_Format(PyExc_ValueError, "stamp too long");
     if (kind != KIND_FILE && !(kind == KIND_ROBUST && HAVE_ROBUST))
         return PyErr_Format(CoreError, "lock kind %d is not available on this system", kind);
-    PyObject *fast = PySequence_Fast(seq, "a sequence of (member, serial)");
-    if (!fast)
+    PyObject *tuple = PySequence_Tuple(seq);
+    if (!tuple)
         return NULL;
     int t;
     Py_BEGIN_ALLOW_THREADS
     t = target_open(target, is_shm);
     Py_END_ALLOW_THREADS
     if (t < 0) {
-        Py_DECREF(fast);
+        Py_DECREF(tuple);
         return PyErr_Format(CoreError, "cannot open the lock target %s: %s", target, strerror(errno));
     }
     int unknown = 0; /* not the segment's lock file: nothing it says is known (alive) */
     if (stamp_len > 0)
         unknown = !stamp_matches(t, stamp, stamp_len);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t n = PyTuple_Size(tuple);
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
         int m;
         unsigned long long serial;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iK", &m, &serial)) {
+        if (!PyArg_ParseTuple(PyTuple_GetItem(tuple, i), "iK", &m, &serial)) {
             Py_CLEAR(out);
             break;
         }
@@ -1649,10 +2781,10 @@ static PyObject *mod_probe(PyObject *self, PyObject *args)
             alive = 1;
         else
             alive = byte_held(targets[t].fd, kind, 1 + (off_t)m);
-        PyList_SET_ITEM(out, i, PyBool_FromLong(alive));
+        PyList_SetItem(out, i, PyBool_FromLong(alive));
     }
     target_release(t);
-    Py_DECREF(fast);
+    Py_DECREF(tuple);
     return out;
 }
 
@@ -1660,14 +2792,21 @@ static PyObject *mod_fields(PyObject *self, PyObject *unused)
 {
     PyObject *t = PyTuple_New(NFIELDS);
     for (int i = 0; t && i < NFIELDS; i++)
-        PyTuple_SET_ITEM(t, i, PyUnicode_FromString(FIELD_NAMES[i]));
+        PyTuple_SetItem(t, i, PyUnicode_FromString(FIELD_NAMES[i]));
     return t;
+}
+
+static PyObject *mod_deadline_now(PyObject *self, PyObject *unused)
+{
+    return PyFloat_FromDouble(deadline_clock());
 }
 
 static PyMethodDef module_methods[] = {
     {"init_mutex", mod_init_mutex, METH_VARARGS, "init_mutex(buffer, offset): a process-shared robust mutex"},
+    {"mutex_state", mod_mutex_state, METH_VARARGS, "mutex_state(buffer, offset) -> (sane, locked, tid, tid_exists)"},
     {"fields", mod_fields, METH_NOARGS, "the offsets Core needs"},
     {"probe", mod_probe, METH_VARARGS, "probe(target, is_shm, kind, [(m, serial)]) -> [bool]"},
+    {"deadline_now", mod_deadline_now, METH_NOARGS, "the deadline clock the core reads"},
     {NULL}
 };
 
@@ -1675,31 +2814,64 @@ static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "shm_layout._core", "The admission core (see _core.c).", -1, module_methods,
 };
 
+static int add_int(PyObject *m, const char *name, long v)
+{
+    return PyModule_AddIntConstant(m, name, v);
+}
+
 PyMODINIT_FUNC PyInit__core(void)
 {
-    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&TicketType) < 0)
+    PyObject *errors = PyImport_ImportModule("shm_layout.errors");
+    if (!errors)
+        return NULL;
+    PyObject *root = PyObject_GetAttrString(errors, "GatewayCapacityError");
+    Py_DECREF(errors);
+    if (!root)
+        return NULL;
+    CoreType = (PyTypeObject *)PyType_FromSpec(&Core_spec);
+    TicketType = (PyTypeObject *)PyType_FromSpec(&Ticket_spec);
+    DoneType = (PyTypeObject *)PyType_FromSpec(&Done_spec);
+    if (!CoreType || !TicketType || !DoneType) {
+        Py_DECREF(root);
+        return NULL;
+    }
+    DONE = PyObject_CallNoArgs((PyObject *)DoneType);
+    PyObject *bases = PyTuple_Pack(2, root, PyExc_OSError);
+    Py_DECREF(root);
+    if (!DONE || !bases)
+        return NULL;
+    CoreError = PyErr_NewExceptionWithDoc("shm_layout._core.CoreError",
+                                          "The core could not do a step; str() says what to fix.", bases, NULL);
+    Py_DECREF(bases);
+    if (!CoreError)
+        return NULL;
+    DamagedLock = PyErr_NewExceptionWithDoc("shm_layout._core.DamagedLock",
+                                            "The segment's lock word holds bytes no lock call of ours wrote.",
+                                            CoreError, NULL);
+    if (!DamagedLock)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m)
         return NULL;
-    CoreError = PyErr_NewException("shm_layout._core.CoreError", PyExc_OSError, NULL);
-    Py_INCREF(&CoreType);
-    Py_INCREF(&TicketType);
-    PyModule_AddObject(m, "Core", (PyObject *)&CoreType);
-    PyModule_AddObject(m, "Ticket", (PyObject *)&TicketType);
-    PyModule_AddObject(m, "CoreError", CoreError);
-    PyModule_AddIntConstant(m, "HAVE_ROBUST", HAVE_ROBUST);
-    PyModule_AddIntConstant(m, "KIND_ROBUST", KIND_ROBUST);
-    PyModule_AddIntConstant(m, "KIND_FILE", KIND_FILE);
-    PyModule_AddIntConstant(m, "BUSY", R_BUSY);
-    PyModule_AddIntConstant(m, "ADMIT", R_ADMIT);
-    PyModule_AddIntConstant(m, "WAIT", R_WAIT);
-    PyModule_AddIntConstant(m, "FULL", R_FULL);
-    PyModule_AddIntConstant(m, "WAIT_REFUSED", R_WAIT_REFUSED);
-    PyModule_AddIntConstant(m, "RELEASED", OUT_RELEASED);
-    PyModule_AddIntConstant(m, "TIMEOUT", OUT_TIMEOUT);
-    PyModule_AddIntConstant(m, "CANCELLED", OUT_CANCELLED);
-    PyModule_AddIntConstant(m, "MUTEX_SIZE", HAVE_ROBUST ? (long)sizeof(pthread_mutex_t) : 0);
+    if (PyModule_AddObjectRef(m, "Core", (PyObject *)CoreType) < 0 ||
+        PyModule_AddObjectRef(m, "Ticket", (PyObject *)TicketType) < 0 ||
+        PyModule_AddObjectRef(m, "CoreError", CoreError) < 0 ||
+        PyModule_AddObjectRef(m, "DamagedLock", DamagedLock) < 0 ||
+        PyModule_AddObjectRef(m, "DONE", DONE) < 0 ||
+        add_int(m, "HAVE_ROBUST", HAVE_ROBUST) < 0 || add_int(m, "HAVE_FUTEX", HAVE_FUTEX) < 0 ||
+        add_int(m, "KIND_ROBUST", KIND_ROBUST) < 0 || add_int(m, "KIND_FILE", KIND_FILE) < 0 ||
+        add_int(m, "BUSY", R_BUSY) < 0 || add_int(m, "ADMIT", R_ADMIT) < 0 || add_int(m, "WAIT", R_WAIT) < 0 ||
+        add_int(m, "FULL", R_FULL) < 0 || add_int(m, "WAIT_REFUSED", R_WAIT_REFUSED) < 0 ||
+        add_int(m, "CLOSED", R_CLOSED) < 0 || add_int(m, "MOVED", R_MOVED) < 0 || add_int(m, "RELEASED", OUT_RELEASED) < 0 ||
+        add_int(m, "TIMEOUT", OUT_TIMEOUT) < 0 || add_int(m, "CANCELLED", OUT_CANCELLED) < 0 ||
+        add_int(m, "W_GRANTED", W_GRANTED) < 0 || add_int(m, "W_GONE", W_GONE) < 0 ||
+        add_int(m, "W_TIMEOUT", W_TIMEOUT) < 0 || add_int(m, "W_CLOSED", W_CLOSED) < 0 ||
+        add_int(m, "W_MOVED", W_MOVED) < 0 || add_int(m, "WAKE_DOORBELL", WAKE_DOORBELL) < 0 ||
+        add_int(m, "WAKE_FUTEX", WAKE_FUTEX) < 0 ||
+        add_int(m, "MUTEX_SIZE", HAVE_ROBUST ? (long)sizeof(pthread_mutex_t) : 0) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     static int atfork_done = 0;
     if (!atfork_done) {
         pthread_atfork(NULL, NULL, after_fork_child);

@@ -27,8 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 MAGIC = b"GWCAPSG\x00"
-MAJOR = 2  # 2: kernel-held lock and liveness (_core.c); 1 used pid heuristics
-MINOR = 1  # 1: hold_mean_s
+# 3: owner-checked objects, per-registration doorbell names, deadlines on the host's
+#    monotonic clock, records woken by futex; 2: kernel-held lock and liveness (_core.c);
+#    1 used pid heuristics
+MAJOR = 3
+MINOR = 0
 
 PROVIDER_COUNT = 64
 HOLDERS_PER_PROVIDER = 128
@@ -111,6 +114,13 @@ HEADER = _fields(
         ("legacy_alive", "I"),  # awaited legacy processes still alive (R-G3)
         ("config_status", f"{REASON_BYTES}s"),
         ("config_path", "256s"),
+        # layout 3: time on the deadline clock (platform.deadline_now(): monotonic, counts
+        # suspend, one clock for the whole host), so a step of the wall clock moves nothing
+        ("heartbeat_mono", "d"),  # the sidecar's last heartbeat
+        ("sweep_mono", "d"),  # the last sweep for dead holders and damage, by anyone (R-A5)
+        ("damage_repairs", "I"),  # sweeps that found counters or records damaged (R-A16)
+        ("damage_mono", "d"),  # when the last of them ran (deadline clock)
+        ("damage_note", "64s"),  # what it found, for inspect
     ],
 )
 # The robust mutex of LOCK_ROBUST lives at a fixed, 64-byte aligned place at the end of
@@ -146,7 +156,7 @@ PROVIDER = _fields(
         ("published_source", "I"),
         ("published_at", "d"),
         ("observed_at", "d"),  # oldest observed_at behind the published limit
-        ("expires_at", "d"),  # published limit is ignored from this time on (R-L7)
+        ("expires_at", "d"),  # when the published limit expires, wall clock: for people
         ("published_epoch", "Q"),
         ("discovered", "i"),  # last discovered value, -1 none (informational)
         ("queue_bound", "I"),
@@ -165,8 +175,18 @@ PROVIDER = _fields(
         # decayed mean of how long a running slot is held (set by the core on release):
         # what an honest Retry-After is computed from (REQUIREMENTS section 8)
         ("hold_mean_s", "d"),
+        # the published limit is ignored from this deadline on (R-L7): deadline clock
+        ("expires_mono", "d"),
+        # ~(waiting << 32 | running), written with them: a single bad write to either
+        # counter is seen at the next step and the counters recounted, never obeyed (R-A16)
+        ("counts_check", "Q"),
     ],
 )
+
+
+def counts_check(running: int, waiting: int) -> int:
+    """The value ``counts_check`` holds beside ``running`` and ``waiting``."""
+    return ~((waiting << 32) | running) & 0xFFFFFFFFFFFFFFFF
 PFLAG_DISCOVERY = 1  # capacityDiscovery requested in the config
 PFLAG_CONFIGURED = 2  # present in the config the writer last read
 PFLAG_CLAMPED = 4  # configured static limit was above RUNNING_ROOM
@@ -207,9 +227,13 @@ HOLDER = _fields(
         ("ticket", "Q"),
         ("serial", "Q"),  # bumped on every claim: a stale handle cannot touch a reused row
         ("member", "i"),  # member row (liveness lock and doorbell) of the owner
-        ("since", "d"),  # when it started waiting, or was admitted
+        ("since", "d"),  # when it started waiting, or was admitted (wall clock, for people)
+        ("since_mono", "d"),  # the same on the deadline clock (hold times, Retry-After)
+        ("waker", "I"),  # WAKE_* below: how the owner is told of its grant
     ],
 )
+WAKE_DOORBELL = 0  # post the owner's doorbell; its dispatcher looks (async waiters, macOS)
+WAKE_FUTEX = 1  # futex-wake this record's state word: its thread waits on it (Linux)
 HOLDER_FREE = 0
 HOLDER_WAITING = 1
 HOLDER_RUNNING = 2
@@ -227,6 +251,10 @@ MEMBER = _fields(
         ("minor", "H"),
         ("attached_at", "d"),
         ("label", f"{ID_BYTES}s"),
+        # random, per registration: the doorbell is named names.doorbell_name(bell); nobody
+        # who cannot read the segment can guess it (R-G6), and no other segment's or
+        # registration's process ever posts it (R-A15)
+        ("bell", "Q"),
     ],
 )
 
@@ -237,7 +265,7 @@ ADMISSION_BLOCK_OFFSET = PROVIDER["fallback_limit"].offset
 HOLD_MEAN_WEIGHT = 0.2  # of the newest hold time in hold_mean_s (the core uses the same)
 COUNTS = struct.Struct("<II")  # running, waiting
 COUNTS_OFFSET = PROVIDER["running"].offset
-HOLDER_BODY = struct.Struct("<IQQQi4xd")  # pid, member_serial, ticket, serial, member, since
+HOLDER_BODY = struct.Struct("<IQQQi4xddI")  # pid .. waker
 HOLDER_BODY_OFFSET = HOLDER["pid"].offset
 
 
@@ -263,7 +291,10 @@ _check_block(
 )
 _check_block(COUNTS, COUNTS_OFFSET, PROVIDER, "running waiting")
 _check_block(
-    HOLDER_BODY, HOLDER_BODY_OFFSET, HOLDER, "pid member_serial ticket serial member since"
+    HOLDER_BODY,
+    HOLDER_BODY_OFFSET,
+    HOLDER,
+    "pid member_serial ticket serial member since since_mono waker",
 )
 
 PROVIDERS_BASE = HEADER_SIZE
@@ -286,7 +317,7 @@ def decode_text(raw: bytes) -> str:
 
 def core_offsets() -> dict[str, int]:
     """What ``_core.Core`` needs to know of this layout: every offset it touches."""
-    out = {f"h.{n}": HEADER[n].offset for n in ("dirty", "lock_seq", "change_seq", "repairs")}
+    out = {f"h.{n}": f.offset for n, f in HEADER.items()}
     out["h.mutex"] = MUTEX_OFFSET
     out.update({f"p.{n}": f.offset for n, f in PROVIDER.items()})
     out.update({f"k.{n}": f.offset for n, f in HOLDER.items()})
@@ -303,6 +334,8 @@ def core_offsets() -> dict[str, int]:
             "g.member_row_size": MEMBER_ROW_SIZE,
             "g.member_count": MEMBER_COUNT,
             "g.running_room": RUNNING_ROOM,
+            "g.queue_bound": QUEUE_BOUND,
+            "g.header_size": HEADER_SIZE,
             "g.id_bytes": ID_BYTES,
             "g.reason_bytes": REASON_BYTES,
             "g.label_bytes": ID_BYTES,

@@ -1,4 +1,4 @@
-"""The holder-record protocol (R-A1..R-A6), in plain Python: the reference model.
+"""The holder-record protocol (R-A1..R-A6, R-A14, R-A16), in plain Python: the model.
 
 Production runs the same operations in the compiled core (``_core.c``), under
 the segment lock with the GIL released. This module is the protocol written
@@ -9,25 +9,34 @@ helpers (``effective_limit``, ``find_provider``).
 Invariants, per provider, whenever the segment lock is free:
 
 * ``running`` = number of RUNNING records, ``waiting`` = number of WAITING
-  records (the counters are derived; :meth:`Ledger.recount` rebuilds them).
+  records (the counters are derived; :meth:`Ledger.recount_provider` rebuilds
+  them, and every sweep checks them: a mismatch is damage, repaired, R-A16).
 * ``waiting <= queue_bound`` (32): an arrival that would exceed it is refused.
 * a new arrival is admitted at once only when nobody waits and
   ``running < limit``; otherwise it queues with the next ticket (FIFO).
 * whenever ``running < limit`` and someone waits, the WAITING record with the
   smallest ticket is made RUNNING (:meth:`Ledger.pump`), unless its owner is
-  dead: then it is freed instead. Its process's doorbell is rung after unlock.
+  dead: then it is freed instead. Its owner is woken after unlock (its waiting
+  thread on the record's state word, or its process's doorbell).
 * a record belongs to a registration (member row and its serial); it is alive
-  exactly while that member's lock byte is held (``lock.py``).
+  exactly while that member row's lock byte is held (``lock.py``). A record
+  whose serial its held row does not carry exists only by damage, and damage
+  is never a reason to take a live process's slot: alive (R-A16).
+* the limit is the published one while its deadline (on the host's deadline
+  clock) lies ahead, and no further ahead than any publication can set it;
+  else the fallback (R-L7).
 
 Record transitions (all under the lock):
 
     FREE -> RUNNING     arrive(), admitted at once
     FREE -> WAITING     arrive(), queued
     WAITING -> RUNNING  pump(): granted to the head of the queue
-    WAITING -> FREE     leave(): timeout or cancel before a grant
+    WAITING -> FREE     leave(): timeout or cancel before a grant;
+                        cancel_waiting(): close() began (R-A14)
     RUNNING -> FREE     leave(): release, or a cancel that lost the race with a grant
                         (the slot is handed on by the pump that follows)
-    any -> FREE         reap() or register(): the owner is dead
+    any -> FREE         sweep()/reap() or register(): the owner is dead;
+                        unregister(): close() cut what its grace did not see end
 """
 
 from __future__ import annotations
@@ -80,17 +89,34 @@ class Limit:
     reason: str
 
 
+DEADLINE_SLACK_S = 60.0  # a published deadline further ahead than this is damage (_core.c)
+
+
+def published_in_force(buf: Buffer, p: int, now: float) -> bool:
+    """Is the published limit in force at ``now`` (the deadline clock)? Its deadline
+    lies ahead, and no further ahead than a publication can set it (R-L7, R-A16)."""
+    base = provider_base(p)
+    if PROVIDER["published_limit"].get(buf, base) < 0:
+        return False
+    expires = PROVIDER["expires_mono"].get(buf, base)
+    return bool(now < expires and expires - now <= DEADLINE_SLACK_S)
+
+
 def effective_limit(buf: Buffer, p: int, now: float) -> Limit:
-    """The limit admission applies now: the published one until it expires, else the fallback."""
+    """The limit admission applies at ``now`` (the deadline clock): the published one
+    until its deadline, else the fallback."""
     base = provider_base(p)
     published = PROVIDER["published_limit"].get(buf, base)
     reason = layout.decode_text(PROVIDER["reason"].get(buf, base))
+    if published_in_force(buf, p, now):
+        source = layout.SOURCES.get(PROVIDER["published_source"].get(buf, base), "discovered")
+        return Limit(min(published, RUNNING_ROOM), source, reason)
     if published >= 0:
-        expires = PROVIDER["expires_at"].get(buf, base)
-        if now < expires:
-            source = layout.SOURCES.get(PROVIDER["published_source"].get(buf, base), "discovered")
-            return Limit(min(published, RUNNING_ROOM), source, reason)
-        reason = f"published limit expired {now - expires:.0f}s ago; using the fallback"
+        expired = now - PROVIDER["expires_mono"].get(buf, base)
+        if expired >= 0:
+            reason = f"published limit expired {expired:.0f}s ago; using the fallback"
+        else:
+            reason = "published limit has an impossible deadline (damage); using the fallback"
     fallback = PROVIDER["fallback_limit"].get(buf, base)
     source = layout.SOURCES.get(PROVIDER["fallback_source"].get(buf, base), "default")
     return Limit(min(max(fallback, 0), RUNNING_ROOM), source, reason)
@@ -98,10 +124,11 @@ def effective_limit(buf: Buffer, p: int, now: float) -> Limit:
 
 def limit_value(buf: Buffer, p: int, now: float) -> int:
     base = provider_base(p)
-    published = PROVIDER["published_limit"].get(buf, base)
-    if published >= 0 and now < PROVIDER["expires_at"].get(buf, base):
-        return int(min(published, RUNNING_ROOM))
-    return int(min(max(PROVIDER["fallback_limit"].get(buf, base), 0), RUNNING_ROOM))
+    if published_in_force(buf, p, now):
+        value = PROVIDER["published_limit"].get(buf, base)
+    else:
+        value = PROVIDER["fallback_limit"].get(buf, base)
+    return int(min(max(value, 0), RUNNING_ROOM))
 
 
 def decide_arrival(running: int, waiting: int, limit: int, bound: int) -> Decision:
@@ -144,9 +171,9 @@ def find_provider(buf: Buffer, provider_id: str) -> int | None:
 
 
 # --- the model ------------------------------------------------------------------------
-Decision = Literal["admit", "wait", "full", "wait_refused"]
+Decision = Literal["admit", "wait", "full", "wait_refused", "closed"]
 Outcome = Literal["released", "timeout", "cancelled"]
-Alive = Callable[[int, int], bool]  # (member, serial) -> is that registration's lock held
+Held = Callable[[int], bool]  # member row -> is its lock byte held (the kernel's word)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,24 +184,29 @@ class Ticket:
 
 
 class Ledger:
-    """The admission operations on a buffer, with liveness given by ``alive``.
+    """The admission operations on a buffer, with the kernel's word given by ``held``.
 
     Each public method is one locked step of the core, in the same order of
-    writes; rings (members whose doorbells the core posts) are returned.
+    writes; rings (members whose doorbells the core posts) are returned. Times
+    are the deadline clock's (the model tests' synthetic clock is both clocks).
     """
 
-    def __init__(self, buf: bytearray | memoryview, alive: Alive) -> None:
+    def __init__(self, buf: bytearray | memoryview, held: Held) -> None:
         self.buf = buf
-        self.alive_lock = alive
+        self.held = held
+        self.damage = 0  # like the core's per-object count (R-A16)
 
     # liveness, as the core sees it
     def member_alive(self, m: int, serial: int) -> bool:
         if not 0 <= m < layout.MEMBER_COUNT:
             return False
-        mb = member_base(m)
-        if not MEMBER["in_use"].get(self.buf, mb) or MEMBER["serial"].get(self.buf, mb) != serial:
+        if not self.held(m):
             return False
-        return self.alive_lock(m, serial)
+        mb = member_base(m)
+        if MEMBER["in_use"].get(self.buf, mb) == 1 and MEMBER["serial"].get(self.buf, mb) == serial:
+            return True
+        self.damage += 1  # a record's serial its live row does not carry: damage, alive
+        return True
 
     def _holder_alive(self, hb: int) -> bool:
         return self.member_alive(
@@ -192,20 +224,53 @@ class Ledger:
         if value > PROVIDER[field].get(self.buf, base):
             PROVIDER[field].put(self.buf, value, base)
 
+    def _put_counts(self, base: int, running: int, waiting: int) -> None:
+        """running and waiting, always written with their check word."""
+        PROVIDER["running"].put(self.buf, running, base)
+        PROVIDER["waiting"].put(self.buf, waiting, base)
+        PROVIDER["counts_check"].put(self.buf, layout.counts_check(running, waiting), base)
+
+    def _counters_damaged(self, base: int) -> bool:
+        """Out of range, or not what the check word written with them says (R-A16)."""
+        running, waiting = self._get("running", base), self._get("waiting", base)
+        return (
+            running > HOLDERS_PER_PROVIDER
+            or waiting > layout.QUEUE_BOUND
+            or self._get("counts_check", base) != layout.counts_check(running, waiting)
+        )
+
     # --- arrival --------------------------------------------------------------------
     def arrive(
-        self, p: int, pid: int, member: int, member_serial: int, now: float, may_wait: bool = True
+        self,
+        p: int,
+        pid: int,
+        member: int,
+        member_serial: int,
+        now: float,
+        may_wait: bool = True,
+        *,
+        futex: bool = False,
+        registered: bool = True,
+        bell: int = 0,
     ) -> tuple[Decision, Ticket | None, set[int]]:
+        """``registered`` False: the registration is gone or closing (R-A14)."""
+        if not registered:
+            return "closed", None, set()
+        self.check_own_row(member, member_serial, bell)
         buf, base, rings = self.buf, provider_base(p), set[int]()
         for attempt in range(2):
+            if self._counters_damaged(base) and self.recount_provider(p):
+                self.damage += 1
             running, waiting = self._get("running", base), self._get("waiting", base)
-            bound = self._get("queue_bound", base)
-            decision: Decision = decide_arrival(running, waiting, limit_value(buf, p, now), bound)
+            decision: Decision = decide_arrival(
+                running, waiting, limit_value(buf, p, now), layout.QUEUE_BOUND
+            )
             h = self._free_record(p) if decision != "full" else None
             if h is None:
                 decision = "full"
             if decision == "full" and attempt == 0:
-                rings |= self.reap(now)[1]  # dead processes may hold places
+                if self.recount_provider(p):  # before refusing: are the counters true?
+                    self.damage += 1
                 continue
             if decision == "full":
                 self._bump("rejected_total", base)
@@ -219,20 +284,43 @@ class Ledger:
             if decision == "wait":
                 ticket = self._get("next_ticket", base) + 1
                 PROVIDER["next_ticket"].put(buf, ticket, base)
+            waker = layout.WAKE_FUTEX if futex else layout.WAKE_DOORBELL
             layout.HOLDER_BODY.pack_into(
-                buf, hb + layout.HOLDER_BODY_OFFSET, pid, member_serial, ticket, serial, member, now
+                buf,
+                hb + layout.HOLDER_BODY_OFFSET,
+                pid,
+                member_serial,
+                ticket,
+                serial,
+                member,
+                now,
+                now,
+                waker,
             )
             if decision == "admit":
                 HOLDER["state"].put(buf, HOLDER_RUNNING, hb)  # state last
-                PROVIDER["running"].put(buf, running + 1, base)
+                self._put_counts(base, running + 1, waiting)
                 self._peak("peak_running", base, running + 1)
                 self._bump("admitted_total", base)
             else:
                 HOLDER["state"].put(buf, HOLDER_WAITING, hb)
-                PROVIDER["waiting"].put(buf, waiting + 1, base)
+                self._put_counts(base, running, waiting + 1)
                 self._peak("peak_waiting", base, waiting + 1)
             return decision, Ticket(p, h, serial), rings
         raise AssertionError("unreachable")
+
+    def check_own_row(self, member: int, member_serial: int, bell: int) -> None:
+        """The arriving process's own member row, put back as it registered it (R-A16)."""
+        mb = member_base(member)
+        if (
+            MEMBER["in_use"].get(self.buf, mb) != 1
+            or MEMBER["serial"].get(self.buf, mb) != member_serial
+            or MEMBER["bell"].get(self.buf, mb) != bell
+        ):
+            MEMBER["serial"].put(self.buf, member_serial, mb)
+            MEMBER["bell"].put(self.buf, bell, mb)
+            MEMBER["in_use"].put(self.buf, 1, mb)
+            self.damage += 1
 
     def _free_record(self, p: int) -> int | None:
         for h in range(HOLDERS_PER_PROVIDER):
@@ -249,18 +337,21 @@ class Ledger:
         state = HOLDER["state"].get(buf, hb)
         if (
             HOLDER["serial"].get(buf, hb) != t.serial
-            or state == HOLDER_FREE
+            or state not in (HOLDER_RUNNING, HOLDER_WAITING)
             or HOLDER["member"].get(buf, hb) != member
             or HOLDER["member_serial"].get(buf, hb) != member_serial
         ):
             return "stale", set()
+        if self._counters_damaged(base) and self.recount_provider(t.provider):
+            self.damage += 1
         HOLDER["state"].put(buf, HOLDER_FREE, hb)
+        running, waiting = self._get("running", base), self._get("waiting", base)
         if state == HOLDER_RUNNING:
-            PROVIDER["running"].put(buf, max(self._get("running", base) - 1, 0), base)
-            self._note_hold(base, now - HOLDER["since"].get(buf, hb))
+            self._put_counts(base, max(running - 1, 0), waiting)
+            self._note_hold(base, now - HOLDER["since_mono"].get(buf, hb))
             was = "running"
         else:
-            PROVIDER["waiting"].put(buf, max(self._get("waiting", base) - 1, 0), base)
+            self._put_counts(base, running, max(waiting - 1, 0))
             was = "waiting"
         if outcome == "timeout":
             self._bump("timeouts_total", base)
@@ -280,9 +371,32 @@ class Ledger:
             mean = mean + (hold - mean) * layout.HOLD_MEAN_WEIGHT
         PROVIDER["hold_mean_s"].put(self.buf, mean, base)
 
+    def cancel_waiting(self, member: int, member_serial: int, now: float) -> tuple[int, set[int]]:
+        """close() began: free this registration's WAITING records (R-A14)."""
+        freed, rings = 0, set[int]()
+        for p in self._providers():
+            here = 0
+            for h in range(HOLDERS_PER_PROVIDER):
+                hb = holder_base(p, h)
+                if (
+                    HOLDER["state"].get(self.buf, hb) == HOLDER_WAITING
+                    and HOLDER["member"].get(self.buf, hb) == member
+                    and HOLDER["member_serial"].get(self.buf, hb) == member_serial
+                ):
+                    HOLDER["state"].put(self.buf, HOLDER_FREE, hb)
+                    here += 1
+            if here:
+                freed += here
+                self._bump("cancelled_total", provider_base(p), here)
+                self.recount_provider(p)
+                rings |= self.pump(p, now)
+        return freed, rings
+
     # --- granting -------------------------------------------------------------------
     def pump(self, p: int, now: float) -> set[int]:
         buf, base, rings = self.buf, provider_base(p), set[int]()
+        if self._counters_damaged(base) and self.recount_provider(p):
+            self.damage += 1
         running, waiting = self._get("running", base), self._get("waiting", base)
         if waiting == 0:
             return rings
@@ -304,12 +418,12 @@ class Ledger:
                 self._bump("reclaimed_total", base)
                 continue
             HOLDER["since"].put(buf, now, hb)
+            HOLDER["since_mono"].put(buf, now, hb)
             HOLDER["state"].put(buf, HOLDER_RUNNING, hb)
             running += 1
             rings.add(HOLDER["member"].get(buf, hb))
             self._bump("admitted_total", base)
-        PROVIDER["waiting"].put(buf, waiting, base)
-        PROVIDER["running"].put(buf, running, base)
+        self._put_counts(base, running, waiting)
         self._peak("peak_running", base, running)
         return rings
 
@@ -335,7 +449,7 @@ class Ledger:
             p for p in range(PROVIDER_COUNT) if PROVIDER["in_use"].get(self.buf, provider_base(p))
         ]
 
-    # --- crash reclaim (R-A5) and repair (R-A6) -------------------------------------
+    # --- crash reclaim (R-A5), repair (R-A6), damage (R-A16) ------------------------
     def reap(self, now: float) -> tuple[int, set[int]]:
         """Free every record and member row of a dead process; then grant."""
         buf, reclaimed, rings = self.buf, 0, set[int]()
@@ -352,15 +466,33 @@ class Ledger:
                 self.recount_provider(p)
             rings |= self.pump(p, now)
         for m in range(layout.MEMBER_COUNT):
-            mb = member_base(m)
-            if MEMBER["in_use"].get(buf, mb) and not self.member_alive(
-                m, MEMBER["serial"].get(buf, mb)
-            ):
-                MEMBER["in_use"].put(buf, 0, mb)
+            if MEMBER["in_use"].get(buf, member_base(m)) and not self.held(m):
+                self._free_member_row(m)
         return reclaimed, rings
 
-    def recount_provider(self, p: int) -> None:
+    def sweep(self, now: float) -> tuple[int, set[int]]:
+        """What the host's sweep does (R-A5, R-A16): every provider's counters checked
+        against its records, values no writer produces put right, then a reap."""
+        buf = self.buf
+        for p in self._providers():
+            base = provider_base(p)
+            if PROVIDER["queue_bound"].get(buf, base) != layout.QUEUE_BOUND:
+                PROVIDER["queue_bound"].put(buf, layout.QUEUE_BOUND, base)
+                self.damage += 1
+            if self.recount_provider(p):
+                self.damage += 1
+            if (
+                PROVIDER["published_limit"].get(buf, base) >= 0
+                and PROVIDER["expires_mono"].get(buf, base) - now > DEADLINE_SLACK_S
+            ):
+                PROVIDER["published_limit"].put(buf, -1, base)
+                self.damage += 1
+        return self.reap(now)
+
+    def recount_provider(self, p: int) -> bool:
+        """Rebuild the counters from the records; True when something was wrong."""
         running = waiting = 0
+        wrong = False
         for h in range(HOLDERS_PER_PROVIDER):
             hb = holder_base(p, h)
             state = HOLDER["state"].get(self.buf, hb)
@@ -368,10 +500,17 @@ class Ledger:
                 running += 1
             elif state == HOLDER_WAITING:
                 waiting += 1
-            elif state != HOLDER_FREE:  # torn write by a dead holder
+            elif state != HOLDER_FREE:  # torn write by a dead holder, or garbage
                 HOLDER["state"].put(self.buf, HOLDER_FREE, hb)
-        PROVIDER["running"].put(self.buf, running, provider_base(p))
-        PROVIDER["waiting"].put(self.buf, waiting, provider_base(p))
+                wrong = True
+        base = provider_base(p)
+        wrong = wrong or (
+            self._get("running", base) != running
+            or self._get("waiting", base) != waiting
+            or self._get("counts_check", base) != layout.counts_check(running, waiting)
+        )
+        self._put_counts(base, running, waiting)
+        return wrong
 
     def repair(self) -> None:
         """What the next lock holder does after one died inside a section."""
@@ -379,6 +518,11 @@ class Ledger:
             self.recount_provider(p)
 
     # --- members --------------------------------------------------------------------
+    def _free_member_row(self, m: int) -> None:
+        mb = member_base(m)
+        MEMBER["in_use"].put(self.buf, 0, mb)
+        MEMBER["bell"].put(self.buf, 0, mb)
+
     def drop_member_records(self, m: int, serial: int, now: float) -> set[int]:
         rings: set[int] = set()
         for p in self._providers():
@@ -398,7 +542,13 @@ class Ledger:
         return rings
 
     def register(
-        self, pid: int, start: float, label: bytes, now: float, taken: Callable[[int], bool]
+        self,
+        pid: int,
+        start: float,
+        label: bytes,
+        now: float,
+        taken: Callable[[int], bool],
+        bell: int = 0,
     ) -> tuple[int, int, set[int]]:
         """Claim a member row: (member, serial, rings), member -1 when full.
 
@@ -410,10 +560,10 @@ class Ledger:
             mb = member_base(m)
             old = MEMBER["serial"].get(buf, mb)
             if MEMBER["in_use"].get(buf, mb):
-                if self.member_alive(m, old):
+                if self.held(m):
                     continue
                 rings |= self.drop_member_records(m, old, now)  # its owner died
-                MEMBER["in_use"].put(buf, 0, mb)
+                self._free_member_row(m)
             if taken(m):
                 continue
             serial = old + 1
@@ -424,6 +574,7 @@ class Ledger:
             MEMBER["minor"].put(buf, layout.MINOR, mb)
             MEMBER["attached_at"].put(buf, now, mb)
             MEMBER["label"].put(buf, label[: layout.ID_BYTES], mb)
+            MEMBER["bell"].put(buf, bell, mb)
             MEMBER["in_use"].put(buf, 1, mb)
             return m, serial, rings
         return -1, 0, rings
@@ -433,6 +584,7 @@ class Ledger:
         mb = member_base(m)
         if MEMBER["serial"].get(self.buf, mb) == serial:
             MEMBER["in_use"].put(self.buf, 0, mb)
+            MEMBER["bell"].put(self.buf, 0, mb)
         return rings
 
     def ensure_provider(
@@ -447,6 +599,7 @@ class Ledger:
                 continue
             PROVIDER["id"].put(self.buf, wanted, base)
             PROVIDER["queue_bound"].put(self.buf, layout.QUEUE_BOUND, base)
+            self._put_counts(base, 0, 0)
             PROVIDER["published_limit"].put(self.buf, -1, base)
             PROVIDER["discovered"].put(self.buf, -1, base)
             PROVIDER["fallback_limit"].put(self.buf, fallback, base)

@@ -21,23 +21,28 @@ which the kernel undoes when the process dies, and never because of a pid: a
 process paused for minutes, or in another PID namespace, is alive; a recycled
 pid cannot make a dead one look alive.
 
-The lock file's directory is ``$GATEWAY_CAPACITY_LOCK_DIR``, else ``/dev/shm``
-where it exists (it is shared exactly like the segment, also under systemd's
-``PrivateTmp=``), else ``/tmp``.
+The lock file's directory is ``$GATEWAY_CAPACITY_LOCK_DIR``, else the platform's
+default (``platform.default_lock_dir``: ``/dev/shm`` on Linux, shared exactly like
+the segment, also under systemd's ``PrivateTmp=``). A directory another user can
+write is refused unless it is sticky; the file itself is created exclusively with
+its mode set on the descriptor, and an existing one is used only when its owner
+(and group) is one the segment trusts (``owners``, R-G6).
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import stat
 from collections.abc import Sequence
 
-from shm_layout import _core, ipc, layout
+from shm_layout import _core, layout, platform
 from shm_layout.layout import HEADER
+from shm_layout.owners import ForeignObject, OwnerPolicy, check_directory
 
-FORCE_LOCK_FILE_ENV = "GATEWAY_CAPACITY_LOCK_FILE"
-LOCK_DIR_ENV = "GATEWAY_CAPACITY_LOCK_DIR"
+FORCE_LOCK_FILE_ENV = platform.FORCE_LOCK_FILE_ENV
+LOCK_DIR_ENV = platform.LOCK_DIR_ENV
 
 CoreError = _core.CoreError
 
@@ -47,16 +52,13 @@ class LockSetupError(Exception):
 
 
 def kind_for_new_segment() -> int:
-    if os.environ.get(FORCE_LOCK_FILE_ENV, "") not in ("", "0"):
+    if platform.lock_file_forced():
         return layout.LOCK_FILE
     return layout.LOCK_ROBUST if _core.HAVE_ROBUST else layout.LOCK_FILE
 
 
 def lock_file_path(segment: str) -> str:
-    directory = os.environ.get(LOCK_DIR_ENV) or (
-        "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-    )
-    return os.path.join(directory, segment.lstrip("/") + ".lock")
+    return os.path.join(platform.lock_dir(), segment.lstrip("/") + ".lock")
 
 
 STAMP_AT = 4096  # offset of the stamp in the lock file (_core.c reads it there)
@@ -68,28 +70,55 @@ def stamp(buf: mmap.mmap | bytes) -> bytes:
     return b"gwcap-lock:" + b"".join(HEADER[k].codec.pack(HEADER[k].get(buf)) for k in fields)
 
 
-def prepare(buf: mmap.mmap, segment: str, kind: int, mode: int) -> None:
+def prepare(buf: mmap.mmap, segment: str, kind: int, mode: int, policy: OwnerPolicy) -> None:
     """At creation, before the init mark: make the lock usable for everyone to come."""
     if kind == layout.LOCK_ROBUST:
         _core.init_mutex(buf, layout.MUTEX_OFFSET)
     else:
-        ensure_lock_file(segment, mode, stamp(buf))
+        ensure_lock_file(segment, mode, stamp(buf), policy)
 
 
-def ensure_lock_file(segment: str, mode: int, mark: bytes) -> str:
+def ensure_lock_file(segment: str, mode: int, mark: bytes, policy: OwnerPolicy) -> str:
+    """Create the segment's lock file, or take over one left by an earlier segment of the
+    same name, only when it is ours; then stamp it with this segment (R-G6)."""
     path = lock_file_path(segment)
+    directory = os.path.dirname(path)
     try:
-        with ipc.exact_mode(mode):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        check_directory(os.path.realpath(directory), policy, "lock")
+    except ForeignObject as exc:
+        raise LockSetupError(f"{exc}; or set ${LOCK_DIR_ENV}") from None
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        # Exclusively, with a mode the umask can only narrow; the final mode is set on the
+        # descriptor (never by changing the process umask, which other threads share).
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        created = True
+    except FileExistsError:
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            raise LockSetupError(_lock_file_refusal(path, exc)) from None
+        created = False
     except OSError as exc:
         raise LockSetupError(
-            f"cannot open the lock file {path} ({exc.strerror}); set ${LOCK_DIR_ENV} to a "
+            f"cannot create the lock file {path} ({exc.strerror}); set ${LOCK_DIR_ENV} to a "
             "directory every process of this gateway can write"
         ) from None
     try:
         info = os.fstat(fd)
-        if stat.S_ISREG(info.st_mode):
-            os.pwrite(fd, mark, STAMP_AT)  # attachers check it (see open_core)
+        if not created:
+            problem = "is not a regular file" if not stat.S_ISREG(info.st_mode) else None
+            problem = problem or policy.problem(info)
+            if problem is not None:  # checked before anything is written to it
+                raise LockSetupError(
+                    f"lock file {path} {problem}: another user made it first, or the wrong "
+                    f"owner is configured. Remove it (as root if need be) once you know who "
+                    f"made it, or set ${LOCK_DIR_ENV} to a directory of this service's own"
+                )
+        os.fchmod(fd, mode)
+        if policy.gid is not None and info.st_gid != policy.gid:
+            os.fchown(fd, -1, policy.gid)
+        os.pwrite(fd, mark, STAMP_AT)  # attachers check it (see open_core)
     except OSError as exc:
         raise LockSetupError(
             f"cannot write the lock file {path} ({exc.strerror}); set ${LOCK_DIR_ENV} to a "
@@ -97,12 +126,36 @@ def ensure_lock_file(segment: str, mode: int, mark: bytes) -> str:
         ) from None
     finally:
         os.close(fd)  # no lock is held through it yet; the core keeps its own descriptor
-    if not stat.S_ISREG(info.st_mode) or info.st_mode & stat.S_IRWXO:
-        raise LockSetupError(
-            f"lock file {path} is not a private regular file (mode {info.st_mode & 0o777:o}); "
-            "remove it and let gateway-capacity create it again"
-        )
     return path
+
+
+def _lock_file_refusal(path: str, exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return (
+            f"lock file {path} is a symbolic link: refused (another user may have planted "
+            "it). Remove the link, or set $GATEWAY_CAPACITY_LOCK_DIR to a directory of this "
+            "service's own"
+        )
+    return f"cannot open the lock file {path} ({exc.strerror}): remove it, or set ${LOCK_DIR_ENV}"
+
+
+def check_lock_file(segment: str, policy: OwnerPolicy) -> None:
+    """An attacher's look at the lock file before the core opens it: ours, or refused."""
+    path = lock_file_path(segment)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return  # the core says it is gone, with the recovery
+    except OSError as exc:
+        raise LockSetupError(f"cannot look at the lock file {path}: {exc.strerror}") from None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
+        raise LockSetupError(_lock_file_refusal(path, OSError(errno.ELOOP, "symlink")))
+    problem = policy.problem(info)
+    if problem is not None:
+        raise LockSetupError(
+            f"lock file {path} {problem}: refusing to lock through it. Remove it once you "
+            f"know who made it, or set ${LOCK_DIR_ENV}"
+        )
 
 
 def _target(segment: str, kind: int) -> tuple[str, bool]:
@@ -111,12 +164,35 @@ def _target(segment: str, kind: int) -> tuple[str, bool]:
     return lock_file_path(segment), False
 
 
-def open_core(segment: str, buf: mmap.mmap, kind: int) -> _core.Core:
-    """The compiled core for a writable mapping of ``segment``."""
+def open_core(
+    segment: str,
+    buf: mmap.mmap,
+    kind: int,
+    policy: OwnerPolicy | None = None,
+    identity: tuple[int, int] | None = None,
+) -> _core.Core:
+    """The compiled core for a writable mapping of ``segment``. ``policy``: whose
+    doorbells it may post (R-G6); ``identity``: (device, inode) of the object mapped, for
+    noticing that the name leads elsewhere (R-A15)."""
+    policy = policy or OwnerPolicy.for_process()
     target, is_shm = _target(segment, kind)
     mark = stamp(buf) if kind == layout.LOCK_FILE else b""
+    if kind == layout.LOCK_FILE:
+        check_lock_file(segment, policy)
     try:
-        return _core.Core(buf, layout.core_offsets(), kind, target, is_shm, segment, mark)
+        return _core.Core(
+            buf,
+            layout.core_offsets(),
+            kind,
+            target,
+            is_shm,
+            segment,
+            mark,
+            platform.core_flags(),
+            policy.uids,
+            -1 if policy.gid is None else policy.gid,
+            identity,
+        )
     except CoreError as exc:
         if kind == layout.LOCK_FILE and not os.path.exists(target):
             raise LockSetupError(

@@ -1,9 +1,14 @@
 """Segment and semaphore names (REQUIREMENTS.md section 8, R-A10).
 
-macOS limits POSIX IPC names to 31 bytes including the leading slash. Every
-semaphore of a segment is the segment name plus a suffix of at most
-:data:`SUFFIX_ROOM` bytes (``.C``, ``.d127``), so a segment name may
-use at most ``31 - SUFFIX_ROOM`` bytes.
+macOS limits POSIX IPC names to 31 bytes including the leading slash; so
+does every name here (the segment's, and each doorbell's).
+
+A doorbell (one named semaphore per registered process) is named after a
+random 64-bit id that its owner writes into its member row of the segment:
+``/gwcb-`` + 16 hex digits. Only who can read the segment can know it: no other
+local user can create it first (R-G6; macOS cannot show a semaphore's owner,
+so an unguessable name is the only protection there), and no process of
+another segment or registration ever posts it (R-A15).
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from shm_layout.errors import GatewayCapacityError
 ENV_VAR = "GATEWAY_CAPACITY_SEGMENT"
 PREFIX = "/gwcap1-"
 MAX_NAME_BYTES = 31  # macOS PSHMNAMLEN / SEM_NAME_LEN, leading slash included
-SUFFIX_ROOM = 5  # ".d" + up to three digits
-MAX_SEGMENT_BYTES = MAX_NAME_BYTES - SUFFIX_ROOM
+MAX_SEGMENT_BYTES = MAX_NAME_BYTES
+DOORBELL_PREFIX = "/gwcb-"
 
 _VALID = re.compile(r"^/[A-Za-z0-9._-]+$")
 
@@ -45,8 +50,7 @@ def check_segment_name(name: str) -> str:
     if size > MAX_SEGMENT_BYTES:
         raise BadSegmentName(
             f"segment name {name!r} is {size} bytes; at most {MAX_SEGMENT_BYTES} are allowed "
-            f"(macOS allows {MAX_NAME_BYTES} bytes per IPC name and the semaphores add up to "
-            f"{SUFFIX_ROOM})"
+            f"(macOS allows {MAX_NAME_BYTES} bytes per IPC name, the leading '/' included)"
         )
     return name
 
@@ -65,9 +69,15 @@ def resolve_segment_name(
     raise BadSegmentName(f"no segment: give --config PATH or --segment NAME (or set ${ENV_VAR})")
 
 
-def creation_name(segment: str) -> str:
-    return segment + ".C"
+def doorbell_name(bell: int) -> str:
+    """The doorbell of the registration whose member row holds ``bell`` (``_core.c`` formats
+    it the same way)."""
+    return f"{DOORBELL_PREFIX}{bell:016x}"
 
 
-def doorbell_name(segment: str, member_index: int) -> str:
-    return f"{segment}.d{member_index}"
+def new_bell() -> int:
+    """A fresh doorbell id: 64 random bits, never 0 (0 means "no doorbell")."""
+    while True:
+        bell = int.from_bytes(os.urandom(8), "little")
+        if bell:
+            return bell

@@ -1,14 +1,19 @@
-"""Create, attach and remove the segment (R-G2, R-G5, R-G6).
+"""Create, attach and remove the segment (R-G2, R-G5, R-G6, R-A15).
 
 Create-or-attach is race-free: ``shm_open(O_CREAT|O_EXCL)`` decides the one
-creator; it sizes the object, writes the header and the static tables, and
-writes the init mark last. Everyone else opens the existing object and waits
-(bounded) for the mark, then checks the magic and the major version. A
-segment whose creator died before the mark is removed and created again.
+creator; it sets the final mode on the descriptor, sizes the object once, writes
+the header and the static tables, and writes the init mark last. Everyone else
+opens the existing object, **checks its owner first** (an object another user
+made under our name is refused with one line, before anything of it is
+believed or waited for: ``owners.py``), then waits (bounded) for the mark, then
+checks the magic, the major version and the geometry. A segment of ours whose
+creator died before the mark is removed and created again.
 
-The segment and its semaphores are never unlinked when a process exits
-(unlike ``multiprocessing.shared_memory``, whose resource tracker does:
-CPython gh-82300); only :func:`unlink_segment` removes them.
+The segment is never unlinked when a process exits (unlike
+``multiprocessing.shared_memory``, whose resource tracker does: CPython
+gh-82300); only :func:`unlink_segment` removes it. A handler that finds the name
+leading to another object than the one it mapped (removed or replaced by hand)
+notices it within one sweep (``Segment.still_named``, R-A15).
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ import time
 
 import posix_ipc
 
-from shm_layout import _core, ipc, layout, lock, names
+from shm_layout import _core, ipc, layout, lock, names, platform
 from shm_layout.errors import GatewayCapacityError
 from shm_layout.layout import HEADER, HOLDER, INIT_MARK, MAGIC, MAJOR, MEMBER, MINOR, PROVIDER
 from shm_layout.liveness import is_alive, my_identity
+from shm_layout.owners import OwnerPolicy, group_name, user_name
 
 log = logging.getLogger("gateway_capacity.segment")
 
@@ -44,6 +50,10 @@ class SegmentMissing(SegmentError):
 
 class NotOurSegment(SegmentError):
     pass
+
+
+class ForeignSegment(NotOurSegment):
+    """An object under our name owned by a user (or group) this process does not trust."""
 
 
 class IncompatibleLayout(SegmentError):
@@ -71,14 +81,27 @@ class DamagedSegment(NotOurSegment):
     """Ours by its header, but its tables hold values no writer of ours produces."""
 
 
+def _recovery(name: str) -> str:
+    return f"'gateway-capacity inspect --segment {name} --unlink --force'"
+
+
 class Segment:
     """A mapped segment. Shared state changes only through ``self.core`` (the compiled
     core takes the lock for each step: Python never holds it)."""
 
-    def __init__(self, name: str, buf: mmap.mmap, created: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        buf: mmap.mmap,
+        created: bool,
+        identity: tuple[int, int],
+        policy: OwnerPolicy,
+    ) -> None:
         self.name = name
         self.buf = buf
         self.created = created
+        self.identity = identity
+        self.policy = policy
         self.mode = (
             ipc.GROUP_SHARED
             if HEADER["flags"].get(buf) & layout.FLAG_GROUP_SHARED
@@ -86,40 +109,48 @@ class Segment:
         )
         self.lock_kind = HEADER["lock_kind"].get(buf)
         try:
-            self.core: _core.Core = lock.open_core(name, buf, self.lock_kind)
+            self.core: _core.Core = lock.open_core(name, buf, self.lock_kind, policy, identity)
         except lock.LockSetupError as exc:
             buf.close()
             raise SegmentError(f"segment {name}: {exc}") from None
-        self._doorbells: dict[int, posix_ipc.Semaphore] = {}
         self._closed = False
-        identity = _identity_of(name)
-        self._identity = None if identity == _UNKNOWN else identity
 
     def still_named(self) -> bool:
         """Is the object under our name still the one we mapped? (No after an
-        ``inspect --unlink --force`` and a re-creation by someone else.)"""
-        if self._identity is None:
-            return True  # could not tell at open: never claim it was replaced
-        return _identity_of(self.name) in (self._identity, _UNKNOWN)
+        ``rm /dev/shm/...`` or ``inspect --unlink --force``, and a re-creation.)"""
+        return self.core.still_named() != 0  # -1: cannot tell; never claim it was replaced
 
     # --- open ------------------------------------------------------------------------
     @classmethod
-    def open(cls, name: str, *, create: bool = True, group_shared: bool = False) -> Segment:
-        """Attach to ``name``; with ``create``, create it first if it does not exist."""
+    def open(
+        cls,
+        name: str,
+        *,
+        create: bool = True,
+        group_shared: bool = False,
+        owner: str | int | None = None,
+        group: str | int | None = None,
+        policy: OwnerPolicy | None = None,
+    ) -> Segment:
+        """Attach to ``name``; with ``create``, create it first if it does not exist.
+
+        ``owner``/``group``: who else may own it (``owners.OwnerPolicy``, R-G6)."""
         names.check_segment_name(name)
+        policy = policy or OwnerPolicy.for_process(owner, group_shared=group_shared, group=group)
         for _attempt in range(5):
             if create:
-                buf = _try_create(name, group_shared)
-                if buf is not None:
-                    return cls(name, buf, created=True)
+                made = _try_create(name, group_shared, policy)
+                if made is not None:
+                    return cls(name, made[0], True, made[1], policy)
             try:
-                return cls(name, _attach(name), created=False)
+                buf, identity = _attach(name, policy=policy)
+                return cls(name, buf, False, identity, policy)
             except SegmentMissing:
                 if not create:
                     raise
                 continue  # removed between our create attempt and our attach: again
             except _Abandoned as abandoned:
-                _remove_abandoned(name, abandoned.identity, abandoned.mode)
+                _remove_abandoned(name, abandoned.identity)
                 if not create:
                     raise SegmentMissing(f"no segment {name}") from None
         raise SegmentNotReady(f"segment {name} could not be created or attached; try again")
@@ -133,7 +164,7 @@ class Segment:
         # the process rather than pull it from under them.
         deadline = time.monotonic() + CLOSE_WAIT_S
         while self.core.busy and time.monotonic() < deadline:
-            time.sleep(0.005)
+            time.sleep(0.002)
         if self.core.busy:
             log.warning(
                 "segment %s: closed while other threads were still inside it; its mapping "
@@ -142,35 +173,37 @@ class Segment:
             )
             return
         self.core.close()
-        for sem in self._doorbells.values():
-            sem.close()
-        self._doorbells.clear()
         # BufferError: a view of it is still alive somewhere; the mapping goes with it
         with contextlib.suppress(BufferError):
             self.buf.close()
 
-    # --- doorbells: one semaphore per registered process, posted when it is granted ---
-    def doorbell(self, member: int) -> posix_ipc.Semaphore:
-        sem = self._doorbells.get(member)
-        if sem is None:
-            name = names.doorbell_name(self.name, member)
+    # --- doorbells: one named semaphore per registration ------------------------------
+    def create_doorbell(self) -> int:
+        """Create this registration's doorbell under a fresh random name, exclusively,
+        with its final mode (and group) set without touching the process umask; returns
+        its id for ``Core.register``. Nobody else can have made it: the name is new."""
+        for _attempt in range(8):
+            bell = names.new_bell()
+            name = names.doorbell_name(bell)
             try:
-                # usually it exists (its owner made it when registering): open it without
-                # O_CREAT, so no umask change happens on a releasing thread's hot path
-                sem = posix_ipc.Semaphore(name)
+                sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, 0o600, 0)
             except posix_ipc.ExistentialError:
-                sem = ipc.open_semaphore(name, self.mode, 0)
-            except ipc.DENIED:
-                raise SegmentError(
-                    f"doorbell {name} belongs to another user; see the group-shared option"
-                ) from None
-            self._doorbells[member] = sem
-        return sem
+                continue  # 64 random bits taken: try another
+            except ipc.DENIED as exc:
+                raise SegmentError(f"cannot create a doorbell semaphore ({exc})") from None
+            sem.close()
+            try:
+                platform.set_semaphore_mode(name, self.mode, self.policy.gid)
+            except OSError as exc:
+                ipc.unlink_semaphore(name)
+                raise SegmentError(f"cannot set the mode of doorbell {name}: {exc}") from None
+            return bell
+        raise SegmentError("could not create a doorbell semaphore under a fresh name")
 
-    def ring(self, members: set[int] | list[int]) -> None:
-        for member in members:
-            if 0 <= member < layout.MEMBER_COUNT:
-                self.doorbell(member).release()
+
+def remove_doorbell(bell: int) -> None:
+    if bell:
+        ipc.unlink_semaphore(names.doorbell_name(bell))
 
 
 _UNKNOWN = (-1, -1)
@@ -193,49 +226,48 @@ def _identity_of(name: str) -> tuple[int, int] | None:
 
 # --- creation and attachment -----------------------------------------------------------
 class _Abandoned(Exception):
-    """The object under the name was never initialised and its creator is gone."""
+    """The object under the name is ours, was never initialised and its creator is gone."""
 
-    def __init__(self, identity: tuple[int, int], mode: int) -> None:
+    def __init__(self, identity: tuple[int, int]) -> None:
         self.identity = identity
-        self.mode = mode
 
 
-def _remove_abandoned(name: str, identity: tuple[int, int], mode: int) -> None:
-    """Unlink an abandoned creation, once, whoever else found it at the same time.
-
-    Serialised by the ``.C`` semaphore and done only while the name still maps the
-    very object that was judged abandoned: without both, a late attacher would unlink
-    the segment another one had just created in its place, and the processes would
-    end up on separate segments with separate budgets.
-    """
-    creation = ipc.open_semaphore(names.creation_name(name), mode, 1)
-    try:
-        if not ipc.timed_acquire(creation, 2.0, use_timeouts=ipc.timeouts_supported()):
-            return  # someone is at it (or died at it): the caller retries from the top
-        try:
-            if _identity_of(name) == identity:
-                log.warning("segment %s was abandoned by its creator before init; recreating", name)
-                _unlink_shm(name)
-        finally:
-            creation.release()
-    finally:
-        creation.close()
+def _remove_abandoned(name: str, identity: tuple[int, int]) -> None:
+    """Unlink an abandoned creation of ours, only while the name still maps the very
+    object judged abandoned. Two processes that judge it together may race here; the one
+    that unlinks a creation just made in its place leaves the other's processes on an
+    unnamed segment, which they notice within one sweep and leave (R-A15)."""
+    if _identity_of(name) == identity:
+        log.warning("segment %s was abandoned by its creator before init; recreating", name)
+        _unlink_shm(name)
 
 
-def _try_create(name: str, group_shared: bool) -> mmap.mmap | None:
+def _try_create(
+    name: str, group_shared: bool, policy: OwnerPolicy
+) -> tuple[mmap.mmap, tuple[int, int]] | None:
     mode = ipc.GROUP_SHARED if group_shared else ipc.OWNER_ONLY
     try:
-        with ipc.exact_mode(mode):
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode, layout.TOTAL_SIZE)
+        # 0600 at creation: the umask can only narrow it; the final mode (and group) is
+        # set on the descriptor below, never by changing the process umask (R-G6)
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, 0o600, 0)
     except posix_ipc.ExistentialError:
         return None
+    except ipc.DENIED as exc:
+        raise SegmentError(f"segment {name}: cannot create it ({exc})") from None
     try:
         os.fchmod(shm.fd, mode)
+        if policy.gid is not None and os.fstat(shm.fd).st_gid != policy.gid:
+            os.fchown(shm.fd, -1, policy.gid)
+        platform.size_object(shm.fd, layout.TOTAL_SIZE)
         _reserve(name, shm.fd)
+        info = os.fstat(shm.fd)
         buf = mmap.mmap(shm.fd, layout.TOTAL_SIZE)
     except SegmentError:
         _unlink_shm(name)
         raise
+    except OSError as exc:
+        _unlink_shm(name)
+        raise SegmentError(f"segment {name}: cannot create it ({exc.strerror})") from None
     finally:
         shm.close_fd()
     pid, start = my_identity()
@@ -256,25 +288,22 @@ def _try_create(name: str, group_shared: bool) -> mmap.mmap | None:
     HEADER["flags"].put(buf, layout.FLAG_GROUP_SHARED if group_shared else 0)
     kind = lock.kind_for_new_segment()
     try:
-        lock.prepare(buf, name, kind, mode)
+        lock.prepare(buf, name, kind, mode, policy)
     except lock.LockSetupError as exc:
         buf.close()
         _unlink_shm(name)
         raise SegmentError(f"segment {name}: {exc}") from None
     HEADER["lock_kind"].put(buf, kind)
     HEADER["init_complete"].put(buf, INIT_MARK)  # last (R-G2)
-    return buf
+    return buf, (info.st_dev, info.st_ino)
 
 
 def _reserve(name: str, fd: int) -> None:
     """Give the new object its memory now. ``ftruncate`` alone makes a sparse object
     whose pages are found missing only when written: on a full ``/dev/shm`` the first
     write through the mapping killed the process with SIGBUS, with no word of why."""
-    fallocate = getattr(os, "posix_fallocate", None)
-    if fallocate is None:  # macOS: no posix_fallocate for shm objects
-        return
     try:
-        fallocate(fd, 0, layout.TOTAL_SIZE)
+        platform.reserve(fd, layout.TOTAL_SIZE)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise SegmentError(
@@ -284,7 +313,24 @@ def _reserve(name: str, fd: int) -> None:
         # EOPNOTSUPP, EINVAL: a file system without fallocate keeps the old behaviour
 
 
-def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
+def _foreign(name: str, problem: str, policy: OwnerPolicy) -> ForeignSegment:
+    return ForeignSegment(
+        f"segment {name} {problem}: another user made it first, or the wrong owner is "
+        f"configured. If it is not meant to be there, remove it as root ({_recovery(name)}) "
+        "and find out who made it; if that user is meant to own it, name them with --owner "
+        "(or $GATEWAY_CAPACITY_OWNER, Admission.attach(owner=...))"
+    )
+
+
+def _attach(
+    name: str,
+    *,
+    read_only: bool = False,
+    policy: OwnerPolicy | None = None,
+    wait_init: bool = True,
+) -> tuple[mmap.mmap, tuple[int, int]]:
+    """Map ``name``. With ``policy``, an object whose owner it does not trust is refused
+    before anything else is read from it or waited for (R-G6)."""
     try:
         shm = posix_ipc.SharedMemory(name, read_only=read_only)
     except posix_ipc.ExistentialError:
@@ -292,20 +338,26 @@ def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
             f"no segment {name}: nothing has created it yet (start the sidecar or a handler)"
         ) from None
     except ipc.DENIED:
+        owner = platform.shared_memory_stat(name)
+        who = f" (it belongs to {user_name(owner.st_uid)})" if owner is not None else ""
         raise SegmentError(
-            f"segment {name} exists but this user may not open it (owner-only by default; "
-            "see the group-shared option)"
+            f"segment {name} exists but this user may not open it{who}: owner-only by "
+            "default; see the group-shared option"
         ) from None
     try:
         info = os.fstat(shm.fd)
         identity = (info.st_dev, info.st_ino)
+        if policy is not None:
+            problem = policy.problem(info)
+            if problem is not None:
+                raise _foreign(name, problem, policy)
         if info.st_mode & stat.S_IRWXO:
             raise UnsafePermissions(
                 f"segment {name} is accessible to all users (mode {info.st_mode & 0o777:o}); "
-                "refusing to use it. Remove it ('gateway-capacity inspect --segment "
-                f"{name} --unlink --force') and let gateway-capacity create it again."
+                f"refusing to use it. Remove it ({_recovery(name)}) and let gateway-capacity "
+                "create it again."
             )
-        deadline = time.monotonic() + INIT_WAIT_S
+        deadline = time.monotonic() + (INIT_WAIT_S if wait_init else 0.0)
         while True:
             size = os.fstat(shm.fd).st_size
             if size >= layout.HEADER_SIZE:
@@ -326,10 +378,10 @@ def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
                 magic, major, minor = b"", 0, 0
                 geometry_ok = False
             if time.monotonic() >= deadline:
-                if creator[0] == 0 or not is_alive(*creator):
+                if creator[0] == 0 or not _creator_alive(*creator):
                     if size != 0 and not _our_size(size):
                         break
-                    raise _Abandoned(identity, stat.S_IMODE(info.st_mode))
+                    raise _Abandoned(identity)
                 raise SegmentNotReady(
                     f"segment {name} is still being initialised by pid {creator[0]}; try again"
                 )
@@ -354,11 +406,18 @@ def _attach(name: str, *, read_only: bool = False) -> mmap.mmap:
             buf.close()
             raise DamagedSegment(
                 f"segment {name} is damaged ({problem}); once no handler uses it, remove it "
-                f"with 'gateway-capacity inspect --segment {name} --unlink --force'"
+                f"with {_recovery(name)}"
             )
-        return buf
+        return buf, identity
     finally:
         shm.close_fd()
+
+
+def _creator_alive(pid: int, start: float) -> bool:
+    try:
+        return is_alive(pid, start)
+    except (OverflowError, ValueError):
+        return False
 
 
 def _our_size(size: int) -> bool:
@@ -384,9 +443,16 @@ def _our_geometry(head: mmap.mmap) -> bool:
 
 def damage(buf: mmap.mmap | bytes) -> str | None:
     """What makes this initialised segment unusable, or None: values that no writer of
-    ours can produce (random bytes over the tables, a scribbling program)."""
-    if HEADER["lock_kind"].get(buf) not in layout.LOCK_KINDS:
-        return f"unknown lock kind {HEADER['lock_kind'].get(buf)}"
+    ours can produce (random bytes over the tables, a scribbling program), a lock word
+    no lock call of ours wrote (R-A16). Counters that disagree with the records are not
+    here: every sweep repairs them."""
+    kind = HEADER["lock_kind"].get(buf)
+    if kind not in layout.LOCK_KINDS:
+        return f"unknown lock kind {kind}"
+    if kind == layout.LOCK_ROBUST and _core.HAVE_ROBUST:
+        sane, _, _, _ = _core.mutex_state(buf, layout.MUTEX_OFFSET)
+        if not sane:
+            return "its lock word holds bytes no lock call of ours wrote"
     from shm_layout.ledger import holder_base, member_base, provider_base
 
     ended = False
@@ -396,8 +462,6 @@ def damage(buf: mmap.mmap | bytes) -> str | None:
         if in_use not in (0, 1) or (ended and in_use):
             return f"provider row {p} is not a row this program writes"
         ended = ended or not in_use
-        # (counters may disagree with the records after a death inside a section: the
-        # next lock holder repairs them, so they are no sign of damage)
         if in_use:
             states = {
                 HOLDER["state"].get(buf, holder_base(p, h))
@@ -411,15 +475,39 @@ def damage(buf: mmap.mmap | bytes) -> str | None:
     return None
 
 
-def map_readonly(name: str) -> mmap.mmap:
-    """A read-only mapping for readers (inspect, availability, wait-for-slot)."""
+def owner_of(name: str) -> tuple[int, int] | None:
+    """(uid, gid) of the object under ``name`` without trusting it, or None."""
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=True)
+    except (posix_ipc.ExistentialError, *ipc.DENIED):
+        info = platform.shared_memory_stat(name)
+        return None if info is None else (info.st_uid, info.st_gid)
+    try:
+        info2 = os.fstat(shm.fd)
+    finally:
+        shm.close_fd()
+    return info2.st_uid, info2.st_gid
+
+
+def describe_owner(name: str) -> str | None:
+    owner = owner_of(name)
+    if owner is None:
+        return None
+    return f"{user_name(owner[0])}:{group_name(owner[1])}"
+
+
+def map_readonly(
+    name: str, *, policy: OwnerPolicy | None = None, wait_init: bool = True
+) -> mmap.mmap:
+    """A read-only mapping for readers (inspect, availability, wait-for-slot). With
+    ``policy``, a segment of an untrusted owner is refused (the sibling scan)."""
     names.check_segment_name(name)
     try:
-        return _attach(name, read_only=True)
+        return _attach(name, read_only=True, policy=policy, wait_init=wait_init)[0]
     except _Abandoned:
         raise SegmentNotReady(
             f"segment {name} was never initialised (its creator died); the next handler or "
-            "sidecar recreates it, or remove it with inspect --unlink --force"
+            f"sidecar recreates it, or remove it with {_recovery(name)}"
         ) from None
 
 
@@ -435,12 +523,31 @@ def _unlink_shm(name: str) -> bool:
     return True
 
 
+def _doorbells_in(name: str) -> list[int]:
+    """The doorbell ids of the member rows in use, read from the segment (best effort)."""
+    try:
+        buf = _attach(name, read_only=True, wait_init=False)[0]
+    except (SegmentError, _Abandoned, OSError, ValueError):
+        return []
+    try:
+        from shm_layout.ledger import member_base
+
+        return [
+            MEMBER["bell"].get(buf, member_base(m))
+            for m in range(layout.MEMBER_COUNT)
+            if MEMBER["bell"].get(buf, member_base(m))
+        ]
+    finally:
+        buf.close()
+
+
 def unlink_segment(name: str) -> bool:
-    """Remove the segment and all its semaphores. True when the segment existed."""
+    """Remove the segment, its lock file and its members' doorbells. True when the
+    segment existed."""
+    bells = _doorbells_in(name)
     existed = _unlink_shm(name)
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, PermissionError):
         os.unlink(lock.lock_file_path(name))
-    ipc.unlink_semaphore(names.creation_name(name))
-    for member in range(layout.MEMBER_COUNT):
-        ipc.unlink_semaphore(names.doorbell_name(name, member))
+    for bell in bells:
+        remove_doorbell(bell)
     return existed

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shm_layout import layout
+from shm_layout import _core, layout, platform
 from shm_layout.layout import (
     HEADER,
     HOLDER,
@@ -32,7 +32,8 @@ from shm_layout.layout import (
 from shm_layout.ledger import effective_limit, holder_base, member_base, provider_base
 from shm_layout.liveness import is_alive
 from shm_layout.lock import kind_name, members_alive, stamp
-from shm_layout.segment import map_readonly
+from shm_layout.owners import OwnerPolicy
+from shm_layout.segment import describe_owner, map_readonly
 
 READ_RETRIES = 200
 STUCK_S = 0.02
@@ -120,6 +121,11 @@ class SegmentView:
     read_at: float
     lock_kind: str
     lock_repairs: int
+    damage_repairs: int  # sweeps that found counters or records damaged (R-A16)
+    damage_note: str
+    damage_age_s: float | None  # how long ago the last of them ran
+    lock_problem: str | None  # a damaged lock word, with the recovery (R-A16)
+    owner: str | None  # user:group of the object (R-G6)
     config_status: str
     config_path: str
     sidecar: SidecarView | None
@@ -158,20 +164,46 @@ def snapshot_bytes(buf: Any) -> tuple[bytes, bool]:
     return copy or bytes(buf), False
 
 
-def read_view(name: str, *, now: float | None = None) -> SegmentView:
-    """Map ``name`` read-only and describe it. Raises the ``SegmentError`` family."""
-    buf = map_readonly(name)
+def read_view(
+    name: str, *, now: float | None = None, policy: OwnerPolicy | None = None, wait_init: bool = True
+) -> SegmentView:
+    """Map ``name`` read-only and describe it. Raises the ``SegmentError`` family; with
+    ``policy``, a segment of an owner it does not trust is refused (R-G6)."""
+    buf = map_readonly(name, policy=policy, wait_init=wait_init)
     try:
         data, consistent = snapshot_bytes(buf)
     finally:
         buf.close()
-    return parse_view(name, data, consistent, now=now)
+    return parse_view(name, data, consistent, now=now, owner=describe_owner(name))
+
+
+def lock_problem(name: str, data: bytes) -> str | None:
+    """What is wrong with the segment's lock word, with the recovery; None when nothing."""
+    if HEADER["lock_kind"].get(data) != layout.LOCK_ROBUST or not _core.HAVE_ROBUST:
+        return None
+    sane, _locked, _tid, _exists = _core.mutex_state(data, layout.MUTEX_OFFSET)
+    if sane:
+        return None
+    return (
+        "its lock word holds bytes no lock call of ours wrote (damage): stop its handlers "
+        f"and sidecar, then 'gateway-capacity inspect --segment {name} --unlink --force' and "
+        "start them again"
+    )
 
 
 def parse_view(
-    name: str, data: bytes, consistent: bool = True, *, now: float | None = None
+    name: str,
+    data: bytes,
+    consistent: bool = True,
+    *,
+    now: float | None = None,
+    mono: float | None = None,
+    owner: str | None = None,
 ) -> SegmentView:
+    """``now``: the wall clock, for what people read; ``mono``: the deadline clock, for
+    what is in force (R-L7). Each defaults to the clock's reading now."""
     now = time.time() if now is None else now
+    mono = platform.deadline_now() if mono is None else mono
     kind = HEADER["lock_kind"].get(data)
     registered = _registrations(data)
     mark = stamp(data) if kind == layout.LOCK_FILE else b""
@@ -212,7 +244,7 @@ def parse_view(
                     since=HOLDER["since"].get(data, hb),
                 )
             )
-        providers.append(_provider(data, p, running, waiting, now))
+        providers.append(_provider(data, p, running, waiting, now, mono))
     return SegmentView(
         name=name,
         major=HEADER["major"].get(data),
@@ -223,18 +255,29 @@ def parse_view(
         read_at=now,
         lock_kind=kind_name(kind),
         lock_repairs=HEADER["repairs"].get(data),
+        damage_repairs=HEADER["damage_repairs"].get(data),
+        damage_note=layout.decode_text(HEADER["damage_note"].get(data)),
+        damage_age_s=(
+            round(mono - HEADER["damage_mono"].get(data), 3)
+            if HEADER["damage_repairs"].get(data)
+            else None
+        ),
+        lock_problem=lock_problem(name, data),
+        owner=owner,
         config_status=layout.decode_text(HEADER["config_status"].get(data)),
         config_path=layout.decode_text(HEADER["config_path"].get(data)),
-        sidecar=_sidecar(data, now),
+        sidecar=_sidecar(data, now, mono),
         providers=tuple(providers),
         holders=tuple(holders),
         members=tuple(members),
     )
 
 
-def _provider(data: bytes, p: int, running: int, waiting: int, now: float) -> ProviderView:
+def _provider(
+    data: bytes, p: int, running: int, waiting: int, now: float, mono: float
+) -> ProviderView:
     base = provider_base(p)
-    limit = effective_limit(data, p, now)
+    limit = effective_limit(data, p, mono)
     flags = PROVIDER["flags"].get(data, base)
     published = PROVIDER["published_limit"].get(data, base)
     discovered = PROVIDER["discovered"].get(data, base)
@@ -321,16 +364,17 @@ def _members(data: bytes, alive: dict[tuple[int, int], bool]) -> list[MemberView
     return out
 
 
-def _sidecar(data: bytes, now: float) -> SidecarView | None:
+def _sidecar(data: bytes, now: float, mono: float) -> SidecarView | None:
     pid = HEADER["sidecar_pid"].get(data)
     if pid == 0:
         return None
-    heartbeat = HEADER["heartbeat"].get(data)
+    heartbeat = HEADER["heartbeat_mono"].get(data)
     return SidecarView(
         pid=pid,
         alive=_sidecar_alive(pid, HEADER["sidecar_start"].get(data)),
         state=layout.SIDECAR_STATES.get(HEADER["sidecar_state"].get(data), "unknown"),
-        heartbeat_age_s=round(now - heartbeat, 3) if heartbeat else None,
+        # on the deadline clock: a stepped wall clock neither ages nor rejuvenates it
+        heartbeat_age_s=round(mono - heartbeat, 3) if heartbeat else None,
         writer_epoch=HEADER["writer_epoch"].get(data),
         config_generation=HEADER["config_generation"].get(data),
         refresh_s=HEADER["refresh_s"].get(data),

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shm_layout import layout, ledger
+from shm_layout import layout, ledger, platform
 from shm_layout.errors import GatewayCapacityError
 from shm_layout.layout import HEADER, PROVIDER, REPLICA, SOURCE_CODES, Field
 from shm_layout.segment import Segment
@@ -68,7 +68,11 @@ class Publication:
     reason: str = ""
     discovered: int | None = None
     observed_at: float | None = None
-    expires_at: float | None = None
+    expires_at: float | None = None  # wall clock, for people
+    # the deadline on the host's deadline clock (platform.deadline_now), judged once by
+    # the sidecar at probe time; what handlers obey (R-L7). None: derived at publication
+    # from expires_at and the clocks' difference then.
+    expires_mono: float | None = None
     # a replica is written with the fields it is read with
     replicas: Sequence[ReplicaView] = field(default=())
 
@@ -83,23 +87,27 @@ def take_epoch(
         patch.put(HEADER["sidecar_pid"], pid)
         patch.put(HEADER["sidecar_state"], layout.SIDECAR_RUNNING)
         patch.put(HEADER["heartbeat"], now)
+        patch.put(HEADER["heartbeat_mono"], platform.deadline_now())
         patch.put(HEADER["refresh_s"], refresh_s)
         patch.put(HEADER["config_path"], layout.encode_text(config_path, 256))
         patch.put(HEADER["writer_epoch"], current + 1)  # compare-and-set on the epoch
-        if seg.core.transact(_epoch_guard(current), patch.writes, False, now):
+        if seg.core.transact(_epoch_guard(current), patch.writes, False, 0.0):
             return current + 1
 
 
 def heartbeat(seg: Segment, epoch: int, now: float, legacy_alive: int = 0) -> int:
-    """Mark the sidecar alive, reap dead holders and grant what expiries allow (R-A5, R-L7).
+    """Mark the sidecar alive and sweep: reap dead holders, check the counters against
+    the records, grant what expiries allow (R-A5, R-A16, R-L7). While a sidecar runs it
+    is the host's sweeper, so handlers' waiters find the sweep done.
 
     Returns how many holder records were reclaimed.
     """
     patch = Patch()
     patch.put(HEADER["heartbeat"], now)
+    patch.put(HEADER["heartbeat_mono"], platform.deadline_now())
     patch.put(HEADER["legacy_alive"], legacy_alive)
-    _commit(seg, epoch, patch, now)
-    reclaimed: int = seg.core.reap(now)
+    _commit(seg, epoch, patch, 0.0)
+    reclaimed: int = seg.core.sweep(0.0)
     return reclaimed
 
 
@@ -159,6 +167,7 @@ def publish(
             patch.put(PROVIDER["published_limit"], -1, base)
             patch.put(PROVIDER["observed_at"], 0.0, base)
             patch.put(PROVIDER["expires_at"], 0.0, base)
+            patch.put(PROVIDER["expires_mono"], 0.0, base)
             patch.put(PROVIDER["discovered"], -1, base)
             patch.put(PROVIDER["replica_count"], 0, base)
             patch.put(
@@ -166,7 +175,7 @@ def publish(
                 layout.encode_text("not in the config any more", layout.REASON_BYTES),
                 base,
             )
-    _commit(seg, epoch, patch, now, pump=True)
+    _commit(seg, epoch, patch, 0.0, pump=True)
     return warnings
 
 
@@ -221,6 +230,15 @@ def _set_fallback(
     return clamped
 
 
+def _deadline(pub: Publication, now: float) -> float:
+    """The publication's deadline on the deadline clock (R-L7)."""
+    if pub.expires_mono is not None:
+        return pub.expires_mono
+    if pub.expires_at is None:
+        return 0.0
+    return platform.deadline_now() + (pub.expires_at - now)
+
+
 def _write_publication(patch: Patch, p: int, pub: Publication, epoch: int, now: float) -> None:
     base = ledger.provider_base(p)
     # Fields first, the limit last (the core applies writes in order).
@@ -230,6 +248,7 @@ def _write_publication(patch: Patch, p: int, pub: Publication, epoch: int, now: 
     patch.put(PROVIDER["published_at"], now, base)
     patch.put(PROVIDER["observed_at"], pub.observed_at or 0.0, base)
     patch.put(PROVIDER["expires_at"], pub.expires_at or 0.0, base)
+    patch.put(PROVIDER["expires_mono"], _deadline(pub, now), base)
     patch.put(PROVIDER["published_epoch"], epoch, base)
     patch.put(PROVIDER["discovered"], -1 if pub.discovered is None else pub.discovered, base)
     patch.put(PROVIDER["reason"], layout.encode_text(pub.reason, layout.REASON_BYTES), base)

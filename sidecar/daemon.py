@@ -33,7 +33,7 @@ from shm_layout import layout, writer
 from shm_layout.errors import GatewayCapacityError
 from shm_layout.liveness import is_alive, my_identity, process_start
 from shm_layout.names import resolve_segment_name
-from shm_layout.segment import Segment
+from shm_layout.segment import ForeignSegment, Segment
 from shm_layout.view import ReplicaView, parse_view, snapshot_bytes
 from sidecar import sdnotify
 from sidecar.addresses import parse_host_port
@@ -72,6 +72,8 @@ class Options:
     await_legacy_grace_s: float = 10.0
     parent_pid: int | None = None
     group_shared: bool = False
+    owner: str | None = None  # another user the segment may belong to (R-G6)
+    group: str | None = None
     tailscale_socket: str | None = None
     metrics_listen: str | None = None
 
@@ -269,7 +271,13 @@ class Sidecar:
             # Before the segment and the writer epoch: a sidecar that cannot start must
             # not first fence the one that is running (R-G4) and then leave none.
             self._start_metrics(options.metrics_listen)
-        self.seg = Segment.open(self.segment_name, create=True, group_shared=options.group_shared)
+        self.seg = Segment.open(
+            self.segment_name,
+            create=True,
+            group_shared=options.group_shared,
+            owner=options.owner,
+            group=options.group,
+        )
         self.pid, self.start = my_identity()
         self.providers: dict[str, _ProviderState] = {}
         self.inherited: dict[str, LimitDecision] = {}
@@ -734,6 +742,12 @@ def main(options: Options) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         sidecar = Sidecar(options)
+    except ForeignSegment as exc:
+        # Another user's object under our name: not a mistake in our configuration that a
+        # restart cannot mend (it may be removed meanwhile), so exit 1 and let
+        # Restart=on-failure try again, each time saying why.
+        log.error("cannot start: %s", exc)
+        return 1
     except GatewayCapacityError as exc:  # StartupError, SegmentError, BadSegmentName ...
         log.error("cannot start: %s", exc)
         return 2

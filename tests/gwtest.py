@@ -155,3 +155,96 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
     return port
+
+
+# --- another local user (R-G6) --------------------------------------------------------------
+NOBODY = "nobody"
+
+
+def _nobody_ids() -> tuple[int, int]:
+    import pwd
+
+    import pytest
+
+    try:
+        entry = pwd.getpwnam(NOBODY)
+    except KeyError:
+        pytest.skip("no user 'nobody' on this machine")
+    if os.geteuid() != 0:
+        pytest.skip("playing another user needs root")
+    return entry.pw_uid, entry.pw_gid
+
+
+def _become(uid: int, gid: int) -> None:
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+
+
+def as_nobody(fn: Callable[[], int]) -> tuple[int, str]:
+    """Run ``fn`` in a forked child that has become the user nobody: (exit code, output).
+
+    The attacker is a real process of another uid, not a mock. This interpreter lives
+    under /root, which nobody may not read, so the child cannot start a new Python; it
+    keeps the modules this process has imported already (import what ``fn`` needs
+    before calling this).
+    """
+    uid, gid = _nobody_ids()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 70
+        try:
+            _become(uid, gid)
+            sys.stdout = sys.stderr = os.fdopen(write, "w")  # not pytest's capture
+            code = fn()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as f:
+        output = f.read()
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), output
+
+
+class NobodyProcess:
+    """A process of the user nobody that runs ``fn`` and then stays alive until stopped
+    (a squatter that keeps a lock, or a live pid, for as long as a test needs it)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        uid, gid = _nobody_ids()
+        read, write = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - the child
+            try:
+                _become(uid, gid)
+                fn()
+                os.write(write, b"ready\n")
+                while True:
+                    time.sleep(60)
+            except BaseException:
+                import traceback
+
+                os.write(write, traceback.format_exc().encode())
+            finally:
+                os._exit(70)
+        os.close(write)
+        with os.fdopen(read, "rb") as f:
+            first = f.readline().decode()
+        if first != "ready\n":
+            self.stop()
+            raise AssertionError(f"the nobody process failed: {first}")
+
+    def stop(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        os.waitpid(self.pid, 0)

@@ -1,13 +1,20 @@
-"""The compiled core against its reference model (R-A1..R-A6): same steps, same bytes.
+"""The compiled core against its reference model (R-A1..R-A6, R-A14, R-A16): same steps,
+same bytes.
 
 A hypothesis state machine drives arrivals, releases, timeouts, cancellations, limit
-changes and expiries, reaps, holders' deaths at any step, a lock holder's death in the
-middle of a section, and new registrations, on a real segment through the compiled core
-(``shm_layout/_core.c``), and the same steps on a plain bytearray through the Python
-model (``shm_layout/ledger.py``). After every step the admission bytes must be equal
-and the invariants must hold: counters equal the records, waiting never above 32,
-nobody waits while there is room, FIFO among the waiters of a provider, running never
-raised above the limit in force by an admission. Runs on both lock kinds.
+changes and expiries, reaps and sweeps, holders' deaths at any step, a lock holder's
+death in the middle of a section, new registrations, and the moments of change: a
+close that begins while others arrive and wait (its waiters freed, its arrivals
+refused) and ends with slots still running, and damage (a bad write to a counter, its
+check word, a member's serial, a published deadline), on a real segment through the
+compiled core (``shm_layout/_core.c``), and the same steps on a plain bytearray through
+the Python model (``shm_layout/ledger.py``). After every step the admission bytes must
+be equal and the invariants must hold: counters equal the records (after damage: from
+the next step that touches the provider, or the next sweep), waiting never above 32,
+nobody waits while there is room, an admission never raises running above the limit in
+force (after damage: never once a step has looked), no request runs without a live
+record of its own. Runs on both lock kinds. (The wall clock does not exist here: the
+core's deadlines are on one monotonic clock, which never steps.)
 """
 
 from __future__ import annotations
@@ -32,7 +39,14 @@ from hypothesis.stateful import (
 )
 
 from shm_layout import _core, layout, ledger, lock, writer
-from shm_layout.layout import HOLDER, HOLDER_FREE, HOLDER_RUNNING, HOLDER_WAITING, PROVIDER
+from shm_layout.layout import (
+    HOLDER,
+    HOLDER_FREE,
+    HOLDER_RUNNING,
+    HOLDER_WAITING,
+    MEMBER,
+    PROVIDER,
+)
 from shm_layout.segment import Segment, unlink_segment
 
 PROVIDERS = ("p0", "p1")
@@ -42,6 +56,7 @@ CODES = {
     _core.WAIT: "wait",
     _core.FULL: "full",
     _core.WAIT_REFUSED: "wait_refused",
+    _core.CLOSED: "closed",
 }
 WAS = {0: "stale", 1: "running", 2: "waiting"}
 
@@ -58,6 +73,7 @@ class Member:
         )
         assert self.index >= 0
         self.alive = True
+        self.closing = False
 
 
 class CoreAgainstModel(RuleBasedStateMachine):
@@ -70,6 +86,8 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.members: list[Member] = []
         self.now = 1000.0
         self.unpumped = False  # time passed: a limit may have risen with nobody pumping yet
+        self.damaged: set[int] = set()  # providers written over since a step looked at them
+        self.running: list[Any] = []  # tickets whose bodies run: (member, ticket, model)
 
     @initialize()
     def setup(self) -> None:
@@ -80,10 +98,11 @@ class CoreAgainstModel(RuleBasedStateMachine):
             self.members.append(Member(self.seg, pid, self.now))
         # the model starts from the very same bytes
         self.model_buf = bytearray(self.seg.buf[: layout.TOTAL_SIZE])
-        self.model = ledger.Ledger(self.model_buf, self._model_alive)
+        self.model = ledger.Ledger(self.model_buf, self._model_held)
 
-    def _model_alive(self, m: int, serial: int) -> bool:
-        return any(x.alive and x.index == m and x.serial == serial for x in self.members)
+    def _model_held(self, m: int) -> bool:
+        """The kernel's word: some live process holds member row m's lock byte."""
+        return any(x.alive and x.index == m for x in self.members)
 
     def teardown(self) -> None:
         for m in self.members:
@@ -94,6 +113,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         unlink_segment(self.name)
 
     # --- steps --------------------------------------------------------------------
+    @precondition(lambda self: any(m.alive for m in self.members))
     @rule(
         target=tickets,
         who=st.integers(0, 5),
@@ -111,15 +131,22 @@ class CoreAgainstModel(RuleBasedStateMachine):
         ticket = _core.Ticket()
         code = m.core.arrive(ticket, provider, m.pid, self.now, may_wait, True, -1.0)
         decision, model_ticket, _ = self.model.arrive(
-            provider, m.pid, m.index, m.serial, self.now, may_wait
+            provider, m.pid, m.index, m.serial, self.now, may_wait, registered=not m.closing
         )
         assert CODES[code] == decision
+        self.damaged.discard(provider)  # the arrival looked at this provider's counters
         if model_ticket is not None:
             assert (ticket.provider, ticket.holder, ticket.serial) == (
                 model_ticket.provider,
                 model_ticket.holder,
                 model_ticket.serial,
             )
+        if decision == "admit":
+            # R-A1: an admission never raises running above the limit in force
+            base = ledger.provider_base(provider)
+            running = PROVIDER["running"].get(self.seg.buf, base)
+            assert running <= ledger.limit_value(self.seg.buf, provider, self.now)
+            self.running.append((m, ticket, model_ticket))
         return (m, ticket, model_ticket)
 
     @rule(held=consumes(tickets), outcome=st.sampled_from(sorted(OUTCOMES)))
@@ -133,11 +160,13 @@ class CoreAgainstModel(RuleBasedStateMachine):
 
     def _leave(self, held: Any, outcome: str) -> None:
         m, ticket, model_ticket = held
+        self.running = [r for r in self.running if r[1] is not ticket]
         if not m.alive or model_ticket is None:
             return
         was = m.core.leave(ticket, OUTCOMES[outcome], self.now, True)
         model_was, _ = self.model.leave(model_ticket, m.index, m.serial, outcome, self.now)  # type: ignore[arg-type]
         assert WAS[was] == model_was
+        self.damaged.discard(model_ticket.provider)
 
     @rule(
         provider=st.sampled_from(range(len(PROVIDERS))),
@@ -148,8 +177,8 @@ class CoreAgainstModel(RuleBasedStateMachine):
         base = ledger.provider_base(provider)
         writes = [
             (
-                base + PROVIDER["expires_at"].offset,
-                PROVIDER["expires_at"].codec.pack(self.now + ttl),
+                base + PROVIDER["expires_mono"].offset,
+                PROVIDER["expires_mono"].codec.pack(self.now + ttl),
             ),
             (
                 base + PROVIDER["published_limit"].offset,
@@ -161,6 +190,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
             self.model_buf[off : off + len(data)] = data
         self.model.pump_all(self.now)
         self.unpumped = False
+        self.damaged.clear()
 
     @rule(seconds=st.integers(1, 30))
     def time_passes(self, seconds: int) -> None:
@@ -173,6 +203,86 @@ class CoreAgainstModel(RuleBasedStateMachine):
         model_reclaimed, _ = self.model.reap(self.now)
         assert reclaimed == model_reclaimed
         self.unpumped = False
+        self.damaged.clear()  # every provider was pumped, which looks at its counters
+
+    @rule()
+    def sweep(self) -> None:
+        """The host's sweep: counters against records, damage put right, then a reap."""
+        reclaimed = self.seg.core.sweep(self.now)
+        model_reclaimed, _ = self.model.sweep(self.now)
+        assert reclaimed == model_reclaimed
+        self.unpumped = False
+        self.damaged.clear()
+
+    # --- the moments of change (R-A14) -------------------------------------------
+    @precondition(lambda self: sum(m.alive and not m.closing for m in self.members) > 1)
+    @rule(who=st.integers(0, 5))
+    def a_close_begins(self, who: int) -> None:
+        """close(): arrivals of that registration refused from now on, its waiters freed
+        (a grant can never reach them any more); its running slots go on."""
+        live = [m for m in self.members if m.alive and not m.closing]
+        m = live[who % len(live)]
+        freed = m.core.begin_close(self.now)
+        model_freed, _ = self.model.cancel_waiting(m.index, m.serial, self.now)
+        assert freed == model_freed
+        m.closing = True
+        self.unpumped = False
+
+    @precondition(lambda self: any(m.alive and m.closing for m in self.members))
+    @rule()
+    def a_close_ends(self) -> None:
+        """close() after its grace: unregister cuts what still runs."""
+        m = next(m for m in self.members if m.alive and m.closing)
+        expected = sum(
+            1
+            for p in range(len(PROVIDERS))
+            for h in range(layout.HOLDERS_PER_PROVIDER)
+            if self._ours_running(ledger.holder_base(p, h), m)
+        )
+        cut = m.core.unregister(self.now)
+        self.model.unregister(m.index, m.serial, self.now)
+        assert cut == expected
+        m.alive = False
+        m.core.close()
+        self.running = [r for r in self.running if r[0] is not m]
+
+    def _ours_running(self, hb: int, m: Member) -> bool:
+        buf = self.model_buf
+        return bool(
+            HOLDER["state"].get(buf, hb) == HOLDER_RUNNING
+            and HOLDER["member"].get(buf, hb) == m.index
+            and HOLDER["member_serial"].get(buf, hb) == m.serial
+        )
+
+    # --- damage (R-A16) ------------------------------------------------------------
+    @rule(
+        provider=st.sampled_from(range(len(PROVIDERS))),
+        field=st.sampled_from(["running", "waiting", "counts_check"]),
+        value=st.sampled_from([0, 1, 33, 999, 0xFFFFFFFF]),
+    )
+    def a_bad_write_to_a_counter(self, provider: int, field: str, value: int) -> None:
+        base = ledger.provider_base(provider)
+        value &= (1 << (8 * PROVIDER[field].codec.size)) - 1
+        for buf in (self.seg.buf, self.model_buf):
+            PROVIDER[field].put(buf, value, base)
+        self.damaged.add(provider)
+
+    @precondition(lambda self: any(m.alive for m in self.members))
+    @rule(who=st.integers(0, 5))
+    def a_bad_write_to_a_member_serial(self, who: int) -> None:
+        live = [m for m in self.members if m.alive]
+        m = live[who % len(live)]
+        mb = ledger.member_base(m.index)
+        for buf in (self.seg.buf, self.model_buf):
+            MEMBER["serial"].put(buf, MEMBER["serial"].get(buf, mb) + 1, mb)
+
+    @rule(provider=st.sampled_from(range(len(PROVIDERS))), limit=st.integers(0, 5))
+    def a_deadline_too_far_ahead(self, provider: int, limit: int) -> None:
+        """A published limit whose deadline no publication can set: never obeyed."""
+        base = ledger.provider_base(provider)
+        for buf in (self.seg.buf, self.model_buf):
+            PROVIDER["expires_mono"].put(buf, self.now + 3600.0, base)
+            PROVIDER["published_limit"].put(buf, limit, base)
 
     @precondition(lambda self: sum(m.alive for m in self.members) > 1)
     @rule(who=st.integers(0, 5))
@@ -218,11 +328,26 @@ class CoreAgainstModel(RuleBasedStateMachine):
         return "no difference"
 
     @invariant()
+    def no_body_runs_without_a_live_record(self) -> None:
+        """Every admitted request whose owner lives and has not been cut has its record,
+        RUNNING, with its serial (R-A14, R-A16: damage never frees a live slot)."""
+        if not hasattr(self, "model"):
+            return
+        for m, _ticket, model_ticket in self.running:
+            if not m.alive:
+                continue
+            hb = ledger.holder_base(model_ticket.provider, model_ticket.holder)
+            assert HOLDER["state"].get(self.seg.buf, hb) == HOLDER_RUNNING
+            assert HOLDER["serial"].get(self.seg.buf, hb) == model_ticket.serial
+
+    @invariant()
     def counters_equal_records_and_bounds_hold(self) -> None:
         if not hasattr(self, "model"):
             return
         buf = self.seg.buf
         for p in range(len(PROVIDERS)):
+            if p in self.damaged:
+                continue  # written over; the next step that looks repairs it
             base = ledger.provider_base(p)
             states = [
                 HOLDER["state"].get(buf, ledger.holder_base(p, h))

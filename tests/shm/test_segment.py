@@ -20,7 +20,13 @@ from gwtest import ROOT, Agent, run_cli, wait_until
 
 from shm_layout import layout, names
 from shm_layout.layout import HEADER
-from shm_layout.segment import IncompatibleLayout, NotOurSegment, Segment, unlink_segment
+from shm_layout.segment import (
+    IncompatibleLayout,
+    NotOurSegment,
+    Segment,
+    remove_doorbell,
+    unlink_segment,
+)
 
 DEV_SHM = Path("/dev/shm")
 needs_dev_shm = pytest.mark.skipif(not DEV_SHM.is_dir(), reason="Linux /dev/shm only")
@@ -123,16 +129,19 @@ def test_r_g6_segment_and_semaphores_are_owner_only_by_default(
     old = os.umask(0)  # a permissive umask must not widen anything
     try:
         seg = Segment.open(segment_name)
-        seg.doorbell(0)
+        bell = seg.create_doorbell()
     finally:
         os.umask(old)
     seg.close()
     base = segment_name.lstrip("/")
-    paths = [DEV_SHM / base, DEV_SHM / f"sem.{base}.d0"]
+    paths = [DEV_SHM / base, DEV_SHM / f"sem.{names.doorbell_name(bell).lstrip('/')}"]
     if sem_mode == "macos-path":
         paths.append(DEV_SHM / f"{base}.lock")  # the lock file beside the segment
-    for path in paths:
-        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    try:
+        for path in paths:
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    finally:
+        remove_doorbell(bell)
 
 
 @needs_dev_shm
@@ -142,16 +151,19 @@ def test_r_g6_group_shared_is_0660_even_under_a_strict_umask(
     old = os.umask(0o077)
     try:
         seg = Segment.open(segment_name, group_shared=True)
-        seg.doorbell(0)
+        bell = seg.create_doorbell()
     finally:
         os.umask(old)
     seg.close()
     base = segment_name.lstrip("/")
-    paths = [DEV_SHM / base, DEV_SHM / f"sem.{base}.d0"]
+    paths = [DEV_SHM / base, DEV_SHM / f"sem.{names.doorbell_name(bell).lstrip('/')}"]
     if sem_mode == "macos-path":
         paths.append(DEV_SHM / f"{base}.lock")
-    for path in paths:
-        assert stat.S_IMODE(path.stat().st_mode) == 0o660, path
+    try:
+        for path in paths:
+            assert stat.S_IMODE(path.stat().st_mode) == 0o660, path
+    finally:
+        remove_doorbell(bell)
 
 
 def test_r_g6_a_world_accessible_segment_is_refused(segment_name: str) -> None:
@@ -166,7 +178,7 @@ def test_r_g6_a_world_accessible_segment_is_refused(segment_name: str) -> None:
 
 
 def test_r_a10_names_over_the_macos_limit_are_refused(tmp_path: Path) -> None:
-    long_name = "/" + "x" * 30  # 31 bytes: the semaphores would not fit
+    long_name = "/" + "x" * 31  # 32 bytes: one more than macOS allows
     with pytest.raises(names.BadSegmentName) as info:
         names.check_segment_name(long_name)
     assert "at most" in str(info.value)
@@ -176,10 +188,9 @@ def test_r_a10_names_over_the_macos_limit_are_refused(tmp_path: Path) -> None:
     # every derived name fits in 31 bytes, doorbells included
     derived = names.segment_name_for_config(tmp_path / "gateway.json")
     assert len(derived) == len("/gwcap1-") + 12
-    longest = names.doorbell_name(
-        "/" + "y" * (names.MAX_SEGMENT_BYTES - 1), layout.MEMBER_COUNT - 1
-    )
+    longest = names.doorbell_name(2**64 - 1)
     assert len(longest.encode()) <= names.MAX_NAME_BYTES
+    names.check_segment_name("/" + "x" * 30)  # 31 bytes: the most a segment name may have
 
 
 def test_segment_name_precedence_flag_then_env_then_config(
@@ -253,15 +264,41 @@ def test_readers_report_a_torn_picture_instead_of_hanging(segment_name: str) -> 
     assert json.loads(out.stdout)["consistent"] is False
 
 
-def test_unlink_segment_removes_every_semaphore(segment_name: str) -> None:
-    seg = Segment.open(segment_name)
-    seg.doorbell(5)
-    seg.close()
+def test_unlink_segment_removes_every_semaphore(
+    segment_name: str, agents: Callable[..., Agent], write_config: Callable[..., Path]
+) -> None:
+    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
+    holder = agents("--segment", segment_name, "--config", str(cfg), "--gen", "x", "hold")
+    holder.expect("admitted")
+    bells = [m for m in _member_bells(segment_name)]
+    assert bells and all(_doorbell_exists(b) for b in bells)
+    holder.kill()  # died without unregistering: its doorbell is left behind
     assert unlink_segment(segment_name)
     assert not unlink_segment(segment_name)
-    with pytest.raises(posix_ipc.ExistentialError):
-        posix_ipc.Semaphore(names.doorbell_name(segment_name, 5))
-    assert wait_until(lambda: True)
+    assert not any(_doorbell_exists(b) for b in bells)
+
+
+def _member_bells(segment: str) -> list[int]:
+    from shm_layout.ledger import member_base
+    from shm_layout.segment import map_readonly
+
+    buf = map_readonly(segment)
+    try:
+        return [
+            layout.MEMBER["bell"].get(buf, member_base(m))
+            for m in range(layout.MEMBER_COUNT)
+            if layout.MEMBER["in_use"].get(buf, member_base(m))
+        ]
+    finally:
+        buf.close()
+
+
+def _doorbell_exists(bell: int) -> bool:
+    try:
+        posix_ipc.Semaphore(names.doorbell_name(bell)).close()
+    except posix_ipc.ExistentialError:
+        return False
+    return True
 
 
 def test_watch_refreshes_the_availability_view(

@@ -96,6 +96,9 @@ def test_the_schema_check_fails_on_a_doc_that_does_not_match(broken: str) -> Non
         "consistent": True,
         "config_status": None,
         "sidecar": None,
+        "owner": "gateway-capacity:gateway-capacity",
+        "damage": None,
+        "lock_problem": None,
         "generations": [],
         "providers": [
             {

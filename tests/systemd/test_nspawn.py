@@ -47,8 +47,9 @@ PIDFILE = "/run/gateway/legacy.pid"
 SRC = "/usr/local/src/gateway-capacity"
 HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
 SLOTS = 10
-# Enough for every check below, short enough to keep the test quick.
-SIDECAR_ARGS = "--group-shared --refresh 2"
+# Enough for every check below, short enough to keep the test quick. Group-shared mode:
+# each side names the other's user as a trusted owner of the segment (R-G6).
+SIDECAR_ARGS = "--group-shared --owner gateway --refresh 2"
 
 
 class Provider:
@@ -216,7 +217,8 @@ def _handler(script: str, *, unit: str | None = None) -> str:
     code = (
         "import sys, time\n"
         "from handler_shim import Admission\n"
-        f"adm = Admission.attach(config={CONFIG!r}, group_shared=True)\n" + script
+        f"adm = Admission.attach(config={CONFIG!r}, group_shared=True, "
+        "owner='gateway-capacity')\n" + script
     )
     how = f"--unit={unit}" if unit else "--wait --pipe --quiet"
     return (

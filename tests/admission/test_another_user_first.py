@@ -1,0 +1,304 @@
+"""Another local user gets to every name first (R-G6, issue 16).
+
+The attacker is a real process of the user ``nobody`` (a forked child that drops to
+nobody's uid: no special rights), and the victim is this test, as root, using the
+product exactly as a handler or the sidecar would. Names in /dev/shm are predictable
+(derived from the config path); what must decide is who owns what lies there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import posix_ipc
+import pytest
+from gwtest import NobodyProcess, as_nobody, run_cli
+
+from handler_shim import Admission, SegmentError
+from shm_layout import _core, layout, lock, names, platform
+from shm_layout.layout import HEADER, MEMBER
+from shm_layout.ledger import member_base
+from shm_layout.owners import OwnerPolicy
+from shm_layout.segment import ForeignSegment, Segment, unlink_segment
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir("/dev/shm"), reason="needs a Linux /dev/shm to play another user"
+)
+
+
+@pytest.fixture
+def config(write_config: Callable[..., Path]) -> Path:
+    return write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
+
+
+def _squat_segment(name: str, limit: int) -> int:
+    """As nobody: create the segment under ``name`` with the project's own code, owner-only,
+    and publish a limit of ``limit`` that never expires."""
+    seg = Segment.open(name)
+    from shm_layout import writer
+
+    writer.ensure_provider(seg, "p1", limit, "provider", False)
+    seg.close()
+    return 0
+
+
+def test_r_g6_a_segment_another_user_made_first_is_refused_with_its_owner(
+    segment_name: str, config: Path
+) -> None:
+    code, output = as_nobody(lambda: _squat_segment(segment_name, 0))
+    assert code == 0, output
+    started = time.monotonic()
+    with pytest.raises(ForeignSegment) as info:
+        Admission.attach(config=config, segment=segment_name, generation="root-handler")
+    message = str(info.value)
+    assert time.monotonic() - started < 2.0  # refused before anything is waited for
+    assert "nobody" in message and "uid 65534" in message and "root (uid 0)" in message
+    assert "--unlink --force" in message and len(message.splitlines()) == 1
+    unlink_segment(segment_name)
+
+
+def test_r_g6_a_squatter_holding_the_lock_inside_its_segment_hangs_nobody(
+    segment_name: str, config: Path
+) -> None:
+    """Before: nobody took the robust mutex of its own segment and root's attach hung."""
+
+    def squat_and_hold() -> None:
+        seg = Segment.open(segment_name)
+        seg.core.hold_lock(False)  # and never let go
+
+    squatter = NobodyProcess(squat_and_hold)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ForeignSegment):
+            Admission.attach(config=config, segment=segment_name, generation="root-handler")
+        assert time.monotonic() - started < 2.0
+    finally:
+        squatter.stop()
+        unlink_segment(segment_name)
+
+
+def test_r_g6_a_zero_filled_squat_is_refused_at_once(segment_name: str, config: Path) -> None:
+    """Before: 'could not be created or attached; try again' after 20 s, for good."""
+
+    def zeros() -> int:
+        shm = posix_ipc.SharedMemory(segment_name, posix_ipc.O_CREX, 0o600, layout.TOTAL_SIZE)
+        shm.close_fd()
+        return 0
+
+    assert as_nobody(zeros)[0] == 0
+    started = time.monotonic()
+    with pytest.raises(ForeignSegment) as info:
+        Admission.attach(config=config, segment=segment_name, generation="root-handler")
+    assert time.monotonic() - started < 2.0
+    assert "nobody" in str(info.value)
+    unlink_segment(segment_name)
+
+
+def test_r_g6_a_named_owner_is_trusted(segment_name: str, config: Path) -> None:
+    """Group-shared deployments name the other side's user: then its segment is used."""
+    assert as_nobody(lambda: _squat_segment(segment_name, 2))[0] == 0
+    adm = Admission.attach(config=config, segment=segment_name, generation="g", owner="nobody")
+    try:
+        with adm.slot_blocking("p1", timeout=2):
+            pass
+    finally:
+        adm.close()
+        unlink_segment(segment_name)
+
+
+def test_r_g6_a_lock_file_another_user_made_first_is_refused_untouched(
+    segment_name: str, config: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Before: root stamped and used nobody's lock file, and hung when nobody locked it."""
+    monkeypatch.setenv(lock.FORCE_LOCK_FILE_ENV, "1")
+    path = lock.lock_file_path(segment_name)
+
+    def plant(mode: int) -> Callable[[], int]:
+        def make() -> int:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode)
+            os.fchmod(fd, mode)
+            os.close(fd)
+            return 0
+
+        return make
+
+    for mode in (0o600, 0o666):
+        assert as_nobody(plant(mode))[0] == 0
+        with pytest.raises(SegmentError) as info:
+            Admission.attach(config=config, segment=segment_name, generation="root")
+        message = str(info.value)
+        assert "nobody" in message or "all users" in message, message
+        assert len(message.splitlines()) == 1
+        assert os.path.getsize(path) == 0  # nothing of root's was written into it
+        os.unlink(path)
+        assert platform.shared_memory_stat(segment_name) is None  # no half-made segment
+    # a symlink planted under the lock file's name
+    target = tmp_path / "elsewhere"
+    target.write_text("")
+    assert as_nobody(lambda: os.symlink(target, path) or 0)[0] == 0
+    with pytest.raises(SegmentError) as info:
+        Admission.attach(config=config, segment=segment_name, generation="root")
+    assert "symbolic link" in str(info.value) and "Remove the link" in str(info.value)
+    os.unlink(path)
+
+
+def test_r_g6_doorbell_names_cannot_be_guessed_or_squatted(
+    segment_name: str, config: Path
+) -> None:
+    """Before: nobody pre-created sem.<segment>.d0..d127 and took the posts meant for
+    root's waiters. Doorbells are now named after 64 random bits written in the
+    segment, which nobody cannot read; the old names are nothing to us."""
+
+    def squat_old_names() -> int:
+        for m in range(4):
+            posix_ipc.Semaphore(f"{segment_name}.d{m}", posix_ipc.O_CREX, 0o666, 0).close()
+        return 0
+
+    assert as_nobody(squat_old_names)[0] == 0
+    a = Admission.attach(config=config, segment=segment_name, generation="a")
+    b = Admission.attach(config=config, segment=segment_name, generation="b")
+    try:
+        bells = {a._current.bell, b._current.bell}
+        assert len(bells) == 2 and 0 not in bells
+        for bell in bells:
+            owner = platform.semaphore_owner(names.doorbell_name(bell))
+            assert owner == (0, os.getegid())
+        with a.slot_blocking("p1"), a.slot_blocking("p1"):
+            pass
+        with b.slot_blocking("p1", timeout=2):
+            pass
+    finally:
+        a.close()
+        b.close()
+        for m in range(4):
+            posix_ipc.unlink_semaphore(f"{segment_name}.d{m}")
+        unlink_segment(segment_name)
+
+
+def test_r_g6_a_doorbell_another_user_owns_is_never_posted(
+    segment_name: str, config: Path
+) -> None:
+    """A member row pointed at a semaphore of nobody's (a group member can write the
+    segment): the core's grant does not post it (R-G6); the owner repairs its row at
+    its next step (R-A16)."""
+    name = names.doorbell_name(names.new_bell())
+
+    def plant() -> int:
+        posix_ipc.Semaphore(name, posix_ipc.O_CREX, 0o600, 0).close()
+        return 0
+
+    assert as_nobody(plant)[0] == 0
+    adm = Admission.attach(config=config, segment=segment_name, generation="root")
+    other = Admission.attach(config=config, segment=segment_name, generation="other")
+    try:
+        held = [other.acquire_blocking("p1"), other.acquire_blocking("p1")]
+        waiting = _core.Ticket()  # a waiter woken by its doorbell (as async waiters are)
+        assert adm._core.arrive(waiting, 0, os.getpid(), 0.0, True, True, -1.0) == _core.WAIT
+        m = adm._current.member
+        MEMBER["bell"].put(adm._buf, int(name.rsplit("-", 1)[1], 16), member_base(m))
+        other.release(held.pop())  # the grant goes to our waiting record
+        assert adm._core.state(waiting) == layout.HOLDER_RUNNING
+        sem = posix_ipc.Semaphore(name)
+        try:
+            assert sem.value == 0  # nobody's semaphore was not posted
+        finally:
+            sem.close()
+        waiting.leave(_core.RELEASED, True)
+        with adm.slot_blocking("p1", timeout=2):  # our next arrival repairs our row
+            assert MEMBER["bell"].get(adm._buf, member_base(m)) == adm._current.bell
+        other.release(held.pop())
+    finally:
+        other.close()
+        adm.close()
+        posix_ipc.unlink_semaphore(name)
+
+
+def test_r_g6_decoy_segments_cost_an_attach_almost_nothing(
+    segment_name: str, config: Path
+) -> None:
+    """Before: every decoy (right magic and major, never initialised, a live pid of
+    nobody's) cost a root attach 2 s in the split-budget scan."""
+    decoys = ["/gwcap1-" + secrets.token_hex(6) for _ in range(40)]
+
+    def plant() -> None:
+        for name in decoys:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, 0o600, layout.TOTAL_SIZE)
+            import mmap
+
+            buf = mmap.mmap(shm.fd, layout.TOTAL_SIZE)
+            HEADER["magic"].put(buf, layout.MAGIC)
+            HEADER["major"].put(buf, layout.MAJOR)
+            HEADER["creator_pid"].put(buf, os.getpid())
+            HEADER["sidecar_pid"].put(buf, os.getpid())
+            buf.close()
+            shm.close_fd()
+
+    squatter = NobodyProcess(plant)
+    try:
+        started = time.monotonic()
+        adm = Admission.attach(config=config, segment=segment_name, generation="root")
+        took = time.monotonic() - started
+        adm.close()
+        assert took < 1.5, f"attach took {took:.1f}s beside {len(decoys)} decoys"
+    finally:
+        squatter.stop()
+        for name in decoys:
+            posix_ipc.unlink_shared_memory(name)
+        unlink_segment(segment_name)
+
+
+def test_r_g6_group_shared_mode_never_touches_the_process_umask(
+    segment_name: str, config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: group-shared mode set a process-wide umask for a moment, and files other
+    threads made in that moment came out 0660."""
+
+    def no_umask(mask: int) -> int:
+        raise AssertionError("the process umask was changed")
+
+    monkeypatch.setattr(os, "umask", no_umask)
+    adm = Admission.attach(config=config, segment=segment_name, generation="g", group_shared=True)
+    try:
+        info = os.stat("/dev/shm" + segment_name)
+        assert stat.S_IMODE(info.st_mode) == 0o660
+        bell = names.doorbell_name(adm._current.bell)
+        assert stat.S_IMODE(os.stat(platform.semaphore_path(bell)).st_mode) == 0o660
+    finally:
+        adm.close()
+        unlink_segment(segment_name)
+
+
+def test_r_g6_an_unknown_owner_setting_is_one_clear_error() -> None:
+    with pytest.raises(ValueError) as info:
+        OwnerPolicy.for_process("no-such-user-here")
+    assert "no user of this host" in str(info.value)
+
+
+def test_r_g6_the_cli_refuses_another_users_segment_in_one_line(
+    segment_name: str, config: Path
+) -> None:
+    assert as_nobody(lambda: _squat_segment(segment_name, 0))[0] == 0
+    try:
+        out = run_cli(
+            "sidecar", "--config", str(config), "--segment", segment_name, "--refresh", "1"
+        )
+        assert out.returncode != 0
+        text = (out.stderr + out.stdout).strip()
+        assert "Traceback" not in text and "nobody" in text, text
+        # the operator's views still read it, and say whose it is
+        doc = json.loads(run_cli("availability", "--segment", segment_name, "--json").stdout)
+        assert doc["owner"].startswith("nobody")
+    finally:
+        unlink_segment(segment_name)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover(segment_name: str) -> Iterator[None]:
+    yield
+    unlink_segment(segment_name)
