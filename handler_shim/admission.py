@@ -50,11 +50,14 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import gc
 import logging
 import math
 import os
 import threading
 import time
+import weakref
+from asyncio.events import _get_running_loop
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -281,11 +284,12 @@ class _Attachment:
         while not self.stopping:
             with self.guard:
                 watched = tuple(self.waiters)
-            # back in Python every sweep while someone here waits (an event loop may have
-            # gone) or the attachment is retired; else only when something happened
-            period = SWEEP_S if (watched or self.retired) else -1.0
+            # back in Python every sweep while someone here waits or holds a slot taken in
+            # an event loop (that loop may go away), or the attachment is retired; else
+            # only when something happened
+            period = SWEEP_S if (watched or self.retired or self.adm._loops) else -1.0
             try:
-                changed, reclaimed, posts = self.core.dispatch(period, watched)
+                changed, reclaimed, posts = self.core.dispatch(period, watched, self.retired)
             except _core.CoreError:
                 if self.stopping or self.core.closing:
                     return
@@ -316,6 +320,7 @@ class _Attachment:
             orphans = [w for w in self.waiters.values() if w.orphaned()]
         for waiter in orphans:
             self._free_orphan(waiter)
+        self.adm._collect_closed_loops()
         self.adm._report_events(self)
         if self.core.moved and not self.retired and not self.core.closing:
             # say so now; arrivals (and waiters, woken by the core) move when they come
@@ -390,6 +395,10 @@ class Admission:
         self._logged: set[str] = set()
         self._move_failure: str | None = None
         self._move_tried = 0.0
+        # event loops slots were taken in: when one closes with slots of its tasks still
+        # held, those tasks are gone; their tickets are collected, freeing the records
+        self._loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+        self._last_loop: asyncio.AbstractEventLoop | None = None
         self._retired: list[_Attachment] = []
         seg = Segment.open(name, create=True, group_shared=group_shared, policy=policy)
         try:
@@ -469,6 +478,9 @@ class Admission:
         """``async with adm.slot(provider, timeout):`` the same; never blocks the event loop
         on a wait (R-A11)."""
         att = self._usable()
+        loop = _get_running_loop()
+        if loop is not self._last_loop and loop is not None:
+            self._note_loop(loop)
         p = att.index.get(provider)
         if p is None:
             p = att.provider(provider)
@@ -787,6 +799,28 @@ class Admission:
             # Let the thread finish what it started before anyone looks at the ticket.
             await _finish_quietly(future)
             raise
+
+    # --- event loops that go away with slots held (R-A14) ----------------------------------
+    def _note_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._last_loop = loop
+        with self._lock:
+            known = [ref() for ref in self._loops]
+            if loop not in known:
+                self._loops.append(weakref.ref(loop))
+
+    def _collect_closed_loops(self) -> None:
+        """A loop that closed while its tasks held or waited for slots: those tasks will
+        never run again, and their tickets are freed when they are collected. Collect
+        them now rather than whenever the garbage collector gets round to it."""
+        with self._lock:
+            closed = [r for r in self._loops if (r() is None or r().is_closed())]  # type: ignore[union-attr]
+            if not closed:
+                return
+            self._loops = [r for r in self._loops if r not in closed]
+            if self._last_loop is not None and self._last_loop.is_closed():
+                self._last_loop = None
+        if any(a.core.held for a in (self._current, *self._retired)):
+            gc.collect()
 
     # --- a name that leads elsewhere (R-A15) ----------------------------------------------
     def _move(self, old: _Attachment) -> _Attachment:

@@ -484,11 +484,16 @@ static void ring_record(Core *c, Rings *r, long hb)
         ring_member(r, ldi32(c, hb + c->o[K_MEMBER]));
 }
 
+/* Damage found and put right, under the lock: counted in the header with when and what
+ * (inspect, --check), and in this object, whose process logs it once (R-A16). */
 static void note_damage(Core *c, const char *what)
 {
-    /* Counted and described once per sweep that finds any (R-A16); Python logs it. */
     c->damage++;
     snprintf(c->damage_note, sizeof c->damage_note, "%s", what);
+    st32(c, c->o[H_DAMAGE_REPAIRS], ld32(c, c->o[H_DAMAGE_REPAIRS]) + 1);
+    std_(c, c->o[H_DAMAGE_MONO], deadline_clock());
+    memset(AT(c, c->o[H_DAMAGE_NOTE]), 0, 64);
+    memcpy(AT(c, c->o[H_DAMAGE_NOTE]), c->damage_note, strnlen(c->damage_note, 63));
 }
 
 /* A published deadline further ahead than any publication can set (30 s after an
@@ -803,7 +808,6 @@ static uint32_t reap(Core *c, Now now, Rings *rings)
  * not once per process. */
 static uint32_t sweep(Core *c, Now now, Rings *rings)
 {
-    uint64_t damage_before = c->damage;
     check_own_row(c);
     for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
         long b = pbase(c, p);
@@ -822,12 +826,6 @@ static uint32_t sweep(Core *c, Now now, Rings *rings)
         }
     }
     uint32_t reclaimed = reap(c, now, rings);
-    if (c->damage != damage_before) {
-        st32(c, c->o[H_DAMAGE_REPAIRS], ld32(c, c->o[H_DAMAGE_REPAIRS]) + 1);
-        std_(c, c->o[H_DAMAGE_MONO], now.mono);
-        memset(AT(c, c->o[H_DAMAGE_NOTE]), 0, 64);
-        memcpy(AT(c, c->o[H_DAMAGE_NOTE]), c->damage_note, strnlen(c->damage_note, 63));
-    }
     std_(c, c->o[H_SWEEP_MONO], now.mono);
     return reclaimed;
 }
@@ -1776,11 +1774,12 @@ static PyObject *Core_wait(Core *c, PyObject *args)
 #endif
 }
 
-/* dispatch(period, watched) -> (changed, reclaimed, posts): this process's doorbell
- * waiter. Sleeps on the doorbell and comes back to Python only when there is something
- * to do: a post (a grant for a watched ticket, a new watch, close), a move, a reclaim to
- * report, or, when ``period`` >= 0, every ``period`` seconds (Python looks for waiters
- * whose event loop is gone). While this process holds or watches anything it keeps the
+/* dispatch(period, watched, always=False) -> (changed, reclaimed, posts): this process's
+ * doorbell waiter. Sleeps on the doorbell and comes back to Python only when there is
+ * something to do: a post (a grant for a watched ticket, a new watch, close), a move, a
+ * reclaim to report, or, when ``period`` >= 0, every ``period`` seconds while it watches
+ * or holds anything (``always``: even when not), so that Python can look for requests
+ * whose event loop is gone. While this process holds or watches anything it keeps the
  * host's sweep going (R-A5): where the platform has timed semaphore waits the doorbell
  * wait times out every SWEEP_S, in C, without the GIL; elsewhere (macOS) a ticker posts.
  * Returns the tickets of ``watched`` whose records are not WAITING any more (granted,
@@ -1789,7 +1788,8 @@ static PyObject *Core_dispatch(Core *c, PyObject *args)
 {
     double period;
     PyObject *watched;
-    if (!PyArg_ParseTuple(args, "dO", &period, &watched))
+    int always = 0;
+    if (!PyArg_ParseTuple(args, "dO|p", &period, &watched, &always))
         return NULL;
     if (!usable(c))
         return NULL;
@@ -1834,7 +1834,8 @@ static PyObject *Core_dispatch(Core *c, PyObject *args)
         }
         if (posts || reclaimed || c->moved || !timed)
             break;
-        if (period >= 0 && deadline_clock() - started >= period)
+        if (period >= 0 && (always || nwatched > 0 || c->held > 0) &&
+            deadline_clock() - started >= period)
             break;
     }
     Py_END_ALLOW_THREADS
@@ -2584,7 +2585,7 @@ static PyMethodDef Core_methods[] = {
     {"leave", (PyCFunction)Core_leave, METH_VARARGS, "leave(ticket, outcome, now, blocking) -> -1 busy, 0 stale, 1 running, 2 waiting"},
     {"state", (PyCFunction)Core_state, METH_O, "state(ticket) -> record state (lock-free)"},
     {"wait", (PyCFunction)Core_wait, METH_VARARGS, "wait(ticket, timeout) -> (W_*, reclaimed): sleep on the record (Linux)"},
-    {"dispatch", (PyCFunction)Core_dispatch, METH_VARARGS, "dispatch(period, watched) -> (changed, reclaimed, posts)"},
+    {"dispatch", (PyCFunction)Core_dispatch, METH_VARARGS, "dispatch(period, watched, always=False) -> (changed, reclaimed, posts)"},
     {"post_own", (PyCFunction)Core_post_own, METH_NOARGS, "wake this process's dispatcher"},
     {"begin_close", (PyCFunction)Core_begin_close, METH_VARARGS, "begin_close(now) -> waiting records freed"},
     {"retire", (PyCFunction)Core_retire, METH_NOARGS, "the name leads elsewhere: waiters move"},

@@ -401,7 +401,7 @@ def _attach(
             )
         access = mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE
         buf = mmap.mmap(shm.fd, layout.TOTAL_SIZE, access=access)
-        problem = damage(buf)
+        problem = damage(buf, lock_word=not read_only)
         if problem is not None:
             buf.close()
             raise DamagedSegment(
@@ -441,15 +441,16 @@ def _our_geometry(head: mmap.mmap) -> bool:
     return all(HEADER[k].get(head) == v for k, v in expected.items())
 
 
-def damage(buf: mmap.mmap | bytes) -> str | None:
+def damage(buf: mmap.mmap | bytes, *, lock_word: bool = True) -> str | None:
     """What makes this initialised segment unusable, or None: values that no writer of
-    ours can produce (random bytes over the tables, a scribbling program), a lock word
-    no lock call of ours wrote (R-A16). Counters that disagree with the records are not
-    here: every sweep repairs them."""
+    ours can produce (random bytes over the tables, a scribbling program), and, with
+    ``lock_word``, a lock word no lock call of ours wrote (R-A16; readers show that one
+    instead of refusing). Counters that disagree with the records are not here: every
+    step and sweep repairs them."""
     kind = HEADER["lock_kind"].get(buf)
     if kind not in layout.LOCK_KINDS:
         return f"unknown lock kind {kind}"
-    if kind == layout.LOCK_ROBUST and _core.HAVE_ROBUST:
+    if lock_word and kind == layout.LOCK_ROBUST and _core.HAVE_ROBUST:
         sane, _, _, _ = _core.mutex_state(buf, layout.MUTEX_OFFSET)
         if not sane:
             return "its lock word holds bytes no lock call of ours wrote"

@@ -205,9 +205,13 @@ def parse_view(
     now = time.time() if now is None else now
     mono = platform.deadline_now() if mono is None else mono
     kind = HEADER["lock_kind"].get(data)
-    registered = _registrations(data)
+    registered = _lock_rows(data)
     mark = stamp(data) if kind == layout.LOCK_FILE else b""
-    alive = dict(zip(registered, members_alive(name, kind, registered, mark), strict=True))
+    # the kernel's word, per member row: its lock byte is held (serial 0: whoever holds
+    # it). A record is alive when its row's byte is held, as the core judges it: a serial
+    # the row does not carry is damage, and damage never makes a live process dead (R-A16)
+    held = dict(zip(registered, members_alive(name, kind, registered, mark), strict=True))
+    alive = _AliveByRow(held)
     members = _members(data, alive)
     labels = {m.index: m.generation for m in members}
     providers: list[ProviderView] = []
@@ -335,13 +339,30 @@ def _provider(
     )
 
 
-def _registrations(data: bytes) -> list[tuple[int, int]]:
-    """(member, serial) of every member row in use."""
-    return [
-        (m, MEMBER["serial"].get(data, member_base(m)))
-        for m in range(layout.MEMBER_COUNT)
-        if MEMBER["in_use"].get(data, member_base(m))
-    ]
+def _lock_rows(data: bytes) -> list[tuple[int, int]]:
+    """(member, 0) of every member row in use or named by a record: the rows whose lock
+    byte to ask the kernel about."""
+    rows = {m for m in range(layout.MEMBER_COUNT) if MEMBER["in_use"].get(data, member_base(m))}
+    for p in range(layout.PROVIDER_COUNT):
+        if not PROVIDER["in_use"].get(data, provider_base(p)):
+            break
+        for h in range(layout.HOLDERS_PER_PROVIDER):
+            hb = holder_base(p, h)
+            if HOLDER["state"].get(data, hb) != HOLDER_FREE:
+                m = HOLDER["member"].get(data, hb)
+                if 0 <= m < layout.MEMBER_COUNT:
+                    rows.add(m)
+    return [(m, 0) for m in sorted(rows)]
+
+
+class _AliveByRow:
+    """``alive.get((member, serial))``: the member row's lock byte is held."""
+
+    def __init__(self, held: dict[tuple[int, int], bool]) -> None:
+        self._held = {m: ok for (m, _), ok in held.items()}
+
+    def get(self, key: tuple[int, int], default: bool = False) -> bool:
+        return self._held.get(key[0], default)
 
 
 def _members(data: bytes, alive: dict[tuple[int, int], bool]) -> list[MemberView]:
