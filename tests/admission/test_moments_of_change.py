@@ -400,6 +400,7 @@ def test_r_a15_a_segment_removed_by_hand_never_splits_the_budget(
     assert os.getpid() in members  # we are registered where the name leads now
     newcomer.send("release")
     newcomer.expect("released")
+    newcomer.expect("released")
     with adm.slot_blocking("p1", timeout=5):
         assert _counts(segment_name)[0] == 1
     stop.set()
