@@ -2,6 +2,14 @@
 
 from setuptools import Extension, setup
 
+# The stable ABI switch (issue 18). True once shm_layout/_core.c compiles against the
+# limited API of 3.11 (Py_LIMITED_API, heap types): the core is then built as
+# _core.abi3.so and `make wheel` tags the wheel cp311-abi3, one wheel per platform
+# for every CPython from 3.11 on. False: a cp311-cp311 wheel for this interpreter only.
+LIMITED_API = False
+LIMITED_API_VERSION = "cp311"  # the oldest CPython the abi3 wheel serves: requires-python
+LIMITED_API_HEX = "0x030B0000"  # the same version as Py_LIMITED_API wants it
+
 setup(
     ext_modules=[
         Extension(
@@ -12,6 +20,10 @@ setup(
                                 "-ffp-contract=off"],
             # glibc < 2.34 keeps pthread in libpthread; harmless elsewhere
             libraries=["pthread"],
+            define_macros=[("Py_LIMITED_API", LIMITED_API_HEX)] if LIMITED_API else [],
+            py_limited_api=LIMITED_API,
         )
-    ]
+    ],
+    # bdist_wheel tags the wheel with the limited API's version and abi3
+    options={"bdist_wheel": {"py_limited_api": LIMITED_API_VERSION}} if LIMITED_API else {},
 )
