@@ -311,8 +311,7 @@ class Sidecar:
         )
         if before is not None:  # say on this side too whom the new epoch fenced (R-G4)
             log.warning(
-                "fenced the running sidecar pid %d (writer epoch %d): it stops writing and "
-                "exits 0",
+                "fenced the running sidecar pid %d (writer epoch %d): it stops writing and exits 0",
                 *before,
             )
         for legacy in self.legacy:

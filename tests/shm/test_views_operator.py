@@ -154,7 +154,7 @@ def test_json_mode_reports_errors_as_json_with_the_same_exit_code(segment_name: 
     assert json.loads(missing.stdout) == {
         "schema_version": 1,
         "error": f"no segment {segment_name}: nothing has created it yet "
-        "(start the sidecar or a handler)"
+        "(start the sidecar or a handler)",
     }
     bad = run_cli("inspect", "--segment", "bad/slash", "--json")
     assert bad.returncode == 2 and bad.stderr == ""
