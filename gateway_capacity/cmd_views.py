@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway_capacity.common import add_target_options, fail, segment_from_args, shorten
 from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
-from gateway_capacity.schemas import sidecar_status
+from gateway_capacity.schemas import SCHEMA_VERSION, sidecar_status
 
 if TYPE_CHECKING:
     from shm_layout.view import SegmentView
@@ -214,7 +214,8 @@ def run_availability(args: argparse.Namespace) -> int:
     if args.check:
         problems = health_problems(view, args.max_heartbeat_age)
         if args.json:
-            print(json.dumps({"ok": not problems, "problems": problems}, indent=2))
+            doc = {"schema_version": SCHEMA_VERSION, "ok": not problems, "problems": problems}
+            print(json.dumps(doc, indent=2))
         elif problems:
             print("\n".join(problems))
         else:

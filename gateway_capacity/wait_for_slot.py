@@ -80,7 +80,10 @@ class Result:
     def as_json(self, need: int) -> dict[str, object]:
         load = self.last if isinstance(self.last, Load) else None
         reason = None if isinstance(self.last, Load) else self.last.reason
+        from gateway_capacity.schemas import SCHEMA_VERSION
+
         return {
+            "schema_version": SCHEMA_VERSION,
             "outcome": self.outcome,
             "exit_code": self.code,
             "running": load.running if load else None,
