@@ -412,6 +412,7 @@ class Sidecar:
                 state.rules = rules
             state.decision = self._decide(state, time.time())
             self._log_decision(state)
+            self.metrics.not_probed(provider_id, rules.refused_reason, self.opts.refresh_s)
             if rules.discovery_active:
                 if state.task is None or state.task.done():
                     state.task = asyncio.create_task(self._probe_loop(provider_id))
