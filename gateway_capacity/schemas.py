@@ -562,7 +562,6 @@ class DemoDoc(Struct, kw_only=True):
     ok: Annotated[bool, Meta(description="exit 0")]
 
 
-
 # --- the JSON Schemas ---------------------------------------------------------------------------
 SCHEMAS: Final[dict[str, tuple[type[Struct], str]]] = {
     "availability.schema.json": (AvailabilityDoc, "gateway-capacity availability --json"),
