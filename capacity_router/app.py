@@ -15,8 +15,12 @@ Endpoints:
   round (the server only starts listening after it, so this is rare).
 - ``POST /admin/fence/{worker}`` and ``POST /admin/unfence/{worker}``
   (bearer, loopback peers only): drain or restore a worker, then run a round
-  at once and answer with the new snapshot. 404 unknown worker, 409 for an
-  unfence of a worker fenced in the registry file, 403 non-loopback peer.
+  at once and answer with the new snapshot. 404 unknown worker (naming the
+  registered ids), 409 for an unfence of a worker fenced in the registry file,
+  403 non-loopback peer.
+- ``GET /admin/workers`` (bearer, loopback peers only): the registered ids and
+  what fences each (``registry``, ``admin`` or null), for ``router show``. Only
+  the key holder on the router's own host sees ids; no URL, health or reason.
 
 Every refusal is 401 with ``WWW-Authenticate: Bearer`` when the key is
 missing or wrong; the compare is constant-time.
@@ -117,7 +121,14 @@ def build_app(observer: CapacityObserver, key: KeyFile) -> Starlette:
             try:
                 snapshot = await action(worker)
             except UnknownWorker:
-                return _json(404, {"error": f"unknown worker {worker!r}"})
+                known = [worker_id for worker_id, _ in observer.fences()]
+                return _json(
+                    404,
+                    {
+                        "error": f"unknown worker {worker!r}; known: {', '.join(known) or 'none'}",
+                        "known_workers": known,
+                    },
+                )
             except FencedInRegistry:
                 return _json(
                     409,
@@ -130,9 +141,19 @@ def build_app(observer: CapacityObserver, key: KeyFile) -> Starlette:
 
         return endpoint
 
+    async def workers(request: Request) -> Response:
+        """Registered ids and their fences, for ``router show`` on this host only."""
+        if not _is_loopback_peer(request):
+            return _json(403, {"error": "the admin endpoint answers loopback clients only"})
+        if not _authorized(request, key.key):
+            return _unauthorized()
+        listed = [{"id": i, "fenced_by": by} for i, by in observer.fences()]
+        return _json(200, {"workers": listed})
+
     app = Starlette(
         routes=[
             Route("/v1/capacity", capacity, methods=["GET"]),
+            Route("/admin/workers", workers, methods=["GET"]),
             Route("/admin/fence/{worker}", admin(observer.fence, True), methods=["POST"]),
             Route("/admin/unfence/{worker}", admin(observer.unfence, False), methods=["POST"]),
         ]

@@ -235,6 +235,17 @@ class CapacityObserver:
             await self._client.aclose()
             self._client = None
 
+    def fences(self) -> list[tuple[str, Literal["registry", "admin"] | None]]:
+        """Every registered worker id with what fences it, if anything (for the admin)."""
+        self._registry_refresh()
+        return [
+            (
+                w.id,
+                "registry" if w.fenced else "admin" if w.id in self._admin_fenced else None,
+            )
+            for w in self._registry.current.workers
+        ]
+
     async def fence(self, worker_id: str) -> CapacitySnapshot:
         """Drain a worker: its slots leave the snapshot of the round run now."""
         self._registry_refresh()

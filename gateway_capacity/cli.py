@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        # argparse would echo them, and a stray word may be a pasted key (R-P7, R-W3)
-        parser.print_usage(sys.stderr)
+        # argparse would echo them, and a stray word may be a pasted key (R-P7, R-W3).
+        # The usage shown is the subcommand's, where the mistyped option belongs.
+        _chosen(parser, args).print_usage(sys.stderr)
         shown = [_safe_word(word) for word in extra]
         print(
             f"gateway-capacity: error: unrecognized arguments: {' '.join(shown)}", file=sys.stderr
@@ -83,6 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _reader_went_away()
     return code
+
+
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost subparser ``args`` came through (``router fence``, ``watch``, ...)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            child = action.choices.get(getattr(args, action.dest, None) or "")
+            if child is not None:
+                return _chosen(child, args)
+    return parser
 
 
 def _reader_went_away() -> int:

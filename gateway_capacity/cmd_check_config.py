@@ -21,9 +21,10 @@ import json
 import os
 from typing import Any
 
-from gateway_capacity.common import fail
-from gateway_capacity.exits import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
-from shm_layout.names import ENV_VAR, BadSegmentName, resolve_segment_name
+from gateway_capacity.common import fail, segment_arg
+from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
+from gateway_capacity.schemas import SCHEMA_VERSION
+from shm_layout.names import ENV_VAR, BadSegmentName, check_segment_name, resolve_segment_name
 from sidecar.addresses import ResolveError, check_provider_addresses
 from sidecar.config import (
     ConfigError,
@@ -50,7 +51,14 @@ def register(subparsers: Any) -> None:
             "nothing to any provider and never shows a key."
         ),
     )
-    parser.add_argument("--config", metavar="PATH", required=True, help="the gateway's JSON config")
+    parser.add_argument("--config", metavar="PATH", help="the gateway's JSON config")
+    parser.add_argument(
+        "--segment",
+        metavar="NAME",
+        type=segment_arg,
+        help="without --config: check the config this segment was made for (as availability "
+        "shows it)",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument(
         "--strict",
@@ -68,13 +76,18 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    path = args.config or _config_of_segment(args.segment)
     try:
-        config = load_config(args.config)
+        config = load_config(path)
     except ConfigError as exc:
         fail(str(exc), code=EXIT_USAGE)
-    entries = raw_provider_entries(args.config)
+    entries = raw_provider_entries(path)
     report = asyncio.run(_check(config, entries, args.tailscale_socket))
-    report["segment"], report["segment_from"] = _segment(args.config)
+    report = {"schema_version": SCHEMA_VERSION, **report}
+    if args.segment:
+        report["segment"], report["segment_from"] = args.segment, "--segment"
+    else:
+        report["segment"], report["segment_from"] = _segment(path)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -85,6 +98,26 @@ def run(args: argparse.Namespace) -> int:
     ):
         return EXIT_PROBLEM
     return EXIT_OK
+
+
+def _config_of_segment(segment: str | None) -> str:
+    """The config path a sidecar recorded in ``segment``, or exit 2 saying what to give."""
+    from shm_layout.segment import SegmentError, SegmentMissing
+    from shm_layout.view import read_view
+
+    if not segment:
+        fail("give --config PATH (or --segment NAME of a segment a sidecar wrote)", EXIT_USAGE)
+    try:
+        recorded = read_view(check_segment_name(segment)).config_path
+    except BadSegmentName as exc:
+        fail(str(exc), code=EXIT_USAGE)
+    except SegmentMissing as exc:
+        fail(str(exc), code=EXIT_NO_SEGMENT)
+    except SegmentError as exc:
+        fail(str(exc), code=EXIT_USAGE)
+    if not recorded:
+        fail(f"segment {segment} names no config (no sidecar has written it)", EXIT_USAGE)
+    return recorded
 
 
 def _segment(config_path: str) -> tuple[str | None, str]:

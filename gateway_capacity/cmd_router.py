@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import re
 import sys
 from datetime import UTC, datetime
@@ -29,6 +30,7 @@ from urllib.parse import quote, urlsplit
 from gateway_capacity.common import fail
 from gateway_capacity.exits import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from gateway_capacity.logs import add_log_options
+from gateway_capacity.schemas import SCHEMA_VERSION
 
 DEFAULT_PORT = 8731
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
@@ -127,7 +129,7 @@ def _add_client_options(parser: argparse.ArgumentParser) -> None:
         help=f"the router on this host (default {DEFAULT_URL})",
     )
     parser.add_argument("--key-file", required=True, metavar="PATH", help="the router's key file")
-    parser.add_argument("--json", action="store_true", help="print the router's JSON answer")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def _slot_count(text: str) -> int:
@@ -191,7 +193,10 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         server.start()
-    except (RegistryError, KeyFileError) as exc:
+    except RegistryError as exc:
+        why = str(exc)  # says which file, as an error about a key file does
+        fail(why if args.workers in why else f"registry {args.workers}: {why}", code=EXIT_USAGE)
+    except KeyFileError as exc:
         fail(str(exc), code=EXIT_USAGE)
     except OSError as exc:
         fail(f"cannot listen on {args.listen}: {exc.strerror or exc}", code=EXIT_USAGE)
@@ -297,27 +302,62 @@ def _client(args: argparse.Namespace, action: str) -> int:
         body = None
     if response.status_code != 200 or not isinstance(body, dict):
         reason = body.get("error") if isinstance(body, dict) else None
-        print(
-            f"gateway-capacity: router refused {action}: "
-            f"{reason or f'HTTP {response.status_code}'}",
-            file=sys.stderr,
-        )
-        return EXIT_PROBLEM
+        fail(f"router refused {action}: {reason or f'HTTP {response.status_code}'}", EXIT_PROBLEM)
     if action == "show":
         try:  # show doubles as a contract check of what the router serves
             decode_snapshot(response.content)
         except ContractError as exc:
-            print(f"gateway-capacity: router answered an {exc}", file=sys.stderr)
-            return EXIT_PROBLEM
-    if args.json:
-        print(response.text)
-        return EXIT_OK
+            fail(f"router answered an {exc}", EXIT_PROBLEM)
     snapshot = body if action == "show" else body.get("snapshot", {})
+    workers = _workers(base, key) if action == "show" else None
+    if args.json:
+        doc: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
+        if action == "show":
+            doc.update(snapshot=snapshot, workers=workers)
+        else:
+            doc.update(worker=args.worker, fenced=action == "fence", snapshot=snapshot)
+        print(json.dumps(doc, indent=2))
+        return EXIT_OK
     if action != "show":
         state = "fenced" if action == "fence" else "restored"
         print(f"worker {args.worker} {state}")
     print(_describe_snapshot(snapshot))
+    if workers is not None:
+        print(_describe_workers(workers))
     return EXIT_OK
+
+
+def _workers(base: str, key: bytes) -> list[dict[str, Any]] | None:
+    """The router's registered workers and their fences; None from a router without
+    the endpoint (an older one): ``show`` then says nothing about fences."""
+    import httpx
+
+    try:
+        with httpx.Client(
+            trust_env=False, follow_redirects=False, timeout=_ADMIN_TIMEOUT_S
+        ) as client:
+            response = client.get(
+                f"{base}/admin/workers", headers={b"Authorization": b"Bearer " + key}
+            )
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    try:
+        listed = response.json()["workers"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return listed if isinstance(listed, list) else None
+
+
+def _describe_workers(workers: list[dict[str, Any]]) -> str:
+    fenced = [w for w in workers if w.get("fenced_by")]
+    lines = [f"workers: {len(workers)} registered, {len(fenced)} fenced"]
+    for w in workers:
+        by = w.get("fenced_by")
+        state = f"FENCED ({'admin: router unfence' if by == 'admin' else 'in the registry file'})"
+        lines.append(f"  {w.get('id')}: {state if by else 'in service'}")
+    return "\n".join(lines)
 
 
 def _describe_snapshot(snapshot: dict[str, Any]) -> str:

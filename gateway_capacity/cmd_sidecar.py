@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from gateway_capacity.common import segment_arg
 from gateway_capacity.exits import EXIT_USAGE
 from gateway_capacity.logs import add_log_options
 
@@ -19,7 +20,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "Never writes the config file. SIGTERM/SIGINT stop it; the segment stays.",
     )
     p.add_argument("--config", metavar="PATH", required=True, help="the gateway's JSON config")
-    p.add_argument("--segment", metavar="NAME", help="segment name (default: from --config)")
+    p.add_argument(
+        "--segment",
+        metavar="NAME",
+        type=segment_arg,
+        help="segment name, with or without its leading / (default: from --config, "
+        "or $GATEWAY_CAPACITY_SEGMENT)",
+    )
     p.add_argument(
         "--refresh", type=float, default=15.0, metavar="S", help="probe period (default 15)"
     )

@@ -6,6 +6,7 @@ model is missing from a complete answer (a typo in ``models`` holds the limit
 at 0); 2 when it could not compare (a provider with discovery got no valid
 answer: router down, 404, timeout...; "ok" would be a guess) or for a config
 error; 3 when there is no segment. The key is read by the probe and never shown.
+With ``--segment`` alone, the rules come from the config the segment was made for.
 A router whose answer changes between the sidecar's last refresh and this
 probe shows as a difference: run it again.
 """
@@ -17,8 +18,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gateway_capacity.common import add_target_options, fail, segment_from_args
+from gateway_capacity.common import add_target_options, fail, segment_from_args, shorten
 from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
+from gateway_capacity.schemas import SCHEMA_VERSION
 
 if TYPE_CHECKING:
     from shm_layout.view import SegmentView
@@ -46,18 +48,23 @@ def run(args: argparse.Namespace) -> int:
     from sidecar.limits import rules_from_config
     from sidecar.probe import probe_providers
 
-    if not args.config:
-        fail("verify needs --config PATH (the rules come from the config)", EXIT_USAGE)
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        fail(str(exc), EXIT_USAGE)
     name = segment_from_args(args)
     try:
         view = read_view(name)
     except SegmentMissing as exc:
         fail(str(exc), EXIT_NO_SEGMENT)
     except SegmentError as exc:
+        fail(str(exc), EXIT_USAGE)
+    # the rules come from the config: --config, else the one the segment was made for
+    config_path = args.config or view.config_path
+    if not config_path:
+        fail(
+            f"segment {name} names no config (no sidecar has written it): give --config PATH",
+            EXIT_USAGE,
+        )
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
         fail(str(exc), EXIT_USAGE)
 
     rules = rules_from_config(config)
@@ -68,7 +75,14 @@ def run(args: argparse.Namespace) -> int:
     code = exit_code(rows)
     if args.json:
         agree = all(row["agree"] for row in rows)
-        doc = {"segment": name, "agree": agree, "ok": code == EXIT_OK, "providers": rows}
+        doc = {
+            "schema_version": SCHEMA_VERSION,
+            "segment": name,
+            "config": config_path,
+            "agree": agree,
+            "ok": code == EXIT_OK,
+            "providers": rows,
+        }
         print(json.dumps(doc, indent=2))
     elif rows:
         print(render_text(rows))
@@ -152,7 +166,7 @@ def render_text(rows: Sequence[Mapping[str, Any]]) -> str:
         lines.append(
             f"{_MARKS[row['status']]} {row['id']}: rules {row['rules_limit']} "
             f"({row['rules_source']}), segment {row['segment_limit']} "
-            f"({row['segment_source']}): {row['rules_reason']}"
+            f"({row['segment_source']}): {shorten(row['rules_reason'])}"
         )
         if row["status"] == "missing_models":
             lines.append(
@@ -162,7 +176,8 @@ def render_text(rows: Sequence[Mapping[str, Any]]) -> str:
         elif row["status"] == "no_answer":
             lines.append("    no valid answer from any replica: could not compare")
         for rep in row["replicas"]:
-            lines.append(f"    replica {rep['address']}: {rep['reason']} value {rep['value']}")
+            value = "-" if rep["value"] is None else rep["value"]  # as availability shows it
+            lines.append(f"    replica {rep['address']}: {rep['reason']} value {value}")
     return "\n".join(lines)
 
 

@@ -12,9 +12,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from gateway_capacity.common import add_target_options, fail, segment_from_args
+from gateway_capacity.common import add_target_options, fail, segment_from_args, shorten
 from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
-from gateway_capacity.schemas import sidecar_status
+from gateway_capacity.schemas import SCHEMA_VERSION, sidecar_status
 
 if TYPE_CHECKING:
     from shm_layout.view import SegmentView
@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--max-heartbeat-age",
-        type=float,
+        type=_positive_seconds,
         default=STALE_HEARTBEAT_S,
         metavar="S",
         help=f"with --check: a heartbeat older than this is stale (default {STALE_HEARTBEAT_S:g})",
@@ -63,9 +63,28 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser("watch", help="the availability view, refreshing in place")
     add_target_options(p)
-    p.add_argument("--interval", type=float, default=1.0, metavar="S")
-    p.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+    p.add_argument(
+        "--interval",
+        type=_positive_seconds,
+        default=1.0,
+        metavar="S",
+        help="seconds between refreshes (default 1; at least 0.1)",
+    )
+    p.add_argument(
+        "--count", type=int, default=0, metavar="N", help="stop after N refreshes (0: never)"
+    )
     p.set_defaults(func=run_watch)
+
+
+def _positive_seconds(text: str) -> float:
+    """A number of seconds above 0 (a heartbeat age of 0 would always be stale)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0: {text!r}")
+    return value
 
 
 def _read(args: argparse.Namespace) -> SegmentView:
@@ -99,6 +118,16 @@ def inspect_doc(view: SegmentView) -> dict[str, Any]:
 
     doc: dict[str, Any] = msgspec.to_builtins(schemas.inspect(view))
     return doc
+
+
+def _as_stored(reason: str, field: str) -> str:
+    """A reason that fills its field in the segment was cut there, on a character
+    boundary and without a mark: show that it was."""
+    from shm_layout import layout
+
+    table = layout.PROVIDER if field == "provider" else layout.REPLICA
+    size = table["reason"].codec.size
+    return reason + "…" if len(reason.encode()) > size - 4 else reason
 
 
 def _age(t: float | None, now: float) -> str:
@@ -147,7 +176,7 @@ def availability_text(view: SegmentView) -> str:
             f"waiting {p.waiting}/{p.queue_bound}  fallback {p.fallback_limit} "
             f"({p.fallback_source})"
         )
-        lines.append(f"  reason: {p.reason}")
+        lines.append(f"  reason: {shorten(_as_stored(p.reason, 'provider'))}")
         if p.expires_at:
             lines.append(
                 f"  observed {_age(p.observed_at, now)}, expires {_age(p.expires_at, now)}"
@@ -156,7 +185,8 @@ def availability_text(view: SegmentView) -> str:
             value = "-" if r.value is None else str(r.value)
             state = "complete" if r.complete else "incomplete"
             lines.append(
-                f"  replica {r.address}: {r.reason} {state if r.ok else ''} value {value}".rstrip()
+                f"  replica {r.address}: {shorten(_as_stored(r.reason, 'replica'))} "
+                f"{state if r.ok else ''} value {value}".rstrip()
             )
     return "\n".join(lines)
 
@@ -212,7 +242,8 @@ def run_availability(args: argparse.Namespace) -> int:
     if args.check:
         problems = health_problems(view, args.max_heartbeat_age)
         if args.json:
-            print(json.dumps({"ok": not problems, "problems": problems}, indent=2))
+            doc = {"schema_version": SCHEMA_VERSION, "ok": not problems, "problems": problems}
+            print(json.dumps(doc, indent=2))
         elif problems:
             print("\n".join(problems))
         else:

@@ -17,9 +17,16 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--segment",
         metavar="NAME",
-        help="shared-memory segment name (default: derived from --config, "
-        "or $GATEWAY_CAPACITY_SEGMENT)",
+        type=segment_arg,
+        help="shared-memory segment name, with or without its leading / (default: derived "
+        "from --config, or $GATEWAY_CAPACITY_SEGMENT)",
     )
+
+
+def segment_arg(text: str) -> str:
+    """``--segment gwcap1-...`` as ``ls /dev/shm`` shows it means ``/gwcap1-...``: POSIX
+    names start with the ``/`` that the listing leaves out. Checked when it is used."""
+    return text if text.startswith("/") or not text else "/" + text
 
 
 def segment_from_args(args: argparse.Namespace) -> str:
@@ -38,7 +45,19 @@ def fail(message: str, code: int) -> NoReturn:
     """One line that says what to fix, then exit ``code``. In ``--json`` mode the line
     is ``{"error": "..."}`` on stdout, so a caller parsing stdout gets JSON either way."""
     if json_errors:
-        print(json.dumps({"error": message}))
+        from gateway_capacity.schemas import SCHEMA_VERSION
+
+        print(json.dumps({"schema_version": SCHEMA_VERSION, "error": message}))
     else:
         print(f"gateway-capacity: {message}", file=sys.stderr)
     raise SystemExit(code)
+
+
+# Text views cut a long reason here, always with an ellipsis; --json has it whole.
+TEXT_REASON_MAX = 160
+
+
+def shorten(text: str, limit: int = TEXT_REASON_MAX) -> str:
+    """``text`` on one line, cut to ``limit`` characters with a visible ellipsis."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from gateway_capacity.schemas import SCHEMA_VERSION
+
 if TYPE_CHECKING:
     from capacity_router import RouterServer
     from capacity_router.simworker import SimWorker
@@ -491,7 +493,7 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json else sys.stdout
     demo = Demo(args.fast, out)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    summary: dict[str, Any] = {}
+    summary: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
     phases: list[Phase] = []
     try:
         config = demo.setup()

@@ -1,9 +1,11 @@
-"""The shape of ``availability --json`` and ``inspect --json``, declared once.
+"""The shape of every ``--json`` output, declared once.
 
-The commands build these Structs from a segment view and print them; the JSON
-Schemas in ``docs/schemas/`` are generated from them (``make schemas``, or
-``python -m gateway_capacity.schemas docs/schemas``), and a test fails when
-the committed files differ from what the Structs generate.
+``availability`` and ``inspect`` build these Structs from a segment view and
+print them; the other commands print documents of the shapes declared here.
+The JSON Schemas in ``docs/schemas/`` are generated from them (``make schemas``,
+or ``python -m gateway_capacity.schemas docs/schemas``); a test fails when the
+committed files differ from what the Structs generate, when a property has no
+description, and when a command's real output does not validate.
 
 ``schema_version`` changes when a field is removed, renamed or changes type or
 meaning. New fields may appear within a version: readers ignore what they do
@@ -45,6 +47,8 @@ UnixTime = Annotated[float, Meta(description="Unix seconds")]
 
 
 class Layout(Struct, kw_only=True):
+    """The segment's layout version (R-G2)."""
+
     major: Annotated[int, Meta(description="layout major version (attach only when equal)")]
     minor: Annotated[int, Meta(description="layout minor version (append-only additions)")]
 
@@ -52,9 +56,9 @@ class Layout(Struct, kw_only=True):
 class Sidecar(Struct, kw_only=True):
     """The sidecar that last held the writer epoch."""
 
-    pid: int
+    pid: Annotated[int, Meta(description="its process id")]
     alive: Annotated[bool, Meta(description="that process still runs (pid and start time)")]
-    state: SidecarState
+    state: Annotated[SidecarState, Meta(description="what it last wrote of itself")]
     status: Annotated[
         str,
         Meta(description="one phrase: running, stopping, stopped, died without stopping, ..."),
@@ -71,33 +75,37 @@ class Generation(Struct, kw_only=True):
     """A handler process registered in the segment (R-G1)."""
 
     generation: Annotated[str, Meta(description="the label it attached with")]
-    pid: int
-    alive: bool
+    pid: Annotated[int, Meta(description="its process id")]
+    alive: Annotated[bool, Meta(description="that process still runs (pid and start time)")]
     layout: Annotated[str, Meta(description="layout version it speaks, major.minor")]
 
 
 class Replica(Struct, kw_only=True):
     """One resolved address of the provider's host, as last probed (R-L2)."""
 
-    address: str
+    address: Annotated[str, Meta(description="the resolved address that was probed")]
     ok: Annotated[bool, Meta(description="valid and fresh")]
-    complete: bool
+    complete: Annotated[bool, Meta(description="the snapshot said complete: true (R-L6)")]
     value: Annotated[int | None, Meta(description="its value for this provider (R-L3)")]
     reason: Annotated[str, Meta(description="'ok' or why not, from a closed set, with detail")]
-    observed_at: UnixTime | None
+    observed_at: Annotated[UnixTime | None, Meta(description="its snapshot's observed_at")]
 
 
 class Provider(Struct, kw_only=True):
-    id: str
+    """One provider's row: the limit in force and the load on it."""
+
+    id: Annotated[str, Meta(description="the provider id from the gateway config")]
     capacity_discovery: Annotated[bool, Meta(description="capacityDiscovery set in the config")]
     configured: Annotated[bool, Meta(description="in the config the sidecar last read")]
     effective_limit: Annotated[Count, Meta(description="requests that may run at once now")]
     source: Source
-    reason: str
+    reason: Annotated[str, Meta(description="why this limit, in a short phrase")]
     running: Annotated[Count, Meta(description="live processes' running requests")]
     waiting: Annotated[Count, Meta(description="live processes' waiting requests")]
     queue_bound: Annotated[Count, Meta(description="most requests that may wait (R-A2)")]
-    fallback_limit: Count
+    fallback_limit: Annotated[
+        Count, Meta(description="what handlers use once a discovered limit expires")
+    ]
     fallback_source: FallbackSource
     discovered: Annotated[
         int | None, Meta(description="limit from the last valid snapshots; null: none")
@@ -108,7 +116,7 @@ class Provider(Struct, kw_only=True):
     expires_at: Annotated[
         UnixTime | None, Meta(description="when the published limit lapses (R-L7); null: none")
     ]
-    replicas: list[Replica]
+    replicas: Annotated[list[Replica], Meta(description="each resolved address, last probed")]
 
 
 class Damage(Struct, kw_only=True):
@@ -150,12 +158,14 @@ class AvailabilityDoc(Struct, kw_only=True):
         str | None,
         Meta(description="null, or what is wrong with the lock word and how to recover"),
     ]
-    generations: list[Generation]
-    providers: list[Provider]
+    generations: Annotated[list[Generation], Meta(description="registered handler processes")]
+    providers: Annotated[list[Provider], Meta(description="one row per provider")]
 
 
 class Header(Struct, kw_only=True):
-    created_at: UnixTime
+    """The segment's header."""
+
+    created_at: Annotated[UnixTime, Meta(description="when the segment was created")]
     group_shared: Annotated[bool, Meta(description="0660 instead of 0600 (R-G6)")]
     lock_kind: Annotated[
         LockKind,
@@ -164,51 +174,57 @@ class Header(Struct, kw_only=True):
     lock_repairs: Annotated[
         Count, Meta(description="repairs after a lock holder died inside a section (R-A6)")
     ]
-    config_path: str | None
+    config_path: Annotated[
+        str | None, Meta(description="the config file the sidecar made this segment for")
+    ]
 
 
 class Counters(Struct, kw_only=True):
     """The provider's counters since the segment was created."""
 
-    admitted_total: Count
-    rejected_total: Count
-    timeouts_total: Count
-    cancelled_total: Count
-    reclaimed_total: Count
-    peak_running: Count
-    peak_waiting: Count
+    admitted_total: Annotated[Count, Meta(description="requests admitted to a slot")]
+    rejected_total: Annotated[Count, Meta(description="refused at once: 32 waited (QueueFull)")]
+    timeouts_total: Annotated[Count, Meta(description="waited until their timeout")]
+    cancelled_total: Annotated[Count, Meta(description="waiting requests their caller cancelled")]
+    reclaimed_total: Annotated[Count, Meta(description="records of dead processes reclaimed")]
+    peak_running: Annotated[Count, Meta(description="most requests running at once")]
+    peak_waiting: Annotated[Count, Meta(description="most requests waiting at once")]
 
 
 class InspectProvider(Provider, kw_only=True):
+    """A provider's row with what the sidecar wrote and the stored counters."""
+
     published_limit: Annotated[int | None, Meta(description="as the sidecar wrote it")]
     clamped: Annotated[bool, Meta(description="the static limit was above the running room")]
     counters: Counters
     stored_running: Annotated[int, Meta(description="the counter as stored (derived, R-A6)")]
-    stored_waiting: int
+    stored_waiting: Annotated[int, Meta(description="the counter as stored (derived, R-A6)")]
 
 
 class Holder(Struct, kw_only=True):
     """A running slot or waiting place, owned by a process (pid + start time)."""
 
-    provider: str
-    index: int
+    provider: Annotated[str, Meta(description="the provider it holds or waits for")]
+    index: Annotated[int, Meta(description="its record's index in the provider's table")]
     state: Annotated[str, Meta(description="'running' or 'waiting'")]
-    pid: int
-    alive: bool
+    pid: Annotated[int, Meta(description="the owning process")]
+    alive: Annotated[bool, Meta(description="that process still runs (pid and start time)")]
     ticket: Annotated[int, Meta(description="arrival order (R-A3)")]
-    serial: int
-    member: int
-    generation: str | None
-    since: UnixTime
+    serial: Annotated[int, Meta(description="the record's reuse counter")]
+    member: Annotated[int, Meta(description="index of the owning handler process's registration")]
+    generation: Annotated[str | None, Meta(description="the owner's generation label")]
+    since: Annotated[UnixTime, Meta(description="when it arrived or was admitted")]
 
 
 class Member(Struct, kw_only=True):
-    index: int
-    pid: int
-    alive: bool
-    generation: str
-    layout: str
-    attached_at: UnixTime
+    """A registered handler process (R-G1)."""
+
+    index: Annotated[int, Meta(description="its registration's index")]
+    pid: Annotated[int, Meta(description="its process id")]
+    alive: Annotated[bool, Meta(description="that process still runs (pid and start time)")]
+    generation: Annotated[str, Meta(description="the label it attached with")]
+    layout: Annotated[str, Meta(description="layout version it speaks, major.minor")]
+    attached_at: Annotated[UnixTime, Meta(description="when it attached")]
 
 
 class InspectDoc(Struct, kw_only=True):
@@ -218,19 +234,32 @@ class InspectDoc(Struct, kw_only=True):
     schema_version: Annotated[
         Literal[1], Meta(description="changes when a field is removed, renamed or retyped")
     ]
-    segment: str
-    config_path: str | None
+    segment: Annotated[str, Meta(description="POSIX shared-memory name")]
+    config_path: Annotated[
+        str | None, Meta(description="the config file the sidecar made this segment for")
+    ]
     layout: Layout
-    consistent: bool
-    config_status: str | None
-    sidecar: Sidecar | None
-    owner: str | None
-    damage: Damage | None
-    lock_problem: str | None
+    consistent: Annotated[bool, Meta(description="false: a writer was mid-update, figures torn")]
+    config_status: Annotated[
+        str | None, Meta(description="'ok', or why the last edit of the config was ignored")
+    ]
+    sidecar: Annotated[Sidecar | None, Meta(description="null: no sidecar has run")]
+    owner: Annotated[
+        str | None,
+        Meta(description="user:group that owns the segment object (R-G6); null: unknown"),
+    ]
+    damage: Annotated[
+        Damage | None,
+        Meta(description="null: no sweep ever found the segment damaged (R-A16)"),
+    ]
+    lock_problem: Annotated[
+        str | None,
+        Meta(description="null, or what is wrong with the lock word and how to recover"),
+    ]
     header: Header
-    generations: list[Member]
-    providers: list[InspectProvider]
-    holders: list[Holder]
+    generations: Annotated[list[Member], Meta(description="registered handler processes")]
+    providers: Annotated[list[InspectProvider], Meta(description="one row per provider")]
+    holders: Annotated[list[Holder], Meta(description="every live or dead holder record")]
 
 
 # --- from a segment view ----------------------------------------------------------------------
@@ -372,10 +401,220 @@ def inspect(view: SegmentView) -> InspectDoc:
     )
 
 
+# --- the other commands' --json documents -------------------------------------------------------
+Version = Annotated[
+    Literal[1], Meta(description="changes when a field is removed, renamed or retyped")
+]
+
+
+class ErrorDoc(Struct, kw_only=True):
+    """Any command with --json that could not run: the one line it would print on stderr,
+    with the same exit code."""
+
+    schema_version: Version
+    error: Annotated[str, Meta(description="what went wrong and what to fix, one line")]
+
+
+class HealthDoc(Struct, kw_only=True):
+    """gateway-capacity availability --check --json: the health check."""
+
+    schema_version: Version
+    ok: Annotated[bool, Meta(description="no problem found (exit 0)")]
+    problems: Annotated[list[str], Meta(description="one line per problem (exit 1)")]
+
+
+class CheckedAddress(Struct, kw_only=True):
+    """One resolved address of the provider's host and its verdict (R-P1)."""
+
+    address: Annotated[str, Meta(description="the resolved address")]
+    allowed: Annotated[bool, Meta(description="the key may be sent there")]
+    detail: Annotated[str, Meta(description="why: loopback, tailnet peer, range-checked, ...")]
+
+
+class CheckedProvider(Struct, kw_only=True):
+    """One provider of the config, checked as a probe would, nothing sent."""
+
+    id: Annotated[str, Meta(description="the provider id")]
+    discovery_requested: Annotated[bool, Meta(description="capacityDiscovery is true")]
+    discovery_active: Annotated[bool, Meta(description="discovery would be active now")]
+    reason: Annotated[str, Meta(description="the first problem, or the opt-in's status")]
+    problems: Annotated[list[str], Meta(description="every problem of the entry")]
+    fallback_limit: Annotated[Count, Meta(description="the static limit it falls back to")]
+    fallback_source: FallbackSource
+    endpoint: Annotated[str | None, Meta(description="the capacity URL that would be probed")]
+    addresses: Annotated[list[CheckedAddress], Meta(description="each resolved address")]
+    credential: Annotated[
+        str | None, Meta(description="'ok', why the key file is unusable, or null: not read")
+    ]
+
+
+class CheckConfigDoc(Struct, kw_only=True):
+    """gateway-capacity check-config --json: per provider, would discovery be active."""
+
+    schema_version: Version
+    config: Annotated[str, Meta(description="the config file checked")]
+    max_concurrent: Annotated[
+        int | None, Meta(description="the gateway-wide maxConcurrent, or null")
+    ]
+    providers: Annotated[list[CheckedProvider], Meta(description="one per usable entry")]
+    skipped: Annotated[list[str], Meta(description="entries skipped, each with its reason")]
+    segment: Annotated[str | None, Meta(description="the segment this config's users share")]
+    segment_from: Annotated[str, Meta(description="what the segment name comes from")]
+
+
+class VerifiedProvider(Struct, kw_only=True):
+    """One provider: the rules' limit for a probe made now beside the segment's."""
+
+    id: Annotated[str, Meta(description="the provider id")]
+    agree: Annotated[bool, Meta(description="the segment's limit is the rules' limit")]
+    status: Annotated[
+        Literal["ok", "differs", "missing_models", "no_answer"],
+        Meta(description="the verdict; no_answer: could not compare"),
+    ]
+    missing_models: Annotated[
+        list[str], Meta(description="configured upstream models a complete answer lacks")
+    ]
+    rules_limit: Annotated[int, Meta(description="what the rules give now")]
+    rules_source: Source
+    rules_reason: Annotated[str, Meta(description="why, in full")]
+    segment_limit: Annotated[int | None, Meta(description="the limit in the segment")]
+    segment_source: Annotated[str | None, Meta(description="its source in the segment")]
+    replicas: Annotated[list[Replica], Meta(description="each replica as probed now")]
+
+
+class VerifyDoc(Struct, kw_only=True):
+    """gateway-capacity verify --json."""
+
+    schema_version: Version
+    segment: Annotated[str, Meta(description="the segment compared with")]
+    config: Annotated[str, Meta(description="the config the rules came from")]
+    agree: Annotated[bool, Meta(description="every provider's limit agrees")]
+    ok: Annotated[bool, Meta(description="exit 0: agrees, no model missing, all answered")]
+    providers: Annotated[list[VerifiedProvider], Meta(description="one row per provider")]
+
+
+class WaitForSlotDoc(Struct, kw_only=True):
+    """gateway-capacity wait-for-slot --json: how the wait ended."""
+
+    schema_version: Version
+    outcome: Annotated[
+        Literal["room", "no_room", "gave_up", "unreachable", "error"],
+        Meta(description="how it ended"),
+    ]
+    exit_code: Annotated[int, Meta(description="the command's exit code")]
+    running: Annotated[float | None, Meta(description="running in the last sample")]
+    waiting: Annotated[float | None, Meta(description="waiting in the last sample")]
+    need: Annotated[int, Meta(description="--need")]
+    limit: Annotated[int | None, Meta(description="the limit of the last sample")]
+    reason: Annotated[
+        str | None, Meta(description="why the last sample had no load to show, in full")
+    ]
+    samples: Annotated[int, Meta(description="samples taken")]
+    waited_s: Annotated[float, Meta(description="seconds waited")]
+    error: Annotated[str, Meta(description="on exit 2: the line text mode prints")] = ""
+
+
+class CapacityRow(Struct, kw_only=True):
+    """One row of the capacity contract (REQUIREMENTS.md section 4)."""
+
+    id: Annotated[str, Meta(description="upstream model id")]
+    max_concurrent_requests: Annotated[int, Meta(description="the farm's slots for it")]
+
+
+class CapacityAnswer(Struct, kw_only=True):
+    """The router's capacity snapshot, as GET /v1/capacity serves it."""
+
+    object: Annotated[Literal["inference_capacity"], Meta(description="the contract's name")]
+    version: Annotated[Literal[1], Meta(description="the contract's version")]
+    complete: Annotated[bool, Meta(description="every answering worker could be read")]
+    observed_at: Annotated[UnixTime, Meta(description="when the observation round started")]
+    models: Annotated[list[CapacityRow], Meta(description="one row per registered model id")]
+
+
+class RouterWorker(Struct, kw_only=True):
+    """A registered worker and what fences it (from the loopback admin endpoint)."""
+
+    id: Annotated[str, Meta(description="the worker id from the registry")]
+    fenced_by: Annotated[
+        Literal["registry", "admin"] | None,
+        Meta(description="the registry file, router fence, or null: in service"),
+    ]
+
+
+class RouterShowDoc(Struct, kw_only=True):
+    """gateway-capacity router show --json."""
+
+    schema_version: Version
+    snapshot: CapacityAnswer
+    workers: Annotated[
+        list[RouterWorker] | None,
+        Meta(description="registered workers; null from a router without /admin/workers"),
+    ]
+
+
+class RouterFenceDoc(Struct, kw_only=True):
+    """gateway-capacity router fence|unfence --json."""
+
+    schema_version: Version
+    worker: Annotated[str, Meta(description="the worker fenced or restored")]
+    fenced: Annotated[bool, Meta(description="true after fence, false after unfence")]
+    snapshot: CapacityAnswer
+
+
+class DemoPhase(Struct, kw_only=True):
+    """One phase of the demo."""
+
+    name: Annotated[str, Meta(description="what the phase does")]
+    expected_limit: Annotated[int, Meta(description="the limit it should reach")]
+    reached_after_s: Annotated[float | None, Meta(description="seconds until it did; null: never")]
+    limits_seen: Annotated[list[int], Meta(description="every limit sampled")]
+    advertised_seen: Annotated[list[int], Meta(description="every advertised value sampled")]
+    peak_running: Annotated[int, Meta(description="most running in the phase")]
+    peak_waiting: Annotated[int, Meta(description="most waiting in the phase")]
+
+
+class DemoLoad(Struct, kw_only=True):
+    """What one handler generation's load process did."""
+
+    generation: Annotated[str, Meta(description="its generation label")]
+    admitted: Annotated[int, Meta(description="requests admitted")]
+    queue_full: Annotated[int, Meta(description="requests refused with QueueFull")]
+    timeouts: Annotated[int, Meta(description="requests that timed out waiting")]
+
+
+class DemoDoc(Struct, kw_only=True):
+    """gateway-capacity demo --json: the summary (the live lines go to stderr)."""
+
+    schema_version: Version
+    load: Annotated[list[DemoLoad], Meta(description="per load process")] = []
+    phases: Annotated[list[DemoPhase], Meta(description="the phases, in order")] = []
+    peak_running: Annotated[int, Meta(description="the provider's peak running")] = 0
+    peak_waiting: Annotated[int, Meta(description="the provider's peak waiting")] = 0
+    admitted: Annotated[int, Meta(description="admitted in all")] = 0
+    rejected: Annotated[int, Meta(description="refused with QueueFull in all")] = 0
+    timeouts: Annotated[int, Meta(description="timed out in all")] = 0
+    final_running: Annotated[int, Meta(description="running at the end (0)")] = 0
+    final_waiting: Annotated[int, Meta(description="waiting at the end (0)")] = 0
+    holder_records_left: Annotated[int, Meta(description="records left at the end (0)")] = 0
+    segment: Annotated[str, Meta(description="the demo's own segment")]
+    picture: Annotated[str | None, Meta(description="the PNG drawn, or null")]
+    cleaned_up: Annotated[bool, Meta(description="no process or shared object left")]
+    problems: Annotated[list[str], Meta(description="what went wrong; empty: ok")]
+    ok: Annotated[bool, Meta(description="exit 0")]
+
+
 # --- the JSON Schemas ---------------------------------------------------------------------------
 SCHEMAS: Final[dict[str, tuple[type[Struct], str]]] = {
     "availability.schema.json": (AvailabilityDoc, "gateway-capacity availability --json"),
     "inspect.schema.json": (InspectDoc, "gateway-capacity inspect --json"),
+    "availability-check.schema.json": (HealthDoc, "gateway-capacity availability --check --json"),
+    "check-config.schema.json": (CheckConfigDoc, "gateway-capacity check-config --json"),
+    "verify.schema.json": (VerifyDoc, "gateway-capacity verify --json"),
+    "wait-for-slot.schema.json": (WaitForSlotDoc, "gateway-capacity wait-for-slot --json"),
+    "router-show.schema.json": (RouterShowDoc, "gateway-capacity router show --json"),
+    "router-fence.schema.json": (RouterFenceDoc, "gateway-capacity router fence|unfence --json"),
+    "demo.schema.json": (DemoDoc, "gateway-capacity demo --json"),
+    "error.schema.json": (ErrorDoc, "any --json output of a command that could not run"),
 }
 
 

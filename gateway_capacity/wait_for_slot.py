@@ -80,7 +80,10 @@ class Result:
     def as_json(self, need: int) -> dict[str, object]:
         load = self.last if isinstance(self.last, Load) else None
         reason = None if isinstance(self.last, Load) else self.last.reason
+        from gateway_capacity.schemas import SCHEMA_VERSION
+
         return {
+            "schema_version": SCHEMA_VERSION,
             "outcome": self.outcome,
             "exit_code": self.code,
             "running": load.running if load else None,
@@ -191,19 +194,50 @@ def key_from_file(path: str) -> Secret:
 # --------------------------------------------------------------------------- local mode
 
 
-def _sample_local(segment: str, provider_id: str) -> Sample:
-    """One reading of this host's segment (R-W4): gate on the provider's effective limit."""
-    from shm_layout import SegmentError, SegmentNotReady, read_provider_load
+def _sample_local(segment: str, provider_id: str, need: int) -> Sample:
+    """One reading of this host's segment (R-W4): gate on the provider's effective limit.
+
+    A ``need`` above the highest limit the provider can reach without a config edit
+    (its static limit, or discovery's ceiling: its own ``maxConcurrent``, else 64,
+    R-L4) can never fit: that is an error at once, not a wait until ``--max-wait``.
+    A limit below ``need`` for now (0 while a legacy generation drains) is a wait.
+    """
+    from shm_layout import SegmentError, SegmentNotReady
+    from shm_layout.view import read_view
 
     try:
-        load = read_provider_load(segment, provider_id)
-    except KeyError:
-        return Fatal(f"provider {provider_id!r} is not in segment {segment}")
+        provider = read_view(segment).provider(provider_id)
     except SegmentNotReady as exc:  # another party is creating it right now
         return NoAnswer(one_line(str(exc)))
     except SegmentError as exc:  # missing, not ours, other major version: one line each
         return Fatal(one_line(str(exc)))
-    return Load(float(load.running), float(load.waiting), load.effective_limit)
+    if provider is None:
+        return Fatal(f"provider {provider_id!r} is not in segment {segment}")
+    ceiling, why = limit_ceiling(
+        provider.capacity_discovery, provider.fallback_limit, provider.fallback_source
+    )
+    if need > ceiling:
+        return Fatal(
+            f"--need {need} can never fit: provider {provider_id}'s limit can be at most "
+            f"{ceiling} ({why})"
+        )
+    return Load(float(provider.running), float(provider.waiting), provider.effective_limit)
+
+
+def limit_ceiling(discovery: bool, fallback: int, fallback_source: str) -> tuple[int, str]:
+    """The highest effective limit a provider can get without a config edit, and why."""
+    from shm_layout.layout import RUNNING_ROOM
+    from sidecar.limits import DISCOVERED_CAP
+
+    if not discovery:
+        ceiling, why = fallback, "its static limit"
+    elif fallback_source == "provider":
+        ceiling, why = fallback, "its maxConcurrent caps discovery"
+    else:
+        ceiling, why = DISCOVERED_CAP, f"discovery is capped at {DISCOVERED_CAP}"
+    if ceiling > RUNNING_ROOM:
+        return RUNNING_ROOM, f"the segment runs at most {RUNNING_ROOM} at once"
+    return ceiling, why
 
 
 # --------------------------------------------------------------------------- CLI
@@ -375,7 +409,8 @@ def _local_sampler(args: argparse.Namespace) -> Callable[[], Sample]:
             )
     segment = segment_from_args(args)
     provider_id: str = args.provider
-    return lambda: _sample_local(segment, provider_id)
+    need: int = args.need
+    return lambda: _sample_local(segment, provider_id, need)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -299,6 +299,7 @@ class Sidecar:
         # systemctl reload (ExecReload= sends SIGHUP): re-read the config now. Without
         # a handler SIGHUP would kill the sidecar, which systemd counts as a clean exit.
         loop.add_signal_handler(signal.SIGHUP, self._on_reload)
+        before = self._running_sidecar()
         self.epoch = writer.take_epoch(
             self.seg,
             self.pid,
@@ -316,6 +317,11 @@ class Sidecar:
             self.opts.refresh_s,
             self.opts.config_path,
         )
+        if before is not None:  # say on this side too whom the new epoch fenced (R-G4)
+            log.warning(
+                "fenced the running sidecar pid %d (writer epoch %d): it stops writing and exits 0",
+                *before,
+            )
         for legacy in self.legacy:
             log.info(
                 "waiting for legacy process %s to exit", _legacy_label(legacy.label, legacy.pid)
@@ -344,6 +350,14 @@ class Sidecar:
             self._metrics_server.server_close()
         self.seg.close()
         return self.exit_code
+
+    def _running_sidecar(self) -> tuple[int, int] | None:
+        """Pid and writer epoch of a live sidecar that holds the segment now, if any."""
+        data, _ = snapshot_bytes(self.seg.buf)
+        seen = parse_view(self.segment_name, data, now=time.time()).sidecar
+        if seen is None or not seen.alive or seen.state != "running" or seen.pid == self.pid:
+            return None
+        return seen.pid, seen.writer_epoch
 
     def _on_signal(self, sig: int) -> None:
         log.info(
@@ -406,6 +420,7 @@ class Sidecar:
                 state.rules = rules
             state.decision = self._decide(state, time.time())
             self._log_decision(state)
+            self.metrics.not_probed(provider_id, rules.refused_reason, self.opts.refresh_s)
             if rules.discovery_active:
                 if state.task is None or state.task.done():
                     state.task = asyncio.create_task(self._probe_loop(provider_id))

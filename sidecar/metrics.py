@@ -93,6 +93,9 @@ class SidecarMetrics:
         self._known: set[str] = set()
         self._lock = threading.Lock()
         self._last_turn: float | None = None  # monotonic
+        # providers that ask for discovery and are refused before anything is sent:
+        # provider -> (reason label, refresh period, monotonic time of the next count)
+        self._refused: dict[str, tuple[str, float, float]] = {}
 
     def record_probe(self, provider: str, reasons: Iterable[str], seconds: float) -> None:
         """One probe of ``provider``: its outcomes (closed names) and how long it took."""
@@ -107,8 +110,32 @@ class SidecarMetrics:
             self.probe_results.labels(provider, reason).inc()
         self.probe_duration.labels(provider).observe(seconds)
 
+    def not_probed(self, provider: str, refused: str | None, refresh_s: float) -> None:
+        """``provider`` asks for discovery and its entry is refused before anything is
+        sent (``refused`` is the rules' ``discovery refused: <reason>:<detail>``): it
+        counts one ``reason`` per refresh, as a probe would, from now on, so a provider
+        left on its fallback by a refused opt-in or an invalid entry shows in
+        ``probe_results_total`` and its alerts. ``None``: it is probed, or asks for
+        nothing; such counting stops."""
+        if refused is None:
+            self._refused.pop(provider, None)
+            return
+        (reason,) = probe_reasons(refused.removeprefix("discovery refused: "), ())
+        current = self._refused.get(provider)
+        if current is None or current[:2] != (reason, refresh_s):
+            self._refused[provider] = (reason, refresh_s, time.monotonic())
+            self._count_refused()
+
+    def _count_refused(self) -> None:
+        now = time.monotonic()
+        for provider, (reason, refresh_s, due) in list(self._refused.items()):
+            if now >= due:
+                self.record_probe(provider, (reason,), 0.0)
+                self._refused[provider] = (reason, refresh_s, max(due + refresh_s, now))
+
     def forget(self, provider: str) -> None:
         """``provider`` left the config: its series go (they would never change again)."""
+        self._refused.pop(provider, None)
         with self._lock:
             if provider not in self._known:
                 return
@@ -118,8 +145,10 @@ class SidecarMetrics:
             self.probe_duration.remove(provider)
 
     def turned(self) -> None:
-        """The event loop made one turn of housekeeping (for /healthz)."""
+        """The event loop made one turn of housekeeping (for /healthz); refused
+        providers count their refresh when it is due."""
         self._last_turn = time.monotonic()
+        self._count_refused()
 
     def health(self) -> tuple[bool, str]:
         last = self._last_turn

@@ -191,8 +191,10 @@ async def _probe_replica(
         result = ReplicaResult(address, "timeout", f"no complete answer within {deadline_s:g} s")
     except httpx.TimeoutException as exc:
         result = ReplicaResult(address, "timeout", type(exc).__name__)
-    except httpx.HTTPError as exc:
-        result = ReplicaResult(address, "unreachable", _describe(exc))
+    except httpx.HTTPError as exc:  # the URL says which port it could not reach
+        result = ReplicaResult(
+            address, "unreachable", f"{endpoint.url_for(address)}: {_describe(exc)}"
+        )
     except Exception as exc:  # a provider's fault must never break the refresh (R-P8)
         log.warning(
             "probe of %s at %s failed unexpectedly: %s", endpoint.host, address, type(exc).__name__

@@ -64,3 +64,34 @@ def test_r_w4_local_mode_counts_waiters_and_unknown_provider_exits_2(
     assert unknown.returncode == 2
     assert "nope" in unknown.stderr and "Traceback" not in unknown.stderr
     holder.send("release")
+
+
+def test_r_w4_a_need_above_what_the_limit_can_ever_reach_exits_2_at_once(
+    segment_name: str, write_config: Callable[..., Path], agents: Callable[..., Agent]
+) -> None:
+    """A static limit of 2 never admits 3 at once: say so now instead of waiting
+    --max-wait (600 s by default) for the impossible, as metrics mode does with --limit."""
+    cfg = write_config(
+        {
+            "providers": [
+                {"id": "p1", "maxConcurrent": 2},
+                # discovery asked: its own maxConcurrent is the ceiling (R-L4)
+                {"id": "p2", "maxConcurrent": 5, "capacityDiscovery": True},
+            ]
+        }
+    )
+    agents("--segment", segment_name, "--config", str(cfg), "hold").expect("admitted")
+    local = ("wait-for-slot", "--segment", segment_name, "--interval", "0.1")
+    began = time.monotonic()
+    out = run_cli(*local, "--provider", "p1", "--need", "3")
+    assert out.returncode == 2, out.stderr
+    assert time.monotonic() - began < 10  # at once, not after --max-wait's 600 s
+    assert out.stderr.strip() == (
+        "gateway-capacity: --need 3 can never fit: provider p1's limit can be at most 2 "
+        "(its static limit)"
+    )
+    capped = run_cli(*local, "--provider", "p2", "--need", "6", "--json")
+    assert capped.returncode == 2
+    assert "at most 5 (its maxConcurrent caps discovery)" in capped.stdout
+    # at the ceiling it is a wait like any other (1 running + 2 > 2: no room)
+    assert run_cli(*local, "--provider", "p1", "--need", "2", "--check").returncode == 1

@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import jsonschema
 import psutil
 
 EXE = str(Path(sys.executable).with_name("gateway-capacity"))
@@ -24,6 +25,8 @@ def _run_demo(*extra: str) -> dict[str, object]:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    schema = json.loads((ROOT / "docs" / "schemas" / "demo.schema.json").read_text())
+    jsonschema.validate(summary, schema)  # schema_version and every field (issue 18 item 10)
     assert "advertised 20  limit 20 (discovered)" in out.stderr  # shown live
     picture = summary["picture"]
     assert isinstance(picture, str), summary

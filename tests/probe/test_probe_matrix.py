@@ -185,7 +185,8 @@ def test_r_l5_closed_port_is_unreachable(make_provider: MakeProvider, no_tailsca
     result = asyncio.run(probe_provider(provider, tailscale_socket=no_tailscaled))
     (replica,) = result.replicas
     assert replica.reason == "unreachable"
-    assert replica.detail.startswith("ConnectError")
+    # the URL with its port, then why (issue 18 item 7: "127.0.0.1 unreachable" said neither)
+    assert replica.detail.startswith(f"http://127.0.0.1:{port}/v1/capacity: ConnectError")
 
 
 def test_r_l5_server_closing_without_answer_is_unreachable(

@@ -34,6 +34,19 @@ def test_example_gateway_config_loads_with_discovery_active_on_loopback() -> Non
     assert fallback_for(cloud.max_concurrent, config.max_concurrent) == (4, "provider")
 
 
+def test_example_fallback_is_below_the_example_farm_and_no_ceiling_on_discovery() -> None:
+    """Issue 18 item 8: one failed probe switches a provider to its fallback at once
+    (R-L5), so a fallback above what the farm has (two ten-slot workers: 20) would
+    oversubscribe it exactly when the farm is in trouble (docs/limits.md)."""
+    config = load_config(EXAMPLES / "gateway.json")
+    local = config.provider("local-inference")
+    assert local is not None
+    farm = 10 * len(parse_registry((EXAMPLES / "workers.json").read_bytes()).workers)
+    fallback, source = fallback_for(local.max_concurrent, config.max_concurrent)
+    assert fallback < farm and source == "gateway"
+    assert local.max_concurrent is None  # a provider maxConcurrent would also cap the 20
+
+
 def test_example_worker_registry_parses_as_the_router_reads_it() -> None:
     registry = parse_registry((EXAMPLES / "workers.json").read_bytes())
     assert [w.id for w in registry.workers] == ["w1", "w2"]
@@ -114,7 +127,10 @@ def test_router_simworker_from_the_shell_serves_what_the_router_sums(
         )
         if out.returncode != 0:
             return None
-        rows = {m["id"]: m["max_concurrent_requests"] for m in json.loads(out.stdout)["models"]}
+        rows = {
+            m["id"]: m["max_concurrent_requests"]
+            for m in json.loads(out.stdout)["snapshot"]["models"]
+        }
         return rows.get("workhorse")
 
     deadline = time.monotonic() + 20

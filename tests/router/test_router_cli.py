@@ -103,7 +103,17 @@ def test_r_k5_fence_and_unfence_through_the_cli_drain_and_restore_a_worker(
     shown = cli("show", "--url", router.url, "--key-file", str(key_file), "--json")
     outputs += [shown.stdout, shown.stderr]
     assert shown.returncode == 0
-    assert decode_snapshot(shown.stdout.encode()).models[0].max_concurrent_requests == 10
+    shown_doc = json.loads(shown.stdout)
+    snapshot = decode_snapshot(json.dumps(shown_doc["snapshot"]).encode())
+    assert snapshot.models[0].max_concurrent_requests == 10
+    # which workers are fenced, and by what (the capacity endpoint itself never says)
+    assert shown_doc["workers"] == [
+        {"id": "a", "fenced_by": "admin"},
+        {"id": "b", "fenced_by": None},
+    ]
+    text = cli("show", "--url", router.url, "--key-file", str(key_file))
+    assert "workers: 2 registered, 1 fenced" in text.stdout
+    assert "a: FENCED (admin: router unfence)" in text.stdout and "b: in service" in text.stdout
 
     restored = cli("unfence", "a", "--url", router.url, "--key-file", str(key_file), "--json")
     outputs += [restored.stdout, restored.stderr]
@@ -127,7 +137,10 @@ def test_r_k5_cli_refusals_exit_1_with_a_reason(
     router = serve([worker("a", [a.url], ["wh"], fenced=True)])
     unknown = cli("fence", "nobody", "--url", router.url, "--key-file", str(key_file))
     assert unknown.returncode == 1
-    assert "unknown worker 'nobody'" in unknown.stderr
+    assert "unknown worker 'nobody'; known: a" in unknown.stderr  # the ids to pick from
+    as_json = cli("fence", "nobody", "--url", router.url, "--key-file", str(key_file), "--json")
+    assert as_json.returncode == 1 and not as_json.stderr
+    assert json.loads(as_json.stdout)["error"].startswith("router refused fence: unknown worker")
 
     in_file = cli("unfence", "a", "--url", router.url, "--key-file", str(key_file))
     assert in_file.returncode == 1
@@ -179,6 +192,13 @@ def test_serve_with_a_broken_registry_exits_2_with_one_line(
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert "invalid registry" in result.stderr
+    assert str(registry_path) in result.stderr  # which file
+    registry_path.write_text('{"workers": [')
+    truncated = cli(*serve_args(registry_path, key_file))
+    assert truncated.returncode == 2
+    assert truncated.stderr.strip() == (
+        f"gateway-capacity: registry {registry_path}: invalid JSON: Input data was truncated"
+    )
 
 
 @pytest.mark.parametrize("listen", ["127.0.0.1", "127.0.0.1:70000", "[::1:0"])

@@ -35,3 +35,38 @@ def test_options_are_never_abbreviated_so_a_key_is_not_taken_for_a_path() -> Non
         out = run_cli(*args)
         assert out.returncode == 2, args
         assert "sk-typed-as-key-777" not in out.stdout + out.stderr
+
+
+def test_a_mistyped_option_of_a_subcommand_prints_that_subcommands_usage() -> None:
+    out = run_cli("router", "show", "--key-file", "/nonexistent", "--jsn")
+    assert out.returncode == 2
+    assert out.stderr.startswith("usage: gateway-capacity router show ")
+    watch = run_cli("watch", "--intervall", "2")
+    assert watch.stderr.startswith("usage: gateway-capacity watch ")
+
+
+def test_a_segment_name_copied_from_dev_shm_without_its_slash_is_accepted(
+    segment_name: str,
+) -> None:
+    short = segment_name.removeprefix("/")
+    missing = run_cli("availability", "--segment", short)
+    assert missing.returncode == 3  # looked for the right name: there is none yet
+    assert f"{segment_name}" in missing.stderr
+
+
+def test_a_max_heartbeat_age_or_watch_interval_of_zero_is_refused() -> None:
+    """0 s would call every sidecar stale, and a watch that never sleeps spins."""
+    for args in (
+        ("availability", "--check", "--max-heartbeat-age", "0"),
+        ("availability", "--check", "--max-heartbeat-age", "nan"),
+        ("watch", "--interval", "0"),
+    ):
+        out = run_cli(*args, "--segment", "/gwt-unused")
+        assert out.returncode == 2, args
+        assert "must be a number of seconds above 0" in out.stderr, out.stderr
+
+
+def test_watch_options_have_help() -> None:
+    out = run_cli("watch", "--help")
+    assert "--interval S    seconds between refreshes" in " ".join(out.stdout.split("\n"))
+    assert "stop after N refreshes" in out.stdout

@@ -152,10 +152,11 @@ def test_json_mode_reports_errors_as_json_with_the_same_exit_code(segment_name: 
     missing = run_cli("availability", "--segment", segment_name, "--json")
     assert missing.returncode == 3 and missing.stderr == ""
     assert json.loads(missing.stdout) == {
+        "schema_version": 1,
         "error": f"no segment {segment_name}: nothing has created it yet "
-        "(start the sidecar or a handler)"
+        "(start the sidecar or a handler)",
     }
-    bad = run_cli("inspect", "--segment", "no-slash", "--json")
+    bad = run_cli("inspect", "--segment", "bad/slash", "--json")
     assert bad.returncode == 2 and bad.stderr == ""
     assert "must start with '/'" in json.loads(bad.stdout)["error"]
     plain = run_cli("availability", "--segment", segment_name)

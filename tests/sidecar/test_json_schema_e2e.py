@@ -141,3 +141,115 @@ def test_a_segment_no_sidecar_has_written_validates_too(
     validate("availability", doc)
     assert doc["sidecar"] is None
     validate("inspect", cli_json("inspect", "--json", "--segment", segment_name))
+
+
+# Every subcommand with --json, and the schemas of what it prints (errors: error.schema.json).
+JSON_COMMANDS = {
+    "availability": ("availability", "availability-check"),
+    "inspect": ("inspect",),
+    "check-config": ("check-config",),
+    "verify": ("verify",),
+    "wait-for-slot": ("wait-for-slot",),
+    "router show": ("router-show",),
+    "router fence": ("router-fence",),
+    "router unfence": ("router-fence",),
+    "demo": ("demo",),
+}
+
+
+def test_every_subcommand_with_json_has_a_schema_and_every_property_a_description() -> None:
+    import argparse
+
+    from gateway_capacity.cli import build_parser
+
+    found: set[str] = set()
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if "--json" in action.option_strings:
+                found.add(path)
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    walk(child, f"{path} {name}".strip())
+
+    walk(build_parser(), "")
+    assert found == set(JSON_COMMANDS)
+    named = {n for names in JSON_COMMANDS.values() for n in names} | {"error"}
+    assert {p.name.removesuffix(".schema.json") for p in SCHEMAS.glob("*.schema.json")} == named
+
+    undescribed: list[str] = []
+    for path in SCHEMAS.glob("*.schema.json"):
+        schema = json.loads(path.read_text())
+        defs = schema.get("$defs", {})
+        for where, definition in [("", schema), *defs.items()]:
+            for prop, spec in definition.get("properties", {}).items():
+                target = spec
+                ref = spec.get("$ref") or next(
+                    (s.get("$ref") for s in spec.get("anyOf", []) if "$ref" in s), None
+                )
+                if ref and "description" not in spec:
+                    target = defs[ref.rsplit("/", 1)[1]]
+                if not target.get("description"):
+                    undescribed.append(f"{path.name}: {where or 'top'}.{prop}")
+    assert not undescribed, "\n".join(undescribed)  # docs/json-output.md: every field
+
+
+def cli_doc(*args: str, code: int = 0) -> dict[str, Any]:
+    out = subprocess.run([EXE, *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == code, out.stdout + out.stderr
+    doc: dict[str, Any] = json.loads(out.stdout)
+    assert doc["schema_version"] == SCHEMA_VERSION, doc
+    return doc
+
+
+def test_every_json_output_carries_schema_version_and_validates(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    capacity: CapacityServer,
+    entry: Callable[..., dict[str, Any]],
+    start_sidecar: Callable[..., SidecarProc],
+    tmp_path: Path,
+) -> None:
+    from capacity_router import RouterServer, SimWorker
+
+    config = write_config(
+        {"maxConcurrent": 8, "providers": [entry(capacity), {"id": "static", "maxConcurrent": 3}]}
+    )
+    start_sidecar(config, segment_name)
+    wait_provider(segment_name, "p1", discovered(20))
+    seg = ("--segment", segment_name)
+
+    validate("availability-check", cli_doc("availability", "--check", "--json", *seg))
+    validate("check-config", cli_doc("check-config", "--config", str(config), "--json"))
+    validate("verify", cli_doc("verify", "--config", str(config), *seg, "--json"))
+    local = ("wait-for-slot", *seg, "--provider", "static", "--json")
+    validate("wait-for-slot", cli_doc(*local, "--check"))
+    validate("wait-for-slot", cli_doc(*local, "--need", "9", code=2))  # the error form
+    validate("error", cli_doc("availability", "--json", "--segment", "/gwt-none", code=3))
+    validate("error", cli_doc("check-config", "--json", "--config", str(tmp_path), code=2))
+
+    key = tmp_path / "router.key"
+    key.write_text("router-json-key\n")
+    key.chmod(0o600)
+    with SimWorker(slots=4) as worker:
+        registry = tmp_path / "workers.json"
+        registry.write_text(
+            json.dumps(
+                {
+                    "workers": [
+                        {
+                            "id": "w1",
+                            "urls": [worker.url],
+                            "models": ["workhorse"],
+                            "slots": {"source": "props"},
+                        }
+                    ]
+                }
+            )
+        )
+        with RouterServer(registry, key, host="127.0.0.1", port=0, poll_interval=30) as router:
+            client = ("--url", router.url, "--key-file", str(key), "--json")
+            validate("router-fence", cli_doc("router", "fence", "w1", *client))
+            validate("router-show", cli_doc("router", "show", *client))
+            validate("router-fence", cli_doc("router", "unfence", "w1", *client))
+            validate("error", cli_doc("router", "fence", "w9", *client, code=1))

@@ -1,8 +1,10 @@
 """The unit under a real systemd: PID 1 of a Debian 12 container (issue 11).
 
 docs/systemd.md is followed step by step inside, as root, as an operator
-would: ``make install PREFIX=/opt/gateway-capacity`` from a copy of this
-checkout, the system user, the config, the key directory, the unit. The
+would: the wheel ``make wheel`` built on the host (a build machine), installed
+with ``make install PREFIX=/opt/gateway-capacity WHEEL=...`` from a copy of this
+checkout and with no compiler reachable (the root has gcc for other uses: PATH
+and CC hide it), the system user, the config, the key directory, the unit. The
 provider is the reference router (``gateway-capacity router serve``) with one
 simulated worker, both on the host's loopback, which the container shares.
 
@@ -143,22 +145,42 @@ def box(tmp_path_factory: pytest.TempPathFactory, provider: Provider) -> Iterato
             box.boot()
         except BoxError as exc:
             pytest.skip(f"cannot boot a systemd-nspawn container here: {exc}")
-        _install_as_the_docs_say(box, provider)
+        _install_as_the_docs_say(box, provider, _wheel(tmp_path_factory.mktemp("wheelhouse")))
         yield box
     finally:
         box.close()
 
 
-def _install_as_the_docs_say(box: Box, provider: Provider) -> None:
+def _wheel(directory: Path) -> Path:
+    """`make wheel`, on the host: the build machine of docs/systemd.md step 1."""
+    subprocess.run(
+        [str(REPO / "scripts" / "build-wheel"), sys.executable, str(directory)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = directory.glob("*.whl")
+    return wheel
+
+
+def _install_as_the_docs_say(box: Box, provider: Provider, wheel: Path) -> None:
     """docs/systemd.md, "Install", steps 1 to 4 (step 5 is the first test)."""
     box.copy_tree(repo_files(), REPO, SRC)
     box.put("/etc/ssl/certs/host-ca.crt", Path(HOST_CA).read_bytes())
-    # 1. The program.
+    # 1. The program, from the wheel, with no compiler on PATH (cc, gcc are stubs that fail)
+    inside = f"/root/{wheel.name}"
+    box.put(inside, wheel.read_bytes())
     box.run(
-        f"cd {SRC} && make install PREFIX={PREFIX}",
+        "mkdir -p /root/no-cc && for c in cc gcc x86_64-linux-gnu-gcc; do "
+        "printf '#!/bin/sh\\necho $0 >> /root/no-cc.log; exit 1\\n' > /root/no-cc/$c; "
+        "chmod 755 /root/no-cc/$c; done"
+    )
+    box.run(
+        f"cd {SRC} && PATH=/root/no-cc:$PATH CC=false make install PREFIX={PREFIX} WHEEL={inside}",
         env={"PIP_CERT": "/etc/ssl/certs/host-ca.crt", "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
         timeout=600,
     )
+    box.run("test ! -e /root/no-cc.log")  # no compiler was tried
     # 2. The system user.
     box.run(
         "useradd --system --user-group --no-create-home --home-dir /nonexistent "
@@ -238,6 +260,13 @@ def test_make_install_brings_the_program_and_runtime_deps_only(box: Box) -> None
     assert {"gateway-capacity", "posix-ipc", "httpx", "msgspec"} <= names
     assert not names & {"pytest", "ruff", "mypy", "hypothesis", "redis"}, names
     box.run(f"test -f {PREFIX}/share/doc/gateway-capacity/systemd.md")
+    # from the wheel: the compiled core came in built, tagged for manylinux
+    wheel = box.run(f"cat {PREFIX}/lib/python3*/site-packages/gateway_capacity-*.dist-info/WHEEL")
+    assert "manylinux" in wheel.stdout, wheel.stdout
+    # the man page and the shell completions (issue 18 item 9)
+    box.run(f"test -f {PREFIX}/share/man/man1/gateway-capacity.1")
+    box.run(f"test -f {PREFIX}/share/bash-completion/completions/gateway-capacity")
+    box.run(f"test -f {PREFIX}/share/zsh/site-functions/_gateway-capacity")
 
 
 def test_unit_is_active_only_after_ready_and_awaits_a_legacy_process(box: Box) -> None:

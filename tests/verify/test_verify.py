@@ -205,3 +205,78 @@ def test_verify_that_could_not_compare_exits_2_never_ok(
     assert "NO ANSWER li" in out.stdout and "could not compare" in out.stdout
     assert not out.stdout.startswith("ok")
     assert key not in out.stdout + out.stderr
+
+
+def test_an_unreachable_router_is_named_by_its_url_with_the_port_and_a_missing_value_is_a_dash(
+    router: tuple[CapacityServer, str],
+    segment_name: str,
+    write_config: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    """Issue 18 item 7: "127.0.0.1 unreachable" named no port, and verify printed
+    ``value None`` where availability prints ``value -``."""
+    server, key = router
+    key_file = tmp_path / "provider.key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    cfg = write_config({"providers": [_opted_in(server, key_file, {"w": "workhorse"})]})
+    subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from handler_shim import Admission; "
+         "Admission.attach(config=sys.argv[1], segment=sys.argv[2]).close()",
+         str(cfg), segment_name],
+        check=True, timeout=60,
+    )  # fmt: skip
+    server.stop()  # nothing listens on its port now
+    out = run_cli("verify", "--config", str(cfg), "--segment", segment_name)
+    assert out.returncode == 2
+    url = f"{server.base_url}/capacity"
+    assert f"127.0.0.1 unreachable ({url}: ConnectError" in out.stdout
+    assert "replica 127.0.0.1: unreachable value -" in out.stdout
+    assert "None" not in out.stdout
+    doc = json.loads(
+        run_cli("verify", "--config", str(cfg), "--segment", segment_name, "--json").stdout
+    )
+    assert doc["schema_version"] == 1 and doc["providers"][0]["replicas"][0]["value"] is None
+    assert url in doc["providers"][0]["rules_reason"]
+
+
+def _source(segment: str, provider: str) -> str | None:
+    out = run_cli("availability", "--segment", segment, "--json")
+    if out.returncode != 0:
+        return None  # the sidecar has not made the segment yet
+    return next(
+        (p["source"] for p in json.loads(out.stdout)["providers"] if p["id"] == provider), None
+    )
+
+
+def test_verify_and_check_config_with_a_segment_alone_use_the_config_it_was_made_for(
+    router: tuple[CapacityServer, str],
+    segment_name: str,
+    write_config: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    """README: every command takes --config PATH or --segment NAME; the segment records
+    the config path its sidecar was started with."""
+    server, key = router
+    key_file = tmp_path / "provider.key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    cfg = write_config({"providers": [_opted_in(server, key_file, {"w": "workhorse"})]})
+    sidecar = _sidecar(cfg, segment_name)
+    try:
+        assert wait_until(lambda: _source(segment_name, "li") == "discovered")
+        short = segment_name.removeprefix("/")  # as `ls /dev/shm` lists it
+        verified = run_cli("verify", "--segment", short)
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+        assert verified.stdout.startswith("ok  li: rules 20 (discovered)")
+        checked = run_cli("check-config", "--segment", short, "--json")
+        assert checked.returncode == 0, checked.stderr
+        report = json.loads(checked.stdout)
+        assert report["config"] == str(cfg) and report["segment_from"] == "--segment"
+        assert report["providers"][0]["discovery_active"] is True
+    finally:
+        sidecar.send_signal(signal.SIGTERM)
+        sidecar.wait(timeout=20)
+    nothing = run_cli("check-config", "--segment", "/gwt-none-" + secrets.token_hex(4))
+    assert nothing.returncode == 3 and "Traceback" not in nothing.stderr

@@ -105,6 +105,7 @@ def test_r_w1_json_result_on_stdout(server, cli, gauges):
     assert ran.code == 0
     result = json.loads(ran.stdout)
     assert result == {
+        "schema_version": 1,
         "outcome": "room",
         "exit_code": 0,
         "running": 3.0,

@@ -1,0 +1,81 @@
+"""The shell completions and the man page `make install` installs (issue 18 item 9).
+
+They are generated from the CLI's parser by shtab and argparse-manpage
+(``make completions``) and committed, so an install needs neither; these tests
+fail when the committed files no longer match the parser, and show that the
+bash completion really completes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARE = ROOT / "share"
+BASH = SHARE / "bash-completion" / "completions" / "gateway-capacity"
+
+
+def test_committed_completions_and_man_page_match_the_parser() -> None:
+    # in a child process: the generator sets COLUMNS for argparse's line breaks
+    code = (
+        "import json, sys; sys.path.insert(0, 'scripts'); import cli_files; "
+        "print(json.dumps(cli_files.texts()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    import json
+
+    for relative, text in json.loads(out.stdout).items():
+        committed = (SHARE / relative).read_text()
+        assert committed == text, f"share/{relative} is stale: run `make completions`"
+
+
+def _complete(*words: str) -> list[str]:
+    """What bash offers after ``gateway-capacity WORDS...`` (the last word being typed)."""
+    line = " ".join(("gateway-capacity", *words))
+    script = (
+        f"source {BASH}\n"
+        f"COMP_WORDS=(gateway-capacity {' '.join(words)})\n"
+        f"COMP_CWORD={len(words)}\n"
+        f"COMP_LINE={line!r}\nCOMP_POINT=${{#COMP_LINE}}\n"
+        "_shtab_gateway_capacity\n"
+        'printf "%s\\n" "${COMPREPLY[@]}"\n'
+    )
+    bash = shutil.which("bash")
+    assert bash is not None
+    done = subprocess.run([bash, "--norc", "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_bash_completes_subcommands_nested_actions_and_their_options() -> None:
+    assert set(_complete("wa")) == {"watch", "wait-for-slot"}
+    assert _complete("router", "fe") == ["fence"]
+    assert "--max-heartbeat-age" in _complete("availability", "--")
+    assert "--key-file" in _complete("router", "show", "--")
+    assert "--help" in _complete("router", "fence", "--")
+
+
+def _roff(text: str) -> str:
+    return text.replace("-", "\\-")
+
+
+def test_the_man_page_has_a_section_for_every_subcommand_and_router_action() -> None:
+    page = (SHARE / "man" / "man1" / "gateway-capacity.1").read_text()
+    assert page.startswith(".TH GATEWAY\\-CAPACITY")
+    from gateway_capacity.cli import build_parser
+
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if a.dest == "command"]
+    assert isinstance(commands, argparse._SubParsersAction)
+    for name, sub in commands.choices.items():
+        assert f".SH COMMAND \\fI\\,'{_roff('gateway-capacity ' + name)}'" in page, name
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for inner in action.choices:
+                    assert f"'{_roff('gateway-capacity router ' + inner)}'" in page, inner
