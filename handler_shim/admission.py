@@ -47,28 +47,34 @@ Errors (all ``AdmissionError``, exported by ``handler_shim``)::
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import gc
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import weakref
-from asyncio.events import _get_running_loop
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING
 
-from shm_layout import _core, layout, ledger, platform, writer
+from shm_layout import _core, layout, platform
 from shm_layout.errors import GatewayCapacityError
 from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING
 from shm_layout.liveness import process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.owners import OwnerPolicy
 from shm_layout.segment import Segment, SegmentError, remove_doorbell
+
+# What a handler's ``import handler_shim`` loads is what a slot needs; asyncio (with ssl
+# and concurrent.futures), the model, the writer and the views load when used (issue 19).
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Callable, Coroutine
+    from typing import Any, TypeVar
+
+    _T = TypeVar("_T")
 
 log = logging.getLogger("gateway_capacity.admission")
 
@@ -107,14 +113,22 @@ class UnknownProvider(AdmissionError, KeyError):
         return str(self.args[0])
 
 
-@dataclass(frozen=True, slots=True)
 class ProviderEntry:
     """What a shim that creates provider rows writes from its own reading of the config."""
 
-    provider_id: str
-    fallback: int
-    fallback_source: str
-    discovery: bool
+    __slots__ = ("discovery", "fallback", "fallback_source", "provider_id")
+
+    def __init__(self, provider_id: str, fallback: int, fallback_source: str, discovery: bool):
+        self.provider_id = provider_id
+        self.fallback = fallback
+        self.fallback_source = fallback_source
+        self.discovery = discovery
+
+    def __repr__(self) -> str:
+        return (
+            f"ProviderEntry({self.provider_id!r}, {self.fallback}, {self.fallback_source!r}, "
+            f"{self.discovery})"
+        )
 
 
 def providers_from_config(path: str | os.PathLike[str]) -> list[ProviderEntry]:
@@ -131,22 +145,29 @@ def providers_from_config(path: str | os.PathLike[str]) -> list[ProviderEntry]:
     return out
 
 
-_T = TypeVar("_T")
-
-
 # --- waiters that the dispatcher wakes ---------------------------------------------------
-@dataclass(eq=False)
 class _Waiter:
-    """A waiter woken by the dispatcher: an async task's future, or (macOS) a thread."""
+    """A waiter woken by the dispatcher: an async task's future, or (macOS) a thread.
 
-    ticket: _core.Ticket
-    loop: asyncio.AbstractEventLoop | None = None
-    future: asyncio.Future[None] | None = None
-    # a thread's wake-up: a plain lock used as a binary semaphore. Unlike
-    # threading.Event, whose Condition can be left half-released by an exception a
-    # signal handler raises inside it ("release unlocked lock"), acquire() is one C call.
-    gate: threading.Lock | None = None
-    woken: bool = field(default=False)
+    A thread's wake-up is a plain lock used as a binary semaphore: unlike
+    threading.Event, whose Condition can be left half-released by an exception a signal
+    handler raises inside it ("release unlocked lock"), acquire() is one C call."""
+
+    __slots__ = ("future", "gate", "loop", "ticket", "woken")
+
+    def __init__(
+        self,
+        ticket: _core.Ticket,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        future: asyncio.Future[None] | None = None,
+        gate: threading.Lock | None = None,
+    ) -> None:
+        self.ticket = ticket
+        self.loop = loop
+        self.future = future
+        self.gate = gate
+        self.woken = False
 
     def wake(self) -> bool:
         """Tell the waiter to look. False when nobody is left to tell (its loop is gone)."""
@@ -227,6 +248,8 @@ class _Attachment:
     def ensure(self, entries: list[ProviderEntry]) -> None:
         """Rows for the config's providers (R-A8, R-A9): what a sidecar would write."""
         for e in entries:
+            from shm_layout import writer
+
             try:
                 _, created = writer.ensure_provider(
                     self.seg, e.provider_id, e.fallback, e.fallback_source, e.discovery
@@ -254,6 +277,8 @@ class _Attachment:
     def provider(self, provider_id: str) -> int:
         p = self.index.get(provider_id)
         if p is None:
+            from shm_layout import ledger
+
             p = ledger.find_provider(self.buf, provider_id)
             if p is None:
                 raise UnknownProvider(self.adm._unknown_reason(self, provider_id))
@@ -478,7 +503,8 @@ class Admission:
         """``async with adm.slot(provider, timeout):`` the same; never blocks the event loop
         on a wait (R-A11)."""
         att = self._usable()
-        loop = _get_running_loop()
+        events = sys.modules.get("asyncio.events")  # loaded: a caller of slot() runs a loop
+        loop = events._get_running_loop() if events is not None else None
         if loop is not self._last_loop and loop is not None:
             self._note_loop(loop)
         p = att.index.get(provider)
@@ -521,6 +547,8 @@ class Admission:
         """Seconds a refused client should wait before trying again: the provider's mean
         slot hold time x the queue ahead / the limit, clamped to [1, 60] (1 while no slot
         has been held yet). Lock-free; never raises for a known provider."""
+        from shm_layout import ledger
+
         att = self._usable()
         p = att.provider(provider)
         base = ledger.provider_base(p)
@@ -588,6 +616,8 @@ class Admission:
         return self._current
 
     def _unknown_reason(self, att: _Attachment, provider_id: str) -> str:
+        from shm_layout import ledger
+
         if provider_id in att.overflow:
             return f"provider {provider_id!r} has no budget: {att.overflow[provider_id]}"
         try:
@@ -712,6 +742,8 @@ class Admission:
 
     async def _aenter(self, ticket: _core.Ticket, code: int) -> None:
         """``async with`` when the try-lock arrival did not admit at once."""
+        import asyncio
+
         try:
             async with asyncio.timeout(ticket.timeout):
                 await self._acquire(ticket, code)
@@ -759,6 +791,8 @@ class Admission:
             raise AdmissionError("the admission record was removed while waiting")
 
     async def _wait_async(self, ticket: _core.Ticket) -> int:
+        import asyncio
+
         att = self._attachment_of(ticket.core)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(ticket, loop=loop, future=loop.create_future())
@@ -791,6 +825,8 @@ class Admission:
         If the awaiting task is cancelled, the call still completes in its thread;
         the caller's cleanup sees its result on the ticket.
         """
+        import asyncio
+
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(None, fn, *args)
         try:
@@ -920,6 +956,8 @@ def _running(att: _Attachment) -> int:
 
 
 async def _finish_quietly(future: asyncio.Future[_T]) -> None:
+    import asyncio
+
     while not future.done():
         with contextlib.suppress(BaseException):
             await asyncio.shield(future)

@@ -23,8 +23,10 @@ docs/DESIGN.md is this file as a byte table.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a handler's import stays light: no typing or dataclasses at run time
+    from typing import Any
 
 MAGIC = b"GWCAPSG\x00"
 # 3: owner-checked objects, per-registration doorbell names, deadlines on the host's
@@ -49,10 +51,17 @@ ID_BYTES = 64
 REASON_BYTES = 128
 
 
-@dataclass(frozen=True, slots=True)
 class Field:
-    offset: int
-    codec: struct.Struct
+    """One field of a table: where it is in its row, and how it is packed."""
+
+    __slots__ = ("codec", "offset")
+
+    def __init__(self, offset: int, codec: struct.Struct) -> None:
+        self.offset = offset
+        self.codec = codec
+
+    def __repr__(self) -> str:
+        return f"Field(offset={self.offset}, format={self.codec.format!r})"
 
     def get(self, buf: Any, base: int = 0) -> Any:
         return self.codec.unpack_from(buf, base + self.offset)[0]

@@ -14,8 +14,6 @@ import errno
 import os
 import sys
 
-import psutil
-
 _LINUX = sys.platform.startswith("linux")
 
 
@@ -37,6 +35,8 @@ def _linux_start(pid: int) -> float | None:
 
 
 def _psutil_start(pid: int) -> float | None:
+    import psutil  # off Linux only: a handler on Linux never loads it
+
     try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
