@@ -9,6 +9,15 @@ an older configuration or limit back.
 Python never holds the segment lock (R-A11): each write is decided here on
 plain values, then committed as one list of (offset, bytes) by
 ``Core.transact``, which applies it under the lock with the GIL released.
+
+A refresh publishes every provider in **one** transaction (:func:`publish`).
+Given a :class:`PublishCache` (the daemon keeps one per segment), it writes
+only what changed since its last commit: a provider whose :class:`Publication`
+is unchanged costs one comparison, a changed one only the bytes that differ,
+and a provider's row index is looked up under the lock once, not at every
+publication (rows are never moved or reused). The cache is sound because only
+the holder of the writer epoch writes these fields, and it is updated only
+after a commit succeeded.
 """
 
 from __future__ import annotations
@@ -110,6 +119,25 @@ def set_state(seg: Segment, epoch: int, state: int) -> None:
     seg.core.transact(_epoch_guard(epoch), patch.writes, False, 0.0)
 
 
+@dataclass
+class _Written:
+    """What the cache last committed for one provider row."""
+
+    publication: Publication
+    writes: dict[int, bytes]  # offset -> bytes of every field the row's patch wrote
+    clamped: bool
+
+
+@dataclass
+class PublishCache:
+    """What one writer last committed to one segment (see the module docstring)."""
+
+    rows: dict[str, int] = field(default_factory=dict)  # provider id -> row index
+    written: dict[int, _Written] = field(default_factory=dict)
+    unconfigured: set[int] = field(default_factory=set)  # rows marked "not in the config"
+    header: tuple[int, str] | None = None  # (config_generation, config_status)
+
+
 def publish(
     seg: Segment,
     epoch: int,
@@ -117,42 +145,64 @@ def publish(
     config_status: str,
     publications: Sequence[Publication],
     now: float,
+    cache: PublishCache | None = None,
 ) -> list[str]:
-    """Write every provider's row, then grant waiters the new limits allow.
+    """Write every provider's row in one transaction, then grant waiters the new limits allow.
 
     Providers in the segment but absent from ``publications`` (removed from
     the config) are marked unconfigured and fall back to their stored
-    fallback. Returns warnings (clamped static limits) for the caller to log.
+    fallback. With ``cache``, only what changed since the cache's last commit
+    is written (nothing at all: no transaction). Returns warnings (clamped
+    static limits) for the caller to log.
     """
     warnings: list[str] = []
     buf = seg.buf
     current = HEADER["writer_epoch"].get(buf)
     if current != epoch:  # checked again, under the lock, when committing
         raise Superseded(epoch, current)
+    fresh = PublishCache() if cache is None else cache
     patch = Patch()
-    patch.put(HEADER["config_generation"], config_generation)
-    patch.put(HEADER["config_status"], layout.encode_text(config_status, layout.REASON_BYTES))
+    if fresh.header != (config_generation, config_status):
+        patch.put(HEADER["config_generation"], config_generation)
+        patch.put(HEADER["config_status"], layout.encode_text(config_status, layout.REASON_BYTES))
     seen: set[int] = set()
+    rows: dict[str, int] = {}
+    staged: dict[int, _Written] = {}
     for pub in publications:
-        try:
-            p, _ = ensure_provider(
-                seg, pub.provider_id, pub.fallback, pub.fallback_source, pub.discovery
-            )
-        except (TableFull, ledger.ProviderIdError) as exc:
-            warnings.append(f"provider {pub.provider_id}: not published: {exc}")
-            continue
+        p = fresh.rows.get(pub.provider_id)
+        if p is None:
+            try:
+                p, _ = ensure_provider(
+                    seg, pub.provider_id, pub.fallback, pub.fallback_source, pub.discovery
+                )
+            except (TableFull, ledger.ProviderIdError) as exc:
+                warnings.append(f"provider {pub.provider_id}: not published: {exc}")
+                continue
         seen.add(p)
-        if _set_fallback(patch, buf, p, pub.fallback, pub.fallback_source, pub.discovery):
+        rows[pub.provider_id] = p
+        before = fresh.written.get(p)
+        if before is not None and before.publication == pub:
+            clamped = before.clamped
+        else:
+            row = Patch()
+            clamped = _set_fallback(row, buf, p, pub.fallback, pub.fallback_source, pub.discovery)
+            _write_publication(row, p, pub, epoch, now)
+            writes = dict(row.writes)
+            old = before.writes if before is not None else {}
+            patch.writes.extend((o, b) for o, b in row.writes if old.get(o) != b)
+            staged[p] = _Written(pub, writes, clamped)
+        if clamped:
             warnings.append(
                 f"provider {pub.provider_id}: configured limit {pub.fallback} is above the "
                 f"segment's room of {layout.RUNNING_ROOM} running; clamped"
             )
-        _write_publication(patch, p, pub, epoch, now)
+    newly_unconfigured: list[int] = []
     for p in range(layout.PROVIDER_COUNT):
         base = ledger.provider_base(p)
         if not PROVIDER["in_use"].get(buf, base):
             break
-        if p not in seen:
+        if p not in seen and p not in fresh.unconfigured:
+            newly_unconfigured.append(p)
             patch.put(
                 PROVIDER["flags"], PROVIDER["flags"].get(buf, base) & ~layout.PFLAG_CONFIGURED, base
             )
@@ -166,7 +216,17 @@ def publish(
                 layout.encode_text("not in the config any more", layout.REASON_BYTES),
                 base,
             )
-    _commit(seg, epoch, patch, now, pump=True)
+    if patch.writes:
+        _commit(seg, epoch, patch, now, pump=True)
+    # committed: remember it (a Superseded or a lock error above leaves the cache as it was)
+    fresh.header = (config_generation, config_status)
+    fresh.rows.update(rows)
+    for p in seen:
+        fresh.unconfigured.discard(p)
+    for p in newly_unconfigured:
+        fresh.unconfigured.add(p)
+        fresh.written.pop(p, None)
+    fresh.written.update(staged)
     return warnings
 
 
