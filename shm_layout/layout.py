@@ -111,6 +111,10 @@ HEADER = _fields(
         ("legacy_alive", "I"),  # awaited legacy processes still alive (R-G3)
         ("config_status", f"{REASON_BYTES}s"),
         ("config_path", "256s"),
+        # a legacy drain (R-G3) that outlasts --await-legacy-max fails availability --check
+        ("legacy_since", "d"),  # Unix time the drain began, 0 while none
+        ("legacy_max_s", "d"),  # --await-legacy-max
+        ("legacy_pid", "I"),  # one legacy process still awaited (the first), 0 none
     ],
 )
 # The robust mutex of LOCK_ROBUST lives at a fixed, 64-byte aligned place at the end of

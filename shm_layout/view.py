@@ -107,6 +107,16 @@ class SidecarView:
     config_generation: int
     refresh_s: float
     legacy_alive: int
+    legacy_since: float | None = None  # Unix time the legacy drain began (R-G3)
+    legacy_max_s: float = 0.0  # --await-legacy-max
+    legacy_pid: int = 0  # one legacy process still awaited
+
+    def legacy_overdue(self, now: float) -> float | None:
+        """How long the legacy drain has lasted, when that is over its bound; else None."""
+        if not self.legacy_alive or self.legacy_since is None or self.legacy_max_s <= 0:
+            return None
+        lasted = now - self.legacy_since
+        return lasted if lasted > self.legacy_max_s else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,6 +345,9 @@ def _sidecar(data: bytes, now: float) -> SidecarView | None:
         config_generation=HEADER["config_generation"].get(data),
         refresh_s=HEADER["refresh_s"].get(data),
         legacy_alive=HEADER["legacy_alive"].get(data),
+        legacy_since=HEADER["legacy_since"].get(data) or None,
+        legacy_max_s=HEADER["legacy_max_s"].get(data),
+        legacy_pid=HEADER["legacy_pid"].get(data),
     )
 
 

@@ -99,14 +99,28 @@ def take_epoch(
             return current + 1
 
 
-def heartbeat(seg: Segment, epoch: int, now: float, legacy_alive: int = 0) -> int:
+def heartbeat(
+    seg: Segment,
+    epoch: int,
+    now: float,
+    legacy_alive: int = 0,
+    *,
+    legacy_since: float = 0.0,
+    legacy_max_s: float = 0.0,
+    legacy_pid: int = 0,
+) -> int:
     """Mark the sidecar alive, reap dead holders and grant what expiries allow (R-A5, R-L7).
 
+    ``legacy_*`` describe a legacy drain in progress (R-G3), so that
+    ``availability --check`` can tell one that outlasted ``--await-legacy-max``.
     Returns how many holder records were reclaimed.
     """
     patch = Patch()
     patch.put(HEADER["heartbeat"], now)
     patch.put(HEADER["legacy_alive"], legacy_alive)
+    patch.put(HEADER["legacy_since"], legacy_since if legacy_alive else 0.0)
+    patch.put(HEADER["legacy_max_s"], legacy_max_s)
+    patch.put(HEADER["legacy_pid"], legacy_pid if legacy_alive else 0)
     _commit(seg, epoch, patch, now)
     reclaimed: int = seg.core.reap(now)
     return reclaimed

@@ -324,7 +324,7 @@ class AddressCheck:
         return tuple(v.address for v in self.verdicts)
 
 
-RANGE_ONLY_NOTE: Final = "range-checked only (tailnetCheck: range-only; tailscaled not asked)"
+RANGE_ONLY_NOTE: Final = "range-checked only (tailnetCheck: range-only)"
 
 
 async def check_address(
