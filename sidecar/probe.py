@@ -142,6 +142,10 @@ def _new_client(context: ssl.SSLContext) -> httpx.AsyncClient:
 
 
 _warned_listeners: set[tuple[str, str, int, int]] = set()
+# Without listenerOwner the check only feeds a warning: look at most this often per
+# address (listing listeners costs ~10 ms on Linux, /proc/net/tcp being generated whole).
+UNSET_OWNER_CHECK_S: Final = 60.0
+_last_unset_check: dict[tuple[str, str, int], float] = {}
 
 
 def listener_refusal(provider: ProviderConfig, port: int, addresses: Iterable[str]) -> str | None:
@@ -154,6 +158,12 @@ def listener_refusal(provider: ProviderConfig, port: int, addresses: Iterable[st
         ip = parse_ip(address)
         if ip is None or not is_loopback(ip):
             continue
+        if provider.listener_owner is None:
+            where = (provider.id, address, port)
+            now = time.monotonic()
+            if now - _last_unset_check.get(where, -UNSET_OWNER_CHECK_S) < UNSET_OWNER_CHECK_S:
+                continue
+            _last_unset_check[where] = now
         check = listeners.check_listener(address, port, provider.listener_owner)
         if check.refused is not None:
             return check.refused

@@ -18,6 +18,7 @@ import pytest
 from probe_servers import RawServer, body_of, fixed, snapshot
 
 from sidecar import listeners
+from sidecar import probe as probe_module
 from sidecar.config import ProviderConfig, parse_config
 from sidecar.probe import probe_provider
 from sidecar.replica import ProviderProbe
@@ -120,6 +121,7 @@ def test_r_p7_without_listener_owner_a_foreign_listener_is_warned_about_once(
         with caplog.at_level(logging.WARNING, logger="sidecar.probe"):
             for _ in range(2):
                 listeners._cached = None
+                probe_module._last_unset_check.clear()  # looked at every probe, here
                 asyncio.run(probe_provider(provider, tailscale_socket=no_tailscaled))
     warnings = [r.getMessage() for r in caplog.records if "listened on by" in r.getMessage()]
     assert len(warnings) == 1, warnings
