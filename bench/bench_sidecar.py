@@ -184,9 +184,16 @@ class ScaleResult:
 
 def _source_env(source: str | None) -> dict[str, str]:
     env = dict(os.environ)
+    env.pop("GWCAP_BENCH_SOURCE", None)
     if source:
-        env["PYTHONPATH"] = source + (os.pathsep + env["PYTHONPATH"] if "PYTHONPATH" in env else "")
+        env["GWCAP_BENCH_SOURCE"] = os.path.abspath(source)
     return env
+
+
+def _sidecar_argv(source: str | None) -> list[str]:
+    if not source:
+        return sidecar_command()
+    return [sys.executable, os.path.join(HERE, "bench_source.py"), "sidecar"]
 
 
 def start_farm(scope: object, key_file: str, addresses: int) -> tuple[int, object]:
@@ -212,14 +219,21 @@ def start_farm(scope: object, key_file: str, addresses: int) -> tuple[int, objec
 
 
 def farm_answers(port: int) -> int:
+    """How many capacity answers the farm gave; asked over a connection of its own (a
+    starved farm on a loaded host may take a while: tried 3 times, 30 s each)."""
     import http.client
 
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        conn.request("GET", "/stats")
-        return int(conn.getresponse().read())
-    finally:
-        conn.close()
+    for attempt in range(3):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("GET", "/stats")
+            return int(conn.getresponse().read())
+        except OSError:
+            if attempt == 2:
+                raise
+        finally:
+            conn.close()
+    raise AssertionError("unreachable")
 
 
 def replicas_possible() -> bool:
@@ -273,11 +287,11 @@ def run_scale_round(
         with open(config, "w", encoding="utf-8") as f:
             json.dump({"maxConcurrent": 4, "providers": entries}, f)
         segment = scope.segment(new_segment_name())
-        argv = [*sidecar_command(), "--config", config, "--segment", segment, "--refresh", "1"]
+        argv = [*_sidecar_argv(source), "--config", config, "--segment", segment, "--refresh", "1"]
         if replicas > 1:  # the sidecar alone sees a hosts file naming R addresses per host
             script = f'mount --bind {hosts} /etc/hosts && exec "$@"'
             argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
-            argv += [*sidecar_command(), "--config", config, "--segment", segment]
+            argv += [*_sidecar_argv(source), "--config", config, "--segment", segment]
             argv += ["--refresh", "1"]
         log_path = os.path.join(directory, "sidecar.log")
         with open(log_path, "wb") as log_file:

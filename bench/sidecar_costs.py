@@ -2,8 +2,8 @@
 
     python bench/sidecar_costs.py --port P --key-file F [--probes N] [--publishes N]
 
-Run with ``PYTHONPATH`` set to another source tree (``git archive REF``) to
-measure that tree: it uses ``ProbeClients`` and ``PublishCache`` when the tree
+Run with ``$GWCAP_BENCH_SOURCE`` naming another source tree (``git archive REF``)
+to measure that tree: it uses ``ProbeClients`` and ``PublishCache`` when the tree
 has them, as its daemon would, and the plain calls when it does not.
 
 - probe: ``probe_provider`` of one loopback provider (one replica) against the
@@ -25,6 +25,8 @@ import secrets
 import statistics
 import time
 from typing import Any
+
+from bench_source import use_source_from_env
 
 MODEL = "bench-upstream"
 
@@ -102,6 +104,7 @@ def publish_costs(count: int) -> list[float]:
 
 
 def main() -> None:
+    use_source_from_env()
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--key-file", required=True)
