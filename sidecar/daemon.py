@@ -42,7 +42,13 @@ from shm_layout.segment import Segment
 from shm_layout.view import ReplicaView, parse_view, snapshot_bytes
 from sidecar import sdnotify
 from sidecar.addresses import is_loopback, parse_host_port, parse_ip
-from sidecar.config import ConfigError, GatewayConfig, ProviderConfig, load_config
+from sidecar.config import (
+    ConfigError,
+    GatewayConfig,
+    ProviderConfig,
+    load_config,
+    parse_base_url,
+)
 from sidecar.limits import (
     DISCOVERED,
     LimitDecision,
@@ -383,6 +389,7 @@ class Sidecar:
         self._publish_pending = False
         self._grid_origin = time.monotonic()  # probe loops start on multiples of refresh_s
         self.clients: ProbeClients | None = None
+        self._retained: asyncio.Task[None] | None = None
 
     # --- life cycle ---------------------------------------------------------------------
     async def run(self) -> int:
@@ -413,8 +420,9 @@ class Sidecar:
             log.info(
                 "waiting for legacy process %s to exit", _legacy_label(legacy.label, legacy.pid)
             )
-        # Before READY=1: the certifi bundle, httpx and anyio are loaded here, not inside
-        # the first probe's 3 s deadline (a loaded host could miss it, R-P5).
+        # Before READY=1: httpx and anyio are loaded here (and the certifi bundle by
+        # _apply_config when an https provider needs it), not inside the first probe's
+        # 3 s deadline (a loaded host could miss it, R-P5).
         from sidecar.probe import ProbeClients
 
         self.clients = ProbeClients()
@@ -507,6 +515,12 @@ class Sidecar:
             state.decision = self._decide(state, time.time())
             self._log_decision(state)
             if rules.discovery_active:
+                if (
+                    self.clients is not None
+                    and provider.base_url is not None
+                    and provider.base_url.lower().startswith("https:")
+                ):
+                    self.clients.tls_context()
                 if state.task is None or state.task.done():
                     state.task = asyncio.create_task(self._probe_loop(provider_id))
                 else:
@@ -514,6 +528,13 @@ class Sidecar:
             elif state.task is not None:
                 state.task.cancel()
                 state.task = None
+        if self.clients is not None:  # hosts no longer probed keep no client, no socket
+            endpoints = []
+            for provider in config.providers:
+                with contextlib.suppress(ValueError):
+                    if provider.base_url and self.providers[provider.id].rules.discovery_active:
+                        endpoints.append(parse_base_url(provider.base_url))
+            self._retained = asyncio.get_running_loop().create_task(self.clients.retain(endpoints))
 
     def _check_config(self) -> None:
         stamp = _stamp(self.opts.config_path)

@@ -102,15 +102,23 @@ class ProbeClients:
     """
 
     def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
-        self._context = ssl_context if ssl_context is not None else default_ssl_context()
+        self._context = ssl_context  # built when an https host first needs it
         self._clients: dict[tuple[str, str, int], httpx.AsyncClient] = {}
         self._localapi: dict[str, httpx.AsyncClient] = {}
+
+    def tls_context(self) -> ssl.SSLContext:
+        """Certificate verification for https hosts (the certifi bundle, ~2 MiB: loaded
+        only once an https provider exists; the daemon asks before its first probe)."""
+        if self._context is None:
+            self._context = default_ssl_context()
+        return self._context
 
     def client_for(self, endpoint: Endpoint) -> httpx.AsyncClient:
         key = (endpoint.scheme, endpoint.host, endpoint.port)
         client = self._clients.get(key)
         if client is None:
-            client = self._clients[key] = _new_client(self._context)
+            context = self.tls_context() if endpoint.scheme == "https" else _no_tls_context()
+            client = self._clients[key] = _new_client(context)
         return client
 
     def localapi(self, socket_path: str) -> httpx.AsyncClient:
@@ -131,6 +139,19 @@ class ProbeClients:
         self._localapi.clear()
         for client in clients:
             await client.aclose()
+
+
+_no_tls: ssl.SSLContext | None = None
+
+
+def _no_tls_context() -> ssl.SSLContext:
+    """For a plain-http host's client, which never speaks TLS: verification on and no
+    CA at all, so a TLS handshake through it could only fail (httpx would otherwise
+    load the certifi bundle for every client it builds)."""
+    global _no_tls
+    if _no_tls is None:
+        _no_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    return _no_tls
 
 
 def _new_client(context: ssl.SSLContext) -> httpx.AsyncClient:
