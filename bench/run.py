@@ -32,7 +32,7 @@ from bench_common import (
     render_table,
 )
 
-SECTIONS = ("micro", "handoff", "throughput", "recovery", "idle", "sidecar")
+SECTIONS = ("micro", "handoff", "throughput", "recovery", "idle", "sidecar", "sidecar-scale")
 PLOT_DATA: dict[str, object] = {}  # what the plots draw, filled by the sections
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROCESS_COUNTS = (1, 2, 4, 8, 16)
@@ -47,10 +47,13 @@ class Plan:
     throughput_s: float
     idle_s: float
     sidecar_s: float
+    scale_rounds: int = 3
+    scale_s: float = 10.0
+    scales: tuple[tuple[int, int], ...] = ((1, 1), (8, 4), (32, 4), (64, 1), (64, 4))
 
 
 FULL = Plan(7, 0.2, 250, 3, 2.0, 5.0, 10.0)
-QUICK = Plan(3, 0.04, 60, 1, 0.5, 2.0, 4.0)
+QUICK = Plan(3, 0.04, 60, 1, 0.5, 2.0, 4.0, 1, 3.0, ((1, 1), (8, 4)))
 
 
 def log(msg: str) -> None:
@@ -260,6 +263,28 @@ def section_sidecar(cleanup: Cleanup, plan: Plan) -> str:
     )
 
 
+def section_sidecar_scale(cleanup: Cleanup, plan: Plan) -> str:
+    from bench_sidecar import replicas_possible, run_costs, run_scale, scale_report
+
+    head = (
+        "7. The sidecar as the work grows (providers x replicas, --refresh 1, keep-alive "
+        f"loopback farm; medians of {plan.scale_rounds} rounds of {plan.scale_s:g} s)"
+    )
+    results, skipped = [], []
+    for providers, replicas in plan.scales:
+        if replicas > 1 and not replicas_possible():
+            skipped.append(f"{providers}x{replicas}")
+            continue
+        log(f"sidecar-scale: {providers} x {replicas}")
+        results.append(run_scale(cleanup, providers, replicas, plan.scale_s, plan.scale_rounds))
+    costs = run_costs(cleanup)
+    lines = [head, "", *scale_report(results, costs)]
+    if skipped:
+        missing = ", ".join(skipped)
+        lines.append(f"not measured (needs root and unshare for a hosts file): {missing}")
+    return "\n".join(lines)
+
+
 RUNNERS: dict[str, Callable[[Cleanup, Plan], str]] = {
     "micro": section_micro,
     "handoff": section_handoff,
@@ -267,6 +292,7 @@ RUNNERS: dict[str, Callable[[Cleanup, Plan], str]] = {
     "recovery": section_recovery,
     "idle": section_idle,
     "sidecar": section_sidecar,
+    "sidecar-scale": section_sidecar_scale,
 }
 
 

@@ -130,6 +130,10 @@ HEADER = _fields(
         ("damage_repairs", "I"),  # sweeps that found counters or records damaged (R-A16)
         ("damage_mono", "d"),  # when the last of them ran (deadline clock)
         ("damage_note", "64s"),  # what it found, for inspect
+        # a legacy drain (R-G3) that outlasts --await-legacy-max fails availability --check
+        ("legacy_since", "d"),  # when the drain began (deadline clock), 0 while none
+        ("legacy_max_s", "d"),  # --await-legacy-max
+        ("legacy_pid", "I"),  # one legacy process still awaited (the first), 0 none
     ],
 )
 # The robust mutex of LOCK_ROBUST lives at a fixed, 64-byte aligned place at the end of

@@ -108,6 +108,17 @@ class SidecarView:
     config_generation: int
     refresh_s: float
     legacy_alive: int
+    legacy_since: float | None = None  # when the legacy drain began, deadline clock (R-G3)
+    legacy_max_s: float = 0.0  # --await-legacy-max
+    legacy_pid: int = 0  # one legacy process still awaited
+
+    def legacy_overdue(self, now: float) -> float | None:
+        """How long the legacy drain has lasted at ``now`` (the deadline clock), when that
+        is over its bound; else None."""
+        if not self.legacy_alive or self.legacy_since is None or self.legacy_max_s <= 0:
+            return None
+        lasted = now - self.legacy_since
+        return lasted if lasted > self.legacy_max_s else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +130,7 @@ class SegmentView:
     group_shared: bool
     consistent: bool
     read_at: float
+    read_mono: float  # the deadline clock when read (for deadlines and ages)
     lock_kind: str
     lock_repairs: int
     damage_repairs: int  # sweeps that found counters or records damaged (R-A16)
@@ -257,6 +269,7 @@ def parse_view(
         group_shared=bool(HEADER["flags"].get(data) & layout.FLAG_GROUP_SHARED),
         consistent=consistent,
         read_at=now,
+        read_mono=mono,
         lock_kind=kind_name(kind),
         lock_repairs=HEADER["repairs"].get(data),
         damage_repairs=HEADER["damage_repairs"].get(data),
@@ -400,6 +413,9 @@ def _sidecar(data: bytes, now: float, mono: float) -> SidecarView | None:
         config_generation=HEADER["config_generation"].get(data),
         refresh_s=HEADER["refresh_s"].get(data),
         legacy_alive=HEADER["legacy_alive"].get(data),
+        legacy_since=HEADER["legacy_since"].get(data) or None,
+        legacy_max_s=HEADER["legacy_max_s"].get(data),
+        legacy_pid=HEADER["legacy_pid"].get(data),
     )
 
 

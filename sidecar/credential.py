@@ -9,10 +9,14 @@ next refresh without a restart. ``credentialFile`` is either
   ``LoadCredentialEncrypted=``). NAME is a single path component.
 
 The file must be a regular file (not a symlink: opened with ``O_NOFOLLOW``; not
-a FIFO or device), at most 4 KiB, and not accessible to all users (refused,
-like OpenSSH with a private key); access by the file's group is warned
-about once (R-P7), since sharing the key with the gateway's group is a real
-set-up. Trailing CR, LF and spaces are trimmed; what is
+a FIFO or device), at most 4 KiB, owned by the reading user or root, and not
+accessible to all users (refused, like OpenSSH with a private key); access by
+the file's group is warned about once (R-P7), since sharing the key with the
+gateway's group is a real set-up. No other user may be able to replace it:
+every directory on its path, as written and as resolved, must be owned by root
+or the reading user and not writable by group or others without the sticky bit
+(OpenSSH's rule, :mod:`sidecar.trust`); the refusal names the component.
+Trailing CR, LF and spaces are trimmed; what is
 left must be non-empty printable ASCII with no whitespace or control characters.
 
 The key is only ever held in a :class:`Secret`, whose ``repr``/``str`` never
@@ -28,6 +32,7 @@ import stat
 from typing import Final
 
 from sidecar.contract import bearer_key
+from sidecar.trust import file_owner_problem, path_problem
 
 log = logging.getLogger("gateway_capacity.credential")
 
@@ -102,6 +107,9 @@ def read_credential(spec: str, *, credentials_directory: str | None = None) -> S
     """Read and check the key ``spec`` names; raise :class:`CredentialError` saying why not."""
     path = credential_path(spec, credentials_directory)
     systemd_copy = _is_systemd_credential(path, credentials_directory)
+    unsafe = path_problem(path)
+    if unsafe is not None:
+        raise CredentialError(f"credential file {path}: {unsafe}")
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
         fd = os.open(path, flags)
@@ -115,6 +123,9 @@ def read_credential(spec: str, *, credentials_directory: str | None = None) -> S
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CredentialError(f"credential file {path} is not a regular file")
+        foreign = file_owner_problem(st)
+        if foreign is not None:
+            raise CredentialError(f"credential file {path} {foreign}")
         if st.st_mode & 0o007:
             # systemd made that copy: chmod on it is no fix, the source is.
             fix = (

@@ -60,7 +60,7 @@ SOURCES: Final = frozenset({DISCOVERED, "provider", "gateway", "default", LEGACY
 
 _DETAIL_MAX = 80  # keep reasons short; a detail is a phrase, never a body
 # probe refusals that mean "not opted in" (R-L1), as opposed to an opted-in provider
-# whose probe failed (unreachable, timeout, credential_error: R-L5)
+# whose probe failed (unreachable, timeout, credential_error, listener_refused: R-L5)
 OPT_IN_REFUSED: Final = ("not_requested", "config_invalid", "opt_in_refused", "address_refused")
 _OPT_IN_REFUSED = OPT_IN_REFUSED
 
