@@ -65,7 +65,7 @@ from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING
 from shm_layout.liveness import process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.owners import OwnerPolicy
-from shm_layout.segment import Segment, SegmentError, remove_doorbell
+from shm_layout.segment import Segment, remove_doorbell
 
 # What a handler's ``import handler_shim`` loads is what a slot needs; asyncio (with ssl
 # and concurrent.futures), the model, the writer and the views load when used (issue 19).
@@ -77,6 +77,11 @@ if TYPE_CHECKING:
     _T = TypeVar("_T")
 
 log = logging.getLogger("gateway_capacity.admission")
+
+# the core's types, by names that Admission's ``_core`` property (kept for tests and
+# tools) does not shadow in annotations
+CoreTicket = _core.Ticket
+CoreObject = _core.Core
 
 SWEEP_S = 0.5  # the host's sweep, and the longest a waiter sleeps without looking (R-A5)
 TICK_S = 0.25  # macOS only: the ticker's post, standing in for a timed wait (R-A10)
@@ -157,7 +162,7 @@ class _Waiter:
 
     def __init__(
         self,
-        ticket: _core.Ticket,
+        ticket: CoreTicket,
         *,
         loop: asyncio.AbstractEventLoop | None = None,
         future: asyncio.Future[None] | None = None,
@@ -208,7 +213,7 @@ class _Attachment:
         self.buf = seg.buf
         self.index: dict[str, int] = {}
         self.overflow: dict[str, str] = {}
-        self.waiters: dict[_core.Ticket, _Waiter] = {}
+        self.waiters: dict[CoreTicket, _Waiter] = {}
         self.guard = threading.Lock()  # protects waiters
         self.stopping = False
         self.retired = False
@@ -235,9 +240,7 @@ class _Attachment:
             )
         self.member = member
         self.core.set_slow_paths(adm._enter_slow, adm._aenter_slow, adm._aexit_slow)
-        self.threads = [
-            threading.Thread(target=self._dispatch, name="gwcap-dispatch", daemon=True)
-        ]
+        self.threads = [threading.Thread(target=self._dispatch, name="gwcap-dispatch", daemon=True)]
         if not platform.semaphore_timeouts():  # macOS: no timed wait; a ticker posts
             self.threads.append(threading.Thread(target=self._tick, name="gwcap-tick", daemon=True))
         self._stop = threading.Event()
@@ -267,8 +270,7 @@ class _Attachment:
                 )
         if self.overflow:
             log.warning(
-                "segment %s holds at most %d providers; these have no budget and raise on "
-                "use: %s",
+                "segment %s holds at most %d providers; these have no budget and raise on use: %s",
                 self.seg.name,
                 layout.PROVIDER_COUNT,
                 ", ".join(sorted(self.overflow)),
@@ -340,7 +342,7 @@ class _Attachment:
                 last_check = now
                 self._periodic(watched)
 
-    def _periodic(self, watched: tuple[_core.Ticket, ...]) -> None:
+    def _periodic(self, watched: tuple[CoreTicket, ...]) -> None:
         with self.guard:
             orphans = [w for w in self.waiters.values() if w.orphaned()]
         for waiter in orphans:
@@ -478,7 +480,7 @@ class Admission:
         return self._current.seg
 
     @property
-    def _core(self) -> _core.Core:
+    def _core(self) -> CoreObject:
         return self._current.core
 
     @property
@@ -491,7 +493,7 @@ class Admission:
         return self._current.wakeups + sum(a.wakeups for a in self._retired)
 
     # --- the public API -----------------------------------------------------------------
-    def slot_blocking(self, provider: str, timeout: float | None = None) -> _core.Ticket:
+    def slot_blocking(self, provider: str, timeout: float | None = None) -> CoreTicket:
         """``with adm.slot_blocking(provider, timeout):`` one running slot for the body."""
         att = self._usable()
         p = att.index.get(provider)
@@ -499,7 +501,7 @@ class Admission:
             p = att.provider(provider)
         return _core.Ticket(att.core, p, timeout)
 
-    def slot(self, provider: str, timeout: float | None = None) -> _core.Ticket:
+    def slot(self, provider: str, timeout: float | None = None) -> CoreTicket:
         """``async with adm.slot(provider, timeout):`` the same; never blocks the event loop
         on a wait (R-A11)."""
         att = self._usable()
@@ -629,15 +631,15 @@ class Admission:
             "config the sidecar (or the first handler) read?"
         )
 
-    def _attachment_of(self, core: _core.Core) -> _Attachment:
+    def _attachment_of(self, core: CoreObject) -> _Attachment:
         with self._lock:
             for att in (self._current, *self._retired):
                 if att.core is core:
                     return att
         raise AdmissionError("this slot belongs to a segment this Admission has left")
 
-    def _refusal(self, ticket: _core.Ticket, code: int) -> AdmissionError:
-        att = self._attachment_of(ticket.core)
+    def _refusal(self, ticket: CoreTicket, code: int) -> AdmissionError:
+        att = self._attachment_of(_core_of(ticket))
         if code == _core.FULL:
             return QueueFull(
                 f"provider {att.provider_name(ticket.provider)}: {layout.QUEUE_BOUND} requests "
@@ -649,17 +651,17 @@ class Admission:
             return AdmissionError("this Admission was closed")
         return AdmissionError(f"admission refused (code {code})")
 
-    def _moved_ticket(self, ticket: _core.Ticket) -> _core.Ticket:
+    def _moved_ticket(self, ticket: CoreTicket) -> CoreTicket:
         """The name leads elsewhere: move, and point ``ticket`` (not live) at the
         attachment arrivals go to now, with the same provider by id (R-A15)."""
-        old = self._attachment_of(ticket.core)
+        old = self._attachment_of(_core_of(ticket))
         name = old.provider_name(ticket.provider)
         att = self._move(old)
         ticket.rebind(att.core, att.provider(name))
         return ticket
 
     # --- the slow paths of the slot context managers (called by the core) --------------
-    def _enter_slow(self, ticket: _core.Ticket, code: int) -> None:
+    def _enter_slow(self, ticket: CoreTicket, code: int) -> None:
         """``with`` when the arrival did not admit at once: wait, move, or refuse."""
         timeout = ticket.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -693,23 +695,24 @@ class Admission:
             ticket.leave(_core.CANCELLED, True)
             raise
 
-    def _arrive_again(self, ticket: _core.Ticket, deadline: float | None) -> int:
+    def _arrive_again(self, ticket: CoreTicket, deadline: float | None) -> int:
         remaining = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
-        code: int = ticket.core.arrive(ticket, ticket.provider, os.getpid(), IN_CORE, True, True,
-                                       remaining, True)
+        code: int = _core_of(ticket).arrive(
+            ticket, ticket.provider, os.getpid(), IN_CORE, True, True, remaining, True
+        )
         return code
 
-    def _wait_blocking(self, ticket: _core.Ticket, deadline: float | None) -> int:
+    def _wait_blocking(self, ticket: CoreTicket, deadline: float | None) -> int:
         """Wait for the grant; a W_* result."""
         if ticket.futex:  # Linux: the thread sleeps on its record itself (one wake-up)
             remaining = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
-            result, reclaimed = ticket.core.wait(ticket, remaining)
+            result, reclaimed = _core_of(ticket).wait(ticket, remaining)
             if reclaimed:
                 log.warning("reclaimed %d slot(s) of dead processes", reclaimed)
             with contextlib.suppress(AdmissionError, _core.CoreError):
-                self._report_events(self._attachment_of(ticket.core))
+                self._report_events(self._attachment_of(_core_of(ticket)))
             return int(result)
-        att = self._attachment_of(ticket.core)  # macOS: the dispatcher wakes us
+        att = self._attachment_of(_core_of(ticket))  # macOS: the dispatcher wakes us
         gate = threading.Lock()
         gate.acquire()
         waiter = _Waiter(ticket, gate=gate)
@@ -737,10 +740,10 @@ class Admission:
         finally:
             att.unwatch(waiter)
 
-    def _aenter_slow(self, ticket: _core.Ticket, code: int) -> Coroutine[Any, Any, None]:
+    def _aenter_slow(self, ticket: CoreTicket, code: int) -> Coroutine[Any, Any, None]:
         return self._aenter(ticket, code)
 
-    async def _aenter(self, ticket: _core.Ticket, code: int) -> None:
+    async def _aenter(self, ticket: CoreTicket, code: int) -> None:
         """``async with`` when the try-lock arrival did not admit at once."""
         import asyncio
 
@@ -754,7 +757,7 @@ class Admission:
             await self._leave_async(ticket, _core.CANCELLED)
             raise
 
-    async def _acquire(self, ticket: _core.Ticket, code: int) -> None:
+    async def _acquire(self, ticket: CoreTicket, code: int) -> None:
         while True:
             # The lock is busy or stalled: wait for it off the loop, in bounded turns, so
             # that the timeout or a cancellation lands within one turn even while the
@@ -762,7 +765,7 @@ class Admission:
             # for: R-A4).
             while code == _core.BUSY:
                 code = await self._off_loop(
-                    ticket.core.arrive,
+                    _core_of(ticket).arrive,
                     ticket,
                     ticket.provider,
                     os.getpid(),
@@ -782,18 +785,18 @@ class Admission:
                 raise self._refusal(ticket, code)
             if await self._wait_async(ticket) == _core.W_GRANTED:
                 return
-            if ticket.core.moved and not ticket.core.closing:
+            if _core_of(ticket).moved and not _core_of(ticket).closing:
                 await self._leave_async(ticket, _core.CANCELLED)
                 code = _core.MOVED
                 continue
-            if ticket.core.closing or self._closing:
+            if _core_of(ticket).closing or self._closing:
                 raise AdmissionError("this Admission was closed while waiting")
             raise AdmissionError("the admission record was removed while waiting")
 
-    async def _wait_async(self, ticket: _core.Ticket) -> int:
+    async def _wait_async(self, ticket: CoreTicket) -> int:
         import asyncio
 
-        att = self._attachment_of(ticket.core)
+        att = self._attachment_of(_core_of(ticket))
         loop = asyncio.get_running_loop()
         waiter = _Waiter(ticket, loop=loop, future=loop.create_future())
         att.watch(waiter)
@@ -812,11 +815,11 @@ class Admission:
         finally:
             att.unwatch(waiter)
 
-    async def _leave_async(self, ticket: _core.Ticket, outcome: int) -> None:
+    async def _leave_async(self, ticket: CoreTicket, outcome: int) -> None:
         if ticket.leave(outcome, False) == -1:  # the lock is busy: not on the loop
             await self._off_loop(ticket.leave, outcome, True)
 
-    def _aexit_slow(self, ticket: _core.Ticket) -> Coroutine[Any, Any, None]:
+    def _aexit_slow(self, ticket: CoreTicket) -> Coroutine[Any, Any, None]:
         return self._leave_async(ticket, _core.RELEASED)
 
     async def _off_loop(self, fn: Callable[..., _T], *args: object) -> _T:
@@ -946,6 +949,14 @@ class Admission:
         log.error("%s", message)
 
 
+def _core_of(ticket: CoreTicket) -> CoreObject:
+    """The core a ticket of a slot path belongs to (always set once it arrived)."""
+    core = ticket.core
+    if core is None:
+        raise AdmissionError("a slot without a segment")
+    return core
+
+
 def _running(att: _Attachment) -> int:
     """Running records of ``att``'s registration, by the segment's word."""
     try:
@@ -978,16 +989,16 @@ class Ticket:
 
     __slots__ = ("_guard", "_ticket", "provider")
 
-    def __init__(self, provider: str, ticket: _core.Ticket) -> None:
+    def __init__(self, provider: str, ticket: CoreTicket) -> None:
         self.provider = provider
-        self._ticket: _core.Ticket | None = ticket
+        self._ticket: CoreTicket | None = ticket
         self._guard = threading.Lock()
 
     @property
     def released(self) -> bool:
         return self._ticket is None or not self._ticket.live
 
-    def _take(self) -> _core.Ticket | None:
+    def _take(self) -> CoreTicket | None:
         with self._guard:
             ticket, self._ticket = self._ticket, None
             return ticket

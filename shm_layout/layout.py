@@ -200,6 +200,8 @@ PROVIDER = _fields(
 def counts_check(running: int, waiting: int) -> int:
     """The value ``counts_check`` holds beside ``running`` and ``waiting``."""
     return ~((waiting << 32) | running) & 0xFFFFFFFFFFFFFFFF
+
+
 PFLAG_DISCOVERY = 1  # capacityDiscovery requested in the config
 PFLAG_CONFIGURED = 2  # present in the config the writer last read
 PFLAG_CLAMPED = 4  # configured static limit was above RUNNING_ROOM

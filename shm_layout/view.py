@@ -68,6 +68,7 @@ class ProviderView:
     discovered: int | None
     observed_at: float | None
     expires_at: float | None
+    expires_mono: float | None  # the same deadline on the deadline clock (R-L7)
     replicas: tuple[ReplicaView, ...]
     counters: dict[str, int]
     stored_running: int
@@ -177,7 +178,11 @@ def snapshot_bytes(buf: Any) -> tuple[bytes, bool]:
 
 
 def read_view(
-    name: str, *, now: float | None = None, policy: OwnerPolicy | None = None, wait_init: bool = True
+    name: str,
+    *,
+    now: float | None = None,
+    policy: OwnerPolicy | None = None,
+    wait_init: bool = True,
 ) -> SegmentView:
     """Map ``name`` read-only and describe it. Raises the ``SegmentError`` family; with
     ``policy``, a segment of an owner it does not trust is refused (R-G6)."""
@@ -345,6 +350,7 @@ def _provider(
         discovered=discovered if discovered >= 0 else None,
         observed_at=observed or None,
         expires_at=expires or None,
+        expires_mono=PROVIDER["expires_mono"].get(data, base) or None,
         replicas=tuple(replicas),
         counters=counters,
         stored_running=PROVIDER["running"].get(data, base),
@@ -378,7 +384,7 @@ class _AliveByRow:
         return self._held.get(key[0], default)
 
 
-def _members(data: bytes, alive: dict[tuple[int, int], bool]) -> list[MemberView]:
+def _members(data: bytes, alive: _AliveByRow) -> list[MemberView]:
     out = []
     for m in range(layout.MEMBER_COUNT):
         mb = member_base(m)

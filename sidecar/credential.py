@@ -9,10 +9,11 @@ next refresh without a restart. ``credentialFile`` is either
   ``LoadCredentialEncrypted=``). NAME is a single path component.
 
 The file must be a regular file (not a symlink: opened with ``O_NOFOLLOW``; not
-a FIFO or device), at most 4 KiB, owned by the reading user or root, and not
-accessible to all users (refused, like OpenSSH with a private key); access by
-the file's group is warned about once (R-P7), since sharing the key with the
-gateway's group is a real set-up. No other user may be able to replace it:
+a FIFO or device), at most 4 KiB, owned by the reading user or root, and
+readable by nobody else: a file its group or all users may read is refused,
+like OpenSSH's private keys (R-P7; a gateway that shares the key with a group
+gives the sidecar its own copy, or uses systemd's ``LoadCredential=``, whose
+private copies are exempt). No other user may be able to replace it:
 every directory on its path, as written and as resolved, must be owned by root
 or the reading user and not writable by group or others without the sticky bit
 (OpenSSH's rule, :mod:`sidecar.trust`); the refusal names the component.
@@ -137,8 +138,12 @@ def read_credential(spec: str, *, credentials_directory: str | None = None) -> S
                 f"credential file {path} is accessible by all users "
                 f"(mode {stat.S_IMODE(st.st_mode):04o}); {fix}"
             )
-        if st.st_mode & 0o070 and not systemd_copy:
-            _warn_group_access(path, st)
+        if st.st_mode & 0o077 and not systemd_copy:
+            raise CredentialError(
+                f"credential file {path} is readable by its group "
+                f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path} (give the "
+                "sidecar a copy of its own if the gateway's group must read the key)"
+            )
         if st.st_size > MAX_KEY_FILE_BYTES:
             raise CredentialError(
                 f"credential file {path} is larger than {MAX_KEY_FILE_BYTES} bytes"
@@ -175,28 +180,6 @@ def _is_systemd_credential(path: str, credentials_directory: str | None) -> bool
     if not directory:
         return False
     return os.path.dirname(os.path.normpath(path)) == os.path.normpath(directory)
-
-
-_warned: set[tuple[str, int, int]] = set()
-
-
-def _warn_group_access(path: str, st: os.stat_result) -> None:
-    """R-P7: a group-readable key is warned about, once per file and mode.
-
-    Not refused: sharing the key with the gateway's group (0640) is a
-    legitimate set-up. Access for all users is refused above; systemd's own
-    copies in ``$CREDENTIALS_DIRECTORY`` are never warned about.
-    """
-    mark = (path, st.st_ino, stat.S_IMODE(st.st_mode))
-    if mark in _warned:
-        return
-    _warned.add(mark)
-    log.warning(
-        "credential file %s is accessible by its group (mode %04o); chmod 600 unless the "
-        "group is meant to read it",
-        path,
-        stat.S_IMODE(st.st_mode),
-    )
 
 
 def _read_at_most(fd: int, limit: int) -> bytes:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -34,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shm_layout import platform, layout, writer
+from shm_layout import layout, platform, writer
 from shm_layout.errors import GatewayCapacityError
 from shm_layout.liveness import is_alive, my_identity, process_start
 from shm_layout.names import resolve_segment_name
@@ -642,7 +643,13 @@ class Sidecar:
             self._log_unexpected("publication")
 
     def _decide(self, state: _ProviderState, now: float) -> LimitDecision:
-        decision = self._decide_once(state, now)
+        """The pure rules decide in the wall clock's frame at ``now``; deadlines already
+        fixed on the deadline clock are seen through that frame, and a new one is fixed
+        now (R-L7): so a step of the wall clock never moves a limit's expiry."""
+        mono = platform.deadline_now()
+        if state.last_discovered is not None:
+            state.last_discovered = _seen_at(state.last_discovered, now, mono)
+        decision = _anchored(self._decide_once(state, now), now, mono)
         if decision.source == DISCOVERED and decision.discovered is not None:
             # R-L6's base is the last *discovered* limit while unexpired, not the last
             # decision: one failed refresh in between must not reset it to the fallback.
@@ -662,16 +669,21 @@ class Sidecar:
         kept = self.inherited.get(provider_id)
         if kept is None:
             return decision
+        kept = _seen_at(kept, now, platform.deadline_now())
         return keep_inherited(decision, kept, state.rules, now) or decision
 
     def _inherit_limits(self, now: float) -> dict[str, LimitDecision]:
-        """Unexpired discovered limits in the segment, as the previous sidecar left them."""
+        """Unexpired discovered limits in the segment, as the previous sidecar left them
+        (their deadlines as the segment holds them, on the deadline clock)."""
         data, _ = snapshot_bytes(self.seg.buf)
+        mono = platform.deadline_now()
         kept = {}
-        for seen in parse_view(self.segment_name, data, now=now).providers:
+        for seen in parse_view(self.segment_name, data, now=now, mono=mono).providers:
+            if seen.expires_mono is not None:  # see it through the wall clock's frame now
+                seen = dataclasses.replace(seen, expires_at=now + (seen.expires_mono - mono))
             decision = inherited_from_view(seen, now)
             if decision is not None:
-                kept[seen.id] = decision
+                kept[seen.id] = _anchored(decision, now, mono, seen.expires_mono)
         return kept
 
     def _draining(self) -> bool:
@@ -954,8 +966,29 @@ def _publication(
         discovered=d.discovered,
         observed_at=d.observed_at,
         expires_at=d.expires_at if enforced else None,
+        expires_mono=d.expires_mono if enforced else None,
         replicas=replicas,
     )
+
+
+def _anchored(
+    d: LimitDecision, now: float, mono: float, expires_mono: float | None = None
+) -> LimitDecision:
+    """``d`` with its expiry fixed on the deadline clock: ``expires_at`` (judged in the
+    wall clock's frame at ``now``) becomes ``mono`` + what is left of it (R-L7)."""
+    if d.expires_at is None:
+        return d
+    if expires_mono is None:
+        expires_mono = mono + (d.expires_at - now)
+    return dataclasses.replace(d, expires_mono=expires_mono)
+
+
+def _seen_at(d: LimitDecision, now: float, mono: float) -> LimitDecision:
+    """A decision made earlier, seen through the wall clock's frame at ``now``: its
+    ``expires_at`` is what its fixed deadline leaves, however the wall clock stepped."""
+    if d.expires_mono is None:
+        return d
+    return dataclasses.replace(d, expires_at=now + (d.expires_mono - mono))
 
 
 def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:

@@ -71,16 +71,11 @@ def test_r_p7_file_accessible_to_all_users_is_refused_like_openssh(
 
 
 @pytest.mark.parametrize("mode", [0o640, 0o660, 0o440])
-def test_r_p7_group_readable_file_is_warned_about_once(
-    tmp_path: Path, mode: int, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_r_p7_group_readable_file_is_refused(tmp_path: Path, mode: int) -> None:
     path = write_key(tmp_path / "k", KEY.encode(), mode)
-    caplog.set_level("WARNING")
-    assert read_credential(path).reveal() == KEY
-    assert read_credential(path).reveal() == KEY
-    warnings = [r for r in caplog.records if "accessible by its group" in r.getMessage()]
-    assert len(warnings) == 1
-    assert KEY not in caplog.text
+    with pytest.raises(CredentialError, match=f"readable by its group.*0{mode:o}.*chmod 600") as info:
+        read_credential(path)
+    assert KEY not in str(info.value)
 
 
 def test_r_p7_owner_only_read_is_accepted(tmp_path: Path) -> None:
@@ -183,16 +178,15 @@ def test_r_p7_a_systemd_credential_copy_is_not_told_to_chmod(
     assert [r.getMessage() for r in caplog.records if r.levelname != "DEBUG"] == []
 
 
-def test_r_p7_a_plain_file_beside_the_credentials_directory_is_still_warned_about(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+def test_r_p7_a_group_readable_file_beside_the_credentials_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     creds = tmp_path / "credentials"
     (creds / "sub").mkdir(parents=True)
     monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
     path = write_key(creds / "sub" / "k", KEY.encode(), 0o440)  # not systemd's own copy
-    caplog.set_level("WARNING")
-    assert read_credential(path).reveal() == KEY
-    assert "chmod 600" in caplog.text
+    with pytest.raises(CredentialError, match="chmod 600"):
+        read_credential(path)
 
 
 def test_r_p7_a_world_readable_systemd_credential_is_refused_without_chmod_advice(
