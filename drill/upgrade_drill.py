@@ -66,16 +66,20 @@ ROOT = Path(__file__).resolve().parent.parent
 PROVIDER = "local-inference"
 MODEL_ALIAS = "local-workhorse"
 MODEL = "workhorse"
-# No control socket: gunicorn 23+ would put one at ~/.gunicorn/gunicorn.ctl, shared by every
-# gunicorn of the user, and the drill runs two masters at once.
-GUNICORN = [
-    sys.executable,
-    "-m",
-    "gunicorn",
-    "-k",
-    "uvicorn.workers.UvicornWorker",
-    "--no-control-socket",
-]
+
+
+def _no_control_socket() -> list[str]:
+    """No control socket: newer gunicorns put one at ~/.gunicorn/gunicorn.ctl, shared by every
+    gunicorn of the user, and the drill runs two masters at once. The 23.x that
+    ``litellm[proxy]`` pins has neither the socket nor the option."""
+    from gunicorn.config import KNOWN_SETTINGS
+
+    flag = "--no-control-socket"
+    return [flag] if any(flag in (s.cli or ()) for s in KNOWN_SETTINGS) else []
+
+
+GUNICORN = [sys.executable, "-m", "gunicorn", "-k", "uvicorn.workers.UvicornWorker"]
+GUNICORN += _no_control_socket()
 GEN_A, GEN_B = "gen-A", "gen-B"
 
 

@@ -264,6 +264,19 @@ class Admission:
         await slot.__aenter__()
         return Ticket(provider, slot)
 
+    def try_acquire(self, provider: str) -> Ticket | None:
+        """A slot of ``provider`` only if one is free at once: one try-lock step, never
+        queued, never waiting, safe on an event loop. None when the request would have to
+        wait (or the lock is busy): then call :meth:`acquire`, which queues it. Raises
+        ``QueueFull`` as :meth:`acquire` does. Give the ticket back with :meth:`release`."""
+        slot = self.slot(provider)
+        code = self._core.arrive(slot._ticket, slot._p, self._pid, IN_CORE, False, False, -1.0)
+        if code == _core.ADMIT:
+            return Ticket(provider, slot)
+        if code == _core.FULL:
+            raise self._queue_full(slot._p)
+        return None  # would wait (nothing recorded), or the lock is busy
+
     def acquire_blocking(self, provider: str, timeout: float | None = None) -> Ticket:
         """The blocking form of :meth:`acquire`."""
         slot = self.slot_blocking(provider, timeout)

@@ -55,6 +55,16 @@ class Server:
 StartServer = Callable[..., "Server"]
 
 
+def gunicorn_no_control_socket() -> list[str]:
+    """``--no-control-socket`` where this gunicorn has one (newer gunicorns open
+    ``~/.gunicorn/gunicorn.ctl``, one path for every gunicorn of the user); the 23.x that
+    ``litellm[proxy]`` pins has neither the socket nor the option."""
+    from gunicorn.config import KNOWN_SETTINGS
+
+    flag = "--no-control-socket"
+    return [flag] if any(flag in (s.cli or ()) for s in KNOWN_SETTINGS) else []
+
+
 def listening_socket() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

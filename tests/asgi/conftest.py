@@ -19,7 +19,14 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # asgi_support
 
-from asgi_support import APP_DIR, Server, StartServer, attached_members, listening_socket
+from asgi_support import (
+    APP_DIR,
+    Server,
+    StartServer,
+    attached_members,
+    gunicorn_no_control_socket,
+    listening_socket,
+)
 from gwtest import wait_until
 
 
@@ -86,7 +93,7 @@ def start_server(tmp_path: Path, segment_name: str, asgi_config: Path) -> Iterat
                 "gunicorn",
                 "-k",
                 "uvicorn.workers.UvicornWorker",
-                "--no-control-socket",  # not the per-user ~/.gunicorn/gunicorn.ctl
+                *gunicorn_no_control_socket(),  # not the per-user ~/.gunicorn/gunicorn.ctl
                 "-w",
                 str(workers),
                 "--bind",
