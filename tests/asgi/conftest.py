@@ -54,6 +54,7 @@ def start_server(tmp_path: Path, segment_name: str, asgi_config: Path) -> Iterat
         generation: str = "gen-A",
         config: Path | None = asgi_config,
         wait_attached: bool = True,
+        by_model: bool = False,
     ) -> Server:
         release_dir = tmp_path / f"release-{len(servers)}"
         release_dir.mkdir()
@@ -66,6 +67,7 @@ def start_server(tmp_path: Path, segment_name: str, asgi_config: Path) -> Iterat
             "GWT_TIMEOUT": str(timeout),
             "GWT_RELEASE_DIR": str(release_dir),
             "PYTHONUNBUFFERED": "1",
+            "GWT_BY_MODEL": "1" if by_model else "0",
         }
         pidfile = None
         if kind == "uvicorn":
