@@ -192,12 +192,12 @@ class AdmissionMiddleware:
         self.provider = provider
         self.timeout = timeout
         self.retry_after = retry_after
-        self._models: _ModelMap | None = None
+        self._models: ModelMap | None = None
         if isinstance(provider, ByModel):
             source = provider.config if provider.config is not None else config
             if source is None:
                 raise ValueError("provider=by_model needs the gateway config (config=)")
-            self._models = _ModelMap(source)
+            self._models = ModelMap(source)
         self._admission: Admission | None = None
         self._pid = 0  # the process _admission was attached in
         self._attaching: asyncio.Lock | None = None
@@ -464,8 +464,10 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
     return replay
 
 
-class _ModelMap:
-    """Model name -> provider id, from the gateway config's ``models`` maps (R-C2).
+class ModelMap:
+    """Model name -> provider id, from the gateway config's ``models`` maps (R-C2): what
+    :class:`ByModel` matches on (read its docstring), for hooks that pick a provider by
+    model too (``examples/litellm_admission.py``). ``provider(model)`` or None.
 
     Re-read when the file changes (looked at, at most once a second: one ``stat``); a file
     that cannot be read or parsed keeps the last good map and is logged once (R-C3, R-C4).
