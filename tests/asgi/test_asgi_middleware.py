@@ -266,3 +266,18 @@ def test_gunicorn_hup_relabels_new_workers_and_shutdown_detaches(
     assert server.stop() == 0
     assert members(server.segment) == []  # lifespan shutdown closed every attachment
     assert availability(server.segment)["providers"][0]["running"] == 0
+
+
+def test_gunicorn_worker_that_cannot_attach_halts_the_master_with_boot_error_3(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """Issue 18 s.5 item 1: not 18 restarts in 12 s, but gunicorn's worker boot error (3),
+    on which the master stops, with the reason in one line."""
+    missing = tmp_path / "no-such-gateway.json"
+    server = start_server("gunicorn", workers=2, config=missing, wait_attached=False)
+    code = server.proc.wait(timeout=60)
+    out = server.output()
+    assert code == 3, out
+    reasons = [line for line in out.splitlines() if "cannot attach admission" in line]
+    assert reasons and all(str(missing) in line for line in reasons), out
+    assert out.count("Booting worker") <= 2, out  # booted once each, never restarted
