@@ -57,7 +57,11 @@ def server_cpu_ns(pid: int) -> int:
 def start_uvicorn(
     cleanup: Cleanup, app: str, app_dir: Path, env: dict[str, str]
 ) -> tuple[subprocess.Popen[bytes], int]:
+    # --host/--port, not --fd: uvicorn wraps an inherited descriptor as AF_UNIX, so asyncio
+    # would not set TCP_NODELAY on its connections and Nagle + delayed ACKs would add 40 ms.
     sock = _listening()
+    port = sock.getsockname()[1]
+    sock.close()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -66,20 +70,19 @@ def start_uvicorn(
             app,
             "--app-dir",
             str(app_dir),
-            "--fd",
-            str(sock.fileno()),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
             "--no-access-log",
             "--log-level",
             "warning",
         ],
         env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-        pass_fds=(sock.fileno(),),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     cleanup.popen(proc)
-    port = sock.getsockname()[1]
-    sock.close()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
