@@ -56,6 +56,7 @@ def holder_pids(segment: str) -> set[int]:
     return {h["pid"] for h in doc["holders"]}
 
 
+@pytest.mark.timeout(300)  # LiteLLM's import alone is seconds of CPU per worker
 def test_r_a1_r_a2_litellm_proxy_wrapped_two_uvicorn_workers_one_budget_and_429_beyond_the_queue(
     serve: StartServed,
     upstream: HoldingUpstream,
@@ -94,6 +95,7 @@ def test_r_a1_r_a2_litellm_proxy_wrapped_two_uvicorn_workers_one_budget_and_429_
     assert counters["rejected_total"] == 1
 
 
+@pytest.mark.timeout(300)  # LiteLLM's import alone is seconds of CPU per worker
 def test_r_a4_litellm_proxy_wrapped_a_client_leaving_mid_stream_or_while_waiting_frees_its_slot(
     serve: StartServed,
     upstream: HoldingUpstream,
@@ -137,6 +139,7 @@ def test_r_a4_litellm_proxy_wrapped_a_client_leaving_mid_stream_or_while_waiting
     wait_counts(segment_name, (0, 0))
 
 
+@pytest.mark.timeout(300)  # LiteLLM's import alone is seconds of CPU per worker
 def test_r_a1_litellm_callback_and_the_example_gateway_share_one_budget(
     serve: StartServed,
     upstream: HoldingUpstream,
