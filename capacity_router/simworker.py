@@ -243,9 +243,11 @@ class SimWorker:
             return self._props_requests
 
     def set_slots(self, n: int) -> None:
-        """Like restarting llama-server with ``--parallel n``."""
+        """Like restarting llama-server with ``--parallel n`` (0 holds every completion)."""
         with self._lock:
             self._slots = n
+        with self._room:  # completions waiting for a slot look again
+            self._room.notify_all()
 
     def set_healthy(self, healthy: bool) -> None:
         with self._lock:
