@@ -59,8 +59,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from handler_shim.admission import Admission, AdmissionError, AdmissionTimeout, QueueFull, Ticket
 
@@ -76,9 +75,11 @@ Generation = str | Callable[[], str]
 GRANT_KEY: Final = "gateway_capacity.grant"  # the scope key of an admitted request's Grant
 GRANT_HEADER: Final = "x-gateway-capacity-grant"
 
+_forks = [0]  # forks seen by this process: a forked child must attach anew (cheaper than getpid)
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 
-@dataclass(frozen=True, slots=True)
-class Grant:
+
+class Grant(NamedTuple):
     """What an admitted request carries in its scope: the provider whose slot it holds and
     the host's monotonic clock (``time.monotonic()``, one clock for every process of the
     host) when the request arrived at the middleware and when it was admitted. The slot was
@@ -200,6 +201,7 @@ class AdmissionMiddleware:
             self._models = ModelMap(source)
         self._admission: Admission | None = None
         self._pid = 0  # the process _admission was attached in
+        self._forks = -1  # _forks[0] when it was attached
         self._attaching: asyncio.Lock | None = None
         self._attach_lock_pid = 0
         self._logged: set[str] = set()
@@ -243,7 +245,7 @@ class AdmissionMiddleware:
                 Admission.attach, config=self.config, generation=label, segment=self.segment
             )
             # A copy inherited over fork belongs to the parent: not ours to close.
-            self._admission, self._pid = adm, pid
+            self._admission, self._pid, self._forks = adm, pid, _forks[0]
             log.info(
                 "admission attached: segment %s, generation %s, pid %d",
                 adm.segment_name,
@@ -316,7 +318,7 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
             return
         adm = self._admission
-        if adm is None or self._pid != os.getpid():
+        if adm is None or self._forks != _forks[0]:
             try:
                 adm = await self.attach()
             except Exception as exc:
