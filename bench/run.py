@@ -52,10 +52,11 @@ class Plan:
     sidecar_s: float
     asgi_rounds: int
     asgi_requests: int
+    retry_delay_s: float  # how long the fake upstream takes for one completion
 
 
-FULL = Plan(7, 0.2, 250, 3, 2.0, 5.0, 10.0, 20, 1500)
-QUICK = Plan(3, 0.04, 60, 1, 0.5, 2.0, 4.0, 4, 500)
+FULL = Plan(7, 0.2, 250, 3, 2.0, 5.0, 10.0, 20, 1500, 0.5)
+QUICK = Plan(3, 0.04, 60, 1, 0.5, 2.0, 4.0, 4, 500, 0.1)
 ASGI_BEFORE: list[str] = []  # --asgi-before REF: git refs whose middleware is measured too
 
 
@@ -308,7 +309,7 @@ def section_retry(cleanup: Cleanup, plan: Plan) -> str:
     rows = []
     for fixed in (1, None):
         log(f"retry: 80 openai SDK completions, Retry-After {fixed or 'estimated'}")
-        r = run_sdk_retry(cleanup, fixed)
+        r = run_sdk_retry(cleanup, fixed, delay=plan.retry_delay_s)
         rows.append(
             [
                 r.label,
@@ -328,7 +329,7 @@ def section_retry(cleanup: Cleanup, plan: Plan) -> str:
     head = (
         "8. Retry hints: 80 concurrent completions from the openai SDK (default retries, "
         "which honour Retry-After) through examples/openai_gateway.py, limit 4, a fake "
-        "upstream of 0.5 s a completion"
+        f"upstream of {plan.retry_delay_s:g} s a completion"
     )
     return "\n".join([head, "", table])
 
