@@ -522,6 +522,22 @@ class Admission:
         await ticket.__aenter__()
         return Ticket(provider, ticket)
 
+    def try_acquire(self, provider: str) -> Ticket | None:
+        """A slot of ``provider`` only if one is free at once: one try-lock step, never
+        queued, never waiting, safe on an event loop. None when the request would have to
+        wait (or the lock is busy): then call :meth:`acquire`, which queues it. Raises
+        ``QueueFull`` as :meth:`acquire` does. Give the ticket back with :meth:`release`."""
+        ticket = self.slot(provider)
+        core = _core_of(ticket)
+        code = core.arrive(ticket, ticket.provider, os.getpid(), IN_CORE, False, False, -1.0)
+        if code == _core.ADMIT:
+            return Ticket(provider, ticket)
+        if code in (_core.FULL, _core.CLOSED):
+            raise self._refusal(ticket, code)
+        if code == _core.MOVED:
+            self._moved_ticket(ticket)  # the name leads elsewhere: arrivals go there now
+        return None  # would wait (nothing recorded), the lock is busy, or it just moved
+
     def acquire_blocking(self, provider: str, timeout: float | None = None) -> Ticket:
         """The blocking form of :meth:`acquire`."""
         ticket = self.slot_blocking(provider, timeout)
