@@ -1938,7 +1938,9 @@ static PyObject *Core_still_named(Core *c, PyObject *unused)
     return PyLong_FromLong(answer);
 }
 
-static PyObject *Core_sweep(Core *c, PyObject *args)
+/* sweep(now, blocking=True) and reap(now, blocking=True): one step that frees dead
+ * holders' records (the sweep also checks for damage), -> reclaimed, -1 busy. */
+static PyObject *reclaim_step(Core *c, PyObject *args, uint32_t (*step)(Core *, Now, Rings *))
 {
     double given;
     int blocking = 1;
@@ -1950,7 +1952,7 @@ static PyObject *Core_sweep(Core *c, PyObject *args)
     uint32_t reclaimed = 0;
     Rings rings;
     memset(&rings, 0, sizeof rings);
-    LOCKED(c, blocking, 0.0, rc, { reclaimed = sweep(c, section_now(given), &rings); });
+    LOCKED(c, blocking, 0.0, rc, { reclaimed = step(c, section_now(given), &rings); });
     if (rc < 0 || rc == E_DAMAGED_LOCK)
         return lock_error(c, rc);
     if (rc == 1)
@@ -1959,26 +1961,8 @@ static PyObject *Core_sweep(Core *c, PyObject *args)
     return PyLong_FromUnsignedLong(reclaimed);
 }
 
-static PyObject *Core_reap(Core *c, PyObject *args)
-{
-    double given;
-    int blocking = 1;
-    if (!PyArg_ParseTuple(args, "d|p", &given, &blocking))
-        return NULL;
-    if (!usable(c))
-        return NULL;
-    int rc;
-    uint32_t reclaimed = 0;
-    Rings rings;
-    memset(&rings, 0, sizeof rings);
-    LOCKED(c, blocking, 0.0, rc, { reclaimed = reap(c, section_now(given), &rings); });
-    if (rc < 0 || rc == E_DAMAGED_LOCK)
-        return lock_error(c, rc);
-    if (rc == 1)
-        return PyLong_FromLong(-1);
-    DELIVER(c, &rings);
-    return PyLong_FromUnsignedLong(reclaimed);
-}
+static PyObject *Core_sweep(Core *c, PyObject *args) { return reclaim_step(c, args, sweep); }
+static PyObject *Core_reap(Core *c, PyObject *args) { return reclaim_step(c, args, reap); }
 
 static PyObject *Core_pump_all(Core *c, PyObject *args)
 {

@@ -56,32 +56,25 @@ def group_name(gid: int) -> str:
         return str(gid)
 
 
-def _uid(spec: str | int) -> int:
-    if isinstance(spec, int):
-        return spec
-    text = spec.strip()
-    if text.isdigit():
-        return int(text)
-    import pwd
-
-    try:
-        return pwd.getpwnam(text).pw_uid
-    except KeyError:
-        raise OwnerError(f"owner {text!r} is no user of this host (a user name or uid)") from None
-
-
-def _gid(spec: str | int) -> int:
+def _lookup(spec: str | int, what: str) -> int:
+    """A uid (``what`` "user") or gid ("group") from a name or a number."""
     if isinstance(spec, int):
         return spec
     text = spec.strip()
     if text.isdigit():
         return int(text)
     import grp
+    import pwd
 
     try:
+        if what == "user":
+            return pwd.getpwnam(text).pw_uid
         return grp.getgrnam(text).gr_gid
     except KeyError:
-        raise OwnerError(f"group {text!r} is no group of this host (a group name or gid)") from None
+        raise OwnerError(
+            f"{'owner' if what == 'user' else 'group'} {text!r} is no {what} of this host "
+            f"(a {what} name or {'uid' if what == 'user' else 'gid'})"
+        ) from None
 
 
 class OwnerPolicy:
@@ -113,13 +106,13 @@ class OwnerPolicy:
         uids = [os.geteuid()]
         configured = owner if owner is not None else os.environ.get(OWNER_ENV) or None
         if configured is not None:
-            extra = _uid(configured)
+            extra = _lookup(configured, "user")
             if extra not in uids:
                 uids.append(extra)
         gid: int | None = None
         if group_shared:
             wanted = group if group is not None else os.environ.get(GROUP_ENV) or None
-            gid = _gid(wanted) if wanted is not None else os.getegid()
+            gid = _lookup(wanted, "group") if wanted is not None else os.getegid()
         return cls(tuple(uids), gid)
 
     def expected(self) -> str:

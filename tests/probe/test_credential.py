@@ -73,7 +73,8 @@ def test_r_p7_file_accessible_to_all_users_is_refused_like_openssh(
 @pytest.mark.parametrize("mode", [0o640, 0o660, 0o440])
 def test_r_p7_group_readable_file_is_refused(tmp_path: Path, mode: int) -> None:
     path = write_key(tmp_path / "k", KEY.encode(), mode)
-    with pytest.raises(CredentialError, match=f"readable by its group.*0{mode:o}.*chmod 600") as info:
+    refused = f"readable by its group.*0{mode:o}.*chmod 600"
+    with pytest.raises(CredentialError, match=refused) as info:
         read_credential(path)
     assert KEY not in str(info.value)
 

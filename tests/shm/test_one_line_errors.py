@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
-import pwd
 import random
 import subprocess
 import sys
@@ -14,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from gwtest import as_nobody
 
 from handler_shim import Admission, AdmissionError, SegmentError
 from shm_layout import layout
@@ -35,45 +34,13 @@ def _one_line(out: subprocess.CompletedProcess[str]) -> str:
 
 
 def _as_nobody(fn: Callable[[], int]) -> tuple[int, str]:
-    """Run ``fn`` in a forked child that has become the user nobody: (exit code, output).
-
-    This interpreter lives under /root, which nobody may not read, so the child cannot
-    start a new Python; it keeps the modules this process has imported already.
-    """
-    try:
-        entry = pwd.getpwnam("nobody")
-    except KeyError:
-        pytest.skip("no user 'nobody' on this machine")
-    if os.geteuid() != 0:
-        pytest.skip("switching to another user needs root")
+    """``fn`` as the user nobody (gwtest.as_nobody), with the CLI's parser built first:
+    the child cannot import anything new from under /root."""
     import gateway_capacity.cli
     import gateway_capacity.cmd_views
 
     gateway_capacity.cli.build_parser()
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 70
-        try:
-            os.setgroups([])
-            os.setgid(entry.pw_gid)
-            os.setuid(entry.pw_uid)
-            sys.stdout = sys.stderr = os.fdopen(write, "w")  # not pytest's capture
-            code = fn()
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            os._exit(code)
-    os.close(write)
-    with os.fdopen(read) as f:
-        output = f.read()
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), output
+    return as_nobody(fn)
 
 
 def _one_line_text(text: str) -> str:

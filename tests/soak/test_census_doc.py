@@ -26,11 +26,16 @@ NOT_BAD_INPUT = {
 }
 
 
-def census_text() -> str:
+def section(title: str) -> str:
+    """One ``## title`` section of docs/RELIABILITY.md (the censuses share this)."""
     text = DOC.read_text()
-    start = text.index("## Bad-input census")
+    start = text.index(f"## {title}")
     end = text.find("\n## ", start + 1)
     return text[start : end if end != -1 else len(text)]
+
+
+def census_text() -> str:
+    return section("Bad-input census")
 
 
 def suite_tests() -> set[str]:
@@ -48,10 +53,7 @@ def test_every_test_the_census_cites_exists() -> None:
 
 
 def attack_census_text() -> str:
-    text = DOC.read_text()
-    start = text.index("## Attack census")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end != -1 else len(text)]
+    return section("Attack census")
 
 
 def test_every_bad_input_test_is_in_the_census() -> None:
