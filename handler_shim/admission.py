@@ -68,7 +68,7 @@ from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING
 from shm_layout.liveness import process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.owners import OwnerPolicy
-from shm_layout.segment import Segment, SegmentError, remove_doorbell
+from shm_layout.segment import Segment, remove_doorbell
 
 log = logging.getLogger("gateway_capacity.admission")
 
@@ -214,9 +214,7 @@ class _Attachment:
             )
         self.member = member
         self.core.set_slow_paths(adm._enter_slow, adm._aenter_slow, adm._aexit_slow)
-        self.threads = [
-            threading.Thread(target=self._dispatch, name="gwcap-dispatch", daemon=True)
-        ]
+        self.threads = [threading.Thread(target=self._dispatch, name="gwcap-dispatch", daemon=True)]
         if not platform.semaphore_timeouts():  # macOS: no timed wait; a ticker posts
             self.threads.append(threading.Thread(target=self._tick, name="gwcap-tick", daemon=True))
         self._stop = threading.Event()
@@ -244,8 +242,7 @@ class _Attachment:
                 )
         if self.overflow:
             log.warning(
-                "segment %s holds at most %d providers; these have no budget and raise on "
-                "use: %s",
+                "segment %s holds at most %d providers; these have no budget and raise on use: %s",
                 self.seg.name,
                 layout.PROVIDER_COUNT,
                 ", ".join(sorted(self.overflow)),
@@ -665,8 +662,9 @@ class Admission:
 
     def _arrive_again(self, ticket: _core.Ticket, deadline: float | None) -> int:
         remaining = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
-        code: int = ticket.core.arrive(ticket, ticket.provider, os.getpid(), IN_CORE, True, True,
-                                       remaining, True)
+        code: int = ticket.core.arrive(
+            ticket, ticket.provider, os.getpid(), IN_CORE, True, True, remaining, True
+        )
         return code
 
     def _wait_blocking(self, ticket: _core.Ticket, deadline: float | None) -> int:
@@ -805,8 +803,14 @@ class Admission:
         self._last_loop = loop
         with self._lock:
             known = [ref() for ref in self._loops]
-            if loop not in known:
-                self._loops.append(weakref.ref(loop))
+            if loop in known:
+                return
+            self._loops.append(weakref.ref(loop))
+        # The dispatcher may sleep with nothing to look at (no waiter ever came): wake it
+        # so that it looks for closed loops every sweep from now on, also when every slot
+        # taken in this loop was admitted at once (R-A14).
+        with contextlib.suppress(_core.CoreError):
+            self._current.core.post_own()
 
     def _collect_closed_loops(self) -> None:
         """A loop that closed while its tasks held or waited for slots: those tasks will

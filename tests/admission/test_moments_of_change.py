@@ -202,7 +202,7 @@ def test_r_a14_waiters_of_a_closed_event_loop_are_freed_within_a_sweep_and_never
 
     async def main() -> None:
         for _ in range(3):
-            loop.create_task(waiter())
+            loop.create_task(waiter())  # noqa: RUF006 (a kept reference would keep it alive)
         await asyncio.sleep(0.3)
         assert _counts(segment_name) == (1, 3)
         raise RuntimeError("the program fails with tasks still waiting")
@@ -358,6 +358,40 @@ def _cycle(adm: Admission, stop: threading.Event) -> None:
             time.sleep(0.01)
 
 
+def test_r_a14_running_slots_of_a_closed_event_loop_are_freed_within_a_sweep(
+    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+) -> None:
+    """Before: a process whose only async slots were admitted at once (no waiter) never
+    collected a closed loop's tasks: its dispatcher slept until something posted it, so
+    the slot of a task that would never run again was held for the life of the process,
+    and another process waited on a limit of 1 for good."""
+    adm = Admission.attach(config=config, segment=segment_name, generation="loops")
+    loop = asyncio.new_event_loop()
+
+    async def body() -> None:
+        async with adm.slot("p1"):
+            await asyncio.sleep(3600)
+
+    async def main() -> None:
+        loop.create_task(body())  # noqa: RUF006 (a kept reference would keep it alive)
+        await asyncio.sleep(0.3)
+        assert _counts(segment_name) == (1, 0)  # admitted at once: nothing waited
+        raise RuntimeError("the program fails with a slot still running")
+
+    with pytest.raises(RuntimeError):
+        loop.run_until_complete(main())
+    later = agents("--segment", segment_name, "--config", str(config), "hold", "--timeout", "20")
+    later.expect("started")
+    loop.close()  # the task holding the slot will never run again
+    gone = time.monotonic()
+    admitted = later.expect("admitted", timeout=15)
+    assert admitted["t"] - time.time() + time.monotonic() - gone < 2.0  # a sweep and a margin
+    assert _mine(segment_name, os.getpid()) == 0
+    later.send("release")
+    later.expect("released")
+    adm.close()
+
+
 # --- 3. the segment removed or replaced by hand (R-A15) -----------------------------------
 @pytest.mark.parametrize("how", ["rm", "unlink --force"])
 def test_r_a15_a_segment_removed_by_hand_never_splits_the_budget(
@@ -387,12 +421,10 @@ def test_r_a15_a_segment_removed_by_hand_never_splits_the_budget(
     newcomer.expect("admitted")
     newcomer.expect("admitted")  # 2 of 2 on the new segment
     time.sleep(0.6)  # one sweep
-    with pytest.raises(AdmissionTimeout):
-        with adm.slot_blocking("p1", timeout=0.5):
-            pass  # our arrival goes to the new segment, where the budget is spent
-    with pytest.raises(AdmissionTimeout):
-        with adm.slot_blocking("p1", timeout=0.2):
-            pass
+    with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=0.5):
+        pass  # our arrival goes to the new segment, where the budget is spent
+    with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=0.2):
+        pass
     said = [r for r in caplog.records if "removed or replaced" in r.getMessage()]
     assert len(said) == 1, [r.getMessage() for r in caplog.records]
     assert adm._current.bell != old_bell  # a doorbell of the new instance's own
@@ -427,9 +459,8 @@ def test_r_a16_a_bad_write_to_the_counters_is_never_obeyed(
         held = [adm.acquire_blocking("p1") for _ in range(3)]
         for field, value in (("running", 0), ("running", 0xFFFFFFFF), ("waiting", 32)):
             PROVIDER[field].put(adm._buf, value, base)  # one bad write, by someone else
-            with pytest.raises(AdmissionTimeout):
-                with adm.slot_blocking("p1", timeout=0.2):
-                    pass  # never a fourth: the counters were recounted before use
+            with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=0.2):
+                pass  # never a fourth: the counters were recounted before use
             assert (
                 PROVIDER["running"].get(adm._buf, base),
                 PROVIDER["waiting"].get(adm._buf, base),
@@ -459,9 +490,8 @@ def test_r_a16_a_bad_write_to_a_live_members_serial_frees_none_of_its_slots(
     m = next(x.index for x in read_view(segment_name).members if x.pid == holder.pid)
     serial = MEMBER["serial"].get(adm._buf, member_base(m))
     MEMBER["serial"].put(adm._buf, serial + 1, member_base(m))
-    with pytest.raises(AdmissionTimeout):
-        with adm.slot_blocking("p1", timeout=1.5):  # waits through sweeps: nothing freed
-            pass
+    with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=1.5):
+        pass  # waits through sweeps: nothing freed
     assert adm._core.sweep(0.0) == 0
     assert _counts(segment_name) == (1, 0)
     holder.send("release")
@@ -480,9 +510,8 @@ def test_r_a16_a_damaged_lock_word_is_one_line_never_an_abort(
         pytest.skip("the robust mutex is Linux's")
     adm = Admission.attach(config=config, segment=segment_name, generation="d")
     adm._buf[layout.MUTEX_OFFSET : layout.MUTEX_OFFSET + 40] = bytes(range(7, 47))
-    with pytest.raises(GatewayCapacityError) as info:
-        with adm.slot_blocking("p1", timeout=1):
-            pass
+    with pytest.raises(GatewayCapacityError) as info, adm.slot_blocking("p1", timeout=1):
+        pass
     assert "lock word is damaged" in str(info.value) and "--unlink --force" in str(info.value)
     assert isinstance(info.value, _core.DamagedLock)
     # a new attach refuses it by name; the check views say so with the recovery
