@@ -442,6 +442,56 @@ def test_r_a15_a_segment_removed_by_hand_never_splits_the_budget(
     assert time.monotonic() - started < 3.0  # bounded, always
 
 
+MOVER = textwrap.dedent(
+    """
+    import json, sys, threading
+    sys.path.insert(0, sys.argv[3])
+    from handler_shim import Admission
+    adm = Admission.attach(config=sys.argv[1], segment=sys.argv[2], generation="mover")
+    held = adm.acquire_blocking("p1")  # a body that runs on the old segment throughout
+    print(json.dumps({"event": "admitted"}), flush=True)
+    sys.stdin.readline()  # the test removed the segment by hand
+    second = adm.acquire_blocking("p1", timeout=10)  # moves: creates what the name leads to
+    print(json.dumps({"event": "moved"}), flush=True)
+    sys.stdin.readline()
+    adm.release(second)
+    adm.release(held)
+    adm.close()
+    print(json.dumps({"event": "closed"}), flush=True)
+    """
+)
+
+
+def test_r_a15_r_a5_the_first_to_arrive_after_a_segment_removed_by_hand_keeps_its_old_slots_alive(
+    sem_mode: str, segment_name: str, config: Path, tmp_path: Path
+) -> None:
+    """Before (lock-file kind): the handler that recreated the segment took over the old
+    lock file, stamped it and closed its descriptor, which drops every record lock its
+    process holds on that file: its member lock in the old segment went, so another
+    process still on the old segment reaped the slot its body was running on (and the
+    old and the new segment shared one lock file, lock bytes and all)."""
+    script = tmp_path / "mover.py"
+    script.write_text(MOVER)
+    root = str(Path(AGENT).parent.parent)
+    mover = Agent.from_command([sys.executable, str(script), str(config), segment_name, root])
+    try:
+        mover.expect("admitted")
+        old = Admission.attach(config=config, segment=segment_name, generation="old")
+        assert old._core.sweep(0.0) == 0
+        os.unlink("/dev/shm" + segment_name)  # by hand, as an operator's rm would
+        mover.send("go")
+        mover.expect("moved")  # its arrival created the new segment and was admitted there
+        # a process still on the old segment sweeps it: the mover lives, so does its slot
+        assert old._core.sweep(0.0) == 0
+        assert old._core.sweep(0.0) == 0
+        mover.send("done")
+        mover.expect("closed")
+        assert old._core.sweep(0.0) == 0  # closed, not dead: it freed its own records
+        old.close(grace=0)
+    finally:
+        mover.kill()
+
+
 # --- 4. damage (R-A16) ---------------------------------------------------------------------
 def test_r_a16_a_bad_write_to_the_counters_is_never_obeyed(
     sem_mode: str,
