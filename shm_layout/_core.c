@@ -811,8 +811,13 @@ static uint32_t sweep(Core *c, Now now, Rings *rings)
     check_own_row(c);
     for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
         long b = pbase(c, p);
-        if (!ld32(c, b + c->o[P_IN_USE]))
+        uint32_t in_use = ld32(c, b + c->o[P_IN_USE]);
+        if (!in_use)
             continue;
+        if (in_use != 1) { /* claimed (never freed), but not by a word of ours */
+            st32(c, b + c->o[P_IN_USE], 1);
+            note_damage(c, "a provider row's in_use was written over");
+        }
         if (ld32(c, b + c->o[P_QUEUE_BOUND]) != (uint32_t)c->o[G_QUEUE_BOUND]) {
             st32(c, b + c->o[P_QUEUE_BOUND], (uint32_t)c->o[G_QUEUE_BOUND]);
             note_damage(c, "a provider's queue bound was written over");
@@ -826,6 +831,13 @@ static uint32_t sweep(Core *c, Now now, Rings *rings)
         }
     }
     uint32_t reclaimed = reap(c, now, rings);
+    for (int m = 0; m < c->o[G_MEMBER_COUNT]; m++) {
+        long mb = mbase(c, m);
+        if (ld32(c, mb + c->o[M_IN_USE]) > 1) { /* its lock byte is held: reap kept it */
+            st32(c, mb + c->o[M_IN_USE], 1);
+            note_damage(c, "a member row's in_use was written over");
+        }
+    }
     std_(c, c->o[H_SWEEP_MONO], now.mono);
     return reclaimed;
 }

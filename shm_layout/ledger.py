@@ -472,10 +472,14 @@ class Ledger:
 
     def sweep(self, now: float) -> tuple[int, set[int]]:
         """What the host's sweep does (R-A5, R-A16): every provider's counters checked
-        against its records, values no writer produces put right, then a reap."""
+        against its records, values no writer produces put right (an ``in_use`` word
+        that is neither 0 nor 1 among them), then a reap."""
         buf = self.buf
         for p in self._providers():
             base = provider_base(p)
+            if PROVIDER["in_use"].get(buf, base) != 1:  # claimed, but not by a word of ours
+                PROVIDER["in_use"].put(buf, 1, base)
+                self.damage += 1
             if PROVIDER["queue_bound"].get(buf, base) != layout.QUEUE_BOUND:
                 PROVIDER["queue_bound"].put(buf, layout.QUEUE_BOUND, base)
                 self.damage += 1
@@ -487,7 +491,12 @@ class Ledger:
             ):
                 PROVIDER["published_limit"].put(buf, -1, base)
                 self.damage += 1
-        return self.reap(now)
+        reaped = self.reap(now)
+        for m in range(layout.MEMBER_COUNT):
+            if MEMBER["in_use"].get(buf, member_base(m)) > 1:  # held: the reap kept it
+                MEMBER["in_use"].put(buf, 1, member_base(m))
+                self.damage += 1
+        return reaped
 
     def recount_provider(self, p: int) -> bool:
         """Rebuild the counters from the records; True when something was wrong."""

@@ -24,9 +24,9 @@ from gwtest import AGENT, Agent, run_cli, wait_until
 
 from handler_shim import Admission, AdmissionError, AdmissionTimeout
 from shm_layout import _core, layout, platform, writer
-from shm_layout.layout import MEMBER, PROVIDER
-from shm_layout.ledger import member_base, provider_base
-from shm_layout.segment import unlink_segment
+from shm_layout.layout import HOLDER, MEMBER, PROVIDER
+from shm_layout.ledger import holder_base, member_base, provider_base
+from shm_layout.segment import Segment, unlink_segment
 from shm_layout.view import read_view
 
 
@@ -527,6 +527,44 @@ def test_r_a16_a_bad_write_to_the_counters_is_never_obeyed(
     assert len(said) == 1  # and said once
     check = run_cli("availability", "--segment", segment_name, "--check")
     assert check.returncode == 1 and "damage repaired" in check.stdout
+
+
+def test_r_a16_a_bad_write_to_an_in_use_word_never_refuses_new_handlers(
+    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+) -> None:
+    """Before: one bad write to a live idle handler's member row (in_use := 2), to a
+    provider row's in_use, or to a free record's state made every new attach refuse the
+    segment as damaged ("remove it"), for as long as nobody swept it: on a host without a
+    sidecar, for good (a new generation could not start)."""
+    idle = agents("--segment", segment_name, "--config", str(config), "hold")
+    idle.expect("admitted")
+    idle.send("release")
+    idle.expect("released")  # alive, registered, holding nothing: nobody sweeps
+    seg = Segment.open(segment_name)
+    try:
+        m = next(x.index for x in read_view(segment_name).members if x.pid == idle.pid)
+        writes = [
+            lambda: MEMBER["in_use"].put(seg.buf, 2, member_base(m)),
+            lambda: PROVIDER["in_use"].put(seg.buf, 3, provider_base(0)),
+            lambda: HOLDER["state"].put(seg.buf, 7, holder_base(0, 77)),
+        ]
+        for write in writes:
+            write()  # one bad write, by someone else
+            time.sleep(0.6)  # a sweep's time: nobody sweeps an idle host
+            newcomer = agents("--segment", segment_name, "--config", str(config), "hold")
+            newcomer.expect("admitted", timeout=10)  # attached, and admitted
+            newcomer.send("release")
+            newcomer.expect("released")
+            assert newcomer.finish() == 0
+        # and the segment is as a writer of ours would leave it (nothing left to refuse)
+        assert MEMBER["in_use"].get(seg.buf, member_base(m)) == 1
+        assert PROVIDER["in_use"].get(seg.buf, provider_base(0)) == 1
+        assert HOLDER["state"].get(seg.buf, holder_base(0, 77)) == 0
+        assert read_view(segment_name).damage_repairs >= 3
+    finally:
+        seg.close()
+    idle.send("release")
+    assert idle.finish() == 0
 
 
 def test_r_a16_a_bad_write_to_a_live_members_serial_frees_none_of_its_slots(
