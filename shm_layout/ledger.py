@@ -282,7 +282,12 @@ class Ledger:
             serial = HOLDER["serial"].get(buf, hb) + 1
             ticket = 0
             if decision == "wait":
-                ticket = self._get("next_ticket", base) + 1
+                ticket = self._get("next_ticket", base)
+                last = self._last_ticket(p)
+                if ticket < last:  # behind a ticket it handed out: never obeyed (R-A3)
+                    self.damage += 1
+                    ticket = last
+                ticket += 1
                 PROVIDER["next_ticket"].put(buf, ticket, base)
             waker = layout.WAKE_FUTEX if futex else layout.WAKE_DOORBELL
             layout.HOLDER_BODY.pack_into(
@@ -426,6 +431,16 @@ class Ledger:
         self._put_counts(base, running, waiting)
         self._peak("peak_running", base, running)
         return rings
+
+    def _last_ticket(self, p: int) -> int:
+        """The highest ticket among ``p``'s waiters: the next one must come after it,
+        whatever ``next_ticket`` says (a bad write to it, R-A16)."""
+        last = 0
+        for h in range(HOLDERS_PER_PROVIDER):
+            hb = holder_base(p, h)
+            if HOLDER["state"].get(self.buf, hb) == HOLDER_WAITING:
+                last = max(last, HOLDER["ticket"].get(self.buf, hb))
+        return last
 
     def _head_waiter(self, p: int) -> int | None:
         best: int | None = None

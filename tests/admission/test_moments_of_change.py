@@ -567,6 +567,37 @@ def test_r_a16_a_bad_write_to_an_in_use_word_never_refuses_new_handlers(
     assert idle.finish() == 0
 
 
+def test_r_a3_r_a16_a_bad_write_to_the_next_ticket_lets_no_newcomer_overtake_a_waiter(
+    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+) -> None:
+    """Before: next_ticket := 0 while two processes waited (tickets 21, 22) gave every
+    newcomer a smaller ticket than theirs: newcomers overtook them for as long as
+    newcomers kept coming, and the old waiters timed out (R-A3)."""
+    adm = Admission.attach(config=config, segment=segment_name, generation="d")
+    held = adm.acquire_blocking("p1")
+    for _ in range(20):  # a host that has been queueing for a while: tickets went by
+        with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=0):
+            pass
+
+    def arrive(n_waiting: int) -> Agent:
+        one = agents("--segment", segment_name, "--config", str(config), "hold", "--timeout", "30")
+        assert wait_until(lambda: _counts(segment_name) == (1, n_waiting))
+        return one
+
+    old = [arrive(1), arrive(2)]
+    PROVIDER["next_ticket"].put(adm._buf, 0, provider_base(0))  # one bad write
+    new = [arrive(3), arrive(4)]
+    adm.release(held)
+    for turn, agent in enumerate([*old, *new]):
+        agent.expect("admitted", timeout=10)
+        for later in [*old, *new][turn + 1 :]:
+            assert all(e["event"] != "admitted" for e in later.seen), turn
+        assert _counts(segment_name)[0] == 1
+        agent.send("release")
+        agent.expect("released")
+    adm.close()
+
+
 def test_r_a16_a_bad_write_to_a_live_members_serial_frees_none_of_its_slots(
     sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:

@@ -258,7 +258,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
     # --- damage (R-A16) ------------------------------------------------------------
     @rule(
         provider=st.sampled_from(range(len(PROVIDERS))),
-        field=st.sampled_from(["running", "waiting", "counts_check"]),
+        field=st.sampled_from(["running", "waiting", "counts_check", "next_ticket"]),
         value=st.sampled_from([0, 1, 33, 999, 0xFFFFFFFF]),
     )
     def a_bad_write_to_a_counter(self, provider: int, field: str, value: int) -> None:
