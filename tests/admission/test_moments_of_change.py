@@ -598,6 +598,41 @@ def test_r_a3_r_a16_a_bad_write_to_the_next_ticket_lets_no_newcomer_overtake_a_w
     adm.close()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: a record that names a live process is never freed by anyone but its "
+    "owner, and the owner does not know which records it holds (no ownership table in "
+    "the core): the phantom holds a slot for the life of that process",
+)
+def test_r_a16_a_bad_write_that_revives_a_free_record_never_wedges_the_provider(
+    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+) -> None:
+    """One bad write, state := RUNNING, to a free record whose last owner still lives (an
+    idle handler): the next sweep's recount takes it for the truth, and a provider with a
+    limit of 1 admits nobody for as long as that handler lives (measured: 0 of 6)."""
+    idle = agents("--segment", segment_name, "--config", str(config), "hold")
+    idle.expect("admitted")
+    idle.send("release")
+    idle.expect("released")  # alive and idle; its freed record still names it
+    seg = Segment.open(segment_name)
+    try:
+        freed = next(
+            h
+            for h in range(layout.HOLDERS_PER_PROVIDER)
+            if HOLDER["pid"].get(seg.buf, holder_base(0, h)) == idle.pid
+        )
+        HOLDER["state"].put(seg.buf, layout.HOLDER_RUNNING, holder_base(0, freed))
+        seg.core.sweep(0.0)  # what the sidecar's heartbeat or any waiter does
+        later = agents("--segment", segment_name, "--config", str(config), "hold")
+        later.expect("admitted", timeout=3)  # within a sweep or two: the phantom is gone
+        later.send("release")
+        later.expect("released")
+    finally:
+        seg.close()
+        idle.send("release")
+        idle.finish()
+
+
 def test_r_a16_a_bad_write_to_a_live_members_serial_frees_none_of_its_slots(
     sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
