@@ -14,7 +14,7 @@ PREFIX ?= /opt/gateway-capacity
 $(STAMP): pyproject.toml setup.py shm_layout/_core.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,lint,bench,plot]'
+	$(PY) -m pip install --quiet -e '.[test,lint,bench,plot,litellm]'
 	touch $(STAMP)
 
 # `make wheel`'s tools, from PyPI into the venv (tests/repo/test_wheel.py uses them too)

@@ -7,7 +7,10 @@ Sections (all by default): ``micro`` (uncontended acquire+release, side by
 side), ``handoff`` (cross-process release-to-running latency), ``throughput``
 (contended slots/s, 1..16 processes, limit 4), ``recovery`` (a lock holder's
 SIGKILL to the next entry), ``idle`` (CPU of 32 blocked
-waiters, R-A7), ``sidecar`` (RSS and CPU of ``gateway-capacity sidecar``).
+waiters, R-A7), ``sidecar`` (RSS and CPU of ``gateway-capacity sidecar``), ``asgi``
+(server CPU and latency a request pays for ``AdmissionMiddleware``; ``--asgi-before REF``
+measures another revision's middleware beside it), ``retry`` (the openai SDK's retries
+against a fixed and an estimated ``Retry-After``).
 The table goes to stdout and to ``bench/results-latest.txt``; progress goes
 to stderr. docs/benchmarks.md explains every figure.
 """
@@ -32,7 +35,17 @@ from bench_common import (
     render_table,
 )
 
-SECTIONS = ("micro", "handoff", "throughput", "recovery", "idle", "sidecar")
+SECTIONS = (
+    "micro",
+    "handoff",
+    "throughput",
+    "recovery",
+    "idle",
+    "sidecar",
+    "sidecar-scale",
+    "asgi",
+    "retry",
+)
 PLOT_DATA: dict[str, object] = {}  # what the plots draw, filled by the sections
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROCESS_COUNTS = (1, 2, 4, 8, 16)
@@ -47,10 +60,17 @@ class Plan:
     throughput_s: float
     idle_s: float
     sidecar_s: float
+    asgi_rounds: int
+    asgi_requests: int
+    retry_delay_s: float  # how long the fake upstream takes for one completion
+    scale_rounds: int = 3
+    scale_s: float = 10.0
+    scales: tuple[tuple[int, int], ...] = ((1, 1), (8, 4), (32, 4), (64, 1), (64, 4))
 
 
-FULL = Plan(7, 0.2, 250, 3, 2.0, 5.0, 10.0)
-QUICK = Plan(3, 0.04, 60, 1, 0.5, 2.0, 4.0)
+FULL = Plan(7, 0.2, 250, 3, 2.0, 5.0, 10.0, 20, 1500, 0.5)
+QUICK = Plan(3, 0.04, 60, 1, 0.5, 2.0, 4.0, 4, 500, 0.1, 1, 3.0, ((1, 1), (8, 4)))
+ASGI_BEFORE: list[str] = []  # --asgi-before REF: git refs whose middleware is measured too
 
 
 def log(msg: str) -> None:
@@ -260,6 +280,95 @@ def section_sidecar(cleanup: Cleanup, plan: Plan) -> str:
     )
 
 
+def section_sidecar_scale(cleanup: Cleanup, plan: Plan) -> str:
+    from bench_sidecar import replicas_possible, run_costs, run_scale, scale_report
+
+    head = (
+        "7. The sidecar as the work grows (providers x replicas, --refresh 1, keep-alive "
+        f"loopback farm; medians of {plan.scale_rounds} rounds of {plan.scale_s:g} s)"
+    )
+    results, skipped = [], []
+    for providers, replicas in plan.scales:
+        if replicas > 1 and not replicas_possible():
+            skipped.append(f"{providers}x{replicas}")
+            continue
+        log(f"sidecar-scale: {providers} x {replicas}")
+        results.append(run_scale(cleanup, providers, replicas, plan.scale_s, plan.scale_rounds))
+    costs = run_costs(cleanup)
+    lines = [head, "", *scale_report(results, costs)]
+    if skipped:
+        missing = ", ".join(skipped)
+        lines.append(f"not measured (needs root and unshare for a hosts file): {missing}")
+    return "\n".join(lines)
+
+
+def section_asgi(cleanup: Cleanup, plan: Plan) -> str:
+    import subprocess
+
+    from bench_asgi import CONCURRENCY, cost_table_rows, run_asgi_cost
+
+    files: dict[str, str | None] = {}
+    for ref in ASGI_BEFORE:
+        directory = cleanup.tempdir()
+        path = os.path.join(directory, "asgi_before.py")
+        source = subprocess.run(
+            ["git", "show", f"{ref}:handler_shim/asgi.py"],
+            cwd=os.path.dirname(HERE),
+            capture_output=True,
+            check=True,
+        ).stdout
+        with open(path, "wb") as f:
+            f.write(source)
+        files[f"middleware at {ref}"] = path
+    files["middleware (this checkout)"] = None
+    log(f"asgi: {len(files) + 1} uvicorn servers, {plan.asgi_rounds} interleaved rounds")
+    result = run_asgi_cost(cleanup, plan.asgi_rounds, plan.asgi_requests, files, log)
+    table = render_table(
+        ["trivial app under uvicorn", "CPU us/req", "added", "p50 us", "p50 vs plain", "p99 us"],
+        cost_table_rows(result),
+        right={1, 2, 3, 4, 5},
+    )
+    head = (
+        f"7. The ASGI middleware's cost (server CPU per request from /proc schedstat, all "
+        f"threads; {CONCURRENCY} keep-alive loopback connection(s), one request at a time; "
+        f"{plan.asgi_rounds} interleaved rounds x {plan.asgi_requests} requests, medians; "
+        "added and p50 vs plain: medians of per-round differences with the plain app; "
+        "every request admitted at once). Target: at most +20 us, p50 within 5 %"
+    )
+    return "\n".join([head, "", table])
+
+
+def section_retry(cleanup: Cleanup, plan: Plan) -> str:
+    from bench_asgi import run_sdk_retry
+
+    rows = []
+    for fixed in (1, None):
+        log(f"retry: 80 openai SDK completions, Retry-After {fixed or 'estimated'}")
+        r = run_sdk_retry(cleanup, fixed, delay=plan.retry_delay_s)
+        rows.append(
+            [
+                r.label,
+                str(r.ok),
+                str(r.failed),
+                str(r.answered_429),
+                str(r.extra_429),
+                f"{r.seconds:.1f}",
+                ",".join(map(str, r.retry_after_seen)) or "-",
+            ]
+        )
+    table = render_table(
+        ["Retry-After", "ok", "failed", "429s", "to retries", "total s", "values"],
+        rows,
+        right={1, 2, 3, 4, 5},
+    )
+    head = (
+        "8. Retry hints: 80 concurrent completions from the openai SDK (default retries, "
+        "which honour Retry-After) through examples/openai_gateway.py, limit 4, a fake "
+        f"upstream of {plan.retry_delay_s:g} s a completion"
+    )
+    return "\n".join([head, "", table])
+
+
 RUNNERS: dict[str, Callable[[Cleanup, Plan], str]] = {
     "micro": section_micro,
     "handoff": section_handoff,
@@ -267,6 +376,11 @@ RUNNERS: dict[str, Callable[[Cleanup, Plan], str]] = {
     "recovery": section_recovery,
     "idle": section_idle,
     "sidecar": section_sidecar,
+    "sidecar-scale": section_sidecar_scale,
+
+
+    "asgi": section_asgi,
+    "retry": section_retry,
 }
 
 
@@ -347,7 +461,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plots", metavar="DIR", help="also draw the throughput and hand-off plots into DIR"
     )
+    parser.add_argument(
+        "--asgi-before",
+        metavar="REF",
+        action="append",
+        default=[],
+        help="asgi section: also measure handler_shim/asgi.py as of this git ref",
+    )
     args = parser.parse_args(argv)
+    ASGI_BEFORE[:] = args.asgi_before
     chosen = SECTIONS if not args.only else tuple(s.strip() for s in args.only.split(","))
     unknown = [s for s in chosen if s not in RUNNERS]
     if unknown:

@@ -16,7 +16,10 @@ Served by uvicorn on a listening socket the drill bound on loopback (``--fd``).
   ``Authorization`` (the provider's ``baseUrl`` is this server, as a router in
   front of a real farm would serve both).
 - ``GET /_drill/stats``: in flight, peak and totals per class, as JSON.
-- ``GET /_drill/events``: every change of an in-flight count, ``[t, class, value]``.
+- ``GET /_drill/events``: every change of an in-flight count, ``[t, class, value, id, asked,
+  granted]``: ``id`` numbers the request; on its arrival, ``asked``/``granted`` are the
+  monotonic times of its admission grant, from the ``x-gateway-capacity-grant`` header the
+  gateway forwards (null without one, and on departures).
 """
 
 from __future__ import annotations
@@ -44,13 +47,17 @@ class Upstream:
         self.peak = {"admitted": 0, "legacy": 0}
         self.total = {"admitted": 0, "legacy": 0}
         self.completed = {"admitted": 0, "legacy": 0}
-        self.events: list[tuple[float, str, int]] = []
+        self.events: list[tuple[float, str, int, int, float | None, float | None]] = []
+        self.serial = 0
         self.client: httpx.AsyncClient | None = None
 
-    def _count(self, kind: str, delta: int) -> None:
+    def _count(
+        self, kind: str, delta: int, request: int, grant: tuple[float, float] | None = None
+    ) -> None:
         self.inflight[kind] += delta
         self.peak[kind] = max(self.peak[kind], self.inflight[kind])
-        self.events.append((time.time(), kind, self.inflight[kind]))
+        asked, granted = grant if grant is not None else (None, None)
+        self.events.append((time.time(), kind, self.inflight[kind], request, asked, granted))
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -114,7 +121,9 @@ class Upstream:
             return
         chunks = int(request.get("max_tokens", 5))
         kind = "legacy" if headers.get("x-request-id", b"").startswith(b"legacy") else "admitted"
-        self._count(kind, +1)
+        self.serial += 1
+        serial = self.serial
+        self._count(kind, +1, serial, _grant(headers.get("x-gateway-capacity-grant")))
         self.total[kind] += 1
         counted = True
         gone = asyncio.Event()
@@ -153,14 +162,25 @@ class Upstream:
                 )
                 with _suppress_timeout():
                     await asyncio.wait_for(gone.wait(), self.chunk_s)
-            self._count(kind, -1)
+            self._count(kind, -1, serial)
             counted = False
             self.completed[kind] += 1
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
         finally:
             watcher.cancel()
             if counted:
-                self._count(kind, -1)
+                self._count(kind, -1, serial)
+
+
+def _grant(value: bytes | None) -> tuple[float, float] | None:
+    """(asked, granted) from the middleware's grant header (``Grant.header()``), or None."""
+    if value is None:
+        return None
+    fields = dict(part.strip().partition("=")[::2] for part in value.decode().split(";"))
+    try:
+        return float(fields["asked"]), float(fields["granted"])
+    except (KeyError, ValueError):
+        return None
 
 
 class _suppress_timeout:

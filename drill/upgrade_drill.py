@@ -66,16 +66,20 @@ ROOT = Path(__file__).resolve().parent.parent
 PROVIDER = "local-inference"
 MODEL_ALIAS = "local-workhorse"
 MODEL = "workhorse"
-# No control socket: gunicorn 23+ would put one at ~/.gunicorn/gunicorn.ctl, shared by every
-# gunicorn of the user, and the drill runs two masters at once.
-GUNICORN = [
-    sys.executable,
-    "-m",
-    "gunicorn",
-    "-k",
-    "uvicorn.workers.UvicornWorker",
-    "--no-control-socket",
-]
+
+
+def _no_control_socket() -> list[str]:
+    """No control socket: newer gunicorns put one at ~/.gunicorn/gunicorn.ctl, shared by every
+    gunicorn of the user, and the drill runs two masters at once. The 23.x that
+    ``litellm[proxy]`` pins has neither the socket nor the option."""
+    from gunicorn.config import KNOWN_SETTINGS
+
+    flag = "--no-control-socket"
+    return [flag] if any(flag in (s.cli or ()) for s in KNOWN_SETTINGS) else []
+
+
+GUNICORN = [sys.executable, "-m", "gunicorn", "-k", "uvicorn.workers.UvicornWorker"]
+GUNICORN += _no_control_socket()
 GEN_A, GEN_B = "gen-A", "gen-B"
 
 
@@ -756,37 +760,57 @@ class Drill:
         )
 
     def check_inflight(self, events: list[list[Any]]) -> None:
-        """R-A1 at the upstream, from its exact log of in-flight changes.
+        """R-A1 at the upstream, exactly, from its log of in-flight changes and the grants.
 
-        A rise to ``v`` at time t must be within a limit in force around t: the highest
-        limit sampled from 1 s before t (an admission made just before a lowered limit
-        was published reaches the upstream a moment later; lowering cancels nothing) to
-        the first sample after t (a raised limit admits at once; the sampler sees it at
-        its next sample).
+        Each admitted request reaches the upstream with its grant (the middleware's
+        ``x-gateway-capacity-grant``: when it arrived and when it was admitted, on the
+        host's monotonic clock; its slot was granted at some instant of that interval).
+        At a rise to ``v``, the ``v`` requests in flight all hold slots; the one granted
+        last was granted while the others already ran, so R-A1 says ``v`` is at most the
+        limit in force at that grant. Which one was last is not known, so the check is
+        that ``v`` is within the highest limit in force during any of their
+        [asked, granted] intervals. The limit in force over an interval is read from the
+        observer's samples: those inside it, the last one before it and the first one
+        after it (a change between two samples shows in the next one). Load delays the
+        request on its way to the upstream, but no longer moves the time it is judged at.
         """
-        limits = [(s.t, s.limit) for s in self.samples]
-        if not limits:
+        import bisect
+
+        times = [s.t for s in self.samples]
+        limits = [s.limit for s in self.samples]
+        if not times:
             self.problems.append("no samples")
             return
-        offset = time.time() - self.now()  # upstream events are wall-clock
-        rises = 0
-        previous = 0
-        for t_wall, kind, value in events:
+
+        def highest_limit(start: float, end: float) -> int:
+            lo = max(bisect.bisect_left(times, start) - 1, 0)
+            hi = min(bisect.bisect_right(times, end) + 1, len(times))
+            return max(limits[lo:hi])
+
+        in_flight: dict[int, tuple[float, float]] = {}
+        rises = previous = 0
+        for _, kind, value, request, asked, granted in events:
             if kind != "admitted":
                 continue
             rising, previous = value > previous, value
             if not rising:
+                in_flight.pop(request, None)
                 continue
-            rises += 1
-            t = t_wall - offset
-            # Between two samples either limit may be in force: the one after t counts too.
-            after = next((lim for ts, lim in limits if ts > t), limits[-1][1])
-            window = [lim for ts, lim in limits if t - 1.0 <= ts <= t] + [after]
-            if value > max(window):
+            if asked is None or granted is None:
                 self.problems.append(
-                    f"upstream in flight rose to {value} above limit {max(window)} at {t:.1f}s"
+                    f"admitted request {request} reached the upstream ungranted (no grant header)"
                 )
-                break
+                return
+            in_flight[request] = (asked - self.t0, granted - self.t0)
+            rises += 1
+            allowed = max(highest_limit(a, g) for a, g in in_flight.values())
+            if value > allowed:
+                newest = max(g for _, g in in_flight.values())
+                self.problems.append(
+                    f"upstream in flight rose to {value} above the limit in force at its "
+                    f"grants ({allowed}), newest grant at {newest:.2f}s (R-A1)"
+                )
+                return
         self.figures["upstream_rises_checked"] = rises
 
     def check_key_never_logged(self) -> None:

@@ -9,7 +9,10 @@ provider's credential (``credentialFile``, read by the product's own credential
 code for every request, so a rotated key applies at once; never logged) as
 ``Authorization: Bearer``. The request's ``model`` may be a gateway alias from
 the provider's ``models`` map; it is sent upstream as the upstream id.
-``X-Request-Id`` is passed on. ``GET /v1/models`` lists the aliases and
+``X-Request-Id`` is passed on, and so is the admission grant
+(``x-gateway-capacity-grant``: the provider and when the request arrived and was
+admitted, from the middleware; nothing secret), so the upstream can check R-A1 exactly.
+``GET /v1/models`` lists the aliases and
 ``GET /healthz`` answers ``ok``: neither takes an admission slot.
 
 Admission is three lines at the bottom of this file: the Starlette app wrapped
@@ -20,13 +23,18 @@ with ``Retry-After``.
 
 Environment (read in each worker process):
 
-- ``GATEWAY_CONFIG``: the gateway's JSON config (required).
+- ``GATEWAY_CONFIG``: the gateway's JSON config (required: without it, or with a config
+  that cannot be used, the process says why in one line and exits 3, gunicorn's worker
+  boot error, so a gunicorn master stops with the reason instead of restarting its
+  workers forever).
 - ``GATEWAY_PROVIDER``: the provider id to forward to (default: the first
   provider that has a ``baseUrl``).
 - ``GATEWAY_GENERATION``: this generation's label (default ``openai-gateway``),
   read when a worker attaches: a gunicorn ``HUP`` whose config sets a new
   value (``raw_env``) relabels the new workers, with or without ``--preload``.
 - ``GATEWAY_ADMISSION_TIMEOUT``: seconds a request may wait for a slot (30).
+- ``GATEWAY_RETRY_AFTER``: fixes the ``Retry-After`` of refusals (seconds); unset, it is
+  the provider's drain estimate (mean hold time x queue ahead / limit, 1..60 s).
 - ``GATEWAY_CAPACITY_SEGMENT``: the segment name, when not derived from the config.
 
 ``app_without_admission`` is the same gateway without the middleware: what an
@@ -39,9 +47,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 from starlette.applications import Starlette
@@ -50,13 +59,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from handler_shim.asgi import AdmissionMiddleware
+from handler_shim.asgi import GRANT_HEADER, GRANT_KEY, AdmissionMiddleware, Grant
 from sidecar.config import ConfigError, ProviderConfig, load_config
 from sidecar.credential import CredentialError, read_credential
 
 log = logging.getLogger("openai_gateway")
 
-CONFIG = os.environ.get("GATEWAY_CONFIG", "gateway.json")
+# gunicorn's worker boot error: its master stops with the reason instead of restarting the
+# worker (any other exit status, 1 included, is restarted forever).
+WORKER_BOOT_ERROR = 3
+
+
+def _fail(reason: str) -> NoReturn:
+    print(f"openai_gateway: {reason}", file=sys.stderr, flush=True)
+    raise SystemExit(WORKER_BOOT_ERROR)
+
+
+CONFIG = os.environ.get("GATEWAY_CONFIG") or _fail("GATEWAY_CONFIG is not set (the gateway config)")
 COMPLETIONS = "/v1/chat/completions"
 # Completions stream for minutes; connecting must not take long.
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=30.0)
@@ -114,7 +133,7 @@ def provider_id() -> str:
     try:
         return _pick_provider(CONFIG).id
     except (OSError, ConfigError) as exc:
-        raise SystemExit(f"openai_gateway: {exc}") from None
+        _fail(str(exc))
 
 
 def build_app(config_path: str = CONFIG) -> Starlette:
@@ -176,6 +195,9 @@ def build_app(config_path: str = CONFIG) -> Starlette:
         request_id = request.headers.get("x-request-id")
         if request_id:
             headers["x-request-id"] = request_id
+        grant = request.scope.get(GRANT_KEY)
+        if isinstance(grant, Grant):  # when and on which provider it was admitted
+            headers[GRANT_HEADER] = grant.header()
         assert client is not None, "lifespan did not run"
         outgoing = client.build_request("POST", upstream.url, json=body, headers=headers)
         try:
@@ -237,4 +259,7 @@ app = AdmissionMiddleware(
     generation=lambda: os.environ.get("GATEWAY_GENERATION", "openai-gateway"),
     provider=lambda scope: PROVIDER if scope["path"] == COMPLETIONS else None,
     timeout=float(os.environ.get("GATEWAY_ADMISSION_TIMEOUT", "30")),
+    retry_after=int(os.environ["GATEWAY_RETRY_AFTER"])
+    if "GATEWAY_RETRY_AFTER" in os.environ
+    else None,
 )

@@ -27,6 +27,7 @@ from gateway_capacity.schemas import SCHEMA_VERSION
 from shm_layout.names import ENV_VAR, BadSegmentName, check_segment_name, resolve_segment_name
 from sidecar.addresses import ResolveError, check_provider_addresses
 from sidecar.config import (
+    RANGE_ONLY,
     ConfigError,
     GatewayConfig,
     ProviderConfig,
@@ -37,6 +38,7 @@ from sidecar.config import (
 )
 from sidecar.credential import CredentialError, read_credential
 from sidecar.limits import fallback_for
+from sidecar.probe import listener_refusal
 
 CHECK_DEADLINE_S = 3.0  # the probe's own deadline for resolution and checks (R-P5)
 
@@ -181,7 +183,18 @@ async def _check_provider(
         endpoint = None
     if endpoint is not None and not any(p.startswith("opt_in_refused:") for p in problems):
         entry["endpoint"] = endpoint.url
-        await _check_addresses(entry, endpoint.host, endpoint.port, provider.tailnet, socket_path)
+        await _check_addresses(
+            entry,
+            endpoint.host,
+            endpoint.port,
+            provider.tailnet,
+            socket_path,
+            range_only=provider.tailnet_check == RANGE_ONLY,
+        )
+        allowed = [a["address"] for a in entry["addresses"] if a["allowed"]]
+        refusal = listener_refusal(provider, endpoint.port, allowed)
+        if refusal is not None:
+            problems.append(f"listener_refused:{refusal}")
     if provider.credential_file is not None and not any("credentialFile" in p for p in problems):
         try:
             read_credential(provider.credential_file)
@@ -203,12 +216,20 @@ async def _check_provider(
 
 
 async def _check_addresses(
-    entry: dict[str, Any], host: str, port: int, tailnet: bool, socket_path: str | None
+    entry: dict[str, Any],
+    host: str,
+    port: int,
+    tailnet: bool,
+    socket_path: str | None,
+    *,
+    range_only: bool,
 ) -> None:
     problems: list[str] = entry["problems"]
     try:
         async with asyncio.timeout(CHECK_DEADLINE_S):
-            check = await check_provider_addresses(host, port, tailnet, socket_path)
+            check = await check_provider_addresses(
+                host, port, tailnet, socket_path, range_only=range_only
+            )
     except TimeoutError:
         problems.append(f"timeout:resolving and checking {host} took over {CHECK_DEADLINE_S:g} s")
         return

@@ -119,6 +119,20 @@ def register(subparsers: Any) -> None:
     simworker.add_argument(
         "--model", default="sim-model", metavar="NAME", help="name shown in its model_path"
     )
+    simworker.add_argument(
+        "--openai",
+        action="store_true",
+        help="also a fake OpenAI-compatible upstream: POST /v1/chat/completions (streaming "
+        "or not, at most --slots at once), GET /v1/models, and llama-swap's vLLM gauges on "
+        "GET /metrics and /upstream/MODEL/metrics (for wait-for-slot)",
+    )
+    simworker.add_argument(
+        "--delay",
+        type=_delay,
+        default=0.5,
+        metavar="S",
+        help="with --openai: seconds one completion takes (default 0.5)",
+    )
 
 
 def _add_client_options(parser: argparse.ArgumentParser) -> None:
@@ -144,6 +158,16 @@ def _port(text: str) -> int:
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"must be a port number 0..65535: {text!r}")
     return int(text)
+
+
+def _delay(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 3600.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be seconds, 0..3600: {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,7 +242,14 @@ def _simworker(args: argparse.Namespace) -> int:
 
     from capacity_router import SimWorker
 
-    worker = SimWorker(slots=args.slots, host=args.host, port=args.port, model=args.model)
+    worker = SimWorker(
+        slots=args.slots,
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        openai=args.openai,
+        delay=args.delay,
+    )
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -231,10 +262,13 @@ def _simworker(args: argparse.Namespace) -> int:
     except OSError as exc:
         where = f"[{args.host}]" if ":" in args.host else args.host
         fail(f"cannot listen on {where}:{args.port}: {exc.strerror or exc}", code=EXIT_USAGE)
-    print(
-        f"simulated worker on {worker.url} ({args.slots} slots): GET /props, GET /health",
-        flush=True,
-    )
+    served = "GET /props, GET /health"
+    if args.openai:
+        served += (
+            f", POST /v1/chat/completions ({args.delay:g} s each), GET /v1/models, "
+            f"GET /metrics, GET /upstream/{args.model}/metrics"
+        )
+    print(f"simulated worker on {worker.url} ({args.slots} slots): {served}", flush=True)
     try:
         stop.wait()
     finally:

@@ -47,6 +47,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(default 10)",
     )
     p.add_argument(
+        "--await-legacy-max",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="a legacy drain longer than this is a WARNING and fails availability --check "
+        "(default 1800: 30 minutes)",
+    )
+    p.add_argument(
         "--parent-pid", type=int, metavar="PID", help="exit when this process exits (macOS child)"
     )
     p.add_argument(
@@ -99,6 +107,13 @@ def run(args: argparse.Namespace) -> int:
             "while it waits, and the systemd unit allows 30 s to start (TimeoutStartSec=)"
         )
         return EXIT_USAGE
+    if not 0 < args.await_legacy_max < float("inf"):  # also refuses nan
+        import logging
+
+        logging.getLogger("gateway_capacity.sidecar").error(
+            "--await-legacy-max must be a number of seconds above 0"
+        )
+        return EXIT_USAGE
     return main(
         Options(
             config_path=args.config,
@@ -106,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
             segment=args.segment,
             await_legacy=args.await_legacy,
             await_legacy_grace_s=args.await_legacy_grace,
+            await_legacy_max_s=args.await_legacy_max,
             parent_pid=args.parent_pid,
             group_shared=args.group_shared,
             owner=args.owner,

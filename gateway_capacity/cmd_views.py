@@ -228,6 +228,13 @@ def health_problems(view: SegmentView, max_heartbeat_age: float) -> list[str]:
             f"sidecar pid {s.pid} is stale: last heartbeat {age} "
             f"(limit {max_heartbeat_age:g}s; stopped or wedged?)"
         )
+    lasted = s.legacy_overdue(view.read_mono) if s is not None and s.alive else None
+    if s is not None and lasted is not None:
+        problems.append(
+            f"legacy drain has lasted {lasted / 60:.0f} min, over --await-legacy-max "
+            f"{s.legacy_max_s / 60:g} min: pid {s.legacy_pid} still runs, opted-in providers "
+            "admit nothing new (R-G3); stop it, or restart the sidecar without --await-legacy"
+        )
     for p in view.providers:
         if p.capacity_discovery and p.source in FALLBACK_SOURCES:
             problems.append(

@@ -47,22 +47,19 @@ Errors (all ``AdmissionError``, exported by ``handler_shim``)::
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import gc
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import weakref
-from asyncio.events import _get_running_loop
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING
 
-from shm_layout import _core, layout, ledger, platform, writer
+from shm_layout import _core, layout, platform
 from shm_layout.errors import GatewayCapacityError
 from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING
 from shm_layout.liveness import process_start
@@ -70,7 +67,21 @@ from shm_layout.names import resolve_segment_name
 from shm_layout.owners import OwnerPolicy
 from shm_layout.segment import Segment, remove_doorbell
 
+# What a handler's ``import handler_shim`` loads is what a slot needs; asyncio (with ssl
+# and concurrent.futures), the model, the writer and the views load when used (issue 19).
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Callable, Coroutine
+    from typing import Any, TypeVar
+
+    _T = TypeVar("_T")
+
 log = logging.getLogger("gateway_capacity.admission")
+
+# the core's types, by names that Admission's ``_core`` property (kept for tests and
+# tools) does not shadow in annotations
+CoreTicket = _core.Ticket
+CoreObject = _core.Core
 
 SWEEP_S = 0.5  # the host's sweep, and the longest a waiter sleeps without looking (R-A5)
 TICK_S = 0.25  # macOS only: the ticker's post, standing in for a timed wait (R-A10)
@@ -107,14 +118,22 @@ class UnknownProvider(AdmissionError, KeyError):
         return str(self.args[0])
 
 
-@dataclass(frozen=True, slots=True)
 class ProviderEntry:
     """What a shim that creates provider rows writes from its own reading of the config."""
 
-    provider_id: str
-    fallback: int
-    fallback_source: str
-    discovery: bool
+    __slots__ = ("discovery", "fallback", "fallback_source", "provider_id")
+
+    def __init__(self, provider_id: str, fallback: int, fallback_source: str, discovery: bool):
+        self.provider_id = provider_id
+        self.fallback = fallback
+        self.fallback_source = fallback_source
+        self.discovery = discovery
+
+    def __repr__(self) -> str:
+        return (
+            f"ProviderEntry({self.provider_id!r}, {self.fallback}, {self.fallback_source!r}, "
+            f"{self.discovery})"
+        )
 
 
 def providers_from_config(path: str | os.PathLike[str]) -> list[ProviderEntry]:
@@ -131,22 +150,29 @@ def providers_from_config(path: str | os.PathLike[str]) -> list[ProviderEntry]:
     return out
 
 
-_T = TypeVar("_T")
-
-
 # --- waiters that the dispatcher wakes ---------------------------------------------------
-@dataclass(eq=False)
 class _Waiter:
-    """A waiter woken by the dispatcher: an async task's future, or (macOS) a thread."""
+    """A waiter woken by the dispatcher: an async task's future, or (macOS) a thread.
 
-    ticket: _core.Ticket
-    loop: asyncio.AbstractEventLoop | None = None
-    future: asyncio.Future[None] | None = None
-    # a thread's wake-up: a plain lock used as a binary semaphore. Unlike
-    # threading.Event, whose Condition can be left half-released by an exception a
-    # signal handler raises inside it ("release unlocked lock"), acquire() is one C call.
-    gate: threading.Lock | None = None
-    woken: bool = field(default=False)
+    A thread's wake-up is a plain lock used as a binary semaphore: unlike
+    threading.Event, whose Condition can be left half-released by an exception a signal
+    handler raises inside it ("release unlocked lock"), acquire() is one C call."""
+
+    __slots__ = ("future", "gate", "loop", "ticket", "woken")
+
+    def __init__(
+        self,
+        ticket: CoreTicket,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        future: asyncio.Future[None] | None = None,
+        gate: threading.Lock | None = None,
+    ) -> None:
+        self.ticket = ticket
+        self.loop = loop
+        self.future = future
+        self.gate = gate
+        self.woken = False
 
     def wake(self) -> bool:
         """Tell the waiter to look. False when nobody is left to tell (its loop is gone)."""
@@ -187,7 +213,7 @@ class _Attachment:
         self.buf = seg.buf
         self.index: dict[str, int] = {}
         self.overflow: dict[str, str] = {}
-        self.waiters: dict[_core.Ticket, _Waiter] = {}
+        self.waiters: dict[CoreTicket, _Waiter] = {}
         self.guard = threading.Lock()  # protects waiters
         self.stopping = False
         self.retired = False
@@ -225,6 +251,8 @@ class _Attachment:
     def ensure(self, entries: list[ProviderEntry]) -> None:
         """Rows for the config's providers (R-A8, R-A9): what a sidecar would write."""
         for e in entries:
+            from shm_layout import writer
+
             try:
                 _, created = writer.ensure_provider(
                     self.seg, e.provider_id, e.fallback, e.fallback_source, e.discovery
@@ -251,6 +279,8 @@ class _Attachment:
     def provider(self, provider_id: str) -> int:
         p = self.index.get(provider_id)
         if p is None:
+            from shm_layout import ledger
+
             p = ledger.find_provider(self.buf, provider_id)
             if p is None:
                 raise UnknownProvider(self.adm._unknown_reason(self, provider_id))
@@ -312,7 +342,7 @@ class _Attachment:
                 last_check = now
                 self._periodic(watched)
 
-    def _periodic(self, watched: tuple[_core.Ticket, ...]) -> None:
+    def _periodic(self, watched: tuple[CoreTicket, ...]) -> None:
         with self.guard:
             orphans = [w for w in self.waiters.values() if w.orphaned()]
         for waiter in orphans:
@@ -450,7 +480,7 @@ class Admission:
         return self._current.seg
 
     @property
-    def _core(self) -> _core.Core:
+    def _core(self) -> CoreObject:
         return self._current.core
 
     @property
@@ -463,7 +493,7 @@ class Admission:
         return self._current.wakeups + sum(a.wakeups for a in self._retired)
 
     # --- the public API -----------------------------------------------------------------
-    def slot_blocking(self, provider: str, timeout: float | None = None) -> _core.Ticket:
+    def slot_blocking(self, provider: str, timeout: float | None = None) -> CoreTicket:
         """``with adm.slot_blocking(provider, timeout):`` one running slot for the body."""
         att = self._usable()
         p = att.index.get(provider)
@@ -471,11 +501,12 @@ class Admission:
             p = att.provider(provider)
         return _core.Ticket(att.core, p, timeout)
 
-    def slot(self, provider: str, timeout: float | None = None) -> _core.Ticket:
+    def slot(self, provider: str, timeout: float | None = None) -> CoreTicket:
         """``async with adm.slot(provider, timeout):`` the same; never blocks the event loop
         on a wait (R-A11)."""
         att = self._usable()
-        loop = _get_running_loop()
+        events = sys.modules.get("asyncio.events")  # loaded: a caller of slot() runs a loop
+        loop = events._get_running_loop() if events is not None else None
         if loop is not self._last_loop and loop is not None:
             self._note_loop(loop)
         p = att.index.get(provider)
@@ -490,6 +521,22 @@ class Admission:
         ticket = self.slot(provider, timeout)
         await ticket.__aenter__()
         return Ticket(provider, ticket)
+
+    def try_acquire(self, provider: str) -> Ticket | None:
+        """A slot of ``provider`` only if one is free at once: one try-lock step, never
+        queued, never waiting, safe on an event loop. None when the request would have to
+        wait (or the lock is busy): then call :meth:`acquire`, which queues it. Raises
+        ``QueueFull`` as :meth:`acquire` does. Give the ticket back with :meth:`release`."""
+        ticket = self.slot(provider)
+        core = _core_of(ticket)
+        code = core.arrive(ticket, ticket.provider, os.getpid(), IN_CORE, False, False, -1.0)
+        if code == _core.ADMIT:
+            return Ticket(provider, ticket)
+        if code in (_core.FULL, _core.CLOSED):
+            raise self._refusal(ticket, code)
+        if code == _core.MOVED:
+            self._moved_ticket(ticket)  # the name leads elsewhere: arrivals go there now
+        return None  # would wait (nothing recorded), the lock is busy, or it just moved
 
     def acquire_blocking(self, provider: str, timeout: float | None = None) -> Ticket:
         """The blocking form of :meth:`acquire`."""
@@ -518,6 +565,8 @@ class Admission:
         """Seconds a refused client should wait before trying again: the provider's mean
         slot hold time x the queue ahead / the limit, clamped to [1, 60] (1 while no slot
         has been held yet). Lock-free; never raises for a known provider."""
+        from shm_layout import ledger
+
         att = self._usable()
         p = att.provider(provider)
         base = ledger.provider_base(p)
@@ -585,6 +634,8 @@ class Admission:
         return self._current
 
     def _unknown_reason(self, att: _Attachment, provider_id: str) -> str:
+        from shm_layout import ledger
+
         if provider_id in att.overflow:
             return f"provider {provider_id!r} has no budget: {att.overflow[provider_id]}"
         try:
@@ -596,15 +647,15 @@ class Admission:
             "config the sidecar (or the first handler) read?"
         )
 
-    def _attachment_of(self, core: _core.Core) -> _Attachment:
+    def _attachment_of(self, core: CoreObject) -> _Attachment:
         with self._lock:
             for att in (self._current, *self._retired):
                 if att.core is core:
                     return att
         raise AdmissionError("this slot belongs to a segment this Admission has left")
 
-    def _refusal(self, ticket: _core.Ticket, code: int) -> AdmissionError:
-        att = self._attachment_of(ticket.core)
+    def _refusal(self, ticket: CoreTicket, code: int) -> AdmissionError:
+        att = self._attachment_of(_core_of(ticket))
         if code == _core.FULL:
             return QueueFull(
                 f"provider {att.provider_name(ticket.provider)}: {layout.QUEUE_BOUND} requests "
@@ -616,17 +667,17 @@ class Admission:
             return AdmissionError("this Admission was closed")
         return AdmissionError(f"admission refused (code {code})")
 
-    def _moved_ticket(self, ticket: _core.Ticket) -> _core.Ticket:
+    def _moved_ticket(self, ticket: CoreTicket) -> CoreTicket:
         """The name leads elsewhere: move, and point ``ticket`` (not live) at the
         attachment arrivals go to now, with the same provider by id (R-A15)."""
-        old = self._attachment_of(ticket.core)
+        old = self._attachment_of(_core_of(ticket))
         name = old.provider_name(ticket.provider)
         att = self._move(old)
         ticket.rebind(att.core, att.provider(name))
         return ticket
 
     # --- the slow paths of the slot context managers (called by the core) --------------
-    def _enter_slow(self, ticket: _core.Ticket, code: int) -> None:
+    def _enter_slow(self, ticket: CoreTicket, code: int) -> None:
         """``with`` when the arrival did not admit at once: wait, move, or refuse."""
         timeout = ticket.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -660,24 +711,24 @@ class Admission:
             ticket.leave(_core.CANCELLED, True)
             raise
 
-    def _arrive_again(self, ticket: _core.Ticket, deadline: float | None) -> int:
+    def _arrive_again(self, ticket: CoreTicket, deadline: float | None) -> int:
         remaining = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
-        code: int = ticket.core.arrive(
+        code: int = _core_of(ticket).arrive(
             ticket, ticket.provider, os.getpid(), IN_CORE, True, True, remaining, True
         )
         return code
 
-    def _wait_blocking(self, ticket: _core.Ticket, deadline: float | None) -> int:
+    def _wait_blocking(self, ticket: CoreTicket, deadline: float | None) -> int:
         """Wait for the grant; a W_* result."""
         if ticket.futex:  # Linux: the thread sleeps on its record itself (one wake-up)
             remaining = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
-            result, reclaimed = ticket.core.wait(ticket, remaining)
+            result, reclaimed = _core_of(ticket).wait(ticket, remaining)
             if reclaimed:
                 log.warning("reclaimed %d slot(s) of dead processes", reclaimed)
             with contextlib.suppress(AdmissionError, _core.CoreError):
-                self._report_events(self._attachment_of(ticket.core))
+                self._report_events(self._attachment_of(_core_of(ticket)))
             return int(result)
-        att = self._attachment_of(ticket.core)  # macOS: the dispatcher wakes us
+        att = self._attachment_of(_core_of(ticket))  # macOS: the dispatcher wakes us
         gate = threading.Lock()
         gate.acquire()
         waiter = _Waiter(ticket, gate=gate)
@@ -705,11 +756,13 @@ class Admission:
         finally:
             att.unwatch(waiter)
 
-    def _aenter_slow(self, ticket: _core.Ticket, code: int) -> Coroutine[Any, Any, None]:
+    def _aenter_slow(self, ticket: CoreTicket, code: int) -> Coroutine[Any, Any, None]:
         return self._aenter(ticket, code)
 
-    async def _aenter(self, ticket: _core.Ticket, code: int) -> None:
+    async def _aenter(self, ticket: CoreTicket, code: int) -> None:
         """``async with`` when the try-lock arrival did not admit at once."""
+        import asyncio
+
         try:
             async with asyncio.timeout(ticket.timeout):
                 await self._acquire(ticket, code)
@@ -720,7 +773,7 @@ class Admission:
             await self._leave_async(ticket, _core.CANCELLED)
             raise
 
-    async def _acquire(self, ticket: _core.Ticket, code: int) -> None:
+    async def _acquire(self, ticket: CoreTicket, code: int) -> None:
         while True:
             # The lock is busy or stalled: wait for it off the loop, in bounded turns, so
             # that the timeout or a cancellation lands within one turn even while the
@@ -728,7 +781,7 @@ class Admission:
             # for: R-A4).
             while code == _core.BUSY:
                 code = await self._off_loop(
-                    ticket.core.arrive,
+                    _core_of(ticket).arrive,
                     ticket,
                     ticket.provider,
                     os.getpid(),
@@ -748,16 +801,18 @@ class Admission:
                 raise self._refusal(ticket, code)
             if await self._wait_async(ticket) == _core.W_GRANTED:
                 return
-            if ticket.core.moved and not ticket.core.closing:
+            if _core_of(ticket).moved and not _core_of(ticket).closing:
                 await self._leave_async(ticket, _core.CANCELLED)
                 code = _core.MOVED
                 continue
-            if ticket.core.closing or self._closing:
+            if _core_of(ticket).closing or self._closing:
                 raise AdmissionError("this Admission was closed while waiting")
             raise AdmissionError("the admission record was removed while waiting")
 
-    async def _wait_async(self, ticket: _core.Ticket) -> int:
-        att = self._attachment_of(ticket.core)
+    async def _wait_async(self, ticket: CoreTicket) -> int:
+        import asyncio
+
+        att = self._attachment_of(_core_of(ticket))
         loop = asyncio.get_running_loop()
         waiter = _Waiter(ticket, loop=loop, future=loop.create_future())
         att.watch(waiter)
@@ -776,11 +831,11 @@ class Admission:
         finally:
             att.unwatch(waiter)
 
-    async def _leave_async(self, ticket: _core.Ticket, outcome: int) -> None:
+    async def _leave_async(self, ticket: CoreTicket, outcome: int) -> None:
         if ticket.leave(outcome, False) == -1:  # the lock is busy: not on the loop
             await self._off_loop(ticket.leave, outcome, True)
 
-    def _aexit_slow(self, ticket: _core.Ticket) -> Coroutine[Any, Any, None]:
+    def _aexit_slow(self, ticket: CoreTicket) -> Coroutine[Any, Any, None]:
         return self._leave_async(ticket, _core.RELEASED)
 
     async def _off_loop(self, fn: Callable[..., _T], *args: object) -> _T:
@@ -789,6 +844,8 @@ class Admission:
         If the awaiting task is cancelled, the call still completes in its thread;
         the caller's cleanup sees its result on the ticket.
         """
+        import asyncio
+
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(None, fn, *args)
         try:
@@ -914,6 +971,14 @@ class Admission:
         log.error("%s", message)
 
 
+def _core_of(ticket: CoreTicket) -> CoreObject:
+    """The core a ticket of a slot path belongs to (always set once it arrived)."""
+    core = ticket.core
+    if core is None:
+        raise AdmissionError("a slot without a segment")
+    return core
+
+
 def _running(att: _Attachment) -> int:
     """Running records of ``att``'s registration, by the segment's word."""
     try:
@@ -924,6 +989,8 @@ def _running(att: _Attachment) -> int:
 
 
 async def _finish_quietly(future: asyncio.Future[_T]) -> None:
+    import asyncio
+
     while not future.done():
         with contextlib.suppress(BaseException):
             await asyncio.shield(future)
@@ -944,16 +1011,16 @@ class Ticket:
 
     __slots__ = ("_guard", "_ticket", "provider")
 
-    def __init__(self, provider: str, ticket: _core.Ticket) -> None:
+    def __init__(self, provider: str, ticket: CoreTicket) -> None:
         self.provider = provider
-        self._ticket: _core.Ticket | None = ticket
+        self._ticket: CoreTicket | None = ticket
         self._guard = threading.Lock()
 
     @property
     def released(self) -> bool:
         return self._ticket is None or not self._ticket.live
 
-    def _take(self) -> _core.Ticket | None:
+    def _take(self) -> CoreTicket | None:
         with self._guard:
             ticket, self._ticket = self._ticket, None
             return ticket

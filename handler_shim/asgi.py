@@ -1,8 +1,8 @@
 """``AdmissionMiddleware``: one shared admission slot per HTTP request of an ASGI app.
 
-    from handler_shim.asgi import AdmissionMiddleware
+    from handler_shim.asgi import AdmissionMiddleware, by_model
     app = AdmissionMiddleware(app, config="gateway.json", generation="gw-2.0",
-                              provider="local-inference", timeout=30.0)
+                              provider=by_model, timeout=30.0)
 
 Plain ASGI 3 (no web framework is imported), for any ASGI server: uvicorn, or
 gunicorn with uvicorn workers, with or without ``--preload``.
@@ -12,25 +12,40 @@ gunicorn with uvicorn workers, with or without ``--preload``.
   the server sends no lifespan. It is closed at lifespan shutdown (else at
   interpreter exit). A startup that cannot attach (config unreadable, segment
   of another layout) fails the lifespan with a one-line message, so a server
-  with lifespan on refuses to start instead of serving unadmitted.
+  with lifespan on refuses to start instead of serving unadmitted (a gunicorn
+  uvicorn worker then exits with gunicorn's worker boot error, 3, and the
+  master stops with the reason instead of restarting it).
   ``generation`` may be a callable, evaluated at that attach: under
   gunicorn's ``HUP`` with ``--preload`` the app object is the old one, but
   new workers can still read a new label (from the environment, say).
+* **Which provider.** ``provider=`` is a provider id, a function of the ASGI
+  scope, or :data:`by_model`, which reads the JSON body's ``model`` (see
+  :class:`ByModel`). None means "not admitted".
 * **The slot** (SPEC R-A1..R-A4) is taken before the wrapped app runs and
   released when the last body message has been sent (streamed bodies and
   SSE included), or when the app returns or raises, whichever comes first.
   A client that goes away during the response ends the app's sends; an ASGI
   app (Starlette's streaming response does) then returns, and the slot goes.
-* **Waiting.** While the request waits for a slot, the middleware reads the
-  request messages itself (buffering the body, which it hands to the app
-  unchanged), so it sees ``http.disconnect``: a client that goes away while
-  waiting leaves the queue at once (R-A4) and the app never runs.
+* **Two paths.** When a slot is free at once (one try-lock step,
+  ``Admission.try_acquire``), the app runs at once with the server's own
+  ``receive``: no task, no future, no queue. Only a request that must wait
+  gets a reader task, which reads the request's messages while it waits (so it
+  sees ``http.disconnect``: a client that goes away while waiting leaves the
+  queue at once, R-A4, and the app never runs) and hands the app what it read
+  ahead, unchanged, before the server's ``receive`` takes over again.
+* **The grant.** An admitted request's scope carries
+  ``scope["gateway_capacity.grant"]``, a :class:`Grant` (provider, and the
+  monotonic times the request arrived and was admitted), which an app that
+  forwards the request may pass on (``Grant.header()``), so the upstream can
+  judge each request against the limit in force when it was admitted.
 * **Refusals.** ``QueueFull`` answers 429, ``AdmissionTimeout`` 503, any other
   admission error (unknown provider, attach failure) 503, each with
   ``Retry-After`` and an OpenAI-style JSON error body:
-  ``{"error": {"message", "type", "param", "code"}}``.
-* **Pass-through.** Requests for which ``provider(scope)`` returns None
-  (health checks, model lists), websocket and other scopes go to the app
+  ``{"error": {"message", "type", "param", "code"}}``. ``Retry-After`` is the
+  provider's drain estimate (``Admission.retry_after``: mean hold time x queue
+  ahead / limit, clamped to 1..60 s) unless ``retry_after=`` fixes it.
+* **Pass-through.** Requests for which the provider is None (health checks,
+  model lists, unknown models), websocket and other scopes go to the app
   untouched.
 """
 
@@ -41,11 +56,12 @@ import contextlib
 import json
 import logging
 import os
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
-from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, Final, NamedTuple
 
-from handler_shim.admission import Admission, AdmissionError, AdmissionTimeout, QueueFull
+from handler_shim.admission import Admission, AdmissionError, AdmissionTimeout, QueueFull, Ticket
 
 log = logging.getLogger("gateway_capacity.asgi")
 
@@ -54,12 +70,102 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-ProviderChoice = str | Callable[[Scope], str | None] | None
 Generation = str | Callable[[], str]
+
+GRANT_KEY: Final = "gateway_capacity.grant"  # the scope key of an admitted request's Grant
+GRANT_HEADER: Final = "x-gateway-capacity-grant"
+
+_forks = [0]  # forks seen by this process: a forked child must attach anew (cheaper than getpid)
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+
+
+class Grant(NamedTuple):
+    """What an admitted request carries in its scope: the provider whose slot it holds and
+    the host's monotonic clock (``time.monotonic()``, one clock for every process of the
+    host) when the request arrived at the middleware and when it was admitted. The slot was
+    granted at some instant of ``[asked, granted]``. Nothing secret."""
+
+    provider: str
+    asked: float
+    granted: float
+
+    def header(self) -> str:
+        """The value of ``x-gateway-capacity-grant`` for an app to pass upstream."""
+        return f"provider={self.provider}; asked={self.asked:.6f}; granted={self.granted:.6f}"
+
+    @classmethod
+    def parse(cls, value: str) -> Grant:
+        """The inverse of :meth:`header` (for an upstream); ValueError when malformed."""
+        fields = dict(part.strip().partition("=")[::2] for part in value.split(";"))
+        return cls(fields["provider"], float(fields["asked"]), float(fields["granted"]))
+
+
+class ByModel:
+    """``provider=`` selector: the provider whose ``models`` map names the body's ``model``.
+
+    The gateway config's ``models`` maps gateway **aliases** to upstream model ids
+    (SPEC R-C2), and a gateway's clients name the alias: that is what the request's
+    ``model`` is matched on. An upstream id is matched too when it names one provider's
+    model and is nobody's alias (a client that already speaks the upstream's names, as
+    ``examples/openai_gateway.py`` accepts). An alias in two providers' maps goes to the
+    first in the file, with one warning. The map follows edits of the config file (checked
+    at most once a second; a broken edit keeps the last good map, R-C3).
+
+    What is read: the body of a ``POST``, ``PUT`` or ``PATCH`` that is not a form
+    (``multipart/form-data``, ``application/x-www-form-urlencoded``), up to
+    ``max_body`` bytes (1 MiB). Other requests pass through unread and unadmitted.
+    Whatever the ``Content-Type`` says, the body is parsed as JSON, since apps such as
+    LiteLLM's proxy parse it so (a ``text/plain`` label must not be a way around the
+    budget). Then:
+
+    * over ``max_body`` (by ``Content-Length`` or as read): **413** ``request_too_large``;
+    * not JSON, or not a JSON object: **400** ``invalid_json`` (a body that cannot be
+      read cannot be admitted, and one the app might still parse must not slip past);
+    * no ``model``, a ``model`` that is not a string, or a model no provider names:
+      passed through **unadmitted** (the app answers it; it reaches no provider of the
+      config);
+    * else admitted on that provider.
+
+    The body reaches the app unchanged: the very messages read are replayed, then the
+    server's ``receive`` takes over. A client that goes away while its body is read
+    leaves nothing behind (nothing was asked for yet).
+    """
+
+    READ_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
+    FORMS: Final = (b"multipart/form-data", b"application/x-www-form-urlencoded")
+
+    def __init__(self, *, max_body: int = 1 << 20, config: str | os.PathLike[str] | None = None):
+        if max_body < 1:
+            raise ValueError("max_body must be at least 1 byte")
+        self.max_body = max_body
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"ByModel(max_body={self.max_body})"
+
+    def wants_body(self, scope: Scope) -> bool:
+        if scope.get("method") not in self.READ_METHODS:
+            return False
+        for name, value in scope.get("headers", ()):
+            if name == b"content-type":
+                return not value.lower().lstrip().startswith(self.FORMS)
+        return True
+
+
+by_model: Final = ByModel()
+"""The default :class:`ByModel` (1 MiB bodies, the middleware's own ``config``)."""
+
+ProviderChoice = str | Callable[[Scope], str | None] | ByModel | None
 
 
 class _StartupFailed(Exception):
     """Raised into the wrapped app's lifespan after startup failure was reported."""
+
+
+class _Refusal(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
 
 
 class AdmissionMiddleware:
@@ -74,12 +180,12 @@ class AdmissionMiddleware:
         generation: Generation = "asgi",
         provider: ProviderChoice,
         timeout: float | None = 30.0,
-        retry_after: int = 1,
+        retry_after: int | None = None,
     ) -> None:
         if config is None and segment is None and not os.environ.get("GATEWAY_CAPACITY_SEGMENT"):
             raise ValueError("AdmissionMiddleware needs config= or segment=")
-        if retry_after < 0:
-            raise ValueError("retry_after must be >= 0 seconds")
+        if retry_after is not None and retry_after < 0:
+            raise ValueError("retry_after must be >= 0 seconds (or None: the drain estimate)")
         self.app = app
         self.config = config
         self.segment = segment
@@ -87,8 +193,15 @@ class AdmissionMiddleware:
         self.provider = provider
         self.timeout = timeout
         self.retry_after = retry_after
+        self._models: ModelMap | None = None
+        if isinstance(provider, ByModel):
+            source = provider.config if provider.config is not None else config
+            if source is None:
+                raise ValueError("provider=by_model needs the gateway config (config=)")
+            self._models = ModelMap(source)
         self._admission: Admission | None = None
         self._pid = 0  # the process _admission was attached in
+        self._forks = -1  # _forks[0] when it was attached
         self._attaching: asyncio.Lock | None = None
         self._attach_lock_pid = 0
         self._logged: set[str] = set()
@@ -132,7 +245,7 @@ class AdmissionMiddleware:
                 Admission.attach, config=self.config, generation=label, segment=self.segment
             )
             # A copy inherited over fork belongs to the parent: not ours to close.
-            self._admission, self._pid = adm, pid
+            self._admission, self._pid, self._forks = adm, pid, _forks[0]
             log.info(
                 "admission attached: segment %s, generation %s, pid %d",
                 adm.segment_name,
@@ -185,88 +298,105 @@ class AdmissionMiddleware:
                 await self.detach()
 
     # --- HTTP -------------------------------------------------------------------------
-    def _provider_for(self, scope: Scope) -> str | None:
-        if self.provider is None or isinstance(self.provider, str):
-            return self.provider
-        return self.provider(scope)
-
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        provider = self._provider_for(scope)
+        asked = time.monotonic()
+        choice = self.provider
+        if choice is None or isinstance(choice, str):
+            provider = choice
+        elif isinstance(choice, ByModel):
+            try:
+                chosen = await self._by_model(choice, scope, receive)
+            except _Refusal as refusal:
+                await _answer(send, refusal.status, refusal.code, str(refusal), None)
+                return
+            if chosen is None:
+                return  # the client went away while its body was read: nothing was asked
+            provider, receive = chosen
+        else:
+            provider = choice(scope)
         if provider is None:
             await self.app(scope, receive, send)
             return
-        try:
-            adm = await self.attach()
-        except Exception as exc:
-            self._log_once(_attach_error(exc))
-            await self._refuse(send, 503, "admission_unavailable", _attach_error(exc))
-            return
-        pump = _RequestPump(receive)
-        pump.start()
-        try:
-            slot = adm.slot(provider, timeout=self.timeout)
+        adm = self._admission
+        if adm is None or self._forks != _forks[0]:
             try:
-                admitted = await pump.acquire_unless_gone(slot)
+                adm = await self.attach()
+            except Exception as exc:
+                self._log_once(_attach_error(exc))
+                await _answer(send, 503, "admission_unavailable", _attach_error(exc), self._hint())
+                return
+        waiting: _Waiting | None = None
+        try:
+            try:
+                ticket = adm.try_acquire(provider)  # the fast path: one try-lock step
+                if ticket is None:  # it must wait: read the request meanwhile (R-A4)
+                    waiting = _Waiting(receive)
+                    ticket = await waiting.acquire(adm, provider, self.timeout)
+                    if ticket is None:
+                        return  # the client went away while waiting: it left the queue
+                    receive = waiting.receive
             except QueueFull as exc:
-                await self._refuse(send, 429, "queue_full", str(exc))
+                await _answer(send, 429, "queue_full", str(exc), self._hint(adm, provider))
                 return
             except AdmissionTimeout:
-                await self._refuse(
-                    send,
-                    503,
-                    "admission_timeout",
-                    f"provider {provider}: no slot became free within {self.timeout:g} s",
-                )
+                message = f"provider {provider}: no slot became free within {self.timeout:g} s"
+                await _answer(send, 503, "admission_timeout", message, self._hint(adm, provider))
                 return
             except AdmissionError as exc:
                 self._log_once(f"admission failed for provider {provider}: {exc}")
-                await self._refuse(send, 503, "admission_error", str(exc))
+                await _answer(send, 503, "admission_error", str(exc), self._hint(adm, provider))
                 return
-            if not admitted:
-                return  # the client went away while waiting: it left the queue (R-A4)
-            await self._run_admitted(scope, pump, send, slot)
+            scope[GRANT_KEY] = Grant(provider, asked, time.monotonic())
+            await self._run_admitted(adm, ticket, scope, receive, send)
         finally:
-            await pump.stop()
+            if waiting is not None:
+                await waiting.stop()
 
     async def _run_admitted(
-        self, scope: Scope, pump: _RequestPump, send: Send, slot: AbstractAsyncContextManager[None]
+        self, adm: Admission, ticket: Ticket, scope: Scope, receive: Receive, send: Send
     ) -> None:
-        released = False
-
-        async def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                await slot.__aexit__(None, None, None)
-
         async def admitted_send(message: Message) -> None:
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                await release()  # the response is fully sent: the slot goes now
+                adm.release(ticket)  # the response is fully sent: the slot goes now
 
         try:
-            await self.app(scope, pump.receive, admitted_send)
+            await self.app(scope, receive, admitted_send)
         finally:
-            await release()
+            adm.release(ticket)  # idempotent
 
-    async def _refuse(self, send: Send, status: int, code: str, message: str) -> None:
-        kind = "rate_limit_error" if status == 429 else "service_unavailable_error"
-        body = json.dumps(
-            {"error": {"message": message, "type": kind, "param": None, "code": code}}
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"retry-after", str(self.retry_after).encode()),
-                    (b"cache-control", b"no-store"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+    async def _by_model(
+        self, selector: ByModel, scope: Scope, receive: Receive
+    ) -> tuple[str | None, Receive] | None:
+        """The provider of the body's model and a ``receive`` that replays what was read;
+        None when the client went away meanwhile; raises ``_Refusal`` (413, 400)."""
+        if not selector.wants_body(scope):
+            return None, receive
+        messages = await _read_body(scope, receive, selector.max_body)
+        if messages is None:
+            return None
+        body = b"".join(m.get("body", b"") for m in messages)
+        try:
+            doc = json.loads(body) if body else None
+        except ValueError:  # UnicodeDecodeError included
+            raise _Refusal(400, "invalid_json", "the request body is not JSON") from None
+        if body and not isinstance(doc, dict):
+            raise _Refusal(400, "invalid_json", "the request body must be a JSON object")
+        model = doc.get("model") if isinstance(doc, dict) else None
+        assert self._models is not None
+        provider = self._models.provider(model) if isinstance(model, str) else None
+        return provider, _replay(messages, receive)
+
+    def _hint(self, adm: Admission | None = None, provider: str | None = None) -> int:
+        """Retry-After: fixed by ``retry_after=``, else the provider's drain estimate."""
+        if self.retry_after is not None:
+            return self.retry_after
+        if adm is None or provider is None:
+            return 1
+        try:
+            return adm.retry_after(provider)
+        except AdmissionError:
+            return 1
 
     def _log_once(self, text: str) -> None:
         if text not in self._logged:
@@ -274,78 +404,202 @@ class AdmissionMiddleware:
             log.error("%s", text)
 
 
+async def _answer(send: Send, status: int, code: str, message: str, retry: int | None) -> None:
+    """An OpenAI-style JSON error; ``Retry-After`` when ``retry`` is not None."""
+    if status == 429:
+        kind = "rate_limit_error"
+    elif status >= 500:
+        kind = "service_unavailable_error"
+    else:
+        kind = "invalid_request_error"
+    body = json.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    ).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"cache-control", b"no-store"),
+    ]
+    if retry is not None:
+        headers.append((b"retry-after", str(retry).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
 def _attach_error(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return f"gateway-capacity: cannot attach admission: {text}"
 
 
-class _RequestPump:
-    """The only reader of the server's ``receive``: it forwards every message to the app.
+async def _read_body(scope: Scope, receive: Receive, cap: int) -> list[Message] | None:
+    """The request's messages up to the end of its body; None when the client went away.
+    Raises ``_Refusal`` 413 as soon as the body is known to exceed ``cap`` bytes."""
+    too_large = _Refusal(413, "request_too_large", f"the request body is over {cap} bytes")
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            with contextlib.suppress(ValueError):
+                if int(value) > cap:
+                    raise too_large
+    messages: list[Message] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        messages.append(message)
+        size += len(message.get("body", b""))
+        if size > cap:
+            raise too_large
+        if not message.get("more_body", False):
+            return messages
 
-    Reading ahead lets the middleware see ``http.disconnect`` while the request
-    waits for a slot. Messages are never dropped: a task that is cancelled just
-    after its ``receive()`` completed would lose that message, so this task is
-    not cancelled while the request lives; it ends by itself after the
-    disconnect (the last message of a request) and is only cancelled at stop().
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """A ``receive`` that returns ``messages`` first, then the server's."""
+    pending = deque(messages)
+
+    async def replay() -> Message:
+        if pending:
+            return pending.popleft()
+        return await receive()
+
+    return replay
+
+
+class ModelMap:
+    """Model name -> provider id, from the gateway config's ``models`` maps (R-C2): what
+    :class:`ByModel` matches on (read its docstring), for hooks that pick a provider by
+    model too (``examples/litellm_admission.py``). ``provider(model)`` or None.
+
+    Re-read when the file changes (looked at, at most once a second: one ``stat``); a file
+    that cannot be read or parsed keeps the last good map and is logged once (R-C3, R-C4).
+    """
+
+    RECHECK_S: Final = 1.0
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._stamp: tuple[int, int, int] | None = None
+        self._checked = float("-inf")
+        self._map: dict[str, str] = {}
+        self._complaint = ""
+
+    def provider(self, model: str) -> str | None:
+        now = time.monotonic()
+        if now - self._checked >= self.RECHECK_S:
+            self._checked = now
+            self._refresh()
+        return self._map.get(model)
+
+    def _refresh(self) -> None:
+        from sidecar.config import ConfigError, load_config  # config types only: no httpx
+
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if stamp == self._stamp:
+                return
+            config = load_config(self.path)
+        except (OSError, ConfigError) as exc:
+            self._complain(f"by_model: {exc}; keeping the last good model map")
+            return
+        self._stamp = stamp
+        self._complaint = ""
+        aliases: dict[str, str] = {}
+        upstream: dict[str, set[str]] = {}
+        for p in config.providers:
+            for alias, upstream_id in p.models.items():
+                if alias in aliases and aliases[alias] != p.id:
+                    self._complain(
+                        f"by_model: model {alias!r} is in the models of providers "
+                        f"{aliases[alias]!r} and {p.id!r}; admitting it on {aliases[alias]!r}"
+                    )
+                aliases.setdefault(alias, p.id)
+                upstream.setdefault(upstream_id, set()).add(p.id)
+        by_upstream = {
+            model: next(iter(ids))
+            for model, ids in upstream.items()
+            if len(ids) == 1 and model not in aliases
+        }
+        self._map = {**by_upstream, **aliases}
+
+    def _complain(self, text: str) -> None:
+        if text != self._complaint:
+            self._complaint = text
+            log.warning("%s", text)
+
+
+class _Waiting:
+    """A request that must wait for its slot: its messages are read ahead meanwhile.
+
+    One task reads the server's ``receive`` while the request waits, so that an
+    ``http.disconnect`` is seen at once. Messages are never dropped: the task is not
+    cancelled while it may hold a message (a task cancelled just after its ``receive()``
+    completed would lose it); once the request is admitted it finishes the read in
+    progress and stops, and :meth:`receive` hands the app what was read ahead, then the
+    server's ``receive`` directly.
     """
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
-        self._queue: asyncio.Queue[Message] = asyncio.Queue()
-        self.disconnected = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._read: deque[Message] = deque()
+        self._reading = True
+        loop = asyncio.get_running_loop()
+        self._gone: asyncio.Future[None] = loop.create_future()
+        self._task: asyncio.Task[None] | None = loop.create_task(self._run())
 
     async def _run(self) -> None:
-        while True:
+        while self._reading:
             message = await self._receive()
-            self._queue.put_nowait(message)
+            self._read.append(message)
             if message["type"] == "http.disconnect":
-                self.disconnected.set()
+                if not self._gone.done():
+                    self._gone.set_result(None)
                 return
 
-    async def receive(self) -> Message:
-        if self._task is not None and self._task.done() and self._queue.empty():
-            exc = None if self._task.cancelled() else self._task.exception()
-            if exc is not None:
-                raise exc
-            return {"type": "http.disconnect"}  # nothing follows a disconnect
-        return await self._queue.get()
-
-    async def acquire_unless_gone(self, slot: AbstractAsyncContextManager[None]) -> bool:
-        """Enter ``slot`` unless the client goes away first: True when the slot is held.
-
-        Raises what entering raises (``QueueFull``, ``AdmissionTimeout``...).
-        """
-        acquiring = asyncio.ensure_future(slot.__aenter__())
-        gone = asyncio.ensure_future(self.disconnected.wait())
+    async def acquire(self, adm: Admission, provider: str, timeout: float | None) -> Ticket | None:
+        """Queue for a slot unless the client goes away first: the ticket, or None when it
+        went away (its place freed, R-A4). Raises what ``acquire`` raises."""
+        acquiring = asyncio.ensure_future(adm.acquire(provider, timeout))
+        race: set[asyncio.Future[Any]] = {acquiring, self._gone}
         try:
-            await asyncio.wait({acquiring, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(race, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # we are cancelled ourselves: the wait must not outlive us
             acquiring.cancel()
             with contextlib.suppress(BaseException):
-                await acquiring
-                await slot.__aexit__(None, None, None)
+                adm.release(await acquiring)
             raise
-        finally:
-            gone.cancel()
         if acquiring.done():
-            acquiring.result()
-            return True
+            self._reading = False  # the read in progress is the last one
+            return acquiring.result()
         # Gone while waiting: cancelling the wait frees the record (R-A4).
         acquiring.cancel()
         try:
-            await acquiring
+            ticket = await acquiring
         except (asyncio.CancelledError, AdmissionError):
-            return False
-        # The grant came before the cancel could land: the slot is ours; hand it back.
-        await slot.__aexit__(None, None, None)
-        return False
+            return None
+        adm.release(ticket)  # the grant came before the cancel could land: hand it back
+        return None
+
+    async def receive(self) -> Message:
+        while True:
+            if self._read:
+                return self._read.popleft()
+            task = self._task
+            if task is None:
+                return await self._receive()
+            if not task.done():
+                # Shielded: a cancelled receive() must not cancel a read that may complete.
+                await asyncio.wait({task})
+                continue
+            self._task = None
+            failure = None if task.cancelled() else task.exception()
+            if failure is not None:
+                raise failure
 
     async def stop(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+                await task

@@ -23,8 +23,10 @@ docs/DESIGN.md is this file as a byte table.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a handler's import stays light: no typing or dataclasses at run time
+    from typing import Any
 
 MAGIC = b"GWCAPSG\x00"
 # 3: owner-checked objects, per-registration doorbell names, deadlines on the host's
@@ -49,10 +51,17 @@ ID_BYTES = 64
 REASON_BYTES = 128
 
 
-@dataclass(frozen=True, slots=True)
 class Field:
-    offset: int
-    codec: struct.Struct
+    """One field of a table: where it is in its row, and how it is packed."""
+
+    __slots__ = ("codec", "offset")
+
+    def __init__(self, offset: int, codec: struct.Struct) -> None:
+        self.offset = offset
+        self.codec = codec
+
+    def __repr__(self) -> str:
+        return f"Field(offset={self.offset}, format={self.codec.format!r})"
 
     def get(self, buf: Any, base: int = 0) -> Any:
         return self.codec.unpack_from(buf, base + self.offset)[0]
@@ -121,6 +130,10 @@ HEADER = _fields(
         ("damage_repairs", "I"),  # sweeps that found counters or records damaged (R-A16)
         ("damage_mono", "d"),  # when the last of them ran (deadline clock)
         ("damage_note", "64s"),  # what it found, for inspect
+        # a legacy drain (R-G3) that outlasts --await-legacy-max fails availability --check
+        ("legacy_since", "d"),  # when the drain began (deadline clock), 0 while none
+        ("legacy_max_s", "d"),  # --await-legacy-max
+        ("legacy_pid", "I"),  # one legacy process still awaited (the first), 0 none
     ],
 )
 # The robust mutex of LOCK_ROBUST lives at a fixed, 64-byte aligned place at the end of
@@ -187,6 +200,8 @@ PROVIDER = _fields(
 def counts_check(running: int, waiting: int) -> int:
     """The value ``counts_check`` holds beside ``running`` and ``waiting``."""
     return ~((waiting << 32) | running) & 0xFFFFFFFFFFFFFFFF
+
+
 PFLAG_DISCOVERY = 1  # capacityDiscovery requested in the config
 PFLAG_CONFIGURED = 2  # present in the config the writer last read
 PFLAG_CLAMPED = 4  # configured static limit was above RUNNING_ROOM

@@ -14,8 +14,6 @@ import errno
 import os
 import sys
 
-import psutil
-
 _LINUX = sys.platform.startswith("linux")
 
 
@@ -37,6 +35,8 @@ def _linux_start(pid: int) -> float | None:
 
 
 def _psutil_start(pid: int) -> float | None:
+    import psutil  # off Linux only: a handler on Linux never loads it
+
     try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
@@ -83,9 +83,22 @@ def is_alive(pid: int, start: float) -> bool:
     except OSError:
         return True
     if now is None:
-        # Invisible to us (hidepid=2 on /proc) although kill() says it exists: alive.
-        return someone_elses
+        # Invisible to us (hidepid on /proc) although kill() says it exists: alive.
+        # kill() may succeed on a process /proc hides (CAP_KILL without CAP_SYS_PTRACE,
+        # a non-dumpable process of our own user): ask it again rather than take a live
+        # process for dead; a process that really exited is gone for this second ask.
+        # A zombie (dead) is visible in /proc, with no start time: not asked again.
+        hidden = _LINUX and not os.path.exists(f"/proc/{pid}")
+        return someone_elses or (hidden and _exists(pid))
     return now == start
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError as exc:
+        return exc.errno != errno.ESRCH
+    return True
 
 
 class LivenessCache:

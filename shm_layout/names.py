@@ -13,9 +13,7 @@ another segment or registration ever posts it (R-A15).
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 
 from shm_layout.errors import GatewayCapacityError
 
@@ -25,7 +23,11 @@ MAX_NAME_BYTES = 31  # macOS PSHMNAMLEN / SEM_NAME_LEN, leading slash included
 MAX_SEGMENT_BYTES = MAX_NAME_BYTES
 DOORBELL_PREFIX = "/gwcb-"
 
-_VALID = re.compile(r"^/[A-Za-z0-9._-]+$")
+_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def _valid(name: str) -> bool:
+    return len(name) > 1 and name[0] == "/" and all(c in _NAME_CHARS for c in name[1:])
 
 
 class BadSegmentName(GatewayCapacityError, ValueError):
@@ -34,6 +36,8 @@ class BadSegmentName(GatewayCapacityError, ValueError):
 
 def segment_name_for_config(config_path: str | os.PathLike[str]) -> str:
     """``/gwcap1-`` + 12 hex of sha256 of the config file's absolute path."""
+    import hashlib  # here: it loads OpenSSL, which a handler that names its segment never needs
+
     absolute = os.path.abspath(os.fspath(config_path))
     digest = hashlib.sha256(absolute.encode("utf-8", "surrogateescape")).hexdigest()
     return PREFIX + digest[:12]
@@ -41,7 +45,7 @@ def segment_name_for_config(config_path: str | os.PathLike[str]) -> str:
 
 def check_segment_name(name: str) -> str:
     """Return ``name`` if usable, else raise :class:`BadSegmentName` saying how to fix it."""
-    if not _VALID.match(name):
+    if not _valid(name):
         raise BadSegmentName(
             f"segment name {name!r} must start with '/' followed by letters, digits, '.', '_' "
             "or '-' only"

@@ -17,12 +17,12 @@ defaults to the process's effective group (``$GATEWAY_CAPACITY_GROUP`` or
 
 from __future__ import annotations
 
-import grp
 import os
-import pwd
 import stat
-from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Final
 
 from shm_layout.errors import GatewayCapacityError
 
@@ -39,6 +39,8 @@ class ForeignObject(GatewayCapacityError):
 
 
 def user_name(uid: int) -> str:
+    import pwd
+
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
@@ -46,6 +48,8 @@ def user_name(uid: int) -> str:
 
 
 def group_name(gid: int) -> str:
+    import grp
+
     try:
         return grp.getgrgid(gid).gr_name
     except KeyError:
@@ -58,6 +62,8 @@ def _uid(spec: str | int) -> int:
     text = spec.strip()
     if text.isdigit():
         return int(text)
+    import pwd
+
     try:
         return pwd.getpwnam(text).pw_uid
     except KeyError:
@@ -70,18 +76,31 @@ def _gid(spec: str | int) -> int:
     text = spec.strip()
     if text.isdigit():
         return int(text)
+    import grp
+
     try:
         return grp.getgrnam(text).gr_gid
     except KeyError:
         raise OwnerError(f"group {text!r} is no group of this host (a group name or gid)") from None
 
 
-@dataclass(frozen=True, slots=True)
 class OwnerPolicy:
     """The uids an object may belong to, and (group-shared) the group it must have."""
 
-    uids: tuple[int, ...]
-    gid: int | None  # None: owner-only mode, the group is not looked at
+    __slots__ = ("gid", "uids")
+
+    def __init__(self, uids: tuple[int, ...], gid: int | None) -> None:
+        self.uids = uids
+        self.gid = gid  # None: owner-only mode, the group is not looked at
+
+    def __repr__(self) -> str:
+        return f"OwnerPolicy(uids={self.uids}, gid={self.gid})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OwnerPolicy) and (self.uids, self.gid) == (other.uids, other.gid)
+
+    def __hash__(self) -> int:
+        return hash((self.uids, self.gid))
 
     @classmethod
     def for_process(

@@ -21,7 +21,10 @@ import os
 import stat
 import sys
 import time
-from typing import Final
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Final
 
 from shm_layout.errors import GatewayCapacityError
 

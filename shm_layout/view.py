@@ -68,6 +68,7 @@ class ProviderView:
     discovered: int | None
     observed_at: float | None
     expires_at: float | None
+    expires_mono: float | None  # the same deadline on the deadline clock (R-L7)
     replicas: tuple[ReplicaView, ...]
     counters: dict[str, int]
     stored_running: int
@@ -108,6 +109,17 @@ class SidecarView:
     config_generation: int
     refresh_s: float
     legacy_alive: int
+    legacy_since: float | None = None  # when the legacy drain began, deadline clock (R-G3)
+    legacy_max_s: float = 0.0  # --await-legacy-max
+    legacy_pid: int = 0  # one legacy process still awaited
+
+    def legacy_overdue(self, now: float) -> float | None:
+        """How long the legacy drain has lasted at ``now`` (the deadline clock), when that
+        is over its bound; else None."""
+        if not self.legacy_alive or self.legacy_since is None or self.legacy_max_s <= 0:
+            return None
+        lasted = now - self.legacy_since
+        return lasted if lasted > self.legacy_max_s else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +131,7 @@ class SegmentView:
     group_shared: bool
     consistent: bool
     read_at: float
+    read_mono: float  # the deadline clock when read (for deadlines and ages)
     lock_kind: str
     lock_repairs: int
     damage_repairs: int  # sweeps that found counters or records damaged (R-A16)
@@ -165,7 +178,11 @@ def snapshot_bytes(buf: Any) -> tuple[bytes, bool]:
 
 
 def read_view(
-    name: str, *, now: float | None = None, policy: OwnerPolicy | None = None, wait_init: bool = True
+    name: str,
+    *,
+    now: float | None = None,
+    policy: OwnerPolicy | None = None,
+    wait_init: bool = True,
 ) -> SegmentView:
     """Map ``name`` read-only and describe it. Raises the ``SegmentError`` family; with
     ``policy``, a segment of an owner it does not trust is refused (R-G6)."""
@@ -257,6 +274,7 @@ def parse_view(
         group_shared=bool(HEADER["flags"].get(data) & layout.FLAG_GROUP_SHARED),
         consistent=consistent,
         read_at=now,
+        read_mono=mono,
         lock_kind=kind_name(kind),
         lock_repairs=HEADER["repairs"].get(data),
         damage_repairs=HEADER["damage_repairs"].get(data),
@@ -332,6 +350,7 @@ def _provider(
         discovered=discovered if discovered >= 0 else None,
         observed_at=observed or None,
         expires_at=expires or None,
+        expires_mono=PROVIDER["expires_mono"].get(data, base) or None,
         replicas=tuple(replicas),
         counters=counters,
         stored_running=PROVIDER["running"].get(data, base),
@@ -365,7 +384,7 @@ class _AliveByRow:
         return self._held.get(key[0], default)
 
 
-def _members(data: bytes, alive: dict[tuple[int, int], bool]) -> list[MemberView]:
+def _members(data: bytes, alive: _AliveByRow) -> list[MemberView]:
     out = []
     for m in range(layout.MEMBER_COUNT):
         mb = member_base(m)
@@ -400,6 +419,9 @@ def _sidecar(data: bytes, now: float, mono: float) -> SidecarView | None:
         config_generation=HEADER["config_generation"].get(data),
         refresh_s=HEADER["refresh_s"].get(data),
         legacy_alive=HEADER["legacy_alive"].get(data),
+        legacy_since=HEADER["legacy_since"].get(data) or None,
+        legacy_max_s=HEADER["legacy_max_s"].get(data),
+        legacy_pid=HEADER["legacy_pid"].get(data),
     )
 
 

@@ -9,10 +9,20 @@ an older configuration or limit back.
 Python never holds the segment lock (R-A11): each write is decided here on
 plain values, then committed as one list of (offset, bytes) by
 ``Core.transact``, which applies it under the lock with the GIL released.
+
+A refresh publishes every provider in **one** transaction (:func:`publish`).
+Given a :class:`PublishCache` (the daemon keeps one per segment), it writes
+only what changed since its last commit: a provider whose :class:`Publication`
+is unchanged costs one comparison, a changed one only the bytes that differ,
+and a provider's row index is looked up under the lock once, not at every
+publication (rows are never moved or reused). The cache is sound because only
+the holder of the writer epoch writes these fields, and it is updated only
+after a commit succeeded.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +50,18 @@ class Patch:
 
     def put(self, f: Field, value: object, base: int = 0) -> None:
         self.writes.append((base + f.offset, f.codec.pack(value)))
+
+    def put_block(self, codec: struct.Struct, offset: int, *values: object) -> None:
+        """Adjacent fields in one pack (``codec`` checked against the field table)."""
+        self.writes.append((offset, codec.pack(*values)))
+
+
+# A whole replica row in one pack: a publication writes 4 to 8 of them per provider, and
+# a field at a time was most of a publication's CPU (issue 19).
+REPLICA_ROW = struct.Struct("<48sBB2xid64s")
+layout._check_block(
+    REPLICA_ROW, REPLICA["address"].offset, REPLICA, "address ok complete value observed_at reason"
+)
 
 
 def _epoch_guard(epoch: int) -> list[tuple[int, bytes]]:
@@ -95,17 +117,31 @@ def take_epoch(
             return current + 1
 
 
-def heartbeat(seg: Segment, epoch: int, now: float, legacy_alive: int = 0) -> int:
+def heartbeat(
+    seg: Segment,
+    epoch: int,
+    now: float,
+    legacy_alive: int = 0,
+    *,
+    legacy_since: float = 0.0,
+    legacy_max_s: float = 0.0,
+    legacy_pid: int = 0,
+) -> int:
     """Mark the sidecar alive and sweep: reap dead holders, check the counters against
     the records, grant what expiries allow (R-A5, R-A16, R-L7). While a sidecar runs it
     is the host's sweeper, so handlers' waiters find the sweep done.
 
+    ``legacy_*`` describe a legacy drain in progress (R-G3), so that
+    ``availability --check`` can tell one that outlasted ``--await-legacy-max``.
     Returns how many holder records were reclaimed.
     """
     patch = Patch()
     patch.put(HEADER["heartbeat"], now)
     patch.put(HEADER["heartbeat_mono"], platform.deadline_now())
     patch.put(HEADER["legacy_alive"], legacy_alive)
+    patch.put(HEADER["legacy_since"], legacy_since if legacy_alive else 0.0)
+    patch.put(HEADER["legacy_max_s"], legacy_max_s)
+    patch.put(HEADER["legacy_pid"], legacy_pid if legacy_alive else 0)
     _commit(seg, epoch, patch, 0.0)
     reclaimed: int = seg.core.sweep(0.0)
     return reclaimed
@@ -118,6 +154,25 @@ def set_state(seg: Segment, epoch: int, state: int) -> None:
     seg.core.transact(_epoch_guard(epoch), patch.writes, False, 0.0)
 
 
+@dataclass
+class _Written:
+    """What the cache last committed for one provider row."""
+
+    publication: Publication
+    writes: list[tuple[int, bytes]]  # every (offset, bytes) the row's patch wrote, in order
+    clamped: bool
+
+
+@dataclass
+class PublishCache:
+    """What one writer last committed to one segment (see the module docstring)."""
+
+    rows: dict[str, int] = field(default_factory=dict)  # provider id -> row index
+    written: dict[int, _Written] = field(default_factory=dict)
+    unconfigured: set[int] = field(default_factory=set)  # rows marked "not in the config"
+    header: tuple[int, str] | None = None  # (config_generation, config_status)
+
+
 def publish(
     seg: Segment,
     epoch: int,
@@ -125,42 +180,62 @@ def publish(
     config_status: str,
     publications: Sequence[Publication],
     now: float,
+    cache: PublishCache | None = None,
 ) -> list[str]:
-    """Write every provider's row, then grant waiters the new limits allow.
+    """Write every provider's row in one transaction, then grant waiters the new limits allow.
 
     Providers in the segment but absent from ``publications`` (removed from
     the config) are marked unconfigured and fall back to their stored
-    fallback. Returns warnings (clamped static limits) for the caller to log.
+    fallback. With ``cache``, only what changed since the cache's last commit
+    is written (nothing at all: no transaction). Returns warnings (clamped
+    static limits) for the caller to log.
     """
     warnings: list[str] = []
     buf = seg.buf
     current = HEADER["writer_epoch"].get(buf)
     if current != epoch:  # checked again, under the lock, when committing
         raise Superseded(epoch, current)
+    fresh = PublishCache() if cache is None else cache
     patch = Patch()
-    patch.put(HEADER["config_generation"], config_generation)
-    patch.put(HEADER["config_status"], layout.encode_text(config_status, layout.REASON_BYTES))
+    if fresh.header != (config_generation, config_status):
+        patch.put(HEADER["config_generation"], config_generation)
+        patch.put(HEADER["config_status"], layout.encode_text(config_status, layout.REASON_BYTES))
     seen: set[int] = set()
+    rows: dict[str, int] = {}
+    staged: dict[int, _Written] = {}
     for pub in publications:
-        try:
-            p, _ = ensure_provider(
-                seg, pub.provider_id, pub.fallback, pub.fallback_source, pub.discovery
-            )
-        except (TableFull, ledger.ProviderIdError) as exc:
-            warnings.append(f"provider {pub.provider_id}: not published: {exc}")
-            continue
+        p = fresh.rows.get(pub.provider_id)
+        if p is None:
+            try:
+                p, _ = ensure_provider(
+                    seg, pub.provider_id, pub.fallback, pub.fallback_source, pub.discovery
+                )
+            except (TableFull, ledger.ProviderIdError) as exc:
+                warnings.append(f"provider {pub.provider_id}: not published: {exc}")
+                continue
         seen.add(p)
-        if _set_fallback(patch, buf, p, pub.fallback, pub.fallback_source, pub.discovery):
+        rows[pub.provider_id] = p
+        before = fresh.written.get(p)
+        if before is not None and before.publication == pub:
+            clamped = before.clamped
+        else:
+            row = Patch()
+            clamped = _set_fallback(row, buf, p, pub.fallback, pub.fallback_source, pub.discovery)
+            _write_publication(row, p, pub, epoch, now)
+            patch.writes.extend(_changed(row.writes, before.writes if before else []))
+            staged[p] = _Written(pub, row.writes, clamped)
+        if clamped:
             warnings.append(
                 f"provider {pub.provider_id}: configured limit {pub.fallback} is above the "
                 f"segment's room of {layout.RUNNING_ROOM} running; clamped"
             )
-        _write_publication(patch, p, pub, epoch, now)
+    newly_unconfigured: list[int] = []
     for p in range(layout.PROVIDER_COUNT):
         base = ledger.provider_base(p)
         if not PROVIDER["in_use"].get(buf, base):
             break
-        if p not in seen:
+        if p not in seen and p not in fresh.unconfigured:
+            newly_unconfigured.append(p)
             patch.put(
                 PROVIDER["flags"], PROVIDER["flags"].get(buf, base) & ~layout.PFLAG_CONFIGURED, base
             )
@@ -175,8 +250,26 @@ def publish(
                 layout.encode_text("not in the config any more", layout.REASON_BYTES),
                 base,
             )
-    _commit(seg, epoch, patch, 0.0, pump=True)
+    if patch.writes:
+        _commit(seg, epoch, patch, 0.0, pump=True)
+    # committed: remember it (a Superseded or a lock error above leaves the cache as it was)
+    fresh.header = (config_generation, config_status)
+    fresh.rows.update(rows)
+    for p in seen:
+        fresh.unconfigured.discard(p)
+    for p in newly_unconfigured:
+        fresh.unconfigured.add(p)
+        fresh.written.pop(p, None)
+    fresh.written.update(staged)
     return warnings
+
+
+def _changed(new: list[tuple[int, bytes]], old: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """The writes of ``new`` that ``old`` did not already make."""
+    if len(new) == len(old):  # same fields in the same order: compare in step
+        return [w for w, was in zip(new, old, strict=True) if w != was]
+    before = dict(old)
+    return [(o, b) for o, b in new if before.get(o) != b]
 
 
 class TableFull(GatewayCapacityError):
@@ -255,12 +348,16 @@ def _write_publication(patch: Patch, p: int, pub: Publication, epoch: int, now: 
     replicas = list(pub.replicas)[: layout.REPLICA_COUNT]
     for r, rep in enumerate(replicas):
         rb = base + layout.REPLICA_BASE + r * layout.REPLICA_ROW_SIZE
-        patch.put(REPLICA["address"], layout.encode_text(rep.address, 48), rb)
-        patch.put(REPLICA["ok"], int(rep.ok), rb)
-        patch.put(REPLICA["complete"], int(rep.complete), rb)
-        patch.put(REPLICA["value"], -1 if rep.value is None else rep.value, rb)
-        patch.put(REPLICA["observed_at"], rep.observed_at or 0.0, rb)
-        patch.put(REPLICA["reason"], layout.encode_text(rep.reason, 64), rb)
+        patch.put_block(
+            REPLICA_ROW,
+            rb + REPLICA["address"].offset,
+            layout.encode_text(rep.address, 48),
+            int(rep.ok),
+            int(rep.complete),
+            -1 if rep.value is None else rep.value,
+            rep.observed_at or 0.0,
+            layout.encode_text(rep.reason, 64),
+        )
     patch.put(PROVIDER["replica_count"], len(replicas), base)
     limit = -1 if pub.limit is None or pub.expires_at is None else max(pub.limit, 0)
     patch.put(PROVIDER["published_limit"], limit, base)

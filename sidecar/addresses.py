@@ -10,10 +10,12 @@ Three layers, each needed because the one before proves too little:
    address (100.64.0.0/10 without the ChromeOS VM range 100.115.92.0/23 and
    Quad100; fd7a:115c:a1e0::/48 without the 4via6 range fd7a:115c:a1e0:b1a::/64
    and Quad100).
-3. **Peers** (:func:`whois`): the CGNAT range is also used by ISPs, so where the
-   local Tailscale daemon answers on its LocalAPI socket, an address must belong
-   to a peer of this tailnet (404 = not a peer = refused). When no daemon
-   answers, the address is accepted on the range check alone and the verdict
+3. **Peers** (:func:`whois`): the CGNAT range is also used by ISPs, so an
+   address must belong to a peer of this tailnet as the local Tailscale daemon
+   says on its LocalAPI socket (404 = not a peer = refused). When the daemon
+   cannot be asked (no socket, connection refused), the address is refused
+   too (fail closed), unless the provider set ``tailnetCheck: "range-only"``:
+   then the daemon is not asked, the range check alone decides and the verdict
    says so.
 
 :func:`check_provider_addresses` runs all three for one provider: it resolves the
@@ -59,7 +61,7 @@ def default_tailscale_socket() -> str:
     """The LocalAPI socket of tailscaled: ``$GATEWAY_CAPACITY_TAILSCALE_SOCKET``, else
     the platform default (Linux ``/var/run/tailscale/tailscaled.sock``; macOS with the
     open-source ``tailscaled`` ``/var/run/tailscaled.socket``; the macOS GUI apps have
-    no Unix socket, so there the check falls back to ranges only)."""
+    no Unix socket: there a provider needs ``tailnetCheck: "range-only"``)."""
     configured = os.environ.get(SOCKET_ENV)
     if configured:
         return configured
@@ -244,29 +246,29 @@ class WhoisResult:
     detail: str  # peer name, or why the daemon could not say
 
 
-async def whois(ip: str, socket_path: str, port: int = 0) -> WhoisResult:
+async def whois(ip: str, socket_path: str, port: int = 0, client: Any | None = None) -> WhoisResult:
     """Ask tailscaled whether ``ip`` is a peer: ``GET /localapi/v0/whois?addr=IP:PORT``.
 
     ``addr`` carries a port because older tailscaled versions parse it as
     IP:port only (newer ones take both). 200 = peer, 404 = not a peer. No
     socket or a refused connection = ``unavailable`` (no daemon: the caller
-    falls back to the range check and says so). Any other answer (403 access
-    denied, 5xx while the daemon is down) = ``not_peer``: a daemon that
-    answers but cannot confirm a peer must not let the key through (R-P1).
-    The caller's deadline bounds the call.
+    refuses, R-P1 fails closed). Any other answer (403 access denied, 5xx
+    while the daemon is down) = ``not_peer``: a daemon that answers but cannot
+    confirm a peer must not let the key through (R-P1). ``client`` is a
+    long-lived ``httpx.AsyncClient`` on that socket (:func:`localapi_client`),
+    else one is made for this call. The caller's deadline bounds the call.
     """
     import httpx  # here, not at the top: the handler side imports this module
     import msgspec
 
-    transport = httpx.AsyncHTTPTransport(uds=socket_path)
+    addr = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+    url = f"http://{LOCALAPI_HOST}/localapi/v0/whois"
     try:
-        async with httpx.AsyncClient(
-            transport=transport, trust_env=False, follow_redirects=False
-        ) as client:
-            addr = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-            resp = await client.get(
-                f"http://{LOCALAPI_HOST}/localapi/v0/whois", params={"addr": addr}
-            )
+        if client is not None:
+            resp = await client.get(url, params={"addr": addr})
+        else:
+            async with localapi_client(socket_path) as own:
+                resp = await own.get(url, params={"addr": addr})
     except (httpx.HTTPError, OSError) as exc:
         why = str(exc).strip() or type(exc).__name__
         return WhoisResult("unavailable", f"no tailscaled at {socket_path}: {why}")
@@ -287,6 +289,17 @@ async def whois(ip: str, socket_path: str, port: int = 0) -> WhoisResult:
     except msgspec.DecodeError:
         pass
     return WhoisResult("peer", f"tailnet peer {name}" if name else "tailnet peer")
+
+
+def localapi_client(socket_path: str) -> Any:
+    """An ``httpx.AsyncClient`` speaking to tailscaled's LocalAPI on ``socket_path``."""
+    import httpx
+
+    return httpx.AsyncClient(
+        transport=httpx.AsyncHTTPTransport(uds=socket_path),
+        trust_env=False,
+        follow_redirects=False,
+    )
 
 
 # --- the whole check for one provider --------------------------------------
@@ -311,27 +324,50 @@ class AddressCheck:
         return tuple(v.address for v in self.verdicts)
 
 
+RANGE_ONLY_NOTE: Final = "range-checked only (tailnetCheck: range-only)"
+
+
 async def check_address(
-    address: str, tailnet: bool, socket_path: str, port: int = 0
+    address: str,
+    tailnet: bool,
+    socket_path: str,
+    port: int = 0,
+    *,
+    range_only: bool = False,
+    localapi: Any | None = None,
 ) -> AddressVerdict:
     ip = parse_ip(address)
     kind = classify(ip) if ip is not None else "other"
     if kind == "loopback":
         return AddressVerdict(address, True, "loopback")
     if kind == "tailscale" and tailnet:
-        answer = await whois(address, socket_path, port)
+        if range_only:  # the provider's explicit choice, said in every verdict
+            return AddressVerdict(address, True, RANGE_ONLY_NOTE)
+        answer = await whois(address, socket_path, port, localapi)
         if answer.answer == "peer":
             return AddressVerdict(address, True, answer.detail)
         if answer.answer == "not_peer":
             return AddressVerdict(address, False, answer.detail)
-        return AddressVerdict(address, True, f"range-checked only ({answer.detail})")
+        # R-P1 fails closed: no daemon to vouch for the peer, no key
+        return AddressVerdict(
+            address,
+            False,
+            f"tailscaled cannot vouch for a peer ({answer.detail}); start tailscaled, point "
+            'to its socket, or set "tailnetCheck": "range-only" on the provider',
+        )
     if kind == "tailscale":
         return AddressVerdict(address, False, "Tailscale address but tailnet is not true")
     return AddressVerdict(address, False, "neither loopback nor a Tailscale address")
 
 
 async def check_provider_addresses(
-    host: str, port: int, tailnet: bool, socket_path: str | None = None
+    host: str,
+    port: int,
+    tailnet: bool,
+    socket_path: str | None = None,
+    *,
+    range_only: bool = False,
+    localapi: Any | None = None,
 ) -> AddressCheck:
     """Resolve ``host`` once and check every address (R-P1, R-P3).
 
@@ -345,7 +381,12 @@ async def check_provider_addresses(
     path = socket_path if socket_path is not None else default_tailscale_socket()
     addresses = await resolve(host, port)
     verdicts = tuple(
-        await asyncio.gather(*(check_address(a, tailnet, path, port) for a in addresses))
+        await asyncio.gather(
+            *(
+                check_address(a, tailnet, path, port, range_only=range_only, localapi=localapi)
+                for a in addresses
+            )
+        )
     )
     bad = [v for v in verdicts if not v.allowed]
     if bad:

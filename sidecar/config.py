@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -42,6 +42,14 @@ MAX_PROVIDER_ID_BYTES: Final = 64
 MAX_LIMIT: Final = 2**31 - 1  # fits any 32-bit counter in the segment
 
 LimitSetting = Annotated[int, msgspec.Meta(ge=0, le=MAX_LIMIT)]
+Uid = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]
+UserName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# R-P1: "peer" asks the local tailscaled (LocalAPI whois) and refuses when it cannot
+# vouch; "range-only" is the operator's explicit choice to accept Tailscale addresses on
+# their range alone (a Mac with the GUI app has no LocalAPI socket), shown wherever the
+# opt-in is shown.
+TailnetCheck = Literal["peer", "range-only"]
+RANGE_ONLY: Final = "range-only"
 UpstreamModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
@@ -64,6 +72,10 @@ class ProviderConfig(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
     capacity_discovery: bool = False
     max_concurrent: LimitSetting | None = None
     models: dict[str, UpstreamModelId] = {}
+    tailnet_check: TailnetCheck = "peer"
+    # loopback only: who must own the socket listening on the router's port before the
+    # key is sent there (R-P7; sidecar/listeners.py)
+    listener_owner: Uid | UserName | None = None
 
     @property
     def upstream_models(self) -> frozenset[str]:
@@ -181,11 +193,24 @@ def check_provider(provider: ProviderConfig) -> ProviderStatus:
     problem = static_opt_in(endpoint.host, provider.tailnet)
     if problem is not None:
         return refused("opt_in_refused", problem)
-    ip = parse_ip(endpoint.host)
-    loopback = is_localhost_name(endpoint.host) or (ip is not None and classify(ip) == "loopback")
-    return ProviderStatus(
-        provider.id, True, True, "opt_in_ok:loopback" if loopback else "opt_in_ok:tailnet"
-    )
+    loopback = _is_loopback_host(endpoint.host)
+    if provider.listener_owner is not None and not loopback:
+        return refused("config_invalid", LISTENER_OWNER_LOOPBACK_ONLY)
+    if loopback:
+        return ProviderStatus(provider.id, True, True, "opt_in_ok:loopback")
+    if provider.tailnet_check == RANGE_ONLY:
+        return ProviderStatus(provider.id, True, True, "opt_in_ok:tailnet-range-only")
+    return ProviderStatus(provider.id, True, True, "opt_in_ok:tailnet")
+
+
+LISTENER_OWNER_LOOPBACK_ONLY: Final = (
+    "listenerOwner applies to a loopback baseUrl only (a remote listener's owner cannot be checked)"
+)
+
+
+def _is_loopback_host(host: str) -> bool:
+    ip = parse_ip(host)
+    return is_localhost_name(host) or (ip is not None and classify(ip) == "loopback")
 
 
 def provider_problems(entry: Mapping[str, Any]) -> tuple[ProviderConfig, list[str]]:
@@ -238,6 +263,12 @@ def provider_problems(entry: Mapping[str, Any]) -> tuple[ProviderConfig, list[st
         problem = static_opt_in(endpoint.host, provider.tailnet)
         if problem is not None:
             problems.append(f"opt_in_refused:{problem}")
+    if (
+        endpoint is not None
+        and provider.listener_owner is not None
+        and not _is_loopback_host(endpoint.host)
+    ):
+        problems.append(f"config_invalid:{LISTENER_OWNER_LOOPBACK_ONLY}")
     if "tailnet" in bad:
         problems.append("opt_in_refused:tailnet must be true or false to decide the opt-in")
     return provider, problems

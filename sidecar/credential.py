@@ -9,10 +9,15 @@ next refresh without a restart. ``credentialFile`` is either
   ``LoadCredentialEncrypted=``). NAME is a single path component.
 
 The file must be a regular file (not a symlink: opened with ``O_NOFOLLOW``; not
-a FIFO or device), at most 4 KiB, and not accessible to all users (refused,
-like OpenSSH with a private key); access by the file's group is warned
-about once (R-P7), since sharing the key with the gateway's group is a real
-set-up. Trailing CR, LF and spaces are trimmed; what is
+a FIFO or device), at most 4 KiB, owned by the reading user or root, and
+readable by nobody else: a file its group or all users may read is refused,
+like OpenSSH's private keys (R-P7; a gateway that shares the key with a group
+gives the sidecar its own copy, or uses systemd's ``LoadCredential=``, whose
+private copies are exempt). No other user may be able to replace it:
+every directory on its path, as written and as resolved, must be owned by root
+or the reading user and not writable by group or others without the sticky bit
+(OpenSSH's rule, :mod:`sidecar.trust`); the refusal names the component.
+Trailing CR, LF and spaces are trimmed; what is
 left must be non-empty printable ASCII with no whitespace or control characters.
 
 The key is only ever held in a :class:`Secret`, whose ``repr``/``str`` never
@@ -28,6 +33,7 @@ import stat
 from typing import Final
 
 from sidecar.contract import bearer_key
+from sidecar.trust import file_owner_problem, path_problem
 
 log = logging.getLogger("gateway_capacity.credential")
 
@@ -102,6 +108,9 @@ def read_credential(spec: str, *, credentials_directory: str | None = None) -> S
     """Read and check the key ``spec`` names; raise :class:`CredentialError` saying why not."""
     path = credential_path(spec, credentials_directory)
     systemd_copy = _is_systemd_credential(path, credentials_directory)
+    unsafe = path_problem(path)
+    if unsafe is not None:
+        raise CredentialError(f"credential file {path}: {unsafe}")
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
         fd = os.open(path, flags)
@@ -115,6 +124,9 @@ def read_credential(spec: str, *, credentials_directory: str | None = None) -> S
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CredentialError(f"credential file {path} is not a regular file")
+        foreign = file_owner_problem(st)
+        if foreign is not None:
+            raise CredentialError(f"credential file {path} {foreign}")
         if st.st_mode & 0o007:
             # systemd made that copy: chmod on it is no fix, the source is.
             fix = (
@@ -126,8 +138,12 @@ def read_credential(spec: str, *, credentials_directory: str | None = None) -> S
                 f"credential file {path} is accessible by all users "
                 f"(mode {stat.S_IMODE(st.st_mode):04o}); {fix}"
             )
-        if st.st_mode & 0o070 and not systemd_copy:
-            _warn_group_access(path, st)
+        if st.st_mode & 0o077 and not systemd_copy:
+            raise CredentialError(
+                f"credential file {path} is readable by its group "
+                f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path} (give the "
+                "sidecar a copy of its own if the gateway's group must read the key)"
+            )
         if st.st_size > MAX_KEY_FILE_BYTES:
             raise CredentialError(
                 f"credential file {path} is larger than {MAX_KEY_FILE_BYTES} bytes"
@@ -164,28 +180,6 @@ def _is_systemd_credential(path: str, credentials_directory: str | None) -> bool
     if not directory:
         return False
     return os.path.dirname(os.path.normpath(path)) == os.path.normpath(directory)
-
-
-_warned: set[tuple[str, int, int]] = set()
-
-
-def _warn_group_access(path: str, st: os.stat_result) -> None:
-    """R-P7: a group-readable key is warned about, once per file and mode.
-
-    Not refused: sharing the key with the gateway's group (0640) is a
-    legitimate set-up. Access for all users is refused above; systemd's own
-    copies in ``$CREDENTIALS_DIRECTORY`` are never warned about.
-    """
-    mark = (path, st.st_ino, stat.S_IMODE(st.st_mode))
-    if mark in _warned:
-        return
-    _warned.add(mark)
-    log.warning(
-        "credential file %s is accessible by its group (mode %04o); chmod 600 unless the "
-        "group is meant to read it",
-        path,
-        stat.S_IMODE(st.st_mode),
-    )
 
 
 def _read_at_most(fd: int, limit: int) -> bytes:

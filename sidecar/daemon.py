@@ -9,7 +9,11 @@ Tasks, all on one asyncio loop:
 
 * one probe loop per provider with discovery, so a slow provider never
   delays another (R-P8); each probes at start, every ``refresh_s`` and at
-  once when the config changes (R-P9), then publishes;
+  once when the config changes (R-P9). The loops keep to one common grid of
+  ``refresh_s``, so a refresh's answers arrive together, and the publications
+  they ask for within ``PUBLISH_COALESCE_S`` are one transaction that writes
+  only what changed (issue 19: one publish per refresh, not one per provider,
+  each rewriting every provider);
 * housekeeping every ``TICK_S``: heartbeat and reaping of dead holders
   (R-A5), legacy processes (R-G3), the parent (``--parent-pid``), the config
   file (R-C3, R-C4) and the systemd watchdog.
@@ -19,25 +23,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import re
 import signal
+import stat
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shm_layout import layout, writer
+from shm_layout import layout, platform, writer
 from shm_layout.errors import GatewayCapacityError
 from shm_layout.liveness import is_alive, my_identity, process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.segment import ForeignSegment, Segment
 from shm_layout.view import ReplicaView, parse_view, snapshot_bytes
 from sidecar import sdnotify
-from sidecar.addresses import parse_host_port
-from sidecar.config import ConfigError, GatewayConfig, ProviderConfig, load_config
+from sidecar.addresses import is_loopback, parse_host_port, parse_ip
+from sidecar.config import (
+    ConfigError,
+    GatewayConfig,
+    ProviderConfig,
+    load_config,
+    parse_base_url,
+)
 from sidecar.limits import (
     DISCOVERED,
     LimitDecision,
@@ -50,9 +62,12 @@ from sidecar.limits import (
 )
 from sidecar.metrics import SidecarMetrics, probe_reasons
 from sidecar.replica import ProviderProbe
+from sidecar.trust import file_owner_problem, path_problem
 
 if TYPE_CHECKING:
     from prometheus_client.exposition import ThreadingWSGIServer
+
+    from sidecar.probe import ProbeClients
 
 log = logging.getLogger("gateway_capacity.sidecar")
 
@@ -61,6 +76,10 @@ TICK_S = 0.5  # housekeeping period: reap at least once a second (R-A5)
 CONFIG_POLL_S = 1.0
 DRAIN_REPUBLISH_S = 5.0
 SEGMENT_CHECK_S = 2.0
+# answers that arrive within this long of each other share one publication; short
+# enough that no provider's news waits on another's probe (R-P8)
+PUBLISH_COALESCE_S = 0.05
+AWAIT_LEGACY_MAX_S = 1800.0
 
 
 @dataclass
@@ -70,6 +89,7 @@ class Options:
     segment: str | None = None
     await_legacy: Sequence[str] = ()
     await_legacy_grace_s: float = 10.0
+    await_legacy_max_s: float = AWAIT_LEGACY_MAX_S
     parent_pid: int | None = None
     group_shared: bool = False
     owner: str | None = None  # another user the segment may belong to (R-G6)
@@ -95,6 +115,9 @@ class _ProviderState:
     logged: tuple[int, str, str] | tuple[()] = ()  # what _log_decision last logged
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    # the Publication last built for this provider and what it was built from
+    publication: writer.Publication | None = None
+    built_from: tuple[object, ...] = ()
 
 
 class StartupError(GatewayCapacityError):
@@ -102,7 +125,10 @@ class StartupError(GatewayCapacityError):
 
 
 def parse_legacy(
-    specs: Sequence[str], grace_s: float = 0.0, proc_hides: str | None = None
+    specs: Sequence[str],
+    grace_s: float = 0.0,
+    proc_hides: str | None = None,
+    forbidden: Mapping[int, str] | None = None,
 ) -> list[_Legacy]:
     """``--await-legacy PID|PIDFILE``: the processes to wait for, by pid and start time.
 
@@ -116,7 +142,16 @@ def parse_legacy(
     ``proc_hides`` (see :func:`proc_hides_other_users`) says that /proc hides
     other users' processes: a pid that ``kill(pid, 0)`` finds but /proc does
     not show is then awaited, never taken for exited.
+
+    A pidfile is trusted only as OpenSSH trusts a key (R-G6, issue 16): owned
+    by root or this user, not writable by group or others, and in directories
+    nobody else can change (:mod:`sidecar.trust`); else another user could
+    hold every opted-in provider at 0 by writing a pid into it. ``forbidden``
+    maps pids that may never be awaited (pid 1, the sidecar, its parent: a
+    drain that only they could end) to a phrase naming them; see
+    :func:`forbidden_legacy_pids`.
     """
+    forbidden = forbidden if forbidden is not None else forbidden_legacy_pids(None)
     out = []
     for spec in specs:
         written: float | None = None
@@ -135,6 +170,12 @@ def parse_legacy(
             if not text.isdigit():
                 raise StartupError(f"--await-legacy {spec}: pidfile does not hold a pid")
             pid = int(text)
+        if pid in forbidden:
+            named = "pidfile names" if written is not None else "names"
+            raise StartupError(
+                f"--await-legacy {spec}: {named} pid {pid}, {forbidden[pid]}: a drain that "
+                "only its exit could end (refused)"
+            )
         try:
             start = process_start(pid)
         except OSError:
@@ -173,13 +214,36 @@ def parse_legacy(
 _UNSEEN_START = -1.0
 
 
+def forbidden_legacy_pids(parent_pid: int | None) -> dict[int, str]:
+    """Pids ``--await-legacy`` may never name: init, the sidecar itself, and its parent
+    (the ``--parent-pid`` process and the real one): the sidecar outlives none of them,
+    so a drain on them would never end while it runs."""
+    forbidden = {os.getppid(): "the sidecar's parent"}
+    if parent_pid is not None:
+        forbidden[parent_pid] = "the --parent-pid process"
+    forbidden[os.getpid()] = "the sidecar itself"
+    forbidden[1] = "init (pid 1)"
+    return forbidden
+
+
+class UntrustedPidfile(StartupError):
+    """An ``--await-legacy`` pidfile that another user could have written."""
+
+
 def _read_pidfile(path: str, grace_s: float) -> tuple[str, float]:
-    """The pidfile's text and mtime, waiting up to ``grace_s`` for it to appear."""
+    """The pidfile's text and mtime, waiting up to ``grace_s`` for it to appear.
+
+    Raises :class:`UntrustedPidfile` when another user than root or this one
+    could have written it (the file or a directory on its path).
+    """
     deadline = time.monotonic() + grace_s
     announced = False
     while True:
         try:
             with open(path, encoding="ascii") as f:
+                problem = path_problem(path) or _pidfile_problem(os.fstat(f.fileno()))
+                if problem is not None:
+                    raise UntrustedPidfile(f"--await-legacy {path}: pidfile not trusted: {problem}")
                 return f.read().strip(), os.fstat(f.fileno()).st_mtime
         except FileNotFoundError:
             if time.monotonic() >= deadline:
@@ -188,6 +252,18 @@ def _read_pidfile(path: str, grace_s: float) -> tuple[str, float]:
                 announced = True
                 log.info("legacy pidfile %s does not exist yet: waiting up to %gs", path, grace_s)
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+def _pidfile_problem(st: os.stat_result) -> str | None:
+    foreign = file_owner_problem(st)
+    if foreign is not None:
+        return f"it {foreign}"
+    if st.st_mode & 0o022:
+        return (
+            f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
+            "run: chmod go-w on it"
+        )
+    return None
 
 
 def _exists(pid: int) -> bool:
@@ -201,12 +277,16 @@ def _exists(pid: int) -> bool:
     return True
 
 
-def proc_hides_other_users(mountinfo: str = "/proc/self/mountinfo") -> str | None:
+def proc_hides_other_users(
+    mountinfo: str = "/proc/self/mountinfo", status: str = "/proc/self/status"
+) -> str | None:
     """Why this process may not see other users' processes in /proc, or None.
 
     systemd's ``ProtectProc=invisible|noaccess|ptraceable`` and a manual
     ``mount -o hidepid=...`` both show as a ``hidepid=`` super option of the
-    /proc mount; root (CAP_SYS_PTRACE) sees through it.
+    /proc mount. The kernel lets a process see through it with CAP_SYS_PTRACE,
+    or when it is in the mount's ``gid=`` group (0 unless set): being uid 0 is
+    not enough (a unit with ``CapabilityBoundingSet=`` and another group).
     """
     try:
         with open(mountinfo, encoding="utf-8", errors="replace") as f:
@@ -221,9 +301,27 @@ def proc_hides_other_users(mountinfo: str = "/proc/self/mountinfo") -> str | Non
     hidden = [
         o for o in options if o.startswith("hidepid=") and o not in ("hidepid=0", "hidepid=off")
     ]
-    if not hidden or os.geteuid() == 0:
+    if not hidden:
+        return None
+    gids = [int(o[4:]) for o in options if o.startswith("gid=") and o[4:].isdigit()]
+    exempt_gid = gids[-1] if gids else 0
+    if exempt_gid == os.getegid() or exempt_gid in os.getgroups() or _has_cap_sys_ptrace(status):
         return None
     return f"/proc is mounted with {hidden[-1]} (ProtectProc=?)"
+
+
+_CAP_SYS_PTRACE = 19
+
+
+def _has_cap_sys_ptrace(status: str) -> bool:
+    try:
+        with open(status, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_SYS_PTRACE & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def _legacy_label(spec: str, pid: int) -> str:
@@ -256,8 +354,15 @@ class Sidecar:
                 self.proc_hides,
             )
         self.legacy = parse_legacy(
-            options.await_legacy, options.await_legacy_grace_s, self.proc_hides
+            options.await_legacy,
+            options.await_legacy_grace_s,
+            self.proc_hides,
+            forbidden_legacy_pids(options.parent_pid),
         )
+        # R-G3, for --check: on the deadline clock, which a stepped wall clock never moves
+        self.legacy_since = platform.deadline_now() if self.legacy else 0.0
+        self._legacy_began = time.monotonic()
+        self._legacy_overdue_warned = False
         self.parent: tuple[int, float] | None = None
         if options.parent_pid is not None:
             parent_start = process_start(options.parent_pid)
@@ -290,6 +395,11 @@ class Sidecar:
         self._warned: set[str] = set()
         self._status_sent = ""
         self._ready = False  # STATUS= goes out only after READY=1
+        self._publish_cache = writer.PublishCache()
+        self._publish_pending = False
+        self._grid_origin = time.monotonic()  # probe loops start on multiples of refresh_s
+        self.clients: ProbeClients | None = None
+        self._retained: asyncio.Task[None] | None = None
 
     # --- life cycle ---------------------------------------------------------------------
     async def run(self) -> int:
@@ -326,6 +436,12 @@ class Sidecar:
             log.info(
                 "waiting for legacy process %s to exit", _legacy_label(legacy.label, legacy.pid)
             )
+        # Before READY=1: httpx and anyio are loaded here (and the certifi bundle by
+        # _apply_config when an https provider needs it), not inside the first probe's
+        # 3 s deadline (a loaded host could miss it, R-P5).
+        from sidecar.probe import ProbeClients
+
+        self.clients = ProbeClients()
         self._apply_config(self.config)
         self._publish()
         sdnotify.ready()
@@ -343,6 +459,8 @@ class Sidecar:
             if state.task is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await state.task
+        if self.clients is not None:
+            await self.clients.aclose()
         if not self.retired:
             writer.set_state(self.seg, self.epoch, layout.SIDECAR_STOPPED)
         if self._metrics_server is not None:
@@ -422,6 +540,12 @@ class Sidecar:
             self._log_decision(state)
             self.metrics.not_probed(provider_id, rules.refused_reason, self.opts.refresh_s)
             if rules.discovery_active:
+                if (
+                    self.clients is not None
+                    and provider.base_url is not None
+                    and provider.base_url.lower().startswith("https:")
+                ):
+                    self.clients.tls_context()
                 if state.task is None or state.task.done():
                     state.task = asyncio.create_task(self._probe_loop(provider_id))
                 else:
@@ -429,6 +553,13 @@ class Sidecar:
             elif state.task is not None:
                 state.task.cancel()
                 state.task = None
+        if self.clients is not None:  # hosts no longer probed keep no client, no socket
+            endpoints = []
+            for provider in config.providers:
+                with contextlib.suppress(ValueError):
+                    if provider.base_url and self.providers[provider.id].rules.discovery_active:
+                        endpoints.append(parse_base_url(provider.base_url))
+            self._retained = asyncio.get_running_loop().create_task(self.clients.retain(endpoints))
 
     def _check_config(self) -> None:
         stamp = _stamp(self.opts.config_path)
@@ -459,6 +590,7 @@ class Sidecar:
     async def _probe_loop(self, provider_id: str) -> None:
         from sidecar.probe import probe_provider  # httpx only in the daemon
 
+        assert self.clients is not None
         while not self.stop.is_set():
             state = self.providers.get(provider_id)
             if state is None or not state.rules.discovery_active:
@@ -467,7 +599,9 @@ class Sidecar:
             asked = state.config
             began = time.monotonic()
             try:
-                probe = await probe_provider(asked, tailscale_socket=self.opts.tailscale_socket)
+                probe = await probe_provider(
+                    asked, tailscale_socket=self.opts.tailscale_socket, clients=self.clients
+                )
             except Exception:  # probe_provider never raises for a provider's fault; be sure
                 self._log_unexpected(f"probe of {provider_id}")
                 await asyncio.sleep(self.opts.refresh_s)
@@ -484,12 +618,38 @@ class Sidecar:
             state.probe = probe
             state.decision = self._decide(state, time.time())
             self._log_decision(state)
-            self._publish()
+            self._publish_soon()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(state.wake.wait(), self.opts.refresh_s)
+                await asyncio.wait_for(state.wake.wait(), self._until_next_refresh())
+
+    def _until_next_refresh(self) -> float:
+        """Seconds to the next point of the common refresh grid (R-P9): every provider
+        probes on it, so one refresh's answers can share one publication."""
+        period = self.opts.refresh_s
+        return period - (time.monotonic() - self._grid_origin) % period
+
+    def _publish_soon(self) -> None:
+        """Publish within ``PUBLISH_COALESCE_S``, together with whatever else arrives."""
+        if self._publish_pending:
+            return
+        self._publish_pending = True
+        asyncio.get_running_loop().call_later(PUBLISH_COALESCE_S, self._publish_now)
+
+    def _publish_now(self) -> None:
+        self._publish_pending = False
+        try:
+            self._publish()
+        except Exception:  # a callback must not die silently
+            self._log_unexpected("publication")
 
     def _decide(self, state: _ProviderState, now: float) -> LimitDecision:
-        decision = self._decide_once(state, now)
+        """The pure rules decide in the wall clock's frame at ``now``; deadlines already
+        fixed on the deadline clock are seen through that frame, and a new one is fixed
+        now (R-L7): so a step of the wall clock never moves a limit's expiry."""
+        mono = platform.deadline_now()
+        if state.last_discovered is not None:
+            state.last_discovered = _seen_at(state.last_discovered, now, mono)
+        decision = _anchored(self._decide_once(state, now), now, mono)
         if decision.source == DISCOVERED and decision.discovered is not None:
             # R-L6's base is the last *discovered* limit while unexpired, not the last
             # decision: one failed refresh in between must not reset it to the fallback.
@@ -509,16 +669,21 @@ class Sidecar:
         kept = self.inherited.get(provider_id)
         if kept is None:
             return decision
+        kept = _seen_at(kept, now, platform.deadline_now())
         return keep_inherited(decision, kept, state.rules, now) or decision
 
     def _inherit_limits(self, now: float) -> dict[str, LimitDecision]:
-        """Unexpired discovered limits in the segment, as the previous sidecar left them."""
+        """Unexpired discovered limits in the segment, as the previous sidecar left them
+        (their deadlines as the segment holds them, on the deadline clock)."""
         data, _ = snapshot_bytes(self.seg.buf)
+        mono = platform.deadline_now()
         kept = {}
-        for seen in parse_view(self.segment_name, data, now=now).providers:
+        for seen in parse_view(self.segment_name, data, now=now, mono=mono).providers:
+            if seen.expires_mono is not None:  # see it through the wall clock's frame now
+                seen = dataclasses.replace(seen, expires_at=now + (seen.expires_mono - mono))
             decision = inherited_from_view(seen, now)
             if decision is not None:
-                kept[seen.id] = decision
+                kept[seen.id] = _anchored(decision, now, mono, seen.expires_mono)
         return kept
 
     def _draining(self) -> bool:
@@ -539,10 +704,22 @@ class Sidecar:
             fallback, fallback_source = _fallback(state.decision, state.rules)
             status = self.config.statuses.get(provider_id)
             requested = status.discovery_requested if status else state.config.capacity_discovery
-            pubs.append(_publication(provider_id, state, fallback, fallback_source, requested))
+            built_from = (state.decision, fallback, fallback_source, requested)
+            if state.publication is None or not _same(state.built_from, built_from):
+                state.publication = _publication(
+                    provider_id, state, fallback, fallback_source, requested
+                )
+                state.built_from = built_from
+            pubs.append(state.publication)
         try:
             warnings = writer.publish(
-                self.seg, self.epoch, self.generation, self.config_status, pubs, now
+                self.seg,
+                self.epoch,
+                self.generation,
+                self.config_status,
+                pubs,
+                now,
+                self._publish_cache,
             )
         except writer.Superseded as exc:
             self._retire(exc)
@@ -621,8 +798,17 @@ class Sidecar:
             last["drain"] = time.monotonic()
             self._redecide_all()
             self._publish()
+        self._check_legacy_overdue()
         try:
-            reclaimed = writer.heartbeat(self.seg, self.epoch, now, len(self.legacy))
+            reclaimed = writer.heartbeat(
+                self.seg,
+                self.epoch,
+                now,
+                len(self.legacy),
+                legacy_since=self.legacy_since,
+                legacy_max_s=self.opts.await_legacy_max_s,
+                legacy_pid=self.legacy[0].pid if self.legacy else 0,
+            )
         except writer.Superseded as exc:
             self._retire(exc)
             return False
@@ -651,6 +837,25 @@ class Sidecar:
         self.metrics.turned()
         return True
 
+    def _check_legacy_overdue(self) -> None:
+        """A drain that outlasts ``--await-legacy-max`` is a WARNING, once (R-G3, issue 16);
+        ``availability --check`` fails on it from the segment's header."""
+        if not self.legacy or self._legacy_overdue_warned:
+            return
+        lasted = time.monotonic() - self._legacy_began
+        if lasted <= self.opts.await_legacy_max_s:
+            return
+        self._legacy_overdue_warned = True
+        waiting = ", ".join(_legacy_label(x.label, x.pid) for x in self.legacy)
+        log.warning(
+            "legacy drain has lasted %.0f min, over --await-legacy-max %g min: %s still "
+            "runs and opted-in providers admit nothing new; stop it, or restart the sidecar "
+            "without --await-legacy",
+            lasted / 60,
+            self.opts.await_legacy_max_s / 60,
+            waiting,
+        )
+
     def _log_unexpected(self, where: str) -> None:
         """Log an unexpected exception with its traceback, once per distinct message."""
         exc = sys.exc_info()[1]
@@ -674,6 +879,9 @@ class Sidecar:
         bound_host = str(bound_host)  # an AF_INET/AF_INET6 address: str already
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         log.info("metrics on http://%s:%d/metrics, health on /healthz", shown, bound_port)
+        exposed = metrics_exposure(listen, bound_host)
+        if exposed is not None:
+            log.warning("%s", exposed)
 
 
 def status_line(
@@ -687,6 +895,25 @@ def status_line(
     if config_status != "ok":
         text += f"; config: {config_status}"
     return text
+
+
+def metrics_exposure(listen: str, bound_host: str) -> str | None:
+    """The WARNING for ``--metrics-listen`` on an address that is not loopback (issue 16):
+    what is served, to whom, and unauthenticated; ``None`` on loopback."""
+    ip = parse_ip(bound_host)
+    if ip is not None and is_loopback(ip):
+        return None
+    where = (
+        "every network this host is on"
+        if ip is not None and ip.is_unspecified
+        else f"the network of {bound_host}"
+    )
+    return (
+        f"--metrics-listen {listen} is not loopback: the metrics (provider ids, limits, "
+        "running and waiting counts, probe outcomes, the segment name) and /healthz are "
+        f"served without authentication to {where}. Bind 127.0.0.1 unless a scraper "
+        "elsewhere needs them, and then firewall the port"
+    )
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -739,8 +966,34 @@ def _publication(
         discovered=d.discovered,
         observed_at=d.observed_at,
         expires_at=d.expires_at if enforced else None,
+        expires_mono=d.expires_mono if enforced else None,
         replicas=replicas,
     )
+
+
+def _anchored(
+    d: LimitDecision, now: float, mono: float, expires_mono: float | None = None
+) -> LimitDecision:
+    """``d`` with its expiry fixed on the deadline clock: ``expires_at`` (judged in the
+    wall clock's frame at ``now``) becomes ``mono`` + what is left of it (R-L7)."""
+    if d.expires_at is None:
+        return d
+    if expires_mono is None:
+        expires_mono = mono + (d.expires_at - now)
+    return dataclasses.replace(d, expires_mono=expires_mono)
+
+
+def _seen_at(d: LimitDecision, now: float, mono: float) -> LimitDecision:
+    """A decision made earlier, seen through the wall clock's frame at ``now``: its
+    ``expires_at`` is what its fixed deadline leaves, however the wall clock stepped."""
+    if d.expires_mono is None:
+        return d
+    return dataclasses.replace(d, expires_at=now + (d.expires_mono - mono))
+
+
+def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    """Same decision object and same values: the publication built from it still holds."""
+    return len(a) == len(b) and a[0] is b[0] and a[1:] == b[1:]
 
 
 def _stamp(path: str) -> tuple[int, int, int, int] | None:

@@ -60,7 +60,7 @@ SOURCES: Final = frozenset({DISCOVERED, "provider", "gateway", "default", LEGACY
 
 _DETAIL_MAX = 80  # keep reasons short; a detail is a phrase, never a body
 # probe refusals that mean "not opted in" (R-L1), as opposed to an opted-in provider
-# whose probe failed (unreachable, timeout, credential_error: R-L5)
+# whose probe failed (unreachable, timeout, credential_error, listener_refused: R-L5)
 OPT_IN_REFUSED: Final = ("not_requested", "config_invalid", "opt_in_refused", "address_refused")
 _OPT_IN_REFUSED = OPT_IN_REFUSED
 
@@ -115,6 +115,10 @@ class LimitDecision:
     # configured upstream models a complete answer did not report: a typo in ``models``
     # or a model the farm no longer serves; the limit is 0 (R-L3) and worth a WARNING
     missing_models: tuple[str, ...] = ()
+    # ``expires_at`` on the host's deadline clock, fixed by the daemon when the decision
+    # is made (R-L7: the wall clock is judged once, then a step of it moves nothing);
+    # None: not yet anchored (a pure decision), or nothing expires
+    expires_mono: float | None = None
 
 
 def fallback_for(provider_max: int | None, gateway_max: int | None) -> tuple[int, FallbackSource]:

@@ -27,6 +27,7 @@ REASONS: Final = frozenset(
         "future",  # observed_at more than 5 s ahead (R-K4)
         "address_refused",  # resolved address failed the opt-in check (R-P1, R-P3)
         "credential_error",  # the key file cannot be used (R-P7)
+        "listener_refused",  # a loopback listener not owned by listenerOwner (R-P7)
     }
 )
 

@@ -118,3 +118,38 @@ def test_retry_after_follows_the_measured_hold_time(adm: Admission) -> None:
     assert retry_after_seconds(3.0, 3, 2) == 6
     assert retry_after_seconds(float("nan"), 3, 2) == 1
     assert retry_after_seconds(2.0, 0, 0) == 2
+
+
+def test_try_acquire_takes_a_free_slot_and_never_queues(adm: Admission, segment_name: str) -> None:
+    """The middleware's fast path (issue 19): one try-lock step; None instead of waiting,
+    with nothing recorded; QueueFull when the queue is full; FIFO kept (a free slot is
+    not taken past someone who waits)."""
+    a, b = adm.try_acquire("p1"), adm.try_acquire("p1")
+    assert isinstance(a, Ticket) and isinstance(b, Ticket)
+    assert _running_waiting(segment_name) == (2, 0)
+    assert adm.try_acquire("p1") is None  # would wait: not queued, nothing recorded
+    assert _running_waiting(segment_name) == (2, 0)
+
+    async def scenario() -> None:
+        waiter = asyncio.create_task(adm.acquire("p1"))
+        await asyncio.sleep(0.2)
+        assert _running_waiting(segment_name) == (2, 1)
+        adm.release(a)
+        granted = await waiter  # the freed slot went to the one who waited
+        assert adm.try_acquire("p1") is None
+        adm.release(granted)
+        waiting = [asyncio.create_task(adm.acquire("p1")) for _ in range(33)]
+        await asyncio.sleep(0.3)
+        assert _running_waiting(segment_name) == (2, 32)
+        with pytest.raises(QueueFull):
+            adm.try_acquire("p1")
+        for task in waiting:
+            task.cancel()
+        results = await asyncio.gather(*waiting, return_exceptions=True)
+        for r in results:
+            if isinstance(r, Ticket):
+                adm.release(r)
+
+    asyncio.run(scenario())
+    adm.release(b)
+    assert _running_waiting(segment_name) == (0, 0)

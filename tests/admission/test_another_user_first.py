@@ -148,9 +148,7 @@ def test_r_g6_a_lock_file_another_user_made_first_is_refused_untouched(
     os.unlink(path)
 
 
-def test_r_g6_doorbell_names_cannot_be_guessed_or_squatted(
-    segment_name: str, config: Path
-) -> None:
+def test_r_g6_doorbell_names_cannot_be_guessed_or_squatted(segment_name: str, config: Path) -> None:
     """Before: nobody pre-created sem.<segment>.d0..d127 and took the posts meant for
     root's waiters. Doorbells are now named after 64 random bits written in the
     segment, which nobody cannot read; the old names are nothing to us."""
@@ -181,9 +179,7 @@ def test_r_g6_doorbell_names_cannot_be_guessed_or_squatted(
         unlink_segment(segment_name)
 
 
-def test_r_g6_a_doorbell_another_user_owns_is_never_posted(
-    segment_name: str, config: Path
-) -> None:
+def test_r_g6_a_doorbell_another_user_owns_is_never_posted(segment_name: str, config: Path) -> None:
     """A member row pointed at a semaphore of nobody's (a group member can write the
     segment): the core's grant does not post it (R-G6); the owner repairs its row at
     its next step (R-A16)."""
@@ -219,9 +215,7 @@ def test_r_g6_a_doorbell_another_user_owns_is_never_posted(
         posix_ipc.unlink_semaphore(name)
 
 
-def test_r_g6_decoy_segments_cost_an_attach_almost_nothing(
-    segment_name: str, config: Path
-) -> None:
+def test_r_g6_decoy_segments_cost_an_attach_almost_nothing(segment_name: str, config: Path) -> None:
     """Before: every decoy (right magic and major, never initialised, a live pid of
     nobody's) cost a root attach 2 s in the split-budget scan."""
     decoys = ["/gwcap1-" + secrets.token_hex(6) for _ in range(40)]

@@ -200,9 +200,10 @@ def test_r_a14_waiters_of_a_closed_event_loop_are_freed_within_a_sweep_and_never
         async with adm.slot("p1"):
             await asyncio.sleep(3600)
 
+    tasks = []
+
     async def main() -> None:
-        for _ in range(3):
-            loop.create_task(waiter())  # noqa: RUF006 (a kept reference would keep it alive)
+        tasks.extend(loop.create_task(waiter()) for _ in range(3))
         await asyncio.sleep(0.3)
         assert _counts(segment_name) == (1, 3)
         raise RuntimeError("the program fails with tasks still waiting")
@@ -645,7 +646,7 @@ def test_r_a16_a_bad_write_to_a_live_members_serial_frees_none_of_its_slots(
     serial = MEMBER["serial"].get(adm._buf, member_base(m))
     MEMBER["serial"].put(adm._buf, serial + 1, member_base(m))
     with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=1.5):
-        pass  # waits through sweeps: nothing freed
+        pass  # waits through sweeps: nothing of the holder's is freed
     assert adm._core.sweep(0.0) == 0
     assert _counts(segment_name) == (1, 0)
     holder.send("release")

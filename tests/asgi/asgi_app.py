@@ -11,7 +11,9 @@ Routes:
 - ``GET /v1/hold?name=N`` (admitted, provider ``p1``): sends the head and a
   first line ``admitted <pid>``, then holds until ``$GWT_RELEASE_DIR/N`` or
   ``$GWT_RELEASE_DIR/all`` exists, then ends with ``done``. A client that goes
-  away ends it early (as Starlette's streaming responses do).
+  away ends it early (as Starlette's streaming responses do). A ``POST`` reads
+  its whole body first and sends ``body <sha256> <length>`` after that first line.
+  With ``GWT_BY_MODEL=1`` the provider is ``by_model`` (the body's ``model``).
 - ``GET /health`` (not admitted): ``ok``.
 - websocket ``/ws`` (not admitted): accepts and closes.
 """
@@ -19,6 +21,7 @@ Routes:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -27,7 +30,7 @@ from urllib.parse import parse_qs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from handler_shim.asgi import AdmissionMiddleware
+from handler_shim.asgi import AdmissionMiddleware, by_model
 
 RELEASE_DIR = Path(os.environ.get("GWT_RELEASE_DIR", "/nonexistent"))
 
@@ -52,7 +55,15 @@ async def inner(scope: dict[str, Any], receive: Any, send: Any) -> None:
     elif path == "/v1/hold":
         query = parse_qs(scope.get("query_string", b"").decode())
         name = query.get("name", ["-"])[0]
-        await _hold(name, receive, send)
+        body = None
+        if scope["method"] == "POST":
+            body = b""
+            while True:
+                message = await receive()
+                body += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+        await _hold(name, receive, send, body)
     else:
         await _whole(send, 404, b"not found\n")
 
@@ -68,7 +79,7 @@ async def _whole(send: Any, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _hold(name: str, receive: Any, send: Any) -> None:
+async def _hold(name: str, receive: Any, send: Any, body: bytes | None) -> None:
     gone = asyncio.Event()
 
     async def watch() -> None:
@@ -91,6 +102,10 @@ async def _hold(name: str, receive: Any, send: Any) -> None:
             "more_body": True,
         }
     )
+    if body is not None:
+        digest = hashlib.sha256(body).hexdigest()
+        line = f"body {digest} {len(body)}\n".encode()
+        await send({"type": "http.response.body", "body": line, "more_body": True})
     while not gone.is_set():
         if (RELEASE_DIR / name).exists() or (RELEASE_DIR / "all").exists():
             await send({"type": "http.response.body", "body": b"done\n"})
@@ -108,6 +123,6 @@ app = AdmissionMiddleware(
     config=os.environ.get("GWT_CONFIG") or None,
     segment=os.environ.get("GWT_SEGMENT") or None,
     generation=lambda: os.environ.get("GWT_GENERATION", "asgi-test"),
-    provider=_provider,
+    provider=by_model if os.environ.get("GWT_BY_MODEL") == "1" else _provider,
     timeout=float(os.environ.get("GWT_TIMEOUT", "30")),
 )

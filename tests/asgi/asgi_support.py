@@ -35,11 +35,11 @@ class Server:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def provider(self) -> dict[str, object]:
+    def provider(self, provider_id: str = "p1") -> dict[str, object]:
         for p in availability(self.segment)["providers"]:
-            if p["id"] == "p1":
+            if p["id"] == provider_id:
                 return dict(p)
-        raise AssertionError("no provider p1")
+        raise AssertionError(f"no provider {provider_id}")
 
     def stop(self, timeout: float = 20) -> int:
         if self.proc.poll() is None:
@@ -53,6 +53,16 @@ class Server:
 
 
 StartServer = Callable[..., "Server"]
+
+
+def gunicorn_no_control_socket() -> list[str]:
+    """``--no-control-socket`` where this gunicorn has one (newer gunicorns open
+    ``~/.gunicorn/gunicorn.ctl``, one path for every gunicorn of the user); the 23.x that
+    ``litellm[proxy]`` pins has neither the socket nor the option."""
+    from gunicorn.config import KNOWN_SETTINGS
+
+    flag = "--no-control-socket"
+    return [flag] if any(flag in (s.cli or ()) for s in KNOWN_SETTINGS) else []
 
 
 def listening_socket() -> socket.socket:
@@ -85,12 +95,31 @@ class RawRequest:
     """One HTTP/1.1 request on its own connection, read by hand (the tests need the
     connection itself: to hold it open while waiting, or to close it early)."""
 
-    def __init__(self, port: int, path: str) -> None:
+    def __init__(
+        self,
+        port: int,
+        path: str,
+        *,
+        method: str = "GET",
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        send_body: bool = True,
+    ) -> None:
+        """``body`` goes with its ``Content-Length`` unless ``headers`` say otherwise;
+        ``send_body=False`` sends the head alone (a client still to send its body)."""
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
-        self.sock.sendall(
-            f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode()
-        )
+        head = {"Host": "127.0.0.1", "Connection": "close"}
+        if body is not None:
+            head["Content-Length"] = str(len(body))
+        head.update(headers or {})
+        lines = "".join(f"{k}: {v}\r\n" for k, v in head.items())
+        self.sock.sendall(f"{method} {path} HTTP/1.1\r\n{lines}\r\n".encode())
+        if body is not None and send_body:
+            self.sock.sendall(body)
         self.data = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
 
     def read_until(self, marker: bytes, timeout: float = 30) -> bytes:
         self.sock.settimeout(timeout)
@@ -120,6 +149,17 @@ class RawRequest:
                 raise AssertionError(f"connection closed before admission: {self.data!r}")
             self.data += chunk
         return int(match.group(1))
+
+    def body_line(self, timeout: float = 30) -> tuple[str, int]:
+        """The app's ``body <sha256> <length>`` line: what the app read of the body."""
+        self.read_until(b"\n", timeout)
+        self.sock.settimeout(timeout)
+        while (match := re.search(rb"body ([0-9a-f]{64}) (\d+)\n", self.data)) is None:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise AssertionError(f"connection closed before the body line: {self.data!r}")
+            self.data += chunk
+        return match.group(1).decode(), int(match.group(2))
 
     def status(self) -> int:
         self.read_until(b"\r\n")

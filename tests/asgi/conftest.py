@@ -19,7 +19,14 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # asgi_support
 
-from asgi_support import APP_DIR, Server, StartServer, attached_members, listening_socket
+from asgi_support import (
+    APP_DIR,
+    Server,
+    StartServer,
+    attached_members,
+    gunicorn_no_control_socket,
+    listening_socket,
+)
 from gwtest import wait_until
 
 
@@ -47,6 +54,7 @@ def start_server(tmp_path: Path, segment_name: str, asgi_config: Path) -> Iterat
         generation: str = "gen-A",
         config: Path | None = asgi_config,
         wait_attached: bool = True,
+        by_model: bool = False,
     ) -> Server:
         release_dir = tmp_path / f"release-{len(servers)}"
         release_dir.mkdir()
@@ -59,6 +67,7 @@ def start_server(tmp_path: Path, segment_name: str, asgi_config: Path) -> Iterat
             "GWT_TIMEOUT": str(timeout),
             "GWT_RELEASE_DIR": str(release_dir),
             "PYTHONUNBUFFERED": "1",
+            "GWT_BY_MODEL": "1" if by_model else "0",
         }
         pidfile = None
         if kind == "uvicorn":
@@ -86,7 +95,7 @@ def start_server(tmp_path: Path, segment_name: str, asgi_config: Path) -> Iterat
                 "gunicorn",
                 "-k",
                 "uvicorn.workers.UvicornWorker",
-                "--no-control-socket",  # not the per-user ~/.gunicorn/gunicorn.ctl
+                *gunicorn_no_control_socket(),  # not the per-user ~/.gunicorn/gunicorn.ctl
                 "-w",
                 str(workers),
                 "--bind",

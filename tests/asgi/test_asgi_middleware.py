@@ -266,3 +266,41 @@ def test_gunicorn_hup_relabels_new_workers_and_shutdown_detaches(
     assert server.stop() == 0
     assert members(server.segment) == []  # lifespan shutdown closed every attachment
     assert availability(server.segment)["providers"][0]["running"] == 0
+
+
+def test_gunicorn_worker_that_cannot_attach_halts_the_master_with_boot_error_3(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """Issue 18 s.5 item 1: not 18 restarts in 12 s, but gunicorn's worker boot error (3),
+    on which the master stops, with the reason in one line."""
+    missing = tmp_path / "no-such-gateway.json"
+    server = start_server("gunicorn", workers=2, config=missing, wait_attached=False)
+    code = server.proc.wait(timeout=60)
+    out = server.output()
+    assert code == 3, out
+    reasons = [line for line in out.splitlines() if "cannot attach admission" in line]
+    assert reasons and all(str(missing) in line for line in reasons), out
+    assert out.count("Booting worker") <= 2, out  # booted once each, never restarted
+
+
+def test_r_a1_a_request_that_waited_gets_what_was_read_ahead_unchanged(
+    start_server: StartServer,
+) -> None:
+    """Issue 19: only a request that must wait gets the reader task; what it read while
+    the request waited (here a 300 kB body, several messages) reaches the app unchanged."""
+    import hashlib
+
+    server = start_server("uvicorn")
+    held = [RawRequest(server.port, f"/v1/hold?name=h{i}") for i in range(2)]
+    for r in held:
+        r.read_until(b"admitted")
+    body = os.urandom(300_000)
+    waiter = RawRequest(server.port, "/v1/hold?name=w", method="POST", body=body)
+    wait_counts(server, (2, 1))
+    server.release("h0")
+    assert waiter.body_line() == (hashlib.sha256(body).hexdigest(), len(body))
+    server.release()
+    assert finished(waiter.read_all())
+    for r in held:
+        r.read_all()
+    wait_counts(server, (0, 0))

@@ -173,3 +173,54 @@ def test_example_gateway_refuses_unknown_models_and_reports_an_unreachable_provi
     counters = _counters(segment_name)
     assert counters["running"] == 0 and counters["admitted_total"] == 2  # slots released
     assert key not in log.read_text()
+
+
+@pytest.mark.parametrize("config", ["unset", "missing"])
+def test_example_gateway_without_a_usable_config_halts_gunicorn_with_boot_error_3(
+    tmp_path: Path, config: str
+) -> None:
+    """Issue 18 s.5 items 1-2: GATEWAY_CONFIG is required (no silent examples/gateway.json),
+    and a worker that cannot start exits 3, gunicorn's worker boot error: the master stops
+    with the reason instead of restarting the worker forever."""
+    from asgi_support import gunicorn_no_control_socket
+
+    env = {k: v for k, v in os.environ.items() if k != "GATEWAY_CONFIG"}
+    if config == "missing":
+        env["GATEWAY_CONFIG"] = str(tmp_path / "no-such.json")
+    sock = listening_socket()
+    log = tmp_path / "gunicorn.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gunicorn",
+                "-k",
+                "uvicorn.workers.UvicornWorker",
+                *gunicorn_no_control_socket(),
+                "-w",
+                "2",
+                "--bind",
+                f"fd://{sock.fileno()}",
+                "--chdir",
+                str(ROOT / "examples"),
+                "openai_gateway:app",
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            pass_fds=(sock.fileno(),),
+            cwd=str(tmp_path),
+        )
+    sock.close()
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert code == 3, text
+    reason = "GATEWAY_CONFIG is not set" if config == "unset" else "no-such.json"
+    assert any(reason in line and "openai_gateway:" in line for line in text.splitlines()), text
+    assert text.count("Booting worker") <= 2, text

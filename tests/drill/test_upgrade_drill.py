@@ -7,6 +7,7 @@ it as ``make drill`` does (shorter phases) and checks the summary's figures.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,8 @@ def test_upgrade_drill_short_form_keeps_one_budget_across_generations(tmp_path: 
     assert summary["peak_waiting"] <= 32
     assert summary["client_429"] == summary["rejected"] > 0
     assert summary["client_ok"] == summary["admitted"] > 0
+    # R-A1 judged exactly: every admitted arrival at the upstream, by its grant
+    assert summary["upstream_rises_checked"] == summary["admitted"]
     assert summary["lost"] == 0 and summary["timeouts"] == 0
     assert (summary["final_running"], summary["final_waiting"]) == (0, 0)
     assert summary["holder_records_left"] == 0 and summary["registered_after_stop"] == 0
@@ -61,3 +64,50 @@ def test_upgrade_drill_short_form_keeps_one_budget_across_generations(tmp_path: 
         for p in psutil.Process().children(recursive=True)
         if any(x in " ".join(p.cmdline()) for x in ("gunicorn", "fake_upstream", "simworkers"))
     ]
+
+
+def _drill_with(samples: list[tuple[float, int]]) -> object:
+    """A Drill whose observer saw these (time, limit) samples; nothing is started."""
+    sys.path.insert(0, str(ROOT / "drill"))
+    import io
+
+    from upgrade_drill import Drill, Sample
+
+    drill = Drill(short=True, out=io.StringIO())
+    shutil.rmtree(drill.tmp)  # nothing runs: its scratch directory is not needed
+    drill.t0 = 1000.0
+    drill.samples = [Sample(t, "p", lim, "discovered", 0, 0, {}, {}, 0, 0) for t, lim in samples]
+    return drill
+
+
+def _arrive(n: int, request: int, asked: float, granted: float) -> list[object]:
+    return [0.0, "admitted", n, request, 1000.0 + asked, 1000.0 + granted]
+
+
+def _leave(n: int, request: int) -> list[object]:
+    return [0.0, "admitted", n, request, None, None]
+
+
+def test_r_a1_drill_check_judges_each_rise_by_the_limit_in_force_at_its_grants() -> None:
+    """The exact check (issue 17 s.6): a request granted under limit 3 that reaches the
+    upstream late, after the limit fell to 2, is no violation (the old 1 s window failed
+    here under load); three in flight that were all granted under limit 2 is one."""
+    samples = [(0.0, 3), (1.0, 3), (2.0, 2), (3.0, 2), (4.0, 2)]
+    late = [_arrive(1, 1, 0.1, 0.1), _arrive(2, 2, 0.2, 0.2), _arrive(3, 3, 0.9, 0.95)]
+    drill = _drill_with(samples)
+    drill.check_inflight(late)  # type: ignore[attr-defined]
+    assert drill.problems == [], drill.problems  # type: ignore[attr-defined]
+    assert drill.figures["upstream_rises_checked"] == 3  # type: ignore[attr-defined]
+    broken = [
+        _arrive(1, 1, 2.5, 2.5),
+        _arrive(2, 2, 2.6, 2.6),
+        _leave(1, 1),
+        _arrive(2, 3, 3.1, 3.2),
+        _arrive(3, 4, 3.3, 3.4),  # 3 in flight, every grant under limit 2: R-A1 broke
+    ]
+    drill = _drill_with(samples)
+    drill.check_inflight(broken)  # type: ignore[attr-defined]
+    assert len(drill.problems) == 1 and "R-A1" in drill.problems[0]  # type: ignore[attr-defined]
+    drill = _drill_with(samples)
+    drill.check_inflight([[0.0, "admitted", 1, 1, None, None]])  # type: ignore[attr-defined]
+    assert "ungranted" in drill.problems[0]  # type: ignore[attr-defined]

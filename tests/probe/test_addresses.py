@@ -192,13 +192,52 @@ def test_r_p1_tailnet_address_of_a_peer_is_allowed(socket_path: Path) -> None:
     assert verdict.allowed and verdict.detail == "tailnet peer router"
 
 
-def test_r_p1_tailnet_address_without_daemon_is_range_checked_only(tmp_path: Path) -> None:
+def test_r_p1_tailnet_address_without_daemon_is_refused_fail_closed(tmp_path: Path) -> None:
+    """No tailscaled to vouch for the peer: the CGNAT range alone proves nothing (an ISP
+    uses it too), so the address is refused and the refusal says how to proceed."""
     check = asyncio.run(
         check_provider_addresses("100.101.102.103", 443, True, str(tmp_path / "none.sock"))
     )
-    assert check.refused is None
+    assert check.refused is not None
     (verdict,) = check.verdicts
-    assert verdict.allowed and verdict.detail.startswith("range-checked only")
+    assert not verdict.allowed
+    assert "tailscaled cannot vouch for a peer" in verdict.detail
+    assert "range-only" in verdict.detail
+
+
+def test_r_p1_range_only_tailnet_check_accepts_on_the_range_and_never_asks_the_daemon(
+    socket_path: Path,
+) -> None:
+    async def scenario() -> tuple[AddressCheck, list[tuple[str, str]]]:
+        async with FakeLocalAPI(socket_path, {}) as api:  # would say "not a peer"
+            check = await check_provider_addresses(
+                "100.101.102.103", 443, True, str(socket_path), range_only=True
+            )
+        return check, api.requests
+
+    check, requests = asyncio.run(scenario())
+    assert check.refused is None and requests == []
+    (verdict,) = check.verdicts
+    assert verdict.allowed and verdict.detail.startswith("range-checked only (tailnetCheck")
+
+
+def test_r_p1_range_only_still_refuses_an_address_outside_the_tailscale_ranges(
+    tmp_path: Path,
+) -> None:
+    verdict = asyncio.run(
+        check_address("192.0.2.10", True, str(tmp_path / "none.sock"), range_only=True)
+    )
+    assert not verdict.allowed
+
+
+def test_r_p1_probe_of_a_tailnet_provider_without_daemon_sends_nothing(
+    make_provider: Callable[..., ProviderConfig], no_tailscaled: str
+) -> None:
+    provider = make_provider("http://100.101.102.103:8080/v1", tailnet=True)
+    result = asyncio.run(probe_provider(provider, tailscale_socket=no_tailscaled))
+    assert result.replicas == ()
+    assert result.refused is not None and result.refused.startswith("address_refused:")
+    assert "cannot vouch" in result.refused
 
 
 def test_r_p1_loopback_address_needs_no_daemon(tmp_path: Path) -> None:

@@ -120,7 +120,7 @@ def test_check_config_reports_every_provider_and_sends_nothing(
     assert key not in out + err + text
 
 
-def test_check_config_without_tailscaled_says_range_checked_only(
+def test_r_p1_check_config_without_tailscaled_refuses_the_tailnet_provider(
     tmp_path: Path, key_file: Path
 ) -> None:
     config = tmp_path / "gateway.json"
@@ -129,6 +129,21 @@ def test_check_config_without_tailscaled_says_range_checked_only(
             {"providers": [provider("ts", "http://100.101.102.103/v1", key_file, tailnet=True)]}
         )
     )
+    argv = ["--json", "--tailscale-socket", str(tmp_path / "absent.sock")]
+    code, out, _ = asyncio.run(run_cli("check-config", "--config", str(config), *argv))
+    assert code == 0
+    (entry,) = json.loads(out)["providers"]
+    assert entry["discovery_active"] is False
+    assert "tailscaled cannot vouch" in entry["reason"]
+    code, _, _ = asyncio.run(run_cli("check-config", "--config", str(config), "--strict", *argv))
+    assert code == 1
+
+
+def test_r_p1_check_config_shows_a_range_only_tailnet_check(tmp_path: Path, key_file: Path) -> None:
+    config = tmp_path / "gateway.json"
+    entry_doc = provider("ts", "http://100.101.102.103/v1", key_file, tailnet=True)
+    entry_doc["tailnetCheck"] = "range-only"
+    config.write_text(json.dumps({"providers": [entry_doc]}))
     code, out, _ = asyncio.run(
         run_cli(
             "check-config",
@@ -142,7 +157,8 @@ def test_check_config_without_tailscaled_says_range_checked_only(
     assert code == 0
     (entry,) = json.loads(out)["providers"]
     assert entry["discovery_active"] is True
-    assert "range-checked only" in entry["reason"]
+    assert entry["reason"].startswith("opt_in_ok:tailnet-range-only")
+    assert "range-checked only (tailnetCheck: range-only" in entry["reason"]
     assert (entry["fallback_limit"], entry["fallback_source"]) == (4, "default")
 
 

@@ -71,16 +71,11 @@ def test_r_p7_file_accessible_to_all_users_is_refused_like_openssh(
 
 
 @pytest.mark.parametrize("mode", [0o640, 0o660, 0o440])
-def test_r_p7_group_readable_file_is_warned_about_once(
-    tmp_path: Path, mode: int, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_r_p7_group_readable_file_is_refused(tmp_path: Path, mode: int) -> None:
     path = write_key(tmp_path / "k", KEY.encode(), mode)
-    caplog.set_level("WARNING")
-    assert read_credential(path).reveal() == KEY
-    assert read_credential(path).reveal() == KEY
-    warnings = [r for r in caplog.records if "accessible by its group" in r.getMessage()]
-    assert len(warnings) == 1
-    assert KEY not in caplog.text
+    with pytest.raises(CredentialError, match=f"readable by its group.*0{mode:o}.*chmod 600") as info:
+        read_credential(path)
+    assert KEY not in str(info.value)
 
 
 def test_r_p7_owner_only_read_is_accepted(tmp_path: Path) -> None:
@@ -183,16 +178,15 @@ def test_r_p7_a_systemd_credential_copy_is_not_told_to_chmod(
     assert [r.getMessage() for r in caplog.records if r.levelname != "DEBUG"] == []
 
 
-def test_r_p7_a_plain_file_beside_the_credentials_directory_is_still_warned_about(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+def test_r_p7_a_group_readable_file_beside_the_credentials_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     creds = tmp_path / "credentials"
     (creds / "sub").mkdir(parents=True)
     monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
     path = write_key(creds / "sub" / "k", KEY.encode(), 0o440)  # not systemd's own copy
-    caplog.set_level("WARNING")
-    assert read_credential(path).reveal() == KEY
-    assert "chmod 600" in caplog.text
+    with pytest.raises(CredentialError, match="chmod 600"):
+        read_credential(path)
 
 
 def test_r_p7_a_world_readable_systemd_credential_is_refused_without_chmod_advice(
@@ -205,3 +199,101 @@ def test_r_p7_a_world_readable_systemd_credential_is_refused_without_chmod_advic
     with pytest.raises(CredentialError, match="all users") as info:
         read_credential("systemd-credential:key_p")
     assert "chmod" not in str(info.value) and "LoadCredential=" in str(info.value)
+
+
+# --- another local user's files (issue 16): the attacker really runs as nobody -------------
+
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from as_nobody import NOBODY, as_nobody, public_dir  # noqa: E402
+
+__all__ = ["public_dir"]  # a fixture
+
+
+@pytest.fixture
+def sticky_dir(public_dir: Path) -> Path:
+    """A root-owned directory like /tmp: everyone may create files, sticky."""
+    directory = public_dir / "shared"
+    directory.mkdir()
+    directory.chmod(0o1777)
+    return directory
+
+
+def test_r_p7_a_key_file_another_user_planted_is_refused_naming_its_owner(
+    sticky_dir: Path,
+) -> None:
+    planted = sticky_dir / "provider.key"
+
+    def plant() -> None:
+        fd = os.open(planted, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, b"sk-planted-by-nobody\n")
+        os.close(fd)
+
+    as_nobody(plant)
+    assert planted.stat().st_uid == NOBODY
+    with pytest.raises(CredentialError) as info:
+        read_credential(str(planted))
+    assert str(info.value) == (
+        f"credential file {planted} is owned by uid 65534 (nobody), not root or this user "
+        "(uid 0 (root))"
+    )
+    assert "sk-planted" not in str(info.value)
+
+
+def test_r_p7_a_key_in_a_directory_others_can_write_is_refused_naming_the_directory(
+    public_dir: Path,
+) -> None:
+    open_dir = public_dir / "keys"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)  # no sticky bit: nobody may rename our key away and put theirs
+    key = write_key(open_dir / "provider.key", KEY.encode())
+
+    def swap() -> None:
+        os.rename(key, key + ".old")
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        os.unlink(key)
+        os.rename(key + ".old", key)
+
+    as_nobody(swap)  # it could: that is why the directory is refused
+    with pytest.raises(CredentialError) as info:
+        read_credential(key)
+    assert f"directory {open_dir} is writable by group or others without the sticky bit" in str(
+        info.value
+    )
+    assert KEY not in str(info.value)
+
+
+def test_r_p7_a_symlinked_directory_another_user_controls_is_refused(
+    public_dir: Path, sticky_dir: Path
+) -> None:
+    """nobody's directory with a link to root's private keys: root must not read through it
+    and send a root-only file as the bearer key (issue 16)."""
+    private = public_dir / "private"
+    private.mkdir(mode=0o700)
+    secret = write_key(private / "root-only.key", KEY.encode())
+    trap = sticky_dir / "trap"
+
+    def make_trap() -> None:
+        os.mkdir(trap, 0o755)
+        os.symlink(str(private), str(trap / "keys"))
+
+    as_nobody(make_trap)
+    via_link = str(trap / "keys" / "root-only.key")
+    assert os.path.realpath(via_link) == secret
+    with pytest.raises(CredentialError) as info:
+        read_credential(via_link)
+    assert f"directory {trap} is owned by uid 65534 (nobody)" in str(info.value)
+    assert KEY not in str(info.value)
+
+
+def test_r_p7_a_symlinked_directory_in_root_owned_directories_is_accepted(
+    tmp_path: Path,
+) -> None:
+    """/var/run -> /run style links are fine: only root could swap them."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    write_key(real / "k", KEY.encode())
+    (tmp_path / "link").symlink_to(real)
+    assert read_credential(str(tmp_path / "link" / "k")).reveal() == KEY

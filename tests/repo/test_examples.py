@@ -155,3 +155,64 @@ def test_router_simworker_refuses_a_non_loopback_host() -> None:
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "--host" in out.stderr
+
+
+def test_router_simworker_openai_is_an_upstream_to_try_the_gateway_and_wait_for_slot(
+    processes: list[subprocess.Popen[str]],
+) -> None:
+    """Issue 18 s.5 item 4: `router simworker --openai` answers OpenAI completions
+    (streaming or not, at most --slots at once, each taking --delay) and serves llama-swap's
+    vLLM gauges of them, which `wait-for-slot` (metrics mode) reads (R-W1)."""
+    import concurrent.futures
+
+    import httpx
+
+    proc = subprocess.Popen(
+        [*CLI, "router", "simworker", "--slots", "1", "--openai", "--delay", "2",
+         "--model", "workhorse", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    processes.append(proc)
+    line = _first_line(proc)
+    assert "POST /v1/chat/completions" in line and "/upstream/workhorse/metrics" in line, line
+    base = line.split()[3]
+    ask = {"model": "workhorse", "max_tokens": 2, "messages": [{"role": "user"}]}
+
+    def wait_for_slot(limit: int) -> int:
+        return subprocess.run(
+            [*CLI, "wait-for-slot", "--url", base, "--model", "workhorse", "--limit",
+             str(limit), "--check"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).returncode  # fmt: skip
+
+    assert wait_for_slot(1) == 0  # nothing in flight: room
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = [
+            pool.submit(httpx.post, f"{base}/v1/chat/completions", json=ask, timeout=30),
+            pool.submit(
+                httpx.post,
+                f"{base}/v1/chat/completions",
+                json={**ask, "stream": True},
+                timeout=30,
+            ),
+        ]
+        deadline = time.monotonic() + 10
+        gauges = ""
+        while time.monotonic() < deadline:  # one runs, one waits for the only slot
+            gauges = httpx.get(f"{base}/upstream/workhorse/metrics", timeout=5).text
+            if 'waiting{model_name="workhorse"} 1.0' in gauges:
+                break
+            time.sleep(0.05)
+        assert 'vllm:num_requests_running{model_name="workhorse"} 1.0' in gauges, gauges
+        assert 'vllm:num_requests_waiting{model_name="workhorse"} 1.0' in gauges, gauges
+        assert wait_for_slot(2) == 1  # running 1 + waiting 1 + need 1 > 2: no room
+        plain, streamed = (a.result() for a in answers)
+    assert plain.json()["choices"][0]["message"]["content"] == "t0 t1"
+    assert plain.json()["model"] == "workhorse"
+    assert streamed.headers["content-type"] == "text/event-stream"
+    assert streamed.text.count("data: ") == 3 and streamed.text.endswith("data: [DONE]\n\n")
+    assert wait_for_slot(1) == 0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
-from gwtest import ROOT, Agent, run_cli, wait_until
+from gwtest import ROOT, Agent, run_cli
 
 from shm_layout import layout, names
 from shm_layout.layout import HEADER

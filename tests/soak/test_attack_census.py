@@ -47,7 +47,9 @@ def test_every_test_the_attack_census_cites_exists() -> None:
     cited = set(re.findall(r"`(test_\w+)`", census_text()))
     assert cited, "the attack census cites no tests"
     missing = sorted(cited - suite_tests())
-    assert missing == [], f"docs/RELIABILITY.md's attack census cites tests that do not exist: {missing}"
+    assert missing == [], (
+        f"docs/RELIABILITY.md's attack census cites tests that do not exist: {missing}"
+    )
 
 
 def test_every_attack_test_is_in_the_attack_census() -> None:

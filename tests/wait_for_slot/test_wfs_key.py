@@ -77,16 +77,14 @@ def test_r_w3_key_file_open_to_all_users_is_refused_like_the_probe(server, cli, 
     assert server.requests == []
 
 
-def test_r_w3_group_readable_key_file_is_warned_about_and_used(
-    server, cli_process, gauges, key_file
-):
+def test_r_w3_group_readable_key_file_is_refused(server, cli_process, gauges, key_file):
     server.require_bearer = KEY
     server.serve(gauges())
     path = key_file(KEY.encode())
     path.chmod(0o640)
     ran = cli_process(*target(server), "--key-file", str(path), "--quiet")
-    assert ran.code == 0, ran.stderr
-    assert "accessible by its group" in one_line(ran.stderr)  # even with --quiet
+    assert ran.code == 2, ran.stderr
+    assert "readable by its group" in one_line(ran.stderr)  # even with --quiet
     assert KEY not in ran.stderr
 
 

@@ -1,0 +1,157 @@
+"""A LiteLLM proxy callback that admits each completion through gateway-capacity.
+
+The other way in (docs/litellm.md): instead of wrapping LiteLLM's ASGI app in
+``AdmissionMiddleware`` (``examples/litellm_proxy.py``), register this
+``CustomLogger`` in LiteLLM's config, beside this file::
+
+    litellm_settings:
+      callbacks: litellm_admission.proxy_handler_instance
+
+``async_pre_call_hook`` takes a slot (``Admission.acquire``) of the provider whose
+``models`` map in the gateway config names the request's ``model`` (a LiteLLM
+``model_name``, matched as ``by_model`` matches it); LiteLLM's success and failure
+events, and its post-call failure hook, give it back (``Admission.release``, idempotent).
+A queue of 32 already waiting is answered 429 and a wait past the timeout 503, both with
+``Retry-After`` (the provider's drain estimate). Models no provider names are not
+admitted.
+
+Its limits, against the middleware:
+
+- A client that goes away while its request waits in the hook is not seen: the request
+  keeps its place until it is granted (and then runs) or times out.
+- The slot is held from the hook to LiteLLM's final success or failure event, so it
+  covers LiteLLM's own retries and fallbacks of that request (all on the one slot), and,
+  for a stream, the whole stream as LiteLLM logs it.
+- A request for which LiteLLM logs neither success nor failure (a path that skips its
+  logging) would keep its slot: tickets older than ``max_hold_s`` (600 s) are given back
+  at the next arrival, with a warning.
+- The 429/503 reach the client through LiteLLM's error handling: the status code and the
+  body's message are LiteLLM's rendering of the refusal.
+
+Environment (read in each LiteLLM worker process, which attaches on its first request):
+``GATEWAY_CONFIG`` (required), ``GATEWAY_GENERATION`` (default ``litellm``),
+``GATEWAY_ADMISSION_TIMEOUT`` (30), ``GATEWAY_CAPACITY_SEGMENT``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from fastapi import HTTPException
+from litellm.integrations.custom_logger import CustomLogger
+
+from handler_shim import Admission, AdmissionError, AdmissionTimeout, QueueFull, Ticket
+from handler_shim.asgi import ModelMap
+
+log = logging.getLogger("gateway_capacity.litellm")
+
+
+class GatewayCapacityAdmission(CustomLogger):
+    """One shared admission slot per LiteLLM completion, acquired and released in hooks."""
+
+    def __init__(
+        self,
+        config: str | None = None,
+        generation: str | None = None,
+        timeout: float | None = None,
+        max_hold_s: float = 600.0,
+    ) -> None:
+        super().__init__()
+        self.config = config or os.environ["GATEWAY_CONFIG"]
+        self.generation = generation or os.environ.get("GATEWAY_GENERATION", "litellm")
+        self.timeout = (
+            timeout
+            if timeout is not None
+            else float(os.environ.get("GATEWAY_ADMISSION_TIMEOUT", "30"))
+        )
+        self.max_hold_s = max_hold_s
+        self.models = ModelMap(self.config)
+        self._adm: Admission | None = None
+        self._pid = 0
+        self._attaching: asyncio.Lock | None = None
+        self._tickets: dict[str, tuple[float, Ticket]] = {}  # litellm_call_id -> ticket
+
+    async def _admission(self) -> Admission:
+        if self._adm is not None and self._pid == os.getpid():
+            return self._adm
+        if self._attaching is None:
+            self._attaching = asyncio.Lock()
+        async with self._attaching:
+            if self._adm is None or self._pid != os.getpid():  # a forked worker attaches anew
+                self._adm = await asyncio.to_thread(
+                    Admission.attach, config=self.config, generation=self.generation
+                )
+                self._pid = os.getpid()
+        return self._adm
+
+    async def async_pre_call_hook(
+        self, user_api_key_dict: Any, cache: Any, data: dict[str, Any], call_type: Any
+    ) -> dict[str, Any]:
+        model = data.get("model")
+        provider = self.models.provider(model) if isinstance(model, str) else None
+        call_id = data.get("litellm_call_id")
+        if provider is None or not isinstance(call_id, str):
+            return data
+        adm = await self._admission()
+        self._give_back_stale(adm)
+        try:
+            ticket = await adm.acquire(provider, timeout=self.timeout)
+        except QueueFull as exc:
+            raise _refusal(429, str(exc), adm.retry_after(provider)) from None
+        except AdmissionTimeout:
+            message = f"provider {provider}: no slot became free within {self.timeout:g} s"
+            raise _refusal(503, message, adm.retry_after(provider)) from None
+        except AdmissionError as exc:
+            raise _refusal(503, str(exc), 1) from None
+        self._tickets[call_id] = (time.monotonic(), ticket)
+        return data
+
+    def _release(self, call_id: object) -> None:
+        held = self._tickets.pop(call_id, None) if isinstance(call_id, str) else None
+        if held is not None and self._adm is not None:
+            self._adm.release(held[1])
+
+    async def async_log_success_event(
+        self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
+    ) -> None:
+        self._release(kwargs.get("litellm_call_id"))
+
+    async def async_log_failure_event(
+        self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
+    ) -> None:
+        self._release(kwargs.get("litellm_call_id"))
+
+    async def async_post_call_failure_hook(
+        self,
+        request_data: dict[str, Any],
+        original_exception: Exception,
+        user_api_key_dict: Any,
+        traceback_str: str | None = None,
+    ) -> None:
+        self._release(request_data.get("litellm_call_id"))
+
+    def _give_back_stale(self, adm: Admission) -> None:
+        cutoff = time.monotonic() - self.max_hold_s
+        stale = [cid for cid, (since, _) in self._tickets.items() if since < cutoff]
+        for cid in stale:
+            _, ticket = self._tickets.pop(cid)
+            adm.release(ticket)
+        if stale:
+            log.warning(
+                "gave back %d slot(s) held over %g s with no success or failure logged",
+                len(stale),
+                self.max_hold_s,
+            )
+
+
+def _refusal(status: int, message: str, retry_after: int) -> HTTPException:
+    return HTTPException(
+        status_code=status, detail=message, headers={"Retry-After": str(retry_after)}
+    )
+
+
+proxy_handler_instance = GatewayCapacityAdmission()

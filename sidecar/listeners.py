@@ -1,0 +1,180 @@
+"""Who listens on a loopback address and port, before the key is sent there (R-P7).
+
+On loopback any local user may listen on the router's port while the router is
+down, and would then receive ``Authorization: Bearer <key>``. A provider that
+names ``listenerOwner`` (a uid or user name) has the owner of the listening
+socket checked before every probe that sends its key; without the setting, a
+listener owned by neither the sidecar's user nor root is logged (the key is
+still sent: the operator did not say who should listen).
+
+The kernel gives a connection to ``A:P`` to a listener on ``A:P`` itself or
+on a wildcard (``0.0.0.0:P``, ``[::]:P``, or ``[::ffff:A]:P`` for an IPv4
+``A``). Every such candidate must belong to the expected owner: which one wins
+is the kernel's business, so a foreign candidate refuses. Another user cannot
+join the owner's listener (``SO_REUSEPORT`` groups need the same uid), so a
+checked listener cannot be shared with a squatter while it lives.
+
+Linux answers from ``/proc/net/tcp`` and ``/proc/net/tcp6`` (the ``uid``
+column of sockets in state LISTEN, ``0A``). :data:`table_reader` is the one
+platform-dependent call: elsewhere (macOS has no ``/proc``) it returns
+``None`` and the owner cannot be checked, which refuses a provider that asked
+for the check (fail closed) and is said once for one that did not.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import pwd
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+LISTEN_STATE: Final = "0A"
+TABLE_TTL_S: Final = 0.2  # providers probed in one cycle share one reading
+PROC_TABLES: Final = ("/proc/net/tcp", "/proc/net/tcp6")
+
+# (local address as text, port) -> uids of the sockets listening there
+ListenTable = dict[tuple[str, int], frozenset[int]]
+
+
+def _hex_address(text: str) -> str:
+    """``0100007F`` / 32 hex digits as the kernel prints them: 32-bit words in host order."""
+    raw = b"".join(
+        int(text[i : i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(text), 8)
+    )
+    family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+    return str(ipaddress.ip_address(socket.inet_ntop(family, raw)))
+
+
+def parse_proc_net_tcp(text: str) -> ListenTable:
+    """The LISTEN sockets of one ``/proc/net/tcp*`` file, by (address, port)."""
+    found: dict[tuple[str, int], set[int]] = {}
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 8 or fields[3] != LISTEN_STATE:
+            continue
+        address, _, port = fields[1].partition(":")
+        try:
+            key = (_hex_address(address), int(port, 16))
+            uid = int(fields[7])
+        except ValueError:
+            continue
+        found.setdefault(key, set()).add(uid)
+    return {k: frozenset(v) for k, v in found.items()}
+
+
+def read_proc_tables() -> ListenTable | None:
+    """Linux: every listening TCP socket and its owner; ``None`` where /proc has no such
+    files (macOS, or a /proc that is not there)."""
+    table: ListenTable = {}
+    seen = False
+    for path in PROC_TABLES:
+        try:
+            with open(path, encoding="ascii", errors="replace") as f:
+                text = f.read()
+        except FileNotFoundError:
+            continue  # tcp6 is absent on a kernel without IPv6
+        except OSError:
+            return None
+        seen = True
+        for key, uids in parse_proc_net_tcp(text).items():
+            table[key] = table.get(key, frozenset()) | uids
+    return table if seen else None
+
+
+def _platform_reader() -> Callable[[], ListenTable | None]:
+    if sys.platform.startswith("linux"):
+        return read_proc_tables
+    return lambda: None  # macOS and others: no /proc/net/tcp, not checkable
+
+
+# The platform's way of listing listeners; a platform layer (or a test) may swap it.
+table_reader: Callable[[], ListenTable | None] = _platform_reader()
+
+_cached: tuple[float, ListenTable | None] | None = None
+
+
+def listen_table() -> ListenTable | None:
+    """:data:`table_reader`'s answer, read at most once per :data:`TABLE_TTL_S`."""
+    global _cached
+    now = time.monotonic()
+    if _cached is None or now - _cached[0] > TABLE_TTL_S:
+        _cached = (now, table_reader())
+    return _cached[1]
+
+
+def candidates(address: str, port: int) -> tuple[tuple[str, int], ...]:
+    """Every (local address, port) whose listener may be handed a connection to
+    ``address:port``: the address itself and the wildcards that cover it."""
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv4Address):
+        mapped = str(ipaddress.ip_address(f"::ffff:{address}"))  # as _hex_address spells it
+        return ((str(ip), port), ("0.0.0.0", port), (mapped, port), ("::", port))
+    return ((str(ip), port), ("::", port))
+
+
+def listening_uids(address: str, port: int) -> frozenset[int] | None:
+    """The owners of every socket that could take a connection to ``address:port``;
+    ``None`` when this platform cannot tell."""
+    table = listen_table()
+    if table is None:
+        return None
+    uids: frozenset[int] = frozenset()
+    for key in candidates(address, port):
+        uids |= table.get(key, frozenset())
+    return uids
+
+
+def resolve_owner(owner: int | str) -> int:
+    """A ``listenerOwner`` setting as a uid; ``KeyError`` for an unknown user name."""
+    if isinstance(owner, int):
+        return owner
+    return pwd.getpwnam(owner).pw_uid
+
+
+def user_name(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerCheck:
+    """``refused`` is why the key must not go to ``address:port`` (None: it may);
+    ``foreign`` lists listener owners that are neither this user nor root, for the
+    warning given when no owner was configured."""
+
+    refused: str | None
+    foreign: frozenset[int] = frozenset()
+
+
+def check_listener(address: str, port: int, owner: int | str | None) -> ListenerCheck:
+    """Check the listener(s) of a loopback ``address:port`` against ``owner``."""
+    uids = listening_uids(address, port)
+    shown = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    if owner is None:
+        if uids is None:
+            return ListenerCheck(None)
+        return ListenerCheck(None, frozenset(u for u in uids if u not in (0, os.geteuid())))
+    try:
+        expected = resolve_owner(owner)
+    except KeyError:
+        return ListenerCheck(f"listenerOwner {owner!r} is not a user of this host")
+    if uids is None:
+        return ListenerCheck(
+            f"listenerOwner is set but this platform cannot tell who listens on {shown}"
+        )
+    if not uids:
+        return ListenerCheck(f"nothing listens on {shown}")
+    others = sorted(u for u in uids if u != expected)
+    if others:
+        return ListenerCheck(
+            f"{shown} is listened on by {', '.join(user_name(u) for u in others)}, "
+            f"not listenerOwner {owner!r}"
+        )
+    return ListenerCheck(None)

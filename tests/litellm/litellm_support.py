@@ -1,0 +1,263 @@
+"""Helpers of the LiteLLM tests: a fake OpenAI upstream on loopback that holds its answers,
+configs, and real uvicorn servers (LiteLLM's proxy, the example gateway)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from gwtest import ROOT, availability, wait_until
+
+PROVIDER = "local-inference"
+ALIAS = "local-workhorse"  # LiteLLM's model_name = the gateway alias
+UPSTREAM_MODEL = "workhorse"
+
+
+class HoldingUpstream(ThreadingHTTPServer):
+    """``POST /v1/chat/completions``: a streamed answer sends its first chunk at once, then
+    every answer waits until ``release`` is set. Counts what it saw."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _UpstreamHandler)
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.seen = 0
+        self.models: list[str] = []
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/v1"
+
+
+class _UpstreamHandler(BaseHTTPRequestHandler):
+    server: HoldingUpstream
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
+        with self.server.lock:
+            self.server.seen += 1
+            self.server.models.append(body.get("model"))
+        model = body.get("model", "?")
+        try:
+            if body.get("stream"):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for i in range(2):
+                    chunk = {
+                        "id": "c",
+                        "object": "chat.completion.chunk",
+                        "created": 1,
+                        "model": model,
+                        "choices": [
+                            {"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}
+                        ],
+                    }
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                    self.server.release.wait(60)
+                self.wfile.write(b"data: [DONE]\n\n")
+                return
+            self.server.release.wait(60)
+            answer = json.dumps(
+                {
+                    "id": "c",
+                    "object": "chat.completion",
+                    "created": 1,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "ok"},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                }
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+        except OSError:
+            pass  # the caller went away
+
+
+@pytest.fixture
+def upstream() -> Iterator[HoldingUpstream]:
+    server = HoldingUpstream()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.release.set()
+    server.shutdown()
+    server.server_close()
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[bytes]
+    base: str
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture
+def gateway_config(tmp_path: Path, upstream: HoldingUpstream, key_file: Path) -> Path:
+    """One provider, limit 2, naming LiteLLM's model_name as its alias."""
+    path = tmp_path / "gateway.json"
+    path.write_text(
+        json.dumps(
+            {
+                "providers": [
+                    {
+                        "id": PROVIDER,
+                        "baseUrl": upstream.base,
+                        "credentialFile": str(key_file),
+                        "maxConcurrent": 2,
+                        "models": {ALIAS: UPSTREAM_MODEL},
+                    }
+                ]
+            }
+        )
+    )
+    return path
+
+
+@pytest.fixture
+def master_key() -> str:
+    return "sk-" + secrets.token_hex(24)
+
+
+def litellm_yaml(directory: Path, upstream: HoldingUpstream, callback: bool) -> Path:
+    lines = [
+        "model_list:",
+        f"  - model_name: {ALIAS}",
+        "    litellm_params:",
+        f"      model: openai/{UPSTREAM_MODEL}",
+        f"      api_base: {upstream.base}",
+        "      api_key: sk-upstream",
+        "      num_retries: 0",
+    ]
+    if callback:
+        lines += ["litellm_settings:", "  callbacks: litellm_admission.proxy_handler_instance"]
+    path = directory / "litellm.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _listening() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(256)
+    sock.set_inheritable(True)
+    return sock
+
+
+StartServed = Callable[..., Served]
+
+
+@pytest.fixture
+def serve(tmp_path: Path, segment_name: str, gateway_config: Path) -> Iterator[StartServed]:
+    """Start ``uvicorn APP`` on a socket bound here; wait until ``/health/liveliness`` or
+    ``/healthz`` answers."""
+    started: list[Served] = []
+
+    def start(
+        app: str, app_dir: Path, *, workers: int = 1, env: dict[str, str] | None = None
+    ) -> Served:
+        sock = _listening()
+        log = tmp_path / f"serve-{len(started)}.log"
+        full_env = {
+            **os.environ,
+            "GATEWAY_CONFIG": str(gateway_config),
+            "GATEWAY_CAPACITY_SEGMENT": segment_name,
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch from the internet at import
+            "LITELLM_TELEMETRY": "False",
+            "PYTHONPATH": str(ROOT),
+            **(env or {}),
+        }
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "uvicorn",
+                    app,
+                    "--app-dir",
+                    str(app_dir),
+                    "--fd",
+                    str(sock.fileno()),
+                    "--workers",
+                    str(workers),
+                    "--no-access-log",
+                ],
+                env=full_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                pass_fds=(sock.fileno(),),
+                cwd=str(tmp_path),
+                start_new_session=True,
+            )
+        served = Served(proc, f"http://127.0.0.1:{sock.getsockname()[1]}", log)
+        sock.close()
+        started.append(served)
+
+        def up() -> bool:
+            for path in ("/health/liveliness", "/healthz"):
+                try:
+                    if httpx.get(served.base + path, timeout=2).status_code == 200:
+                        return True
+                except httpx.HTTPError:
+                    pass
+            return False
+
+        assert wait_until(up, timeout=90, every=0.25), served.output()[-3000:]
+        return served
+
+    yield start
+    for served in started:
+        if served.proc.poll() is None:
+            os.killpg(served.proc.pid, signal.SIGTERM)
+        try:
+            served.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(served.proc.pid, signal.SIGKILL)
+            served.proc.wait()
+
+
+def counts(segment: str) -> tuple[int, int]:
+    p = next(p for p in availability(segment)["providers"] if p["id"] == PROVIDER)
+    return int(p["running"]), int(p["waiting"])
+
+
+def wait_counts(segment: str, expect: tuple[int, int], timeout: float = 30) -> None:
+    seen: list[tuple[int, int]] = []
+
+    def check() -> bool:
+        seen.append(counts(segment))
+        return seen[-1] == expect
+
+    assert wait_until(check, timeout=timeout, every=0.2), f"want {expect}, last {seen[-3:]}"

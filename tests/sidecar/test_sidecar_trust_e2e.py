@@ -1,0 +1,187 @@
+"""What the sidecar takes from files and addresses another user controls (issue 16).
+
+The attacker really runs as ``nobody`` (``tests/as_nobody.py``); the sidecar is the
+operator's process, started as the unit starts it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from capacity_server import CapacityServer
+from sidecar_e2e import EXE, Entry, StartSidecar, clean_env, wait_provider
+
+from sidecar.daemon import StartupError, metrics_exposure, parse_legacy
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from as_nobody import NOBODY, as_nobody, public_dir
+
+__all__ = ["public_dir"]  # a fixture
+
+
+@pytest.fixture
+def legacy() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def start_refused(config: Path, segment: str, *extra: str) -> list[str]:
+    """Start a sidecar that must refuse to start: its ERROR lines (exit 2 checked)."""
+    argv = [EXE, "sidecar", "--config", str(config), "--segment", segment, *extra]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=clean_env())
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    return [line for line in out.stderr.splitlines() if " ERROR " in line]
+
+
+def test_r_g6_a_pidfile_others_can_rewrite_is_refused_before_anything_drains(
+    public_dir: Path,
+    segment_name: str,
+    write_config: Callable[..., Path],
+    legacy: subprocess.Popen[bytes],
+) -> None:
+    """nobody rewrites a pidfile in a directory everyone may write to `1`: before, every
+    opted-in provider stayed at 0 for as long as pid 1 lived; now the start fails."""
+    run_dir = public_dir / "run"
+    run_dir.mkdir()
+    run_dir.chmod(0o777)
+    pidfile = run_dir / "legacy.pid"
+    pidfile.write_text(f"{legacy.pid}\n")
+
+    def rewrite() -> None:
+        os.rename(pidfile, str(pidfile) + ".x")
+        with open(pidfile, "w") as f:
+            f.write("1\n")
+
+    as_nobody(rewrite)
+    config = write_config({"providers": [{"id": "p"}]})
+    (error,) = start_refused(config, segment_name, "--await-legacy", str(pidfile))
+    assert f"--await-legacy {pidfile}: pidfile not trusted: directory {run_dir} is writable" in (
+        error
+    )
+
+
+def test_r_g6_a_pidfile_owned_by_another_user_is_refused_naming_its_owner(
+    public_dir: Path,
+    segment_name: str,
+    write_config: Callable[..., Path],
+    legacy: subprocess.Popen[bytes],
+) -> None:
+    sticky = public_dir / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    pidfile = sticky / "legacy.pid"
+
+    def plant() -> None:
+        fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, f"{legacy.pid}\n".encode())
+        os.close(fd)
+
+    as_nobody(plant)
+    assert pidfile.stat().st_uid == NOBODY
+    config = write_config({"providers": [{"id": "p"}]})
+    (error,) = start_refused(config, segment_name, "--await-legacy", str(pidfile))
+    assert "is owned by uid 65534 (nobody), not root or this user" in error
+
+
+def test_r_g6_a_group_writable_pidfile_is_refused(
+    tmp_path: Path, segment_name: str, write_config: Callable[..., Path]
+) -> None:
+    pidfile = tmp_path / "legacy.pid"
+    pidfile.write_text(f"{os.getpid()}\n")
+    pidfile.chmod(0o664)
+    config = write_config({"providers": [{"id": "p"}]})
+    (error,) = start_refused(config, segment_name, "--await-legacy", str(pidfile))
+    assert "writable by group or others (mode 0664)" in error
+
+
+@pytest.mark.parametrize("how", ["pid", "pidfile"])
+def test_r_g3_await_legacy_may_not_name_pid_1(
+    how: str, tmp_path: Path, segment_name: str, write_config: Callable[..., Path]
+) -> None:
+    target = "1"
+    if how == "pidfile":
+        (tmp_path / "init.pid").write_text("1\n")
+        target = str(tmp_path / "init.pid")
+    config = write_config({"providers": [{"id": "p"}]})
+    (error,) = start_refused(config, segment_name, "--await-legacy", target)
+    assert "pid 1, init (pid 1): a drain that only its exit could end (refused)" in error
+
+
+def test_r_g3_await_legacy_may_not_name_the_parent_pid(
+    segment_name: str, write_config: Callable[..., Path], legacy: subprocess.Popen[bytes]
+) -> None:
+    """Under --parent-pid the sidecar exits with that process: awaiting it would drain
+    for as long as the sidecar runs."""
+    config = write_config({"providers": [{"id": "p"}]})
+    pid = str(legacy.pid)
+    (error,) = start_refused(config, segment_name, "--parent-pid", pid, "--await-legacy", pid)
+    assert f"names pid {pid}, the --parent-pid process" in error
+
+
+def test_r_g3_await_legacy_may_not_name_the_sidecar_itself() -> None:
+    with pytest.raises(StartupError, match="the sidecar itself"):
+        parse_legacy([str(os.getpid())])
+
+
+def test_r_g3_a_drain_longer_than_await_legacy_max_warns_once_and_fails_the_check(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    capacity: CapacityServer,
+    entry: Entry,
+    start_sidecar: StartSidecar,
+    legacy: subprocess.Popen[bytes],
+) -> None:
+    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
+    sidecar = start_sidecar(
+        config, segment_name, "--await-legacy", str(legacy.pid), "--await-legacy-max", "1"
+    )
+    wait_provider(segment_name, "p1", lambda p: p["source"] == "legacy_drain")
+    argv = [EXE, "availability", "--segment", segment_name, "--check"]
+
+    def check() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=clean_env())
+
+    out = check()
+    while "legacy drain has lasted" not in out.stdout:  # pytest-timeout bounds the wait
+        assert out.returncode == 0, out.stdout
+        out = check()
+    assert out.returncode == 1
+    (line,) = [x for x in out.stdout.splitlines() if "legacy drain" in x]
+    assert "over --await-legacy-max" in line and f"pid {legacy.pid} still runs" in line
+    warnings = [x for x in sidecar.log_lines() if "over --await-legacy-max" in x]
+    assert len(warnings) == 1 and " WARNING " in warnings[0], sidecar.log_text()
+    legacy.kill()
+    legacy.wait()
+    wait_provider(segment_name, "p1", lambda p: p["source"] == "discovered")
+    assert "legacy drain" not in check().stdout
+
+
+@pytest.mark.parametrize(
+    ("bound", "exposed"),
+    [
+        ("127.0.0.1", None),
+        ("::1", None),
+        ("127.0.0.2", None),
+        ("0.0.0.0", "every network this host is on"),
+        ("::", "every network this host is on"),
+        ("192.0.2.7", "the network of 192.0.2.7"),
+    ],
+)
+def test_metrics_listen_beyond_loopback_is_a_warning_that_says_what_is_exposed(
+    bound: str, exposed: str | None
+) -> None:
+    warning = metrics_exposure(f"{bound}:9464", bound)
+    if exposed is None:
+        assert warning is None
+    else:
+        assert warning is not None
+        assert f"served without authentication to {exposed}" in warning
+        assert "provider ids, limits" in warning
