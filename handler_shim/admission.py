@@ -860,8 +860,14 @@ class Admission:
         self._last_loop = loop
         with self._lock:
             known = [ref() for ref in self._loops]
-            if loop not in known:
-                self._loops.append(weakref.ref(loop))
+            if loop in known:
+                return
+            self._loops.append(weakref.ref(loop))
+        # The dispatcher may sleep with nothing to look at (no waiter ever came): wake it
+        # so that it looks for closed loops every sweep from now on, also when every slot
+        # taken in this loop was admitted at once (R-A14).
+        with contextlib.suppress(_core.CoreError):
+            self._current.core.post_own()
 
     def _collect_closed_loops(self) -> None:
         """A loop that closed while its tasks held or waited for slots: those tasks will

@@ -588,6 +588,23 @@ static int head_waiter(Core *c, int p)
     return best;
 }
 
+/* The highest ticket among the provider's waiters: the next one handed out must come
+ * after it, whatever next_ticket says (a bad write to it would let newcomers overtake
+ * every waiter, R-A3). */
+static uint64_t last_ticket(Core *c, int p)
+{
+    uint64_t last = 0;
+    for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+        long hb = hbase(c, p, h);
+        if (ld32(c, hb + c->o[K_STATE]) == WAITING) {
+            uint64_t t = ld64(c, hb + c->o[K_TICKET]);
+            if (t > last)
+                last = t;
+        }
+    }
+    return last;
+}
+
 /* --- liveness ------------------------------------------------------------------------ */
 typedef struct { signed char held[MAX_MEMBERS]; } AliveCache;
 
@@ -811,8 +828,13 @@ static uint32_t sweep(Core *c, Now now, Rings *rings)
     check_own_row(c);
     for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
         long b = pbase(c, p);
-        if (!ld32(c, b + c->o[P_IN_USE]))
+        uint32_t in_use = ld32(c, b + c->o[P_IN_USE]);
+        if (!in_use)
             continue;
+        if (in_use != 1) { /* claimed (never freed), but not by a word of ours */
+            st32(c, b + c->o[P_IN_USE], 1);
+            note_damage(c, "a provider row's in_use was written over");
+        }
         if (ld32(c, b + c->o[P_QUEUE_BOUND]) != (uint32_t)c->o[G_QUEUE_BOUND]) {
             st32(c, b + c->o[P_QUEUE_BOUND], (uint32_t)c->o[G_QUEUE_BOUND]);
             note_damage(c, "a provider's queue bound was written over");
@@ -826,6 +848,13 @@ static uint32_t sweep(Core *c, Now now, Rings *rings)
         }
     }
     uint32_t reclaimed = reap(c, now, rings);
+    for (int m = 0; m < c->o[G_MEMBER_COUNT]; m++) {
+        long mb = mbase(c, m);
+        if (ld32(c, mb + c->o[M_IN_USE]) > 1) { /* its lock byte is held: reap kept it */
+            st32(c, mb + c->o[M_IN_USE], 1);
+            note_damage(c, "a member row's in_use was written over");
+        }
+    }
     std_(c, c->o[H_SWEEP_MONO], now.mono);
     return reclaimed;
 }
@@ -1445,7 +1474,13 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
         uint64_t serial = ld64(c, hb + c->o[K_SERIAL]) + 1;
         uint64_t ticket = 0;
         if (decision == R_WAIT) {
-            ticket = ld64(c, b + c->o[P_NEXT_TICKET]) + 1;
+            ticket = ld64(c, b + c->o[P_NEXT_TICKET]);
+            uint64_t last = last_ticket(c, p);
+            if (ticket < last) { /* behind a ticket it handed out: never obeyed (R-A3, R-A16) */
+                note_damage(c, "a provider's next ticket was written over");
+                ticket = last;
+            }
+            ticket++;
             st64(c, b + c->o[P_NEXT_TICKET], ticket);
         }
         st32(c, hb + c->o[K_PID], pid);

@@ -282,7 +282,12 @@ class Ledger:
             serial = HOLDER["serial"].get(buf, hb) + 1
             ticket = 0
             if decision == "wait":
-                ticket = self._get("next_ticket", base) + 1
+                ticket = self._get("next_ticket", base)
+                last = self._last_ticket(p)
+                if ticket < last:  # behind a ticket it handed out: never obeyed (R-A3)
+                    self.damage += 1
+                    ticket = last
+                ticket += 1
                 PROVIDER["next_ticket"].put(buf, ticket, base)
             waker = layout.WAKE_FUTEX if futex else layout.WAKE_DOORBELL
             layout.HOLDER_BODY.pack_into(
@@ -427,6 +432,16 @@ class Ledger:
         self._peak("peak_running", base, running)
         return rings
 
+    def _last_ticket(self, p: int) -> int:
+        """The highest ticket among ``p``'s waiters: the next one must come after it,
+        whatever ``next_ticket`` says (a bad write to it, R-A16)."""
+        last = 0
+        for h in range(HOLDERS_PER_PROVIDER):
+            hb = holder_base(p, h)
+            if HOLDER["state"].get(self.buf, hb) == HOLDER_WAITING:
+                last = max(last, HOLDER["ticket"].get(self.buf, hb))
+        return last
+
     def _head_waiter(self, p: int) -> int | None:
         best: int | None = None
         best_ticket = 0
@@ -472,10 +487,14 @@ class Ledger:
 
     def sweep(self, now: float) -> tuple[int, set[int]]:
         """What the host's sweep does (R-A5, R-A16): every provider's counters checked
-        against its records, values no writer produces put right, then a reap."""
+        against its records, values no writer produces put right (an ``in_use`` word
+        that is neither 0 nor 1 among them), then a reap."""
         buf = self.buf
         for p in self._providers():
             base = provider_base(p)
+            if PROVIDER["in_use"].get(buf, base) != 1:  # claimed, but not by a word of ours
+                PROVIDER["in_use"].put(buf, 1, base)
+                self.damage += 1
             if PROVIDER["queue_bound"].get(buf, base) != layout.QUEUE_BOUND:
                 PROVIDER["queue_bound"].put(buf, layout.QUEUE_BOUND, base)
                 self.damage += 1
@@ -487,7 +506,12 @@ class Ledger:
             ):
                 PROVIDER["published_limit"].put(buf, -1, base)
                 self.damage += 1
-        return self.reap(now)
+        reaped = self.reap(now)
+        for m in range(layout.MEMBER_COUNT):
+            if MEMBER["in_use"].get(buf, member_base(m)) > 1:  # held: the reap kept it
+                MEMBER["in_use"].put(buf, 1, member_base(m))
+                self.damage += 1
+        return reaped
 
     def recount_provider(self, p: int) -> bool:
         """Rebuild the counters from the records; True when something was wrong."""

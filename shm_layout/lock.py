@@ -88,17 +88,13 @@ def ensure_lock_file(segment: str, mode: int, mark: bytes, policy: OwnerPolicy) 
     except ForeignObject as exc:
         raise LockSetupError(f"{exc}; or set ${LOCK_DIR_ENV}") from None
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    created = True
     try:
         # Exclusively, with a mode the umask can only narrow; the final mode is set on the
         # descriptor (never by changing the process umask, which other threads share).
         fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
-        created = True
     except FileExistsError:
-        try:
-            fd = os.open(path, flags)
-        except OSError as exc:
-            raise LockSetupError(_lock_file_refusal(path, exc)) from None
-        created = False
+        fd, created = _replace_lock_file(path, flags, policy)
     except OSError as exc:
         raise LockSetupError(
             f"cannot create the lock file {path} ({exc.strerror}); set ${LOCK_DIR_ENV} to a "
@@ -125,8 +121,63 @@ def ensure_lock_file(segment: str, mode: int, mark: bytes, policy: OwnerPolicy) 
             "directory every process of this gateway can write"
         ) from None
     finally:
-        os.close(fd)  # no lock is held through it yet; the core keeps its own descriptor
+        if created:
+            os.close(fd)  # a new file: no lock of this process lives on it yet
+        else:
+            _kept.append(fd)  # see _replace_lock_file: closing it could drop our locks
     return path
+
+
+# Descriptors of lock files taken over rather than replaced (_replace_lock_file), kept
+# open for the life of the process: closing one would drop every record lock this
+# process holds on that file.
+_kept: list[int] = []
+
+
+def _replace_lock_file(path: str, flags: int, policy: OwnerPolicy) -> tuple[int, bool]:
+    """A lock file is already under the name: one left by an earlier instance of the
+    segment (removed by hand, or abandoned before its init mark), whose processes may
+    still lock through it, this one among them. Replace it: looked at by ``lstat`` only
+    (to open and close a descriptor of a file would drop every record lock this process
+    holds on it, its member locks in the old instance included), then unlinked and
+    created anew, so that two instances never share lock bytes (R-A5, R-A15). One of
+    another user's is refused untouched (R-G6). One this user may not unlink (the
+    configured other owner's, in a sticky directory) is taken over as before, its
+    descriptor kept open. Returns (descriptor, created)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        info = None
+    except OSError as exc:
+        raise LockSetupError(_lock_file_refusal(path, exc)) from None
+    if info is not None:
+        if stat.S_ISLNK(info.st_mode):
+            raise LockSetupError(_lock_file_refusal(path, OSError(errno.ELOOP, "symlink")))
+        problem = "is not a regular file" if not stat.S_ISREG(info.st_mode) else None
+        problem = problem or policy.problem(info)
+        if problem is not None:
+            raise LockSetupError(
+                f"lock file {path} {problem}: another user made it first, or the wrong "
+                f"owner is configured. Remove it (as root if need be) once you know who "
+                f"made it, or set ${LOCK_DIR_ENV} to a directory of this service's own"
+            )
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except PermissionError:
+            try:
+                return os.open(path, flags), False
+            except OSError as exc:
+                raise LockSetupError(_lock_file_refusal(path, exc)) from None
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
+    except OSError as exc:
+        raise LockSetupError(
+            f"lock file {path} was made again while this process replaced it "
+            f"({exc.strerror}): another process races for the name; find out which, or set "
+            f"${LOCK_DIR_ENV} to a directory of this service's own"
+        ) from None
 
 
 def _lock_file_refusal(path: str, exc: OSError) -> str:

@@ -114,6 +114,18 @@ class Segment:
             buf.close()
             raise SegmentError(f"segment {name}: {exc}") from None
         self._closed = False
+        if not created and damage(buf) is not None:
+            # only what the sweep puts right was found (_attach refused the rest): put it
+            # right now rather than refuse a new handler for as long as nobody sweeps
+            self.core.sweep(0.0)
+            problem = damage(buf)
+            if problem is not None:
+                self.core.close()
+                buf.close()
+                raise DamagedSegment(
+                    f"segment {name} is damaged ({problem}); once no handler uses it, remove "
+                    f"it with {_recovery(name)}"
+                )
 
     def still_named(self) -> bool:
         """Is the object under our name still the one we mapped? (No after an
@@ -401,7 +413,7 @@ def _attach(
             )
         access = mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE
         buf = mmap.mmap(shm.fd, layout.TOTAL_SIZE, access=access)
-        problem = damage(buf, lock_word=not read_only)
+        problem = damage(buf, lock_word=not read_only, repairable=read_only)
         if problem is not None:
             buf.close()
             raise DamagedSegment(
@@ -441,12 +453,17 @@ def _our_geometry(head: mmap.mmap) -> bool:
     return all(HEADER[k].get(head) == v for k, v in expected.items())
 
 
-def damage(buf: mmap.mmap | bytes, *, lock_word: bool = True) -> str | None:
+def damage(
+    buf: mmap.mmap | bytes, *, lock_word: bool = True, repairable: bool = True
+) -> str | None:
     """What makes this initialised segment unusable, or None: values that no writer of
     ours can produce (random bytes over the tables, a scribbling program), and, with
     ``lock_word``, a lock word no lock call of ours wrote (R-A16; readers show that one
     instead of refusing). Counters that disagree with the records are not here: every
-    step and sweep repairs them."""
+    step and sweep repairs them. With ``repairable`` False, what the core's sweep puts
+    right is not counted either (an ``in_use`` word that is neither 0 nor 1 on a row
+    that is otherwise ours, a record in no known state): a handler that attaches sweeps
+    it away instead of refusing the segment (R-A16: damage costs a moment)."""
     kind = HEADER["lock_kind"].get(buf)
     if kind not in layout.LOCK_KINDS:
         return f"unknown lock kind {kind}"
@@ -460,20 +477,35 @@ def damage(buf: mmap.mmap | bytes, *, lock_word: bool = True) -> str | None:
     for p in range(layout.PROVIDER_COUNT):
         base = provider_base(p)
         in_use = PROVIDER["in_use"].get(buf, base)
-        if in_use not in (0, 1) or (ended and in_use):
+        if (in_use not in (0, 1) and repairable) or (ended and in_use):
             return f"provider row {p} is not a row this program writes"
         ended = ended or not in_use
         if in_use:
-            states = {
-                HOLDER["state"].get(buf, holder_base(p, h))
-                for h in range(layout.HOLDERS_PER_PROVIDER)
-            }
-            if not states <= set(layout.HOLDER_STATES):
-                return f"provider row {p} has holder records in no known state"
+            if not _an_id_we_write(PROVIDER["id"].get(buf, base)):
+                return f"provider row {p} is not a row this program writes"
+            if repairable:
+                states = {
+                    HOLDER["state"].get(buf, holder_base(p, h))
+                    for h in range(layout.HOLDERS_PER_PROVIDER)
+                }
+                if not states <= set(layout.HOLDER_STATES):
+                    return f"provider row {p} has holder records in no known state"
     for m in range(layout.MEMBER_COUNT):
-        if MEMBER["in_use"].get(buf, member_base(m)) not in (0, 1):
+        if MEMBER["in_use"].get(buf, member_base(m)) not in (0, 1) and repairable:
             return f"member row {m} is not a row this program writes"
     return None
+
+
+def _an_id_we_write(raw: bytes) -> bool:
+    """A provider id as the writers store it: 1..64 bytes of UTF-8, NUL-padded."""
+    text = raw.rstrip(b"\x00")
+    if not text or b"\x00" in text:
+        return False
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def owner_of(name: str) -> tuple[int, int] | None:

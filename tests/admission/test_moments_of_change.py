@@ -24,9 +24,9 @@ from gwtest import AGENT, Agent, run_cli, wait_until
 
 from handler_shim import Admission, AdmissionError, AdmissionTimeout
 from shm_layout import _core, layout, platform, writer
-from shm_layout.layout import MEMBER, PROVIDER
-from shm_layout.ledger import member_base, provider_base
-from shm_layout.segment import unlink_segment
+from shm_layout.layout import HOLDER, MEMBER, PROVIDER
+from shm_layout.ledger import holder_base, member_base, provider_base
+from shm_layout.segment import Segment, unlink_segment
 from shm_layout.view import read_view
 
 
@@ -359,6 +359,40 @@ def _cycle(adm: Admission, stop: threading.Event) -> None:
             time.sleep(0.01)
 
 
+def test_r_a14_running_slots_of_a_closed_event_loop_are_freed_within_a_sweep(
+    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+) -> None:
+    """Before: a process whose only async slots were admitted at once (no waiter) never
+    collected a closed loop's tasks: its dispatcher slept until something posted it, so
+    the slot of a task that would never run again was held for the life of the process,
+    and another process waited on a limit of 1 for good."""
+    adm = Admission.attach(config=config, segment=segment_name, generation="loops")
+    loop = asyncio.new_event_loop()
+
+    async def body() -> None:
+        async with adm.slot("p1"):
+            await asyncio.sleep(3600)
+
+    async def main() -> None:
+        loop.create_task(body())  # noqa: RUF006 (a kept reference would keep it alive)
+        await asyncio.sleep(0.3)
+        assert _counts(segment_name) == (1, 0)  # admitted at once: nothing waited
+        raise RuntimeError("the program fails with a slot still running")
+
+    with pytest.raises(RuntimeError):
+        loop.run_until_complete(main())
+    later = agents("--segment", segment_name, "--config", str(config), "hold", "--timeout", "20")
+    later.expect("started")
+    loop.close()  # the task holding the slot will never run again
+    gone = time.monotonic()
+    admitted = later.expect("admitted", timeout=15)
+    assert admitted["t"] - time.time() + time.monotonic() - gone < 2.0  # a sweep and a margin
+    assert _mine(segment_name, os.getpid()) == 0
+    later.send("release")
+    later.expect("released")
+    adm.close()
+
+
 # --- 3. the segment removed or replaced by hand (R-A15) -----------------------------------
 @pytest.mark.parametrize("how", ["rm", "unlink --force"])
 def test_r_a15_a_segment_removed_by_hand_never_splits_the_budget(
@@ -409,6 +443,56 @@ def test_r_a15_a_segment_removed_by_hand_never_splits_the_budget(
     assert time.monotonic() - started < 3.0  # bounded, always
 
 
+MOVER = textwrap.dedent(
+    """
+    import json, sys, threading
+    sys.path.insert(0, sys.argv[3])
+    from handler_shim import Admission
+    adm = Admission.attach(config=sys.argv[1], segment=sys.argv[2], generation="mover")
+    held = adm.acquire_blocking("p1")  # a body that runs on the old segment throughout
+    print(json.dumps({"event": "admitted"}), flush=True)
+    sys.stdin.readline()  # the test removed the segment by hand
+    second = adm.acquire_blocking("p1", timeout=10)  # moves: creates what the name leads to
+    print(json.dumps({"event": "moved"}), flush=True)
+    sys.stdin.readline()
+    adm.release(second)
+    adm.release(held)
+    adm.close()
+    print(json.dumps({"event": "closed"}), flush=True)
+    """
+)
+
+
+def test_r_a15_r_a5_the_first_to_arrive_after_a_segment_removed_by_hand_keeps_its_old_slots_alive(
+    sem_mode: str, segment_name: str, config: Path, tmp_path: Path
+) -> None:
+    """Before (lock-file kind): the handler that recreated the segment took over the old
+    lock file, stamped it and closed its descriptor, which drops every record lock its
+    process holds on that file: its member lock in the old segment went, so another
+    process still on the old segment reaped the slot its body was running on (and the
+    old and the new segment shared one lock file, lock bytes and all)."""
+    script = tmp_path / "mover.py"
+    script.write_text(MOVER)
+    root = str(Path(AGENT).parent.parent)
+    mover = Agent.from_command([sys.executable, str(script), str(config), segment_name, root])
+    try:
+        mover.expect("admitted")
+        old = Admission.attach(config=config, segment=segment_name, generation="old")
+        assert old._core.sweep(0.0) == 0
+        os.unlink("/dev/shm" + segment_name)  # by hand, as an operator's rm would
+        mover.send("go")
+        mover.expect("moved")  # its arrival created the new segment and was admitted there
+        # a process still on the old segment sweeps it: the mover lives, so does its slot
+        assert old._core.sweep(0.0) == 0
+        assert old._core.sweep(0.0) == 0
+        mover.send("done")
+        mover.expect("closed")
+        assert old._core.sweep(0.0) == 0  # closed, not dead: it freed its own records
+        old.close(grace=0)
+    finally:
+        mover.kill()
+
+
 # --- 4. damage (R-A16) ---------------------------------------------------------------------
 def test_r_a16_a_bad_write_to_the_counters_is_never_obeyed(
     sem_mode: str,
@@ -444,6 +528,110 @@ def test_r_a16_a_bad_write_to_the_counters_is_never_obeyed(
     assert len(said) == 1  # and said once
     check = run_cli("availability", "--segment", segment_name, "--check")
     assert check.returncode == 1 and "damage repaired" in check.stdout
+
+
+def test_r_a16_a_bad_write_to_an_in_use_word_never_refuses_new_handlers(
+    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+) -> None:
+    """Before: one bad write to a live idle handler's member row (in_use := 2), to a
+    provider row's in_use, or to a free record's state made every new attach refuse the
+    segment as damaged ("remove it"), for as long as nobody swept it: on a host without a
+    sidecar, for good (a new generation could not start)."""
+    idle = agents("--segment", segment_name, "--config", str(config), "hold")
+    idle.expect("admitted")
+    idle.send("release")
+    idle.expect("released")  # alive, registered, holding nothing: nobody sweeps
+    seg = Segment.open(segment_name)
+    try:
+        m = next(x.index for x in read_view(segment_name).members if x.pid == idle.pid)
+        writes = [
+            lambda: MEMBER["in_use"].put(seg.buf, 2, member_base(m)),
+            lambda: PROVIDER["in_use"].put(seg.buf, 3, provider_base(0)),
+            lambda: HOLDER["state"].put(seg.buf, 7, holder_base(0, 77)),
+        ]
+        for write in writes:
+            write()  # one bad write, by someone else
+            time.sleep(0.6)  # a sweep's time: nobody sweeps an idle host
+            newcomer = agents("--segment", segment_name, "--config", str(config), "hold")
+            newcomer.expect("admitted", timeout=10)  # attached, and admitted
+            newcomer.send("release")
+            newcomer.expect("released")
+            assert newcomer.finish() == 0
+        # and the segment is as a writer of ours would leave it (nothing left to refuse)
+        assert MEMBER["in_use"].get(seg.buf, member_base(m)) == 1
+        assert PROVIDER["in_use"].get(seg.buf, provider_base(0)) == 1
+        assert HOLDER["state"].get(seg.buf, holder_base(0, 77)) == 0
+        assert read_view(segment_name).damage_repairs >= 3
+    finally:
+        seg.close()
+    idle.send("release")
+    assert idle.finish() == 0
+
+
+def test_r_a3_r_a16_a_bad_write_to_the_next_ticket_lets_no_newcomer_overtake_a_waiter(
+    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+) -> None:
+    """Before: next_ticket := 0 while two processes waited (tickets 21, 22) gave every
+    newcomer a smaller ticket than theirs: newcomers overtook them for as long as
+    newcomers kept coming, and the old waiters timed out (R-A3)."""
+    adm = Admission.attach(config=config, segment=segment_name, generation="d")
+    held = adm.acquire_blocking("p1")
+    for _ in range(20):  # a host that has been queueing for a while: tickets went by
+        with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=0):
+            pass
+
+    def arrive(n_waiting: int) -> Agent:
+        one = agents("--segment", segment_name, "--config", str(config), "hold", "--timeout", "30")
+        assert wait_until(lambda: _counts(segment_name) == (1, n_waiting))
+        return one
+
+    old = [arrive(1), arrive(2)]
+    PROVIDER["next_ticket"].put(adm._buf, 0, provider_base(0))  # one bad write
+    new = [arrive(3), arrive(4)]
+    adm.release(held)
+    for turn, agent in enumerate([*old, *new]):
+        agent.expect("admitted", timeout=10)
+        for later in [*old, *new][turn + 1 :]:
+            assert all(e["event"] != "admitted" for e in later.seen), turn
+        assert _counts(segment_name)[0] == 1
+        agent.send("release")
+        agent.expect("released")
+    adm.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: a record that names a live process is never freed by anyone but its "
+    "owner, and the owner does not know which records it holds (no ownership table in "
+    "the core): the phantom holds a slot for the life of that process",
+)
+def test_r_a16_a_bad_write_that_revives_a_free_record_never_wedges_the_provider(
+    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+) -> None:
+    """One bad write, state := RUNNING, to a free record whose last owner still lives (an
+    idle handler): the next sweep's recount takes it for the truth, and a provider with a
+    limit of 1 admits nobody for as long as that handler lives (measured: 0 of 6)."""
+    idle = agents("--segment", segment_name, "--config", str(config), "hold")
+    idle.expect("admitted")
+    idle.send("release")
+    idle.expect("released")  # alive and idle; its freed record still names it
+    seg = Segment.open(segment_name)
+    try:
+        freed = next(
+            h
+            for h in range(layout.HOLDERS_PER_PROVIDER)
+            if HOLDER["pid"].get(seg.buf, holder_base(0, h)) == idle.pid
+        )
+        HOLDER["state"].put(seg.buf, layout.HOLDER_RUNNING, holder_base(0, freed))
+        seg.core.sweep(0.0)  # what the sidecar's heartbeat or any waiter does
+        later = agents("--segment", segment_name, "--config", str(config), "hold")
+        later.expect("admitted", timeout=3)  # within a sweep or two: the phantom is gone
+        later.send("release")
+        later.expect("released")
+    finally:
+        seg.close()
+        idle.send("release")
+        idle.finish()
 
 
 def test_r_a16_a_bad_write_to_a_live_members_serial_frees_none_of_its_slots(

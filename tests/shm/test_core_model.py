@@ -6,7 +6,7 @@ changes and expiries, reaps and sweeps, holders' deaths at any step, a lock hold
 death in the middle of a section, new registrations, and the moments of change: a
 close that begins while others arrive and wait (its waiters freed, its arrivals
 refused) and ends with slots still running, and damage (a bad write to a counter, its
-check word, a member's serial, a published deadline), on a real segment through the
+check word, a member's serial, an in_use word, a published deadline), on a real segment through the
 compiled core (``shm_layout/_core.c``), and the same steps on a plain bytearray through
 the Python model (``shm_layout/ledger.py``). After every step the admission bytes must
 be equal and the invariants must hold: counters equal the records (after damage: from
@@ -258,7 +258,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
     # --- damage (R-A16) ------------------------------------------------------------
     @rule(
         provider=st.sampled_from(range(len(PROVIDERS))),
-        field=st.sampled_from(["running", "waiting", "counts_check"]),
+        field=st.sampled_from(["running", "waiting", "counts_check", "next_ticket"]),
         value=st.sampled_from([0, 1, 33, 999, 0xFFFFFFFF]),
     )
     def a_bad_write_to_a_counter(self, provider: int, field: str, value: int) -> None:
@@ -276,6 +276,22 @@ class CoreAgainstModel(RuleBasedStateMachine):
         mb = ledger.member_base(m.index)
         for buf in (self.seg.buf, self.model_buf):
             MEMBER["serial"].put(buf, MEMBER["serial"].get(buf, mb) + 1, mb)
+
+    @precondition(lambda self: any(m.alive for m in self.members))
+    @rule(
+        table=st.sampled_from(["member", "provider"]),
+        who=st.integers(0, 5),
+        value=st.sampled_from([2, 7, 0xFFFFFFFF]),
+    )
+    def a_bad_write_to_an_in_use_word(self, table: str, who: int, value: int) -> None:
+        """Neither 0 nor 1 in a claimed row's in_use: the sweep puts it back (R-A16)."""
+        if table == "member":
+            live = [m for m in self.members if m.alive]
+            field, base = MEMBER["in_use"], ledger.member_base(live[who % len(live)].index)
+        else:
+            field, base = PROVIDER["in_use"], ledger.provider_base(who % len(PROVIDERS))
+        for buf in (self.seg.buf, self.model_buf):
+            field.put(buf, value, base)
 
     @rule(provider=st.sampled_from(range(len(PROVIDERS))), limit=st.integers(0, 5))
     def a_deadline_too_far_ahead(self, provider: int, limit: int) -> None:
