@@ -367,8 +367,13 @@ class _Attachment:
             )
 
     def _tick(self) -> None:
+        """macOS (no timed semaphore wait): post the doorbell every tick while this
+        process waits or holds slots (the sweep, R-A5), and every other tick otherwise
+        (the owner's look for phantom records of its own, R-A16)."""
+        ticks = 0
         while not self._stop.wait(TICK_S):
-            if self.waiters or self.core.held:
+            ticks += 1
+            if self.waiters or self.core.held or ticks % 2 == 0:
                 self.core.post_own()
 
     # --- leaving ------------------------------------------------------------------------
@@ -416,7 +421,10 @@ class Admission:
         self._group_shared = group_shared
         self._pid = os.getpid()
         self._fork_generation = _fork_generation
-        self._lock = threading.Lock()  # attachments: current, retired, closing
+        # attachments: current, retired, closing. Reentrant: close() may be called from a
+        # signal handler that lands while this thread holds it
+        self._lock = threading.RLock()
+        self._closed_event = threading.Event()
         self._closing = False
         self._closed = False
         self._logged: set[str] = set()
@@ -586,9 +594,13 @@ class Admission:
             return
         with self._lock:
             if self._closing:
-                return
-            self._closing = True
-            attachments = [self._current, *self._retired]
+                first = False
+            else:
+                first = self._closing = True
+                attachments = [self._current, *self._retired]
+        if not first:  # another close() is at it: wait for it (bounded), like it
+            self._closed_event.wait(max(grace, 0.0) + 2 * JOIN_S + 1.0)
+            return
         atexit.unregister(self._close_at_exit)
         for att in attachments:
             with contextlib.suppress(_core.CoreError):
@@ -604,6 +616,7 @@ class Admission:
         for att in attachments:
             cut += att.detach()
         self._closed = True
+        self._closed_event.set()
         if cut:
             log.warning(
                 "closed with %d running slot(s) still held after a grace of %gs; released "
@@ -679,8 +692,9 @@ class Admission:
     # --- the slow paths of the slot context managers (called by the core) --------------
     def _enter_slow(self, ticket: CoreTicket, code: int) -> None:
         """``with`` when the arrival did not admit at once: wait, move, or refuse."""
+        # the timeout counts from the slot's entry, the wait for a busy lock included
         timeout = ticket.timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else ticket.started + timeout
         try:
             while True:
                 if code == _core.MOVED:
@@ -712,16 +726,16 @@ class Admission:
             raise
 
     def _arrive_again(self, ticket: CoreTicket, deadline: float | None) -> int:
-        remaining = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+        remaining = -1.0 if deadline is None else max(deadline - platform.deadline_now(), 0.0)
         code: int = _core_of(ticket).arrive(
             ticket, ticket.provider, os.getpid(), IN_CORE, True, True, remaining, True
         )
         return code
 
     def _wait_blocking(self, ticket: CoreTicket, deadline: float | None) -> int:
-        """Wait for the grant; a W_* result."""
+        """Wait for the grant until ``deadline`` (deadline clock); a W_* result."""
         if ticket.futex:  # Linux: the thread sleeps on its record itself (one wake-up)
-            remaining = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+            remaining = -1.0 if deadline is None else max(deadline - platform.deadline_now(), 0.0)
             result, reclaimed = _core_of(ticket).wait(ticket, remaining)
             if reclaimed:
                 log.warning("reclaimed %d slot(s) of dead processes", reclaimed)
@@ -747,7 +761,7 @@ class Admission:
                 if deadline is None:
                     gate.acquire()
                 else:
-                    remaining = deadline - time.monotonic()
+                    remaining = deadline - platform.deadline_now()
                     if remaining <= 0 or not gate.acquire(timeout=remaining):
                         if att.core.state(ticket) == HOLDER_RUNNING:
                             return _core.W_GRANTED

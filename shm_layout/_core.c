@@ -354,6 +354,9 @@ typedef struct {
     char damage_note[64];       /* what it found last */
     long held;                  /* live tickets (running or waiting) */
     long held_running;          /* of them running */
+    uint64_t *owned;            /* serial of each record this registration holds, by
+                                 * provider x holder; 0 none (written under the lock) */
+    double owned_checked_at;    /* deadline clock of the last check of them */
     double lock_report_at;      /* when a stuck lock was last reported (deadline clock) */
     int lock_suspect;           /* a long-held lock names a thread that is not here */
     PyObject *slow_enter;       /* callables for the slot context managers' slow paths */
@@ -372,6 +375,8 @@ typedef struct {
     int busy;                   /* an operation on it is in flight (GIL released) */
     int futex;                  /* its owner thread waits on the record itself */
     double timeout;             /* for the context managers: < 0 none */
+    double started;             /* deadline clock when __enter__ began: the timeout counts
+                                 * from here, waits for the lock included */
     unsigned long fork_gen;
 } Ticket;
 
@@ -482,6 +487,39 @@ static void ring_record(Core *c, Rings *r, long hb)
             r->futex_overflow = 1;
     } else
         ring_member(r, ldi32(c, hb + c->o[K_MEMBER]));
+}
+
+/* The records this registration holds, as it knows them: every record that names it
+ * and is not among them can only be there by damage (a phantom: a free record written
+ * back to life), and nobody else may free a record of a live process. So the owner
+ * looks, every SWEEP_S, and frees its phantoms (R-A16). */
+static inline long own_index(Core *c, int p, int h) { return (long)p * c->o[G_HOLDERS_PER] + h; }
+
+static void own_set(Core *c, int p, int h, uint64_t serial)
+{
+    if (c->owned)
+        c->owned[own_index(c, p, h)] = serial;
+}
+
+/* A live record that names this registration's member row (whatever serial it says: a
+ * row handed to a new registration drops the old one's records, so only damage leaves a
+ * record of another serial naming a row that is held). */
+static int names_my_row(Core *c, long hb)
+{
+    uint32_t s = ld32(c, hb + c->o[K_STATE]);
+    return (s == RUNNING || s == WAITING) && c->member >= 0 && ldi32(c, hb + c->o[K_MEMBER]) == c->member;
+}
+
+/* What is wrong with record (p, h) from its owner's side: 0 nothing, 1 a phantom (it
+ * names our row but is not one we hold: free it), 2 ours with its member serial written
+ * over (put it back). */
+static int own_record_problem(Core *c, int p, int h, long hb)
+{
+    if (!names_my_row(c, hb))
+        return 0;
+    if (c->owned[own_index(c, p, h)] != ld64(c, hb + c->o[K_SERIAL]))
+        return 1;
+    return ld64(c, hb + c->o[K_MEMBER_SERIAL]) != c->member_serial ? 2 : 0;
 }
 
 /* Damage found and put right, under the lock: counted in the header with when and what
@@ -745,6 +783,7 @@ static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
             if (ld32(c, hb + c->o[K_STATE]) == WAITING && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
                 ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial) {
                 st32(c, hb + c->o[K_STATE], FREE);
+                own_set(c, p, h, 0);
                 here++;
             }
         }
@@ -1219,6 +1258,7 @@ static void Core_dealloc(Core *c)
     Py_XDECREF(c->slow_enter);
     Py_XDECREF(c->slow_aenter);
     Py_XDECREF(c->slow_aexit);
+    PyMem_Free(c->owned);
     freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     tp_free(c);
     Py_DECREF(tp);
@@ -1499,6 +1539,7 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
         tk->fork_gen = c->fork_gen;
         tk->futex = futex;
         tk->live = 1;
+        own_set(c, p, h, serial);
         tk->running = decision == R_ADMIT;
         if (decision == R_ADMIT) {
             st32(c, hb + c->o[K_STATE], RUNNING); /* state last */
@@ -1595,6 +1636,7 @@ static int leave_locked(Core *c, Ticket *tk, int outcome, Now now, Rings *rings)
         if (counters_damaged(c, b) && recount_provider(c, p))
             note_damage(c, "provider counters were written over");
         st32(c, hb + c->o[K_STATE], FREE);
+        own_set(c, p, tk->holder, 0);
         uint32_t running = ld32(c, b + c->o[P_RUNNING]);
         uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
         if (state == RUNNING) {
@@ -1703,6 +1745,79 @@ static PyObject *Core_state(Core *c, PyObject *arg)
         c->held_running++;
     }
     return PyLong_FromLong(state);
+}
+
+/* 1 when some record of our row needs putting right (lock-free). */
+static int phantoms_seen(Core *c)
+{
+    if (!c->owned || c->member < 0)
+        return 0;
+    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+        if (!ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+            continue;
+        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++)
+            if (own_record_problem(c, p, h, hbase(c, p, h)))
+                return 1;
+    }
+    return 0;
+}
+
+/* The lock is held: free every phantom of our row and put back our records' serials;
+ * recount and grant (ledger.free_phantoms). */
+static uint32_t free_phantoms(Core *c, Now now, Rings *rings)
+{
+    uint32_t freed = 0, restored = 0;
+    if (!c->owned || c->member < 0)
+        return 0;
+    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+        if (!ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+            continue;
+        uint32_t here = 0;
+        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+            long hb = hbase(c, p, h);
+            int problem = own_record_problem(c, p, h, hb);
+            if (problem == 1) {
+                st32(c, hb + c->o[K_STATE], FREE);
+                here++;
+            } else if (problem == 2) {
+                st64(c, hb + c->o[K_MEMBER_SERIAL], c->member_serial);
+                restored++;
+            }
+        }
+        if (here) {
+            freed += here;
+            recount_provider(c, p);
+            pump(c, p, now, rings, NULL);
+        }
+    }
+    if (freed)
+        note_damage(c, "a record named this process that it does not hold");
+    if (restored)
+        note_damage(c, "a record of this process had its serial written over");
+    return freed;
+}
+
+/* Every SWEEP_S, without the lock: any phantom of ours? Then free them under a try-lock
+ * (a busy lock: next time). The GIL may be released. */
+static uint32_t phantoms_if_due(Core *c)
+{
+    double now = deadline_clock();
+    if (now - c->owned_checked_at < SWEEP_S)
+        return 0;
+    c->owned_checked_at = now;
+    if (!phantoms_seen(c))
+        return 0;
+    uint32_t freed = 0;
+    Rings rings;
+    memset(&rings, 0, sizeof rings);
+    BUSY_ADD(c, 1);
+    if (enter(c, 0, 0.0) == 0) {
+        freed = free_phantoms(c, section_now(0.0), &rings);
+        leave_lock(c);
+        deliver(c, &rings);
+    }
+    BUSY_ADD(c, -1);
+    return freed;
 }
 
 /* A sweep if one is due, when the lock is free at once (a try: whoever has it is doing
@@ -1862,6 +1977,7 @@ static PyObject *Core_dispatch(Core *c, PyObject *args)
             posts++;
         if (c->closing)
             break;
+        phantoms_if_due(c); /* records naming us that we do not hold (R-A16) */
         if (c->held > 0 || nwatched > 0) {
             reclaimed += sweep_if_due(c);
             if (nwatched > 0 || c->held > 0)
@@ -2093,9 +2209,13 @@ static PyObject *Core_register(Core *c, PyObject *args)
             sem_close(own);
         return lock_error(c, rc);
     }
-    if (got >= 0)
+    if (got >= 0) {
         c->own_bell = own;
-    else if (own)
+        if (c->owned == NULL)
+            c->owned = PyMem_Calloc((size_t)(c->o[G_PROVIDER_COUNT] * c->o[G_HOLDERS_PER]), sizeof(uint64_t));
+        if (c->owned == NULL)
+            return PyErr_NoMemory();
+    } else if (own)
         sem_close(own);
     DELIVER(c, &rings);
     return Py_BuildValue("iK", got, (unsigned long long)serial);
@@ -2123,6 +2243,8 @@ static PyObject *Core_unregister(Core *c, PyObject *args)
         Now now = section_now(given);
         c->member = -1; /* inside the section: an arrival waiting for the lock sees it */
         drop_member_records(c, m, serial, now, &rings, &cut);
+        if (c->owned)
+            memset(c->owned, 0, sizeof(uint64_t) * (size_t)(c->o[G_PROVIDER_COUNT] * c->o[G_HOLDERS_PER]));
         long mb = mbase(c, m);
         if (ld64(c, mb + c->o[M_SERIAL]) == serial) {
             st32(c, mb + c->o[M_IN_USE], 0);
@@ -2293,6 +2415,26 @@ static PyObject *Core_snapshot(Core *c, PyObject *unused)
     return out;
 }
 
+/* free_phantoms(now) -> records freed: the owner's check of the records that name it
+ * (the dispatcher does it every SWEEP_S; tests and the model call it directly). */
+static PyObject *Core_free_phantoms(Core *c, PyObject *args)
+{
+    double given;
+    if (!PyArg_ParseTuple(args, "d", &given))
+        return NULL;
+    if (!usable(c))
+        return NULL;
+    int rc;
+    uint32_t freed = 0;
+    Rings rings;
+    memset(&rings, 0, sizeof rings);
+    LOCKED(c, 1, 0.0, rc, { freed = free_phantoms(c, section_now(given), &rings); });
+    if (rc < 0 || rc == E_DAMAGED_LOCK)
+        return lock_error(c, rc);
+    DELIVER(c, &rings);
+    return PyLong_FromUnsignedLong(freed);
+}
+
 /* own_records() -> (running, waiting): this registration's records, read lock-free
  * (close() waits for the running to end). */
 static PyObject *Core_own_records(Core *c, PyObject *unused)
@@ -2419,6 +2561,7 @@ static PyObject *Ticket_enter(Ticket *t, PyObject *unused)
         PyErr_SetString(PyExc_ValueError, "a ticket without a core");
         return NULL;
     }
+    t->started = deadline_clock();
     int code = do_arrive(c, t, t->provider, (unsigned int)getpid(), 0.0, 1, 1, t->timeout, 1);
     if (code < 0)
         return NULL;
@@ -2446,6 +2589,7 @@ static PyObject *Ticket_aenter(Ticket *t, PyObject *unused)
         return NULL;
     }
     /* one try-lock step on the loop (microseconds, R-A11); never waits here */
+    t->started = deadline_clock();
     int code = do_arrive(c, t, t->provider, (unsigned int)getpid(), 0.0, 1, 0, -1.0, 0);
     if (code < 0)
         return NULL;
@@ -2506,6 +2650,7 @@ static PyObject *Ticket_get_serial(Ticket *t, void *x) { return PyLong_FromUnsig
 static PyObject *Ticket_get_live(Ticket *t, void *x) { return PyBool_FromLong(t->live); }
 static PyObject *Ticket_get_futex(Ticket *t, void *x) { return PyBool_FromLong(t->futex); }
 static PyObject *Ticket_get_core(Ticket *t, void *x) { return Py_NewRef(t->core ? (PyObject *)t->core : Py_None); }
+static PyObject *Ticket_get_started(Ticket *t, void *x) { return PyFloat_FromDouble(t->started); }
 static PyObject *Ticket_get_timeout(Ticket *t, void *x)
 {
     if (t->timeout < 0)
@@ -2617,6 +2762,7 @@ static PyMethodDef Core_methods[] = {
     {"ensure_provider", (PyCFunction)Core_ensure_provider, METH_VARARGS, "ensure_provider(id, fallback, source, flags, bound, reason) -> (index, created)"},
     {"transact", (PyCFunction)Core_transact, METH_VARARGS, "transact(guards, writes, pump, now, sweep=False) -> bool"},
     {"snapshot", (PyCFunction)Core_snapshot, METH_NOARGS, "snapshot() -> bytes"},
+    {"free_phantoms", (PyCFunction)Core_free_phantoms, METH_VARARGS, "free_phantoms(now) -> records naming us that we do not hold, freed"},
     {"own_records", (PyCFunction)Core_own_records, METH_NOARGS, "(running, waiting) records of this registration"},
     {"take_events", (PyCFunction)Core_take_events, METH_NOARGS, "(lock repairs, damage repairs, note) since the last call"},
     {"set_slow_paths", (PyCFunction)Core_set_slow_paths, METH_VARARGS, "set_slow_paths(enter, aenter, aexit)"},
@@ -2667,6 +2813,7 @@ static PyGetSetDef Ticket_getset[] = {
     {"futex", (getter)Ticket_get_futex, NULL, NULL, NULL},
     {"core", (getter)Ticket_get_core, NULL, NULL, NULL},
     {"timeout", (getter)Ticket_get_timeout, NULL, NULL, NULL},
+    {"started", (getter)Ticket_get_started, NULL, "deadline clock when the slot was entered", NULL},
     {NULL}
 };
 

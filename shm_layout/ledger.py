@@ -195,6 +195,8 @@ class Ledger:
         self.buf = buf
         self.held = held
         self.damage = 0  # like the core's per-object count (R-A16)
+        # the records each registration holds, as its own core knows them: (p, h) -> serial
+        self.owned: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
 
     # liveness, as the core sees it
     def member_alive(self, m: int, serial: int) -> bool:
@@ -302,6 +304,7 @@ class Ledger:
                 now,
                 waker,
             )
+            self.owned.setdefault((member, member_serial), {})[(p, h)] = serial
             if decision == "admit":
                 HOLDER["state"].put(buf, HOLDER_RUNNING, hb)  # state last
                 self._put_counts(base, running + 1, waiting)
@@ -350,6 +353,7 @@ class Ledger:
         if self._counters_damaged(base) and self.recount_provider(t.provider):
             self.damage += 1
         HOLDER["state"].put(buf, HOLDER_FREE, hb)
+        self.owned.get((member, member_serial), {}).pop((t.provider, t.holder), None)
         running, waiting = self._get("running", base), self._get("waiting", base)
         if state == HOLDER_RUNNING:
             self._put_counts(base, max(running - 1, 0), waiting)
@@ -389,6 +393,7 @@ class Ledger:
                     and HOLDER["member_serial"].get(self.buf, hb) == member_serial
                 ):
                     HOLDER["state"].put(self.buf, HOLDER_FREE, hb)
+                    self.owned.get((member, member_serial), {}).pop((p, h), None)
                     here += 1
             if here:
                 freed += here
@@ -603,7 +608,35 @@ class Ledger:
             return m, serial, rings
         return -1, 0, rings
 
+    def free_phantoms(self, member: int, member_serial: int, now: float) -> tuple[int, set[int]]:
+        """The owner's look at the records that name its member row: one it does not hold
+        is a phantom (a free record written back to life; nobody else may free a live
+        process's record): freed; one it holds whose serial was written over: put back."""
+        owned = self.owned.get((member, member_serial), {})
+        freed, restored, rings = 0, 0, set[int]()
+        for p in self._providers():
+            here = 0
+            for h in range(HOLDERS_PER_PROVIDER):
+                hb = holder_base(p, h)
+                if HOLDER["state"].get(self.buf, hb) not in (HOLDER_RUNNING, HOLDER_WAITING):
+                    continue
+                if HOLDER["member"].get(self.buf, hb) != member:
+                    continue
+                if owned.get((p, h), 0) != HOLDER["serial"].get(self.buf, hb):
+                    HOLDER["state"].put(self.buf, HOLDER_FREE, hb)
+                    here += 1
+                elif HOLDER["member_serial"].get(self.buf, hb) != member_serial:
+                    HOLDER["member_serial"].put(self.buf, member_serial, hb)
+                    restored += 1
+            if here:
+                freed += here
+                self.recount_provider(p)
+                rings |= self.pump(p, now)
+        self.damage += bool(freed) + bool(restored)
+        return freed, rings
+
     def unregister(self, m: int, serial: int, now: float) -> set[int]:
+        self.owned.pop((m, serial), None)
         rings = self.drop_member_records(m, serial, now)
         mb = member_base(m)
         if MEMBER["serial"].get(self.buf, mb) == serial:

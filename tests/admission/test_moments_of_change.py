@@ -599,18 +599,13 @@ def test_r_a3_r_a16_a_bad_write_to_the_next_ticket_lets_no_newcomer_overtake_a_w
     adm.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: a record that names a live process is never freed by anyone but its "
-    "owner, and the owner does not know which records it holds (no ownership table in "
-    "the core): the phantom holds a slot for the life of that process",
-)
 def test_r_a16_a_bad_write_that_revives_a_free_record_never_wedges_the_provider(
     sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """One bad write, state := RUNNING, to a free record whose last owner still lives (an
-    idle handler): the next sweep's recount takes it for the truth, and a provider with a
-    limit of 1 admits nobody for as long as that handler lives (measured: 0 of 6)."""
+    idle handler): the next sweep's recount takes it for the truth. Before: a provider
+    with a limit of 1 admitted nobody for as long as that handler lived (0 of 6). Now the
+    owner, which knows the records it holds, frees the phantom within a sweep."""
     idle = agents("--segment", segment_name, "--config", str(config), "hold")
     idle.expect("admitted")
     idle.send("release")
@@ -752,3 +747,40 @@ def test_r_l7_a_stepped_wall_clock_neither_extends_nor_cuts_a_published_limit(
 def _no_leftover(segment_name: str) -> Iterator[None]:
     yield
     unlink_segment(segment_name)
+
+
+def test_r_a4_a_wait_for_a_busy_lock_counts_against_the_timeout(
+    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+) -> None:
+    """Before: the wait for a stopped lock holder and the wait for the grant each got the
+    whole timeout, so a blocking slot could take twice its timeout."""
+    holder = agents("--segment", segment_name, "--config", str(config), "hold")
+    holder.expect("admitted")  # the limit of 1 is spent: whoever comes next must wait
+    adm = Admission.attach(config=config, segment=segment_name, generation="t")
+    locker = agents("--segment", segment_name, "--config", str(config), "lock")
+    locker.expect("locked")
+    threading.Timer(0.6, locker.kill).start()  # the lock comes free after 0.6 s
+    started = time.monotonic()
+    with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=1.0):
+        pass
+    took = time.monotonic() - started
+    assert 0.9 <= took < 1.5, took  # one timeout, not 0.6 s of lock plus 1 s of waiting
+    adm.close()
+
+
+def test_r_a14_a_second_close_returns_only_once_the_first_has_finished(
+    segment_name: str, config: Path
+) -> None:
+    adm = Admission.attach(config=config, segment=segment_name, generation="c")
+    body_ends = threading.Event()
+    runner = threading.Thread(target=_hold, args=(adm, body_ends))
+    runner.start()
+    assert wait_until(lambda: _counts(segment_name) == (1, 0))
+    first = threading.Thread(target=adm.close, kwargs={"grace": 5.0})
+    first.start()
+    time.sleep(0.2)
+    threading.Timer(0.5, body_ends.set).start()
+    adm.close()  # returns when the first close() has (the body ended, it unregistered)
+    assert not first.is_alive() or first.join(1) is None
+    assert _counts(segment_name) == (0, 0) and read_view(segment_name).members == ()
+    runner.join(5)

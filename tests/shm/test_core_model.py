@@ -87,6 +87,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.now = 1000.0
         self.unpumped = False  # time passed: a limit may have risen with nobody pumping yet
         self.damaged: set[int] = set()  # providers written over since a step looked at them
+        self.revived: set[int] = set()  # providers with a record written back to life
         self.running: list[Any] = []  # tickets whose bodies run: (member, ticket, model)
 
     @initialize()
@@ -205,7 +206,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         model_reclaimed, _ = self.model.reap(self.now)
         assert reclaimed == model_reclaimed
         self.unpumped = False
-        self.damaged.clear()  # every provider was pumped, which looks at its counters
+        self.damaged -= set(range(len(PROVIDERS))) - self.revived  # pumped: counters looked at
 
     @rule()
     def sweep(self) -> None:
@@ -215,6 +216,8 @@ class CoreAgainstModel(RuleBasedStateMachine):
         assert reclaimed == model_reclaimed
         self.unpumped = False
         self.damaged.clear()
+        if self._no_phantoms_left():
+            self.revived.clear()
 
     # --- the moments of change (R-A14) -------------------------------------------
     @precondition(lambda self: sum(m.alive and not m.closing for m in self.members) > 1)
@@ -293,6 +296,47 @@ class CoreAgainstModel(RuleBasedStateMachine):
         for buf in (self.seg.buf, self.model_buf):
             field.put(buf, value, base)
 
+    @rule(
+        provider=st.sampled_from(range(len(PROVIDERS))),
+        h=st.integers(0, 7),
+        state=st.sampled_from([HOLDER_RUNNING, HOLDER_WAITING]),
+    )
+    def a_bad_write_revives_a_free_record(self, provider: int, h: int, state: int) -> None:
+        """A free record written back to life: a phantom that names its last owner."""
+        hb = ledger.holder_base(provider, h)
+        if HOLDER["state"].get(self.model_buf, hb) != HOLDER_FREE:
+            return
+        for buf in (self.seg.buf, self.model_buf):
+            HOLDER["state"].put(buf, state, hb)
+        self.revived.add(provider)  # until a sweep, or its owner, puts it right
+
+    @precondition(lambda self: any(m.alive for m in self.members))
+    @rule(who=st.integers(0, 5))
+    def an_owner_frees_its_phantoms(self, who: int) -> None:
+        """What each process's dispatcher does every sweep: free the records that name
+        it but are not ones it holds."""
+        live = [m for m in self.members if m.alive]
+        m = live[who % len(live)]
+        freed = m.core.free_phantoms(self.now)
+        model_freed, _ = self.model.free_phantoms(m.index, m.serial, self.now)
+        assert freed == model_freed
+        if self._no_phantoms_left():
+            self.revived.clear()
+
+    def _no_phantoms_left(self) -> bool:
+        """Every live record is one a live registration holds (or a dead one's)."""
+        held = {(p, h) for r in self._live_tickets() for (p, h) in [r]}
+        for p in range(len(PROVIDERS)):
+            for h in range(layout.HOLDERS_PER_PROVIDER):
+                hb = ledger.holder_base(p, h)
+                live = HOLDER["state"].get(self.model_buf, hb) in (HOLDER_RUNNING, HOLDER_WAITING)
+                if live and (p, h) not in held:
+                    return False
+        return True
+
+    def _live_tickets(self) -> list[tuple[int, int]]:
+        return [key for owned in self.model.owned.values() for key in owned]
+
     @rule(provider=st.sampled_from(range(len(PROVIDERS))), limit=st.integers(0, 5))
     def a_deadline_too_far_ahead(self, provider: int, limit: int) -> None:
         """A published limit whose deadline no publication can set: never obeyed."""
@@ -364,8 +408,8 @@ class CoreAgainstModel(RuleBasedStateMachine):
             return
         buf = self.seg.buf
         for p in range(len(PROVIDERS)):
-            if p in self.damaged:
-                continue  # written over; the next step that looks repairs it
+            if p in self.damaged or p in self.revived:
+                continue  # written over; the next step that looks (or its owner) repairs it
             base = ledger.provider_base(p)
             states = [
                 HOLDER["state"].get(buf, ledger.holder_base(p, h))
