@@ -68,6 +68,13 @@
 #else
 #define HAVE_FUTEX 0
 #endif
+/* sem_timedwait is POSIX's Timeouts option: macOS declares _POSIX_TIMEOUTS -1 and has no
+ * sem_timedwait at all (R-A10); there a ticker thread posts the doorbell instead. */
+#if defined(_POSIX_TIMEOUTS) && _POSIX_TIMEOUTS > 0
+#define HAVE_TIMEDWAIT 1
+#else
+#define HAVE_TIMEDWAIT 0
+#endif
 #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
 #define HAVE_CLOCKWAIT 1 /* sem_clockwait, pthread_mutex_clocklock: immune to clock steps */
 #else
@@ -440,6 +447,7 @@ static Now section_now(double given)
     return n;
 }
 
+#if HAVE_ROBUST || HAVE_TIMEDWAIT || HAVE_FUTEX /* the timed waits; macOS has none */
 static void to_timespec(double t, struct timespec *ts)
 {
     if (t < 0)
@@ -451,6 +459,7 @@ static void to_timespec(double t, struct timespec *ts)
         ts->tv_nsec -= 1000000000L;
     }
 }
+#endif
 
 /* ===== 4. ledger pieces (the lock is held) =============================================
  * The same steps as ledger.Ledger, with the same names and the same order of writes:
@@ -877,7 +886,7 @@ static int mutex_sane(const pthread_mutex_t *mu)
     unsigned int count = __atomic_load_n(&mu->__data.__count, __ATOMIC_RELAXED);
     return kind == template_kind && count <= 1; /* glibc keeps 1 in a robust one once locked */
 }
-#else
+#elif HAVE_ROBUST
 static int mutex_sane(const void *mu) { (void)mu; return 1; }
 #endif
 
@@ -1703,10 +1712,10 @@ static PyObject *Core_wait(Core *c, PyObject *args)
     double timeout;
     if (!PyArg_ParseTuple(args, "O!d", TicketType, &tko, &timeout))
         return NULL;
-    Ticket *tk = (Ticket *)tko;
     if (!usable(c))
         return NULL;
 #if HAVE_FUTEX
+    Ticket *tk = (Ticket *)tko;
     if (!tk->futex || tk->core != c) {
         PyErr_SetString(PyExc_ValueError, "wait() is for a ticket that arrived with futex=True");
         return NULL;
@@ -1804,12 +1813,13 @@ static PyObject *Core_dispatch(Core *c, PyObject *args)
     sem_t *bell = c->own_bell;
     int posts = 0;
     uint32_t reclaimed = 0;
-    int timed = !(c->flags & F_NO_SEM_TIMEOUT);
+    int timed = HAVE_TIMEDWAIT && !(c->flags & F_NO_SEM_TIMEOUT);
     BUSY_ADD(c, 1);
     Py_BEGIN_ALLOW_THREADS
     double started = deadline_clock();
     for (;;) {
         int rc;
+#if HAVE_TIMEDWAIT
         if (timed) {
             struct timespec ts;
 #if HAVE_CLOCKWAIT
@@ -1820,6 +1830,7 @@ static PyObject *Core_dispatch(Core *c, PyObject *args)
             rc = sem_timedwait(bell, &ts);
 #endif
         } else
+#endif
             rc = sem_wait(bell);
         if (rc == 0)
             posts++;
