@@ -247,17 +247,18 @@ def _try_create(
 ) -> tuple[mmap.mmap, tuple[int, int]] | None:
     mode = ipc.GROUP_SHARED if group_shared else ipc.OWNER_ONLY
     try:
-        # 0600 at creation: the umask can only narrow it; the final mode (and group) is
-        # set on the descriptor below, never by changing the process umask (R-G6)
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, 0o600, 0)
+        # Linux: 0600 at creation (the umask can only narrow it), the final mode and group
+        # set on the descriptor below; macOS: the final mode at creation, the only moment
+        # it can be set. Never by changing the process umask (R-G6).
+        shm = posix_ipc.SharedMemory(
+            name, posix_ipc.O_CREX, platform.shared_memory_create_mode(mode), 0
+        )
     except posix_ipc.ExistentialError:
         return None
     except ipc.DENIED as exc:
         raise SegmentError(f"segment {name}: cannot create it ({exc})") from None
     try:
-        os.fchmod(shm.fd, mode)
-        if policy.gid is not None and os.fstat(shm.fd).st_gid != policy.gid:
-            os.fchown(shm.fd, -1, policy.gid)
+        platform.set_shared_memory_mode(shm.fd, mode, policy.gid)
         platform.size_object(shm.fd, layout.TOTAL_SIZE)
         _reserve(name, shm.fd)
         info = os.fstat(shm.fd)
@@ -265,6 +266,9 @@ def _try_create(
     except SegmentError:
         _unlink_shm(name)
         raise
+    except platform.NotOnThisPlatform as exc:
+        _unlink_shm(name)
+        raise SegmentError(f"segment {name}: cannot create it: {exc}") from None
     except OSError as exc:
         _unlink_shm(name)
         raise SegmentError(f"segment {name}: cannot create it ({exc.strerror})") from None
@@ -540,6 +544,38 @@ def _doorbells_in(name: str) -> list[int]:
         ]
     finally:
         buf.close()
+
+
+def doorbells_of(name: str) -> list[int]:
+    """The doorbell ids of the processes registered in segment ``name`` now."""
+    return _doorbells_in(name)
+
+
+def objects_left(name: str, bells: list[int] | tuple[int, ...] = ()) -> list[str]:
+    """What of segment ``name`` still exists: the segment, its lock file, and the
+    doorbells ``bells``. Each is looked for by opening it by name, which every platform
+    can do (macOS has no /dev/shm to list)."""
+    left = []
+    try:
+        posix_ipc.SharedMemory(name, read_only=True).close_fd()
+        left.append(name)
+    except posix_ipc.ExistentialError:
+        pass
+    except ipc.DENIED:
+        left.append(name)
+    path = lock.lock_file_path(name)
+    if os.path.lexists(path):
+        left.append(path)
+    for bell in bells:
+        bell_name = names.doorbell_name(bell)
+        try:
+            posix_ipc.Semaphore(bell_name).close()
+            left.append(bell_name)
+        except posix_ipc.ExistentialError:
+            pass
+        except ipc.DENIED:
+            left.append(bell_name)
+    return left
 
 
 def unlink_segment(name: str) -> bool:

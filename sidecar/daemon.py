@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shm_layout import layout, writer
+from shm_layout import layout, platform, writer
 from shm_layout.errors import GatewayCapacityError
-from shm_layout.liveness import is_alive, my_identity, process_start
+from shm_layout.liveness import ParentWatch, is_alive, my_identity, process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.segment import ForeignSegment, Segment
 from shm_layout.view import ReplicaView, parse_view, snapshot_bytes
@@ -201,23 +201,20 @@ def _exists(pid: int) -> bool:
     return True
 
 
-def proc_hides_other_users(mountinfo: str = "/proc/self/mountinfo") -> str | None:
-    """Why this process may not see other users' processes in /proc, or None.
+def proc_hides_other_users() -> str | None:
+    """Why this process may not see other users' processes in /proc, or None (also where
+    there is no /proc: macOS asks psutil, which sees every process).
 
     systemd's ``ProtectProc=invisible|noaccess|ptraceable`` and a manual
     ``mount -o hidepid=...`` both show as a ``hidepid=`` super option of the
     /proc mount; root (CAP_SYS_PTRACE) sees through it.
     """
     try:
-        with open(mountinfo, encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
+        options = platform.proc_mount_options()
     except OSError as exc:
-        return f"cannot read {mountinfo} ({exc.strerror or exc}) to check"
-    options: list[str] = []
-    for line in lines:  # the last /proc mount is the one on top
-        fields = line.split()
-        if len(fields) > 4 and fields[4] == "/proc" and " - proc " in line:
-            options = line.rsplit(" ", 1)[-1].split(",")
+        return f"cannot read /proc/self/mountinfo ({exc.strerror or exc}) to check"
+    if options is None:
+        return None
     hidden = [
         o for o in options if o.startswith("hidepid=") and o not in ("hidepid=0", "hidepid=off")
     ]
@@ -258,12 +255,12 @@ class Sidecar:
         self.legacy = parse_legacy(
             options.await_legacy, options.await_legacy_grace_s, self.proc_hides
         )
-        self.parent: tuple[int, float] | None = None
+        self.parent: ParentWatch | None = None
         if options.parent_pid is not None:
-            parent_start = process_start(options.parent_pid)
-            if parent_start is None:
-                raise StartupError(f"--parent-pid {options.parent_pid}: no such process")
-            self.parent = (options.parent_pid, parent_start)  # pid reuse cannot fool us
+            try:
+                self.parent = ParentWatch(options.parent_pid)  # pid reuse cannot fool it
+            except ProcessLookupError:
+                raise StartupError(f"--parent-pid {options.parent_pid}: no such process") from None
         self.segment_name = resolve_segment_name(options.segment, options.config_path)
         self._metrics_server: ThreadingWSGIServer | None = None
         self.metrics = SidecarMetrics()  # recorded always, served with --metrics-listen
@@ -628,7 +625,7 @@ class Sidecar:
             return False
         if reclaimed:
             log.warning("reclaimed %d slot(s) held by dead processes", reclaimed)
-        if self.parent is not None and not is_alive(*self.parent):
+        if self.parent is not None and self.parent.gone():
             log.info("parent process %d exited: stopping", self.opts.parent_pid)
             self.stop.set()
             return False
