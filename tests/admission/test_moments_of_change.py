@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import posix_ipc
 import pytest
 from gwtest import AGENT, Agent, run_cli, wait_until
 
@@ -378,8 +379,8 @@ def test_r_a15_a_segment_removed_by_hand_never_splits_the_budget(
     runner = threading.Thread(target=_hold, args=(adm, stop))
     runner.start()
     assert wait_until(lambda: _counts(segment_name) == (1, 0))
-    if how == "rm":
-        os.unlink("/dev/shm" + segment_name)
+    if how == "rm":  # what `rm /dev/shm/<segment>` does, by its portable name (macOS too)
+        posix_ipc.unlink_shared_memory(segment_name)
     else:
         out = run_cli("inspect", "--segment", segment_name, "--unlink", "--force")
         assert out.returncode == 0, out.stderr
@@ -387,12 +388,10 @@ def test_r_a15_a_segment_removed_by_hand_never_splits_the_budget(
     newcomer.expect("admitted")
     newcomer.expect("admitted")  # 2 of 2 on the new segment
     time.sleep(0.6)  # one sweep
-    with pytest.raises(AdmissionTimeout):
-        with adm.slot_blocking("p1", timeout=0.5):
-            pass  # our arrival goes to the new segment, where the budget is spent
-    with pytest.raises(AdmissionTimeout):
-        with adm.slot_blocking("p1", timeout=0.2):
-            pass
+    with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=0.5):
+        pass  # our arrival goes to the new segment, where the budget is spent
+    with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=0.2):
+        pass
     said = [r for r in caplog.records if "removed or replaced" in r.getMessage()]
     assert len(said) == 1, [r.getMessage() for r in caplog.records]
     assert adm._current.bell != old_bell  # a doorbell of the new instance's own
@@ -427,9 +426,8 @@ def test_r_a16_a_bad_write_to_the_counters_is_never_obeyed(
         held = [adm.acquire_blocking("p1") for _ in range(3)]
         for field, value in (("running", 0), ("running", 0xFFFFFFFF), ("waiting", 32)):
             PROVIDER[field].put(adm._buf, value, base)  # one bad write, by someone else
-            with pytest.raises(AdmissionTimeout):
-                with adm.slot_blocking("p1", timeout=0.2):
-                    pass  # never a fourth: the counters were recounted before use
+            with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=0.2):
+                pass  # never a fourth: the counters were recounted before use
             assert (
                 PROVIDER["running"].get(adm._buf, base),
                 PROVIDER["waiting"].get(adm._buf, base),
@@ -469,6 +467,7 @@ def test_r_a16_a_bad_write_to_a_live_members_serial_frees_none_of_its_slots(
     adm.close()
 
 
+@pytest.mark.linux("damages the robust mutex, which only Linux has")
 def test_r_a16_a_damaged_lock_word_is_one_line_never_an_abort(
     segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
@@ -480,9 +479,8 @@ def test_r_a16_a_damaged_lock_word_is_one_line_never_an_abort(
         pytest.skip("the robust mutex is Linux's")
     adm = Admission.attach(config=config, segment=segment_name, generation="d")
     adm._buf[layout.MUTEX_OFFSET : layout.MUTEX_OFFSET + 40] = bytes(range(7, 47))
-    with pytest.raises(GatewayCapacityError) as info:
-        with adm.slot_blocking("p1", timeout=1):
-            pass
+    with pytest.raises(GatewayCapacityError) as info, adm.slot_blocking("p1", timeout=1):
+        pass
     assert "lock word is damaged" in str(info.value) and "--unlink --force" in str(info.value)
     assert isinstance(info.value, _core.DamagedLock)
     # a new attach refuses it by name; the check views say so with the recovery
