@@ -137,6 +137,16 @@ def shared_memory_stat(name: str) -> os.stat_result | None:
         return None
 
 
+def shared_memory_identity(info: os.stat_result) -> tuple[int, int] | None:
+    """(device, inode) of a shared-memory object from its ``fstat``, or None where the
+    platform gives it none: macOS's fstat of a shm object fills in mode, owner, group and
+    size only (XNU ``pshm_stat``), so every object there is device 0, inode 0. The segment
+    is then told by its creation stamp instead (``segment.py``, ``_core.c``)."""
+    if is_darwin() or (info.st_dev == 0 and info.st_ino == 0):
+        return None
+    return info.st_dev, info.st_ino
+
+
 def shared_memory_create_mode(mode: int) -> int:
     """The mode to create a shared-memory object with (``O_CREAT|O_EXCL``), given the mode
     it must end with. Linux applies the process umask at creation (the object is a file

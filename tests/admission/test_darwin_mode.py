@@ -47,6 +47,7 @@ def test_r_a10_the_darwin_mode_answers_as_macos(darwin: None, tmp_path: Path) ->
     assert not platform.has_proc()
     assert platform.proc_mount_options() is None
     assert platform.default_lock_dir() == "/var/tmp"  # never /tmp: the daily cleaner
+    assert platform.shared_memory_identity(os.stat(tmp_path)) is None  # no device, inode
     with open(tmp_path / "object", "wb") as f:
         assert platform.reserve(f.fileno(), 4096) is False  # no posix_fallocate
         platform.size_object(f.fileno(), 4096)
@@ -75,6 +76,8 @@ def test_r_a10_a_segment_made_in_darwin_mode_takes_the_macos_road(
         assert lock.lock_file_path(segment_name) == f"/var/tmp{segment_name}.lock"
         assert os.path.exists(lock.lock_file_path(segment_name))
         assert "gwcap-tick" in {t.name for t in adm._current.threads}
+        assert adm._seg.identity[0] == "creation"  # told by its creation stamp
+        assert adm._seg.still_named()
         with adm.slot_blocking("p1"):
             out = run_cli("availability", "--segment", segment_name, "--json")
             assert out.returncode == 0, out.stderr

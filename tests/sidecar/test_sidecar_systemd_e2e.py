@@ -170,6 +170,7 @@ def shared_dir() -> Iterator[Path]:
 NOBODY = 65534
 
 
+@pytest.mark.linux("mounts a /proc with hidepid in a mount namespace (unshare, setpriv)")
 def test_r_g3_a_legacy_pid_that_proc_hides_is_awaited_not_taken_for_exited(
     segment_name: str,
     capacity: CapacityServer,
