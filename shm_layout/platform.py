@@ -7,8 +7,9 @@ how shared-memory objects are listed (``/dev/shm`` on Linux, nothing on macOS),
 ``/proc``, whether a shared-memory object's mode can be changed after it was made
 (Linux: ``fchmod`` on the descriptor; macOS: never, XNU's shm objects have no chmod, so
 the mode is given at creation, where XNU applies no umask), how a named semaphore's
-owner is seen (a file in ``/dev/shm`` on Linux; not at all on macOS), and where the
-lock file lives. Everything else in the project asks this module; nothing else calls a
+owner is seen (a file in ``/dev/shm`` on Linux; not at all on macOS), whether a
+shared-memory object has a device and inode (not on macOS), and where the lock file
+lives. Watching ``--parent-pid`` is the same poll on both (see below). Everything else in the project asks this module; nothing else calls a
 Linux-only function (``tests/repo/test_platform_names.py`` keeps it so).
 
 ``GATEWAY_CAPACITY_PLATFORM=darwin`` (for tests only) makes this module behave
