@@ -9,8 +9,9 @@ how shared-memory objects are listed (``/dev/shm`` on Linux, nothing on macOS),
 the mode is given at creation, where XNU applies no umask), how a named semaphore's
 owner is seen (a file in ``/dev/shm`` on Linux; not at all on macOS), whether a
 shared-memory object has a device and inode (not on macOS), and where the lock file
-lives. Watching ``--parent-pid`` is the same poll on both (see below). Everything else in the project asks this module; nothing else calls a
-Linux-only function (``tests/repo/test_platform_names.py`` keeps it so).
+lives. Watching ``--parent-pid`` is the same poll on both (see below). Everything
+else in the project asks this module; nothing else calls a Linux-only function
+(``tests/repo/test_platform_names.py`` keeps it so).
 
 ``GATEWAY_CAPACITY_PLATFORM=darwin`` (for tests only) makes this module behave
 as on macOS while running on Linux: the macOS answers everywhere, and the
