@@ -165,6 +165,7 @@ class Drill:
         self.problems: list[str] = []
         self.phase = "setup"
         self.segment = ""
+        self.bells: list[int] = []  # doorbells of the registered processes, for cleanup
         self.stop_sampling = threading.Event()
         self.cli_checks = 0
         self.outcomes = Outcomes()
@@ -849,6 +850,9 @@ class Drill:
 
     # --- tear-down ------------------------------------------------------------------------
     def cleanup(self) -> list[str]:
+        from shm_layout.segment import doorbells_of
+
+        self.bells = doorbells_of(self.segment) if self.segment else []  # while registered
         self.stop_sampling.set()
         self.load_stop.set()
         self.legacy_stop.set()
@@ -864,15 +868,13 @@ class Drill:
                     proc.wait()
             if proc.stdout is not None:
                 proc.stdout.close()
-        from shm_layout.segment import unlink_segment
+        from shm_layout.segment import objects_left, unlink_segment
 
         if self.segment:
             unlink_segment(self.segment)
         left = [f"{name} pid {p.pid}" for name, p in self.procs.items() if p.poll() is None]
-        shm = Path("/dev/shm")
-        if self.segment and shm.is_dir():
-            base = self.segment.lstrip("/")
-            left += [str(p) for p in shm.iterdir() if base in p.name]
+        if self.segment:
+            left += objects_left(self.segment, self.bells)
         return left
 
 

@@ -383,8 +383,9 @@ class Demo:
     # --- tear-down -------------------------------------------------------------------------
     def cleanup(self) -> list[str]:
         """Stop everything; returns what could not be cleaned (empty when all is gone)."""
-        from shm_layout.segment import unlink_segment
+        from shm_layout.segment import doorbells_of, objects_left, unlink_segment
 
+        bells = doorbells_of(self.segment) if self.segment else []  # while registered
         (self.tmp / "stop").touch()
         if self.sidecar is not None and self.sidecar.poll() is None:
             self.sidecar.send_signal(signal.SIGTERM)
@@ -402,13 +403,7 @@ class Demo:
             worker.stop()
         if self.segment:
             unlink_segment(self.segment)
-        left = []
-        shm = Path("/dev/shm")
-        if self.segment and shm.is_dir():
-            base = self.segment.lstrip("/")
-            left += [
-                str(p) for p in shm.iterdir() if p.name == base or p.name.startswith(f"sem.{base}.")
-            ]
+        left = objects_left(self.segment, bells) if self.segment else []
         left += [f"pid {c.pid}" for c in self.children if c.poll() is None]
         shutil.rmtree(self.tmp, ignore_errors=True)
         return left

@@ -68,6 +68,13 @@
 #else
 #define HAVE_FUTEX 0
 #endif
+/* sem_timedwait is POSIX's Timeouts option: macOS declares _POSIX_TIMEOUTS -1 and has no
+ * sem_timedwait at all (R-A10); there a ticker thread posts the doorbell instead. */
+#if defined(_POSIX_TIMEOUTS) && _POSIX_TIMEOUTS > 0
+#define HAVE_TIMEDWAIT 1
+#else
+#define HAVE_TIMEDWAIT 0
+#endif
 #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
 #define HAVE_CLOCKWAIT 1 /* sem_clockwait, pthread_mutex_clocklock: immune to clock steps */
 #else
@@ -99,6 +106,7 @@ enum { F_NO_FUTEX = 1, F_NO_SEM_TIMEOUT = 2, F_NO_SEM_OWNER = 4 };
 static const char *const FIELD_NAMES[] = {
     "h.dirty", "h.lock_seq", "h.change_seq", "h.repairs", "h.heartbeat_mono", "h.sweep_mono",
     "h.damage_repairs", "h.damage_mono", "h.damage_note", "h.mutex",
+    "h.created_at", "h.creator_pid", "h.creator_start",
     "p.in_use", "p.flags", "p.id", "p.fallback_limit", "p.fallback_source",
     "p.published_limit", "p.expires_mono", "p.discovered", "p.queue_bound", "p.running",
     "p.waiting", "p.next_ticket", "p.admitted_total", "p.rejected_total",
@@ -116,6 +124,7 @@ static const char *const FIELD_NAMES[] = {
 enum {
     H_DIRTY, H_LOCK_SEQ, H_CHANGE_SEQ, H_REPAIRS, H_HEARTBEAT_MONO, H_SWEEP_MONO,
     H_DAMAGE_REPAIRS, H_DAMAGE_MONO, H_DAMAGE_NOTE, H_MUTEX,
+    H_CREATED_AT, H_CREATOR_PID, H_CREATOR_START,
     P_IN_USE, P_FLAGS, P_ID, P_FALLBACK, P_FALLBACK_SOURCE,
     P_PUBLISHED, P_EXPIRES_MONO, P_DISCOVERED, P_QUEUE_BOUND, P_RUNNING,
     P_WAITING, P_NEXT_TICKET, P_ADMITTED, P_REJECTED,
@@ -445,6 +454,7 @@ static Now section_now(double given)
     return n;
 }
 
+#if HAVE_ROBUST || HAVE_TIMEDWAIT || HAVE_FUTEX /* the timed waits; macOS has none */
 static void to_timespec(double t, struct timespec *ts)
 {
     if (t < 0)
@@ -456,6 +466,7 @@ static void to_timespec(double t, struct timespec *ts)
         ts->tv_nsec -= 1000000000L;
     }
 }
+#endif
 
 /* ===== 4. ledger pieces (the lock is held) =============================================
  * The same steps as ledger.Ledger, with the same names and the same order of writes:
@@ -945,7 +956,7 @@ static int mutex_sane(const pthread_mutex_t *mu)
     unsigned int count = __atomic_load_n(&mu->__data.__count, __ATOMIC_RELAXED);
     return kind == template_kind && count <= 1; /* glibc keeps 1 in a robust one once locked */
 }
-#else
+#elif HAVE_ROBUST
 static int mutex_sane(const void *mu) { (void)mu; return 1; }
 #endif
 
@@ -1436,15 +1447,43 @@ static double deadline_arg(double timeout)
  * -1 cannot tell (R-A15). Opens and closes a descriptor of the shm object, which drops
  * no lock of ours (OFD locks belong to their own descriptions; the file kind locks the
  * lock file, not the object). */
+/* Does ``fd`` (an object of ``size`` bytes) carry our creation stamp: the creator's
+ * created_at, pid and start time, which no two creations share? How a segment instance
+ * is told where the platform gives shm objects no identity: macOS's fstat of one fills
+ * in mode, owner, group and size only (XNU pshm_stat), dev and ino are 0. */
+static int same_creation(Core *c, int fd, off_t size)
+{
+    long fields[] = {c->o[H_CREATED_AT], c->o[H_CREATOR_PID], c->o[H_CREATOR_START]};
+    long widths[] = {8, 4, 8};
+    size_t len = 0;
+    for (int i = 0; i < 3; i++)
+        if ((size_t)(fields[i] + widths[i]) > len)
+            len = (size_t)(fields[i] + widths[i]);
+    if (size < (off_t)len)
+        return 0; /* not even a header yet: a creation in progress, not ours */
+    void *p = mmap(NULL, len, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED)
+        return -1;
+    int same = 1;
+    for (int i = 0; i < 3; i++)
+        same &= memcmp((char *)p + fields[i], c->base + fields[i], (size_t)widths[i]) == 0;
+    munmap(p, len);
+    return same;
+}
+
 static int name_leads_here(Core *c)
 {
-    if (c->seg_ino == 0)
-        return -1;
     int fd = shm_open(c->name, O_RDONLY, 0);
     if (fd < 0)
         return errno == ENOENT ? 0 : -1;
     struct stat st;
-    int answer = fstat(fd, &st) != 0 ? -1 : (st.st_dev == c->seg_dev && st.st_ino == c->seg_ino);
+    int answer = -1;
+    if (fstat(fd, &st) == 0) {
+        if (c->seg_ino != 0) /* Linux: the object's device and inode */
+            answer = st.st_dev == c->seg_dev && st.st_ino == c->seg_ino;
+        else /* macOS (no identity given): its creation stamp */
+            answer = same_creation(c, fd, st.st_size);
+    }
     close(fd);
     return answer;
 }
@@ -1853,10 +1892,10 @@ static PyObject *Core_wait(Core *c, PyObject *args)
     double timeout;
     if (!PyArg_ParseTuple(args, "O!d", TicketType, &tko, &timeout))
         return NULL;
-    Ticket *tk = (Ticket *)tko;
     if (!usable(c))
         return NULL;
 #if HAVE_FUTEX
+    Ticket *tk = (Ticket *)tko;
     if (!tk->futex || tk->core != c) {
         PyErr_SetString(PyExc_ValueError, "wait() is for a ticket that arrived with futex=True");
         return NULL;
@@ -1954,12 +1993,13 @@ static PyObject *Core_dispatch(Core *c, PyObject *args)
     sem_t *bell = c->own_bell;
     int posts = 0;
     uint32_t reclaimed = 0;
-    int timed = !(c->flags & F_NO_SEM_TIMEOUT);
+    int timed = HAVE_TIMEDWAIT && !(c->flags & F_NO_SEM_TIMEOUT);
     BUSY_ADD(c, 1);
     Py_BEGIN_ALLOW_THREADS
     double started = deadline_clock();
     for (;;) {
         int rc;
+#if HAVE_TIMEDWAIT
         if (timed) {
             struct timespec ts;
 #if HAVE_CLOCKWAIT
@@ -1970,6 +2010,7 @@ static PyObject *Core_dispatch(Core *c, PyObject *args)
             rc = sem_timedwait(bell, &ts);
 #endif
         } else
+#endif
             rc = sem_wait(bell);
         if (rc == 0)
             posts++;

@@ -2,40 +2,22 @@
 
 A record names its owner by pid *and* process start time, so a recycled pid
 never keeps a dead process's slots alive. The start time is an opaque value
-only compared for equality: on Linux the ``starttime`` field of
-``/proc/PID/stat`` (clock ticks since boot, read directly because it is three
-times cheaper than psutil and checked often), elsewhere psutil's
-``create_time()``. A zombie counts as dead.
+only compared for equality: where there is a /proc (Linux) the ``starttime``
+field of ``/proc/PID/stat`` (``platform.proc_start_ticks``: clock ticks since
+boot, three times cheaper than psutil and checked often), elsewhere (macOS, and
+the darwin test mode) psutil's ``create_time()``. A zombie counts as dead.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import sys
 
-_LINUX = sys.platform.startswith("linux")
-
-
-def _linux_start(pid: int) -> float | None:
-    try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # Any other error (EMFILE, EACCES...) propagates: not knowing is not "dead".
-    try:
-        data = os.read(fd, 1024)
-    finally:
-        os.close(fd)
-    # comm may contain spaces and parentheses: fields start after the last ')'
-    tail = data[data.rfind(b")") + 2 :].split()
-    if len(tail) < 20 or tail[0] in (b"Z", b"X"):
-        return None
-    return float(int(tail[19]))
+from shm_layout import platform
 
 
 def _psutil_start(pid: int) -> float | None:
-    import psutil  # off Linux only: a handler on Linux never loads it
+    import psutil  # where there is no /proc only: a handler on Linux never loads it
 
     try:
         proc = psutil.Process(pid)
@@ -52,7 +34,7 @@ def process_start(pid: int) -> float | None:
     """The start time of a living ``pid``, or None when there is no such (live) process."""
     if pid <= 0:
         return None
-    return _linux_start(pid) if _LINUX else _psutil_start(pid)
+    return platform.proc_start_ticks(pid) if platform.has_proc() else _psutil_start(pid)
 
 
 def my_identity() -> tuple[int, float]:
@@ -88,7 +70,7 @@ def is_alive(pid: int, start: float) -> bool:
         # a non-dumpable process of our own user): ask it again rather than take a live
         # process for dead; a process that really exited is gone for this second ask.
         # A zombie (dead) is visible in /proc, with no start time: not asked again.
-        hidden = _LINUX and not os.path.exists(f"/proc/{pid}")
+        hidden = platform.has_proc() and not os.path.exists(platform.proc_path(str(pid)))
         return someone_elses or (hidden and _exists(pid))
     return now == start
 
@@ -99,6 +81,30 @@ def _exists(pid: int) -> bool:
     except OSError as exc:
         return exc.errno != errno.ESRCH
     return True
+
+
+class ParentWatch:
+    """``--parent-pid``: is the process that started us gone? (the sidecar as a child of
+    the gateway's supervisor, docs/macos.md).
+
+    When the pid is our own parent, the answer is ``getppid()``: a child whose parent
+    ends is handed to another (launchd or init, or a subreaper), at once and for good,
+    so no pid reuse can fool it. Otherwise (started through a wrapper) the pid and its
+    start time (:func:`is_alive`). Polled from the sidecar's housekeeping, twice a second,
+    the same way on every platform (``platform.py`` says why not a death signal)."""
+
+    def __init__(self, pid: int) -> None:
+        start = process_start(pid)
+        if start is None:
+            raise ProcessLookupError(pid)
+        self.pid = pid
+        self.start = start
+        self.direct = os.getppid() == pid
+
+    def gone(self) -> bool:
+        if self.direct:
+            return os.getppid() != self.pid
+        return not is_alive(self.pid, self.start)
 
 
 class LivenessCache:

@@ -94,7 +94,7 @@ class Segment:
         name: str,
         buf: mmap.mmap,
         created: bool,
-        identity: tuple[int, int],
+        identity: Identity,
         policy: OwnerPolicy,
     ) -> None:
         self.name = name
@@ -109,7 +109,9 @@ class Segment:
         )
         self.lock_kind = HEADER["lock_kind"].get(buf)
         try:
-            self.core: _core.Core = lock.open_core(name, buf, self.lock_kind, policy, identity)
+            self.core: _core.Core = lock.open_core(
+                name, buf, self.lock_kind, policy, _inode(identity)
+            )
         except lock.LockSetupError as exc:
             buf.close()
             raise SegmentError(f"segment {name}: {exc}") from None
@@ -218,11 +220,46 @@ def remove_doorbell(bell: int) -> None:
         ipc.unlink_semaphore(names.doorbell_name(bell))
 
 
-_UNKNOWN = (-1, -1)
+# What tells one shm object from another under the same name (R-A15): ("inode", device,
+# inode) where the platform gives them (Linux), else ("creation", size, created_at,
+# creator pid, creator start) from its header: macOS's fstat of a shm object reports
+# only mode, owner, group and size (XNU pshm_stat), its device and inode are 0.
+Identity = tuple[object, ...]
+_UNKNOWN: Identity = ("unknown",)
 
 
-def _identity_of(name: str) -> tuple[int, int] | None:
-    """(device, inode) of the shm object now under ``name``; None when there is none."""
+def _creation_identity(head: mmap.mmap, size: int) -> Identity:
+    if size < layout.HEADER_SIZE or len(head) < layout.HEADER_SIZE:
+        return ("creation", size)
+    fields = ("created_at", "creator_pid", "creator_start")
+    return ("creation", size, *(HEADER[k].get(head) for k in fields))
+
+
+def _object_identity(fd: int) -> Identity:
+    info = os.fstat(fd)
+    inode = platform.shared_memory_identity(info)
+    if inode is not None:
+        return ("inode", *inode)
+    if info.st_size < layout.HEADER_SIZE:
+        return ("creation", info.st_size)
+    head = mmap.mmap(fd, layout.HEADER_SIZE, access=mmap.ACCESS_READ)
+    try:
+        return _creation_identity(head, info.st_size)
+    finally:
+        head.close()
+
+
+def _inode(identity: Identity) -> tuple[int, int] | None:
+    """(device, inode) for the core, or None: the core then compares creation stamps."""
+    if identity[0] == "inode" and len(identity) == 3:
+        dev, ino = identity[1], identity[2]
+        assert isinstance(dev, int) and isinstance(ino, int)
+        return dev, ino
+    return None
+
+
+def _identity_of(name: str) -> Identity | None:
+    """The identity of the shm object now under ``name``; None when there is none."""
     try:
         shm = posix_ipc.SharedMemory(name, read_only=True)
     except posix_ipc.ExistentialError:
@@ -230,21 +267,20 @@ def _identity_of(name: str) -> tuple[int, int] | None:
     except ipc.DENIED:
         return _UNKNOWN
     try:
-        info = os.fstat(shm.fd)
+        return _object_identity(shm.fd)
     finally:
         shm.close_fd()
-    return info.st_dev, info.st_ino
 
 
 # --- creation and attachment -----------------------------------------------------------
 class _Abandoned(Exception):
     """The object under the name is ours, was never initialised and its creator is gone."""
 
-    def __init__(self, identity: tuple[int, int]) -> None:
+    def __init__(self, identity: Identity) -> None:
         self.identity = identity
 
 
-def _remove_abandoned(name: str, identity: tuple[int, int]) -> None:
+def _remove_abandoned(name: str, identity: Identity) -> None:
     """Unlink an abandoned creation of ours, only while the name still maps the very
     object judged abandoned. Two processes that judge it together may race here; the one
     that unlinks a creation just made in its place leaves the other's processes on an
@@ -256,27 +292,32 @@ def _remove_abandoned(name: str, identity: tuple[int, int]) -> None:
 
 def _try_create(
     name: str, group_shared: bool, policy: OwnerPolicy
-) -> tuple[mmap.mmap, tuple[int, int]] | None:
+) -> tuple[mmap.mmap, Identity] | None:
     mode = ipc.GROUP_SHARED if group_shared else ipc.OWNER_ONLY
     try:
-        # 0600 at creation: the umask can only narrow it; the final mode (and group) is
-        # set on the descriptor below, never by changing the process umask (R-G6)
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, 0o600, 0)
+        # Linux: 0600 at creation (the umask can only narrow it), the final mode and group
+        # set on the descriptor below; macOS: the final mode at creation, the only moment
+        # it can be set. Never by changing the process umask (R-G6).
+        shm = posix_ipc.SharedMemory(
+            name, posix_ipc.O_CREX, platform.shared_memory_create_mode(mode), 0
+        )
     except posix_ipc.ExistentialError:
         return None
     except ipc.DENIED as exc:
         raise SegmentError(f"segment {name}: cannot create it ({exc})") from None
     try:
-        os.fchmod(shm.fd, mode)
-        if policy.gid is not None and os.fstat(shm.fd).st_gid != policy.gid:
-            os.fchown(shm.fd, -1, policy.gid)
+        platform.set_shared_memory_mode(shm.fd, mode, policy.gid)
         platform.size_object(shm.fd, layout.TOTAL_SIZE)
         _reserve(name, shm.fd)
         info = os.fstat(shm.fd)
+        inode = platform.shared_memory_identity(info)
         buf = mmap.mmap(shm.fd, layout.TOTAL_SIZE)
     except SegmentError:
         _unlink_shm(name)
         raise
+    except platform.NotOnThisPlatform as exc:
+        _unlink_shm(name)
+        raise SegmentError(f"segment {name}: cannot create it: {exc}") from None
     except OSError as exc:
         _unlink_shm(name)
         raise SegmentError(f"segment {name}: cannot create it ({exc.strerror})") from None
@@ -307,7 +348,8 @@ def _try_create(
         raise SegmentError(f"segment {name}: {exc}") from None
     HEADER["lock_kind"].put(buf, kind)
     HEADER["init_complete"].put(buf, INIT_MARK)  # last (R-G2)
-    return buf, (info.st_dev, info.st_ino)
+    identity = ("inode", *inode) if inode is not None else _creation_identity(buf, info.st_size)
+    return buf, identity
 
 
 def _reserve(name: str, fd: int) -> None:
@@ -340,7 +382,7 @@ def _attach(
     read_only: bool = False,
     policy: OwnerPolicy | None = None,
     wait_init: bool = True,
-) -> tuple[mmap.mmap, tuple[int, int]]:
+) -> tuple[mmap.mmap, Identity]:
     """Map ``name``. With ``policy``, an object whose owner it does not trust is refused
     before anything else is read from it or waited for (R-G6)."""
     try:
@@ -358,7 +400,6 @@ def _attach(
         ) from None
     try:
         info = os.fstat(shm.fd)
-        identity = (info.st_dev, info.st_ino)
         if policy is not None:
             problem = policy.problem(info)
             if problem is not None:
@@ -393,7 +434,7 @@ def _attach(
                 if creator[0] == 0 or not _creator_alive(*creator):
                     if size != 0 and not _our_size(size):
                         break
-                    raise _Abandoned(identity)
+                    raise _Abandoned(_object_identity(shm.fd))
                 raise SegmentNotReady(
                     f"segment {name} is still being initialised by pid {creator[0]}; try again"
                 )
@@ -420,7 +461,7 @@ def _attach(
                 f"segment {name} is damaged ({problem}); once no handler uses it, remove it "
                 f"with {_recovery(name)}"
             )
-        return buf, identity
+        return buf, _object_identity(shm.fd)
     finally:
         shm.close_fd()
 
@@ -572,6 +613,38 @@ def _doorbells_in(name: str) -> list[int]:
         ]
     finally:
         buf.close()
+
+
+def doorbells_of(name: str) -> list[int]:
+    """The doorbell ids of the processes registered in segment ``name`` now."""
+    return _doorbells_in(name)
+
+
+def objects_left(name: str, bells: list[int] | tuple[int, ...] = ()) -> list[str]:
+    """What of segment ``name`` still exists: the segment, its lock file, and the
+    doorbells ``bells``. Each is looked for by opening it by name, which every platform
+    can do (macOS has no /dev/shm to list)."""
+    left = []
+    try:
+        posix_ipc.SharedMemory(name, read_only=True).close_fd()
+        left.append(name)
+    except posix_ipc.ExistentialError:
+        pass
+    except ipc.DENIED:
+        left.append(name)
+    path = lock.lock_file_path(name)
+    if os.path.lexists(path):
+        left.append(path)
+    for bell in bells:
+        bell_name = names.doorbell_name(bell)
+        try:
+            posix_ipc.Semaphore(bell_name).close()
+            left.append(bell_name)
+        except posix_ipc.ExistentialError:
+            pass
+        except ipc.DENIED:
+            left.append(bell_name)
+    return left
 
 
 def unlink_segment(name: str) -> bool:

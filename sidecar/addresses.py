@@ -34,10 +34,11 @@ import ipaddress
 import os
 import re
 import socket
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Final, Literal
+
+from shm_layout import platform
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -65,7 +66,7 @@ def default_tailscale_socket() -> str:
     configured = os.environ.get(SOCKET_ENV)
     if configured:
         return configured
-    if sys.platform == "darwin":
+    if platform.is_darwin():
         return "/var/run/tailscaled.socket"
     return "/var/run/tailscale/tailscaled.sock"
 

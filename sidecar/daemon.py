@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from shm_layout import layout, platform, writer
 from shm_layout.errors import GatewayCapacityError
-from shm_layout.liveness import is_alive, my_identity, process_start
+from shm_layout.liveness import ParentWatch, is_alive, my_identity, process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.segment import ForeignSegment, Segment
 from shm_layout.view import ReplicaView, parse_view, snapshot_bytes
@@ -277,10 +277,9 @@ def _exists(pid: int) -> bool:
     return True
 
 
-def proc_hides_other_users(
-    mountinfo: str = "/proc/self/mountinfo", status: str = "/proc/self/status"
-) -> str | None:
-    """Why this process may not see other users' processes in /proc, or None.
+def proc_hides_other_users() -> str | None:
+    """Why this process may not see other users' processes in /proc, or None (also where
+    there is no /proc: macOS asks psutil, which sees every process).
 
     systemd's ``ProtectProc=invisible|noaccess|ptraceable`` and a manual
     ``mount -o hidepid=...`` both show as a ``hidepid=`` super option of the
@@ -289,15 +288,11 @@ def proc_hides_other_users(
     not enough (a unit with ``CapabilityBoundingSet=`` and another group).
     """
     try:
-        with open(mountinfo, encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
+        options = platform.proc_mount_options()
     except OSError as exc:
-        return f"cannot read {mountinfo} ({exc.strerror or exc}) to check"
-    options: list[str] = []
-    for line in lines:  # the last /proc mount is the one on top
-        fields = line.split()
-        if len(fields) > 4 and fields[4] == "/proc" and " - proc " in line:
-            options = line.rsplit(" ", 1)[-1].split(",")
+        return f"cannot read /proc/self/mountinfo ({exc.strerror or exc}) to check"
+    if options is None:
+        return None
     hidden = [
         o for o in options if o.startswith("hidepid=") and o not in ("hidepid=0", "hidepid=off")
     ]
@@ -305,23 +300,9 @@ def proc_hides_other_users(
         return None
     gids = [int(o[4:]) for o in options if o.startswith("gid=") and o[4:].isdigit()]
     exempt_gid = gids[-1] if gids else 0
-    if exempt_gid == os.getegid() or exempt_gid in os.getgroups() or _has_cap_sys_ptrace(status):
+    if exempt_gid == os.getegid() or exempt_gid in os.getgroups() or platform.sees_all_procs():
         return None
     return f"/proc is mounted with {hidden[-1]} (ProtectProc=?)"
-
-
-_CAP_SYS_PTRACE = 19
-
-
-def _has_cap_sys_ptrace(status: str) -> bool:
-    try:
-        with open(status, encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> _CAP_SYS_PTRACE & 1)
-    except (OSError, ValueError):
-        pass
-    return False
 
 
 def _legacy_label(spec: str, pid: int) -> str:
@@ -363,12 +344,12 @@ class Sidecar:
         self.legacy_since = platform.deadline_now() if self.legacy else 0.0
         self._legacy_began = time.monotonic()
         self._legacy_overdue_warned = False
-        self.parent: tuple[int, float] | None = None
+        self.parent: ParentWatch | None = None
         if options.parent_pid is not None:
-            parent_start = process_start(options.parent_pid)
-            if parent_start is None:
-                raise StartupError(f"--parent-pid {options.parent_pid}: no such process")
-            self.parent = (options.parent_pid, parent_start)  # pid reuse cannot fool us
+            try:
+                self.parent = ParentWatch(options.parent_pid)  # pid reuse cannot fool it
+            except ProcessLookupError:
+                raise StartupError(f"--parent-pid {options.parent_pid}: no such process") from None
         self.segment_name = resolve_segment_name(options.segment, options.config_path)
         self._metrics_server: ThreadingWSGIServer | None = None
         self.metrics = SidecarMetrics()  # recorded always, served with --metrics-listen
@@ -814,7 +795,7 @@ class Sidecar:
             return False
         if reclaimed:
             log.warning("reclaimed %d slot(s) held by dead processes", reclaimed)
-        if self.parent is not None and not is_alive(*self.parent):
+        if self.parent is not None and self.parent.gone():
             log.info("parent process %d exited: stopping", self.opts.parent_pid)
             self.stop.set()
             return False

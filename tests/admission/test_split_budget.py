@@ -62,6 +62,7 @@ def two_paths(tmp_path: Path) -> Iterator[tuple[Path, Path, list[str]]]:
         unlink_segment(name)
 
 
+@pytest.mark.linux("finds the other segment by listing shared memory (/dev/shm); macOS cannot")
 def test_handler_on_another_path_warns_once_and_availability_shows_each_config_path(
     two_paths: tuple[Path, Path, list[str]],
 ) -> None:

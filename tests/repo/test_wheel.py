@@ -33,7 +33,11 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
 COMPILERS = ("cc", "gcc", "c++", "g++", "clang", "x86_64-linux-gnu-gcc", "aarch64-linux-gnu-gcc")
 
-pytestmark = [pytest.mark.xdist_group("wheel"), pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.xdist_group("wheel"),
+    pytest.mark.timeout(300),
+    pytest.mark.linux("make wheel repairs the wheel to a manylinux tag (auditwheel, patchelf)"),
+]
 
 
 def limited_api_switch() -> bool:

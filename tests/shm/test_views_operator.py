@@ -163,6 +163,7 @@ def test_json_mode_reports_errors_as_json_with_the_same_exit_code(segment_name: 
     assert plain.returncode == 3 and plain.stdout == "" and plain.stderr.count("\n") == 1
 
 
+@pytest.mark.linux("chmods the segment's file in /dev/shm; macOS cannot change a shm mode")
 def test_unlink_force_on_a_world_accessible_segment_says_one_true_thing(
     segment_name: str,
 ) -> None:

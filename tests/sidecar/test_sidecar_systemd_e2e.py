@@ -160,6 +160,7 @@ def test_r_g3_await_legacy_pidfile_that_appears_within_the_grace_is_awaited(
 NOBODY = 65534
 
 
+@pytest.mark.linux("mounts a /proc with hidepid in a mount namespace (unshare, setpriv)")
 @pytest.mark.parametrize("dropped", ["sys_ptrace,kill", "sys_ptrace"])
 def test_r_g3_a_legacy_pid_that_proc_hides_is_awaited_not_taken_for_exited(
     dropped: str,

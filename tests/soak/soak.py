@@ -90,13 +90,14 @@ OBSERVE_S = 0.05
 
 
 def _pid_dead(pid: int) -> bool:
-    """Gone or a zombie: its sockets are closed and its slots may be reclaimed."""
+    """Gone or a zombie: its sockets are closed and its slots may be reclaimed (psutil:
+    the same answer on Linux and macOS)."""
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
+        return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
         return True
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
 
 
 # --- the limit in force, over time ---------------------------------------------------------

@@ -37,7 +37,11 @@ from nspawn_box import REPO, Box, BoxError, build_root, repo_files
 
 from capacity_router import SimWorker
 
-pytestmark = [pytest.mark.xdist_group("nspawn"), pytest.mark.timeout(900)]
+pytestmark = [
+    pytest.mark.xdist_group("nspawn"),
+    pytest.mark.timeout(900),
+    pytest.mark.linux("systemd-nspawn boots a Debian container under systemd"),
+]
 
 NAME = "demo"
 UNIT = f"gateway-capacity-sidecar@{NAME}.service"

@@ -42,7 +42,9 @@ class Listener:
                 return out
 
 
-@pytest.fixture(params=["path", "abstract"])
+@pytest.fixture(
+    params=["path", pytest.param("abstract", marks=pytest.mark.linux("abstract socket names"))]
+)
 def listener(request: pytest.FixtureRequest) -> Iterator[Listener]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     # sun_path holds 108 bytes: pytest's tmp_path can be longer, so a short dir.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -194,13 +193,14 @@ def test_r_w3_secret_repr_hides_the_key():
 
 
 def _argv_of_process_tree(pid: int) -> list[bytes]:
-    """Raw /proc/PID/cmdline of the process and every descendant."""
+    """The argv of the process and every descendant, as the kernel shows it (psutil: /proc
+    on Linux, sysctl on macOS), NUL-joined like /proc/PID/cmdline."""
     pids = [pid] + [child.pid for child in psutil.Process(pid).children(recursive=True)]
     found = []
     for each in pids:
         try:
-            found.append(Path(f"/proc/{each}/cmdline").read_bytes())
-        except FileNotFoundError:
+            found.append(b"\0".join(a.encode() for a in psutil.Process(each).cmdline()))
+        except psutil.NoSuchProcess:
             continue
     return found
 
