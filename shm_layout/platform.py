@@ -286,6 +286,24 @@ def proc_start_ticks(pid: int) -> float | None:
     return float(int(tail[19]))
 
 
+def tcp_socket_tables() -> list[str] | None:
+    """Linux: the text of ``/proc/net/tcp`` and ``/proc/net/tcp6`` (the kernel's table of
+    TCP sockets, with each one's owner); None where there is no such thing (macOS, or a
+    /proc that cannot be read): a listener's owner cannot be checked there."""
+    if not has_proc():
+        return None
+    texts = []
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(proc_path("net", name), encoding="ascii", errors="replace") as f:
+                texts.append(f.read())
+        except FileNotFoundError:
+            continue  # tcp6 is absent on a kernel without IPv6
+        except OSError:
+            return None
+    return texts or None
+
+
 _CAP_SYS_PTRACE = 19
 
 

@@ -14,10 +14,10 @@ is the kernel's business, so a foreign candidate refuses. Another user cannot
 join the owner's listener (``SO_REUSEPORT`` groups need the same uid), so a
 checked listener cannot be shared with a squatter while it lives.
 
-Linux answers from ``/proc/net/tcp`` and ``/proc/net/tcp6`` (the ``uid``
-column of sockets in state LISTEN, ``0A``). :data:`table_reader` is the one
-platform-dependent call: elsewhere (macOS has no ``/proc``) it returns
-``None`` and the owner cannot be checked, which refuses a provider that asked
+Linux answers from the kernel's TCP socket tables (the ``uid`` column of
+sockets in state LISTEN, ``0A``), read by ``platform.tcp_socket_tables``; a
+test may swap :data:`table_reader`. Elsewhere (macOS has no ``/proc``) there is
+no table and the owner cannot be checked, which refuses a provider that asked
 for the check (fail closed) and is said once for one that did not.
 """
 
@@ -33,9 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from shm_layout import platform
+
 LISTEN_STATE: Final = "0A"
 TABLE_TTL_S: Final = 0.2  # providers probed in one cycle share one reading
-PROC_TABLES: Final = ("/proc/net/tcp", "/proc/net/tcp6")
 
 # (local address as text, port) -> uids of the sockets listening there
 ListenTable = dict[tuple[str, int], frozenset[int]]
@@ -68,32 +69,20 @@ def parse_proc_net_tcp(text: str) -> ListenTable:
 
 
 def read_proc_tables() -> ListenTable | None:
-    """Linux: every listening TCP socket and its owner; ``None`` where /proc has no such
-    files (macOS, or a /proc that is not there)."""
+    """Every listening TCP socket and its owner; ``None`` where the platform has no such
+    table (macOS, or a /proc that cannot be read)."""
+    texts = platform.tcp_socket_tables()
+    if texts is None:
+        return None
     table: ListenTable = {}
-    seen = False
-    for path in PROC_TABLES:
-        try:
-            with open(path, encoding="ascii", errors="replace") as f:
-                text = f.read()
-        except FileNotFoundError:
-            continue  # tcp6 is absent on a kernel without IPv6
-        except OSError:
-            return None
-        seen = True
+    for text in texts:
         for key, uids in parse_proc_net_tcp(text).items():
             table[key] = table.get(key, frozenset()) | uids
-    return table if seen else None
+    return table
 
 
-def _platform_reader() -> Callable[[], ListenTable | None]:
-    if sys.platform.startswith("linux"):
-        return read_proc_tables
-    return lambda: None  # macOS and others: no /proc/net/tcp, not checkable
-
-
-# The platform's way of listing listeners; a platform layer (or a test) may swap it.
-table_reader: Callable[[], ListenTable | None] = _platform_reader()
+# The way of listing listeners; a test may swap it.
+table_reader: Callable[[], ListenTable | None] = read_proc_tables
 
 _cached: tuple[float, ListenTable | None] | None = None
 
