@@ -394,6 +394,7 @@ static PyTypeObject *TicketType;
 static PyTypeObject *DoneType;
 static PyObject *DONE;          /* an awaitable that is already done (fast __aenter__) */
 static PyObject *CoreError;     /* also a GatewayCapacityError (R-A16) */
+static unsigned long main_thread; /* where Python runs signal handlers */
 static PyObject *DamagedLock;
 
 /* typed access ------------------------------------------------------------------------ */
@@ -1905,6 +1906,7 @@ static PyObject *Core_wait(Core *c, PyObject *args)
     uint32_t *word = (uint32_t *)AT(c, hb + c->o[K_STATE]);
     int result = 0;
     uint32_t reclaimed = 0;
+    int on_main = PyThread_get_thread_ident() == main_thread;
     for (;;) {
         int interrupted = 0;
         BUSY_ADD(c, 1);
@@ -1941,6 +1943,12 @@ static PyObject *Core_wait(Core *c, PyObject *args)
             to_timespec(nap, &rel);
             long r = futex_op(word, FUTEX_WAIT, WAITING, &rel);
             if (r != 0 && errno == EINTR) {
+                interrupted = 1;
+                break;
+            }
+            if (on_main && r != 0 && errno == ETIMEDOUT) {
+                /* a signal taken by another thread does not interrupt this wait: the
+                 * main thread looks for pending handlers between naps (<= 0.5 s) */
                 interrupted = 1;
                 break;
             }
@@ -3029,6 +3037,18 @@ static int add_int(PyObject *m, const char *name, long v)
 
 PyMODINIT_FUNC PyInit__core(void)
 {
+    main_thread = PyThread_get_thread_ident(); /* the importer's, unless threading says */
+    PyObject *threading = PyImport_ImportModule("threading");
+    if (threading) {
+        PyObject *main = PyObject_CallMethod(threading, "main_thread", NULL);
+        PyObject *ident = main ? PyObject_GetAttrString(main, "ident") : NULL;
+        if (ident && PyLong_Check(ident))
+            main_thread = PyLong_AsUnsignedLong(ident);
+        Py_XDECREF(ident);
+        Py_XDECREF(main);
+        Py_DECREF(threading);
+    }
+    PyErr_Clear();
     PyObject *errors = PyImport_ImportModule("shm_layout.errors");
     if (!errors)
         return NULL;

@@ -135,6 +135,14 @@ def interruptible(adm: Admission, provider: str, stop_file: str) -> int:
     The handlers nest three deep so that an interrupt landing between them (at a loop's
     back edge, where Python looks for signals) is caught one level up: the point is
     what happens inside the slot calls, not in this loop."""
+    import signal
+
+    # SIGINT as a fresh interpreter has it, whatever this process inherited: a blocked
+    # mask or an ignored disposition survives fork and exec (a thread of the test
+    # process that blocks SIGINT, say), and would make the storm land nowhere
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    emit("sigint", mask_blocked=signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
     counts = {"interrupts": 0, "slots": 0}
 
     def serve() -> None:
@@ -161,8 +169,6 @@ def interruptible(adm: Admission, provider: str, stop_file: str) -> int:
             level(2)
         except KeyboardInterrupt:
             counts["interrupts"] += 1
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     emit("quiet", **counts)
     for _ in sys.stdin:

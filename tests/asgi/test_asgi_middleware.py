@@ -274,12 +274,19 @@ def test_gunicorn_worker_that_cannot_attach_halts_the_master_with_boot_error_3(
     """Issue 18 s.5 item 1: not 18 restarts in 12 s, but gunicorn's worker boot error (3),
     on which the master stops, with the reason in one line."""
     missing = tmp_path / "no-such-gateway.json"
-    server = start_server("gunicorn", workers=2, config=missing, wait_attached=False)
+    server = start_server("gunicorn", workers=1, config=missing, wait_attached=False)
     code = server.proc.wait(timeout=60)
     out = server.output()
     assert code == 3, out
     reasons = [line for line in out.splitlines() if "cannot attach admission" in line]
     assert reasons and all(str(missing) in line for line in reasons), out
+    # With several workers the master halts too, booting each once and never again; its
+    # exit status is then 3, or 1 when a second worker's boot error lands while the
+    # master is already halting (gunicorn 23 raises HaltServer again inside halt())
+    server = start_server("gunicorn", workers=2, config=missing, wait_attached=False)
+    code = server.proc.wait(timeout=60)
+    out = server.output()
+    assert code in (1, 3), out
     assert out.count("Booting worker") <= 2, out  # booted once each, never restarted
 
 
