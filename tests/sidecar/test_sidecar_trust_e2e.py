@@ -9,12 +9,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from capacity_server import CapacityServer
-from sidecar_e2e import EXE, Entry, StartSidecar, clean_env, wait_provider
+from sidecar_e2e import EXE, Rig, clean_env, run_sidecar
 
 from sidecar.daemon import StartupError, metrics_exposure, parse_legacy
 
@@ -24,18 +23,9 @@ from as_nobody import NOBODY, as_nobody, public_dir
 __all__ = ["public_dir"]  # a fixture
 
 
-@pytest.fixture
-def legacy() -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(["sleep", "60"])
-    yield proc
-    proc.kill()
-    proc.wait()
-
-
 def start_refused(config: Path, segment: str, *extra: str) -> list[str]:
     """Start a sidecar that must refuse to start: its ERROR lines (exit 2 checked)."""
-    argv = [EXE, "sidecar", "--config", str(config), "--segment", segment, *extra]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=clean_env())
+    out = run_sidecar(config, segment, *extra)
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
     return [line for line in out.stderr.splitlines() if " ERROR " in line]
@@ -132,19 +122,11 @@ def test_r_g3_await_legacy_may_not_name_the_sidecar_itself() -> None:
 
 
 def test_r_g3_a_drain_longer_than_await_legacy_max_warns_once_and_fails_the_check(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Entry,
-    start_sidecar: StartSidecar,
-    legacy: subprocess.Popen[bytes],
+    rig: Rig, legacy: subprocess.Popen[bytes]
 ) -> None:
-    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
-    sidecar = start_sidecar(
-        config, segment_name, "--await-legacy", str(legacy.pid), "--await-legacy-max", "1"
-    )
-    wait_provider(segment_name, "p1", lambda p: p["source"] == "legacy_drain")
-    argv = [EXE, "availability", "--segment", segment_name, "--check"]
+    sidecar = rig.start(rig.config(), "--await-legacy", str(legacy.pid), "--await-legacy-max", "1")
+    rig.wait("p1", lambda p: p["source"] == "legacy_drain")
+    argv = [EXE, "availability", "--segment", rig.segment, "--check"]
 
     def check() -> subprocess.CompletedProcess[str]:
         return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=clean_env())
@@ -160,7 +142,7 @@ def test_r_g3_a_drain_longer_than_await_legacy_max_warns_once_and_fails_the_chec
     assert len(warnings) == 1 and " WARNING " in warnings[0], sidecar.log_text()
     legacy.kill()
     legacy.wait()
-    wait_provider(segment_name, "p1", lambda p: p["source"] == "discovered")
+    rig.wait("p1", lambda p: p["source"] == "discovered")
     assert "legacy drain" not in check().stdout
 
 
