@@ -37,6 +37,9 @@ from nspawn_box import REPO, Box, BoxError, build_root, repo_files
 
 from capacity_router import SimWorker
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
+from router_support import serve_args, worker, write_registry
+
 pytestmark = [
     pytest.mark.xdist_group("nspawn"),
     pytest.mark.timeout(900),
@@ -69,35 +72,10 @@ class Provider:
         key_file.write_text(self.key + "\n")
         key_file.chmod(0o600)
         registry = directory / "workers.json"
-        registry.write_text(
-            json.dumps(
-                {
-                    "workers": [
-                        {
-                            "id": "w1",
-                            "urls": [self.worker.url],
-                            "models": ["workhorse"],
-                            "slots": {"source": "props"},
-                        },
-                    ]
-                }
-            )
-        )
+        write_registry(registry, [worker("w1", [self.worker.url], ["workhorse"])])
         exe = str(Path(sys.executable).with_name("gateway-capacity"))
         self.proc = subprocess.Popen(
-            [
-                exe,
-                "router",
-                "serve",
-                "--workers",
-                str(registry),
-                "--key-file",
-                str(key_file),
-                "--listen",
-                "127.0.0.1:0",
-                "--poll",
-                "0.5",
-            ],
+            [exe, "router", *serve_args(registry, key_file), "--poll", "0.5"],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
