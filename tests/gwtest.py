@@ -12,8 +12,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from handler_shim import Admission
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT = ROOT / "tests" / "agent.py"
@@ -99,6 +103,34 @@ class Agent:
             except (BrokenPipeError, OSError):
                 pass
         return self.proc.wait(timeout=timeout)
+
+
+@dataclass
+class P1Segment:
+    """A fresh segment and the config its handlers attach with: one provider, p1, with a
+    static limit (what most admission tests stand on). Start handler processes on it
+    with :meth:`handler`, attach this process with :meth:`attach`."""
+
+    name: str
+    config: Path
+    agents: Callable[..., Agent]
+
+    def handler(self, *args: str) -> Agent:
+        """A handler process (tests/agent.py) of this segment: ``handler("hold")``."""
+        return self.agents("--segment", self.name, "--config", str(self.config), *args)
+
+    def locker(self, how: str = "lock") -> Agent:
+        """A handler process inside the segment lock, never to leave it (``scribble``: it
+        wrote counters that are wrong first)."""
+        agent = self.handler(how)
+        agent.expect("locked")
+        return agent
+
+    def attach(self, generation: str) -> Admission:
+        """This process attached to the segment as ``generation`` (the test closes it)."""
+        from handler_shim import Admission
+
+        return Admission.attach(config=self.config, segment=self.name, generation=generation)
 
 
 def run_cli(

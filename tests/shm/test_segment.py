@@ -16,7 +16,7 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
-from gwtest import ROOT, Agent, run_cli
+from gwtest import ROOT, Agent, P1Segment, run_cli
 
 from shm_layout import layout, names
 from shm_layout.layout import HEADER
@@ -264,11 +264,10 @@ def test_readers_report_a_torn_picture_instead_of_hanging(segment_name: str) -> 
     assert json.loads(out.stdout)["consistent"] is False
 
 
-def test_unlink_segment_removes_every_semaphore(
-    segment_name: str, agents: Callable[..., Agent], write_config: Callable[..., Path]
-) -> None:
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
-    holder = agents("--segment", segment_name, "--config", str(cfg), "--gen", "x", "hold")
+def test_unlink_segment_removes_every_semaphore(p1_segment: Callable[..., P1Segment]) -> None:
+    seg = p1_segment(2)
+    segment_name = seg.name
+    holder = seg.handler("--gen", "x", "hold")
     holder.expect("admitted")
     bells = [m for m in _member_bells(segment_name)]
     assert bells and all(_doorbell_exists(b) for b in bells)
@@ -301,15 +300,11 @@ def _doorbell_exists(bell: int) -> bool:
     return True
 
 
-def test_watch_refreshes_the_availability_view(
-    segment_name: str, write_config: Callable[..., Path]
-) -> None:
-    from handler_shim import Admission
-
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
-    adm = Admission.attach(config=cfg, segment=segment_name, generation="watched")
+def test_watch_refreshes_the_availability_view(p1_segment: Callable[..., P1Segment]) -> None:
+    seg = p1_segment(2)
+    adm = seg.attach("watched")
     try:
-        out = run_cli("watch", "--segment", segment_name, "--count", "2", "--interval", "0.1")
+        out = run_cli("watch", "--segment", seg.name, "--count", "2", "--interval", "0.1")
         assert out.returncode == 0, out.stderr
         assert out.stdout.count("p1 [static]  limit 2 (provider)") == 2
         assert "watched (1 process)" in out.stdout
