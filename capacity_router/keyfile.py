@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
 
 from sidecar.contract import bearer_key
+
+from .filestamp import FileStamp
 
 MAX_KEY_BYTES = 4096
 
@@ -53,15 +54,6 @@ def read_key_file(path: str | os.PathLike[str]) -> bytes:
         raise KeyFileError(f"key file {path} {exc}") from None
 
 
-@dataclass(frozen=True, slots=True)
-class _Stamp:
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-
 class KeyFile:
     """The current key, re-read when the file changes (rotation without restart).
 
@@ -78,12 +70,11 @@ class KeyFile:
     def __repr__(self) -> str:
         return f"KeyFile({self.path!r})"
 
-    def _stat(self) -> _Stamp | None:
+    def _stat(self) -> FileStamp | None:
         try:
-            st = os.stat(self.path)
+            return FileStamp.of(os.stat(self.path))
         except OSError:
             return None
-        return _Stamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     @property
     def key(self) -> bytes:

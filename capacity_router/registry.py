@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import msgspec
 
 from sidecar.contract import MAX_MODELS, MAX_SLOTS
+
+from .filestamp import FileStamp
 
 MAX_REGISTRY_BYTES = 1 << 20
 MAX_URLS_PER_WORKER = 16
@@ -151,19 +152,6 @@ def endpoint(url: str, name: str) -> str:
     return f"{url.rstrip('/')}/{name}"
 
 
-@dataclass(frozen=True, slots=True)
-class _Stamp:
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-
-def _stamp(st: os.stat_result) -> _Stamp:
-    return _Stamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 class RegistryWatcher:
     """Holds the last good registry and re-reads the file when it changes.
 
@@ -172,7 +160,7 @@ class RegistryWatcher:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self._stamp: _Stamp | None = None
+        self._stamp: FileStamp | None = None
         self.current: RegistryFile = self._load_initial()
         self.last_error: str | None = None
 
@@ -181,7 +169,7 @@ class RegistryWatcher:
         self._stamp = stamp
         return registry
 
-    def _read(self) -> tuple[_Stamp | None, RegistryFile]:
+    def _read(self) -> tuple[FileStamp | None, RegistryFile]:
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
@@ -206,7 +194,7 @@ class RegistryWatcher:
         registry = parse_registry(b"".join(chunks))
         # A file rewritten while we read it: use what we read, but do not
         # remember its stamp, so the finished version is read next time.
-        stamp = _stamp(after) if _stamp(before) == _stamp(after) else None
+        stamp = FileStamp.of(after) if FileStamp.of(before) == FileStamp.of(after) else None
         return stamp, registry
 
     def refresh(self) -> bool:
@@ -216,7 +204,7 @@ class RegistryWatcher:
         :attr:`last_error` until a good version is read.
         """
         try:
-            stamp = _stamp(os.stat(self.path))
+            stamp = FileStamp.of(os.stat(self.path))
         except OSError as exc:
             self.last_error = f"cannot stat registry {self.path}: {exc.strerror}"
             return False
