@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gwtest, under importlib mode
 
-from gwtest import LOCK_FILE_ENV, NO_TIMEOUT_ENV, Agent, P1Segment
+from gwtest import LOCK_FILE_ENV, NO_TIMEOUT_ENV, Agent, P1Segment, stopped_at_exit
 
 
 @pytest.fixture
@@ -128,16 +128,9 @@ def sem_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.fixture
 def agents() -> Iterator[Callable[..., Agent]]:
-    started: list[Agent] = []
-
-    def start(*args: str, env: dict[str, str] | None = None) -> Agent:
-        agent = Agent(list(args), env=env)
-        started.append(agent)
-        return agent
-
-    yield start
-    for agent in started:
-        agent.kill()
+    """Start tests/agent.py processes; every one is killed afterwards."""
+    with stopped_at_exit(Agent.kill) as keep:
+        yield lambda *args, env=None: keep(Agent(list(args), env=env))
 
 
 # Modules whose tests share one expensive module-scoped fixture (a booted

@@ -11,10 +11,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from handler_shim import Admission
@@ -150,11 +151,57 @@ def availability(segment: str) -> dict[str, Any]:
     return doc
 
 
-def provider_doc(segment: str, provider: str = "p1") -> dict[str, Any]:
-    for p in availability(segment)["providers"]:
+def provider_of(doc: dict[str, Any], provider: str) -> dict[str, Any]:
+    """The provider's entry of an ``availability --json`` document (it must be there)."""
+    for p in doc["providers"]:
         if p["id"] == provider:
             return dict(p)
     raise AssertionError(f"no provider {provider}")
+
+
+def provider_doc(segment: str, provider: str = "p1") -> dict[str, Any]:
+    return provider_of(availability(segment), provider)
+
+
+def run_together(script: str, count: int, *args: str, timeout: float = 60) -> list[Any]:
+    """``count`` Python processes started at once on ``script`` with ``args``: each must
+    exit 0 having printed one JSON document; the documents, in the order started."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(count)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err
+        results.append(json.loads(out))
+    return results
+
+
+Thing = TypeVar("Thing")
+
+
+@contextmanager
+def stopped_at_exit(stop: Callable[[Thing], object]) -> Iterator[Callable[[Thing], Thing]]:
+    """For a fixture that starts things on demand (servers, processes): ``keep(thing)``
+    returns ``thing``, and ``stop(thing)`` is called for each one kept, in the order
+    kept, when the block ends (the fixture's teardown)."""
+    started: list[Thing] = []
+
+    def keep(thing: Thing) -> Thing:
+        started.append(thing)
+        return thing
+
+    try:
+        yield keep
+    finally:
+        for thing in started:
+            stop(thing)
 
 
 class _NotMet(AssertionError):

@@ -26,6 +26,14 @@ def _segment(p1_segment: MakeP1Segment, limit: int) -> P1Segment:
     return p1_segment(limit, maxConcurrent=99)
 
 
+def _only_slot_held(p1_segment: MakeP1Segment) -> tuple[P1Segment, Agent]:
+    """A segment where p1's limit is 1, and a handler process holding that one slot."""
+    seg = _segment(p1_segment, 1)
+    holder = seg.handler("hold")
+    holder.expect("admitted")
+    return seg, holder
+
+
 def test_r_a1_two_generations_never_exceed_the_limit(
     sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
@@ -74,10 +82,8 @@ def test_r_a1_two_generations_never_exceed_the_limit(
 def test_r_a2_thirty_two_wait_and_the_thirty_third_is_rejected_at_once(
     sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
-    seg = _segment(p1_segment, 1)
+    seg, holder = _only_slot_held(p1_segment)
     segment_name = seg.name
-    holder = seg.handler("hold")
-    holder.expect("admitted")
     waiters = [seg.handler("--gen", f"g{i % 2}", "hold", "--threads", "8") for i in range(4)]
     assert wait_until(lambda: provider_doc(segment_name)["waiting"] == 32, timeout=20)
     extra = seg.handler("hold", "--timeout", "30")
@@ -98,9 +104,7 @@ def test_r_a2_thirty_two_wait_and_the_thirty_third_is_rejected_at_once(
 def test_r_a3_waiters_are_admitted_in_arrival_order_across_processes(
     sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
-    seg = _segment(p1_segment, 1)
-    holder = seg.handler("hold")
-    holder.expect("admitted")
+    seg, holder = _only_slot_held(p1_segment)
     arrivals = []
     for i in range(6):
         a = seg.handler("--gen", f"gen-{i % 3}", "hold", "--timeout", "60")
@@ -119,9 +123,7 @@ def test_r_a3_waiters_are_admitted_in_arrival_order_across_processes(
 def test_r_a5_sigkill_of_a_running_holder_lets_a_waiter_in_within_2s(
     sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
-    seg = _segment(p1_segment, 1)
-    holder = seg.handler("hold")
-    holder.expect("admitted")
+    seg, holder = _only_slot_held(p1_segment)
     waiter = seg.handler("hold", "--timeout", "30")
     waiter.expect("started")
     assert wait_until(lambda: provider_doc(seg.name)["waiting"] == 1)
@@ -136,10 +138,8 @@ def test_r_a5_sigkill_of_a_running_holder_lets_a_waiter_in_within_2s(
 def test_r_a5_a_killed_waiter_leaves_the_queue_within_2s_and_is_never_counted(
     sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
-    seg = _segment(p1_segment, 1)
+    seg, holder = _only_slot_held(p1_segment)
     segment_name = seg.name
-    holder = seg.handler("hold")
-    holder.expect("admitted")
     doomed = seg.handler("hold", "--threads", "3")
     doomed.expect("started")
     assert wait_until(lambda: provider_doc(segment_name)["waiting"] == 3)

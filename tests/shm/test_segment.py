@@ -8,15 +8,13 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import posix_ipc
 import pytest
-from gwtest import ROOT, Agent, P1Segment, run_cli
+from gwtest import ROOT, Agent, P1Segment, run_cli, run_together
 
 from shm_layout import layout, names
 from shm_layout.layout import HEADER
@@ -49,21 +47,7 @@ def test_r_g2_create_attach_race_between_many_processes_has_one_creator(
     segment_name: str,
 ) -> None:
     go = time.time() + 1.5
-    script = RACE_SCRIPT.format(root=str(ROOT))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, segment_name, str(go)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(12)
-    ]
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=60)
-        assert p.returncode == 0, err
-        results.append(json.loads(out))
+    results = run_together(RACE_SCRIPT.format(root=str(ROOT)), 12, segment_name, str(go))
     creators = [r for r in results if r["created"]]
     assert len(creators) == 1
     assert all(r["init"] == layout.INIT_MARK for r in results)
@@ -337,22 +321,8 @@ def test_r_g2_processes_that_find_an_abandoned_segment_together_end_on_one(
     shm = posix_ipc.SharedMemory(segment_name, posix_ipc.O_CREX, 0o600, layout.TOTAL_SIZE)
     shm.close_fd()  # a creator that died before its init mark
     go = time.time() + 1.0
-    script = ABANDONED_RACE.format(root=str(ROOT))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, segment_name, str(go)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(6)
-    ]
-    seen = set()
-    for p in procs:
-        out, err = p.communicate(timeout=60)
-        assert p.returncode == 0, err
-        doc = json.loads(out)
-        seen.add((doc["creator"], doc["created_at"]))
+    docs = run_together(ABANDONED_RACE.format(root=str(ROOT)), 6, segment_name, str(go))
+    seen = {(doc["creator"], doc["created_at"]) for doc in docs}
     assert len(seen) == 1  # every process is on the same, initialised segment
 
 

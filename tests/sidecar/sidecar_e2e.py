@@ -10,6 +10,7 @@ use :func:`provider_now`, which builds the very same document in-process
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from typing import Any
 
 import pytest
 from capacity_server import CapacityServer
-from gwtest import Agent
+from gwtest import Agent, stopped_at_exit
 
 EXE = str(Path(sys.executable).with_name("gateway-capacity"))
 
@@ -196,17 +197,14 @@ STATIC = {"id": "static", "maxConcurrent": 3}  # a provider beside p1 that never
 @pytest.fixture
 def servers(key: str) -> Iterator[Callable[..., CapacityServer]]:
     """Start contract servers on 127.0.0.1:0 (stopped afterwards); keyword args go to ``set``."""
-    started: list[CapacityServer] = []
+    with stopped_at_exit(CapacityServer.stop) as keep:
 
-    def start(server_key: str | None = None, **settings: Any) -> CapacityServer:
-        server = CapacityServer(server_key or key).start()
-        server.set(**settings)
-        started.append(server)
-        return server
+        def start(server_key: str | None = None, **settings: Any) -> CapacityServer:
+            server = keep(CapacityServer(server_key or key).start())
+            server.set(**settings)
+            return server
 
-    yield start
-    for server in started:
-        server.stop()
+        yield start
 
 
 @pytest.fixture
@@ -240,17 +238,14 @@ def entry(key_file: Path) -> Entry:
 @pytest.fixture
 def start_sidecar(tmp_path: Path) -> Iterator[StartSidecar]:
     """Start ``gateway-capacity sidecar`` processes; every one is killed afterwards."""
-    started: list[SidecarProc] = []
+    numbers = itertools.count()
+    with stopped_at_exit(SidecarProc.kill) as keep:
 
-    def start(config: Path, segment: str, *extra: str, **kwargs: Any) -> SidecarProc:
-        log_path = tmp_path / f"sidecar-{len(started)}.log"
-        proc = SidecarProc(config, segment, log_path, *extra, **kwargs)
-        started.append(proc)
-        return proc
+        def start(config: Path, segment: str, *extra: str, **kwargs: Any) -> SidecarProc:
+            log_path = tmp_path / f"sidecar-{next(numbers)}.log"
+            return keep(SidecarProc(config, segment, log_path, *extra, **kwargs))
 
-    yield start
-    for proc in started:
-        proc.kill()
+        yield start
 
 
 @pytest.fixture
