@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # systemd unit's ExecStart= expects it (docs/systemd.md).
 PREFIX ?= /opt/gateway-capacity
 
-.PHONY: test demo lint bench drill soak clean schemas install wheel completions mac-check
+.PHONY: test demo lint bench drill soak clean schemas install wheel completions mac-check runs
 
 UNAME := $(shell uname -s)
 
@@ -99,6 +99,12 @@ completions: $(STAMP)
 SOAK_SECONDS ?= 240
 soak: $(STAMP)
 	$(PY) tests/soak/soak.py --seconds $(SOAK_SECONDS) --workers 12 --hammers 2
+
+# CI's entry point on fresh clones of HEAD, RUNS in a row, the last beside a CPU hog
+# (about 15 minutes each on 2 cores); logs in /tmp/gateway-capacity-runs.
+RUNS ?= 5
+runs:
+	./scripts/fresh-clone-runs $(RUNS) --hog
 
 bench: $(STAMP)
 	./scripts/ensure-tools --bench

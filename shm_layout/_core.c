@@ -717,8 +717,19 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
     if (waiting == 0)
         return;
     uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
-    int recounted = 0;
-    while (waiting > 0 && running < limit) {
+    int recounted = 0, freed_dead = 0;
+    while (running < limit) {
+        if (waiting == 0) {
+            if (!freed_dead || recounted)
+                break;
+            /* a dead waiter freed may be one the counters never had (a record written
+             * back to life): then a real waiter is left uncounted; the records decide */
+            recounted = 1;
+            recount_provider(c, p);
+            running = ld32(c, b + c->o[P_RUNNING]);
+            waiting = ld32(c, b + c->o[P_WAITING]);
+            continue;
+        }
         int h = head_waiter(c, p);
         if (h < 0) { /* counters drifted: the records are the truth */
             if (recounted)
@@ -734,6 +745,7 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
         if (!holder_alive(c, hb, cache)) {
             st32(c, hb + c->o[K_STATE], FREE);
             inc64(c, b + c->o[P_RECLAIMED]);
+            freed_dead = 1;
             continue;
         }
         std_(c, hb + c->o[K_SINCE], now.wall);

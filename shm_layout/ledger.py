@@ -411,8 +411,17 @@ class Ledger:
         if waiting == 0:
             return rings
         limit = limit_value(buf, p, now)
-        recounted = False
-        while waiting > 0 and running < limit:
+        recounted = freed_dead = False
+        while running < limit:
+            if waiting == 0:
+                if not freed_dead or recounted:
+                    break
+                # a dead waiter freed may be one the counters never had (a record written
+                # back to life): then a real waiter is left uncounted; the records decide
+                recounted = True
+                self.recount_provider(p)
+                running, waiting = self._get("running", base), self._get("waiting", base)
+                continue
             h = self._head_waiter(p)
             if h is None:  # counters drifted: the records are the truth
                 if recounted:
@@ -426,6 +435,7 @@ class Ledger:
             if not self._holder_alive(hb):
                 HOLDER["state"].put(buf, HOLDER_FREE, hb)
                 self._bump("reclaimed_total", base)
+                freed_dead = True
                 continue
             HOLDER["since"].put(buf, now, hb)
             HOLDER["since_mono"].put(buf, now, hb)

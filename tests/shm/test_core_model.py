@@ -5,16 +5,20 @@ A hypothesis state machine drives arrivals, releases, timeouts, cancellations, l
 changes and expiries, reaps and sweeps, holders' deaths at any step, a lock holder's
 death in the middle of a section, new registrations, and the moments of change: a
 close that begins while others arrive and wait (its waiters freed, its arrivals
-refused) and ends with slots still running, and damage (a bad write to a counter, its
-check word, a member's serial, an in_use word, a published deadline), on a real segment through the
+refused) and ends with slots still running, an event loop torn down with waiters, the
+segment removed and made again under its name (arrivals told MOVED, running slots
+finish), and damage (a bad write to a counter, its check word, a member's serial, an
+in_use word, a published deadline, the lock word), on a real segment through the
 compiled core (``shm_layout/_core.c``), and the same steps on a plain bytearray through
 the Python model (``shm_layout/ledger.py``). After every step the admission bytes must
 be equal and the invariants must hold: counters equal the records (after damage: from
 the next step that touches the provider, or the next sweep), waiting never above 32,
 nobody waits while there is room, an admission never raises running above the limit in
 force (after damage: never once a step has looked), no request runs without a live
-record of its own. Runs on both lock kinds. (The wall clock does not exist here: the
-core's deadlines are on one monotonic clock, which never steps.)
+record of its own. Runs on both lock kinds. (A clock step is no step here: the core
+reads no wall clock, its deadlines are on one monotonic clock, which never steps; the
+stepped wall clock is tested on real processes under faketime in
+tests/admission/test_moments_of_change.py.)
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ CODES = {
     _core.FULL: "full",
     _core.WAIT_REFUSED: "wait_refused",
     _core.CLOSED: "closed",
+    _core.MOVED: "moved",
 }
 WAS = {0: "stale", 1: "running", 2: "waiting"}
 
@@ -74,6 +79,7 @@ class Member:
         assert self.index >= 0
         self.alive = True
         self.closing = False
+        self.retired = False  # the name leads to another segment: arrivals go there
 
 
 class CoreAgainstModel(RuleBasedStateMachine):
@@ -89,6 +95,8 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.damaged: set[int] = set()  # providers written over since a step looked at them
         self.revived: set[int] = set()  # providers with a record written back to life
         self.running: list[Any] = []  # tickets whose bodies run: (member, ticket, model)
+        self.issued: list[Any] = []  # every ticket that got a record: (member, ticket, model)
+        self.replacement: Segment | None = None  # what the name leads to after a replace
 
     @initialize()
     def setup(self) -> None:
@@ -111,10 +119,12 @@ class CoreAgainstModel(RuleBasedStateMachine):
                 m.core.unregister(self.now)
                 m.core.close()
         self.seg.close()
+        if self.replacement is not None:
+            self.replacement.close()
         unlink_segment(self.name)
 
     # --- steps --------------------------------------------------------------------
-    @precondition(lambda self: any(m.alive for m in self.members))
+    @precondition(lambda self: any(m.alive and not m.retired for m in self.members))
     @rule(
         target=tickets,
         who=st.integers(0, 5),
@@ -127,7 +137,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         return multiple(*(self._arrive(who + i, provider, may_wait) for i in range(count)))
 
     def _arrive(self, who: int, provider: int, may_wait: bool) -> Any:
-        live = [m for m in self.members if m.alive]
+        live = [m for m in self.members if m.alive and not m.retired]
         m = live[who % len(live)]
         ticket = _core.Ticket()
         code = m.core.arrive(ticket, provider, m.pid, self.now, may_wait, True, -1.0)
@@ -138,6 +148,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         if decision != "closed":
             self.damaged.discard(provider)  # the arrival looked at this provider's counters
         if model_ticket is not None:
+            self.issued.append((m, ticket, model_ticket))
             assert (ticket.provider, ticket.holder, ticket.serial) == (
                 model_ticket.provider,
                 model_ticket.holder,
@@ -250,6 +261,65 @@ class CoreAgainstModel(RuleBasedStateMachine):
         m.core.close()
         self.running = [r for r in self.running if r[0] is not m]
 
+    @rule(who=st.integers(0, 5))
+    def a_loop_is_torn_down(self, who: int) -> None:
+        """An event loop closed with tasks waiting in slot(): the shim frees each orphan's
+        record as cancelled, one after another, even one granted meanwhile (R-A12,
+        R-A14); its running slots go on. Releasing one later is a no-op (stale)."""
+        waiting = [
+            (m, t, mt) for m, t, mt in self.issued if m.alive and m.core.state(t) == HOLDER_WAITING
+        ]
+        if not waiting:
+            return
+        m = waiting[who % len(waiting)][0]  # a process with waiters: its loop goes away
+        for owner, ticket, model_ticket in waiting:
+            if owner is not m:
+                continue
+            self.running = [r for r in self.running if r[1] is not ticket]
+            was = m.core.leave(ticket, _core.CANCELLED, self.now, True)
+            model_was, _ = self.model.leave(model_ticket, m.index, m.serial, "cancelled", self.now)
+            # freeing one orphan may grant the next one: freed all the same
+            assert WAS[was] == model_was and model_was in ("waiting", "running")
+            self.damaged.discard(model_ticket.provider)
+
+    @precondition(lambda self: self.replacement is None and any(m.alive for m in self.members))
+    @rule()
+    def the_name_is_replaced(self) -> None:
+        """The segment removed by hand and made again under its name (R-A15): every
+        registration sees that the name leads elsewhere; an arrival is told MOVED (CLOSED
+        once its close began) and writes nothing here; what runs here finishes here (new
+        processes attach to the new segment, which is not this machine's)."""
+        unlink_segment(self.name)
+        self.replacement = Segment.open(self.name)
+        assert self.replacement.core is not None
+        for m in self.members:
+            if not m.alive:
+                continue
+            assert m.core.still_named() == 0
+            m.core.retire()
+            code = m.core.arrive(_core.Ticket(), 0, m.pid, 0.0, True, True, -1.0)
+            assert code == (_core.CLOSED if m.closing else _core.MOVED) and m.core.moved
+            m.retired = True
+        assert self.replacement.core.still_named() == 1
+
+    @rule(garbage=st.sampled_from([bytes(range(7, 47)), b"\xff" * 40]))
+    def a_bad_write_to_the_lock_word(self, garbage: bytes) -> None:
+        """Garbage in the robust mutex's bytes: refused as DamagedLock before glibc sees
+        it, nothing written (R-A16); the operator's recovery puts the bytes back. The
+        lock-file kind keeps no lock in these bytes: the step goes on as usual."""
+        buf = self.seg.buf
+        span = slice(layout.MUTEX_OFFSET, layout.MUTEX_OFFSET + len(garbage))
+        before = bytes(buf[span])
+        buf[span] = garbage
+        try:
+            if self.seg.lock_kind == layout.LOCK_ROBUST:
+                with pytest.raises(_core.DamagedLock):
+                    self.seg.core.sweep(self.now)
+            else:
+                self.sweep()
+        finally:
+            buf[span] = before
+
     def _ours_running(self, hb: int, m: Member) -> bool:
         buf = self.model_buf
         return bool(
@@ -324,18 +394,21 @@ class CoreAgainstModel(RuleBasedStateMachine):
             self.revived.clear()
 
     def _no_phantoms_left(self) -> bool:
-        """Every live record is one a live registration holds (or a dead one's)."""
-        held = {(p, h) for r in self._live_tickets() for (p, h) in [r]}
+        """Every live record is one a live registration holds, with that record's serial
+        (a record naming a dead process, or written over, waits for the sweep)."""
+        held = {
+            (p, h, serial)
+            for m in self.members
+            if m.alive
+            for (p, h), serial in self.model.owned.get((m.index, m.serial), {}).items()
+        }
         for p in range(len(PROVIDERS)):
             for h in range(layout.HOLDERS_PER_PROVIDER):
                 hb = ledger.holder_base(p, h)
                 live = HOLDER["state"].get(self.model_buf, hb) in (HOLDER_RUNNING, HOLDER_WAITING)
-                if live and (p, h) not in held:
+                if live and (p, h, HOLDER["serial"].get(self.model_buf, hb)) not in held:
                     return False
         return True
-
-    def _live_tickets(self) -> list[tuple[int, int]]:
-        return [key for owned in self.model.owned.values() for key in owned]
 
     @rule(provider=st.sampled_from(range(len(PROVIDERS))), limit=st.integers(0, 5))
     def a_deadline_too_far_ahead(self, provider: int, limit: int) -> None:
@@ -362,7 +435,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.seg.core.snapshot()  # the next holder repairs before anything else
         self.model.repair()
 
-    @precondition(lambda self: len(self.members) < 8)
+    @precondition(lambda self: len(self.members) < 8 and self.replacement is None)
     @rule()
     def a_process_registers(self) -> None:
         taken = {m.index for m in self.members if m.alive}
@@ -443,3 +516,49 @@ def test_the_core_does_what_the_model_does(kind: str, monkeypatch: pytest.Monkey
             suppress_health_check=[HealthCheck.too_slow],
         ),
     )
+
+
+@pytest.mark.parametrize("kind", ["robust-mutex", "lock-file"])
+def test_a_phantom_waiter_freed_by_a_grant_never_strands_a_real_one(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the machine above (R-A16): a free record naming a process that is gone,
+    written back to life as WAITING, sits at the head of the queue, uncounted. When a
+    slot frees, the grant meets it, frees it as dead and counts one waiter fewer: the
+    counters said nobody waited while a real waiter did, with room, until the next
+    sweep. Now a grant that freed a dead waiter lets the records decide before it stops."""
+    if kind == "lock-file":
+        monkeypatch.setenv(lock.FORCE_LOCK_FILE_ENV, "1")
+    else:
+        monkeypatch.delenv(lock.FORCE_LOCK_FILE_ENV, raising=False)
+    name = "/gwt-p" + secrets.token_hex(5)
+    seg = Segment.open(name)
+    try:
+        writer.ensure_provider(seg, "p0", 1, "provider", False)
+        member = Member(seg, 101, 1000.0)
+        running, waiter = _core.Ticket(), _core.Ticket()
+        assert member.core.arrive(running, 0, 101, 1000.0, True, True, -1.0) == _core.ADMIT
+        assert member.core.arrive(waiter, 0, 101, 1000.0, True, True, -1.0) == _core.WAIT
+        phantom = next(
+            ledger.holder_base(0, h)
+            for h in range(layout.HOLDERS_PER_PROVIDER)
+            if HOLDER["serial"].get(seg.buf, ledger.holder_base(0, h)) == 0
+        )
+        dead = Member(seg, 102, 1000.0)
+        dead.core.abandon()  # a process that is gone; the phantom names it
+        HOLDER["member"].put(seg.buf, dead.index, phantom)
+        HOLDER["member_serial"].put(seg.buf, dead.serial, phantom)
+        HOLDER["state"].put(seg.buf, HOLDER_WAITING, phantom)  # ticket 0: the queue's head
+        assert member.core.leave(running, _core.RELEASED, 1000.0, True) == 1
+        assert member.core.state(waiter) == HOLDER_RUNNING  # not left waiting with room
+        base = ledger.provider_base(0)
+        assert (PROVIDER["running"].get(seg.buf, base), PROVIDER["waiting"].get(seg.buf, base)) == (
+            1,
+            0,
+        )
+        assert HOLDER["state"].get(seg.buf, phantom) == HOLDER_FREE
+        member.core.unregister(1000.0)
+        member.core.close()
+    finally:
+        seg.close()
+        unlink_segment(name)
