@@ -208,14 +208,19 @@ class _NotMet(AssertionError):
     """A wait ran out of time (and not an assertion inside the predicate)."""
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, every: float = 0.02) -> Any:
-    """Poll until ``predicate()`` is truthy and return it; fail the test after ``timeout``."""
+def wait_for(
+    predicate: Callable[[], Any], timeout: float = 10.0, every: float = 0.02, what: str = ""
+) -> Any:
+    """Poll until ``predicate()`` is truthy and return it; fail the test after ``timeout``
+    (naming ``what`` when given)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
+            if what:
+                raise _NotMet(f"{what}: not within {timeout:g}s")
             raise _NotMet(f"condition not met within {timeout} s")
         time.sleep(every)
 

@@ -101,3 +101,9 @@ def start_server(tmp_path: Path, segment_name: str, asgi_config: Path) -> Iterat
         except subprocess.TimeoutExpired:
             server.proc.kill()
             server.proc.wait()
+
+
+@pytest.fixture
+def uvicorn(start_server: StartServer) -> Server:
+    """tests/asgi/asgi_app.py under uvicorn, one worker, p1 at 2, attached (generation gen-A)."""
+    return start_server("uvicorn")

@@ -42,10 +42,8 @@ def wait_counts(server: Server, expect: tuple[int, int], timeout: float = 10) ->
     served.wait_counts(lambda: counts(server), expect, timeout, every=0.1)
 
 
-def test_r_a1_streamed_response_holds_the_slot_until_its_last_byte(
-    start_server: StartServer,
-) -> None:
-    server = start_server("uvicorn")
+def test_r_a1_streamed_response_holds_the_slot_until_its_last_byte(uvicorn: Server) -> None:
+    server = uvicorn
     req = RawRequest(server.port, "/v1/hold?name=a")
     req.read_until(b"admitted")
     assert counts(server) == (1, 0)
@@ -58,9 +56,9 @@ def test_r_a1_streamed_response_holds_the_slot_until_its_last_byte(
 
 
 def test_r_a2_overflow_answers_429_with_retry_after_and_an_openai_error_body(
-    start_server: StartServer,
+    uvicorn: Server,
 ) -> None:
-    server = start_server("uvicorn")
+    server = uvicorn
     running = server.admitted_holds("r", 2)
     queued = [RawRequest(server.port, f"/v1/hold?name=q{i}") for i in range(32)]
     wait_counts(server, (2, 32))
@@ -102,10 +100,8 @@ def test_r_a4_admission_timeout_answers_503_and_leaves_nothing_queued(
     wait_counts(server, (0, 0))
 
 
-def test_r_a4_client_that_goes_away_while_waiting_leaves_the_queue_at_once(
-    start_server: StartServer,
-) -> None:
-    server = start_server("uvicorn")
+def test_r_a4_client_that_goes_away_while_waiting_leaves_the_queue_at_once(uvicorn: Server) -> None:
+    server = uvicorn
     held = server.admitted_holds("h", 2)
     waiter = RawRequest(server.port, "/v1/hold?name=w")
     wait_counts(server, (2, 1))
@@ -124,8 +120,8 @@ def test_r_a4_client_that_goes_away_while_waiting_leaves_the_queue_at_once(
     wait_counts(server, (0, 0))
 
 
-def test_client_gone_mid_stream_releases_the_slot(start_server: StartServer) -> None:
-    server = start_server("uvicorn")
+def test_client_gone_mid_stream_releases_the_slot(uvicorn: Server) -> None:
+    server = uvicorn
     req = RawRequest(server.port, "/v1/hold?name=never")
     req.read_until(b"admitted")
     assert counts(server) == (1, 0)

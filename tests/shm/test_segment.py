@@ -29,25 +29,33 @@ from shm_layout.segment import (
 DEV_SHM = Path("/dev/shm")
 needs_dev_shm = pytest.mark.skipif(not DEV_SHM.is_dir(), reason="Linux /dev/shm only")
 
-RACE_SCRIPT = """
+# A racer: waits until the time in argv[2], opens the segment named argv[1] (as
+# ``seg``), then prints one JSON line (what follows this preamble).
+RACER = f"""
 import json, sys, time
-sys.path.insert(0, {root!r})
+sys.path.insert(0, {str(ROOT)!r})
 from shm_layout.segment import Segment
+from shm_layout.layout import HEADER
 go = float(sys.argv[2])
 while time.time() < go:
     time.sleep(0.0005)
 seg = Segment.open(sys.argv[1])
-from shm_layout.layout import HEADER
-print(json.dumps({{"created": seg.created, "init": HEADER["init_complete"].get(seg.buf),
-                  "creator": HEADER["creator_pid"].get(seg.buf)}}))
 """
+
+RACE_SCRIPT = (
+    RACER
+    + """
+print(json.dumps({"created": seg.created, "init": HEADER["init_complete"].get(seg.buf),
+                  "creator": HEADER["creator_pid"].get(seg.buf)}))
+"""
+)
 
 
 def test_r_g2_create_attach_race_between_many_processes_has_one_creator(
     segment_name: str,
 ) -> None:
     go = time.time() + 1.5
-    results = run_together(RACE_SCRIPT.format(root=str(ROOT)), 12, segment_name, str(go))
+    results = run_together(RACE_SCRIPT, 12, segment_name, str(go))
     creators = [r for r in results if r["created"]]
     assert len(creators) == 1
     assert all(r["init"] == layout.INIT_MARK for r in results)
@@ -297,19 +305,14 @@ def test_watch_refreshes_the_availability_view(p1_segment: Callable[..., P1Segme
     assert run_cli("watch", "--segment", "/gwt-nowhere", "--count", "1").returncode == 3
 
 
-ABANDONED_RACE = """
-import json, sys, time
-sys.path.insert(0, {root!r})
-from shm_layout.segment import Segment
-from shm_layout.layout import HEADER
-go = float(sys.argv[2])
-while time.time() < go:
-    time.sleep(0.0005)
-seg = Segment.open(sys.argv[1])
+ABANDONED_RACE = (
+    RACER
+    + """
 created = HEADER["created_at"].get(seg.buf)
-doc = {{"created_at": created, "creator": HEADER["creator_pid"].get(seg.buf)}}
+doc = {"created_at": created, "creator": HEADER["creator_pid"].get(seg.buf)}
 print(json.dumps(doc))
 """
+)
 
 
 def test_r_g2_processes_that_find_an_abandoned_segment_together_end_on_one(
@@ -321,7 +324,7 @@ def test_r_g2_processes_that_find_an_abandoned_segment_together_end_on_one(
     shm = posix_ipc.SharedMemory(segment_name, posix_ipc.O_CREX, 0o600, layout.TOTAL_SIZE)
     shm.close_fd()  # a creator that died before its init mark
     go = time.time() + 1.0
-    docs = run_together(ABANDONED_RACE.format(root=str(ROOT)), 6, segment_name, str(go))
+    docs = run_together(ABANDONED_RACE, 6, segment_name, str(go))
     seen = {(doc["creator"], doc["created_at"]) for doc in docs}
     assert len(seen) == 1  # every process is on the same, initialised segment
 

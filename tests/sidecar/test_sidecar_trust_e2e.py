@@ -23,19 +23,26 @@ from as_nobody import NOBODY, as_nobody, public_dir
 __all__ = ["public_dir"]  # a fixture
 
 
-def start_refused(config: Path, segment: str, *extra: str) -> list[str]:
-    """Start a sidecar that must refuse to start: its ERROR lines (exit 2 checked)."""
-    out = run_sidecar(config, segment, *extra)
-    assert out.returncode == 2, out.stderr
-    assert "Traceback" not in out.stderr
-    return [line for line in out.stderr.splitlines() if " ERROR " in line]
+Refused = Callable[..., list[str]]
+
+
+@pytest.fixture
+def refused(segment_name: str, write_config: Callable[..., Path]) -> Refused:
+    """``refused(*options)``: a sidecar started with ``options`` on a config of one static
+    provider must refuse to start (exit 2, no traceback); its ERROR lines."""
+    config = write_config({"providers": [{"id": "p"}]})
+
+    def start(*extra: str) -> list[str]:
+        out = run_sidecar(config, segment_name, *extra)
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr
+        return [line for line in out.stderr.splitlines() if " ERROR " in line]
+
+    return start
 
 
 def test_r_g6_a_pidfile_others_can_rewrite_is_refused_before_anything_drains(
-    public_dir: Path,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    legacy: subprocess.Popen[bytes],
+    public_dir: Path, legacy: subprocess.Popen[bytes], refused: Refused
 ) -> None:
     """nobody rewrites a pidfile in a directory everyone may write to `1`: before, every
     opted-in provider stayed at 0 for as long as pid 1 lived; now the start fails."""
@@ -51,18 +58,14 @@ def test_r_g6_a_pidfile_others_can_rewrite_is_refused_before_anything_drains(
             f.write("1\n")
 
     as_nobody(rewrite)
-    config = write_config({"providers": [{"id": "p"}]})
-    (error,) = start_refused(config, segment_name, "--await-legacy", str(pidfile))
+    (error,) = refused("--await-legacy", str(pidfile))
     assert f"--await-legacy {pidfile}: pidfile not trusted: directory {run_dir} is writable" in (
         error
     )
 
 
 def test_r_g6_a_pidfile_owned_by_another_user_is_refused_naming_its_owner(
-    public_dir: Path,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    legacy: subprocess.Popen[bytes],
+    public_dir: Path, legacy: subprocess.Popen[bytes], refused: Refused
 ) -> None:
     sticky = public_dir / "tmp"
     sticky.mkdir()
@@ -76,43 +79,35 @@ def test_r_g6_a_pidfile_owned_by_another_user_is_refused_naming_its_owner(
 
     as_nobody(plant)
     assert pidfile.stat().st_uid == NOBODY
-    config = write_config({"providers": [{"id": "p"}]})
-    (error,) = start_refused(config, segment_name, "--await-legacy", str(pidfile))
+    (error,) = refused("--await-legacy", str(pidfile))
     assert "is owned by uid 65534 (nobody), not root or this user" in error
 
 
-def test_r_g6_a_group_writable_pidfile_is_refused(
-    tmp_path: Path, segment_name: str, write_config: Callable[..., Path]
-) -> None:
+def test_r_g6_a_group_writable_pidfile_is_refused(tmp_path: Path, refused: Refused) -> None:
     pidfile = tmp_path / "legacy.pid"
     pidfile.write_text(f"{os.getpid()}\n")
     pidfile.chmod(0o664)
-    config = write_config({"providers": [{"id": "p"}]})
-    (error,) = start_refused(config, segment_name, "--await-legacy", str(pidfile))
+    (error,) = refused("--await-legacy", str(pidfile))
     assert "writable by group or others (mode 0664)" in error
 
 
 @pytest.mark.parametrize("how", ["pid", "pidfile"])
-def test_r_g3_await_legacy_may_not_name_pid_1(
-    how: str, tmp_path: Path, segment_name: str, write_config: Callable[..., Path]
-) -> None:
+def test_r_g3_await_legacy_may_not_name_pid_1(how: str, tmp_path: Path, refused: Refused) -> None:
     target = "1"
     if how == "pidfile":
         (tmp_path / "init.pid").write_text("1\n")
         target = str(tmp_path / "init.pid")
-    config = write_config({"providers": [{"id": "p"}]})
-    (error,) = start_refused(config, segment_name, "--await-legacy", target)
+    (error,) = refused("--await-legacy", target)
     assert "pid 1, init (pid 1): a drain that only its exit could end (refused)" in error
 
 
 def test_r_g3_await_legacy_may_not_name_the_parent_pid(
-    segment_name: str, write_config: Callable[..., Path], legacy: subprocess.Popen[bytes]
+    legacy: subprocess.Popen[bytes], refused: Refused
 ) -> None:
     """Under --parent-pid the sidecar exits with that process: awaiting it would drain
     for as long as the sidecar runs."""
-    config = write_config({"providers": [{"id": "p"}]})
     pid = str(legacy.pid)
-    (error,) = start_refused(config, segment_name, "--parent-pid", pid, "--await-legacy", pid)
+    (error,) = refused("--parent-pid", pid, "--await-legacy", pid)
     assert f"names pid {pid}, the --parent-pid process" in error
 
 
