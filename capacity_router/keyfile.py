@@ -19,7 +19,7 @@ import stat
 
 from sidecar.contract import bearer_key
 
-from .filestamp import FileStamp
+from .watched import FileStamp, open_regular
 
 MAX_KEY_BYTES = 4096
 
@@ -30,14 +30,8 @@ class KeyFileError(ValueError):
 
 def read_key_file(path: str | os.PathLike[str]) -> bytes:
     path = os.fspath(path)
+    fd, st = open_regular(path, "key file", KeyFileError, os.O_NONBLOCK)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise KeyFileError(f"cannot open key file {path}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise KeyFileError(f"key file {path} is not a regular file")
         if st.st_mode & 0o077:
             raise KeyFileError(
                 f"key file {path} is accessible by group or others "

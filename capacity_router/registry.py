@@ -30,7 +30,6 @@ timestamps change; a broken edit keeps the last good registry.
 from __future__ import annotations
 
 import os
-import stat
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
@@ -38,7 +37,7 @@ import msgspec
 
 from sidecar.contract import MAX_MODELS, MAX_SLOTS
 
-from .filestamp import FileStamp
+from .watched import FileStamp, open_regular
 
 MAX_REGISTRY_BYTES = 1 << 20
 MAX_URLS_PER_WORKER = 16
@@ -170,14 +169,8 @@ class RegistryWatcher:
         return registry
 
     def _read(self) -> tuple[FileStamp | None, RegistryFile]:
+        fd, before = open_regular(self.path, "registry", RegistryError)
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise RegistryError(f"cannot open registry {self.path}: {exc.strerror}") from None
-        try:
-            before = os.fstat(fd)
-            if not stat.S_ISREG(before.st_mode):
-                raise RegistryError(f"registry {self.path} is not a regular file")
             too_large = f"registry {self.path} is larger than {MAX_REGISTRY_BYTES} bytes"
             if before.st_size > MAX_REGISTRY_BYTES:
                 raise RegistryError(too_large)

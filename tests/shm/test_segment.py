@@ -114,48 +114,40 @@ def test_r_g2_segment_abandoned_before_init_is_recreated(segment_name: str) -> N
     seg.close()
 
 
-@needs_dev_shm
-def test_r_g6_segment_and_semaphores_are_owner_only_by_default(
-    sem_mode: str, segment_name: str
-) -> None:
-    old = os.umask(0)  # a permissive umask must not widen anything
+def _modes_made_under(umask: int, segment: str, sem_mode: str, **options: bool) -> dict[Path, int]:
+    """Open (create) the segment with ``options`` and make a doorbell, under ``umask``: the
+    permission bits of each object made in /dev/shm (on the macOS path, the lock file too)."""
+    old = os.umask(umask)
     try:
-        seg = Segment.open(segment_name)
+        seg = Segment.open(segment, **options)
         bell = seg.create_doorbell()
     finally:
         os.umask(old)
     seg.close()
-    base = segment_name.lstrip("/")
+    base = segment.lstrip("/")
     paths = [DEV_SHM / base, DEV_SHM / f"sem.{names.doorbell_name(bell).lstrip('/')}"]
     if sem_mode == "macos-path":
         paths.append(DEV_SHM / f"{base}.lock")  # the lock file beside the segment
     try:
-        for path in paths:
-            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+        return {path: stat.S_IMODE(path.stat().st_mode) for path in paths}
     finally:
         remove_doorbell(bell)
+
+
+@needs_dev_shm
+def test_r_g6_segment_and_semaphores_are_owner_only_by_default(
+    sem_mode: str, segment_name: str
+) -> None:
+    modes = _modes_made_under(0, segment_name, sem_mode)  # a permissive umask widens nothing
+    assert set(modes.values()) == {0o600}, modes
 
 
 @needs_dev_shm
 def test_r_g6_group_shared_is_0660_even_under_a_strict_umask(
     sem_mode: str, segment_name: str
 ) -> None:
-    old = os.umask(0o077)
-    try:
-        seg = Segment.open(segment_name, group_shared=True)
-        bell = seg.create_doorbell()
-    finally:
-        os.umask(old)
-    seg.close()
-    base = segment_name.lstrip("/")
-    paths = [DEV_SHM / base, DEV_SHM / f"sem.{names.doorbell_name(bell).lstrip('/')}"]
-    if sem_mode == "macos-path":
-        paths.append(DEV_SHM / f"{base}.lock")
-    try:
-        for path in paths:
-            assert stat.S_IMODE(path.stat().st_mode) == 0o660, path
-    finally:
-        remove_doorbell(bell)
+    modes = _modes_made_under(0o077, segment_name, sem_mode, group_shared=True)
+    assert set(modes.values()) == {0o660}, modes
 
 
 def test_r_g6_a_world_accessible_segment_is_refused(segment_name: str) -> None:
