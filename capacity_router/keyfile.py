@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
 
 from sidecar.contract import bearer_key
+
+from .watched import FileStamp, open_regular
 
 MAX_KEY_BYTES = 4096
 
@@ -29,14 +30,8 @@ class KeyFileError(ValueError):
 
 def read_key_file(path: str | os.PathLike[str]) -> bytes:
     path = os.fspath(path)
+    fd, st = open_regular(path, "key file", KeyFileError, os.O_NONBLOCK)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise KeyFileError(f"cannot open key file {path}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise KeyFileError(f"key file {path} is not a regular file")
         if st.st_mode & 0o077:
             raise KeyFileError(
                 f"key file {path} is accessible by group or others "
@@ -51,15 +46,6 @@ def read_key_file(path: str | os.PathLike[str]) -> bytes:
         return bearer_key(raw)
     except ValueError as exc:
         raise KeyFileError(f"key file {path} {exc}") from None
-
-
-@dataclass(frozen=True, slots=True)
-class _Stamp:
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
 
 
 class KeyFile:
@@ -78,12 +64,11 @@ class KeyFile:
     def __repr__(self) -> str:
         return f"KeyFile({self.path!r})"
 
-    def _stat(self) -> _Stamp | None:
+    def _stat(self) -> FileStamp | None:
         try:
-            st = os.stat(self.path)
+            return FileStamp.of(os.stat(self.path))
         except OSError:
             return None
-        return _Stamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     @property
     def key(self) -> bytes:

@@ -30,14 +30,14 @@ timestamps change; a broken edit keeps the last good registry.
 from __future__ import annotations
 
 import os
-import stat
-from dataclasses import dataclass
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import msgspec
 
 from sidecar.contract import MAX_MODELS, MAX_SLOTS
+
+from .watched import FileStamp, open_regular
 
 MAX_REGISTRY_BYTES = 1 << 20
 MAX_URLS_PER_WORKER = 16
@@ -151,19 +151,6 @@ def endpoint(url: str, name: str) -> str:
     return f"{url.rstrip('/')}/{name}"
 
 
-@dataclass(frozen=True, slots=True)
-class _Stamp:
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-
-def _stamp(st: os.stat_result) -> _Stamp:
-    return _Stamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 class RegistryWatcher:
     """Holds the last good registry and re-reads the file when it changes.
 
@@ -172,7 +159,7 @@ class RegistryWatcher:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self._stamp: _Stamp | None = None
+        self._stamp: FileStamp | None = None
         self.current: RegistryFile = self._load_initial()
         self.last_error: str | None = None
 
@@ -181,15 +168,9 @@ class RegistryWatcher:
         self._stamp = stamp
         return registry
 
-    def _read(self) -> tuple[_Stamp | None, RegistryFile]:
+    def _read(self) -> tuple[FileStamp | None, RegistryFile]:
+        fd, before = open_regular(self.path, "registry", RegistryError)
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise RegistryError(f"cannot open registry {self.path}: {exc.strerror}") from None
-        try:
-            before = os.fstat(fd)
-            if not stat.S_ISREG(before.st_mode):
-                raise RegistryError(f"registry {self.path} is not a regular file")
             too_large = f"registry {self.path} is larger than {MAX_REGISTRY_BYTES} bytes"
             if before.st_size > MAX_REGISTRY_BYTES:
                 raise RegistryError(too_large)
@@ -206,7 +187,7 @@ class RegistryWatcher:
         registry = parse_registry(b"".join(chunks))
         # A file rewritten while we read it: use what we read, but do not
         # remember its stamp, so the finished version is read next time.
-        stamp = _stamp(after) if _stamp(before) == _stamp(after) else None
+        stamp = FileStamp.of(after) if FileStamp.of(before) == FileStamp.of(after) else None
         return stamp, registry
 
     def refresh(self) -> bool:
@@ -216,7 +197,7 @@ class RegistryWatcher:
         :attr:`last_error` until a good version is read.
         """
         try:
-            stamp = _stamp(os.stat(self.path))
+            stamp = FileStamp.of(os.stat(self.path))
         except OSError as exc:
             self.last_error = f"cannot stat registry {self.path}: {exc.strerror}"
             return False

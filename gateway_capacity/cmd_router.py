@@ -23,6 +23,7 @@ import ipaddress
 import json
 import re
 import sys
+import threading
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -191,10 +192,21 @@ def _parse_listen(text: str) -> tuple[str, int]:
         fail(f"--listen {exc}", code=EXIT_USAGE)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _stop_on_signals() -> threading.Event:
+    """An event that SIGTERM and SIGINT (Ctrl-C) set: a server's cue to stop cleanly."""
     import signal
-    import threading
 
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
+def _serve(args: argparse.Namespace) -> int:
     from capacity_router import KeyFileError, RegistryError, RouterServer
     from gateway_capacity.logs import setup_logging
 
@@ -208,13 +220,7 @@ def _serve(args: argparse.Namespace) -> int:
         poll_interval=args.poll,
         poll_timeout=args.poll_timeout,
     )
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = _stop_on_signals()
     try:
         server.start()
     except RegistryError as exc:
@@ -237,9 +243,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _simworker(args: argparse.Namespace) -> int:
     """A stand-in worker for trying the router from the shell; stops on SIGTERM or Ctrl-C."""
-    import signal
-    import threading
-
     from capacity_router import SimWorker
 
     worker = SimWorker(
@@ -250,13 +253,7 @@ def _simworker(args: argparse.Namespace) -> int:
         openai=args.openai,
         delay=args.delay,
     )
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = _stop_on_signals()
     try:
         worker.start()
     except OSError as exc:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from gateway_capacity.scenario import always_cleaned_up
 from gateway_capacity.schemas import SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -480,44 +481,33 @@ class DemoFailed(Exception):
     pass
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json else sys.stdout
     demo = Demo(args.fast, out)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     summary: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
     phases: list[Phase] = []
-    try:
-        config = demo.setup()
-        demo.start_processes(config)
-        phases = [
-            Phase("two workers", None, 20, demo.hold),
-            Phase("w2 drained (fenced)", "fence", 10, demo.hold),
-            Phase("w2 restored", "unfence", 20, demo.hold),
-        ]
-        for phase in phases:
-            demo.run_phase(phase)
-        summary["load"] = demo.finish_load()
-        summary.update(demo.check(phases))
-    except DemoFailed as exc:
-        demo.problems.append(str(exc))
-        log = demo.sidecar_log().strip().splitlines()
-        if log:
-            print("the sidecar's last log lines:", file=sys.stderr)
-            print("\n".join(f"  {line}" for line in log[-10:]), file=sys.stderr)
-    except KeyboardInterrupt:
-        demo.problems.append("interrupted")
-    finally:
-        left = demo.cleanup()
-        signal.signal(signal.SIGTERM, previous)
-    if left:
-        demo.problems.append(f"not cleaned up: {', '.join(left)}")
+    with always_cleaned_up(demo.cleanup, demo.problems) as ending:
+        try:
+            config = demo.setup()
+            demo.start_processes(config)
+            phases = [
+                Phase("two workers", None, 20, demo.hold),
+                Phase("w2 drained (fenced)", "fence", 10, demo.hold),
+                Phase("w2 restored", "unfence", 20, demo.hold),
+            ]
+            for phase in phases:
+                demo.run_phase(phase)
+            summary["load"] = demo.finish_load()
+            summary.update(demo.check(phases))
+        except DemoFailed as exc:
+            demo.problems.append(str(exc))
+            log = demo.sidecar_log().strip().splitlines()
+            if log:
+                print("the sidecar's last log lines:", file=sys.stderr)
+                print("\n".join(f"  {line}" for line in log[-10:]), file=sys.stderr)
     summary["segment"] = demo.segment
     summary["picture"], picture_line = draw_picture(phases, args.png)
-    summary["cleaned_up"] = not left
+    summary["cleaned_up"] = not ending.left
     summary["problems"] = demo.problems
     summary["ok"] = not demo.problems
     _print_summary(summary, out)

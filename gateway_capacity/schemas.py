@@ -44,6 +44,9 @@ FallbackSource = Annotated[
 ]
 Count = Annotated[int, Meta(ge=0)]
 UnixTime = Annotated[float, Meta(description="Unix seconds")]
+Version = Annotated[
+    Literal[1], Meta(description="changes when a field is removed, renamed or retyped")
+]
 
 
 class Layout(Struct, kw_only=True):
@@ -129,13 +132,11 @@ class Damage(Struct, kw_only=True):
     ]
 
 
-class AvailabilityDoc(Struct, kw_only=True):
-    """gateway-capacity availability --json: per provider, the limit in force and the
-    load on it, and which sidecar keeps the segment."""
+class _SegmentDoc(Struct, kw_only=True):
+    """The fields availability and inspect both open with (declared once; each document
+    lists them first, then its own)."""
 
-    schema_version: Annotated[
-        Literal[1], Meta(description="changes when a field is removed, renamed or retyped")
-    ]
+    schema_version: Version
     segment: Annotated[str, Meta(description="POSIX shared-memory name")]
     config_path: Annotated[
         str | None, Meta(description="the config file the sidecar made this segment for")
@@ -158,6 +159,12 @@ class AvailabilityDoc(Struct, kw_only=True):
         str | None,
         Meta(description="null, or what is wrong with the lock word and how to recover"),
     ]
+
+
+class AvailabilityDoc(_SegmentDoc, kw_only=True):
+    """gateway-capacity availability --json: per provider, the limit in force and the
+    load on it, and which sidecar keeps the segment."""
+
     generations: Annotated[list[Generation], Meta(description="registered handler processes")]
     providers: Annotated[list[Provider], Meta(description="one row per provider")]
 
@@ -227,35 +234,10 @@ class Member(Struct, kw_only=True):
     attached_at: Annotated[UnixTime, Meta(description="when it attached")]
 
 
-class InspectDoc(Struct, kw_only=True):
+class InspectDoc(_SegmentDoc, kw_only=True):
     """gateway-capacity inspect --json: availability's figures plus the segment's
     header, the counters and every holder record."""
 
-    schema_version: Annotated[
-        Literal[1], Meta(description="changes when a field is removed, renamed or retyped")
-    ]
-    segment: Annotated[str, Meta(description="POSIX shared-memory name")]
-    config_path: Annotated[
-        str | None, Meta(description="the config file the sidecar made this segment for")
-    ]
-    layout: Layout
-    consistent: Annotated[bool, Meta(description="false: a writer was mid-update, figures torn")]
-    config_status: Annotated[
-        str | None, Meta(description="'ok', or why the last edit of the config was ignored")
-    ]
-    sidecar: Annotated[Sidecar | None, Meta(description="null: no sidecar has run")]
-    owner: Annotated[
-        str | None,
-        Meta(description="user:group that owns the segment object (R-G6); null: unknown"),
-    ]
-    damage: Annotated[
-        Damage | None,
-        Meta(description="null: no sweep ever found the segment damaged (R-A16)"),
-    ]
-    lock_problem: Annotated[
-        str | None,
-        Meta(description="null, or what is wrong with the lock word and how to recover"),
-    ]
     header: Header
     generations: Annotated[list[Member], Meta(description="registered handler processes")]
     providers: Annotated[list[InspectProvider], Meta(description="one row per provider")]
@@ -402,9 +384,6 @@ def inspect(view: SegmentView) -> InspectDoc:
 
 
 # --- the other commands' --json documents -------------------------------------------------------
-Version = Annotated[
-    Literal[1], Meta(description="changes when a field is removed, renamed or retyped")
-]
 
 
 class ErrorDoc(Struct, kw_only=True):

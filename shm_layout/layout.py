@@ -197,6 +197,18 @@ PROVIDER = _fields(
 )
 
 
+# the provider's counters since the segment was created (inspect's "counters")
+PROVIDER_COUNTERS = (
+    "admitted_total",
+    "rejected_total",
+    "timeouts_total",
+    "cancelled_total",
+    "reclaimed_total",
+    "peak_running",
+    "peak_waiting",
+)
+
+
 def counts_check(running: int, waiting: int) -> int:
     """The value ``counts_check`` holds beside ``running`` and ``waiting``."""
     return ~((waiting << 32) | running) & 0xFFFFFFFFFFFFFFFF

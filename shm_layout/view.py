@@ -320,18 +320,7 @@ def _provider(
                 observed_at=r_observed or None,
             )
         )
-    counters = {
-        k: PROVIDER[k].get(data, base)
-        for k in (
-            "admitted_total",
-            "rejected_total",
-            "timeouts_total",
-            "cancelled_total",
-            "reclaimed_total",
-            "peak_running",
-            "peak_waiting",
-        )
-    }
+    counters = {k: PROVIDER[k].get(data, base) for k in layout.PROVIDER_COUNTERS}
     return ProviderView(
         index=p,
         id=layout.decode_text(PROVIDER["id"].get(data, base)),

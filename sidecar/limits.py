@@ -300,17 +300,7 @@ def previous_from_view(seen: ProviderView) -> LimitDecision | None:
     """
     if seen.discovered is None:
         return None
-    return LimitDecision(
-        provider_id=seen.id,
-        effective_limit=seen.effective_limit,
-        source=seen.source,
-        reason=seen.reason,
-        discovered=seen.discovered,
-        observed_at=seen.observed_at,
-        expires_at=seen.expires_at,
-        fallback_limit=seen.fallback_limit,
-        fallback_source=seen.fallback_source,
-    )
+    return _recorded(seen, seen.source, seen.reason, seen.discovered)
 
 
 def inherited_from_view(seen: ProviderView, now: float) -> LimitDecision | None:
@@ -321,12 +311,17 @@ def inherited_from_view(seen: ProviderView, now: float) -> LimitDecision | None:
     if seen.source != DISCOVERED or seen.expires_at is None or seen.expires_at <= now:
         return None
     reason = seen.reason if seen.reason.startswith(_KEPT_PREFIX) else _KEPT_PREFIX + seen.reason
+    return _recorded(seen, DISCOVERED, reason, seen.effective_limit)
+
+
+def _recorded(seen: ProviderView, source: str, reason: str, discovered: int) -> LimitDecision:
+    """The decision a provider row records: its limit, times and fallback, as they are."""
     return LimitDecision(
         provider_id=seen.id,
         effective_limit=seen.effective_limit,
-        source=DISCOVERED,
+        source=source,
         reason=reason,
-        discovered=seen.effective_limit,
+        discovered=discovered,
         observed_at=seen.observed_at,
         expires_at=seen.expires_at,
         fallback_limit=seen.fallback_limit,

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gwtest, under importlib mode
 
-from gwtest import LOCK_FILE_ENV, NO_TIMEOUT_ENV, Agent
+from gwtest import LOCK_FILE_ENV, NO_TIMEOUT_ENV, Agent, P1Segment, stopped_at_exit
 
 
 @pytest.fixture
@@ -50,6 +50,23 @@ def write_config(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return write
+
+
+@pytest.fixture
+def p1_segment(
+    segment_name: str, write_config: Callable[..., Path], agents: Callable[..., Agent]
+) -> Callable[..., P1Segment]:
+    """``p1_segment(limit)``: ``segment_name`` and a config of one provider, p1, with that
+    static limit (none: the default's); keyword arguments are the config's top-level
+    fields (``maxConcurrent=99``)."""
+
+    def make(limit: int | None = None, **gateway: Any) -> P1Segment:
+        p1: dict[str, Any] = {"id": "p1"}
+        if limit is not None:
+            p1["maxConcurrent"] = limit
+        return P1Segment(segment_name, write_config({**gateway, "providers": [p1]}), agents)
+
+    return make
 
 
 # --- macOS, and the darwin test mode (R-A10, docs/macos.md) ---------------------------------
@@ -111,16 +128,9 @@ def sem_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.fixture
 def agents() -> Iterator[Callable[..., Agent]]:
-    started: list[Agent] = []
-
-    def start(*args: str, env: dict[str, str] | None = None) -> Agent:
-        agent = Agent(list(args), env=env)
-        started.append(agent)
-        return agent
-
-    yield start
-    for agent in started:
-        agent.kill()
+    """Start tests/agent.py processes; every one is killed afterwards."""
+    with stopped_at_exit(Agent.kill) as keep:
+        yield lambda *args, env=None: keep(Agent(list(args), env=env))
 
 
 # Modules whose tests share one expensive module-scoped fixture (a booted

@@ -11,9 +11,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from handler_shim import Admission
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT = ROOT / "tests" / "agent.py"
@@ -101,6 +106,34 @@ class Agent:
         return self.proc.wait(timeout=timeout)
 
 
+@dataclass
+class P1Segment:
+    """A fresh segment and the config its handlers attach with: one provider, p1, with a
+    static limit (what most admission tests stand on). Start handler processes on it
+    with :meth:`handler`, attach this process with :meth:`attach`."""
+
+    name: str
+    config: Path
+    agents: Callable[..., Agent]
+
+    def handler(self, *args: str) -> Agent:
+        """A handler process (tests/agent.py) of this segment: ``handler("hold")``."""
+        return self.agents("--segment", self.name, "--config", str(self.config), *args)
+
+    def locker(self, how: str = "lock") -> Agent:
+        """A handler process inside the segment lock, never to leave it (``scribble``: it
+        wrote counters that are wrong first)."""
+        agent = self.handler(how)
+        agent.expect("locked")
+        return agent
+
+    def attach(self, generation: str) -> Admission:
+        """This process attached to the segment as ``generation`` (the test closes it)."""
+        from handler_shim import Admission
+
+        return Admission.attach(config=self.config, segment=self.name, generation=generation)
+
+
 def run_cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = 30
 ) -> subprocess.CompletedProcess[str]:
@@ -118,25 +151,76 @@ def availability(segment: str) -> dict[str, Any]:
     return doc
 
 
-def provider_doc(segment: str, provider: str = "p1") -> dict[str, Any]:
-    for p in availability(segment)["providers"]:
+def provider_of(doc: dict[str, Any], provider: str) -> dict[str, Any]:
+    """The provider's entry of an ``availability --json`` document (it must be there)."""
+    for p in doc["providers"]:
         if p["id"] == provider:
             return dict(p)
     raise AssertionError(f"no provider {provider}")
+
+
+def provider_doc(segment: str, provider: str = "p1") -> dict[str, Any]:
+    return provider_of(availability(segment), provider)
+
+
+def run_together(script: str, count: int, *args: str, timeout: float = 60) -> list[Any]:
+    """``count`` Python processes started at once on ``script`` with ``args``: each must
+    exit 0 having printed one JSON document; the documents, in the order started."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(count)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err
+        results.append(json.loads(out))
+    return results
+
+
+Thing = TypeVar("Thing")
+
+
+@contextmanager
+def stopped_at_exit(stop: Callable[[Thing], object]) -> Iterator[Callable[[Thing], Thing]]:
+    """For a fixture that starts things on demand (servers, processes): ``keep(thing)``
+    returns ``thing``, and ``stop(thing)`` is called for each one kept, in the order
+    kept, when the block ends (the fixture's teardown)."""
+    started: list[Thing] = []
+
+    def keep(thing: Thing) -> Thing:
+        started.append(thing)
+        return thing
+
+    try:
+        yield keep
+    finally:
+        for thing in started:
+            stop(thing)
 
 
 class _NotMet(AssertionError):
     """A wait ran out of time (and not an assertion inside the predicate)."""
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, every: float = 0.02) -> Any:
-    """Poll until ``predicate()`` is truthy and return it; fail the test after ``timeout``."""
+def wait_for(
+    predicate: Callable[[], Any], timeout: float = 10.0, every: float = 0.02, what: str = ""
+) -> Any:
+    """Poll until ``predicate()`` is truthy and return it; fail the test after ``timeout``
+    (naming ``what`` when given)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
+            if what:
+                raise _NotMet(f"{what}: not within {timeout:g}s")
             raise _NotMet(f"condition not met within {timeout} s")
         time.sleep(every)
 

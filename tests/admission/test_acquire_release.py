@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,14 +17,6 @@ import pytest
 from handler_shim import Admission, AdmissionTimeout, QueueFull, Ticket
 from handler_shim.admission import retry_after_seconds
 from shm_layout.view import read_view
-
-
-@pytest.fixture
-def adm(segment_name: str, write_config: Callable[..., Path]) -> Iterator[Admission]:
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
-    a = Admission.attach(config=cfg, generation="test", segment=segment_name)
-    yield a
-    a.close()
 
 
 def _running_waiting(segment: str) -> tuple[int, int]:

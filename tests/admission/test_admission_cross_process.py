@@ -14,23 +14,31 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gwtest import Agent, availability, provider_doc, run_cli, wait_until
+from gwtest import Agent, P1Segment, availability, provider_doc, run_cli, wait_until
 
 from shm_layout.layout import MAJOR, MINOR
 from shm_layout.view import read_view
 
+MakeP1Segment = Callable[..., P1Segment]
 
-def _cfg(write_config: Callable[..., Path], limit: int) -> Path:
-    return write_config({"maxConcurrent": 99, "providers": [{"id": "p1", "maxConcurrent": limit}]})
+
+def _segment(p1_segment: MakeP1Segment, limit: int) -> P1Segment:
+    return p1_segment(limit, maxConcurrent=99)
+
+
+def _only_slot_held(p1_segment: MakeP1Segment) -> tuple[P1Segment, Agent]:
+    """A segment where p1's limit is 1, and a handler process holding that one slot."""
+    seg = _segment(p1_segment, 1)
+    holder = seg.handler("hold")
+    holder.expect("admitted")
+    return seg, holder
 
 
 def test_r_a1_two_generations_never_exceed_the_limit(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
-    cfg = _cfg(write_config, 3)
+    seg = _segment(p1_segment, 3)
+    segment_name = seg.name
     peak = 0
     samples = 0
     stop = threading.Event()
@@ -53,19 +61,8 @@ def test_r_a1_two_generations_never_exceed_the_limit(
     observer.start()
     try:
         workers = [
-            agents(
-                "--segment",
-                segment_name,
-                "--config",
-                str(cfg),
-                "--gen",
-                f"handler-{g}.0",
-                "cycle",
-                "40",
-                "--hold-ms",
-                "5",
-                "--timeout",
-                "60",
+            seg.handler(
+                "--gen", f"handler-{g}.0", "cycle", "40", "--hold-ms", "5", "--timeout", "60"
             )
             for g in (1, 2)
             for _ in range(3)
@@ -83,18 +80,13 @@ def test_r_a1_two_generations_never_exceed_the_limit(
 
 
 def test_r_a2_thirty_two_wait_and_the_thirty_third_is_rejected_at_once(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
-    cfg = _cfg(write_config, 1)
-    base = ("--segment", segment_name, "--config", str(cfg))
-    holder = agents(*base, "hold")
-    holder.expect("admitted")
-    waiters = [agents(*base, "--gen", f"g{i % 2}", "hold", "--threads", "8") for i in range(4)]
+    seg, holder = _only_slot_held(p1_segment)
+    segment_name = seg.name
+    waiters = [seg.handler("--gen", f"g{i % 2}", "hold", "--threads", "8") for i in range(4)]
     assert wait_until(lambda: provider_doc(segment_name)["waiting"] == 32, timeout=20)
-    extra = agents(*base, "hold", "--timeout", "30")
+    extra = seg.handler("hold", "--timeout", "30")
     asked = time.monotonic()
     extra.expect("queue_full", timeout=10)
     assert time.monotonic() - asked < 10  # rejected, not queued for its 30 s timeout
@@ -110,20 +102,14 @@ def test_r_a2_thirty_two_wait_and_the_thirty_third_is_rejected_at_once(
 
 
 def test_r_a3_waiters_are_admitted_in_arrival_order_across_processes(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
-    cfg = _cfg(write_config, 1)
-    base = ("--segment", segment_name, "--config", str(cfg))
-    holder = agents(*base, "hold")
-    holder.expect("admitted")
+    seg, holder = _only_slot_held(p1_segment)
     arrivals = []
     for i in range(6):
-        a = agents(*base, "--gen", f"gen-{i % 3}", "hold", "--timeout", "60")
+        a = seg.handler("--gen", f"gen-{i % 3}", "hold", "--timeout", "60")
         a.expect("started")
-        assert wait_until(lambda n=i + 1: provider_doc(segment_name)["waiting"] == n, timeout=15)
+        assert wait_until(lambda n=i + 1: provider_doc(seg.name)["waiting"] == n, timeout=15)
         arrivals.append(a)
     holder.send("release")
     admitted_at = []
@@ -135,37 +121,26 @@ def test_r_a3_waiters_are_admitted_in_arrival_order_across_processes(
 
 
 def test_r_a5_sigkill_of_a_running_holder_lets_a_waiter_in_within_2s(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
-    cfg = _cfg(write_config, 1)
-    base = ("--segment", segment_name, "--config", str(cfg))
-    holder = agents(*base, "hold")
-    holder.expect("admitted")
-    waiter = agents(*base, "hold", "--timeout", "30")
+    seg, holder = _only_slot_held(p1_segment)
+    waiter = seg.handler("hold", "--timeout", "30")
     waiter.expect("started")
-    assert wait_until(lambda: provider_doc(segment_name)["waiting"] == 1)
+    assert wait_until(lambda: provider_doc(seg.name)["waiting"] == 1)
     holder.kill()
     killed = time.time()
     ev = waiter.expect("admitted", timeout=10)
     assert ev["t"] - killed < 2.0, f"reclaimed after {ev['t'] - killed:.2f}s"  # R-A5 deadline
-    doc = run_cli("inspect", "--segment", segment_name, "--json")
+    doc = run_cli("inspect", "--segment", seg.name, "--json")
     assert f'"pid": {holder.pid}' not in doc.stdout  # its record is gone
 
 
 def test_r_a5_a_killed_waiter_leaves_the_queue_within_2s_and_is_never_counted(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
-    cfg = _cfg(write_config, 1)
-    base = ("--segment", segment_name, "--config", str(cfg))
-    holder = agents(*base, "hold")
-    holder.expect("admitted")
-    doomed = agents(*base, "hold", "--threads", "3")
+    seg, holder = _only_slot_held(p1_segment)
+    segment_name = seg.name
+    doomed = seg.handler("hold", "--threads", "3")
     doomed.expect("started")
     assert wait_until(lambda: provider_doc(segment_name)["waiting"] == 3)
     doomed.kill()
@@ -193,33 +168,27 @@ def _inspect(segment: str) -> dict[str, Any]:
 
 
 def test_r_a5_reuse_of_a_dead_process_registration_never_makes_it_look_alive(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
     """Liveness is the member's kernel-held lock, checked against the row's serial, never
     a pid: when a dead process's member row is taken by a new process, the dead one's
     records do not come back to life with it."""
-    cfg = _cfg(write_config, 1)
-    base = ("--segment", segment_name, "--config", str(cfg))
-    dead = agents(*base, "hold")
+    seg = _segment(p1_segment, 1)
+    dead = seg.handler("hold")
     dead.expect("admitted")
-    (member,) = [g["index"] for g in _inspect(segment_name)["generations"]]
+    (member,) = [g["index"] for g in _inspect(seg.name)["generations"]]
     dead.kill()
-    heir = agents(*base, "hold")
+    heir = seg.handler("hold")
     heir.expect("admitted", timeout=10)  # the dead one's slot was freed, not inherited
-    assert [g["index"] for g in _inspect(segment_name)["generations"]] == [member]  # reused
-    p1 = provider_doc(segment_name)
+    assert [g["index"] for g in _inspect(seg.name)["generations"]] == [member]  # reused
+    p1 = provider_doc(seg.name)
     assert p1["running"] == 1
     heir.send("release")
     heir.expect("released")
 
 
 def test_r_a8_r_a9_r_g1_first_handler_creates_the_segment_with_static_limits(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    segment_name: str, write_config: Callable[..., Path], agents: Callable[..., Agent]
 ) -> None:
     cfg = write_config(
         {
@@ -247,21 +216,14 @@ def test_r_a8_r_a9_r_g1_first_handler_creates_the_segment_with_static_limits(
 
 
 def test_r_a1_stress_many_short_slots_from_8_processes_leave_nothing_behind(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    p1_segment: MakeP1Segment,
 ) -> None:
-    cfg = _cfg(write_config, 3)
-    workers = [
-        agents("--segment", segment_name, "--config", str(cfg), "cycle", "150", "--timeout", "60")
-        for _ in range(8)
-    ]
+    seg = _segment(p1_segment, 3)
+    workers = [seg.handler("cycle", "150", "--timeout", "60") for _ in range(8)]
     for w in workers:
         w.expect("done", timeout=180)
         assert w.finish() == 0
-    doc = run_cli("inspect", "--segment", segment_name, "--json")
-    import json
-
+    doc = run_cli("inspect", "--segment", seg.name, "--json")
     inspected = json.loads(doc.stdout)
     p1 = inspected["providers"][0]
     assert (p1["running"], p1["waiting"], p1["stored_running"], p1["stored_waiting"]) == (

@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,14 +19,6 @@ from handler_shim import Admission, AdmissionTimeout, QueueFull, UnknownProvider
 from shm_layout import _core, writer
 from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING
 from shm_layout.view import read_view
-
-
-@pytest.fixture
-def adm(segment_name: str, write_config: Callable[..., Path]) -> Iterator[Admission]:
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
-    a = Admission.attach(config=cfg, generation="test", segment=segment_name)
-    yield a
-    a.close()
 
 
 def _publish(adm: Admission, limit: int, expires_in: float) -> None:

@@ -13,10 +13,9 @@ import asyncio
 import os
 import signal
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
-from gwtest import Agent, wait_until
+from gwtest import Agent, P1Segment, wait_until
 
 from handler_shim import Admission, AdmissionTimeout
 from shm_layout.view import read_view
@@ -24,13 +23,10 @@ from shm_layout.view import read_view
 MARGIN_S = 10.0  # an honest bound on a shared machine; a hang is forever
 
 
-def _stalled(
-    segment_name: str, write_config: Callable[..., Path], agents: Callable[..., Agent]
-) -> tuple[Admission, Agent]:
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
-    adm = Admission.attach(config=cfg, segment=segment_name, generation="async")
-    holder = agents("--segment", segment_name, "--config", str(cfg), "lock")
-    holder.expect("locked")
+def _stalled(seg: P1Segment) -> tuple[Admission, Agent]:
+    """This process attached; a handler process stopped inside the segment lock."""
+    adm = seg.attach("async")
+    holder = seg.locker()
     os.kill(holder.pid, signal.SIGSTOP)
     return adm, holder
 
@@ -40,12 +36,10 @@ def _no_records_of_mine(segment: str) -> bool:
 
 
 def test_r_a4_async_timeout_is_kept_while_the_lock_is_stalled(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    sem_mode: str, p1_segment: Callable[..., P1Segment]
 ) -> None:
-    adm, holder = _stalled(segment_name, write_config, agents)
+    seg = p1_segment(2)
+    adm, holder = _stalled(seg)
 
     async def main() -> BaseException | None:
         async def take() -> None:
@@ -66,19 +60,17 @@ def test_r_a4_async_timeout_is_kept_while_the_lock_is_stalled(
             f"slot(timeout=0.5) did not time out within {MARGIN_S}s behind a stalled lock"
         )
         holder.kill()
-        assert wait_until(lambda: _no_records_of_mine(segment_name), 5.0)
+        assert wait_until(lambda: _no_records_of_mine(seg.name), 5.0)
     finally:
         holder.kill()
         adm.close()
 
 
 def test_r_a4_a_task_waiting_for_a_stalled_lock_can_be_cancelled(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    sem_mode: str, p1_segment: Callable[..., P1Segment]
 ) -> None:
-    adm, holder = _stalled(segment_name, write_config, agents)
+    seg = p1_segment(2)
+    adm, holder = _stalled(seg)
 
     async def main() -> bool:
         async def take() -> None:
@@ -100,7 +92,7 @@ def test_r_a4_a_task_waiting_for_a_stalled_lock_can_be_cancelled(
     try:
         assert asyncio.run(main()), f"cancel() did not end the task within {MARGIN_S}s"
         holder.kill()
-        assert wait_until(lambda: _no_records_of_mine(segment_name), 5.0)
+        assert wait_until(lambda: _no_records_of_mine(seg.name), 5.0)
     finally:
         holder.kill()
         adm.close()

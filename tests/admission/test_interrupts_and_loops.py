@@ -11,10 +11,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gwtest import Agent, wait_until
+from gwtest import P1Segment, wait_until
 
-from handler_shim import Admission
 from shm_layout.view import read_view
+
+MakeP1Segment = Callable[..., P1Segment]
 
 
 def _records_of(segment: str, pid: int) -> list[str]:
@@ -22,22 +23,17 @@ def _records_of(segment: str, pid: int) -> list[str]:
 
 
 def test_r_a12_a_sigint_storm_leaves_no_record_in_a_process_that_goes_on(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
-    tmp_path: Path,
+    sem_mode: str, p1_segment: MakeP1Segment, tmp_path: Path
 ) -> None:
     """Issue 10, observation 3: SIGINT every 1-100 ms to a handler that catches
     KeyboardInterrupt and keeps serving left 1-4 records behind (0 of 3 slots
     obtainable) until the process exited. Here the interrupts come faster still
     (0.2-5 ms, landing in every part of slot entry and exit); afterwards the process
     is alive, holds nothing, and all 3 slots can be had."""
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 3}]})
+    seg = p1_segment(3)
+    segment_name = seg.name
     stop = tmp_path / "stop"
-    target = agents(
-        "--segment", segment_name, "--config", str(cfg), "interruptible", "--stop-file", str(stop)
-    )
+    target = seg.handler("interruptible", "--stop-file", str(stop))
     target.expect("serving")
     time.sleep(0.3)  # out of its own print() and into the serving loop
     rng = random.Random(7)
@@ -55,7 +51,7 @@ def test_r_a12_a_sigint_storm_leaves_no_record_in_a_process_that_goes_on(
     assert wait_until(lambda: _records_of(segment_name, target.pid) == [], timeout=3), _records_of(
         segment_name, target.pid
     )
-    adm = Admission.attach(config=cfg, segment=segment_name, generation="after")
+    adm = seg.attach("after")
     try:
         with (
             adm.slot_blocking("p1", timeout=2),
@@ -69,17 +65,13 @@ def test_r_a12_a_sigint_storm_leaves_no_record_in_a_process_that_goes_on(
 
 
 def test_r_a11_a_stopped_lock_holder_never_freezes_the_event_loop(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
     """Issue 10, observation 2: a lock holder SIGSTOPped for 3 s blocked another process's
     event loop for 2.99 s, since async slot() waited for the lock on the loop."""
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
-    adm = Admission.attach(config=cfg, segment=segment_name, generation="async")
-    holder = agents("--segment", segment_name, "--config", str(cfg), "lock")
-    holder.expect("locked")
+    seg = p1_segment(2)
+    adm = seg.attach("async")
+    holder = seg.locker()
     os.kill(holder.pid, signal.SIGSTOP)
 
     async def main() -> tuple[float, float]:
@@ -113,20 +105,16 @@ def test_r_a11_a_stopped_lock_holder_never_freezes_the_event_loop(
 
 
 def test_r_a12_close_while_other_threads_wait_for_the_lock_leaves_nothing(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
     """A handler shutting down (close(), or the atexit hook) while its threads are still
     inside slot(), waiting for a lock another process holds: close() returns, the
     threads finish, and no record of this process is left."""
     import threading
 
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 4}]})
-    adm = Admission.attach(config=cfg, segment=segment_name, generation="closing")
-    holder = agents("--segment", segment_name, "--config", str(cfg), "lock")
-    holder.expect("locked")
+    seg = p1_segment(4)
+    adm = seg.attach("closing")
+    holder = seg.locker()
     outcomes: list[str] = []
 
     def worker() -> None:
@@ -148,4 +136,4 @@ def test_r_a12_close_while_other_threads_wait_for_the_lock_leaves_nothing(
         t.join(10)
     killer.join()
     assert len(outcomes) == 3, outcomes
-    assert wait_until(lambda: _records_of(segment_name, os.getpid()) == [], timeout=3)
+    assert wait_until(lambda: _records_of(seg.name, os.getpid()) == [], timeout=3)

@@ -14,23 +14,18 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from gwtest import Agent, wait_until
+from gwtest import P1Segment, wait_until
 
-from handler_shim import Admission
 from shm_layout import writer
 from shm_layout.view import read_view
 
 
 def test_r_a1_an_expired_publication_is_not_applied_after_a_stalled_lock(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    sem_mode: str, p1_segment: Callable[..., P1Segment]
 ) -> None:
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 1}]})
-    adm = Admission.attach(config=cfg, segment=segment_name, generation="stale")
+    p1_only = p1_segment(1)
+    adm = p1_only.attach("stale")
     seg = adm._seg
     epoch = writer.take_epoch(seg, os.getpid(), 0.0, time.time(), 1.0, "test")
     now = time.time()
@@ -46,8 +41,7 @@ def test_r_a1_an_expired_publication_is_not_applied_after_a_stalled_lock(
         expires_at=expires,
     )
     writer.publish(seg, epoch, 1, "ok", [publication], now)
-    holder = agents("--segment", segment_name, "--config", str(cfg), "lock")
-    holder.expect("locked")
+    holder = p1_only.locker()
     os.kill(holder.pid, signal.SIGSTOP)
     release = threading.Event()
     admitted: list[float] = []
@@ -65,7 +59,7 @@ def test_r_a1_an_expired_publication_is_not_applied_after_a_stalled_lock(
         holder.kill()  # the kernel frees the lock: the fallback of 1 is in force now
         assert wait_until(lambda: len(admitted) >= 1, 10)
         time.sleep(0.5)  # room for a wrong second admission to happen
-        p1 = read_view(segment_name).provider("p1")
+        p1 = read_view(p1_only.name).provider("p1")
         assert p1 is not None
         assert p1.effective_limit == 1
         assert (len(admitted), p1.running) == (1, 1), admitted

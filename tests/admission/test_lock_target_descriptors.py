@@ -14,12 +14,10 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
-from gwtest import Agent
+from gwtest import Agent, P1Segment
 
-from handler_shim import Admission
 from shm_layout.view import read_view
 
 
@@ -40,29 +38,23 @@ def _first_outcome(agent: Agent, timeout: float = 20.0) -> str:
 
 @pytest.mark.parametrize("reopen", ["second-attach", "reader"])
 def test_r_a1_a_second_attach_or_a_reader_in_a_holding_process_keeps_its_slot(
-    reopen: str,
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    reopen: str, sem_mode: str, p1_segment: Callable[..., P1Segment]
 ) -> None:
     """This process holds the only slot; then it attaches a second time, or reads the
     view (either opens the lock target again). Another process must still time out."""
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 1}]})
-    first = Admission.attach(config=cfg, segment=segment_name, generation="first")
+    seg = p1_segment(1)
+    first = seg.attach("first")
     second = None
     try:
         with first.slot_blocking("p1"):
             if reopen == "second-attach":
-                second = Admission.attach(config=cfg, segment=segment_name, generation="second")
+                second = seg.attach("second")
             else:
-                p1 = read_view(segment_name).provider("p1")
+                p1 = read_view(seg.name).provider("p1")
                 assert p1 is not None and p1.running == 1
-            other = agents(
-                "--segment", segment_name, "--config", str(cfg), "hold", "--timeout", "3"
-            )
+            other = seg.handler("hold", "--timeout", "3")
             assert _first_outcome(other) == "timeout", other.seen  # not "admitted"
-            p1 = read_view(segment_name).provider("p1")
+            p1 = read_view(seg.name).provider("p1")
             assert p1 is not None and (p1.running, p1.stored_running) == (1, 1)
     finally:
         if second is not None:

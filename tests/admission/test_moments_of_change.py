@@ -21,7 +21,7 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
-from gwtest import AGENT, Agent, run_cli, wait_until
+from gwtest import AGENT, Agent, P1Segment, run_cli, wait_until
 
 from handler_shim import Admission, AdmissionError, AdmissionTimeout
 from shm_layout import _core, layout, platform, writer
@@ -399,16 +399,15 @@ def test_r_a14_running_slots_of_a_closed_event_loop_are_freed_within_a_sweep(
 def test_r_a15_a_segment_removed_by_hand_never_splits_the_budget(
     sem_mode: str,
     how: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    p1_segment: Callable[..., P1Segment],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Before: after `rm /dev/shm/<segment>` the old and the new handlers split the budget
     (4 running on a limit of 2) without a word, and close() hung for good."""
     caplog.set_level(logging.ERROR, logger="gateway_capacity.admission")
-    config = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
-    adm = Admission.attach(config=config, segment=segment_name, generation="old")
+    seg = p1_segment(2)
+    segment_name = seg.name
+    adm = seg.attach("old")
     old_bell = adm._current.bell
     stop = threading.Event()
     runner = threading.Thread(target=_hold, args=(adm, stop))
@@ -419,7 +418,7 @@ def test_r_a15_a_segment_removed_by_hand_never_splits_the_budget(
     else:
         out = run_cli("inspect", "--segment", segment_name, "--unlink", "--force")
         assert out.returncode == 0, out.stderr
-    newcomer = agents("--segment", segment_name, "--config", str(config), "hold", "--threads", "2")
+    newcomer = seg.handler("hold", "--threads", "2")
     newcomer.expect("admitted")
     newcomer.expect("admitted")  # 2 of 2 on the new segment
     time.sleep(0.6)  # one sweep

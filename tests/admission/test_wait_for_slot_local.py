@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gwtest import Agent, run_cli, wait_until
+from gwtest import Agent, P1Segment, run_cli, wait_until
 
 
 def _cli(*args: str) -> subprocess.Popen[str]:
@@ -19,19 +19,18 @@ def _cli(*args: str) -> subprocess.Popen[str]:
 
 
 def test_r_w4_local_mode_room_busy_and_wait_then_room(
-    segment_name: str, write_config: Callable[..., Path], agents: Callable[..., Agent]
+    p1_segment: Callable[..., P1Segment],
 ) -> None:
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
-    base = ("--segment", segment_name, "--config", str(cfg))
-    first = agents(*base, "hold")
+    seg = p1_segment(2)
+    first = seg.handler("hold")
     first.expect("admitted")
-    local = ("wait-for-slot", "--segment", segment_name, "--provider", "p1", "--quiet")
+    local = ("wait-for-slot", "--segment", seg.name, "--provider", "p1", "--quiet")
 
     room = run_cli(*local, "--check")  # 1 running + 1 needed <= 2
     assert room.returncode == 0, room.stderr
     assert run_cli(*local, "--check", "--need", "2").returncode == 1  # 1 + 2 > 2
 
-    second = agents(*base, "hold")
+    second = seg.handler("hold")
     second.expect("admitted")
     assert run_cli(*local, "--check").returncode == 1  # 2 running + 1 > 2
 
@@ -47,10 +46,11 @@ def test_r_w4_local_mode_room_busy_and_wait_then_room(
 
 
 def test_r_w4_local_mode_counts_waiters_and_unknown_provider_exits_2(
-    segment_name: str, write_config: Callable[..., Path], agents: Callable[..., Agent]
+    p1_segment: Callable[..., P1Segment],
 ) -> None:
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 1}]})
-    holder = agents("--segment", segment_name, "--config", str(cfg), "hold", "--threads", "3")
+    seg = p1_segment(1)
+    segment_name = seg.name
+    holder = seg.handler("hold", "--threads", "3")
     holder.expect("admitted")
 
     def sample() -> str:

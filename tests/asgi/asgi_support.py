@@ -1,23 +1,33 @@
-"""Helpers of the ASGI middleware tests: a served app, raw HTTP requests, segment members."""
+"""Helpers of the ASGI middleware tests: a served app, the example gateway, raw HTTP
+requests, segment members."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import signal
 import socket
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gwtest import ROOT, availability
+from served import Served, serve_app, uvicorn_argv
 
 APP_DIR = ROOT / "tests" / "asgi"
+EXAMPLES = ROOT / "examples"
 
 
 @dataclass
 class Server:
-    proc: subprocess.Popen[str]
+    """tests/asgi/asgi_app.py served: ``/v1/hold?name=N`` is admitted, says ``admitted``
+    and holds its slot until the test releases N; ``/health`` is not admitted."""
+
+    proc: subprocess.Popen[bytes]
     port: int
     segment: str
     release_dir: Path
@@ -31,6 +41,13 @@ class Server:
 
     def release(self, name: str = "all") -> None:
         (self.release_dir / name).touch()
+
+    def admitted_holds(self, prefix: str, count: int) -> list[RawRequest]:
+        """``count`` requests to ``/v1/hold`` (named prefix0, prefix1, ...), each admitted."""
+        held = [RawRequest(self.port, f"/v1/hold?name={prefix}{i}") for i in range(count)]
+        for r in held:
+            r.read_until(b"admitted")
+        return held
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -55,23 +72,34 @@ class Server:
 StartServer = Callable[..., "Server"]
 
 
-def gunicorn_no_control_socket() -> list[str]:
-    """``--no-control-socket`` where this gunicorn has one (newer gunicorns open
-    ``~/.gunicorn/gunicorn.ctl``, one path for every gunicorn of the user); the 23.x that
-    ``litellm[proxy]`` pins has neither the socket nor the option."""
-    from gunicorn.config import KNOWN_SETTINGS
-
-    flag = "--no-control-socket"
-    return [flag] if any(flag in (s.cli or ()) for s in KNOWN_SETTINGS) else []
-
-
-def listening_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    sock.set_inheritable(True)
-    return sock
+@contextmanager
+def example_gateway(
+    tmp_path: Path,
+    segment: str,
+    provider: dict[str, Any],
+    *options: str,
+    env: dict[str, str] | None = None,
+) -> Iterator[Served]:
+    """examples/openai_gateway.py under uvicorn (``options``: uvicorn's), on a gateway
+    config of the one ``provider``; answering ``/healthz`` when it is handed over."""
+    config = tmp_path / "gateway.json"
+    config.write_text(json.dumps({"providers": [provider]}))
+    env = {
+        **os.environ,
+        "GATEWAY_CONFIG": str(config),
+        "GATEWAY_CAPACITY_SEGMENT": segment,
+        **(env or {}),
+    }
+    gateway = serve_app(
+        lambda sock: uvicorn_argv("openai_gateway:app", EXAMPLES, sock, *options),
+        tmp_path / "gateway.log",
+        env,
+    )
+    try:
+        gateway.wait_healthy()
+        yield gateway
+    finally:
+        gateway.stop()
 
 
 def attached_members(segment: str, generation: str) -> int:
@@ -140,25 +168,24 @@ class RawRequest:
         self.sock.close()
         return self.data
 
-    def admitted_pid(self, timeout: float = 30) -> int:
-        """Wait for the app's first line and return the pid of the worker serving us."""
+    def read_match(self, pattern: bytes, what: str, timeout: float = 30) -> re.Match[bytes]:
+        """Read until ``pattern`` matches what came; fail naming ``what`` on a close."""
         self.sock.settimeout(timeout)
-        while (match := re.search(rb"admitted (\d+)\n", self.data)) is None:
+        while (match := re.search(pattern, self.data)) is None:
             chunk = self.sock.recv(65536)
             if not chunk:
-                raise AssertionError(f"connection closed before admission: {self.data!r}")
+                raise AssertionError(f"connection closed before {what}: {self.data!r}")
             self.data += chunk
-        return int(match.group(1))
+        return match
+
+    def admitted_pid(self, timeout: float = 30) -> int:
+        """Wait for the app's first line and return the pid of the worker serving us."""
+        return int(self.read_match(rb"admitted (\d+)\n", "admission", timeout).group(1))
 
     def body_line(self, timeout: float = 30) -> tuple[str, int]:
         """The app's ``body <sha256> <length>`` line: what the app read of the body."""
         self.read_until(b"\n", timeout)
-        self.sock.settimeout(timeout)
-        while (match := re.search(rb"body ([0-9a-f]{64}) (\d+)\n", self.data)) is None:
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise AssertionError(f"connection closed before the body line: {self.data!r}")
-            self.data += chunk
+        match = self.read_match(rb"body ([0-9a-f]{64}) (\d+)\n", "the body line", timeout)
         return match.group(1).decode(), int(match.group(2))
 
     def status(self) -> int:

@@ -1,9 +1,5 @@
-"""Real ASGI servers (uvicorn, gunicorn with uvicorn workers) for the middleware tests.
-
-Each server gets a listening socket the test bound on 127.0.0.1 port 0 and
-passes as an inherited file descriptor (``--fd`` / ``--bind fd://N``): the
-port is known before the server starts and never raced for.
-"""
+"""Real ASGI servers (uvicorn, gunicorn with uvicorn workers) for the middleware tests,
+started as tests/served.py starts servers (a socket bound here, passed by number)."""
 
 from __future__ import annotations
 
@@ -19,15 +15,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # asgi_support
 
-from asgi_support import (
-    APP_DIR,
-    Server,
-    StartServer,
-    attached_members,
-    gunicorn_no_control_socket,
-    listening_socket,
-)
+import served
+from asgi_support import APP_DIR, Server, StartServer, attached_members
 from gwtest import wait_until
+from served import gunicorn_argv, listening_socket, uvicorn_argv
 
 
 @pytest.fixture
@@ -72,55 +63,22 @@ def start_server(tmp_path: Path, segment_name: str, asgi_config: Path) -> Iterat
         pidfile = None
         if kind == "uvicorn":
             env["GWT_GENERATION"] = generation
-            args = [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "asgi_app:app",
-                "--app-dir",
-                str(APP_DIR),
-                "--fd",
-                str(sock.fileno()),
-                "--lifespan",
-                lifespan,
-                "--no-access-log",
-            ]
+            args = uvicorn_argv(
+                "asgi_app:app", APP_DIR, sock, "--lifespan", lifespan, "--no-access-log"
+            )
         else:
             pidfile = tmp_path / f"gunicorn-{len(servers)}.pid"
             conf = tmp_path / f"gunicorn-{len(servers)}.conf.py"
             conf.write_text(f"raw_env = [{f'GWT_GENERATION={generation}'!r}]\n")
-            args = [
-                sys.executable,
-                "-m",
-                "gunicorn",
-                "-k",
-                "uvicorn.workers.UvicornWorker",
-                *gunicorn_no_control_socket(),  # not the per-user ~/.gunicorn/gunicorn.ctl
-                "-w",
-                str(workers),
-                "--bind",
-                f"fd://{sock.fileno()}",
-                "--chdir",
-                str(APP_DIR),
-                "--pid",
-                str(pidfile),
-                "-c",
-                str(conf),
-                "--graceful-timeout",
-                "10",
-                *(["--preload"] if preload else []),
+            args = gunicorn_argv(
                 "asgi_app:app",
-            ]
-        with open(log, "w") as out:
-            proc = subprocess.Popen(
-                args,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                text=True,
-                pass_fds=(sock.fileno(),),
-                cwd=str(tmp_path),
+                APP_DIR,
+                sock,
+                *("--pid", str(pidfile), "-c", str(conf), "--graceful-timeout", "10"),
+                *(["--preload"] if preload else []),
+                workers=workers,
             )
+        proc = served.start(args, sock, log, env, cwd=tmp_path)
         port = sock.getsockname()[1]
         sock.close()
         server = Server(proc, port, segment_name, release_dir, log, pidfile)
@@ -143,3 +101,9 @@ def start_server(tmp_path: Path, segment_name: str, asgi_config: Path) -> Iterat
         except subprocess.TimeoutExpired:
             server.proc.kill()
             server.proc.wait()
+
+
+@pytest.fixture
+def uvicorn(start_server: StartServer) -> Server:
+    """tests/asgi/asgi_app.py under uvicorn, one worker, p1 at 2, attached (generation gen-A)."""
+    return start_server("uvicorn")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import served
 from asgi_support import RawRequest, Server, StartServer, members
 from gwtest import availability, run_cli, wait_until
 
@@ -38,19 +39,11 @@ def holders(segment: str) -> list[dict[str, Any]]:
 
 
 def wait_counts(server: Server, expect: tuple[int, int], timeout: float = 10) -> None:
-    seen: list[tuple[int, int]] = []
-
-    def check() -> bool:
-        seen.append(counts(server))
-        return seen[-1] == expect
-
-    assert wait_until(check, timeout=timeout, every=0.1), f"want {expect}, last {seen[-3:]}"
+    served.wait_counts(lambda: counts(server), expect, timeout, every=0.1)
 
 
-def test_r_a1_streamed_response_holds_the_slot_until_its_last_byte(
-    start_server: StartServer,
-) -> None:
-    server = start_server("uvicorn")
+def test_r_a1_streamed_response_holds_the_slot_until_its_last_byte(uvicorn: Server) -> None:
+    server = uvicorn
     req = RawRequest(server.port, "/v1/hold?name=a")
     req.read_until(b"admitted")
     assert counts(server) == (1, 0)
@@ -63,12 +56,10 @@ def test_r_a1_streamed_response_holds_the_slot_until_its_last_byte(
 
 
 def test_r_a2_overflow_answers_429_with_retry_after_and_an_openai_error_body(
-    start_server: StartServer,
+    uvicorn: Server,
 ) -> None:
-    server = start_server("uvicorn")
-    running = [RawRequest(server.port, f"/v1/hold?name=r{i}") for i in range(2)]
-    for r in running:
-        r.read_until(b"admitted")
+    server = uvicorn
+    running = server.admitted_holds("r", 2)
     queued = [RawRequest(server.port, f"/v1/hold?name=q{i}") for i in range(32)]
     wait_counts(server, (2, 32))
     extra = RawRequest(server.port, "/v1/hold?name=x")
@@ -96,9 +87,7 @@ def test_r_a4_admission_timeout_answers_503_and_leaves_nothing_queued(
     start_server: StartServer,
 ) -> None:
     server = start_server("uvicorn", timeout=0.5)
-    held = [RawRequest(server.port, f"/v1/hold?name=h{i}") for i in range(2)]
-    for r in held:
-        r.read_until(b"admitted")
+    held = server.admitted_holds("h", 2)
     late = RawRequest(server.port, "/v1/hold?name=late")
     raw = late.read_all(timeout=15)
     assert raw.startswith(b"HTTP/1.1 503"), raw
@@ -111,13 +100,9 @@ def test_r_a4_admission_timeout_answers_503_and_leaves_nothing_queued(
     wait_counts(server, (0, 0))
 
 
-def test_r_a4_client_that_goes_away_while_waiting_leaves_the_queue_at_once(
-    start_server: StartServer,
-) -> None:
-    server = start_server("uvicorn")
-    held = [RawRequest(server.port, f"/v1/hold?name=h{i}") for i in range(2)]
-    for r in held:
-        r.read_until(b"admitted")
+def test_r_a4_client_that_goes_away_while_waiting_leaves_the_queue_at_once(uvicorn: Server) -> None:
+    server = uvicorn
+    held = server.admitted_holds("h", 2)
     waiter = RawRequest(server.port, "/v1/hold?name=w")
     wait_counts(server, (2, 1))
     before = server.provider()
@@ -135,8 +120,8 @@ def test_r_a4_client_that_goes_away_while_waiting_leaves_the_queue_at_once(
     wait_counts(server, (0, 0))
 
 
-def test_client_gone_mid_stream_releases_the_slot(start_server: StartServer) -> None:
-    server = start_server("uvicorn")
+def test_client_gone_mid_stream_releases_the_slot(uvicorn: Server) -> None:
+    server = uvicorn
     req = RawRequest(server.port, "/v1/hold?name=never")
     req.read_until(b"admitted")
     assert counts(server) == (1, 0)
@@ -298,9 +283,7 @@ def test_r_a1_a_request_that_waited_gets_what_was_read_ahead_unchanged(
     import hashlib
 
     server = start_server("uvicorn")
-    held = [RawRequest(server.port, f"/v1/hold?name=h{i}") for i in range(2)]
-    for r in held:
-        r.read_until(b"admitted")
+    held = server.admitted_holds("h", 2)
     body = os.urandom(300_000)
     waiter = RawRequest(server.port, "/v1/hold?name=w", method="POST", body=body)
     wait_counts(server, (2, 1))

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,8 +12,9 @@ from typing import Any
 
 import httpx
 import pytest
-from asgi_support import listening_socket
-from gwtest import ROOT, run_cli, wait_until
+from asgi_support import EXAMPLES, example_gateway
+from gwtest import run_cli
+from served import Served, gunicorn_argv, serve_app
 
 
 class _Upstream(ThreadingHTTPServer):
@@ -62,63 +61,17 @@ def upstream() -> Iterator[_Upstream]:
 @pytest.fixture
 def gateway(
     tmp_path: Path, upstream: _Upstream, key_file: Path, segment_name: str
-) -> Iterator[tuple[str, Path]]:
-    config = tmp_path / "gateway.json"
-    config.write_text(
-        json.dumps(
-            {
-                "providers": [
-                    {
-                        "id": "local-inference",
-                        "baseUrl": f"http://127.0.0.1:{upstream.server_address[1]}/v1",
-                        "credentialFile": str(key_file),
-                        "maxConcurrent": 2,
-                        "models": {"local-workhorse": "workhorse"},
-                    }
-                ]
-            }
-        )
-    )
-    sock = listening_socket()
-    log = tmp_path / "gateway.log"
-    env = {
-        **os.environ,
-        "GATEWAY_CONFIG": str(config),
-        "GATEWAY_CAPACITY_SEGMENT": segment_name,
-        "GATEWAY_GENERATION": "example-1",
+) -> Iterator[Served]:
+    provider = {
+        "id": "local-inference",
+        "baseUrl": f"http://127.0.0.1:{upstream.server_address[1]}/v1",
+        "credentialFile": str(key_file),
+        "maxConcurrent": 2,
+        "models": {"local-workhorse": "workhorse"},
     }
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "openai_gateway:app",
-                "--app-dir",
-                str(ROOT / "examples"),
-                "--fd",
-                str(sock.fileno()),
-            ],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            pass_fds=(sock.fileno(),),
-        )
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    sock.close()
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        assert wait_until(up, timeout=30, every=0.1), log.read_text()
-        yield base, log
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+    env = {"GATEWAY_GENERATION": "example-1"}
+    with example_gateway(tmp_path, segment_name, provider, env=env) as served:
+        yield served
 
 
 def _counters(segment: str) -> dict[str, int]:
@@ -128,9 +81,9 @@ def _counters(segment: str) -> dict[str, int]:
 
 
 def test_example_gateway_streams_with_the_providers_key_and_the_upstream_model_id(
-    gateway: tuple[str, Path], upstream: _Upstream, key: str, segment_name: str
+    gateway: Served, upstream: _Upstream, key: str, segment_name: str
 ) -> None:
-    base, log = gateway
+    base = gateway.base
     body = {"model": "local-workhorse", "stream": True, "messages": [{"role": "user"}]}
     with httpx.stream(
         "POST",
@@ -152,13 +105,13 @@ def test_example_gateway_streams_with_the_providers_key_and_the_upstream_model_i
     assert [m["id"] for m in models["data"]] == ["local-workhorse"]
     counters = _counters(segment_name)
     assert counters["admitted_total"] == 1 and counters["running"] == 0  # /v1/models: no slot
-    assert key not in log.read_text()  # R-P7
+    assert key not in gateway.output()  # R-P7
 
 
 def test_example_gateway_refuses_unknown_models_and_reports_an_unreachable_provider(
-    gateway: tuple[str, Path], upstream: _Upstream, key: str, segment_name: str
+    gateway: Served, upstream: _Upstream, key: str, segment_name: str
 ) -> None:
-    base, log = gateway
+    base = gateway.base
     body = {"model": "gpt-nonexistent", "messages": []}
     answer = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
     assert answer.status_code == 404
@@ -172,7 +125,7 @@ def test_example_gateway_refuses_unknown_models_and_reports_an_unreachable_provi
     assert answer.json()["error"]["code"] == "upstream_unreachable"
     counters = _counters(segment_name)
     assert counters["running"] == 0 and counters["admitted_total"] == 2  # slots released
-    assert key not in log.read_text()
+    assert key not in gateway.output()
 
 
 @pytest.mark.parametrize("config", ["unset", "missing"])
@@ -182,44 +135,22 @@ def test_example_gateway_without_a_usable_config_halts_gunicorn_with_boot_error_
     """Issue 18 s.5 items 1-2: GATEWAY_CONFIG is required (no silent examples/gateway.json),
     and a worker that cannot start exits 3, gunicorn's worker boot error: the master stops
     with the reason instead of restarting the worker forever."""
-    from asgi_support import gunicorn_no_control_socket
-
     env = {k: v for k, v in os.environ.items() if k != "GATEWAY_CONFIG"}
     if config == "missing":
         env["GATEWAY_CONFIG"] = str(tmp_path / "no-such.json")
-    sock = listening_socket()
-    log = tmp_path / "gunicorn.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gunicorn",
-                "-k",
-                "uvicorn.workers.UvicornWorker",
-                *gunicorn_no_control_socket(),
-                "-w",
-                "2",
-                "--bind",
-                f"fd://{sock.fileno()}",
-                "--chdir",
-                str(ROOT / "examples"),
-                "openai_gateway:app",
-            ],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            pass_fds=(sock.fileno(),),
-            cwd=str(tmp_path),
-        )
-    sock.close()
+    gunicorn = serve_app(
+        lambda sock: gunicorn_argv("openai_gateway:app", EXAMPLES, sock, workers=2),
+        tmp_path / "gunicorn.log",
+        env,
+        cwd=tmp_path,
+    )
     try:
-        code = proc.wait(timeout=60)
+        code = gunicorn.proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = log.read_text()
+        if gunicorn.proc.poll() is None:
+            gunicorn.proc.kill()
+            gunicorn.proc.wait()
+    text = gunicorn.output()
     assert code == 3, text
     reason = "GATEWAY_CONFIG is not set" if config == "unset" else "no-such.json"
     assert any(reason in line and "openai_gateway:" in line for line in text.splitlines()), text

@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from asgi_support import listening_socket
-from gwtest import ROOT, availability, wait_until
+from asgi_support import example_gateway
+from gwtest import availability, wait_until
 
 from capacity_router import SimWorker
 
@@ -51,57 +47,14 @@ def upstream() -> Iterator[SimWorker]:
 
 @pytest.fixture
 def gateway(tmp_path: Path, segment_name: str, upstream: SimWorker) -> Iterator[str]:
-    config = tmp_path / "gateway.json"
-    config.write_text(
-        json.dumps(
-            {
-                "providers": [
-                    {
-                        "id": "local-inference",
-                        "baseUrl": f"{upstream.url}/v1",
-                        "maxConcurrent": 4,
-                        "models": {"local-workhorse": "workhorse"},
-                    }
-                ]
-            }
-        )
-    )
-    sock = listening_socket()
-    log = tmp_path / "gateway.log"
-    env = {**os.environ, "GATEWAY_CONFIG": str(config), "GATEWAY_CAPACITY_SEGMENT": segment_name}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "openai_gateway:app",
-                "--app-dir",
-                str(ROOT / "examples"),
-                "--fd",
-                str(sock.fileno()),
-                "--no-access-log",
-            ],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            pass_fds=(sock.fileno(),),
-        )
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    sock.close()
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        assert wait_until(up, timeout=30, every=0.1), log.read_text()
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+    provider = {
+        "id": "local-inference",
+        "baseUrl": f"{upstream.url}/v1",
+        "maxConcurrent": 4,
+        "models": {"local-workhorse": "workhorse"},
+    }
+    with example_gateway(tmp_path, segment_name, provider, "--no-access-log") as served:
+        yield served.base
 
 
 def test_r_a2_openai_sdk_retries_after_the_estimated_retry_after_mostly_succeed(

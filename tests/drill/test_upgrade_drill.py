@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -66,7 +67,7 @@ def test_upgrade_drill_short_form_keeps_one_budget_across_generations(tmp_path: 
     ]
 
 
-def _drill_with(samples: list[tuple[float, int]]) -> object:
+def _drill_with(samples: list[tuple[float, int]]) -> Any:
     """A Drill whose observer saw these (time, limit) samples; nothing is started."""
     sys.path.insert(0, str(ROOT / "drill"))
     import io
@@ -78,6 +79,14 @@ def _drill_with(samples: list[tuple[float, int]]) -> object:
     drill.t0 = 1000.0
     drill.samples = [Sample(t, "p", lim, "discovered", 0, 0, {}, {}, 0, 0) for t, lim in samples]
     return drill
+
+
+def _check_inflight() -> Any:
+    """drill_checks.check_inflight, the check of R-A1 at the upstream by each grant."""
+    sys.path.insert(0, str(ROOT / "drill"))
+    from drill_checks import check_inflight
+
+    return check_inflight
 
 
 def _arrive(n: int, request: int, asked: float, granted: float) -> list[object]:
@@ -95,9 +104,10 @@ def test_r_a1_drill_check_judges_each_rise_by_the_limit_in_force_at_its_grants()
     samples = [(0.0, 3), (1.0, 3), (2.0, 2), (3.0, 2), (4.0, 2)]
     late = [_arrive(1, 1, 0.1, 0.1), _arrive(2, 2, 0.2, 0.2), _arrive(3, 3, 0.9, 0.95)]
     drill = _drill_with(samples)
-    drill.check_inflight(late)  # type: ignore[attr-defined]
-    assert drill.problems == [], drill.problems  # type: ignore[attr-defined]
-    assert drill.figures["upstream_rises_checked"] == 3  # type: ignore[attr-defined]
+    check_inflight = _check_inflight()
+    check_inflight(drill, late)
+    assert drill.problems == [], drill.problems
+    assert drill.figures["upstream_rises_checked"] == 3
     broken = [
         _arrive(1, 1, 2.5, 2.5),
         _arrive(2, 2, 2.6, 2.6),
@@ -106,8 +116,8 @@ def test_r_a1_drill_check_judges_each_rise_by_the_limit_in_force_at_its_grants()
         _arrive(3, 4, 3.3, 3.4),  # 3 in flight, every grant under limit 2: R-A1 broke
     ]
     drill = _drill_with(samples)
-    drill.check_inflight(broken)  # type: ignore[attr-defined]
-    assert len(drill.problems) == 1 and "R-A1" in drill.problems[0]  # type: ignore[attr-defined]
+    check_inflight(drill, broken)
+    assert len(drill.problems) == 1 and "R-A1" in drill.problems[0]
     drill = _drill_with(samples)
-    drill.check_inflight([[0.0, "admitted", 1, 1, None, None]])  # type: ignore[attr-defined]
-    assert "ungranted" in drill.problems[0]  # type: ignore[attr-defined]
+    check_inflight(drill, [[0.0, "admitted", 1, 1, None, None]])
+    assert "ungranted" in drill.problems[0]

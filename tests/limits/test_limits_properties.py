@@ -78,6 +78,21 @@ def probe_of(replicas: list[ReplicaResult]) -> ProviderProbe:
     return ProviderProbe(PID, tuple(replicas))
 
 
+Decided = tuple[ProviderRules, LimitDecision]
+
+
+@st.composite
+def decided(draw: st.DrawFn, *, active: bool | None = None) -> Decided:
+    """Any rules (``active``: discovery accepted or not), up to 4 replicas' answers or
+    failures, any previous decision, a legacy drain or none: the rules and the decision
+    they give at NOW."""
+    r = draw(rules_st(active=active))
+    reps = draw(st.lists(replica, max_size=4))
+    prev = draw(previous_st())
+    drain = draw(st.booleans())
+    return r, decide(r, probe_of(reps), prev, NOW, legacy_draining=drain)
+
+
 def fallback(r: ProviderRules) -> int:
     if r.provider_max is not None:
         return r.provider_max
@@ -95,22 +110,18 @@ def capped(value: int, r: ProviderRules) -> int:
     return value if r.provider_max is None else min(value, r.provider_max)
 
 
-@given(rules_st(), st.lists(replica, max_size=4), previous_st(), st.booleans())
-def test_r_l4_discovered_limit_never_exceeds_64(
-    r: ProviderRules, reps: list[ReplicaResult], prev: LimitDecision | None, drain: bool
-) -> None:
-    got = decide(r, probe_of(reps), prev, NOW, legacy_draining=drain)
+@given(decided())
+def test_r_l4_discovered_limit_never_exceeds_64(case: Decided) -> None:
+    _, got = case
     if got.source == "discovered":
         assert got.effective_limit <= DISCOVERED_CAP
     if got.discovered is not None:
         assert got.discovered <= DISCOVERED_CAP
 
 
-@given(rules_st(), st.lists(replica, max_size=4), previous_st(), st.booleans())
-def test_r_l4_limit_never_exceeds_provider_max_when_set(
-    r: ProviderRules, reps: list[ReplicaResult], prev: LimitDecision | None, drain: bool
-) -> None:
-    got = decide(r, probe_of(reps), prev, NOW, legacy_draining=drain)
+@given(decided())
+def test_r_l4_limit_never_exceeds_provider_max_when_set(case: Decided) -> None:
+    r, got = case
     if r.provider_max is not None:
         assert got.effective_limit <= r.provider_max
         assert got.discovered is None or got.discovered <= r.provider_max
@@ -197,19 +208,15 @@ def test_r_g3_drain_is_0_for_opted_in_and_changes_nothing_else(
         assert drained == normal
 
 
-@given(rules_st(active=False), st.lists(replica, max_size=4), previous_st(), st.booleans())
-def test_r_l1_without_discovery_always_the_fallback(
-    r: ProviderRules, reps: list[ReplicaResult], prev: LimitDecision | None, drain: bool
-) -> None:
-    got = decide(r, probe_of(reps), prev, NOW, legacy_draining=drain)
+@given(decided(active=False))
+def test_r_l1_without_discovery_always_the_fallback(case: Decided) -> None:
+    r, got = case
     assert (got.effective_limit, got.source) == (fallback(r), got.fallback_source)
 
 
-@given(rules_st(), st.lists(replica, max_size=4), previous_st(), st.booleans())
-def test_r_l7_every_discovered_limit_expires_30s_after_its_oldest_snapshot(
-    r: ProviderRules, reps: list[ReplicaResult], prev: LimitDecision | None, drain: bool
-) -> None:
-    got = decide(r, probe_of(reps), prev, NOW, legacy_draining=drain)
+@given(decided())
+def test_r_l7_every_discovered_limit_expires_30s_after_its_oldest_snapshot(case: Decided) -> None:
+    _, got = case
     if got.source == "legacy_drain":
         assert got.expires_at == NOW + 30  # asserted by the sidecar, not observed (R-G3)
     elif got.discovered is not None:

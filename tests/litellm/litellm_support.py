@@ -6,20 +6,16 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
-import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from gwtest import ROOT, availability, wait_until
+import served
+from gwtest import ROOT, availability
+from served import Served, serve_app, uvicorn_argv
 
 PROVIDER = "local-inference"
 ALIAS = "local-workhorse"  # LiteLLM's model_name = the gateway alias
@@ -113,16 +109,6 @@ def upstream() -> Iterator[HoldingUpstream]:
     server.server_close()
 
 
-@dataclass
-class Served:
-    proc: subprocess.Popen[bytes]
-    base: str
-    log: Path
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
 @pytest.fixture
 def gateway_config(tmp_path: Path, upstream: HoldingUpstream, key_file: Path) -> Path:
     """One provider, limit 2, naming LiteLLM's model_name as its alias."""
@@ -167,15 +153,6 @@ def litellm_yaml(directory: Path, upstream: HoldingUpstream, callback: bool) -> 
     return path
 
 
-def _listening() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(256)
-    sock.set_inheritable(True)
-    return sock
-
-
 StartServed = Callable[..., Served]
 
 
@@ -188,8 +165,6 @@ def serve(tmp_path: Path, segment_name: str, gateway_config: Path) -> Iterator[S
     def start(
         app: str, app_dir: Path, *, workers: int = 1, env: dict[str, str] | None = None
     ) -> Served:
-        sock = _listening()
-        log = tmp_path / f"serve-{len(started)}.log"
         full_env = {
             **os.environ,
             "GATEWAY_CONFIG": str(gateway_config),
@@ -199,53 +174,22 @@ def serve(tmp_path: Path, segment_name: str, gateway_config: Path) -> Iterator[S
             "PYTHONPATH": str(ROOT),
             **(env or {}),
         }
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "uvicorn",
-                    app,
-                    "--app-dir",
-                    str(app_dir),
-                    "--fd",
-                    str(sock.fileno()),
-                    "--workers",
-                    str(workers),
-                    "--no-access-log",
-                ],
-                env=full_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                pass_fds=(sock.fileno(),),
-                cwd=str(tmp_path),
-                start_new_session=True,
-            )
-        served = Served(proc, f"http://127.0.0.1:{sock.getsockname()[1]}", log)
-        sock.close()
-        started.append(served)
-
-        def up() -> bool:
-            for path in ("/health/liveliness", "/healthz"):
-                try:
-                    if httpx.get(served.base + path, timeout=2).status_code == 200:
-                        return True
-                except httpx.HTTPError:
-                    pass
-            return False
-
-        assert wait_until(up, timeout=90, every=0.25), served.output()[-3000:]
-        return served
+        options = ("--workers", str(workers), "--no-access-log")
+        server = serve_app(
+            lambda sock: uvicorn_argv(app, app_dir, sock, *options),
+            tmp_path / f"serve-{len(started)}.log",
+            full_env,
+            cwd=tmp_path,
+            new_session=True,
+            backlog=256,
+        )
+        started.append(server)
+        server.wait_healthy(("/health/liveliness", "/healthz"), timeout=90, every=0.25)
+        return server
 
     yield start
-    for served in started:
-        if served.proc.poll() is None:
-            os.killpg(served.proc.pid, signal.SIGTERM)
-        try:
-            served.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(served.proc.pid, signal.SIGKILL)
-            served.proc.wait()
+    for server in started:
+        server.stop(timeout=30)
 
 
 def counts(segment: str) -> tuple[int, int]:
@@ -254,10 +198,4 @@ def counts(segment: str) -> tuple[int, int]:
 
 
 def wait_counts(segment: str, expect: tuple[int, int], timeout: float = 30) -> None:
-    seen: list[tuple[int, int]] = []
-
-    def check() -> bool:
-        seen.append(counts(segment))
-        return seen[-1] == expect
-
-    assert wait_until(check, timeout=timeout, every=0.2), f"want {expect}, last {seen[-3:]}"
+    served.wait_counts(lambda: counts(segment), expect, timeout, every=0.2)

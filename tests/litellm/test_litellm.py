@@ -30,6 +30,7 @@ from litellm_support import (
     litellm_yaml,
     wait_counts,
 )
+from served import Served
 
 MISSING = [m for m in ("litellm", "fastapi", "openai") if importlib.util.find_spec(m) is None]
 if MISSING:
@@ -51,6 +52,21 @@ def completion(base: str, key: str, stream: bool = False) -> httpx.Response:
     )
 
 
+@pytest.fixture
+def wrapped_proxy(
+    serve: StartServed, upstream: HoldingUpstream, tmp_path: Path, master_key: str
+) -> Served:
+    """examples/litellm_proxy.py: LiteLLM's proxy behind the middleware
+    (``provider=by_model``), under uvicorn with two workers."""
+    config = litellm_yaml(tmp_path, upstream, callback=False)
+    return serve(
+        "litellm_proxy:app",
+        EXAMPLES,
+        workers=2,
+        env={"CONFIG_FILE_PATH": str(config), "LITELLM_MASTER_KEY": master_key},
+    )
+
+
 def holder_pids(segment: str) -> set[int]:
     doc = json.loads(run_cli("inspect", "--segment", segment, "--json").stdout)
     return {h["pid"] for h in doc["holders"]}
@@ -58,19 +74,9 @@ def holder_pids(segment: str) -> set[int]:
 
 @pytest.mark.timeout(300)  # LiteLLM's import alone is seconds of CPU per worker
 def test_r_a1_r_a2_litellm_proxy_wrapped_two_uvicorn_workers_one_budget_and_429_beyond_the_queue(
-    serve: StartServed,
-    upstream: HoldingUpstream,
-    tmp_path: Path,
-    master_key: str,
-    segment_name: str,
+    wrapped_proxy: Served, upstream: HoldingUpstream, master_key: str, segment_name: str
 ) -> None:
-    config = litellm_yaml(tmp_path, upstream, callback=False)
-    proxy = serve(
-        "litellm_proxy:app",
-        EXAMPLES,
-        workers=2,
-        env={"CONFIG_FILE_PATH": str(config), "LITELLM_MASTER_KEY": master_key},
-    )
+    proxy = wrapped_proxy
     with ThreadPoolExecutor(40) as pool:
         answers: list[Future[httpx.Response]] = []
         for _ in range(34):  # 2 run, 32 wait: across both workers, one budget
@@ -97,19 +103,9 @@ def test_r_a1_r_a2_litellm_proxy_wrapped_two_uvicorn_workers_one_budget_and_429_
 
 @pytest.mark.timeout(300)  # LiteLLM's import alone is seconds of CPU per worker
 def test_r_a4_litellm_proxy_wrapped_a_client_leaving_mid_stream_or_while_waiting_frees_its_slot(
-    serve: StartServed,
-    upstream: HoldingUpstream,
-    tmp_path: Path,
-    master_key: str,
-    segment_name: str,
+    wrapped_proxy: Served, upstream: HoldingUpstream, master_key: str, segment_name: str
 ) -> None:
-    config = litellm_yaml(tmp_path, upstream, callback=False)
-    proxy = serve(
-        "litellm_proxy:app",
-        EXAMPLES,
-        workers=2,
-        env={"CONFIG_FILE_PATH": str(config), "LITELLM_MASTER_KEY": master_key},
-    )
+    proxy = wrapped_proxy
     port = int(proxy.base.rsplit(":", 1)[1])
     body = json.dumps({"model": ALIAS, "stream": True, "messages": [{"role": "user"}]})
     raw = (

@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "router"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "sidecar"))
 
-from router_support import worker, write_registry
+from router_support import serve_args, worker, write_registry
 from sidecar_e2e import SidecarProc, wait_doc
 
 from capacity_router import SimWorker
@@ -121,24 +121,9 @@ def test_router_serve_takes_log_format_and_timestamps_its_lines(
     sim.start()
     registry = tmp_path / "workers.json"
     write_registry(registry, [worker("w1", [sim.url], ["workhorse"])])
+    argv = [sys.executable, "-m", "gateway_capacity", "router", *serve_args(registry, key_file)]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gateway_capacity",
-            "router",
-            "serve",
-            "--workers",
-            str(registry),
-            "--key-file",
-            str(key_file),
-            "--listen",
-            "127.0.0.1:0",
-            "--poll",
-            "0.2",
-            "--log-format",
-            fmt,
-        ],
+        [*argv, "--poll", "0.2", "--log-format", fmt],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

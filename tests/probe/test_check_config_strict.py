@@ -4,21 +4,29 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from gwtest import run_cli
 
 from shm_layout.names import segment_name_for_config
 
-
-def _write(path: Path, doc: object) -> Path:
-    path.write_text(json.dumps(doc))
-    return path
+WriteConfig = Callable[..., Path]
 
 
-def test_strict_exits_1_and_lists_every_problem_of_a_provider(tmp_path: Path) -> None:
-    cfg = _write(
-        tmp_path / "gateway.json",
+def _on_loopback(credential_file: Path) -> dict[str, object]:
+    """A provider opting in to discovery on loopback, with this key file."""
+    return {
+        "id": "loop",
+        "capacityDiscovery": True,
+        "baseUrl": "http://127.0.0.1:9/v1",
+        "credentialFile": str(credential_file),
+        "models": {"a": "workhorse"},
+    }
+
+
+def test_strict_exits_1_and_lists_every_problem_of_a_provider(write_config: WriteConfig) -> None:
+    cfg = write_config(
         {
             "providers": [
                 {
@@ -50,21 +58,16 @@ def test_strict_exits_1_and_lists_every_problem_of_a_provider(tmp_path: Path) ->
     assert len(broken["problems"]) == 4 and not broken["discovery_active"]
 
 
-def test_strict_exits_0_when_every_requested_discovery_is_possible(tmp_path: Path) -> None:
+def test_strict_exits_0_when_every_requested_discovery_is_possible(
+    tmp_path: Path, write_config: WriteConfig
+) -> None:
     key = tmp_path / "k.key"
     key.write_text("sk-strict-ok\n")
     key.chmod(0o600)
-    cfg = _write(
-        tmp_path / "gateway.json",
+    cfg = write_config(
         {
             "providers": [
-                {
-                    "id": "loop",
-                    "capacityDiscovery": True,
-                    "baseUrl": "http://127.0.0.1:9/v1",
-                    "credentialFile": str(key),
-                    "models": {"a": "workhorse"},
-                },
+                _on_loopback(key),
                 {"id": "static"},
             ]
         },
@@ -74,28 +77,17 @@ def test_strict_exits_0_when_every_requested_discovery_is_possible(tmp_path: Pat
     assert "loop: discovery would be ACTIVE" in out.stdout
 
 
-def test_strict_counts_a_key_file_it_cannot_read(tmp_path: Path) -> None:
-    cfg = _write(
-        tmp_path / "gateway.json",
-        {
-            "providers": [
-                {
-                    "id": "loop",
-                    "capacityDiscovery": True,
-                    "baseUrl": "http://127.0.0.1:9/v1",
-                    "credentialFile": str(tmp_path / "missing.key"),
-                    "models": {"a": "workhorse"},
-                }
-            ]
-        },
+def test_strict_counts_a_key_file_it_cannot_read(tmp_path: Path, write_config: WriteConfig) -> None:
+    cfg = write_config(
+        {"providers": [_on_loopback(tmp_path / "missing.key")]},
     )
     out = run_cli("check-config", "--config", str(cfg), "--strict")
     assert out.returncode == 1
     assert "credential_error:" in out.stdout and "missing.key" in out.stdout
 
 
-def test_check_config_names_the_segment_and_what_it_derives_from(tmp_path: Path) -> None:
-    cfg = _write(tmp_path / "gateway.json", {"providers": [{"id": "p"}]})
+def test_check_config_names_the_segment_and_what_it_derives_from(write_config: WriteConfig) -> None:
+    cfg = write_config({"providers": [{"id": "p"}]})
     env = {k: v for k, v in os.environ.items() if k != "GATEWAY_CAPACITY_SEGMENT"}
     out = run_cli("check-config", "--config", str(cfg), env=env)
     assert out.returncode == 0, out.stderr

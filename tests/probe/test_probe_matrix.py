@@ -55,14 +55,24 @@ def probe_with(
     return result.replicas[0], srv
 
 
+Probe = Callable[..., tuple[ReplicaResult, RawServer]]
+
+
+@pytest.fixture
+def probe(make_provider: MakeProvider, no_tailscaled: str) -> Probe:
+    """``probe(handler, **options)``: the one replica of a provider on a loopback server
+    answering with ``handler``, probed once (no tailscaled); :func:`probe_with`."""
+    return lambda handler, **kwargs: probe_with(handler, make_provider, no_tailscaled, **kwargs)
+
+
 # --- success and the request we send (R-P2) ---------------------------------
 
 
 def test_r_p2_valid_snapshot_is_ok_and_request_is_exactly_get_capacity_with_bearer(
-    make_provider: MakeProvider, no_tailscaled: str, key: str
+    probe: Probe, key: str
 ) -> None:
     doc = snapshot(NOW - 1, [{"id": "workhorse", "max_concurrent_requests": 20}])
-    replica, srv = probe_with(fixed(200, body_of(doc)), make_provider, no_tailscaled, path="/v1/")
+    replica, srv = probe(fixed(200, body_of(doc)), path="/v1/")
     assert replica.reason == "ok" and replica.ok
     assert replica.address == "127.0.0.1"
     assert replica.complete is True
@@ -76,36 +86,28 @@ def test_r_p2_valid_snapshot_is_ok_and_request_is_exactly_get_capacity_with_bear
     assert req.headers["host"] == srv.netloc
 
 
-def test_r_p2_base_url_without_path_probes_slash_capacity(
-    make_provider: MakeProvider, no_tailscaled: str
-) -> None:
-    replica, srv = probe_with(
-        fixed(200, body_of(snapshot(NOW))), make_provider, no_tailscaled, path=""
-    )
+def test_r_p2_base_url_without_path_probes_slash_capacity(probe: Probe) -> None:
+    replica, srv = probe(fixed(200, body_of(snapshot(NOW))), path="")
     assert replica.ok
     assert srv.requests[0].target == "/capacity"
 
 
-def test_r_k6_unknown_fields_in_snapshot_and_rows_are_ignored(
-    make_provider: MakeProvider, no_tailscaled: str
-) -> None:
+def test_r_k6_unknown_fields_in_snapshot_and_rows_are_ignored(probe: Probe) -> None:
     doc = snapshot(NOW, [{"id": "workhorse", "max_concurrent_requests": 3, "extra": [1]}])
     doc["future_field"] = {"x": 1}
-    replica, _ = probe_with(fixed(200, body_of(doc)), make_provider, no_tailscaled)
+    replica, _ = probe(fixed(200, body_of(doc)))
     assert replica.ok and replica.models == {"workhorse": 3}
 
 
-def test_r_k1_incomplete_snapshot_is_ok_with_complete_false(
-    make_provider: MakeProvider, no_tailscaled: str
-) -> None:
+def test_r_k1_incomplete_snapshot_is_ok_with_complete_false(probe: Probe) -> None:
     doc = snapshot(NOW, complete=False)
-    replica, _ = probe_with(fixed(200, body_of(doc)), make_provider, no_tailscaled)
+    replica, _ = probe(fixed(200, body_of(doc)))
     assert replica.ok and replica.complete is False
 
 
-def test_r_k2_exactly_128_rows_is_valid(make_provider: MakeProvider, no_tailscaled: str) -> None:
+def test_r_k2_exactly_128_rows_is_valid(probe: Probe) -> None:
     rows = [{"id": f"m{i}", "max_concurrent_requests": i % 4097} for i in range(128)]
-    replica, _ = probe_with(fixed(200, body_of(snapshot(NOW, rows))), make_provider, no_tailscaled)
+    replica, _ = probe(fixed(200, body_of(snapshot(NOW, rows))))
     assert replica.ok and len(replica.models) == 128
 
 
@@ -123,17 +125,13 @@ def bearer_checking(key: str) -> Any:
     return handler
 
 
-def test_r_p2_server_checking_the_bearer_accepts_our_key(
-    make_provider: MakeProvider, no_tailscaled: str, key: str
-) -> None:
-    replica, _ = probe_with(bearer_checking(key), make_provider, no_tailscaled)
+def test_r_p2_server_checking_the_bearer_accepts_our_key(probe: Probe, key: str) -> None:
+    replica, _ = probe(bearer_checking(key))
     assert replica.ok
 
 
-def test_r_p2_server_checking_the_bearer_refuses_another_key_as_auth_failed(
-    make_provider: MakeProvider, no_tailscaled: str
-) -> None:
-    replica, _ = probe_with(bearer_checking("another-key"), make_provider, no_tailscaled)
+def test_r_p2_server_checking_the_bearer_refuses_another_key_as_auth_failed(probe: Probe) -> None:
+    replica, _ = probe(bearer_checking("another-key"))
     assert (replica.reason, replica.detail) == ("auth_failed", "http_401")
 
 
@@ -150,16 +148,16 @@ def test_r_p2_server_checking_the_bearer_refuses_another_key_as_auth_failed(
     ],
 )
 def test_r_l5_non_2xx_statuses_map_to_closed_reasons(
-    make_provider: MakeProvider, no_tailscaled: str, status: int, reason: str, detail: str
+    probe: Probe, status: int, reason: str, detail: str
 ) -> None:
-    replica, _ = probe_with(fixed(status, b'{"error":"x"}'), make_provider, no_tailscaled)
+    replica, _ = probe(fixed(status, b'{"error":"x"}'))
     assert (replica.reason, replica.detail) == (reason, detail)
     assert not replica.ok
 
 
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
 def test_r_p4_redirect_is_refused_and_location_gets_nothing(
-    make_provider: MakeProvider, no_tailscaled: str, status: int
+    probe: Probe, make_provider: MakeProvider, no_tailscaled: str, status: int
 ) -> None:
     async def scenario() -> tuple[ProviderProbe, RawServer]:
         async with RawServer(fixed(200, body_of(snapshot(NOW)))) as target:
@@ -189,33 +187,27 @@ def test_r_l5_closed_port_is_unreachable(make_provider: MakeProvider, no_tailsca
     assert replica.detail.startswith(f"http://127.0.0.1:{port}/v1/capacity: ConnectError")
 
 
-def test_r_l5_server_closing_without_answer_is_unreachable(
-    make_provider: MakeProvider, no_tailscaled: str
-) -> None:
+def test_r_l5_server_closing_without_answer_is_unreachable(probe: Probe) -> None:
     async def hang_up(_req: Request, writer: asyncio.StreamWriter) -> None:
         writer.close()
 
-    replica, _ = probe_with(hang_up, make_provider, no_tailscaled)
+    replica, _ = probe(hang_up)
     assert replica.reason == "unreachable"
 
 
-def test_r_l5_garbage_instead_of_http_is_unreachable(
-    make_provider: MakeProvider, no_tailscaled: str
-) -> None:
+def test_r_l5_garbage_instead_of_http_is_unreachable(probe: Probe) -> None:
     async def garbage(_req: Request, writer: asyncio.StreamWriter) -> None:
         writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
         await writer.drain()
 
-    replica, _ = probe_with(garbage, make_provider, no_tailscaled)
+    replica, _ = probe(garbage)
     assert replica.reason == "unreachable"
 
 
 # --- body size (R-P6) -------------------------------------------------------------
 
 
-def test_r_p6_oversize_content_length_is_refused_without_waiting_for_the_body(
-    make_provider: MakeProvider, no_tailscaled: str
-) -> None:
+def test_r_p6_oversize_content_length_is_refused_without_waiting_for_the_body(probe: Probe) -> None:
     async def promise_big(_req: Request, writer: asyncio.StreamWriter) -> None:
         # announces 70000 bytes, sends 10 and then holds the connection open: a probe
         # that read the body would run into the deadline instead of refusing at once
@@ -224,7 +216,7 @@ def test_r_p6_oversize_content_length_is_refused_without_waiting_for_the_body(
         await writer.drain()
         await asyncio.sleep(30)
 
-    replica, _ = probe_with(promise_big, make_provider, no_tailscaled)
+    replica, _ = probe(promise_big)
     assert replica.reason == "too_large"
     assert "Content-Length 70000" in replica.detail
 
@@ -265,16 +257,12 @@ def _padded_body(size: int) -> bytes:
     return body + b" " * (size - len(body))
 
 
-def test_r_p6_body_of_exactly_64_kib_is_accepted(
-    make_provider: MakeProvider, no_tailscaled: str
-) -> None:
-    replica, _ = probe_with(fixed(200, _padded_body(MAX_BODY_BYTES)), make_provider, no_tailscaled)
+def test_r_p6_body_of_exactly_64_kib_is_accepted(probe: Probe) -> None:
+    replica, _ = probe(fixed(200, _padded_body(MAX_BODY_BYTES)))
     assert replica.ok
 
 
-def test_r_p6_chunked_body_one_byte_over_64_kib_is_refused(
-    make_provider: MakeProvider, no_tailscaled: str
-) -> None:
+def test_r_p6_chunked_body_one_byte_over_64_kib_is_refused(probe: Probe) -> None:
     body = _padded_body(MAX_BODY_BYTES + 1)
 
     async def chunked(_req: Request, writer: asyncio.StreamWriter) -> None:
@@ -285,16 +273,12 @@ def test_r_p6_chunked_body_one_byte_over_64_kib_is_refused(
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 
-    replica, _ = probe_with(chunked, make_provider, no_tailscaled)
+    replica, _ = probe(chunked)
     assert replica.reason == "too_large"
 
 
-def test_r_p6_compressed_body_is_refused_as_invalid(
-    make_provider: MakeProvider, no_tailscaled: str
-) -> None:
-    replica, _ = probe_with(
-        fixed(200, b"\x1f\x8b\x08\x00", {"Content-Encoding": "gzip"}), make_provider, no_tailscaled
-    )
+def test_r_p6_compressed_body_is_refused_as_invalid(probe: Probe) -> None:
+    replica, _ = probe(fixed(200, b"\x1f\x8b\x08\x00", {"Content-Encoding": "gzip"}))
     assert replica.reason == "invalid"
 
 
@@ -344,10 +328,8 @@ INVALID_BODIES: dict[str, bytes] = {
 
 
 @pytest.mark.parametrize("case", sorted(INVALID_BODIES))
-def test_r_k1_k3_invalid_snapshot_is_invalid(
-    make_provider: MakeProvider, no_tailscaled: str, case: str
-) -> None:
-    replica, _ = probe_with(fixed(200, INVALID_BODIES[case]), make_provider, no_tailscaled)
+def test_r_k1_k3_invalid_snapshot_is_invalid(probe: Probe, case: str) -> None:
+    replica, _ = probe(fixed(200, INVALID_BODIES[case]))
     assert replica.reason == "invalid", (case, replica)
     assert replica.detail  # says why
     assert replica.models == {}
@@ -363,11 +345,9 @@ def test_r_k1_k3_invalid_snapshot_is_invalid(
     ],
 )
 def test_r_k4_freshness_against_the_sidecar_clock(
-    make_provider: MakeProvider, no_tailscaled: str, observed_at: float, reason: str
+    probe: Probe, observed_at: float, reason: str
 ) -> None:
-    replica, _ = probe_with(
-        fixed(200, body_of(snapshot(observed_at))), make_provider, no_tailscaled
-    )
+    replica, _ = probe(fixed(200, body_of(snapshot(observed_at))))
     assert replica.reason == reason
     assert replica.observed_at == observed_at
 
@@ -387,25 +367,21 @@ async def drip(_req: Request, writer: asyncio.StreamWriter) -> None:
         await asyncio.sleep(0.5)
 
 
-def test_r_p5_dripping_server_ends_at_the_three_second_deadline(
-    make_provider: MakeProvider, no_tailscaled: str
-) -> None:
+def test_r_p5_dripping_server_ends_at_the_three_second_deadline(probe: Probe) -> None:
     started = time.monotonic()
-    replica, srv = probe_with(drip, make_provider, no_tailscaled)
+    replica, srv = probe(drip)
     elapsed = time.monotonic() - started
     assert replica.reason == "timeout"
     assert len(srv.requests) == 1
     assert 2.5 <= elapsed <= 5.0, elapsed
 
 
-def test_r_p5_server_that_never_answers_times_out(
-    make_provider: MakeProvider, no_tailscaled: str
-) -> None:
+def test_r_p5_server_that_never_answers_times_out(probe: Probe) -> None:
     async def silent(_req: Request, _writer: asyncio.StreamWriter) -> None:
         await asyncio.sleep(30)
 
     started = time.monotonic()
-    replica, _ = probe_with(silent, make_provider, no_tailscaled)
+    replica, _ = probe(silent)
     assert replica.reason == "timeout"
     assert 2.5 <= time.monotonic() - started <= 5.0
 
@@ -472,12 +448,8 @@ def test_r_p5_hung_resolver_cannot_hold_the_deadline_hostage(
 # --- IPv6 loopback --------------------------------------------------------------------
 
 
-def test_r_p1_ipv6_loopback_provider_is_probed_at_its_literal(
-    make_provider: MakeProvider, no_tailscaled: str, key: str
-) -> None:
-    replica, srv = probe_with(
-        fixed(200, body_of(snapshot(NOW))), make_provider, no_tailscaled, host="::1"
-    )
+def test_r_p1_ipv6_loopback_provider_is_probed_at_its_literal(probe: Probe, key: str) -> None:
+    replica, srv = probe(fixed(200, body_of(snapshot(NOW))), host="::1")
     assert replica.ok and replica.address == "::1"
     assert srv.requests[0].headers["host"] == f"[::1]:{srv.port}"
     assert srv.requests[0].headers["authorization"] == f"Bearer {key}"
@@ -500,7 +472,7 @@ def test_r_p9_key_is_read_for_every_probe_so_rotation_needs_no_restart(
 
 
 def test_r_p1_provider_not_opted_in_is_not_probed(
-    make_provider: MakeProvider, no_tailscaled: str
+    probe: Probe, make_provider: MakeProvider, no_tailscaled: str
 ) -> None:
     result, srv = asyncio.run(
         _probe(
@@ -513,10 +485,8 @@ def test_r_p1_provider_not_opted_in_is_not_probed(
     assert srv.connections == 0
 
 
-def test_json_dump_of_results_is_possible_for_the_cli(
-    make_provider: MakeProvider, no_tailscaled: str
-) -> None:
-    replica, _ = probe_with(fixed(200, body_of(snapshot(NOW))), make_provider, no_tailscaled)
+def test_json_dump_of_results_is_possible_for_the_cli(probe: Probe) -> None:
+    replica, _ = probe(fixed(200, body_of(snapshot(NOW))))
     assert json.loads(json.dumps({"reason": replica.reason, "models": replica.models}))
 
 

@@ -62,6 +62,15 @@ def _first_line(proc: subprocess.Popen[str], timeout: float = 20.0) -> str:
     return proc.stdout.readline().strip()
 
 
+def _start(processes: list[subprocess.Popen[str]], *args: str) -> tuple[subprocess.Popen[str], str]:
+    """``gateway-capacity ARGS`` as a server (kept in ``processes``) and its first line."""
+    proc = subprocess.Popen(
+        [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    processes.append(proc)
+    return proc, _first_line(proc)
+
+
 @pytest.fixture
 def processes() -> Iterator[list[subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []
@@ -91,14 +100,7 @@ def test_router_simworker_from_the_shell_serves_what_the_router_sums(
 
     urls = []
     for _ in range(2):
-        proc = subprocess.Popen(
-            [*CLI, "router", "simworker", "--slots", "10", "--port", "0"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        processes.append(proc)
-        line = _first_line(proc)
+        _, line = _start(processes, "router", "simworker", "--slots", "10", "--port", "0")
         assert line.startswith("simulated worker on http://127.0.0.1:"), line
         urls.append(line.split()[3])
 
@@ -106,15 +108,10 @@ def test_router_simworker_from_the_shell_serves_what_the_router_sums(
     for entry, url in zip(registry["workers"], urls, strict=True):
         entry["urls"] = [url]  # the example's fixed ports, moved to the ones just bound
     (tmp_path / "workers.json").write_text(json.dumps(registry))
-    router = subprocess.Popen(
-        [*CLI, "router", "serve", "--workers", str(tmp_path / "workers.json"),
-         "--key-file", str(key_file), "--listen", "127.0.0.1:0", "--poll", "0.2"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    _, line = _start(
+        processes, "router", "serve", "--workers", str(tmp_path / "workers.json"),
+        "--key-file", str(key_file), "--listen", "127.0.0.1:0", "--poll", "0.2",
     )  # fmt: skip
-    processes.append(router)
-    line = _first_line(router)
     assert line.startswith("serving http://127.0.0.1:"), line
     base = line.removeprefix("serving ").removesuffix("/v1/capacity")
 
@@ -167,15 +164,10 @@ def test_router_simworker_openai_is_an_upstream_to_try_the_gateway_and_wait_for_
 
     import httpx
 
-    proc = subprocess.Popen(
-        [*CLI, "router", "simworker", "--slots", "1", "--openai", "--delay", "2",
-         "--model", "workhorse", "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    _, line = _start(
+        processes, "router", "simworker", "--slots", "1", "--openai", "--delay", "2",
+        "--model", "workhorse", "--port", "0",
     )  # fmt: skip
-    processes.append(proc)
-    line = _first_line(proc)
     assert "POST /v1/chat/completions" in line and "/upstream/workhorse/metrics" in line, line
     base = line.split()[3]
     ask = {"model": "workhorse", "max_tokens": 2, "messages": [{"role": "user"}]}

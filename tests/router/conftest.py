@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # router_support, under --import-mode=importlib
 
+from gwtest import stopped_at_exit
 from router_support import KEY, ScriptedServer, write_registry
 
 from capacity_router import RouterServer, SimWorker
@@ -33,51 +34,37 @@ def registry_path(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def sim() -> Iterator[Callable[..., SimWorker]]:
-    started: list[SimWorker] = []
+    with stopped_at_exit(SimWorker.stop) as keep:
 
-    def make(slots: int = 10, host: str = "127.0.0.1") -> SimWorker:
-        w = SimWorker(slots=slots, host=host)
-        w.start()
-        started.append(w)
-        return w
+        def make(slots: int = 10, host: str = "127.0.0.1") -> SimWorker:
+            w = SimWorker(slots=slots, host=host)
+            w.start()
+            return keep(w)
 
-    yield make
-    for w in started:
-        w.stop()
+        yield make
 
 
 @pytest.fixture
 def router(registry_path: Path, key_file: Path) -> Iterator[Callable[..., RouterServer]]:
-    started: list[RouterServer] = []
+    with stopped_at_exit(RouterServer.stop) as keep:
 
-    def make(
-        workers: list[dict[str, Any]] | None = None,
-        poll_interval: float = 0.2,
-        poll_timeout: float = 1.0,
-    ) -> RouterServer:
-        if workers is not None:
-            write_registry(registry_path, workers)
-        r = RouterServer(
-            registry_path, key_file, poll_interval=poll_interval, poll_timeout=poll_timeout
-        )
-        r.start()
-        started.append(r)
-        return r
+        def make(
+            workers: list[dict[str, Any]] | None = None,
+            poll_interval: float = 0.2,
+            poll_timeout: float = 1.0,
+        ) -> RouterServer:
+            if workers is not None:
+                write_registry(registry_path, workers)
+            r = RouterServer(
+                registry_path, key_file, poll_interval=poll_interval, poll_timeout=poll_timeout
+            )
+            r.start()
+            return keep(r)
 
-    yield make
-    for r in started:
-        r.stop()
+        yield make
 
 
 @pytest.fixture
 def scripted() -> Iterator[Callable[[], ScriptedServer]]:
-    started: list[ScriptedServer] = []
-
-    def make() -> ScriptedServer:
-        s = ScriptedServer()
-        started.append(s)
-        return s
-
-    yield make
-    for s in started:
-        s.stop()
+    with stopped_at_exit(ScriptedServer.stop) as keep:
+        yield lambda: keep(ScriptedServer())

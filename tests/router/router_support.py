@@ -36,6 +36,11 @@ def worker(
     }
 
 
+def serve_args(registry: Path, key_file: Path, listen: str = "127.0.0.1:0") -> list[str]:
+    """``router serve``'s arguments for a registry and key file, listening on ``listen``."""
+    return ["serve", "--workers", str(registry), "--key-file", str(key_file), "--listen", listen]
+
+
 def get_capacity(router: RouterServer, key: str | None = KEY) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
     return httpx.get(f"{router.url}/v1/capacity", headers=headers, trust_env=False)

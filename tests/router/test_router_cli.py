@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from router_support import KEY, ScriptedServer, Sim, worker, write_registry
+from router_support import KEY, ScriptedServer, Sim, serve_args, worker, write_registry
 
 from sidecar.contract import decode_snapshot
 
@@ -23,11 +23,6 @@ CLI = [sys.executable, "-m", "gateway_capacity", "router"]
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
-
-
-def serve_args(registry: Path, key_file: Path, listen: str = "127.0.0.1:0") -> list[str]:
-    """``serve``'s arguments for a registry and key file, listening on ``listen``."""
-    return ["serve", "--workers", str(registry), "--key-file", str(key_file), "--listen", listen]
 
 
 def read_line(proc: subprocess.Popen[str], timeout: float = 20.0) -> str:

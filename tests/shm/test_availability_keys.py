@@ -6,11 +6,9 @@ import json
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from gwtest import run_cli
+from gwtest import P1Segment, run_cli
 
-from handler_shim import Admission
 from shm_layout import layout, writer
 from shm_layout.liveness import my_identity
 from shm_layout.view import ReplicaView
@@ -34,11 +32,10 @@ REPLICA_KEYS = {"address", "ok", "complete", "value", "reason", "observed_at"}
 SIDECAR_KEYS = {"pid", "alive", "heartbeat_age_s", "writer_epoch"}
 
 
-def test_availability_json_has_the_spec_keys(
-    segment_name: str, write_config: Callable[..., Path]
-) -> None:
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 12}]})
-    adm = Admission.attach(config=cfg, segment=segment_name, generation="handler-2.0")
+def test_availability_json_has_the_spec_keys(p1_segment: Callable[..., P1Segment]) -> None:
+    seg = p1_segment(12)
+    segment_name, cfg = seg.name, seg.config
+    adm = seg.attach("handler-2.0")
     try:
         pid, start = my_identity()
         epoch = writer.take_epoch(adm._seg, pid, start, time.time(), 15.0, str(cfg))

@@ -15,29 +15,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gwtest import Agent, run_cli
+from gwtest import P1Segment, run_cli
 
-from handler_shim import Admission
 from shm_layout.layout import HEADER
 
-
-def _locked_agent(
-    agents: Callable[..., Agent], segment: str, cfg: Path, how: str = "lock"
-) -> Agent:
-    agent = agents("--segment", segment, "--config", str(cfg), how)
-    agent.expect("locked")
-    return agent
+MakeP1Segment = Callable[..., P1Segment]
 
 
 def test_r_a6_lock_of_a_sigkilled_holder_is_free_at_once(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
-    cfg = write_config({"providers": [{"id": "p1"}]})
-    adm = Admission.attach(config=cfg, segment=segment_name, generation="contender")
-    holder = _locked_agent(agents, segment_name, cfg)
+    seg = p1_segment()
+    adm = seg.attach("contender")
+    holder = seg.locker()
     entered = threading.Event()
     entered_at: list[float] = []
 
@@ -62,16 +52,13 @@ def test_r_a6_lock_of_a_sigkilled_holder_is_free_at_once(
 
 
 def test_r_a6_a_live_holder_is_never_robbed_however_long_it_is_stopped(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
     """A holder SIGSTOPped inside the lock for longer than any bound the old lock had
     (5 s) keeps it; readers still read; once it is really gone, the contender gets in."""
-    cfg = write_config({"providers": [{"id": "p1"}]})
-    adm = Admission.attach(config=cfg, segment=segment_name, generation="contender")
-    holder = _locked_agent(agents, segment_name, cfg)
+    seg = p1_segment()
+    adm = seg.attach("contender")
+    holder = seg.locker()
     os.kill(holder.pid, signal.SIGSTOP)
     got = threading.Event()
 
@@ -83,7 +70,7 @@ def test_r_a6_a_live_holder_is_never_robbed_however_long_it_is_stopped(
     contender.start()
     try:
         assert not got.wait(7.0)  # well past 5 s: still the stopped holder's
-        doc = json.loads(run_cli("availability", "--segment", segment_name, "--json").stdout)
+        doc = json.loads(run_cli("availability", "--segment", seg.name, "--json").stdout)
         assert doc["providers"][0]["id"] == "p1"  # lock-free readers are not stuck
         assert HEADER["repairs"].get(adm._buf) == 0
     finally:
@@ -94,20 +81,17 @@ def test_r_a6_a_live_holder_is_never_robbed_however_long_it_is_stopped(
 
 
 def test_r_a6_counters_are_repaired_from_holder_records(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    agents: Callable[..., Agent],
+    sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 4}]})
-    holder = agents("--segment", segment_name, "--config", str(cfg), "hold", "--threads", "2")
+    seg = p1_segment(4)
+    holder = seg.handler("hold", "--threads", "2")
     holder.expect("admitted")
     holder.expect("admitted")
-    scribbler = _locked_agent(agents, segment_name, cfg, how="scribble")  # running=999
+    scribbler = seg.locker("scribble")  # running=999
     scribbler.kill()
-    late = agents("--segment", segment_name, "--config", str(cfg), "hold")
+    late = seg.handler("hold")
     late.expect("admitted", timeout=10)
-    doc = json.loads(run_cli("inspect", "--segment", segment_name, "--json").stdout)
+    doc = json.loads(run_cli("inspect", "--segment", seg.name, "--json").stdout)
     p1 = doc["providers"][0]
     assert p1["stored_running"] == 3 == p1["running"]
     assert p1["stored_waiting"] == 0 == p1["waiting"]
@@ -140,10 +124,7 @@ adm.close()
 
 
 def test_r_a11_a_gil_hog_in_a_holders_process_never_breaks_mutual_exclusion(
-    sem_mode: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    tmp_path: Path,
+    sem_mode: str, p1_segment: MakeP1Segment, tmp_path: Path
 ) -> None:
     """Issue 10, observation 1: thread A loops on slot_blocking while thread B of the same
     process holds the GIL for seconds in one C call. The old core lost the GIL inside its
@@ -155,7 +136,8 @@ def test_r_a11_a_gil_hog_in_a_holders_process_never_breaks_mutual_exclusion(
 
     # limit 2: the hog's own thread may be frozen holding one slot (a paused holder keeps
     # its slot); the other must keep flowing, which only a free lock allows
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
+    seg = p1_segment(2)
+    segment_name, cfg = seg.name, seg.config
     # calibrate the regex to hold the GIL for about 6 s on this machine
     n = 20
     while True:
@@ -176,7 +158,7 @@ def test_r_a11_a_gil_hog_in_a_holders_process_never_breaks_mutual_exclusion(
         n=n,
     )
     hog = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    adm = Admission.attach(config=cfg, segment=segment_name, generation="contender")
+    adm = seg.attach("contender")
     try:
         assert hog.stdout is not None
         assert hog.stdout.readline().strip() == "hogging"

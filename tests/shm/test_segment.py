@@ -8,15 +8,13 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import posix_ipc
 import pytest
-from gwtest import ROOT, Agent, run_cli
+from gwtest import ROOT, Agent, P1Segment, run_cli, run_together
 
 from shm_layout import layout, names
 from shm_layout.layout import HEADER
@@ -31,39 +29,33 @@ from shm_layout.segment import (
 DEV_SHM = Path("/dev/shm")
 needs_dev_shm = pytest.mark.skipif(not DEV_SHM.is_dir(), reason="Linux /dev/shm only")
 
-RACE_SCRIPT = """
+# A racer: waits until the time in argv[2], opens the segment named argv[1] (as
+# ``seg``), then prints one JSON line (what follows this preamble).
+RACER = f"""
 import json, sys, time
-sys.path.insert(0, {root!r})
+sys.path.insert(0, {str(ROOT)!r})
 from shm_layout.segment import Segment
+from shm_layout.layout import HEADER
 go = float(sys.argv[2])
 while time.time() < go:
     time.sleep(0.0005)
 seg = Segment.open(sys.argv[1])
-from shm_layout.layout import HEADER
-print(json.dumps({{"created": seg.created, "init": HEADER["init_complete"].get(seg.buf),
-                  "creator": HEADER["creator_pid"].get(seg.buf)}}))
 """
+
+RACE_SCRIPT = (
+    RACER
+    + """
+print(json.dumps({"created": seg.created, "init": HEADER["init_complete"].get(seg.buf),
+                  "creator": HEADER["creator_pid"].get(seg.buf)}))
+"""
+)
 
 
 def test_r_g2_create_attach_race_between_many_processes_has_one_creator(
     segment_name: str,
 ) -> None:
     go = time.time() + 1.5
-    script = RACE_SCRIPT.format(root=str(ROOT))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, segment_name, str(go)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(12)
-    ]
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=60)
-        assert p.returncode == 0, err
-        results.append(json.loads(out))
+    results = run_together(RACE_SCRIPT, 12, segment_name, str(go))
     creators = [r for r in results if r["created"]]
     assert len(creators) == 1
     assert all(r["init"] == layout.INIT_MARK for r in results)
@@ -122,48 +114,40 @@ def test_r_g2_segment_abandoned_before_init_is_recreated(segment_name: str) -> N
     seg.close()
 
 
-@needs_dev_shm
-def test_r_g6_segment_and_semaphores_are_owner_only_by_default(
-    sem_mode: str, segment_name: str
-) -> None:
-    old = os.umask(0)  # a permissive umask must not widen anything
+def _modes_made_under(umask: int, segment: str, sem_mode: str, **options: bool) -> dict[Path, int]:
+    """Open (create) the segment with ``options`` and make a doorbell, under ``umask``: the
+    permission bits of each object made in /dev/shm (on the macOS path, the lock file too)."""
+    old = os.umask(umask)
     try:
-        seg = Segment.open(segment_name)
+        seg = Segment.open(segment, **options)
         bell = seg.create_doorbell()
     finally:
         os.umask(old)
     seg.close()
-    base = segment_name.lstrip("/")
+    base = segment.lstrip("/")
     paths = [DEV_SHM / base, DEV_SHM / f"sem.{names.doorbell_name(bell).lstrip('/')}"]
     if sem_mode == "macos-path":
         paths.append(DEV_SHM / f"{base}.lock")  # the lock file beside the segment
     try:
-        for path in paths:
-            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+        return {path: stat.S_IMODE(path.stat().st_mode) for path in paths}
     finally:
         remove_doorbell(bell)
+
+
+@needs_dev_shm
+def test_r_g6_segment_and_semaphores_are_owner_only_by_default(
+    sem_mode: str, segment_name: str
+) -> None:
+    modes = _modes_made_under(0, segment_name, sem_mode)  # a permissive umask widens nothing
+    assert set(modes.values()) == {0o600}, modes
 
 
 @needs_dev_shm
 def test_r_g6_group_shared_is_0660_even_under_a_strict_umask(
     sem_mode: str, segment_name: str
 ) -> None:
-    old = os.umask(0o077)
-    try:
-        seg = Segment.open(segment_name, group_shared=True)
-        bell = seg.create_doorbell()
-    finally:
-        os.umask(old)
-    seg.close()
-    base = segment_name.lstrip("/")
-    paths = [DEV_SHM / base, DEV_SHM / f"sem.{names.doorbell_name(bell).lstrip('/')}"]
-    if sem_mode == "macos-path":
-        paths.append(DEV_SHM / f"{base}.lock")
-    try:
-        for path in paths:
-            assert stat.S_IMODE(path.stat().st_mode) == 0o660, path
-    finally:
-        remove_doorbell(bell)
+    modes = _modes_made_under(0o077, segment_name, sem_mode, group_shared=True)
+    assert set(modes.values()) == {0o660}, modes
 
 
 def test_r_g6_a_world_accessible_segment_is_refused(segment_name: str) -> None:
@@ -264,11 +248,10 @@ def test_readers_report_a_torn_picture_instead_of_hanging(segment_name: str) -> 
     assert json.loads(out.stdout)["consistent"] is False
 
 
-def test_unlink_segment_removes_every_semaphore(
-    segment_name: str, agents: Callable[..., Agent], write_config: Callable[..., Path]
-) -> None:
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
-    holder = agents("--segment", segment_name, "--config", str(cfg), "--gen", "x", "hold")
+def test_unlink_segment_removes_every_semaphore(p1_segment: Callable[..., P1Segment]) -> None:
+    seg = p1_segment(2)
+    segment_name = seg.name
+    holder = seg.handler("--gen", "x", "hold")
     holder.expect("admitted")
     bells = [m for m in _member_bells(segment_name)]
     assert bells and all(_doorbell_exists(b) for b in bells)
@@ -301,15 +284,11 @@ def _doorbell_exists(bell: int) -> bool:
     return True
 
 
-def test_watch_refreshes_the_availability_view(
-    segment_name: str, write_config: Callable[..., Path]
-) -> None:
-    from handler_shim import Admission
-
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
-    adm = Admission.attach(config=cfg, segment=segment_name, generation="watched")
+def test_watch_refreshes_the_availability_view(p1_segment: Callable[..., P1Segment]) -> None:
+    seg = p1_segment(2)
+    adm = seg.attach("watched")
     try:
-        out = run_cli("watch", "--segment", segment_name, "--count", "2", "--interval", "0.1")
+        out = run_cli("watch", "--segment", seg.name, "--count", "2", "--interval", "0.1")
         assert out.returncode == 0, out.stderr
         assert out.stdout.count("p1 [static]  limit 2 (provider)") == 2
         assert "watched (1 process)" in out.stdout
@@ -318,19 +297,14 @@ def test_watch_refreshes_the_availability_view(
     assert run_cli("watch", "--segment", "/gwt-nowhere", "--count", "1").returncode == 3
 
 
-ABANDONED_RACE = """
-import json, sys, time
-sys.path.insert(0, {root!r})
-from shm_layout.segment import Segment
-from shm_layout.layout import HEADER
-go = float(sys.argv[2])
-while time.time() < go:
-    time.sleep(0.0005)
-seg = Segment.open(sys.argv[1])
+ABANDONED_RACE = (
+    RACER
+    + """
 created = HEADER["created_at"].get(seg.buf)
-doc = {{"created_at": created, "creator": HEADER["creator_pid"].get(seg.buf)}}
+doc = {"created_at": created, "creator": HEADER["creator_pid"].get(seg.buf)}
 print(json.dumps(doc))
 """
+)
 
 
 def test_r_g2_processes_that_find_an_abandoned_segment_together_end_on_one(
@@ -342,22 +316,8 @@ def test_r_g2_processes_that_find_an_abandoned_segment_together_end_on_one(
     shm = posix_ipc.SharedMemory(segment_name, posix_ipc.O_CREX, 0o600, layout.TOTAL_SIZE)
     shm.close_fd()  # a creator that died before its init mark
     go = time.time() + 1.0
-    script = ABANDONED_RACE.format(root=str(ROOT))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, segment_name, str(go)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(6)
-    ]
-    seen = set()
-    for p in procs:
-        out, err = p.communicate(timeout=60)
-        assert p.returncode == 0, err
-        doc = json.loads(out)
-        seen.add((doc["creator"], doc["created_at"]))
+    docs = run_together(ABANDONED_RACE, 6, segment_name, str(go))
+    seen = {(doc["creator"], doc["created_at"]) for doc in docs}
     assert len(seen) == 1  # every process is on the same, initialised segment
 
 

@@ -15,14 +15,12 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from capacity_server import CapacityServer
-from sidecar_e2e import SidecarProc, discovered, wait_provider
+from sidecar_e2e import STATIC, Rig
 from test_metrics_e2e import metrics_url, scrape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,20 +64,9 @@ def test_the_examples_are_well_formed() -> None:
         assert rule["annotations"]["summary"], rule
 
 
-def test_every_metric_the_examples_use_exists_in_a_real_scrape(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Callable[..., dict[str, Any]],
-    start_sidecar: Callable[..., SidecarProc],
-    agents: Callable[..., Any],
-) -> None:
-    config = write_config(
-        {"maxConcurrent": 8, "providers": [entry(capacity), {"id": "static", "maxConcurrent": 3}]}
-    )
-    sidecar = start_sidecar(config, segment_name, "--metrics-listen", "127.0.0.1:0")
-    wait_provider(segment_name, "p1", discovered(20))
-    agents("--segment", segment_name, "--provider", "p1", "--gen", "g1", "hold").expect("admitted")
+def test_every_metric_the_examples_use_exists_in_a_real_scrape(rig: Rig) -> None:
+    sidecar = rig.start_discovered(rig.config(STATIC), "--metrics-listen", "127.0.0.1:0")
+    rig.handler("--gen", "g1", "hold").expect("admitted")
     _, families, samples = scrape(metrics_url(sidecar))
     scraped = set(families) | {name for name, _ in samples}
 
@@ -211,27 +198,22 @@ def _fired(promtool: str, tmp_path: Path, series: list[dict[str, str]]) -> set[s
 
 
 def test_every_documented_alert_fires_on_what_a_real_sidecar_exports(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    servers: Callable[..., CapacityServer],
-    entry: Callable[..., dict[str, Any]],
-    start_sidecar: Callable[..., SidecarProc],
-    agents: Callable[..., Any],
-    tmp_path: Path,
+    rig: Rig, tmp_path: Path
 ) -> None:
     """Each alert of examples/prometheus-alerts.yml (and docs/metrics.md) in the state it
     is about, produced for real: promtool evaluates the rules over the series a real
     sidecar exported (a gauge held, a counter growing as it grew between two scrapes)."""
     promtool = _promtool()
-    failing = servers(status=500)
-    old = servers(observed_offset=-25.0)  # valid, but 25 s old: the snapshot-age alert
-    config = write_config(
+    segment_name = rig.segment
+    failing = rig.servers(status=500)
+    old = rig.servers(observed_offset=-25.0)  # valid, but 25 s old: the snapshot-age alert
+    config = rig.write_config(
         {
             "maxConcurrent": 8,
             "providers": [
-                entry(old, "old"),
-                entry(failing, "failing"),  # discovery fails: on its fallback
-                entry("http://203.0.113.5:8080/v1", "refused"),  # opt-in refused
+                rig.entry(old, "old"),
+                rig.entry(failing, "failing"),  # discovery fails: on its fallback
+                rig.entry("http://203.0.113.5:8080/v1", "refused"),  # opt-in refused
                 {"id": "invalid", "capacityDiscovery": True},  # entry invalid: no baseUrl
                 {"id": "full", "maxConcurrent": 0},  # nothing runs: the queue fills
             ],
@@ -239,27 +221,19 @@ def test_every_documented_alert_fires_on_what_a_real_sidecar_exports(
     )
     legacy = subprocess.Popen(["sleep", "600"])
     try:
-        sidecar = start_sidecar(
-            config,
-            segment_name,
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--await-legacy",
-            str(legacy.pid),
+        sidecar = rig.start(
+            config, "--metrics-listen", "127.0.0.1:0", "--await-legacy", str(legacy.pid)
         )
         base = metrics_url(sidecar)
-        wait_provider(segment_name, "old", lambda p: p["discovered"] == 20)
+        rig.wait("old", lambda p: p["discovered"] == 20)
         used = {m for r in alert_rules() for m in METRIC.findall(r["expr"])}
         used |= {f"{m}_total" for m in used} | {m.removesuffix("_total") for m in used}
         first, _, _ = scrape(base)
         # between the two scrapes: counters that grow are what rate() and increase() see
-        holder = agents("--segment", segment_name, "--config", str(config), "lock")
+        holder = rig.agents("--segment", segment_name, "--config", str(config), "lock")
         holder.expect("locked")
         holder.kill()  # died holding the segment lock: the next holder repairs
-        crowd = agents(
-            "--segment", segment_name, "--provider", "full", "hold", "--threads", "34",
-            "--timeout", "1",
-        )  # fmt: skip
+        crowd = rig.handler("hold", "--threads", "34", "--timeout", "1", provider="full")
         crowd.expect("queue_full")
         time.sleep(3.0)  # refreshes and timeouts before the next scrape
         config.write_text("{ broken")  # a broken edit: kept out, and said so

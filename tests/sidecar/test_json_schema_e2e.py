@@ -12,8 +12,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from capacity_server import CapacityServer
-from sidecar_e2e import EXE, SidecarProc, discovered, wait_provider
+from sidecar_e2e import EXE, STATIC, Rig
 
 from gateway_capacity.schemas import SCHEMA_VERSION, schema_texts
 
@@ -53,24 +52,14 @@ def cli_json(*args: str) -> dict[str, Any]:
     return doc
 
 
-def test_real_availability_and_inspect_output_validate_against_the_schemas(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Callable[..., dict[str, Any]],
-    start_sidecar: Callable[..., SidecarProc],
-    agents: Callable[..., Any],
-) -> None:
-    config = write_config(
-        {"maxConcurrent": 8, "providers": [entry(capacity), {"id": "static", "maxConcurrent": 3}]}
-    )
-    start_sidecar(config, segment_name)
-    wait_provider(segment_name, "p1", discovered(20))
-    holder = agents("--segment", segment_name, "--provider", "static", "--gen", "g1", "hold")
+def test_real_availability_and_inspect_output_validate_against_the_schemas(rig: Rig) -> None:
+    config = rig.config(STATIC)
+    rig.start_discovered(config)
+    holder = rig.handler("--gen", "g1", "hold", provider="static")
     holder.expect("admitted")
 
-    available = cli_json("availability", "--json", "--segment", segment_name)
-    inspected = cli_json("inspect", "--json", "--segment", segment_name)
+    available = cli_json("availability", "--json", "--segment", rig.segment)
+    inspected = cli_json("inspect", "--json", "--segment", rig.segment)
     validate("availability", available)
     validate("inspect", inspected)
     # what the validation covered: every nested object with a value, nulls as well
@@ -202,22 +191,12 @@ def cli_doc(*args: str, code: int = 0) -> dict[str, Any]:
     return doc
 
 
-def test_every_json_output_carries_schema_version_and_validates(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Callable[..., dict[str, Any]],
-    start_sidecar: Callable[..., SidecarProc],
-    tmp_path: Path,
-) -> None:
+def test_every_json_output_carries_schema_version_and_validates(rig: Rig, tmp_path: Path) -> None:
     from capacity_router import RouterServer, SimWorker
 
-    config = write_config(
-        {"maxConcurrent": 8, "providers": [entry(capacity), {"id": "static", "maxConcurrent": 3}]}
-    )
-    start_sidecar(config, segment_name)
-    wait_provider(segment_name, "p1", discovered(20))
-    seg = ("--segment", segment_name)
+    config = rig.config(STATIC)
+    rig.start_discovered(config)
+    seg = ("--segment", rig.segment)
 
     validate("availability-check", cli_doc("availability", "--check", "--json", *seg))
     validate("check-config", cli_doc("check-config", "--config", str(config), "--json"))

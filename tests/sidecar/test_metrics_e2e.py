@@ -6,28 +6,17 @@ scrape with its type and label names, and nothing undocumented may be.
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import time
-from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from capacity_server import CapacityServer
 from prometheus_client.parser import text_string_to_metric_families
-from sidecar_e2e import (
-    Entry,
-    SidecarProc,
-    StartSidecar,
-    cli_json,
-    discovered,
-    wait_doc,
-    wait_provider,
-)
+from sidecar_e2e import STATIC, Rig, SidecarProc, cli_json, wait_doc
 
 from shm_layout import layout
 
@@ -88,20 +77,10 @@ def exposed_name(name: str, kind: str) -> str:
 
 
 def test_every_documented_metric_is_scraped_with_its_type_and_labels_and_nothing_else(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Entry,
-    key: str,
-    start_sidecar: StartSidecar,
-    agents: Callable[..., Any],
+    rig: Rig,
 ) -> None:
-    config = write_config(
-        {"maxConcurrent": 8, "providers": [entry(capacity), {"id": "static", "maxConcurrent": 3}]}
-    )
-    sidecar = start_sidecar(config, segment_name, "--metrics-listen", "127.0.0.1:0")
-    wait_provider(segment_name, "p1", discovered(20))
-    holder = agents("--segment", segment_name, "--provider", "p1", "--gen", "agent", "hold")
+    sidecar = rig.start_discovered(rig.config(STATIC), "--metrics-listen", "127.0.0.1:0")
+    holder = rig.handler("--gen", "agent", "hold")
     holder.expect("admitted")
     base = metrics_url(sidecar)
     text, families, samples = scrape(base)
@@ -178,23 +157,16 @@ def test_every_documented_metric_is_scraped_with_its_type_and_labels_and_nothing
     assert pid is not None and pid > 0
     resident = value(samples, "process_resident_memory_bytes")
     assert resident is not None and resident > 0
-    assert key not in text
+    assert rig.key not in text
 
 
-def test_discovery_failure_and_a_broken_edit_show_as_reasons_and_absent_series(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Entry,
-    start_sidecar: StartSidecar,
-) -> None:
-    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
-    sidecar = start_sidecar(config, segment_name, "--metrics-listen", "127.0.0.1:0")
-    wait_provider(segment_name, "p1", discovered(20))
+def test_discovery_failure_and_a_broken_edit_show_as_reasons_and_absent_series(rig: Rig) -> None:
+    config = rig.config()
+    sidecar = rig.start_discovered(config, "--metrics-listen", "127.0.0.1:0")
     base = metrics_url(sidecar)
 
-    capacity.set(key="sk-rotated-on-the-router-only")  # the sidecar's key is now refused
-    wait_provider(segment_name, "p1", lambda p: p["source"] == "gateway", what="auth_failed")
+    rig.capacity.set(key="sk-rotated-on-the-router-only")  # the sidecar's key is now refused
+    rig.wait("p1", lambda p: p["source"] == "gateway", what="auth_failed")
     _, _, samples = scrape(base)
     failed = value(
         samples, "gateway_capacity_probe_results_total", provider="p1", reason="auth_failed"
@@ -209,33 +181,25 @@ def test_discovery_failure_and_a_broken_edit_show_as_reasons_and_absent_series(
         assert value(samples, name, provider="p1") is None, name
 
     config.write_text("{ not json")  # R-C3: kept the last good config, and says so
+    assert last_reload_becomes(base, 0) == 0
+    assert rig.config() == config  # the good config again, in the same file
+    assert last_reload_becomes(base, 1) == 1
+
+
+def last_reload_becomes(base: str, wanted: float) -> float:
+    """``config_last_reload_successful`` once it is ``wanted``, or as it is after 10 s."""
     deadline = time.monotonic() + 10
-    reloaded = 1.0
+    reloaded = 1.0 - wanted
     while time.monotonic() < deadline:
         reloaded = value(scrape(base)[2], "gateway_capacity_config_last_reload_successful") or 0
-        if reloaded == 0:
+        if reloaded == wanted:
             break
         time.sleep(0.1)
-    assert reloaded == 0
-    config.write_text(json.dumps({"maxConcurrent": 8, "providers": [entry(capacity)]}))
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        reloaded = value(scrape(base)[2], "gateway_capacity_config_last_reload_successful") or 0
-        if reloaded == 1:
-            break
-        time.sleep(0.1)
-    assert reloaded == 1
+    return reloaded
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
-def test_metrics_only_on_slash_metrics_and_healthz_apart(
-    host: str,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Entry,
-    start_sidecar: StartSidecar,
-) -> None:
+def test_metrics_only_on_slash_metrics_and_healthz_apart(host: str, rig: Rig) -> None:
     if host == "::1":
         import socket
 
@@ -244,10 +208,8 @@ def test_metrics_only_on_slash_metrics_and_healthz_apart(
                 s.bind(("::1", 0))
         except OSError:
             pytest.skip("no IPv6 loopback on this machine")
-    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
     listen = f"[{host}]:0" if ":" in host else f"{host}:0"
-    sidecar = start_sidecar(config, segment_name, "--metrics-listen", listen)
-    wait_provider(segment_name, "p1", discovered(20))
+    sidecar = rig.start_discovered(rig.config(), "--metrics-listen", listen)
     base = metrics_url(sidecar)
     assert f"[{host}]" in base if ":" in host else host in base
 
@@ -280,19 +242,14 @@ def test_healthz_rule_starting_alive_stalled() -> None:
     assert not ok and why.startswith("stalled")
 
 
-def test_r_a6_a_lock_recovery_is_counted_in_lock_recoveries_total(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    start_sidecar: StartSidecar,
-    agents: Callable[..., Any],
-) -> None:
-    config = write_config({"maxConcurrent": 2, "providers": [{"id": "static"}]})
-    holder = agents("--segment", segment_name, "--config", str(config), "lock")
+def test_r_a6_a_lock_recovery_is_counted_in_lock_recoveries_total(rig: Rig) -> None:
+    config = rig.write_config({"maxConcurrent": 2, "providers": [{"id": "static"}]})
+    holder = rig.agents("--segment", rig.segment, "--config", str(config), "lock")
     holder.expect("locked")
     holder.kill()  # SIGKILL while holding the segment lock
-    sidecar = start_sidecar(config, segment_name, "--metrics-listen", "127.0.0.1:0")
-    wait_doc(segment_name, lambda d: d["sidecar"] is not None)  # it took the lock
+    sidecar = rig.start(config, "--metrics-listen", "127.0.0.1:0")
+    wait_doc(rig.segment, lambda d: d["sidecar"] is not None)  # it took the lock
     _, _, samples = scrape(metrics_url(sidecar))
-    repairs = cli_json("inspect", "--segment", segment_name)["header"]["lock_repairs"]
+    repairs = cli_json("inspect", "--segment", rig.segment)["header"]["lock_repairs"]
     assert repairs == 1
     assert value(samples, "gateway_capacity_lock_recoveries_total") == repairs

@@ -6,22 +6,11 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from capacity_server import CapacityServer
-from sidecar_e2e import (
-    EXE,
-    Entry,
-    StartSidecar,
-    clean_env,
-    cli_json,
-    cli_provider,
-    discovered,
-    wait_provider,
-)
+from sidecar_e2e import EXE, Rig, cli_json, discovered, run_sidecar
 
 
 def _fingerprint(path: Path) -> tuple[bytes, int, int, int]:
@@ -38,24 +27,18 @@ def _rewrite(path: Path, doc: dict[str, Any]) -> None:
 
 
 def test_r_c4_toggling_capacity_discovery_is_followed_live_and_r_c1_file_is_never_written(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Entry,
-    start_sidecar: StartSidecar,
+    rig: Rig,
 ) -> None:
-    on = {"maxConcurrent": 8, "providers": [entry(capacity)]}
-    off = {"maxConcurrent": 8, "providers": [entry(capacity, capacityDiscovery=False)]}
-    config = write_config(on)
-    sidecar = start_sidecar(config, segment_name)
-    wait_provider(segment_name, "p1", discovered(20))
+    capacity = rig.capacity
+    on = {"maxConcurrent": 8, "providers": [rig.entry(capacity)]}
+    off = {"maxConcurrent": 8, "providers": [rig.entry(capacity, capacityDiscovery=False)]}
+    config = rig.write_config(on)
+    sidecar = rig.start_discovered(config)
 
     _rewrite(config, off)
     written = _fingerprint(config)
     # "at once": the file is polled every second; 5 s is room for a loaded machine
-    p = wait_provider(
-        segment_name, "p1", lambda p: p["source"] == "gateway", timeout=5, what="static"
-    )
+    p = rig.wait("p1", lambda p: p["source"] == "gateway", timeout=5, what="static")
     assert p["effective_limit"] == 8 and p["capacity_discovery"] is False
     assert p["expires_at"] is None and p["discovered"] is None
     assert "capacityDiscovery off" in p["reason"]
@@ -66,8 +49,8 @@ def test_r_c4_toggling_capacity_discovery_is_followed_live_and_r_c1_file_is_neve
     resumed_from = capacity.requests
     _rewrite(config, on)
     written = _fingerprint(config)
-    wait_provider(segment_name, "p1", discovered(20), timeout=5, what="discovered again")
-    assert cli_provider(segment_name, "p1")["capacity_discovery"] is True
+    rig.wait("p1", discovered(20), timeout=5, what="discovered again")
+    assert rig.provider()["capacity_discovery"] is True
     assert capacity.requests > resumed_from
 
     time.sleep(1.1)  # another config poll and more publications
@@ -77,16 +60,11 @@ def test_r_c4_toggling_capacity_discovery_is_followed_live_and_r_c1_file_is_neve
 
 
 def test_r_c3_broken_edit_keeps_the_last_good_config_and_availability_says_so(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Entry,
-    start_sidecar: StartSidecar,
+    rig: Rig,
 ) -> None:
-    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
-    sidecar = start_sidecar(config, segment_name)
-    wait_provider(segment_name, "p1", discovered(20))
-    assert cli_json("availability", "--segment", segment_name)["config_status"] == "ok"
+    config = rig.config()
+    sidecar = rig.start_discovered(config)
+    assert cli_json("availability", "--segment", rig.segment)["config_status"] == "ok"
 
     before = os.stat(config).st_mtime_ns
     config.write_text('{"maxConcurrent": 8, "providers": [')  # an editor saved half a file
@@ -94,7 +72,7 @@ def test_r_c3_broken_edit_keeps_the_last_good_config_and_availability_says_so(
         os.utime(config, ns=(before + 1_000_000, before + 1_000_000))
 
     def status() -> str:
-        return str(cli_json("availability", "--segment", segment_name)["config_status"])
+        return str(cli_json("availability", "--segment", rig.segment)["config_status"])
 
     deadline = time.monotonic() + 5
     while status() == "ok" and time.monotonic() < deadline:
@@ -104,47 +82,45 @@ def test_r_c3_broken_edit_keeps_the_last_good_config_and_availability_says_so(
     assert "not valid JSON" in text, text
 
     # still running on the last good config: still probing, still following the router
-    capacity.set(models={"workhorse": 10})
-    wait_provider(segment_name, "p1", discovered(10), what="still discovering")
+    rig.capacity.set(models={"workhorse": 10})
+    rig.wait("p1", discovered(10), what="still discovering")
     time.sleep(1.2)
     broken = [line for line in sidecar.log_lines() if "last good config" in line]
     assert len(broken) == 1, broken  # logged once, not at every poll
 
     # a good edit is adopted, and the status clears
-    _rewrite(config, {"maxConcurrent": 8, "providers": [entry(capacity, maxConcurrent=6)]})
-    p = wait_provider(segment_name, "p1", discovered(6), timeout=5, what="good edit adopted")
+    _rewrite(config, {"maxConcurrent": 8, "providers": [rig.entry(rig.capacity, maxConcurrent=6)]})
+    p = rig.wait("p1", discovered(6), timeout=5, what="good edit adopted")
     assert "provider maxConcurrent 6" in p["reason"]
     assert status() == "ok"
 
 
-def test_r_p9_a_config_edit_probes_at_once_and_providers_come_and_go(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Entry,
-    start_sidecar: StartSidecar,
-) -> None:
-    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
-    start_sidecar(config, segment_name, refresh=24.0)  # no timed refresh during the test
-    wait_provider(segment_name, "p1", discovered(20), what="the probe at start")
+def test_r_p9_a_config_edit_probes_at_once_and_providers_come_and_go(rig: Rig) -> None:
+    capacity = rig.capacity
+    config = rig.config()
+    rig.start(config, refresh=24.0)  # no timed refresh during the test
+    rig.wait("p1", discovered(20), what="the probe at start")
     asked = capacity.requests
     capacity.set(models={"workhorse": 10})
 
     _rewrite(
         config,
-        {"maxConcurrent": 8, "providers": [entry(capacity), {"id": "added", "maxConcurrent": 2}]},
+        {
+            "maxConcurrent": 8,
+            "providers": [rig.entry(capacity), {"id": "added", "maxConcurrent": 2}],
+        },
     )
     # the edit triggers a probe now, not in 24 s (R-P9), and the new provider is admitted for
-    wait_provider(segment_name, "p1", discovered(10), timeout=5, what="probe on config change")
+    rig.wait("p1", discovered(10), timeout=5, what="probe on config change")
     assert capacity.requests == asked + 1
-    added = wait_provider(segment_name, "added", lambda p: p["configured"], timeout=5)
+    added = rig.wait("added", lambda p: p["configured"], timeout=5)
     assert (added["effective_limit"], added["source"]) == (2, "provider")
 
     _rewrite(config, {"maxConcurrent": 8, "providers": [{"id": "added", "maxConcurrent": 2}]})
-    gone = wait_provider(segment_name, "p1", lambda p: not p["configured"], timeout=5)
+    gone = rig.wait("p1", lambda p: not p["configured"], timeout=5)
     # a provider dropped from the config keeps only its stored fallback
     assert (gone["effective_limit"], gone["source"]) == (8, "gateway"), gone
-    assert cli_provider(segment_name, "added")["configured"] is True
+    assert rig.provider("added")["configured"] is True
 
 
 @pytest.mark.parametrize(
@@ -165,13 +141,7 @@ def test_r_c3_config_unusable_at_start_exits_2_with_one_clear_line(
         config.write_text("{ this is not json")
     elif problem == "providers-not-a-list":
         config.write_text('{"providers": {"id": "p1"}}')
-    done = subprocess.run(
-        [EXE, "sidecar", "--config", str(config), "--segment", segment_name, "--refresh", "0.3"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=clean_env(),
-    )
+    done = run_sidecar(config, segment_name, "--refresh", "0.3")
     assert done.returncode == 2, done
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, done.stderr

@@ -14,31 +14,16 @@ from typing import Any
 
 from capacity_server import CapacityServer
 from gwtest import free_port
-from sidecar_e2e import (
-    Entry,
-    StartSidecar,
-    cli_provider,
-    cli_providers,
-    discovered,
-    wait_provider,
-)
+from sidecar_e2e import Rig, cli_providers, discovered
 
 
-def test_r_l2_r_l4_limit_follows_the_router_20_10_20_and_handlers_follow_it(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Entry,
-    key: str,
-    start_sidecar: StartSidecar,
-    agents: Callable[..., Any],
-) -> None:
-    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
-    start_sidecar(config, segment_name)
+def test_r_l2_r_l4_limit_follows_the_router_20_10_20_and_handlers_follow_it(rig: Rig) -> None:
+    capacity = rig.capacity
+    rig.start(rig.config())
 
     # 20 although the gateway-wide maxConcurrent is 8: it is a fallback, not a ceiling (R-L4)
-    wait_provider(segment_name, "p1", discovered(20), what="discovered 20")
-    p = cli_provider(segment_name, "p1")
+    rig.wait("p1", discovered(20), what="discovered 20")
+    p = rig.provider()
     assert p["capacity_discovery"] is True
     assert p["fallback_limit"] == 8 and p["fallback_source"] == "gateway"
     assert p["discovered"] == 20
@@ -47,63 +32,59 @@ def test_r_l2_r_l4_limit_follows_the_router_20_10_20_and_handlers_follow_it(
     [replica] = p["replicas"]
     assert replica["address"] == "127.0.0.1"
     assert replica["ok"] and replica["complete"] and replica["value"] == 20
-    assert capacity.auth_headers and set(capacity.auth_headers) == {f"Bearer {key}"}  # R-P2
+    assert capacity.auth_headers and set(capacity.auth_headers) == {f"Bearer {rig.key}"}  # R-P2
 
     capacity.set(models={"workhorse": 10})
-    wait_provider(segment_name, "p1", discovered(10), what="discovered 10")
+    rig.wait("p1", discovered(10), what="discovered 10")
 
     # a handler gets exactly 10 slots; two more wait (R-A1)
-    holder = agents("--segment", segment_name, "--provider", "p1", "hold", "--threads", "12")
+    holder = rig.handler("hold", "--threads", "12")
     for _ in range(10):
         holder.expect("admitted")
-    wait_provider(segment_name, "p1", lambda p: p["running"] == 10 and p["waiting"] == 2)
+    rig.wait("p1", lambda p: p["running"] == 10 and p["waiting"] == 2)
 
     capacity.set(models={"workhorse": 20})
-    wait_provider(segment_name, "p1", discovered(20), what="discovered 20 again")
+    rig.wait("p1", discovered(20), what="discovered 20 again")
     for _ in range(2):
         holder.expect("admitted", timeout=5)
-    p = cli_provider(segment_name, "p1")
+    p = rig.provider()
     assert (p["running"], p["waiting"], p["effective_limit"]) == (12, 0, 20)
     holder.send("release")
     assert holder.finish() == 0
 
 
 def test_r_l4_r_l9_discovered_limit_is_capped_and_the_reason_says_what_capped_it(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    servers: Callable[..., CapacityServer],
-    entry: Entry,
-    start_sidecar: StartSidecar,
+    rig: Rig,
 ) -> None:
-    twenty = servers(models={"workhorse": 20})
-    hundred = servers(models={"workhorse": 100})
-    config = write_config(
+    twenty = rig.servers(models={"workhorse": 20})
+    hundred = rig.servers(models={"workhorse": 100})
+    config = rig.write_config(
         {
             "maxConcurrent": 8,
             "providers": [
-                entry(twenty, "ceiling", maxConcurrent=12),
-                entry(hundred, "big"),
-                entry(hundred, "big-ceiling", maxConcurrent=40),
+                rig.entry(twenty, "ceiling", maxConcurrent=12),
+                rig.entry(hundred, "big"),
+                rig.entry(hundred, "big-ceiling", maxConcurrent=40),
             ],
         }
     )
-    start_sidecar(config, segment_name)
-    wait_provider(segment_name, "ceiling", discovered(12), what="capped at 12")
-    wait_provider(segment_name, "big", discovered(64), what="capped at 64")
-    wait_provider(segment_name, "big-ceiling", discovered(40), what="capped at 40")
+    rig.start(config)
+    rig.wait("ceiling", discovered(12), what="capped at 12")
+    rig.wait("big", discovered(64), what="capped at 64")
+    rig.wait("big-ceiling", discovered(40), what="capped at 40")
 
-    ceiling = cli_provider(segment_name, "ceiling")
+    ceiling = rig.provider("ceiling")
     assert ceiling["source"] == "discovered"  # a cap keeps the source (R-L9)
     assert "discovered 20" in ceiling["reason"]
     assert "provider maxConcurrent 12" in ceiling["reason"]
     assert ceiling["fallback_limit"] == 12 and ceiling["fallback_source"] == "provider"
     assert ceiling["replicas"][0]["value"] == 20  # what the router said, before the cap
 
-    big = cli_provider(segment_name, "big")
+    big = rig.provider("big")
     assert "discovered 100" in big["reason"] and "64" in big["reason"]
     assert big["discovered"] == 64
 
-    both = cli_provider(segment_name, "big-ceiling")
+    both = rig.provider("big-ceiling")
     assert "provider maxConcurrent 40" in both["reason"]
 
 
@@ -112,14 +93,9 @@ def _unused_url() -> str:
 
 
 def test_r_l5_every_failure_reason_reaches_availability_with_the_fallback(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    servers: Callable[..., CapacityServer],
-    entry: Entry,
-    tmp_path: Path,
-    start_sidecar: StartSidecar,
+    rig: Rig, tmp_path: Path
 ) -> None:
-    elsewhere = servers()  # a redirect's target: must never be asked (R-P4)
+    elsewhere = rig.servers()  # a redirect's target: must never be asked (R-P4)
     wrong_key = tmp_path / "wrong.key"
     wrong_key.write_text("sk-not-the-routers-key\n")
     wrong_key.chmod(0o600)
@@ -158,25 +134,24 @@ def test_r_l5_every_failure_reason_reaches_availability_with_the_fallback(
     providers = []
     by_id: dict[str, CapacityServer] = {}
     for pid, (_, settings, fields) in cases.items():
-        by_id[pid] = servers(**settings)
-        providers.append(entry(by_id[pid], pid, **fields))
-    providers.append(entry(_unused_url(), "refused-port"))
+        by_id[pid] = rig.servers(**settings)
+        providers.append(rig.entry(by_id[pid], pid, **fields))
+    providers.append(rig.entry(_unused_url(), "refused-port"))
     cases["refused-port"] = ("unreachable", {}, {})
-    config = write_config({"maxConcurrent": 8, "providers": providers})
-    sidecar = start_sidecar(config, segment_name)
+    sidecar = rig.start(rig.write_config({"maxConcurrent": 8, "providers": providers}))
 
     def failed_with(reason: str) -> Callable[[dict[str, Any]], bool]:
         return lambda p: bool(p["replicas"]) and p["replicas"][0]["reason"].startswith(reason)
 
     for pid, (reason, _, _) in cases.items():
         # one deadline (3 s) plus generous room for a loaded machine (R-P5)
-        wait_provider(segment_name, pid, failed_with(reason), timeout=15, what=reason)
+        rig.wait(pid, failed_with(reason), timeout=15, what=reason)
 
     # the hanging router did not hold up the others (R-P8): they kept being refreshed
     # every 0.3 s while its single probe waited out the 3 s deadline
     assert by_id["not-found"].requests >= 3, by_id["not-found"].requests
 
-    shown = cli_providers(segment_name)
+    shown = cli_providers(rig.segment)
     for pid, (reason, _, _) in cases.items():
         p = shown[pid]
         expected = (5, "provider") if pid == "unavailable" else (8, "gateway")
@@ -197,74 +172,59 @@ def test_r_l5_every_failure_reason_reaches_availability_with_the_fallback(
         assert " WARNING " in logged[0], logged  # discovery failing is worth a warning
 
 
-def test_r_l6_incomplete_answers_can_lower_but_never_raise_the_limit(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Entry,
-    start_sidecar: StartSidecar,
-) -> None:
+def test_r_l6_incomplete_answers_can_lower_but_never_raise_the_limit(rig: Rig) -> None:
+    capacity = rig.capacity
     capacity.set(complete=False, models={"workhorse": 20})
-    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
-    start_sidecar(config, segment_name)
+    rig.start(rig.config())
 
     # incomplete only, nothing discovered before: the base is the fallback
-    p = wait_provider(segment_name, "p1", discovered(8), what="incomplete 20 held to 8")
+    p = rig.wait("p1", discovered(8), what="incomplete 20 held to 8")
     assert "incomplete" in p["reason"] and "fallback 8" in p["reason"]
     assert p["replicas"][0]["complete"] is False and p["replicas"][0]["value"] == 20
 
     capacity.set(models={"workhorse": 3})  # lowering is allowed
-    wait_provider(segment_name, "p1", discovered(3), what="incomplete 3 lowers")
+    rig.wait("p1", discovered(3), what="incomplete 3 lowers")
 
     # an incomplete snapshot without the provider's models is no answer (R-L5)
     capacity.set(models={"other-model": 3})
-    p = wait_provider(
-        segment_name, "p1", lambda p: p["source"] == "gateway", what="no answer -> fallback"
-    )
+    p = rig.wait("p1", lambda p: p["source"] == "gateway", what="no answer -> fallback")
     assert p["effective_limit"] == 8 and p["expires_at"] is None
 
     capacity.set(complete=True, models={"workhorse": 20})
-    wait_provider(segment_name, "p1", discovered(20), what="complete 20")
+    rig.wait("p1", discovered(20), what="complete 20")
 
     capacity.set(complete=False, models={"workhorse": 30})
-    wait_provider(segment_name, "p1", lambda p: "incomplete" in p["reason"], what="incomplete 30")
+    rig.wait("p1", lambda p: "incomplete" in p["reason"], what="incomplete 30")
     time.sleep(0.6)  # a few more refreshes of incomplete 30: still no raise
-    p = cli_provider(segment_name, "p1")
+    p = rig.provider()
     assert p["effective_limit"] == 20 and p["source"] == "discovered", p
     assert "incomplete" in p["reason"] and "last discovered 20" in p["reason"], p
 
 
 def test_r_l8_complete_snapshot_without_the_model_gives_zero_and_new_work_waits(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Entry,
-    start_sidecar: StartSidecar,
-    agents: Callable[..., Any],
+    rig: Rig,
 ) -> None:
-    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
-    start_sidecar(config, segment_name)
-    wait_provider(segment_name, "p1", discovered(20))
-    running = agents("--segment", segment_name, "--provider", "p1", "hold")
+    rig.start_discovered(rig.config())
+    running = rig.handler("hold")
     running.expect("admitted")
 
-    capacity.set(models={"another-model": 4})
-    p = wait_provider(segment_name, "p1", discovered(0), what="discovered 0")
+    rig.capacity.set(models={"another-model": 4})
+    p = rig.wait("p1", discovered(0), what="discovered 0")
     assert "workhorse" in p["reason"] and "missing" in p["reason"], p
     assert p["expires_at"] is not None
 
     # lowering never cancels the running request (R-A1); new work waits, then times out
-    waiter = agents("--segment", segment_name, "--provider", "p1", "hold", "--timeout", "2.5")
+    waiter = rig.handler("hold", "--timeout", "2.5")
     waiter.expect("started")
-    wait_provider(segment_name, "p1", lambda p: p["waiting"] == 1 and p["running"] == 1)
+    rig.wait("p1", lambda p: p["waiting"] == 1 and p["running"] == 1)
     waiter.expect("timeout", timeout=10)
     assert not [e for e in waiter.seen if e["event"] == "admitted"]
-    p = cli_provider(segment_name, "p1")
+    p = rig.provider()
     assert (p["effective_limit"], p["running"], p["waiting"]) == (0, 1, 0), p
 
     # slots come back: a waiting handler is admitted
-    late = agents("--segment", segment_name, "--provider", "p1", "hold", "--timeout", "20")
+    late = rig.handler("hold", "--timeout", "20")
     late.expect("started")
-    wait_provider(segment_name, "p1", lambda p: p["waiting"] == 1)
-    capacity.set(models={"workhorse": 2})
+    rig.wait("p1", lambda p: p["waiting"] == 1)
+    rig.capacity.set(models={"workhorse": 2})
     late.expect("admitted", timeout=10)

@@ -10,14 +10,22 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from capacity_server import CapacityServer
-from sidecar_e2e import EXE, Entry, SidecarProc, StartSidecar, clean_env, discovered, wait_provider
+from sidecar_e2e import (
+    EXE,
+    STATIC,
+    Rig,
+    SidecarProc,
+    StartSidecar,
+    clean_env,
+    discovered,
+    run_sidecar,
+    wait_provider,
+)
 
 
 def _wait_log(proc: SidecarProc, text: str, timeout: float = 10.0) -> None:
@@ -28,20 +36,16 @@ def _wait_log(proc: SidecarProc, text: str, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def test_sighup_rereads_the_config_and_never_kills_the_sidecar(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    start_sidecar: StartSidecar,
-) -> None:
-    config = write_config({"maxConcurrent": 8, "providers": [{"id": "p", "maxConcurrent": 3}]})
-    sidecar = start_sidecar(config, segment_name)
-    wait_provider(segment_name, "p", lambda p: p["effective_limit"] == 3)
+def test_sighup_rereads_the_config_and_never_kills_the_sidecar(rig: Rig) -> None:
+    config = rig.write_config({"maxConcurrent": 8, "providers": [{"id": "p", "maxConcurrent": 3}]})
+    sidecar = rig.start(config)
+    rig.wait("p", lambda p: p["effective_limit"] == 3)
     sidecar.signal(signal.SIGHUP)  # nothing changed: still alive, nothing redone
     _wait_log(sidecar, "received SIGHUP")
     _wait_log(sidecar, "config unchanged")
-    write_config({"maxConcurrent": 8, "providers": [{"id": "p", "maxConcurrent": 5}]})
+    rig.write_config({"maxConcurrent": 8, "providers": [{"id": "p", "maxConcurrent": 5}]})
     sidecar.signal(signal.SIGHUP)
-    wait_provider(segment_name, "p", lambda p: p["effective_limit"] == 5, what="reloaded")
+    rig.wait("p", lambda p: p["effective_limit"] == 5, what="reloaded")
     for _ in range(3):  # a burst of reloads
         sidecar.signal(signal.SIGHUP)
     time.sleep(0.5)
@@ -50,19 +54,6 @@ def test_sighup_rereads_the_config_and_never_kills_the_sidecar(
     assert "Traceback" not in sidecar.log_text()
     sidecar.signal(signal.SIGTERM)
     assert sidecar.wait(10) == 0
-
-
-@pytest.fixture
-def notify_socket() -> Iterator[tuple[str, socket.socket]]:
-    directory = tempfile.mkdtemp(prefix="sdn-", dir="/tmp")  # sun_path: 108 bytes
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    try:
-        path = os.path.join(directory, "notify")
-        sock.bind(path)
-        yield path, sock
-    finally:
-        sock.close()
-        shutil.rmtree(directory)
 
 
 def _next_status(sock: socket.socket, wanted: str, seen: list[str], timeout: float = 10.0) -> str:
@@ -80,23 +71,15 @@ def _next_status(sock: socket.socket, wanted: str, seen: list[str], timeout: flo
 
 
 def test_status_line_carries_each_providers_limit_and_follows_changes(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Entry,
-    start_sidecar: StartSidecar,
-    notify_socket: tuple[str, socket.socket],
+    rig: Rig, notify_socket: tuple[str, socket.socket]
 ) -> None:
     path, sock = notify_socket
-    config = write_config(
-        {"maxConcurrent": 8, "providers": [entry(capacity), {"id": "static", "maxConcurrent": 3}]}
-    )
-    sidecar = start_sidecar(config, segment_name, env=clean_env(NOTIFY_SOCKET=path))
+    sidecar = rig.start(rig.config(STATIC), env=clean_env(NOTIFY_SOCKET=path))
     seen: list[str] = []
     status = _next_status(sock, "p1=20 (discovered)", seen)
     assert status == "STATUS=p1=20 (discovered), static=3 (provider)"
     assert "READY=1" in seen
-    capacity.set(models={"workhorse": 12})
+    rig.capacity.set(models={"workhorse": 12})
     assert _next_status(sock, "p1=12", seen) == "STATUS=p1=12 (discovered), static=3 (provider)"
     # sent when it changes, not at every refresh (0.3 s here)
     time.sleep(1.5)
@@ -114,14 +97,8 @@ def test_r_g3_await_legacy_pidfile_that_never_appears_is_refused_at_start(
 ) -> None:
     config = write_config({"providers": [{"id": "p"}]})
     typo = tmp_path / "run" / "legacy-handlr.pid"
-    argv = [EXE, "sidecar", "--config", str(config), "--segment", segment_name]
-    argv += ["--await-legacy", str(typo), "--await-legacy-grace", "0.5"]
-    out = subprocess.run(
-        argv,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=clean_env(),
+    out = run_sidecar(
+        config, segment_name, "--await-legacy", str(typo), "--await-legacy-grace", "0.5"
     )
     assert out.returncode == 2, out.stderr
     errors = [line for line in out.stderr.splitlines() if " ERROR " in line]
@@ -131,30 +108,17 @@ def test_r_g3_await_legacy_pidfile_that_never_appears_is_refused_at_start(
 
 
 def test_r_g3_await_legacy_pidfile_that_appears_within_the_grace_is_awaited(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Entry,
-    start_sidecar: StartSidecar,
-    tmp_path: Path,
+    rig: Rig, legacy: subprocess.Popen[bytes], tmp_path: Path
 ) -> None:
-    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
     pidfile = tmp_path / "legacy.pid"
-    legacy = subprocess.Popen(["sleep", "60"])
-    try:
-        sidecar = start_sidecar(
-            config, segment_name, "--await-legacy", str(pidfile), "--await-legacy-grace", "20"
-        )
-        _wait_log(sidecar, "does not exist yet")
-        pidfile.write_text(f"{legacy.pid}\n")
-        p = wait_provider(segment_name, "p1", lambda p: p["source"] == "legacy_drain")
-        assert p["effective_limit"] == 0
-        legacy.kill()
-        legacy.wait()
-        wait_provider(segment_name, "p1", discovered(20), what="drain over")
-    finally:
-        legacy.kill()
-        legacy.wait()
+    sidecar = rig.start(rig.config(), "--await-legacy", str(pidfile), "--await-legacy-grace", "20")
+    _wait_log(sidecar, "does not exist yet")
+    pidfile.write_text(f"{legacy.pid}\n")
+    p = rig.wait("p1", lambda p: p["source"] == "legacy_drain")
+    assert p["effective_limit"] == 0
+    legacy.kill()
+    legacy.wait()
+    rig.wait("p1", discovered(20), what="drain over")
 
 
 NOBODY = 65534
@@ -163,12 +127,7 @@ NOBODY = 65534
 @pytest.mark.linux("mounts a /proc with hidepid in a mount namespace (unshare, setpriv)")
 @pytest.mark.parametrize("dropped", ["sys_ptrace,kill", "sys_ptrace"])
 def test_r_g3_a_legacy_pid_that_proc_hides_is_awaited_not_taken_for_exited(
-    dropped: str,
-    segment_name: str,
-    capacity: CapacityServer,
-    entry: Entry,
-    write_config: Callable[..., Path],
-    tmp_path: Path,
+    dropped: str, rig: Rig, tmp_path: Path
 ) -> None:
     """The sidecar in a mount namespace whose /proc is mounted hidepid=invisible (what
     ProtectProc=invisible does), awaiting another user's process it cannot see: the
@@ -183,7 +142,8 @@ def test_r_g3_a_legacy_pid_that_proc_hides_is_awaited_not_taken_for_exited(
     """
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"):
         pytest.skip("needs root, unshare and setpriv to mount a hidepid /proc")
-    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
+    segment_name = rig.segment
+    config = rig.config()
     legacy = subprocess.Popen(["sleep", "60"], user=NOBODY, group=NOBODY, extra_groups=[])
     log_path = tmp_path / "sidecar.log"
     drop = ",".join(f"-{cap}" for cap in dropped.split(","))
@@ -248,13 +208,6 @@ def test_an_await_legacy_grace_beyond_the_start_timeout_is_refused(
     grace: str, segment_name: str, write_config: Callable[..., Path]
 ) -> None:
     config = write_config({"providers": [{"id": "p"}]})
-    argv = [EXE, "sidecar", "--config", str(config), "--segment", segment_name]
-    out = subprocess.run(
-        [*argv, "--await-legacy-grace", grace],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=clean_env(),
-    )
+    out = run_sidecar(config, segment_name, "--await-legacy-grace", grace)
     assert out.returncode == 2
     assert "--await-legacy-grace must be" in out.stderr and "Traceback" not in out.stderr

@@ -9,12 +9,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from capacity_server import CapacityServer
-from sidecar_e2e import EXE, Entry, StartSidecar, clean_env, wait_provider
+from sidecar_e2e import EXE, Rig, clean_env, run_sidecar
 
 from sidecar.daemon import StartupError, metrics_exposure, parse_legacy
 
@@ -24,28 +23,26 @@ from as_nobody import NOBODY, as_nobody, public_dir
 __all__ = ["public_dir"]  # a fixture
 
 
+Refused = Callable[..., list[str]]
+
+
 @pytest.fixture
-def legacy() -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(["sleep", "60"])
-    yield proc
-    proc.kill()
-    proc.wait()
+def refused(segment_name: str, write_config: Callable[..., Path]) -> Refused:
+    """``refused(*options)``: a sidecar started with ``options`` on a config of one static
+    provider must refuse to start (exit 2, no traceback); its ERROR lines."""
+    config = write_config({"providers": [{"id": "p"}]})
 
+    def start(*extra: str) -> list[str]:
+        out = run_sidecar(config, segment_name, *extra)
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr
+        return [line for line in out.stderr.splitlines() if " ERROR " in line]
 
-def start_refused(config: Path, segment: str, *extra: str) -> list[str]:
-    """Start a sidecar that must refuse to start: its ERROR lines (exit 2 checked)."""
-    argv = [EXE, "sidecar", "--config", str(config), "--segment", segment, *extra]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=clean_env())
-    assert out.returncode == 2, out.stderr
-    assert "Traceback" not in out.stderr
-    return [line for line in out.stderr.splitlines() if " ERROR " in line]
+    return start
 
 
 def test_r_g6_a_pidfile_others_can_rewrite_is_refused_before_anything_drains(
-    public_dir: Path,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    legacy: subprocess.Popen[bytes],
+    public_dir: Path, legacy: subprocess.Popen[bytes], refused: Refused
 ) -> None:
     """nobody rewrites a pidfile in a directory everyone may write to `1`: before, every
     opted-in provider stayed at 0 for as long as pid 1 lived; now the start fails."""
@@ -61,18 +58,14 @@ def test_r_g6_a_pidfile_others_can_rewrite_is_refused_before_anything_drains(
             f.write("1\n")
 
     as_nobody(rewrite)
-    config = write_config({"providers": [{"id": "p"}]})
-    (error,) = start_refused(config, segment_name, "--await-legacy", str(pidfile))
+    (error,) = refused("--await-legacy", str(pidfile))
     assert f"--await-legacy {pidfile}: pidfile not trusted: directory {run_dir} is writable" in (
         error
     )
 
 
 def test_r_g6_a_pidfile_owned_by_another_user_is_refused_naming_its_owner(
-    public_dir: Path,
-    segment_name: str,
-    write_config: Callable[..., Path],
-    legacy: subprocess.Popen[bytes],
+    public_dir: Path, legacy: subprocess.Popen[bytes], refused: Refused
 ) -> None:
     sticky = public_dir / "tmp"
     sticky.mkdir()
@@ -86,43 +79,35 @@ def test_r_g6_a_pidfile_owned_by_another_user_is_refused_naming_its_owner(
 
     as_nobody(plant)
     assert pidfile.stat().st_uid == NOBODY
-    config = write_config({"providers": [{"id": "p"}]})
-    (error,) = start_refused(config, segment_name, "--await-legacy", str(pidfile))
+    (error,) = refused("--await-legacy", str(pidfile))
     assert "is owned by uid 65534 (nobody), not root or this user" in error
 
 
-def test_r_g6_a_group_writable_pidfile_is_refused(
-    tmp_path: Path, segment_name: str, write_config: Callable[..., Path]
-) -> None:
+def test_r_g6_a_group_writable_pidfile_is_refused(tmp_path: Path, refused: Refused) -> None:
     pidfile = tmp_path / "legacy.pid"
     pidfile.write_text(f"{os.getpid()}\n")
     pidfile.chmod(0o664)
-    config = write_config({"providers": [{"id": "p"}]})
-    (error,) = start_refused(config, segment_name, "--await-legacy", str(pidfile))
+    (error,) = refused("--await-legacy", str(pidfile))
     assert "writable by group or others (mode 0664)" in error
 
 
 @pytest.mark.parametrize("how", ["pid", "pidfile"])
-def test_r_g3_await_legacy_may_not_name_pid_1(
-    how: str, tmp_path: Path, segment_name: str, write_config: Callable[..., Path]
-) -> None:
+def test_r_g3_await_legacy_may_not_name_pid_1(how: str, tmp_path: Path, refused: Refused) -> None:
     target = "1"
     if how == "pidfile":
         (tmp_path / "init.pid").write_text("1\n")
         target = str(tmp_path / "init.pid")
-    config = write_config({"providers": [{"id": "p"}]})
-    (error,) = start_refused(config, segment_name, "--await-legacy", target)
+    (error,) = refused("--await-legacy", target)
     assert "pid 1, init (pid 1): a drain that only its exit could end (refused)" in error
 
 
 def test_r_g3_await_legacy_may_not_name_the_parent_pid(
-    segment_name: str, write_config: Callable[..., Path], legacy: subprocess.Popen[bytes]
+    legacy: subprocess.Popen[bytes], refused: Refused
 ) -> None:
     """Under --parent-pid the sidecar exits with that process: awaiting it would drain
     for as long as the sidecar runs."""
-    config = write_config({"providers": [{"id": "p"}]})
     pid = str(legacy.pid)
-    (error,) = start_refused(config, segment_name, "--parent-pid", pid, "--await-legacy", pid)
+    (error,) = refused("--parent-pid", pid, "--await-legacy", pid)
     assert f"names pid {pid}, the --parent-pid process" in error
 
 
@@ -132,19 +117,11 @@ def test_r_g3_await_legacy_may_not_name_the_sidecar_itself() -> None:
 
 
 def test_r_g3_a_drain_longer_than_await_legacy_max_warns_once_and_fails_the_check(
-    segment_name: str,
-    write_config: Callable[..., Path],
-    capacity: CapacityServer,
-    entry: Entry,
-    start_sidecar: StartSidecar,
-    legacy: subprocess.Popen[bytes],
+    rig: Rig, legacy: subprocess.Popen[bytes]
 ) -> None:
-    config = write_config({"maxConcurrent": 8, "providers": [entry(capacity)]})
-    sidecar = start_sidecar(
-        config, segment_name, "--await-legacy", str(legacy.pid), "--await-legacy-max", "1"
-    )
-    wait_provider(segment_name, "p1", lambda p: p["source"] == "legacy_drain")
-    argv = [EXE, "availability", "--segment", segment_name, "--check"]
+    sidecar = rig.start(rig.config(), "--await-legacy", str(legacy.pid), "--await-legacy-max", "1")
+    rig.wait("p1", lambda p: p["source"] == "legacy_drain")
+    argv = [EXE, "availability", "--segment", rig.segment, "--check"]
 
     def check() -> subprocess.CompletedProcess[str]:
         return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=clean_env())
@@ -160,7 +137,7 @@ def test_r_g3_a_drain_longer_than_await_legacy_max_warns_once_and_fails_the_chec
     assert len(warnings) == 1 and " WARNING " in warnings[0], sidecar.log_text()
     legacy.kill()
     legacy.wait()
-    wait_provider(segment_name, "p1", lambda p: p["source"] == "discovered")
+    rig.wait("p1", lambda p: p["source"] == "discovered")
     assert "legacy drain" not in check().stdout
 
 

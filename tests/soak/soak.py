@@ -77,7 +77,14 @@ from soak_worker import ARRIVING, RUNNING, STATE_SIZE, read_state  # noqa: E402
 
 from handler_shim import Admission  # noqa: E402
 from shm_layout import ledger  # noqa: E402
-from shm_layout.layout import HEADER, HOLDER, HOLDER_RUNNING, HOLDER_WAITING, PROVIDER  # noqa: E402
+from shm_layout.layout import (  # noqa: E402
+    HEADER,
+    HOLDER,
+    HOLDER_RUNNING,
+    HOLDER_WAITING,
+    PROVIDER,
+    PROVIDER_COUNTERS,
+)
 from shm_layout.segment import map_readonly, unlink_segment  # noqa: E402
 from shm_layout.view import parse_view, snapshot_bytes  # noqa: E402
 
@@ -993,18 +1000,7 @@ class Soak:
         buf = map_readonly(self.segment)
         rep.repairs = HEADER["repairs"].get(buf) - repairs_before
         self.counters = {
-            name: {
-                k: PROVIDER[k].get(buf, ledger.provider_base(p))
-                for k in (
-                    "admitted_total",
-                    "rejected_total",
-                    "timeouts_total",
-                    "cancelled_total",
-                    "reclaimed_total",
-                    "peak_running",
-                    "peak_waiting",
-                )
-            }
+            name: {k: PROVIDER[k].get(buf, ledger.provider_base(p)) for k in PROVIDER_COUNTERS}
             for name, p in self.timeline.indexes.items()
         }
         buf.close()

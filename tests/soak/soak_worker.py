@@ -108,11 +108,14 @@ def main() -> int:
         # the driver asks by creating the stop file; a driver that died asks nothing
         return os.path.exists(stop_file) or os.getppid() != parent
 
-    def plan(rng: random.Random) -> tuple[str, float, int]:
+    def arrive(client: int, rng: random.Random) -> tuple[str, float, int, float]:
+        """The client's next request, counted as asked: (provider, timeout, hold ms, asked at)."""
         provider = rng.choice(PROVIDERS)
         timeout = rng.uniform(0.2, 3.0)
         hold_ms = rng.randint(300, 1500) if rng.random() < 0.2 else rng.randint(2, 60)
-        return provider, timeout, hold_ms
+        state.phase(client, ARRIVING)
+        state.count("asked")
+        return provider, timeout, hold_ms, time.time()
 
     def body(client: int, provider: str, asked: float, hold_ms: int) -> None:
         entered = time.time()
@@ -139,10 +142,7 @@ def main() -> int:
     def blocking_client(client: int) -> None:
         rng = random.Random(args.seed * 100 + client)
         while not stopping():
-            provider, timeout, hold_ms = plan(rng)
-            state.phase(client, ARRIVING)
-            state.count("asked")
-            asked = time.time()
+            provider, timeout, hold_ms, asked = arrive(client, rng)
             try:
                 with adm.slot_blocking(provider, timeout=timeout):
                     body(client, provider, asked, hold_ms)
@@ -156,10 +156,7 @@ def main() -> int:
         rng = random.Random(args.seed * 100 + client)
         loop = asyncio.get_running_loop()
         while not stopping():
-            provider, timeout, hold_ms = plan(rng)
-            state.phase(client, ARRIVING)
-            state.count("asked")
-            asked = time.time()
+            provider, timeout, hold_ms, asked = arrive(client, rng)
             try:
                 async with adm.slot(provider, timeout=timeout):
                     await loop.run_in_executor(None, body, client, provider, asked, hold_ms)

@@ -20,6 +20,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from gwtest import wait_for
+
 REPO = Path(__file__).resolve().parents[2]
 INSIDE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 NSPAWN_DIR = Path("/run/systemd/nspawn")
@@ -209,15 +211,7 @@ class Box:
     def wait(self, what: str, predicate: object, timeout: float) -> object:
         """Poll ``predicate()`` (a callable) until truthy; fail naming ``what``."""
         assert callable(predicate)
-        deadline = time.monotonic() + timeout
-        last: object = None
-        while True:
-            last = predicate()
-            if last:
-                return last
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not within {timeout:g}s")
-            time.sleep(0.3)
+        return wait_for(predicate, timeout, every=0.3, what=what)
 
 
 def _children(pid: int) -> list[int]:

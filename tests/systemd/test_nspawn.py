@@ -33,9 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gwtest import provider_of
 from nspawn_box import REPO, Box, BoxError, build_root, repo_files
 
 from capacity_router import SimWorker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
+from router_support import serve_args, worker, write_registry
 
 pytestmark = [
     pytest.mark.xdist_group("nspawn"),
@@ -69,35 +73,10 @@ class Provider:
         key_file.write_text(self.key + "\n")
         key_file.chmod(0o600)
         registry = directory / "workers.json"
-        registry.write_text(
-            json.dumps(
-                {
-                    "workers": [
-                        {
-                            "id": "w1",
-                            "urls": [self.worker.url],
-                            "models": ["workhorse"],
-                            "slots": {"source": "props"},
-                        },
-                    ]
-                }
-            )
-        )
+        write_registry(registry, [worker("w1", [self.worker.url], ["workhorse"])])
         exe = str(Path(sys.executable).with_name("gateway-capacity"))
         self.proc = subprocess.Popen(
-            [
-                exe,
-                "router",
-                "serve",
-                "--workers",
-                str(registry),
-                "--key-file",
-                str(key_file),
-                "--listen",
-                "127.0.0.1:0",
-                "--poll",
-                "0.5",
-            ],
+            [exe, "router", *serve_args(registry, key_file), "--poll", "0.5"],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -227,10 +206,18 @@ def _availability(box: Box) -> dict[str, Any]:
 
 
 def _provider(box: Box, pid: str = "local-inference") -> dict[str, Any]:
-    for p in _availability(box)["providers"]:
-        if p["id"] == pid:
-            return dict(p)
-    raise AssertionError(f"no provider {pid}")
+    return provider_of(_availability(box), pid)
+
+
+def _start_holder(box: Box, unit: str) -> None:
+    """A handler of the user gateway, as the unit ``unit``, holding one slot for good."""
+    box.run(
+        _handler(
+            "with adm.slot_blocking('local-inference', timeout=10):\n    time.sleep(600)\n",
+            unit=unit,
+        )
+    )
+    box.wait("holder running", lambda: _provider(box)["running"] == 1, 30)
 
 
 def _state(box: Box) -> str:
@@ -339,13 +326,7 @@ def test_handler_as_another_user_attaches_and_takes_a_slot(box: Box) -> None:
 
 def test_a_live_holder_of_another_user_is_never_reaped_and_a_dead_one_is(box: Box) -> None:
     """The sandbox lets the sidecar judge other users' processes (/proc)."""
-    box.run(
-        _handler(
-            "with adm.slot_blocking('local-inference', timeout=10):\n    time.sleep(600)\n",
-            unit="gwcap-holder",
-        )
-    )
-    box.wait("holder running", lambda: _provider(box)["running"] == 1, 30)
+    _start_holder(box, "gwcap-holder")
     time.sleep(3.0)  # six housekeeping turns, each of which reaps dead holders
     assert _provider(box)["running"] == 1
     journal = box.run(f"journalctl -u {UNIT} --no-pager -o cat").stdout
@@ -355,26 +336,20 @@ def test_a_live_holder_of_another_user_is_never_reaped_and_a_dead_one_is(box: Bo
 
 
 def test_stop_leaves_the_segment_and_a_restart_reattaches(box: Box) -> None:
-    box.run(
-        _handler(
-            "with adm.slot_blocking('local-inference', timeout=10):\n    time.sleep(600)\n",
-            unit="gwcap-holder2",
-        )
-    )
-    box.wait("holder running", lambda: _provider(box)["running"] == 1, 30)
+    _start_holder(box, "gwcap-holder2")
     before = _availability(box)
     box.run(f"systemctl stop {UNIT}")
     box.run("test -e /dev/shm" + before["segment"])  # RemoveIPC=no
     after_stop = _availability(box)
     assert after_stop["sidecar"]["alive"] is False, after_stop["sidecar"]
-    p = next(p for p in after_stop["providers"] if p["id"] == "local-inference")
+    p = provider_of(after_stop, "local-inference")
     assert p["running"] == 1
     box.run(f"systemctl start {UNIT}")
     again = _availability(box)
     assert again["segment"] == before["segment"]
     assert again["sidecar"]["alive"] is True
     assert again["sidecar"]["writer_epoch"] > before["sidecar"]["writer_epoch"]
-    p = next(p for p in again["providers"] if p["id"] == "local-inference")
+    p = provider_of(again, "local-inference")
     assert p["running"] == 1 and p["effective_limit"] == SLOTS, p
     box.run("systemctl stop gwcap-holder2.service")
     box.wait("slot released", lambda: _provider(box)["running"] == 0, 30)

@@ -66,7 +66,8 @@ def listener(request: pytest.FixtureRequest) -> Iterator[Listener]:
 def run_child(
     code: str, env: Mapping[str, str], *, shell_pid_as_watchdog_pid: bool = False
 ) -> object:
-    """Run ``code`` (which prints one JSON value) in a fresh interpreter with ``env``.
+    """Run ``code`` (which prints one JSON value) in a fresh interpreter with ``env``;
+    ``sdnotify``, ``json`` and ``w`` (the environment's ``sdnotify.Watchdog``) are there.
 
     With ``shell_pid_as_watchdog_pid`` the interpreter is exec'd by a shell that
     first sets WATCHDOG_PID=$$, so it equals the Python process's own pid, as
@@ -74,7 +75,8 @@ def run_child(
     """
     base = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_", "WATCHDOG_"))}
     base.update(env)
-    argv = [sys.executable, "-c", "from sidecar import sdnotify\n" + code]
+    preamble = "import json\nfrom sidecar import sdnotify\nw = sdnotify.Watchdog.from_env()\n"
+    argv = [sys.executable, "-c", preamble + code]
     if shell_pid_as_watchdog_pid:
         argv = ["/bin/sh", "-c", 'WATCHDOG_PID=$$ exec "$@"', "sh", *argv]
     done = subprocess.run(argv, env=base, capture_output=True, text=True, timeout=30, check=True)
@@ -83,8 +85,6 @@ def run_child(
 
 def test_ready_watchdog_and_stopping_arrive_as_sent(listener: Listener) -> None:
     result = run_child(
-        "import json\n"
-        "w = sdnotify.Watchdog.from_env()\n"
         "print(json.dumps([sdnotify.ready(), w.maybe_ping(100.0), w.maybe_ping(100.5),\n"
         "                  w.maybe_ping(101.0), sdnotify.stopping()]))",
         {"NOTIFY_SOCKET": listener.env_value, "WATCHDOG_USEC": "2000000"},
@@ -98,8 +98,6 @@ def test_without_notify_socket_every_call_returns_false_and_sends_nothing(
     listener: Listener,
 ) -> None:
     result = run_child(
-        "import json\n"
-        "w = sdnotify.Watchdog.from_env()\n"
         "print(json.dumps([sdnotify.ready(), sdnotify.status('x'), w.enabled,\n"
         "                  w.maybe_ping(0.0), sdnotify.stopping()]))",
         {"WATCHDOG_USEC": "2000000"},  # a watchdog without a socket still sends nothing
@@ -110,8 +108,6 @@ def test_without_notify_socket_every_call_returns_false_and_sends_nothing(
 
 def test_watchdog_pid_of_another_process_disables_the_watchdog(listener: Listener) -> None:
     result = run_child(
-        "import json\n"
-        "w = sdnotify.Watchdog.from_env()\n"
         "print(json.dumps([sdnotify.watchdog_interval(), w.maybe_ping(0.0)]))",
         {
             "NOTIFY_SOCKET": listener.env_value,
@@ -125,8 +121,6 @@ def test_watchdog_pid_of_another_process_disables_the_watchdog(listener: Listene
 
 def test_watchdog_pid_equal_to_our_own_pid_enables_the_watchdog(listener: Listener) -> None:
     result = run_child(
-        "import json\n"
-        "w = sdnotify.Watchdog.from_env()\n"
         "print(json.dumps([sdnotify.watchdog_interval(), w.maybe_ping(0.0)]))",
         {"NOTIFY_SOCKET": listener.env_value, "WATCHDOG_USEC": "30000000"},
         shell_pid_as_watchdog_pid=True,

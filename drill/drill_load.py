@@ -1,0 +1,147 @@
+"""The drill's load: clients streaming completions through the gateway, and what came back.
+
+Each client loops on one request at a time (a streamed completion of ``lo..hi``
+chunks, each on a connection of its own) until its stop event is set, and waits the
+``Retry-After`` of a 429 before the next. Every answer is tallied in
+``Drill.outcomes`` (:class:`Outcomes`): a whole stream, a 429 with ``Retry-After``
+and an OpenAI error body, a 503, or a failure, which the checks count as lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import httpx
+
+if TYPE_CHECKING:
+    from drill_rig import Drill
+
+RELOAD_DROPS = frozenset({"ReadError", "RemoteProtocolError"})  # no answer at all
+RELOAD_PHASE = "HUP -> gen-B"  # the phase whose reload may drop unread connections
+
+
+@dataclass
+class Outcomes:
+    ok: int = 0
+    rejected: int = 0
+    timed_out: int = 0
+    bad_429: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    legacy_ok: int = 0
+    # Connections a stopping gunicorn worker closed before it read the request (the
+    # reload's accept race: uvicorn closes connections that have sent nothing yet when
+    # it shuts down). Not lost to admission: the exact accounting (segment admitted =
+    # upstream = whole answers) proves none of them was admitted; reported apart.
+    dropped_by_reload: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def lost(self) -> int:
+        return sum(self.errors.values())
+
+
+def clients(
+    drill: Drill, n: int, url: str, prefix: str, lo: int, hi: int, stop: threading.Event
+) -> threading.Thread:
+    """``n`` clients of ``url`` (``prefix`` "legacy": the legacy generation's), in a
+    thread of their own, until ``stop`` is set; join the thread to wait for their end."""
+
+    async def many() -> None:
+        await asyncio.gather(*(_client_loop(drill, url, prefix, lo, hi, stop, i) for i in range(n)))
+
+    thread = threading.Thread(target=lambda: asyncio.run(many()), daemon=True)
+    thread.start()
+    return thread
+
+
+def burst(drill: Drill, url: str, count: int) -> None:
+    """``count`` requests at once (the overflow: those beyond the queue are answered 429)."""
+
+    async def all_at_once() -> list[str]:
+        async with _client() as c:
+            return await asyncio.gather(
+                *(_one(drill, c, url, f"burst-{i}", 3) for i in range(count))
+            )
+
+    outcomes = asyncio.run(all_at_once())
+    for outcome in outcomes:
+        _tally(drill, outcome, False)
+    drill.figures["burst"] = dict(Counter(outcomes))
+
+
+def _client() -> httpx.AsyncClient:
+    # No keep-alive: each request on its own connection, so a gunicorn reload never
+    # races an idle pooled connection (that would be the client's loss, not ours).
+    return httpx.AsyncClient(
+        trust_env=False, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)
+    )
+
+
+async def _client_loop(
+    drill: Drill, url: str, prefix: str, lo: int, hi: int, stop: threading.Event, seed: int
+) -> None:
+    rng = random.Random(seed)
+    async with _client() as c:
+        for n in itertools.count():
+            if stop.is_set():
+                return
+            if prefix == "legacy":
+                drill.legacy_sent += 1
+            outcome = await _one(drill, c, url, f"{prefix}-{seed}-{n}", rng.randint(lo, hi))
+            _tally(drill, outcome, prefix == "legacy")
+            if outcome == "429":
+                await asyncio.sleep(1.0)  # Retry-After: 1
+
+
+async def _one(drill: Drill, client: httpx.AsyncClient, url: str, rid: str, chunks: int) -> str:
+    body = {
+        "model": drill.model_alias,
+        "stream": True,
+        "max_tokens": chunks,
+        "messages": [{"role": "user", "content": "drill"}],
+    }
+    try:
+        async with client.stream(
+            "POST", f"{url}/v1/chat/completions", json=body, headers={"x-request-id": rid}
+        ) as answer:
+            data = await answer.aread()
+            if answer.status_code == 200:
+                if data.endswith(b"data: [DONE]\n\n") and data.count(b"data: ") == chunks + 1:
+                    return "ok"
+                return "truncated"
+            if answer.status_code == 429:
+                error = json.loads(data).get("error", {})
+                good = answer.headers.get("retry-after") and error.get("code") == "queue_full"
+                return "429" if good else "bad-429"
+            if answer.status_code == 503:
+                return "503"
+            return f"http-{answer.status_code}"
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
+
+
+def _tally(drill: Drill, outcome: str, legacy: bool) -> None:
+    o = drill.outcomes
+    if outcome == "ok":
+        if legacy:
+            o.legacy_ok += 1
+        else:
+            o.ok += 1
+    elif outcome == "429" and not legacy:
+        o.rejected += 1
+    elif outcome == "503" and not legacy:
+        o.timed_out += 1
+        o.errors["503"] += 1
+    elif outcome == "bad-429":
+        o.bad_429 += 1
+        o.errors[outcome] += 1
+    elif outcome in RELOAD_DROPS and not legacy and drill.phase == RELOAD_PHASE:
+        o.dropped_by_reload[outcome] += 1
+    else:
+        o.errors[f"{'legacy ' if legacy else ''}{outcome}"] += 1
