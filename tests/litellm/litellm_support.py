@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import served
-from gwtest import ROOT, availability
+from gwtest import ROOT, availability, wait_until
 from served import Served, serve_app, uvicorn_argv
 
 PROVIDER = "local-inference"
@@ -185,6 +185,11 @@ def serve(tmp_path: Path, segment_name: str, gateway_config: Path) -> Iterator[S
         )
         started.append(server)
         server.wait_healthy(("/health/liveliness", "/healthz"), timeout=90, every=0.25)
+        # One worker answering is not all of them: a worker still importing LiteLLM
+        # accepts nothing, and every request lands on the first (seen on a loaded CI run).
+        ready = "Application startup complete."
+        every_worker = wait_until(lambda: server.output().count(ready) >= workers, timeout=90)
+        assert every_worker, server.output()[-3000:]
         return server
 
     yield start
