@@ -1,11 +1,13 @@
 """How long does a single bad write to the segment let more run than the limit? (R-A16)
 
-For each kind of bad write, 6 handler processes (tests/agent.py-like workers here) cycle
-slots of 50 ms on a provider with a limit of 3; a monitor reads the holder records
-lock-free every millisecond and counts RUNNING ones. One bad write is made (as a
-scribbling program would), and the time during which more than 3 records ran is
-measured, from the write to the last sample above the limit. Prints one line per kind
-and a JSON summary. Run: ``.venv/bin/python bench/damage_window.py`` (about 30 s).
+For each kind of bad write, 6 handler processes cycle slots of 0.5 s on a provider with
+a limit of 3; each body counts itself in a shared counter while it runs (the bodies, not
+the records: a bad write can free a record whose body goes on), and a monitor samples
+that counter every millisecond. One bad write is made (as a scribbling program would),
+and the time during which more than 3 bodies ran is measured, from the write to the last
+sample above the limit; each kind ROUNDS times, the longest window reported. Prints one
+line per kind and a JSON summary. Run: ``.venv/bin/python bench/damage_window.py``
+(about a minute and a half).
 """
 
 from __future__ import annotations
@@ -18,36 +20,31 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 LIMIT = 3
 WORKERS = 6
-BODY_S = 0.05
+BODY_S = 0.5  # long enough that a sweep can come while a damaged body still runs
+ROUNDS = 3
 
 
-def _worker(config: str, segment: str, stop_at: float) -> None:
+def _worker(config: str, segment: str, stop_at: float, bodies: Any) -> None:
     from handler_shim import Admission, AdmissionTimeout
 
     adm = Admission.attach(config=config, segment=segment, generation="bench")
     while time.time() < stop_at:
         try:
             with adm.slot_blocking("p1", timeout=1.0):
+                with bodies.get_lock():
+                    bodies.value += 1
                 time.sleep(BODY_S)
+                with bodies.get_lock():
+                    bodies.value -= 1
         except AdmissionTimeout:
             pass
     adm.close(grace=1.0)
-
-
-def _running(buf: object) -> int:
-    from shm_layout import layout
-    from shm_layout.ledger import holder_base
-
-    return sum(
-        1
-        for h in range(layout.HOLDERS_PER_PROVIDER)
-        if layout.HOLDER["state"].get(buf, holder_base(0, h)) == layout.HOLDER_RUNNING
-    )
 
 
 def _scribble(kind: str, buf: object) -> None:
@@ -72,11 +69,15 @@ def _scribble(kind: str, buf: object) -> None:
         PROVIDER["expires_mono"].put(buf, platform.deadline_now() + 3600, base)
         PROVIDER["published_limit"].put(buf, 96, base)
     elif kind == "a running record's state := 0":
-        for h in range(layout.HOLDERS_PER_PROVIDER):
-            hb = holder_base(0, h)
-            if HOLDER["state"].get(buf, hb) == layout.HOLDER_RUNNING:
-                HOLDER["state"].put(buf, 0, hb)
-                return
+        # the youngest body's record: the damaged body runs longest after the write
+        running = [
+            holder_base(0, h)
+            for h in range(layout.HOLDERS_PER_PROVIDER)
+            if HOLDER["state"].get(buf, holder_base(0, h)) == layout.HOLDER_RUNNING
+        ]
+        if running:
+            youngest = max(running, key=lambda hb: HOLDER["since_mono"].get(buf, hb))
+            HOLDER["state"].put(buf, 0, youngest)
 
 
 KINDS = [
@@ -97,9 +98,13 @@ def measure(kind: str) -> dict[str, object]:
         Path(config).write_text(json.dumps({"providers": [{"id": "p1", "maxConcurrent": LIMIT}]}))
         segment = "/gwb-" + secrets.token_hex(5)
         seg = Segment.open(segment)
-        stop_at = time.time() + 4.0
+        stop_at = time.time() + 5.5
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(config, segment, stop_at)) for _ in range(WORKERS)]
+        bodies = ctx.Value("i", 0)
+        procs = [
+            ctx.Process(target=_worker, args=(config, segment, stop_at, bodies))
+            for _ in range(WORKERS)
+        ]
         for p in procs:
             p.start()
         time.sleep(1.5)  # all running, the queue formed
@@ -107,8 +112,8 @@ def measure(kind: str) -> dict[str, object]:
         _scribble(kind, seg.buf)
         last_over = None
         peak = 0
-        while time.monotonic() - wrote < 2.0:
-            n = _running(seg.buf)
+        while time.monotonic() - wrote < 3.0:
+            n = bodies.value
             peak = max(peak, n)
             if n > LIMIT:
                 last_over = time.monotonic()
@@ -121,10 +126,18 @@ def measure(kind: str) -> dict[str, object]:
     return {"kind": kind, "over_limit_s": round(window, 3), "peak_running": peak}
 
 
+def worst(kind: str) -> dict[str, object]:
+    rounds = [measure(kind) for _ in range(ROUNDS)]
+    return max(rounds, key=lambda r: (r["over_limit_s"], r["peak_running"]))  # type: ignore[return-value]
+
+
 def main() -> int:
-    results = [measure(kind) for kind in KINDS]
+    results = [worst(kind) for kind in KINDS]
     for r in results:
-        print(f"{r['kind']:<38} over the limit for {r['over_limit_s']:.3f} s (peak {r['peak_running']})")
+        print(
+            f"{r['kind']:<38} bodies over the limit for {r['over_limit_s']:.3f} s "
+            f"(peak {r['peak_running']} on a limit of {LIMIT}; worst of {ROUNDS})"
+        )
     print(json.dumps(results))
     return 0
 

@@ -742,6 +742,9 @@ def test_r_l7_a_stepped_wall_clock_neither_extends_nor_cuts_a_published_limit(
     finally:
         handler.kill()
         seg_owner.close()
+        # faketime's wrapper removes its shared state only when it exits by itself
+        for name in (f"faketime_shm_{handler.proc.pid}", f"sem.faketime_sem_{handler.proc.pid}"):
+            Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 @pytest.fixture(autouse=True)
