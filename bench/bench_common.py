@@ -235,3 +235,39 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.01)
+
+
+# --- what the kernel says a process did ---------------------------------------------------
+def proc_cpu_ns(pid: int) -> int:
+    """CPU time (user + system, ns) of every live thread of ``pid`` so far, from
+    ``/proc/<pid>/task/*/schedstat`` (nanoseconds; psutil's ticks are 10 ms). A thread
+    that ended is not counted: measure processes whose threads live through the window."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with (
+                contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError),
+                open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as f,
+            ):
+                total += int(f.read().split()[0])
+    return total
+
+
+def proc_switches(pid: int) -> int:
+    """Context switches (voluntary + involuntary) of every live thread of ``pid``: each
+    voluntary one is a sleep, so a wake-up follows it."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with (
+                contextlib.suppress(FileNotFoundError, ProcessLookupError),
+                open(f"/proc/{pid}/task/{tid}/status", encoding="ascii") as f,
+            ):
+                for line in f:
+                    if "ctxt_switches:" in line:
+                        total += int(line.split()[1])
+    return total
+
+
+def loadavg() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
