@@ -271,3 +271,40 @@ def proc_switches(pid: int) -> int:
 
 def loadavg() -> str:
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+@dataclass
+class MachineMeter:
+    """Who used the CPUs between ``start`` and ``report``: this benchmark (its process and
+    every child it has reaped: ``os.times``) and everyone else (all busy time in
+    /proc/stat minus ours). The load average counts our own workers too; this does not."""
+
+    wall: float = 0.0
+    ours: float = 0.0
+    busy: float = 0.0
+
+    @staticmethod
+    def _busy_s() -> float:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _ours_s() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def start(self) -> MachineMeter:
+        self.wall, self.ours, self.busy = time.monotonic(), self._ours_s(), self._busy_s()
+        return self
+
+    def report(self) -> str:
+        wall = time.monotonic() - self.wall
+        ours = self._ours_s() - self.ours
+        others = max(0.0, self._busy_s() - self.busy - ours)
+        cores = os.cpu_count() or 1
+        return (
+            f"CPU over {wall:.0f} s: this benchmark {ours:.1f} s, others {others:.1f} s "
+            f"({100 * others / (wall * cores):.0f} % of {cores} cores)"
+        )

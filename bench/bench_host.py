@@ -191,43 +191,50 @@ def run_idle(
     slot, and all 32 processes of group g wait for it (the holder too, a second request)."""
     out = []
     with cleanup.scope() as scope:
+        # segments first: the workers are stopped before their segments go (a handler
+        # whose segment is removed under it makes it again, R-A15)
+        segments = {
+            (n, mode): make_segment(scope, {f"idle{g}": 1 for g in range(n // 32)})[0]
+            for n in process_counts
+            for mode in modes
+        }
         workers = start_workers(scope, max(process_counts))
         scope.push("stop workers", lambda: stop_workers(workers))
         for n in process_counts:
             groups = n // 32
             for mode in modes:
                 log(f"idle: {n} processes, one {mode} waiter each, {seconds:g}s")
-                with scope.scope() as inner:
-                    segment, _ = make_segment(inner, {f"idle{g}": 1 for g in range(groups)})
-                    used = workers[:n]
-                    ask_all(used, "attach", segment=segment)
-                    for g in range(groups):
-                        used[32 * g].ask("hold", provider=f"idle{g}")
-                    for i, w in enumerate(used):
-                        w.send("wait", provider=f"idle{i // 32}", count=1, mode=mode)
-                    for w in used:
-                        w.receive()
-                    wait_for_load(segment, {f"idle{g}": (1, 32) for g in range(groups)})
-                    time.sleep(1.0)  # start-up work done, first sweeps passed
-                    pids = [w.pid for w in used]
-                    wake0 = [a["wakeups"] for a in ask_all(used, "wakeups")]
-                    cpu0 = sum(proc_cpu_ns(p) for p in pids)
-                    sw0 = sum(proc_switches(p) for p in pids)
-                    t0 = time.monotonic()
-                    time.sleep(seconds)
-                    cpu1 = sum(proc_cpu_ns(p) for p in pids)
-                    sw1 = sum(proc_switches(p) for p in pids)
-                    t1 = time.monotonic()
-                    wake1 = [a["wakeups"] for a in ask_all(used, "wakeups")]
-                    # the two reads of /proc for 128 processes are themselves a few ms
-                    wall = t1 - t0
-                    load = {f"idle{g}": provider_load(segment, f"idle{g}") for g in range(groups)}
-                    if any(v != (1, 32) for v in load.values()):
-                        raise RuntimeError(f"idle waiters moved: {load}")
-                    for g in range(groups):
-                        used[32 * g].ask("release")
-                    wait_all_waited(used, n)
-                    ask_all(used, "detach")
+                segment = segments[n, mode]
+                used = workers[:n]
+                ask_all(used, "attach", segment=segment)
+                for g in range(groups):
+                    used[32 * g].ask("hold", provider=f"idle{g}")
+                for i, w in enumerate(used):
+                    w.send("wait", provider=f"idle{i // 32}", count=1, mode=mode)
+                for w in used:
+                    w.receive()
+                wait_for_load(segment, {f"idle{g}": (1, 32) for g in range(groups)})
+                time.sleep(1.0)  # start-up work done, first sweeps passed
+                pids = [w.pid for w in used]
+                wake0 = [a["wakeups"] for a in ask_all(used, "wakeups")]
+                cpu0 = sum(proc_cpu_ns(p) for p in pids)
+                sw0 = sum(proc_switches(p) for p in pids)
+                t0 = time.monotonic()
+                time.sleep(seconds)
+                cpu1 = sum(proc_cpu_ns(p) for p in pids)
+                sw1 = sum(proc_switches(p) for p in pids)
+                t1 = time.monotonic()
+                wake1 = [a["wakeups"] for a in ask_all(used, "wakeups")]
+                # the two reads of /proc for 128 processes are themselves a few ms
+                wall = t1 - t0
+                load = {f"idle{g}": provider_load(segment, f"idle{g}") for g in range(groups)}
+                if any(v != (1, 32) for v in load.values()):
+                    raise RuntimeError(f"idle waiters moved: {load}")
+                before = sum(a["waited"] for a in ask_all(used, "waited"))
+                for g in range(groups):
+                    used[32 * g].ask("release")
+                wait_all_waited(used, before + n)
+                ask_all(used, "detach")
                 out.append(
                     IdleResult(
                         processes=n,
@@ -268,11 +275,11 @@ def run_sweep(
     from shm_layout.segment import Segment, map_readonly
 
     with cleanup.scope() as scope:
+        names = [f"sw{p}" for p in range(providers)]
+        segment, _ = make_segment(scope, dict.fromkeys(names, 1))  # before the workers
         log(f"sweep: starting {processes} processes")
         workers = start_workers(scope, processes)
         scope.push("stop workers", lambda: stop_workers(workers))
-        names = [f"sw{p}" for p in range(providers)]
-        segment, _ = make_segment(scope, dict.fromkeys(names, 1))
         ask_all(workers, "attach", segment=segment)
         holders, waiters = workers[:providers], workers[providers:]
         ask_all_each(holders, "hold", [{"provider": n} for n in names])
@@ -341,52 +348,57 @@ def run_refusals(
     process_counts: Sequence[int],
     rounds: int,
     log: Callable[[str], None],
-    source: str | None = None,
     measure_core: bool = True,
 ) -> list[RefusalResult]:
-    """The measuring process holds the only slot of a limit-1 provider, 32 requests wait
-    (the bound) spread over the other processes, and it arrives again and again: every
-    arrival is refused. ``processes`` counts every registered process, the measuring one
-    too. Rounds of about 0.1 s, medians. ``source``: run another tree's code."""
+    """For each N, a segment of its own with N registered processes: a measuring one that
+    holds the only slot of a limit-1 provider, and N-1 others over which 32 waiting
+    requests (the bound) are spread. The measuring process arrives again and again: every
+    arrival is refused. All segments live at once and the rounds (about 0.1 s each) go
+    round the counts, so the machine's noise falls on every N alike; medians."""
     out = []
     with cleanup.scope() as scope:
-        workers = start_workers(scope, max(process_counts), source)
+        segments = {n: make_segment(scope, {"full": 1})[0] for n in process_counts}
+        log(f"queuefull: starting {sum(process_counts)} processes")
+        workers = start_workers(scope, sum(process_counts))
         scope.push("stop workers", lambda: stop_workers(workers))
-        segment, _ = make_segment(scope, {"full": 1})
-        measurer, others = workers[0], workers[1:]
-        measurer.ask("attach", segment=segment)
-        attached, granted = 0, 0
+        groups: dict[int, list[Worker]] = {}
         for n in process_counts:
-            log(f"queuefull: {n} processes attached" + (f" ({source})" if source else ""))
-            ask_all(others[attached : n - 1], "attach", segment=segment)
-            attached = n - 1
-            waiting = others[:attached]
-            measurer.ask("hold", provider="full")
-            for i, w in enumerate(waiting):
-                count = 32 // attached + (1 if i < 32 % attached else 0)
+            groups[n], workers = workers[:n], workers[n:]
+        for n, group in groups.items():
+            ask_all(group, "attach", segment=segments[n])
+            group[0].ask("hold", provider="full")
+            others = group[1:]
+            for i, w in enumerate(others):
+                count = 32 // len(others) + (1 if i < 32 % len(others) else 0)
                 if count:
                     w.ask("wait", provider="full", count=count)
-            wait_for_load(segment, {"full": (1, 32)})
-            n_user = _calibrate(lambda k: measurer.ask("refuse", provider="full", n=k)["ns"])
-            user = [
-                measurer.ask("refuse", provider="full", n=n_user)["ns"] / n_user
-                for _ in range(rounds)
-            ]
-            core = []
-            if measure_core:
-                n_core = _calibrate(
-                    lambda k: measurer.ask("refuse_core", provider="full", n=k)["ns"]
-                )
-                core = [
-                    measurer.ask("refuse_core", provider="full", n=n_core)["ns"] / n_core
-                    for _ in range(rounds)
-                ]
-            measurer.ask("release")  # the 32 are granted in turn and leave at once
-            granted += 32
-            wait_all_waited(waiting, granted)
-            wait_for_load(segment, {"full": (0, 0)})
-            out.append(RefusalResult(n, user, core))
-        ask_all(workers[: attached + 1], "detach")
+        for n in process_counts:
+            wait_for_load(segments[n], {"full": (1, 32)})
+        log(f"queuefull: {rounds} rounds over {', '.join(map(str, process_counts))} processes")
+        ops = ["refuse", "refuse_core"] if measure_core else ["refuse"]
+
+        def measure(n: int, op: str, k: int) -> int:
+            ns: int = groups[n][0].ask(op, provider="full", n=k)["ns"]
+            return ns
+
+        sizes = {
+            (n, op): _calibrate(lambda k, n=n, op=op: measure(n, op, k))
+            for n in process_counts
+            for op in ops
+        }
+        samples: dict[tuple[int, str], list[float]] = {key: [] for key in sizes}
+        for r in range(rounds):
+            order = process_counts if r % 2 == 0 else list(reversed(process_counts))
+            for n in order:
+                for op in ops:
+                    k = sizes[n, op]
+                    samples[n, op].append(measure(n, op, k) / k)
+        for n, group in groups.items():
+            granted = sum(a["waited"] for a in ask_all(group[1:], "waited")) + 32
+            group[0].ask("release")  # the 32 are granted in turn and leave at once
+            wait_all_waited(group[1:], granted)
+            ask_all(group, "detach")
+            out.append(RefusalResult(n, samples[n, "refuse"], samples.get((n, "refuse_core"), [])))
     return out
 
 

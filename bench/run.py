@@ -36,6 +36,7 @@ from typing import Any
 
 from bench_common import (
     Cleanup,
+    MachineMeter,
     fmt_ratio,
     fmt_us,
     loadavg,
@@ -218,7 +219,48 @@ def section_handoff(cleanup: Cleanup, plan: Plan) -> str:
         f"({fmt_us(shim.p50)}); p99 <= 250 us: {_verdict(shim.p99 <= 250_000)} "
         f"({fmt_us(shim.p99)}). The async waiter is informational."
     )
-    return "\n".join([head, "", table, "", target])
+    lines = [head, "", table, "", target]
+    if plan is FULL:
+        lines += ["", *_handoff_by_hold(cleanup, plan)]
+    return "\n".join(lines)
+
+
+HOLDS_S = (0.002, 0.0005, 0.0002, 0.00005)
+
+
+def _handoff_by_hold(cleanup: Cleanup, plan: Plan) -> list[str]:
+    """How long the waiter slept decides how long it takes to wake: the same ping-pong
+    with shorter holds (the gap after a release is a seventh of the hold)."""
+    from bench_procs import run_handoff
+
+    by_hold: dict[float, dict[str, float]] = {}
+    for hold in HOLDS_S:
+        log(f"hand-off: shim and sem with {hold * 1e3:g} ms holds")
+        by_hold[hold] = {
+            kind: run_handoff(cleanup, kind, plan.handoff_slots_each, hold, hold / 7).p50
+            for kind in ("shim", "sem")
+        }
+    PLOT_DATA["handoff_by_hold"] = by_hold
+    rows = [
+        [
+            f"{hold * 1e3:g}",
+            fmt_us(p["shim"]),
+            fmt_us(p["sem"]),
+            fmt_us(p["shim"] - p["sem"]),
+        ]
+        for hold, p in by_hold.items()
+    ]
+    table = render_table(
+        ["hold ms (the waiter sleeps as long)", "shim p50 us", "semaphore p50 us", "shim - sem us"],
+        rows,
+        right={0, 1, 2, 3},
+    )
+    return [
+        "2b. Hand-off p50 by how long the waiter slept (the same ping-pong, shorter holds; a "
+        "vCPU that idles longer wakes slower)",
+        "",
+        table,
+    ]
 
 
 def section_throughput(cleanup: Cleanup, plan: Plan) -> str:
@@ -817,6 +859,29 @@ def draw_plots(directory: str) -> list[str]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
+    by_hold = PLOT_DATA.get("handoff_by_hold")
+    if isinstance(by_hold, dict):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        holds = sorted(by_hold)
+        for kind, label in (("shim", "shim slot_blocking"), ("sem", "posix_ipc semaphore")):
+            ax.plot(
+                [h * 1e3 for h in holds],
+                [by_hold[h][kind] / 1e3 for h in holds],
+                marker="o",
+                label=label,
+            )
+        ax.axhline(25, color="grey", linestyle="--", linewidth=1, label="target p50 25 us")
+        ax.set_xscale("log")
+        ax.set_xlabel("how long the waiter slept: the holder's hold (ms)")
+        ax.set_ylabel("hand-off p50 (us)")
+        ax.set_ylim(bottom=0)
+        ax.set_title("Hand-off latency by sleep length")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(directory, "bench-handoff-by-hold.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
     return written
 
 
@@ -897,10 +962,14 @@ def main(argv: list[str] | None = None) -> int:
         chosen, runners = ("compare",), {"compare": compare_report}
     for name in chosen:
         cleanup = Cleanup()  # each section leaves nothing behind for the next
-        load_before = loadavg()
+        load_before, meter = loadavg(), MachineMeter().start()
         try:
             block = runners[name](cleanup, plan)
-            blocks.append(f"{block}\n(load average: {load_before} at start, {loadavg()} at end)")
+            cleanup.run()  # every worker reaped, so that its CPU is counted as ours
+            blocks.append(
+                f"{block}\n(load average: {load_before} at start, {loadavg()} at end; "
+                f"{meter.report()})"
+            )
         except KeyboardInterrupt:
             log("interrupted; cleaning up")
             return 130
