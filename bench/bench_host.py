@@ -486,33 +486,42 @@ def site_packages() -> str:
 
 
 def run_import(cleanup: Cleanup, trials: int) -> list[ImportResult]:
-    """Fresh interpreters, alternating: ``python -S`` with the checkout and site-packages
-    put on ``sys.path`` by hand (no ``.pth`` processed, so no editable-install finder: what
-    a wheel install imports), and the venv's python as installed here (its editable
-    finder, which loads pathlib and more on the first import of ours, included)."""
+    """Fresh interpreters, round by round: ``python -S`` with the checkout and
+    site-packages put on ``sys.path`` by hand (no ``.pth`` processed, so no editable-install
+    finder: what a wheel install imports; its start-up modules are a fresh venv's), with
+    bytecode caches as pip writes them at install (one discarded run writes them); the
+    same with no bytecode cache to read (``-B``, an empty ``pycache_prefix``: every module
+    compiled); and the venv's python as installed here (its editable finder, which loads
+    pathlib, re and more at start, so they do not count against the import)."""
     with cleanup.scope() as scope:
         segment, _ = make_segment(scope, {"imp": 4})
-        results = {"S": ImportResult("S"), "venv": ImportResult("venv")}
+        empty = scope.tempdir()
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        modes = {
+            "S": ["-S"],
+            "S-nopyc": ["-S", "-B", "-X", f"pycache_prefix={empty}"],
+            "venv": [],
+        }
+        results = {mode: ImportResult(mode) for mode in modes}
+
+        def probe(mode: str) -> dict[str, Any]:
+            done = subprocess.run(
+                [sys.executable, *modes[mode], "-c", IMPORT_PROBE, ROOT, site_packages(),
+                 segment, "venv" if mode == "venv" else "S"],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd="/",
+                env=env,
+            )  # fmt: skip
+            answer: dict[str, Any] = json.loads(done.stdout)
+            return answer
+
+        for mode in modes:
+            probe(mode)  # writes the bytecode caches where the mode reads them
         for _ in range(trials):
             for mode, r in results.items():
-                flags = ["-S"] if mode == "S" else []
-                done = subprocess.run(
-                    [
-                        sys.executable,
-                        *flags,
-                        "-c",
-                        IMPORT_PROBE,
-                        ROOT,
-                        site_packages(),
-                        segment,
-                        mode,
-                    ],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                    cwd="/",
-                )
-                m = json.loads(done.stdout)
+                m = probe(mode)
                 r.import_s.append(m["import_s"])
                 r.uss_kib.append(m["uss_kib"])
                 r.rss_kib.append(m["rss_kib"])
@@ -534,6 +543,7 @@ def importtime_top(n: int = 8) -> list[tuple[str, int]]:
         text=True,
         check=True,
         cwd="/",
+        env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
     )
     rows = []
     for line in done.stderr.splitlines():

@@ -540,7 +540,7 @@ def section_queuefull(cleanup: Cleanup, plan: Plan) -> str:
         right={0, 1, 2, 3},
     )
     head = (
-        "6. An arrival refused with QueueFull (limit 1 held, 32 waiting spread over the other "
+        "5c. An arrival refused with QueueFull (limit 1 held, 32 waiting spread over the other "
         f"processes; median of {plan.micro_rounds} rounds of about 0.1 s; 'core step' = "
         "Core.arrive returning FULL, no exception)"
     )
@@ -560,7 +560,7 @@ def section_close(cleanup: Cleanup, plan: Plan) -> str:
     times = run_close(cleanup, plan.close_trials)
     return "\n".join(
         [
-            "6b. Admission.close() with nothing running (a fresh attachment, one slot in and "
+            "5d. Admission.close() with nothing running (a fresh attachment, one slot in and "
             "out, 50 ms, then close())",
             "",
             f"{len(times)} closes: median {1e3 * median(times):.2f} ms, max "
@@ -575,8 +575,9 @@ def section_import(cleanup: Cleanup, plan: Plan) -> str:
     log(f"import: {plan.import_trials} fresh interpreters of each kind")
     results = run_import(cleanup, plan.import_trials)
     labels = {
-        "S": "python -S, checkout + site-packages on sys.path by hand (as from a wheel)",
-        "venv": "this venv's python (the editable install's finder loaded at start)",
+        "S": "python -S, checkout + site-packages on sys.path (as a wheel install)",
+        "S-nopyc": "  the same with no bytecode cache (every module compiled)",
+        "venv": "this venv's python (the editable finder loaded re, pathlib at start)",
     }
     rows = []
     for r in results:
@@ -604,10 +605,10 @@ def section_import(cleanup: Cleanup, plan: Plan) -> str:
         rows,
         right=set(range(1, 7)),
     )
-    main = results[0]
+    main = next(r for r in results if r.mode == "S")
     top = ", ".join(f"{name} {us / 1e3:.1f}" for name, us in importtime_top())
     head = (
-        "8. What import handler_shim adds to a process (median of "
+        "5e. What import handler_shim adds to a process (median of "
         f"{plan.import_trials} fresh interpreters each; USS = Private_Clean + Private_Dirty "
         "of /proc/self/smaps_rollup, after minus before; attach = Admission.attach(segment=) "
         "of an existing segment and one slot, after minus after the import)"
