@@ -12,7 +12,8 @@ from round to round), so noise from the shared machine falls on both sides alike
 is compared: uncontended ``slot_blocking``/``slot()`` against the two-section floor and
 ``asyncio.Semaphore`` measured in the same worker (issue 19's ratios); hand-off p50/p99
 (two workers of the side ping-pong one slot of limit 1); an arrival refused with
-QueueFull with 2 and 17 processes attached.
+QueueFull with 2 and 17 processes attached. The hand-off is measured for a blocking and
+an async waiter.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Side:
     iterations: dict[str, int] = field(default_factory=dict)
     per_op: dict[str, list[float]] = field(default_factory=dict)  # case -> one per round
     handoff_ns: list[int] = field(default_factory=list)
+    handoff_async_ns: list[int] = field(default_factory=list)
     refusal_ns: dict[int, list[float]] = field(default_factory=dict)  # processes -> rounds
 
 
@@ -125,7 +127,7 @@ def _setup(cleanup: Cleanup, side: Side, config: str, target_s: float) -> None:
         side.per_op[case] = []
 
 
-def _handoff_round(side: Side, slots: int) -> None:
+def _handoff_round(side: Side, slots: int, mode: str) -> None:
     start_ns = time.monotonic_ns() + 100_000_000
     for w in side.workers:
         w.send(
@@ -135,9 +137,11 @@ def _handoff_round(side: Side, slots: int) -> None:
             hold_s=0.002,
             gap_s=0.0003,
             start_ns=start_ns,
+            mode=mode,
         )
     answers = [w.receive() for w in side.workers]
-    side.handoff_ns.extend(handoffs({a["pid"]: [tuple(r) for r in a["records"]] for a in answers}))
+    latencies = handoffs({a["pid"]: [tuple(r) for r in a["records"]] for a in answers})
+    (side.handoff_ns if mode == "blocking" else side.handoff_async_ns).extend(latencies)
 
 
 def run_compare(
@@ -173,7 +177,8 @@ def run_compare(
     log(f"compare: hand-off, {handoff_rounds} interleaved rounds of 2 x {handoff_slots} slots")
     for r in range(handoff_rounds):
         for side in sides if r % 2 == 0 else list(reversed(sides)):
-            _handoff_round(side, handoff_slots)
+            for mode in ("blocking", "async"):
+                _handoff_round(side, handoff_slots, mode)
     _refusals(cleanup, sides, config, refusal_counts, rounds, log)
 
 

@@ -228,20 +228,41 @@ class Worker:
 
     # --- hand-off (limit 1, two workers ping-pong) ------------------------------------
     def handoff(
-        self, provider: str, slots: int, hold_s: float, gap_s: float, start_ns: int
+        self,
+        provider: str,
+        slots: int,
+        hold_s: float,
+        gap_s: float,
+        start_ns: int,
+        mode: str = "blocking",
     ) -> dict[str, Any]:
-        slot = self.adm.slot_blocking
         now = time.monotonic_ns
         time.sleep(max(0.0, (start_ns - now()) / 1e9))
         records = []
-        for _ in range(slots):
-            arrived = now()
-            with slot(provider, timeout=30):
-                entered = now()
-                time.sleep(hold_s)
-                leaving = now()
-            records.append((arrived, entered, leaving))
-            time.sleep(gap_s)
+        if mode == "blocking":
+            slot = self.adm.slot_blocking
+            for _ in range(slots):
+                arrived = now()
+                with slot(provider, timeout=30):
+                    entered = now()
+                    time.sleep(hold_s)
+                    leaving = now()
+                records.append((arrived, entered, leaving))
+                time.sleep(gap_s)
+        else:
+            import asyncio
+
+            async def run() -> None:
+                for _ in range(slots):
+                    arrived = now()
+                    async with self.adm.slot(provider, timeout=30):
+                        entered = now()
+                        time.sleep(hold_s)  # the holder's body; nothing else runs here
+                        leaving = now()
+                    records.append((arrived, entered, leaving))
+                    await asyncio.sleep(gap_s)
+
+            asyncio.run(run())
         return {"pid": os.getpid(), "records": records}
 
 

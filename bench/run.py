@@ -780,6 +780,11 @@ def compare_report(cleanup: Cleanup, plan: Plan) -> str:
         row("hand-off p50 us (blocking waiter)", lambda s: fmt_us(percentile(s.handoff_ns, 50))),
         row("hand-off p99 us", lambda s: fmt_us(percentile(s.handoff_ns, 99))),
         row("hand-offs", lambda s: str(len(s.handoff_ns))),
+        row("hand-off p50 us (async waiter)",
+            lambda s: fmt_us(percentile(s.handoff_async_ns, 50))),
+        row("hand-off p99 us (async waiter)",
+            lambda s: fmt_us(percentile(s.handoff_async_ns, 99))),
+        row("hand-off max us (async waiter)", lambda s: fmt_us(max(s.handoff_async_ns))),
         *(
             row(f"QueueFull refusal us, {n} processes",
                 lambda s, n=n: fmt_us(median(s.refusal_ns[n])))
