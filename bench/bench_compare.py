@@ -19,6 +19,7 @@ an async waiter.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -193,8 +194,8 @@ def _refusals(
     """Side by side: the lead holds ``full``'s slot, 32 wait spread over the other
     processes of the side (its partner and, for more, idle-attached extra workers)."""
     extra = {s.label: start_workers(cleanup, max(counts) - 2, s.source) for s in sides}
-    for s in sides:
-        cleanup.push("stop workers", lambda s=s: stop_workers(extra[s.label]))
+    for workers in extra.values():
+        cleanup.push("stop workers", functools.partial(stop_workers, workers))
     attached = {s.label: 2 for s in sides}
     granted = {s.label: 0 for s in sides}
     for n in counts:

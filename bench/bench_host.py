@@ -10,6 +10,7 @@ them all); it reads them lock-free, or opens them unregistered to time a sweep.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import select
@@ -49,7 +50,7 @@ class Worker:
         if source is not None:
             env["GWCAP_BENCH_SOURCE"] = source
         with children_ignore_ctrl_c():
-            self.proc: subprocess.Popen[str] = subprocess.Popen(  # type: ignore[type-var]
+            self.proc: subprocess.Popen[str] = subprocess.Popen(
                 [sys.executable, WORKER],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -382,7 +383,7 @@ def run_refusals(
             return ns
 
         sizes = {
-            (n, op): _calibrate(lambda k, n=n, op=op: measure(n, op, k))
+            (n, op): _calibrate(functools.partial(measure, n, op))
             for n in process_counts
             for op in ops
         }

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import platform
 import sys
@@ -83,12 +84,14 @@ class Plan:
     scale_s: float = 10.0
     scales: tuple[tuple[int, int], ...] = ((1, 1), (8, 4), (32, 4), (64, 1), (64, 4))
     idle_counts: tuple[int, ...] = (32, 128)
+    idle_modes: tuple[str, ...] = ("blocking", "async")
     sweep_processes: int = 127
     sweep_s: float = 10.0
     refusal_counts: tuple[int, ...] = (2, 17, 127)
     close_trials: int = 20
     import_trials: int = 7
     switch_rounds: int = 5
+    switch_trips: int = 20000
     body_rounds: int = 5
     body_s: float = 2.0
 
@@ -96,8 +99,9 @@ class Plan:
 FULL = Plan(7, 0.2, 250, 3, 2.0, 5.0, 10.0, 20, 1500, 0.5)
 QUICK = Plan(
     3, 0.04, 60, 1, 0.5, 2.0, 4.0, 4, 500, 0.1, 1, 3.0, ((1, 1), (8, 4)),
-    idle_counts=(32,), sweep_processes=17, sweep_s=2.0, refusal_counts=(2, 17),
-    close_trials=3, import_trials=2, switch_rounds=1, body_rounds=1, body_s=0.5,
+    idle_counts=(32,), idle_modes=("blocking",), sweep_processes=9, sweep_s=1.0,
+    refusal_counts=(2, 5), close_trials=3, import_trials=2, switch_rounds=1,
+    switch_trips=5000, body_rounds=1, body_s=0.3,
 )  # fmt: skip
 BODY_S = 0.001  # the body of each slot in the ``body`` section
 COMPARE: list[str] = []  # --compare REF: git refs measured beside this checkout
@@ -384,7 +388,7 @@ def section_switch(cleanup: Cleanup, plan: Plan) -> str:
     from bench_switch import run_switch
 
     log(f"switch: pipe ping-pong, {plan.switch_rounds} rounds")
-    results = run_switch(cleanup, plan.switch_rounds)
+    results = run_switch(cleanup, plan.switch_rounds, plan.switch_trips)
     rows = []
     for r in results:
         rows.append(
@@ -409,8 +413,8 @@ def section_switch(cleanup: Cleanup, plan: Plan) -> str:
     )
     head = (
         "3c. What one wake-up of a sleeping process costs here (us; median of "
-        f"{plan.switch_rounds} rounds of 20,000 round trips; '1 CPU' = both pinned to CPU 0 "
-        "with taskset: a context switch each way)"
+        f"{plan.switch_rounds} rounds of {plan.switch_trips:,} round trips; '1 CPU' = both "
+        "pinned to CPU 0 with taskset: a context switch each way)"
     )
     return "\n".join([head, "", table])
 
@@ -445,7 +449,7 @@ def _percent(share: float | None) -> str:
 def section_idle(cleanup: Cleanup, plan: Plan) -> str:
     from bench_host import run_idle
 
-    results = run_idle(cleanup, plan.idle_counts, plan.idle_s, ("blocking", "async"), log)
+    results = run_idle(cleanup, plan.idle_counts, plan.idle_s, plan.idle_modes, log)
     rows = [
         [
             str(r.processes),
@@ -764,6 +768,9 @@ def compare_report(cleanup: Cleanup, plan: Plan) -> str:
         pairs = zip(side.per_op[top], side.per_op[bottom], strict=True)
         return median([a / b for a, b in pairs])
 
+    def refusal(n: int, side: Any) -> str:
+        return fmt_us(median(side.refusal_ns[n]))
+
     def row(label: str, cell: Callable[[Any], str]) -> list[str]:
         return [label, *(cell(side) for side in sides)]
 
@@ -786,8 +793,7 @@ def compare_report(cleanup: Cleanup, plan: Plan) -> str:
             lambda s: fmt_us(percentile(s.handoff_async_ns, 99))),
         row("hand-off max us (async waiter)", lambda s: fmt_us(max(s.handoff_async_ns))),
         *(
-            row(f"QueueFull refusal us, {n} processes",
-                lambda s, n=n: fmt_us(median(s.refusal_ns[n])))
+            row(f"QueueFull refusal us, {n} processes", functools.partial(refusal, n))
             for n in counts
         ),
     ]  # fmt: skip
