@@ -299,6 +299,14 @@ class MachineMeter:
         self.wall, self.ours, self.busy = time.monotonic(), self._ours_s(), self._busy_s()
         return self
 
+    @classmethod
+    def others_share(cls, seconds: float = 3.0) -> float:
+        """Share of all cores busy over ``seconds`` while this process sleeps and has no
+        children running: everyone else's use of the machine."""
+        busy0, t0 = cls._busy_s(), time.monotonic()
+        time.sleep(seconds)
+        return (cls._busy_s() - busy0) / ((time.monotonic() - t0) * (os.cpu_count() or 1))
+
     def report(self) -> str:
         wall = time.monotonic() - self.wall
         ours = self._ours_s() - self.ours

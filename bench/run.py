@@ -897,6 +897,22 @@ def draw_plots(directory: str) -> list[str]:
     return written
 
 
+QUIET_MAX_WAIT_S = 1800.0
+
+
+def wait_quiet(share: float, section: str) -> bool:
+    """Wait until others use less than ``share`` of the cores; False if they never did."""
+    deadline = time.monotonic() + QUIET_MAX_WAIT_S
+    while True:
+        busy = MachineMeter.others_share()
+        if busy < share:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        log(f"{section}: others use {100 * busy:.0f} % of the cores; waiting for quiet")
+        time.sleep(10)
+
+
 def revision() -> str:
     """The checkout's commit, and whether tracked files differ from it."""
     import subprocess
@@ -949,6 +965,13 @@ def main(argv: list[str] | None = None) -> int:
         help="asgi section: also measure handler_shim/asgi.py as of this git ref",
     )
     parser.add_argument(
+        "--wait-quiet",
+        metavar="PERCENT",
+        type=float,
+        help="before each section, wait until everyone else uses less than PERCENT of the "
+        "cores (3 s samples of /proc/stat while the benchmark rests; at most 30 min)",
+    )
+    parser.add_argument(
         "--compare",
         metavar="REF",
         action="append",
@@ -973,6 +996,8 @@ def main(argv: list[str] | None = None) -> int:
     if COMPARE:
         chosen, runners = ("compare",), {"compare": compare_report}
     for name in chosen:
+        if args.wait_quiet is not None and not wait_quiet(args.wait_quiet / 100, name):
+            log(f"{name}: others kept the machine busy {QUIET_MAX_WAIT_S / 60:.0f} min; measuring")
         cleanup = Cleanup()  # each section leaves nothing behind for the next
         load_before, meter = loadavg(), MachineMeter().start()
         try:
