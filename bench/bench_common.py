@@ -307,12 +307,18 @@ class MachineMeter:
         time.sleep(seconds)
         return (cls._busy_s() - busy0) / ((time.monotonic() - t0) * (os.cpu_count() or 1))
 
-    def report(self) -> str:
+    def measure(self) -> tuple[str, float]:
+        """The line for the report, and everyone else's share of the cores."""
         wall = time.monotonic() - self.wall
         ours = self._ours_s() - self.ours
         others = max(0.0, self._busy_s() - self.busy - ours)
         cores = os.cpu_count() or 1
-        return (
+        share = others / (wall * cores)
+        line = (
             f"CPU over {wall:.0f} s: this benchmark {ours:.1f} s, others {others:.1f} s "
-            f"({100 * others / (wall * cores):.0f} % of {cores} cores)"
+            f"({100 * share:.0f} % of {cores} cores)"
         )
+        return line, share
+
+    def report(self) -> str:
+        return self.measure()[0]
