@@ -235,3 +235,90 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.01)
+
+
+# --- what the kernel says a process did ---------------------------------------------------
+def proc_cpu_ns(pid: int) -> int:
+    """CPU time (user + system, ns) of every live thread of ``pid`` so far, from
+    ``/proc/<pid>/task/*/schedstat`` (nanoseconds; psutil's ticks are 10 ms). A thread
+    that ended is not counted: measure processes whose threads live through the window."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with (
+                contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError),
+                open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as f,
+            ):
+                total += int(f.read().split()[0])
+    return total
+
+
+def proc_switches(pid: int) -> int:
+    """Context switches (voluntary + involuntary) of every live thread of ``pid``: each
+    voluntary one is a sleep, so a wake-up follows it."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with (
+                contextlib.suppress(FileNotFoundError, ProcessLookupError),
+                open(f"/proc/{pid}/task/{tid}/status", encoding="ascii") as f,
+            ):
+                for line in f:
+                    if "ctxt_switches:" in line:
+                        total += int(line.split()[1])
+    return total
+
+
+def loadavg() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+@dataclass
+class MachineMeter:
+    """Who used the CPUs between ``start`` and ``report``: this benchmark (its process and
+    every child it has reaped: ``os.times``) and everyone else (all busy time in
+    /proc/stat minus ours). The load average counts our own workers too; this does not."""
+
+    wall: float = 0.0
+    ours: float = 0.0
+    busy: float = 0.0
+
+    @staticmethod
+    def _busy_s() -> float:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _ours_s() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def start(self) -> MachineMeter:
+        self.wall, self.ours, self.busy = time.monotonic(), self._ours_s(), self._busy_s()
+        return self
+
+    @classmethod
+    def others_share(cls, seconds: float = 3.0) -> float:
+        """Share of all cores busy over ``seconds`` while this process sleeps and has no
+        children running: everyone else's use of the machine."""
+        busy0, t0 = cls._busy_s(), time.monotonic()
+        time.sleep(seconds)
+        return (cls._busy_s() - busy0) / ((time.monotonic() - t0) * (os.cpu_count() or 1))
+
+    def measure(self) -> tuple[str, float]:
+        """The line for the report, and everyone else's share of the cores."""
+        wall = time.monotonic() - self.wall
+        ours = self._ours_s() - self.ours
+        others = max(0.0, self._busy_s() - self.busy - ours)
+        cores = os.cpu_count() or 1
+        share = others / (wall * cores)
+        line = (
+            f"CPU over {wall:.0f} s: this benchmark {ours:.1f} s, others {others:.1f} s "
+            f"({100 * share:.0f} % of {cores} cores)"
+        )
+        return line, share
+
+    def report(self) -> str:
+        return self.measure()[0]

@@ -165,8 +165,9 @@ def floor_name_pair(cleanup: Cleanup) -> tuple[str, str]:
     return cleanup.semaphore(base + ".F"), cleanup.shared_memory(base + ".M")
 
 
-def _floor_case(cleanup: Cleanup) -> Case:
-    """One posix_ipc semaphore acquire+release around one struct read-modify-write."""
+def _floor_cases(cleanup: Cleanup) -> list[Case]:
+    """One posix_ipc semaphore acquire+release around one struct read-modify-write (one
+    section), and two of them (arrive and leave: the design's floor, REQUIREMENTS 10)."""
     sem_name, shm_name = floor_name_pair(cleanup)
     sem = posix_ipc.Semaphore(sem_name, posix_ipc.O_CREX, 0o600, 1)
     cleanup.push("floor semaphore", sem.close)
@@ -176,7 +177,7 @@ def _floor_case(cleanup: Cleanup) -> Case:
     cleanup.push("floor mapping", buf.close)
     counter = _COUNTER
 
-    def run(n: int) -> int:
+    def one(n: int) -> int:
         acquire, release = sem.acquire, sem.release
         unpack, pack = counter.unpack_from, counter.pack_into
         t0 = perf_counter_ns()
@@ -186,7 +187,23 @@ def _floor_case(cleanup: Cleanup) -> Case:
             release()
         return perf_counter_ns() - t0
 
-    return Case("floor", "floor: posix_ipc sem + struct RMW", run)
+    def two(n: int) -> int:
+        acquire, release = sem.acquire, sem.release
+        unpack, pack = counter.unpack_from, counter.pack_into
+        t0 = perf_counter_ns()
+        for _ in range(n):
+            acquire()
+            pack(buf, 0, unpack(buf, 0)[0] + 1)
+            release()
+            acquire()
+            pack(buf, 0, unpack(buf, 0)[0] - 1)
+            release()
+        return perf_counter_ns() - t0
+
+    return [
+        Case("floor", "floor: 2 x (posix_ipc sem + struct RMW)", two),
+        Case("floor1", "  one such section (sem + struct RMW)", one),
+    ]
 
 
 def run_micro(
@@ -204,7 +221,7 @@ def run_micro(
         notes.append(f"redis: not measured ({redis_cases})")
     else:
         cases.extend(redis_cases)
-    cases.append(_floor_case(cleanup))
+    cases.extend(_floor_cases(cleanup))
     for case in cases:
         case.iterations = calibrate(case.run, target_s)
     log(

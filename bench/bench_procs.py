@@ -32,6 +32,8 @@ from bench_common import (
     create_segment,
     new_segment_name,
     percentile,
+    proc_cpu_ns,
+    proc_switches,
     wait_until,
     write_config,
 )
@@ -174,6 +176,43 @@ def handoff_worker(
     _guard(q, body)
 
 
+def handoff_worker_async(
+    kind: str, spec: tuple[str, ...], slots: int, hold_s: float, gap_s: float, go: Any, q: Any
+) -> None:
+    """The same ping-pong with ``async with adm.slot()`` in an event loop: the waiter is a
+    task, woken through the process's doorbell and its dispatcher thread."""
+
+    def body() -> None:
+        import asyncio
+
+        from handler_shim import Admission
+
+        config, segment, provider = spec
+        adm = Admission.attach(config=config, generation="bench", segment=segment)
+
+        async def run() -> list[tuple[int, int, int]]:
+            records = []
+            now = time.monotonic_ns
+            for _ in range(slots):
+                arrived = now()
+                async with adm.slot(provider, timeout=SLOT_TIMEOUT_S):
+                    entered = now()
+                    time.sleep(hold_s)  # the holder's body; nothing else runs on this loop
+                    leaving = now()
+                records.append((arrived, entered, leaving))
+                await asyncio.sleep(gap_s)
+            return records
+
+        try:
+            q.put("ready")
+            go.wait()
+            q.put((os.getpid(), asyncio.run(run())))
+        finally:
+            adm.close()
+
+    _guard(q, body)
+
+
 @dataclass
 class HandoffResult:
     kind: str
@@ -218,12 +257,13 @@ def run_handoff(
     holder lets go, so every hand-off is to a waiter that is asleep.
     """
     with cleanup.scope() as scope:
-        spec = _make_resource(scope, kind, HANDOFF, 1)
+        is_async = kind == "shim-async"
+        spec = _make_resource(scope, "shim" if is_async else kind, HANDOFF, 1)
         ctx = _ctx()
         q, go = ctx.Queue(), ctx.Event()
+        target = handoff_worker_async if is_async else handoff_worker
         procs = [
-            _start(scope, handoff_worker, kind, spec, slots_each, hold_s, gap_s, go, q)
-            for _ in range(2)
+            _start(scope, target, kind, spec, slots_each, hold_s, gap_s, go, q) for _ in range(2)
         ]
         _collect(q, procs, 2)
         go.set()
@@ -237,30 +277,45 @@ def run_handoff(
 START_DELAY_NS = 100_000_000  # commands reach every worker before the common start time
 
 
+def _precise_sleep() -> None:
+    """Timer slack 1 ns for this thread (Linux ``PR_SET_TIMERSLACK``): a 1 ms body then
+    sleeps 1.0x ms rather than 1.05-1.1 ms, so the body is what the figure says."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1, 0, 0, 0)
+
+
 def throughput_worker(specs: dict[str, tuple[str, ...]], commands: Any, q: Any) -> None:
     """Attach to every kind once, then run the rounds the parent commands."""
 
     def body() -> None:
+        _precise_sleep()
         opened = {kind: _open_slot(kind, spec) for kind, spec in specs.items()}
         try:
             q.put("ready")
             while (command := commands.get()) is not None:
-                kind, start_ns, duration_s = command
+                kind, start_ns, duration_s, body_s = command
                 slot = opened[kind][0]
                 time.sleep(max(0.0, (start_ns - time.monotonic_ns()) / 1e9))
                 count = 0
+                in_body = 0
                 errors: list[str] = []
+                now = time.monotonic_ns
                 t0 = time.monotonic()
                 end = t0 + duration_s
                 while time.monotonic() < end:
                     try:
                         with slot():
-                            pass
+                            if body_s:
+                                b0 = now()
+                                time.sleep(body_s)
+                                in_body += now() - b0
                     except Exception as exc:  # counted and shown, not hidden
                         errors.append(f"{type(exc).__name__}: {exc}")
                         continue
                     count += 1
-                q.put((count / (time.monotonic() - t0), errors))
+                q.put((count / (time.monotonic() - t0), errors, count, in_body))
         finally:
             for _, close in opened.values():
                 close()
@@ -289,6 +344,9 @@ class ThroughputRun:
     rates: list[float]  # total slots/s, one per round
     queued: float | None = None  # shim only: share of slots that waited in the queue
     errors: list[str] = field(default_factory=list)  # failed acquires, all rounds
+    switches_per_slot: list[float] = field(default_factory=list)  # all workers' threads
+    cpu_us_per_slot: list[float] = field(default_factory=list)  # all workers' threads
+    body_us: list[float] = field(default_factory=list)  # mean measured body, per round
 
 
 def run_throughput(
@@ -298,12 +356,15 @@ def run_throughput(
     rounds: int,
     duration_s: float,
     log: Callable[[str], None],
+    body_s: float = 0.0,
 ) -> dict[str, dict[int, ThroughputRun]]:
-    """Total slots/s of N workers looping on empty slots against limit 4.
+    """Total slots/s of N workers looping on slots against limit 4, each slot's body
+    ``body_s`` of sleep (0: empty slots).
 
     One pool of ``max(process_counts)`` spawned workers serves every run (the
     first N take part), and kinds and rounds are interleaved, so start-up cost
-    and machine noise do not fall on one side of a ratio.
+    and machine noise do not fall on one side of a ratio. The workers' context switches
+    and CPU (every thread, from /proc) are read before and after each run.
     """
     with cleanup.scope() as scope:
         specs = {kind: _make_resource(scope, kind, CONTENDED, CONTENDED_LIMIT) for kind in kinds}
@@ -320,19 +381,34 @@ def run_throughput(
         scope.push("stop workers", stop_workers)
         _collect(q, procs, pool)
         runs = {k: {n: ThroughputRun([]) for n in process_counts} for k in kinds}
+        what = f"{body_s * 1e3:g} ms bodies" if body_s else "empty slots"
         for n in process_counts:
-            log(f"throughput: {n} processes, {rounds} x {duration_s:g}s each of {'/'.join(kinds)}")
+            log(
+                f"throughput: {n} processes, {what}, {rounds} x {duration_s:g}s each of "
+                + "/".join(kinds)
+            )
             queued = [0, 0]
+            pids = [p.pid for p in procs[:n] if p.pid is not None]
             for _ in range(rounds):
                 for kind in kinds:
                     if kind == "shim":
                         before = shim_counters(specs[kind][1], CONTENDED)
+                    sw0 = sum(proc_switches(p) for p in pids)
+                    cpu0 = sum(proc_cpu_ns(p) for p in pids)
                     start_ns = time.monotonic_ns() + START_DELAY_NS
                     for c in commands[:n]:
-                        c.put((kind, start_ns, duration_s))
+                        c.put((kind, start_ns, duration_s, body_s))
                     reports = _collect(q, procs, n)
-                    runs[kind][n].rates.append(sum(rate for rate, _ in reports))
-                    runs[kind][n].errors.extend(e for _, errs in reports for e in errs)
+                    sw1 = sum(proc_switches(p) for p in pids)
+                    cpu1 = sum(proc_cpu_ns(p) for p in pids)
+                    run = runs[kind][n]
+                    run.rates.append(sum(r[0] for r in reports))
+                    run.errors.extend(e for r in reports for e in r[1])
+                    slots = max(1, sum(r[2] for r in reports))
+                    # the start wait and the report are in the window too: a few switches
+                    run.switches_per_slot.append((sw1 - sw0) / slots)
+                    run.cpu_us_per_slot.append((cpu1 - cpu0) / 1e3 / slots)
+                    run.body_us.append(sum(r[3] for r in reports) / 1e3 / slots)
                     if kind == "shim":
                         after = shim_counters(specs[kind][1], CONTENDED)
                         queued[0] += after[0] - before[0]

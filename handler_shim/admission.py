@@ -311,6 +311,7 @@ class _Attachment:
         while not self.stopping:
             with self.guard:
                 watched = tuple(self.waiters)
+            seen = set(watched)
             # back in Python every sweep while someone here waits or holds a slot taken in
             # an event loop (that loop may go away), or the attachment is retired; else
             # only when something happened
@@ -334,6 +335,14 @@ class _Attachment:
                 log.warning("reclaimed %d slot(s) of dead processes", reclaimed)
             with self.guard:
                 woken = [self.waiters.get(t) for t in changed]
+                late = [w for t, w in self.waiters.items() if t not in seen] if posts else []
+            if late:
+                # Watched after ``watched`` was taken: this turn drained the doorbell but
+                # looked only at ``watched``, so a grant's one post may be spent already.
+                # Look now, or the waiter sleeps until the next post or period (0.5 s).
+                with contextlib.suppress(_core.CoreError):  # unsure: wake them all
+                    late = [w for w in late if self.core.state(w.ticket) != HOLDER_WAITING]
+                woken += late
             for waiter in woken:
                 if waiter is not None and not waiter.wake():
                     self._free_orphan(waiter)

@@ -33,7 +33,7 @@ __all__ = [
     "unlink_segment",
 ]
 
-_FROM = {name: "shm_layout.segment" for name in __all__[:7]}
+_FROM = {name: "shm_layout.segment" for name in __all__ if not name.startswith("read_")}
 _FROM.update({"read_provider_load": "shm_layout.view", "read_view": "shm_layout.view"})
 
 
