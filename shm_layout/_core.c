@@ -163,10 +163,6 @@ typedef struct {
 static Target targets[MAX_TARGETS];
 static pthread_mutex_t targets_mu = PTHREAD_MUTEX_INITIALIZER;
 static volatile unsigned long fork_generation = 0;
-/* This process's pid, for the records' pid field (for people: liveness never reads it).
- * Kept here because getpid() is a system call (glibc caches it no more), 0.3-0.5 us on a
- * VM: a quarter of an uncontended slot (issue 19's bench). Set at load and after fork. */
-static unsigned int own_pid = 0;
 
 static void after_fork_child(void)
 {
@@ -174,7 +170,6 @@ static void after_fork_child(void)
      * objects refuse use (fork_generation). Closing the inherited descriptors keeps a
      * long-lived child from holding the parent's OFD locks (member liveness) alive. */
     fork_generation++;
-    own_pid = (unsigned int)getpid();
     pthread_mutex_init(&targets_mu, NULL);
     for (int i = 0; i < MAX_TARGETS; i++) {
         if (targets[i].used) {
@@ -352,6 +347,9 @@ typedef struct {
     int busy;                   /* calls in flight with the GIL released */
     int member;                 /* our registration, -1 none */
     uint64_t member_serial;
+    unsigned int pid;           /* the pid registered with the row, for the records' pid
+                                 * field (for people: liveness never reads it); kept so no
+                                 * slot pays a getpid() system call (0.3-0.5 us on a VM) */
     uint64_t bell;              /* our doorbell's id (names.doorbell_name) */
     sem_t *own_bell;            /* our doorbell, waited on by dispatch() */
     char name[64];              /* the segment's name, for identity checks */
@@ -2267,6 +2265,7 @@ static PyObject *Core_register(Core *c, PyObject *args)
             got = m;
             c->member = m;
             c->member_serial = serial;
+            c->pid = pid;
             c->bell = bell;
         }
     });
@@ -2628,7 +2627,7 @@ static PyObject *Ticket_enter(Ticket *t, PyObject *unused)
         return NULL;
     }
     t->started = deadline_clock();
-    int code = do_arrive(c, t, t->provider, own_pid, 0.0, 1, 1, t->timeout, 1);
+    int code = do_arrive(c, t, t->provider, c->pid, 0.0, 1, 1, t->timeout, 1);
     if (code < 0)
         return NULL;
     if (code == R_ADMIT)
@@ -2656,7 +2655,7 @@ static PyObject *Ticket_aenter(Ticket *t, PyObject *unused)
     }
     /* one try-lock step on the loop (microseconds, R-A11); never waits here */
     t->started = deadline_clock();
-    int code = do_arrive(c, t, t->provider, own_pid, 0.0, 1, 0, -1.0, 0);
+    int code = do_arrive(c, t, t->provider, c->pid, 0.0, 1, 0, -1.0, 0);
     if (code < 0)
         return NULL;
     if (code == R_ADMIT)
@@ -3119,7 +3118,6 @@ PyMODINIT_FUNC PyInit__core(void)
     }
     static int atfork_done = 0;
     if (!atfork_done) {
-        own_pid = (unsigned int)getpid();
         pthread_atfork(NULL, NULL, after_fork_child);
         atfork_done = 1;
     }

@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from gwtest import P1Segment
 
 from handler_shim import Admission, AdmissionTimeout, QueueFull, UnknownProvider
 from shm_layout import _core, writer
@@ -267,6 +270,42 @@ def test_a_forked_child_never_frees_its_parents_slots(adm: Admission, segment_na
         view = read_view(segment_name)
         assert _p1(segment_name) == (1, 0, 1, 0)  # the parent's slot is still held
         assert [m.pid for m in view.members] == [os.getpid()]
+
+
+RAW_FORK_CHILD = """
+import ctypes, os, sys
+import shm_layout._core  # loaded in the parent, as in a preloading server
+from handler_shim import Admission
+from shm_layout.view import read_view
+
+fork = getattr(ctypes.CDLL(None), "_Fork", None)
+if fork is None:
+    sys.exit(77)
+child = fork()
+if child == 0:  # no pthread_atfork handler ran in here
+    adm = Admission.attach(config=sys.argv[1], segment=sys.argv[2], generation="raw")
+    with adm.slot_blocking("p1"):
+        pids = [h.pid for h in read_view(sys.argv[2]).holders]
+    adm.close()
+    os._exit(0 if pids == [os.getpid()] else 5)
+_, status = os.waitpid(child, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_childs_records_carry_its_own_pid_even_when_no_fork_hook_ran(
+    p1_segment: Callable[..., P1Segment],
+) -> None:
+    """Found by a review of the pid cache: a child made by glibc's ``_Fork()`` (which runs
+    no fork hooks) wrote its parent's pid into its records, so ``inspect`` named the wrong
+    process. A record carries the pid its registration was made with."""
+    seg = p1_segment(2)
+    done = subprocess.run(
+        [sys.executable, "-c", RAW_FORK_CHILD, str(seg.config), seg.name], timeout=60
+    )
+    if done.returncode == 77:
+        pytest.skip("this libc has no _Fork() (glibc 2.34 and later have it)")
+    assert done.returncode == 0, "a holder record named another pid than its process's"
 
 
 def test_r_a7_a_handled_signal_neither_kills_the_dispatcher_nor_loses_a_grant(

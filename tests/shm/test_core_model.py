@@ -176,6 +176,12 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.running = [r for r in self.running if r[1] is not ticket]
         if not m.alive or model_ticket is None:
             return
+        if not ticket.live:
+            # left already (its loop was torn down): a second leave is a no-op, whatever
+            # its old record now says (a bad write may have revived it with its serial);
+            # the model's tickets carry no liveness, so it is not asked
+            assert m.core.leave(ticket, OUTCOMES[outcome], self.now, True) == 0
+            return
         was = m.core.leave(ticket, OUTCOMES[outcome], self.now, True)
         model_was, _ = self.model.leave(model_ticket, m.index, m.serial, outcome, self.now)  # type: ignore[arg-type]
         assert WAS[was] == model_was
