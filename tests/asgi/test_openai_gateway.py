@@ -138,8 +138,11 @@ def test_example_gateway_without_a_usable_config_halts_gunicorn_with_boot_error_
     env = {k: v for k, v in os.environ.items() if k != "GATEWAY_CONFIG"}
     if config == "missing":
         env["GATEWAY_CONFIG"] = str(tmp_path / "no-such.json")
+    # One worker: with two that both fail at once, gunicorn 23 itself may exit 1, the
+    # second worker's exit raising its HaltServer again inside the first one's halt (seen
+    # in a fresh-clone run); what the example controls is its worker's exit code.
     gunicorn = serve_app(
-        lambda sock: gunicorn_argv("openai_gateway:app", EXAMPLES, sock, workers=2),
+        lambda sock: gunicorn_argv("openai_gateway:app", EXAMPLES, sock, workers=1),
         tmp_path / "gunicorn.log",
         env,
         cwd=tmp_path,
@@ -154,4 +157,4 @@ def test_example_gateway_without_a_usable_config_halts_gunicorn_with_boot_error_
     assert code == 3, text
     reason = "GATEWAY_CONFIG is not set" if config == "unset" else "no-such.json"
     assert any(reason in line and "openai_gateway:" in line for line in text.splitlines()), text
-    assert text.count("Booting worker") <= 2, text
+    assert text.count("Booting worker") == 1, text  # halted, never restarted

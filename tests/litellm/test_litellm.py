@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import shutil
+import signal
 import socket
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from gwtest import ROOT, run_cli
+from gwtest import ROOT, run_cli, wait_until
 from litellm_support import (
     ALIAS,
     UPSTREAM_MODEL,
@@ -67,6 +70,11 @@ def wrapped_proxy(
     )
 
 
+def worker_pids(server: Served) -> list[int]:
+    """The pids of uvicorn's worker processes, as each logged them at its start."""
+    return [int(pid) for pid in re.findall(r"Started server process \[(\d+)\]", server.output())]
+
+
 def holder_pids(segment: str) -> set[int]:
     doc = json.loads(run_cli("inspect", "--segment", segment, "--json").stdout)
     return {h["pid"] for h in doc["holders"]}
@@ -77,14 +85,34 @@ def test_r_a1_r_a2_litellm_proxy_wrapped_two_uvicorn_workers_one_budget_and_429_
     wrapped_proxy: Served, upstream: HoldingUpstream, master_key: str, segment_name: str
 ) -> None:
     proxy = wrapped_proxy
+    pids = worker_pids(proxy)
+    assert len(pids) == 2, proxy.output()[-3000:]
+    first, second = pids
     with ThreadPoolExecutor(40) as pool:
         answers: list[Future[httpx.Response]] = []
-        for _ in range(34):  # 2 run, 32 wait: across both workers, one budget
-            answers.append(pool.submit(completion, proxy.base, master_key))
-        wait_counts(segment_name, (2, 32), timeout=60)
+
+        def send(n: int) -> None:
+            answers.extend(pool.submit(completion, proxy.base, master_key) for _ in range(n))
+
+        # Which worker accepts is the kernel's and asyncio's choice: one that wakes first
+        # may take every pending connection (two fresh-clone runs saw all 34 on one). So
+        # each half goes to one worker while the other is stopped (real SIGSTOP).
+        os.kill(second, signal.SIGSTOP)  # idle: no record, so it never takes the lock
+        try:
+            send(17)  # the first worker: 2 run, 15 wait
+            wait_counts(segment_name, (2, 15), timeout=60)
+        finally:
+            os.kill(second, signal.SIGCONT)
+        os.kill(first, signal.SIGSTOP)  # it sweeps: it may stop inside the lock for 0.1 ms
+        try:
+            send(17)  # the second worker: its loop accepts at once even if the lock is
+            # held (R-A11); its arrivals then wait for the first to continue
+            wait_until(lambda: counts(segment_name) == (2, 32), timeout=5)
+        finally:
+            os.kill(first, signal.SIGCONT)
+        wait_counts(segment_name, (2, 32), timeout=60)  # one budget across both workers
         assert upstream.seen == 2
-        pids = holder_pids(segment_name)
-        assert len(pids) == 2, f"all requests landed on one worker ({pids}); rerun"
+        assert holder_pids(segment_name) == {first, second}
         refused = completion(proxy.base, master_key)
         assert refused.status_code == 429
         assert int(refused.headers["retry-after"]) >= 1
