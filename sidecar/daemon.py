@@ -231,7 +231,8 @@ class UntrustedPidfile(StartupError):
 
 
 def _read_pidfile(path: str, grace_s: float) -> tuple[str, float]:
-    """The pidfile's text and mtime, waiting up to ``grace_s`` for it to appear.
+    """The pidfile's text and mtime, waiting up to ``grace_s`` for it to appear and to
+    hold something.
 
     Raises :class:`UntrustedPidfile` when another user than root or this one
     could have written it (the file or a directory on its path).
@@ -244,14 +245,21 @@ def _read_pidfile(path: str, grace_s: float) -> tuple[str, float]:
                 problem = path_problem(path) or _pidfile_problem(os.fstat(f.fileno()))
                 if problem is not None:
                     raise UntrustedPidfile(f"--await-legacy {path}: pidfile not trusted: {problem}")
-                return f.read().strip(), os.fstat(f.fileno()).st_mtime
+                text = f.read().strip()
+                if text or time.monotonic() >= deadline:
+                    return text, os.fstat(f.fileno()).st_mtime
+            # Empty: made, not written yet (`echo $$ > file` and most daemons create it
+            # first, then write). Taken for "no pid" it ended the start with exit 2,
+            # which systemd never restarts (seen in the nspawn test under load).
+            what = "is empty"
         except FileNotFoundError:
             if time.monotonic() >= deadline:
                 raise
-            if not announced:
-                announced = True
-                log.info("legacy pidfile %s does not exist yet: waiting up to %gs", path, grace_s)
-            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            what = "does not exist yet"
+        if not announced:
+            announced = True
+            log.info("legacy pidfile %s %s: waiting up to %gs", path, what, grace_s)
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
 def _pidfile_problem(st: os.stat_result) -> str | None:

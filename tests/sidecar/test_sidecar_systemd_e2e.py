@@ -121,6 +121,40 @@ def test_r_g3_await_legacy_pidfile_that_appears_within_the_grace_is_awaited(
     rig.wait("p1", discovered(20), what="drain over")
 
 
+def test_r_g3_an_empty_pidfile_is_waited_for_until_the_legacy_gateway_writes_its_pid(
+    rig: Rig, legacy: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    """Found in the nspawn test under load: a pidfile made and not yet written (what
+    ``echo $$ > file`` and most daemons do) was read as empty, "does not hold a pid", and
+    the sidecar exited 2, which its unit never restarts. Now it waits within the grace."""
+    pidfile = tmp_path / "legacy.pid"
+    pidfile.touch(mode=0o644)
+    sidecar = rig.start(rig.config(), "--await-legacy", str(pidfile), "--await-legacy-grace", "20")
+    _wait_log(sidecar, "is empty")
+    time.sleep(0.5)  # several reads of the empty file
+    assert sidecar.poll() is None, sidecar.log_text()
+    pidfile.write_text(f"{legacy.pid}\n")
+    p = rig.wait("p1", lambda p: p["source"] == "legacy_drain")
+    assert p["effective_limit"] == 0
+    legacy.kill()
+    legacy.wait()
+    rig.wait("p1", discovered(20), what="drain over")
+
+
+def test_r_g3_a_pidfile_still_empty_after_the_grace_is_refused_at_start(
+    segment_name: str, write_config: Callable[..., Path], tmp_path: Path
+) -> None:
+    config = write_config({"providers": [{"id": "p"}]})
+    pidfile = tmp_path / "legacy.pid"
+    pidfile.touch(mode=0o644)
+    out = run_sidecar(
+        config, segment_name, "--await-legacy", str(pidfile), "--await-legacy-grace", "0.5"
+    )
+    assert out.returncode == 2, out.stderr
+    assert f"--await-legacy {pidfile}: pidfile does not hold a pid" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 NOBODY = 65534
 
 

@@ -19,6 +19,7 @@ the cached root.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -131,6 +132,9 @@ def box(tmp_path_factory: pytest.TempPathFactory, provider: Provider) -> Iterato
         _install_as_the_docs_say(box, provider, _wheel(tmp_path_factory.mktemp("wheelhouse")))
         yield box
     finally:
+        with contextlib.suppress(Exception):  # what the sidecar said, for a failed run's log
+            journal = box.run(f"journalctl -b --no-pager -n 200 -u '{UNIT}'", check=False)
+            print(f"--- journal of {UNIT} ---\n{journal.stdout[-12000:]}")
         box.close()
 
 
