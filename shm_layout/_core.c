@@ -589,6 +589,17 @@ static void put_counts(Core *c, long b, uint32_t running, uint32_t waiting)
     st64(c, b + c->o[P_COUNTS_CHECK], counts_word(running, waiting));
 }
 
+/* Every writer of ours frees a record this way: its member serial cleared first (no
+ * registration's serial is 0), so a free record that still carries a live registration's
+ * serial was freed by damage, never by us (R-A16). */
+static void free_record(Core *c, long hb)
+{
+    st64(c, hb + c->o[K_MEMBER_SERIAL], 0);
+    st32(c, hb + c->o[K_STATE], FREE);
+}
+
+static int put_back_freed(Core *c, long hb);
+
 /* Rebuild running/waiting from the records (the records are the truth). Returns 1 when
  * the stored counters or a record's state were wrong. */
 static int recount_provider(Core *c, int p)
@@ -598,14 +609,19 @@ static int recount_provider(Core *c, int p)
     for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
         long hb = hbase(c, p, h);
         uint32_t s = ld32(c, hb + c->o[K_STATE]);
+        if (s != RUNNING && s != WAITING) {
+            if (ld64(c, hb + c->o[K_MEMBER_SERIAL]) != 0 && put_back_freed(c, hb)) {
+                s = ld32(c, hb + c->o[K_STATE]); /* a live request's record, written free */
+                wrong = 1;
+            } else if (s != FREE || ld64(c, hb + c->o[K_MEMBER_SERIAL]) != 0) {
+                wrong |= s != FREE; /* a torn write by a holder that died, or garbage */
+                free_record(c, hb);
+            }
+        }
         if (s == RUNNING)
             running++;
         else if (s == WAITING)
             waiting++;
-        else if (s != FREE) { /* a torn write by a holder that died, or garbage */
-            st32(c, hb + c->o[K_STATE], FREE);
-            wrong = 1;
-        }
     }
     long b = pbase(c, p);
     wrong |= ld32(c, b + c->o[P_RUNNING]) != running || ld32(c, b + c->o[P_WAITING]) != waiting ||
@@ -695,6 +711,26 @@ static int holder_alive(Core *c, long hb, AliveCache *cache)
     return member_alive(c, ldi32(c, hb + c->o[K_MEMBER]), ld64(c, hb + c->o[K_MEMBER_SERIAL]), cache);
 }
 
+/* A record that is not running or waiting but carries a member serial (see free_record):
+ * if that registration lives, its request still runs or waits, and the record is put
+ * back: running when it holds no ticket (an arrival admitted at once, or a grant, clears
+ * it), else waiting. Never taken as a free place, never recounted away: one bad write to
+ * a state word must not let one more request in (R-A16). Returns 1 when put back. */
+static int put_back_freed(Core *c, long hb)
+{
+    int m = ldi32(c, hb + c->o[K_MEMBER]);
+    uint64_t serial = ld64(c, hb + c->o[K_MEMBER_SERIAL]);
+    if (serial == 0 || m < 0 || m >= c->o[G_MEMBER_COUNT])
+        return 0;
+    /* as member_alive: the kernel's word, whatever the row says (a row handed to another
+     * registration first drops the old one's records, free ones too) */
+    if (!member_byte_held(c, m, NULL))
+        return 0;
+    st32(c, hb + c->o[K_STATE], ld64(c, hb + c->o[K_TICKET]) ? WAITING : RUNNING);
+    note_damage(c, "a live request's record was written free");
+    return 1;
+}
+
 /* The hold time of a record that stops running, into the provider's decayed mean (for
  * Retry-After). Negative or absurd hold times are no sample. */
 static void note_hold(Core *c, long b, double hold)
@@ -722,20 +758,13 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
     uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
     int recounted = 0, freed_dead = 0;
     while (running < limit) {
-        if (waiting == 0) {
-            if (!freed_dead || recounted)
-                break;
-            /* a dead waiter freed may be one the counters never had (a record written
-             * back to life): then a real waiter is left uncounted; the records decide */
-            recounted = 1;
-            recount_provider(c, p);
-            running = ld32(c, b + c->o[P_RUNNING]);
-            waiting = ld32(c, b + c->o[P_WAITING]);
-            continue;
-        }
-        int h = head_waiter(c, p);
-        if (h < 0) { /* counters drifted: the records are the truth */
-            if (recounted)
+        /* Nobody counted waits, yet a dead waiter was freed (it may be one the counters
+         * never had: a record written back to life, so a real waiter is left uncounted);
+         * or somebody waits by the counters and no record does (they drifted): the
+         * records decide, once. */
+        int h = waiting ? head_waiter(c, p) : -1;
+        if (h < 0) {
+            if (recounted || (waiting == 0 && !freed_dead))
                 break;
             recounted = 1;
             recount_provider(c, p);
@@ -746,13 +775,14 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
         long hb = hbase(c, p, h);
         waiting--;
         if (!holder_alive(c, hb, cache)) {
-            st32(c, hb + c->o[K_STATE], FREE);
+            free_record(c, hb);
             inc64(c, b + c->o[P_RECLAIMED]);
             freed_dead = 1;
             continue;
         }
         std_(c, hb + c->o[K_SINCE], now.wall);
         std_(c, hb + c->o[K_SINCE_MONO], now.mono);
+        st64(c, hb + c->o[K_TICKET], 0); /* running records hold no ticket (put_back_freed) */
         st32(c, hb + c->o[K_STATE], RUNNING);
         running++;
         ring_record(c, rings, hb);
@@ -780,11 +810,10 @@ static void drop_member_records(Core *c, int m, uint64_t serial, Now now, Rings 
         for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
             long hb = hbase(c, p, h);
             uint32_t s = ld32(c, hb + c->o[K_STATE]);
-            if (s != FREE && ldi32(c, hb + c->o[K_MEMBER]) == m &&
-                ld64(c, hb + c->o[K_MEMBER_SERIAL]) == serial) {
+            if (ldi32(c, hb + c->o[K_MEMBER]) == m && ld64(c, hb + c->o[K_MEMBER_SERIAL]) == serial) {
                 if (s == RUNNING && running_freed)
                     (*running_freed)++;
-                st32(c, hb + c->o[K_STATE], FREE);
+                free_record(c, hb); /* a free one too: written free, it still names them */
                 freed++;
             }
         }
@@ -807,9 +836,14 @@ static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
         uint32_t here = 0;
         for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
             long hb = hbase(c, p, h);
-            if (ld32(c, hb + c->o[K_STATE]) == WAITING && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
-                ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial) {
-                st32(c, hb + c->o[K_STATE], FREE);
+            if (ldi32(c, hb + c->o[K_MEMBER]) != c->member ||
+                ld64(c, hb + c->o[K_MEMBER_SERIAL]) != c->member_serial)
+                continue;
+            uint32_t s = ld32(c, hb + c->o[K_STATE]);
+            if (s != RUNNING && s != WAITING && put_back_freed(c, hb))
+                s = ld32(c, hb + c->o[K_STATE]);
+            if (s == WAITING) {
+                free_record(c, hb);
                 own_set(c, p, h, 0);
                 here++;
             }
@@ -866,7 +900,7 @@ static uint32_t reap(Core *c, Now now, Rings *rings)
         for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
             long hb = hbase(c, p, h);
             if (ld32(c, hb + c->o[K_STATE]) != FREE && !holder_alive(c, hb, &cache)) {
-                st32(c, hb + c->o[K_STATE], FREE);
+                free_record(c, hb);
                 freed++;
             }
         }
@@ -1543,11 +1577,14 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
             decision = R_WAIT;
         int h = -1;
         if (decision != R_FULL) {
-            for (int i = 0; i < c->o[G_HOLDERS_PER]; i++)
-                if (ld32(c, hbase(c, p, i) + c->o[K_STATE]) == FREE) {
+            for (int i = 0; i < c->o[G_HOLDERS_PER]; i++) {
+                long ib = hbase(c, p, i);
+                if (ld32(c, ib + c->o[K_STATE]) == FREE &&
+                    !(ld64(c, ib + c->o[K_MEMBER_SERIAL]) != 0 && put_back_freed(c, ib))) {
                     h = i;
                     break;
                 }
+            }
             if (h < 0)
                 decision = R_FULL;
         }
@@ -1685,12 +1722,16 @@ static int leave_locked(Core *c, Ticket *tk, int outcome, Now now, Rings *rings)
     long b = pbase(c, p);
     long hb = hbase(c, p, tk->holder);
     uint32_t state = ld32(c, hb + c->o[K_STATE]);
+    if (state != RUNNING && state != WAITING && ld64(c, hb + c->o[K_SERIAL]) == tk->serial &&
+        ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
+        ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial && put_back_freed(c, hb))
+        state = ld32(c, hb + c->o[K_STATE]); /* ours, written free: put back, then left */
     if (ld64(c, hb + c->o[K_SERIAL]) == tk->serial && (state == RUNNING || state == WAITING) &&
         ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
         ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial) {
         if (counters_damaged(c, b) && recount_provider(c, p))
             note_damage(c, "provider counters were written over");
-        st32(c, hb + c->o[K_STATE], FREE);
+        free_record(c, hb);
         own_set(c, p, tk->holder, 0);
         uint32_t running = ld32(c, b + c->o[P_RUNNING]);
         uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
@@ -1782,6 +1823,9 @@ static uint32_t ticket_state(Core *c, Ticket *tk)
     uint32_t state = ld32(c, hb + c->o[K_STATE]);
     if (ld64(c, hb + c->o[K_SERIAL]) != tk->serial)
         return FREE;
+    if (state != RUNNING && state != WAITING && c->member >= 0 && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
+        ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial) /* written free: the sweep puts it back */
+        return ld64(c, hb + c->o[K_TICKET]) ? WAITING : RUNNING;
     return state;
 }
 
@@ -1832,7 +1876,7 @@ static uint32_t free_phantoms(Core *c, Now now, Rings *rings)
             long hb = hbase(c, p, h);
             int problem = own_record_problem(c, p, h, hb);
             if (problem == 1) {
-                st32(c, hb + c->o[K_STATE], FREE);
+                free_record(c, hb);
                 here++;
             } else if (problem == 2) {
                 st64(c, hb + c->o[K_MEMBER_SERIAL], c->member_serial);
@@ -1927,6 +1971,7 @@ static PyObject *Core_wait(Core *c, PyObject *args)
         BUSY_ADD(c, 1);
         Py_BEGIN_ALLOW_THREADS
         for (;;) {
+            uint32_t word_now = __atomic_load_n(word, __ATOMIC_ACQUIRE);
             uint32_t state = ticket_state(c, tk);
             if (state == RUNNING) {
                 result = W_GRANTED;
@@ -1956,7 +2001,7 @@ static PyObject *Core_wait(Core *c, PyObject *args)
                 nap = deadline - now;
             struct timespec rel;
             to_timespec(nap, &rel);
-            long r = futex_op(word, FUTEX_WAIT, WAITING, &rel);
+            long r = futex_op(word, FUTEX_WAIT, word_now, &rel); /* not WAITING: see ticket_state */
             if (r != 0 && errno == EINTR) {
                 interrupted = 1;
                 break;

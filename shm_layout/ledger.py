@@ -215,6 +215,30 @@ class Ledger:
             HOLDER["member"].get(self.buf, hb), HOLDER["member_serial"].get(self.buf, hb)
         )
 
+    def _free_record(self, hb: int) -> None:
+        """How every writer frees a record: its member serial cleared first (no
+        registration's serial is 0), so a free record that still carries a live
+        registration's serial was freed by damage, never by a writer (R-A16)."""
+        HOLDER["member_serial"].put(self.buf, 0, hb)
+        HOLDER["state"].put(self.buf, HOLDER_FREE, hb)
+
+    def _put_back_freed(self, hb: int) -> bool:
+        """A record neither running nor waiting whose member serial names a live
+        registration: its request still runs or waits; put it back (running when it
+        holds no ticket, else waiting). Never a free place, never recounted away."""
+        buf = self.buf
+        m, serial = HOLDER["member"].get(buf, hb), HOLDER["member_serial"].get(buf, hb)
+        if serial == 0 or not 0 <= m < layout.MEMBER_COUNT:
+            return False
+        # as member_alive: the kernel's word, whatever the row says (a row handed to
+        # another registration first drops the old one's records, free ones too)
+        if not self.held(m):
+            return False
+        state = HOLDER_WAITING if HOLDER["ticket"].get(buf, hb) else HOLDER_RUNNING
+        HOLDER["state"].put(buf, state, hb)
+        self.damage += 1
+        return True
+
     def _get(self, field: str, base: int) -> int:
         value: int = PROVIDER[field].get(self.buf, base)
         return value
@@ -267,7 +291,7 @@ class Ledger:
             decision: Decision = decide_arrival(
                 running, waiting, limit_value(buf, p, now), layout.QUEUE_BOUND
             )
-            h = self._free_record(p) if decision != "full" else None
+            h = self._free_place(p) if decision != "full" else None
             if h is None:
                 decision = "full"
             if decision == "full" and attempt == 0:
@@ -330,9 +354,12 @@ class Ledger:
             MEMBER["in_use"].put(self.buf, 1, mb)
             self.damage += 1
 
-    def _free_record(self, p: int) -> int | None:
+    def _free_place(self, p: int) -> int | None:
         for h in range(HOLDERS_PER_PROVIDER):
-            if HOLDER["state"].get(self.buf, holder_base(p, h)) == HOLDER_FREE:
+            hb = holder_base(p, h)
+            if HOLDER["state"].get(self.buf, hb) == HOLDER_FREE and not (
+                HOLDER["member_serial"].get(self.buf, hb) != 0 and self._put_back_freed(hb)
+            ):
                 return h
         return None
 
@@ -344,6 +371,14 @@ class Ledger:
         buf, base, hb = self.buf, provider_base(t.provider), holder_base(t.provider, t.holder)
         state = HOLDER["state"].get(buf, hb)
         if (
+            state not in (HOLDER_RUNNING, HOLDER_WAITING)
+            and HOLDER["serial"].get(buf, hb) == t.serial
+            and HOLDER["member"].get(buf, hb) == member
+            and HOLDER["member_serial"].get(buf, hb) == member_serial
+            and self._put_back_freed(hb)
+        ):
+            state = HOLDER["state"].get(buf, hb)  # ours, written free: put back, then left
+        if (
             HOLDER["serial"].get(buf, hb) != t.serial
             or state not in (HOLDER_RUNNING, HOLDER_WAITING)
             or HOLDER["member"].get(buf, hb) != member
@@ -352,7 +387,7 @@ class Ledger:
             return "stale", set()
         if self._counters_damaged(base) and self.recount_provider(t.provider):
             self.damage += 1
-        HOLDER["state"].put(buf, HOLDER_FREE, hb)
+        self._free_record(hb)
         self.owned.get((member, member_serial), {}).pop((t.provider, t.holder), None)
         running, waiting = self._get("running", base), self._get("waiting", base)
         if state == HOLDER_RUNNING:
@@ -388,11 +423,15 @@ class Ledger:
             for h in range(HOLDERS_PER_PROVIDER):
                 hb = holder_base(p, h)
                 if (
-                    HOLDER["state"].get(self.buf, hb) == HOLDER_WAITING
-                    and HOLDER["member"].get(self.buf, hb) == member
-                    and HOLDER["member_serial"].get(self.buf, hb) == member_serial
+                    HOLDER["member"].get(self.buf, hb) != member
+                    or HOLDER["member_serial"].get(self.buf, hb) != member_serial
                 ):
-                    HOLDER["state"].put(self.buf, HOLDER_FREE, hb)
+                    continue
+                state = HOLDER["state"].get(self.buf, hb)
+                if state not in (HOLDER_RUNNING, HOLDER_WAITING) and self._put_back_freed(hb):
+                    state = HOLDER["state"].get(self.buf, hb)
+                if state == HOLDER_WAITING:
+                    self._free_record(hb)
                     self.owned.get((member, member_serial), {}).pop((p, h), None)
                     here += 1
             if here:
@@ -413,18 +452,13 @@ class Ledger:
         limit = limit_value(buf, p, now)
         recounted = freed_dead = False
         while running < limit:
-            if waiting == 0:
-                if not freed_dead or recounted:
-                    break
-                # a dead waiter freed may be one the counters never had (a record written
-                # back to life): then a real waiter is left uncounted; the records decide
-                recounted = True
-                self.recount_provider(p)
-                running, waiting = self._get("running", base), self._get("waiting", base)
-                continue
-            h = self._head_waiter(p)
-            if h is None:  # counters drifted: the records are the truth
-                if recounted:
+            # Nobody counted waits, yet a dead waiter was freed (it may be one the counters
+            # never had: a record written back to life, so a real waiter is left
+            # uncounted); or somebody waits by the counters and no record does (they
+            # drifted): the records decide, once.
+            h = self._head_waiter(p) if waiting else None
+            if h is None:
+                if recounted or (waiting == 0 and not freed_dead):
                     break
                 recounted = True
                 self.recount_provider(p)
@@ -433,12 +467,13 @@ class Ledger:
             hb = holder_base(p, h)
             waiting -= 1
             if not self._holder_alive(hb):
-                HOLDER["state"].put(buf, HOLDER_FREE, hb)
+                self._free_record(hb)
                 self._bump("reclaimed_total", base)
                 freed_dead = True
                 continue
             HOLDER["since"].put(buf, now, hb)
             HOLDER["since_mono"].put(buf, now, hb)
+            HOLDER["ticket"].put(buf, 0, hb)  # running records hold no ticket (put back)
             HOLDER["state"].put(buf, HOLDER_RUNNING, hb)
             running += 1
             rings.add(HOLDER["member"].get(buf, hb))
@@ -488,7 +523,7 @@ class Ledger:
             for h in range(HOLDERS_PER_PROVIDER):
                 hb = holder_base(p, h)
                 if HOLDER["state"].get(buf, hb) != HOLDER_FREE and not self._holder_alive(hb):
-                    HOLDER["state"].put(buf, HOLDER_FREE, hb)
+                    self._free_record(hb)
                     freed += 1
             if freed:
                 reclaimed += freed
@@ -535,13 +570,18 @@ class Ledger:
         for h in range(HOLDERS_PER_PROVIDER):
             hb = holder_base(p, h)
             state = HOLDER["state"].get(self.buf, hb)
+            if state not in (HOLDER_RUNNING, HOLDER_WAITING):
+                stale = HOLDER["member_serial"].get(self.buf, hb) != 0
+                if stale and self._put_back_freed(hb):  # a live request's, written free
+                    state = HOLDER["state"].get(self.buf, hb)
+                    wrong = True
+                elif state != HOLDER_FREE or stale:
+                    wrong = wrong or state != HOLDER_FREE  # torn by a dead holder, or garbage
+                    self._free_record(hb)
             if state == HOLDER_RUNNING:
                 running += 1
             elif state == HOLDER_WAITING:
                 waiting += 1
-            elif state != HOLDER_FREE:  # torn write by a dead holder, or garbage
-                HOLDER["state"].put(self.buf, HOLDER_FREE, hb)
-                wrong = True
         base = provider_base(p)
         wrong = wrong or (
             self._get("running", base) != running
@@ -569,11 +609,10 @@ class Ledger:
             for h in range(HOLDERS_PER_PROVIDER):
                 hb = holder_base(p, h)
                 if (
-                    HOLDER["state"].get(self.buf, hb) != HOLDER_FREE
-                    and HOLDER["member"].get(self.buf, hb) == m
+                    HOLDER["member"].get(self.buf, hb) == m
                     and HOLDER["member_serial"].get(self.buf, hb) == serial
                 ):
-                    HOLDER["state"].put(self.buf, HOLDER_FREE, hb)
+                    self._free_record(hb)  # a free one too: written free, it names them
                     freed = True
             if freed:
                 self.recount_provider(p)
@@ -633,7 +672,7 @@ class Ledger:
                 if HOLDER["member"].get(self.buf, hb) != member:
                     continue
                 if owned.get((p, h), 0) != HOLDER["serial"].get(self.buf, hb):
-                    HOLDER["state"].put(self.buf, HOLDER_FREE, hb)
+                    self._free_record(hb)
                     here += 1
                 elif HOLDER["member_serial"].get(self.buf, hb) != member_serial:
                     HOLDER["member_serial"].put(self.buf, member_serial, hb)

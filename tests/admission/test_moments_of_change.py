@@ -649,6 +649,76 @@ def test_r_a16_a_bad_write_to_a_live_members_serial_frees_none_of_its_slots(
     adm.close()
 
 
+def _record_of(seg: Segment, pid: int) -> int:
+    return next(
+        h
+        for h in range(layout.HOLDERS_PER_PROVIDER)
+        if HOLDER["pid"].get(seg.buf, holder_base(0, h)) == pid
+        and HOLDER["state"].get(seg.buf, holder_base(0, h)) != layout.HOLDER_FREE
+    )
+
+
+def test_r_a16_a_bad_write_that_frees_a_running_record_lets_nobody_in(
+    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+) -> None:
+    """Before: state := 0 on a running record was taken for the truth by the next sweep's
+    recount, which let one more request in for as long as the damaged body ran (measured:
+    4 bodies on a limit of 3 for 0.494 s with 0.5 s bodies; with longer bodies, longer).
+    Now a writer of ours clears a record's member serial when it frees it, so a free
+    record that still names a live registration was freed by damage: put back, never
+    taken as a free place."""
+    holder = agents("--segment", segment_name, "--config", str(config), "hold")
+    holder.expect("admitted")
+    adm = Admission.attach(config=config, segment=segment_name, generation="sweeper")
+    seg = Segment.open(segment_name)
+    try:
+        h = _record_of(seg, holder.pid)
+        HOLDER["state"].put(seg.buf, layout.HOLDER_FREE, holder_base(0, h))  # one bad write
+        with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=1.5):
+            pass  # waits through sweeps: the holder's body still runs, nobody else may
+        assert adm._core.sweep(0.0) == 0
+        assert _counts(segment_name) == (1, 0)
+        assert HOLDER["state"].get(seg.buf, holder_base(0, h)) == layout.HOLDER_RUNNING
+        assert read_view(segment_name).damage_repairs >= 1
+        holder.send("release")
+        holder.expect("released")  # its release finds its record, and frees it
+        assert _counts(segment_name) == (0, 0)
+        with adm.slot_blocking("p1", timeout=1):
+            pass  # nothing left behind
+    finally:
+        seg.close()
+        adm.close()
+    assert holder.finish() == 0
+
+
+def test_r_a16_a_bad_write_that_frees_a_waiting_record_keeps_its_place(
+    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+) -> None:
+    """state := 0 on a waiter's record: before, the waiter ended with "the admission
+    record was removed while waiting" (or waited its timeout out) and the queue lost it.
+    Now the record is put back as a waiter (it holds a ticket) and granted in turn."""
+    adm = Admission.attach(config=config, segment=segment_name, generation="d")
+    held = adm.acquire_blocking("p1")
+    waiter = agents("--segment", segment_name, "--config", str(config), "hold", "--timeout", "30")
+    assert wait_until(lambda: _counts(segment_name) == (1, 1))
+    seg = Segment.open(segment_name)
+    try:
+        h = _record_of(seg, waiter.pid)
+        HOLDER["state"].put(seg.buf, layout.HOLDER_FREE, holder_base(0, h))  # one bad write
+        time.sleep(1.2)  # longer than the waiter's nap: it looks, and keeps waiting
+        assert adm._core.sweep(0.0) == 0
+        assert _counts(segment_name) == (1, 1)
+        assert HOLDER["state"].get(seg.buf, holder_base(0, h)) == layout.HOLDER_WAITING
+        adm.release(held)
+        waiter.expect("admitted", timeout=10)  # granted in its turn
+        waiter.send("release")
+        waiter.expect("released")
+    finally:
+        seg.close()
+        adm.close()
+    assert waiter.finish() == 0
+
+
 @pytest.mark.linux("damages the robust mutex, which only Linux has")
 def test_r_a16_a_damaged_lock_word_is_one_line_never_an_abort(
     segment_name: str, config: Path, agents: Callable[..., Agent]

@@ -8,7 +8,8 @@ close that begins while others arrive and wait (its waiters freed, its arrivals
 refused) and ends with slots still running, an event loop torn down with waiters, the
 segment removed and made again under its name (arrivals told MOVED, running slots
 finish), and damage (a bad write to a counter, its check word, a member's serial, an
-in_use word, a published deadline, the lock word), on a real segment through the
+in_use word, a published deadline, the lock word, a running or waiting record's
+state written free), on a real segment through the
 compiled core (``shm_layout/_core.c``), and the same steps on a plain bytearray through
 the Python model (``shm_layout/ledger.py``). After every step the admission bytes must
 be equal and the invariants must hold: counters equal the records (after damage: from
@@ -94,6 +95,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.unpumped = False  # time passed: a limit may have risen with nobody pumping yet
         self.damaged: set[int] = set()  # providers written over since a step looked at them
         self.revived: set[int] = set()  # providers with a record written back to life
+        self.written_free: set[tuple[int, int]] = set()  # live records written free, unseen
         self.running: list[Any] = []  # tickets whose bodies run: (member, ticket, model)
         self.issued: list[Any] = []  # every ticket that got a record: (member, ticket, model)
         self.replacement: Segment | None = None  # what the name leads to after a replace
@@ -235,6 +237,14 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.damaged.clear()
         if self._no_phantoms_left():
             self.revived.clear()
+        # put back by the recount (unless a second bad write took its registration's
+        # serial away: then it is a record of nobody, and freed)
+        self.written_free = {
+            (p, h)
+            for p, h in self.written_free
+            if HOLDER["state"].get(self.model_buf, ledger.holder_base(p, h))
+            not in (HOLDER_RUNNING, HOLDER_WAITING)
+        }
 
     # --- the moments of change (R-A14) -------------------------------------------
     @precondition(lambda self: sum(m.alive and not m.closing for m in self.members) > 1)
@@ -284,8 +294,10 @@ class CoreAgainstModel(RuleBasedStateMachine):
             self.running = [r for r in self.running if r[1] is not ticket]
             was = m.core.leave(ticket, _core.CANCELLED, self.now, True)
             model_was, _ = self.model.leave(model_ticket, m.index, m.serial, "cancelled", self.now)
-            # freeing one orphan may grant the next one: freed all the same
-            assert WAS[was] == model_was and model_was in ("waiting", "running")
+            # freeing one orphan may grant the next one: freed all the same (unless its
+            # record was freed and then written back to life: a phantom, not its own)
+            assert WAS[was] == model_was
+            assert model_was in ("waiting", "running") or model_ticket.provider in self.revived
             self.damaged.discard(model_ticket.provider)
 
     @precondition(lambda self: self.replacement is None and any(m.alive for m in self.members))
@@ -386,6 +398,18 @@ class CoreAgainstModel(RuleBasedStateMachine):
             HOLDER["state"].put(buf, state, hb)
         self.revived.add(provider)  # until a sweep, or its owner, puts it right
 
+    @rule(provider=st.sampled_from(range(len(PROVIDERS))), h=st.integers(0, 7))
+    def a_bad_write_frees_a_live_record(self, provider: int, h: int) -> None:
+        """state := FREE on a record whose request runs or waits: never taken as a free
+        place, never recounted away (no request more than the limit); put back by the
+        next recount, or by its owner's leave."""
+        hb = ledger.holder_base(provider, h)
+        if HOLDER["state"].get(self.model_buf, hb) not in (HOLDER_RUNNING, HOLDER_WAITING):
+            return
+        for buf in (self.seg.buf, self.model_buf):
+            HOLDER["state"].put(buf, HOLDER_FREE, hb)
+        self.written_free.add((provider, h))
+
     @precondition(lambda self: any(m.alive for m in self.members))
     @rule(who=st.integers(0, 5))
     def an_owner_frees_its_phantoms(self, who: int) -> None:
@@ -478,8 +502,10 @@ class CoreAgainstModel(RuleBasedStateMachine):
             if not m.alive:
                 continue
             hb = ledger.holder_base(model_ticket.provider, model_ticket.holder)
+            assert HOLDER["serial"].get(self.seg.buf, hb) == model_ticket.serial  # never reused
+            if (model_ticket.provider, model_ticket.holder) in self.written_free:
+                continue  # free by a bad write, not yet looked at: put back by the sweep
             assert HOLDER["state"].get(self.seg.buf, hb) == HOLDER_RUNNING
-            assert HOLDER["serial"].get(self.seg.buf, hb) == model_ticket.serial
 
     @invariant()
     def counters_equal_records_and_bounds_hold(self) -> None:
@@ -487,7 +513,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
             return
         buf = self.seg.buf
         for p in range(len(PROVIDERS)):
-            if p in self.damaged or p in self.revived:
+            if p in self.damaged or p in self.revived or any(x == p for x, _ in self.written_free):
                 continue  # written over; the next step that looks (or its owner) repairs it
             base = ledger.provider_base(p)
             states = [
