@@ -600,6 +600,17 @@ static void free_record(Core *c, long hb)
 
 static int put_back_freed(Core *c, long hb);
 
+/* A record of this registration as it was: one written free (or garbage) still names us
+ * (see free_record) and is put back by the next step that looks, so its request still
+ * runs (no ticket) or waits. */
+static uint32_t own_state(Core *c, long hb, uint32_t s)
+{
+    if (s != RUNNING && s != WAITING && c->member >= 0 && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
+        ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial)
+        return ld64(c, hb + c->o[K_TICKET]) ? WAITING : RUNNING;
+    return s;
+}
+
 /* Rebuild running/waiting from the records (the records are the truth). Returns 1 when
  * the stored counters or a record's state were wrong. */
 static int recount_provider(Core *c, int p)
@@ -609,7 +620,22 @@ static int recount_provider(Core *c, int p)
     for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
         long hb = hbase(c, p, h);
         uint32_t s = ld32(c, hb + c->o[K_STATE]);
-        if (s != RUNNING && s != WAITING) {
+        if ((s == RUNNING || s == WAITING) && ld64(c, hb + c->o[K_MEMBER_SERIAL]) == 0) {
+            /* a free record written back to life (every writer clears the serial when it
+             * frees, and writes it before a record goes live): never counted */
+            st32(c, hb + c->o[K_STATE], FREE);
+            note_damage(c, "a free record was written back to life");
+            s = FREE;
+            wrong = 1;
+        } else if (s == RUNNING || s == WAITING) {
+            uint32_t was = ld64(c, hb + c->o[K_TICKET]) ? WAITING : RUNNING; /* see pump */
+            if (s != was) { /* one state written over the other */
+                st32(c, hb + c->o[K_STATE], was);
+                note_damage(c, "a live record's state was written over");
+                s = was;
+                wrong = 1;
+            }
+        } else {
             if (ld64(c, hb + c->o[K_MEMBER_SERIAL]) != 0 && put_back_freed(c, hb)) {
                 s = ld32(c, hb + c->o[K_STATE]); /* a live request's record, written free */
                 wrong = 1;
@@ -811,6 +837,8 @@ static void drop_member_records(Core *c, int m, uint64_t serial, Now now, Rings 
             long hb = hbase(c, p, h);
             uint32_t s = ld32(c, hb + c->o[K_STATE]);
             if (ldi32(c, hb + c->o[K_MEMBER]) == m && ld64(c, hb + c->o[K_MEMBER_SERIAL]) == serial) {
+                if (s != RUNNING && s != WAITING) /* written free: as it was */
+                    s = ld64(c, hb + c->o[K_TICKET]) ? WAITING : RUNNING;
                 if (s == RUNNING && running_freed)
                     (*running_freed)++;
                 free_record(c, hb); /* a free one too: written free, it still names them */
@@ -1612,14 +1640,17 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
                 note_damage(c, "a provider's next ticket was written over");
                 ticket = last;
             }
-            ticket++;
+            if (ticket != UINT64_MAX) /* written to the top: a waiter never holds 0 */
+                ticket++;
             st64(c, b + c->o[P_NEXT_TICKET], ticket);
         }
+        /* serial and member before member_serial: a process killed in between leaves a
+         * free record naming itself (dead), never another row's registration */
+        st64(c, hb + c->o[K_SERIAL], serial);
+        st32(c, hb + c->o[K_MEMBER], (uint32_t)c->member);
         st32(c, hb + c->o[K_PID], pid);
         st64(c, hb + c->o[K_MEMBER_SERIAL], c->member_serial);
         st64(c, hb + c->o[K_TICKET], ticket);
-        st64(c, hb + c->o[K_SERIAL], serial);
-        st32(c, hb + c->o[K_MEMBER], (uint32_t)c->member);
         std_(c, hb + c->o[K_SINCE], now.wall);
         std_(c, hb + c->o[K_SINCE_MONO], now.mono);
         st32(c, hb + c->o[K_WAKER], futex ? WAKE_FUTEX : WAKE_DOORBELL);
@@ -1823,9 +1854,9 @@ static uint32_t ticket_state(Core *c, Ticket *tk)
     uint32_t state = ld32(c, hb + c->o[K_STATE]);
     if (ld64(c, hb + c->o[K_SERIAL]) != tk->serial)
         return FREE;
-    if (state != RUNNING && state != WAITING && c->member >= 0 && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
-        ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial) /* written free: the sweep puts it back */
-        return ld64(c, hb + c->o[K_TICKET]) ? WAITING : RUNNING;
+    state = own_state(c, hb, state); /* written free: the next step that looks puts it back */
+    if (ld64(c, hb + c->o[K_SERIAL]) != tk->serial) /* taken meanwhile by another arrival */
+        return FREE;
     return state;
 }
 
@@ -2558,7 +2589,7 @@ static PyObject *Core_own_records(Core *c, PyObject *unused)
                 continue;
             for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
                 long hb = hbase(c, p, h);
-                uint32_t s = ld32(c, hb + c->o[K_STATE]);
+                uint32_t s = own_state(c, hb, ld32(c, hb + c->o[K_STATE]));
                 if (s != FREE && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
                     ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial) {
                     if (s == RUNNING)

@@ -313,7 +313,7 @@ class Ledger:
                 if ticket < last:  # behind a ticket it handed out: never obeyed (R-A3)
                     self.damage += 1
                     ticket = last
-                ticket += 1
+                ticket = min(ticket + 1, 2**64 - 1)  # written to the top: a waiter never holds 0
                 PROVIDER["next_ticket"].put(buf, ticket, base)
             waker = layout.WAKE_FUTEX if futex else layout.WAKE_DOORBELL
             layout.HOLDER_BODY.pack_into(
@@ -570,7 +570,20 @@ class Ledger:
         for h in range(HOLDERS_PER_PROVIDER):
             hb = holder_base(p, h)
             state = HOLDER["state"].get(self.buf, hb)
-            if state not in (HOLDER_RUNNING, HOLDER_WAITING):
+            live = state in (HOLDER_RUNNING, HOLDER_WAITING)
+            if live and HOLDER["member_serial"].get(self.buf, hb) == 0:
+                # a free record written back to life (every writer clears the serial when
+                # it frees, and writes it before a record goes live): never counted
+                HOLDER["state"].put(self.buf, HOLDER_FREE, hb)
+                self.damage += 1
+                state, wrong = HOLDER_FREE, True
+            elif live:
+                was = HOLDER_WAITING if HOLDER["ticket"].get(self.buf, hb) else HOLDER_RUNNING
+                if state != was:  # one state written over the other
+                    HOLDER["state"].put(self.buf, was, hb)
+                    self.damage += 1
+                    state, wrong = was, True
+            else:
                 stale = HOLDER["member_serial"].get(self.buf, hb) != 0
                 if stale and self._put_back_freed(hb):  # a live request's, written free
                     state = HOLDER["state"].get(self.buf, hb)

@@ -603,9 +603,10 @@ def test_r_a16_a_bad_write_that_revives_a_free_record_never_wedges_the_provider(
     sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """One bad write, state := RUNNING, to a free record whose last owner still lives (an
-    idle handler): the next sweep's recount takes it for the truth. Before: a provider
-    with a limit of 1 admitted nobody for as long as that handler lived (0 of 6). Now the
-    owner, which knows the records it holds, frees the phantom within a sweep."""
+    idle handler). Before: the next sweep's recount took it for the truth, and a provider
+    with a limit of 1 admitted nobody for as long as that handler lived (0 of 6). Then the
+    owner, which knows the records it holds, freed the phantom within a sweep; now the
+    sweep's recount frees it (a freed record carries no registration serial)."""
     idle = agents("--segment", segment_name, "--config", str(config), "hold")
     idle.expect("admitted")
     idle.send("release")
@@ -689,6 +690,51 @@ def test_r_a16_a_bad_write_that_frees_a_running_record_lets_nobody_in(
         seg.close()
         adm.close()
     assert holder.finish() == 0
+
+
+def test_r_a14_r_a16_a_running_record_written_free_during_closes_grace_is_still_waited_for(
+    sem_mode: str,
+    segment_name: str,
+    config: Path,
+    agents: Callable[..., Agent],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by review: close() counted only records that said RUNNING, so one written
+    free during its grace ended the grace at once; unregister cut it without a warning,
+    and another process was admitted while the body ran on."""
+    adm = Admission.attach(config=config, segment=segment_name, generation="closing")
+    stuck = threading.Event()
+    runner = threading.Thread(target=lambda: _hold(adm, stuck))
+    runner.start()
+    assert wait_until(lambda: _counts(segment_name) == (1, 0))
+    other = agents("--segment", segment_name, "--config", str(config), "hold", "--timeout", "20")
+    other.expect("started")
+    seg = Segment.open(segment_name)
+    try:
+        h = _record_of(seg, os.getpid())
+
+        def scribble() -> None:
+            time.sleep(0.3)  # inside the grace
+            HOLDER["state"].put(seg.buf, layout.HOLDER_FREE, holder_base(0, h))
+
+        threading.Thread(target=scribble).start()
+        with caplog.at_level(logging.WARNING, logger="gateway_capacity.admission"):
+            started = time.monotonic()
+            adm.close(grace=1.5)
+            took = time.monotonic() - started
+        closed_at = time.time()
+        assert took >= 1.4  # the body ran on: its grace was waited out
+        cut = [r for r in caplog.records if "still held after a grace" in r.getMessage()]
+        assert len(cut) == 1 and "1 running slot" in cut[0].getMessage()
+        admitted = other.expect("admitted", timeout=10)
+        assert admitted["t"] >= closed_at - 0.05  # nobody came in during the grace
+    finally:
+        seg.close()
+        stuck.set()
+        runner.join(5)
+    other.send("release")
+    other.expect("released")
+    assert other.finish() == 0
 
 
 def test_r_a16_a_bad_write_that_frees_a_waiting_record_keeps_its_place(

@@ -9,7 +9,7 @@ refused) and ends with slots still running, an event loop torn down with waiters
 segment removed and made again under its name (arrivals told MOVED, running slots
 finish), and damage (a bad write to a counter, its check word, a member's serial, an
 in_use word, a published deadline, the lock word, a running or waiting record's
-state written free), on a real segment through the
+state written free, over with the other state, or with garbage), on a real segment through the
 compiled core (``shm_layout/_core.c``), and the same steps on a plain bytearray through
 the Python model (``shm_layout/ledger.py``). After every step the admission bytes must
 be equal and the invariants must hold: counters equal the records (after damage: from
@@ -339,9 +339,13 @@ class CoreAgainstModel(RuleBasedStateMachine):
             buf[span] = before
 
     def _ours_running(self, hb: int, m: Member) -> bool:
+        """Running, or written free while running (no ticket): its body runs on."""
         buf = self.model_buf
+        state = HOLDER["state"].get(buf, hb)
+        if state not in (HOLDER_RUNNING, HOLDER_WAITING):
+            state = HOLDER_WAITING if HOLDER["ticket"].get(buf, hb) else HOLDER_RUNNING
         return bool(
-            HOLDER["state"].get(buf, hb) == HOLDER_RUNNING
+            state == HOLDER_RUNNING
             and HOLDER["member"].get(buf, hb) == m.index
             and HOLDER["member_serial"].get(buf, hb) == m.serial
         )
@@ -398,17 +402,21 @@ class CoreAgainstModel(RuleBasedStateMachine):
             HOLDER["state"].put(buf, state, hb)
         self.revived.add(provider)  # until a sweep, or its owner, puts it right
 
-    @rule(provider=st.sampled_from(range(len(PROVIDERS))), h=st.integers(0, 7))
-    def a_bad_write_frees_a_live_record(self, provider: int, h: int) -> None:
-        """state := FREE on a record whose request runs or waits: never taken as a free
-        place, never recounted away (no request more than the limit); put back by the
-        next recount, or by its owner's leave."""
+    @rule(
+        provider=st.sampled_from(range(len(PROVIDERS))),
+        h=st.integers(0, 7),
+        state=st.sampled_from([HOLDER_FREE, HOLDER_RUNNING, HOLDER_WAITING, 7]),
+    )
+    def a_bad_write_to_a_live_records_state(self, provider: int, h: int, state: int) -> None:
+        """state := FREE (or the other live state, or garbage) on a record whose request
+        runs or waits: never taken as a free place, never recounted away (no request
+        more than the limit); put right by the next recount, or by its owner's leave."""
         hb = ledger.holder_base(provider, h)
         if HOLDER["state"].get(self.model_buf, hb) not in (HOLDER_RUNNING, HOLDER_WAITING):
             return
         for buf in (self.seg.buf, self.model_buf):
-            HOLDER["state"].put(buf, HOLDER_FREE, hb)
-        self.written_free.add((provider, h))
+            HOLDER["state"].put(buf, state, hb)
+        self.written_free.add((provider, h))  # until the sweep has looked
 
     @precondition(lambda self: any(m.alive for m in self.members))
     @rule(who=st.integers(0, 5))
