@@ -620,14 +620,9 @@ static int recount_provider(Core *c, int p)
     for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
         long hb = hbase(c, p, h);
         uint32_t s = ld32(c, hb + c->o[K_STATE]);
-        if ((s == RUNNING || s == WAITING) && ld64(c, hb + c->o[K_MEMBER_SERIAL]) == 0) {
-            /* a free record written back to life (every writer clears the serial when it
-             * frees, and writes it before a record goes live): never counted */
-            st32(c, hb + c->o[K_STATE], FREE);
-            note_damage(c, "a free record was written back to life");
-            s = FREE;
-            wrong = 1;
-        } else if (s == RUNNING || s == WAITING) {
+        if (s == RUNNING || s == WAITING) {
+            /* (a live record with no member serial may be a free one written back to life,
+             * or a live one whose serial was written 0: its owner tells, free_phantoms) */
             uint32_t was = ld64(c, hb + c->o[K_TICKET]) ? WAITING : RUNNING; /* see pump */
             if (s != was) { /* one state written over the other */
                 st32(c, hb + c->o[K_STATE], was);
@@ -1752,6 +1747,15 @@ static int leave_locked(Core *c, Ticket *tk, int outcome, Now now, Rings *rings)
     int p = tk->provider;
     long b = pbase(c, p);
     long hb = hbase(c, p, tk->holder);
+    if (ld64(c, hb + c->o[K_SERIAL]) == tk->serial && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
+        ld64(c, hb + c->o[K_MEMBER_SERIAL]) != c->member_serial && c->owned &&
+        c->owned[own_index(c, p, tk->holder)] == tk->serial) {
+        /* ours (our own table says so) with its member serial written over: put back,
+         * then left; else the release would change nothing and free_phantoms would keep
+         * the record as ours for good */
+        st64(c, hb + c->o[K_MEMBER_SERIAL], c->member_serial);
+        note_damage(c, "a record's member serial was written over");
+    }
     uint32_t state = ld32(c, hb + c->o[K_STATE]);
     if (state != RUNNING && state != WAITING && ld64(c, hb + c->o[K_SERIAL]) == tk->serial &&
         ldi32(c, hb + c->o[K_MEMBER]) == c->member &&

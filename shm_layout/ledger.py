@@ -369,6 +369,16 @@ class Ledger:
     ) -> tuple[str, set[int]]:
         """Free ``t``'s record if it is still this registration's: (what it was, rings)."""
         buf, base, hb = self.buf, provider_base(t.provider), holder_base(t.provider, t.holder)
+        if (
+            HOLDER["serial"].get(buf, hb) == t.serial
+            and HOLDER["member"].get(buf, hb) == member
+            and HOLDER["member_serial"].get(buf, hb) != member_serial
+            and self.owned.get((member, member_serial), {}).get((t.provider, t.holder)) == t.serial
+        ):
+            # ours (our own table says so) with its member serial written over: put back,
+            # then left (else the release would change nothing, and the record stay ours)
+            HOLDER["member_serial"].put(buf, member_serial, hb)
+            self.damage += 1
         state = HOLDER["state"].get(buf, hb)
         if (
             state not in (HOLDER_RUNNING, HOLDER_WAITING)
@@ -570,14 +580,9 @@ class Ledger:
         for h in range(HOLDERS_PER_PROVIDER):
             hb = holder_base(p, h)
             state = HOLDER["state"].get(self.buf, hb)
-            live = state in (HOLDER_RUNNING, HOLDER_WAITING)
-            if live and HOLDER["member_serial"].get(self.buf, hb) == 0:
-                # a free record written back to life (every writer clears the serial when
-                # it frees, and writes it before a record goes live): never counted
-                HOLDER["state"].put(self.buf, HOLDER_FREE, hb)
-                self.damage += 1
-                state, wrong = HOLDER_FREE, True
-            elif live:
+            if state in (HOLDER_RUNNING, HOLDER_WAITING):
+                # (a live record with no member serial may be a free one written back to
+                # life, or a live one whose serial was written 0: its owner tells)
                 was = HOLDER_WAITING if HOLDER["ticket"].get(self.buf, hb) else HOLDER_RUNNING
                 if state != was:  # one state written over the other
                     HOLDER["state"].put(self.buf, was, hb)

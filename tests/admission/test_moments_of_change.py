@@ -692,6 +692,37 @@ def test_r_a16_a_bad_write_that_frees_a_running_record_lets_nobody_in(
     assert holder.finish() == 0
 
 
+def test_r_a16_a_running_records_member_serial_written_0_frees_nothing_and_leaks_nothing(
+    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+) -> None:
+    """A running record's member serial := 0 (what a freed record carries): never taken
+    for a free record while its process lives; and a release that comes before its owner
+    has put the serial back still frees it (before: the release changed nothing and the
+    owner's look then kept the record as its own for good: one slot lost)."""
+    holder = agents("--segment", segment_name, "--config", str(config), "hold")
+    holder.expect("admitted")
+    adm = Admission.attach(config=config, segment=segment_name, generation="sweeper")
+    seg = Segment.open(segment_name)
+    try:
+        h = _record_of(seg, holder.pid)
+        HOLDER["member_serial"].put(seg.buf, 0, holder_base(0, h))  # one bad write
+        with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=1.5):
+            pass  # waits through sweeps: the holder's body still runs, nobody else may
+        assert _counts(segment_name) == (1, 0)
+        HOLDER["member_serial"].put(seg.buf, 0, holder_base(0, h))  # again, just before
+        holder.send("release")
+        holder.expect("released")
+        assert _counts(segment_name) == (0, 0)
+        time.sleep(1.2)  # the owner's look comes and goes: nothing of it is kept
+        with adm.slot_blocking("p1", timeout=1):
+            pass
+        assert _counts(segment_name) == (0, 0)
+    finally:
+        seg.close()
+        adm.close()
+    assert holder.finish() == 0
+
+
 def test_r_a14_r_a16_a_running_record_written_free_during_closes_grace_is_still_waited_for(
     sem_mode: str,
     segment_name: str,

@@ -9,7 +9,8 @@ refused) and ends with slots still running, an event loop torn down with waiters
 segment removed and made again under its name (arrivals told MOVED, running slots
 finish), and damage (a bad write to a counter, its check word, a member's serial, an
 in_use word, a published deadline, the lock word, a running or waiting record's
-state written free, over with the other state, or with garbage), on a real segment through the
+state written free, over with the other state, or with garbage, and its member
+serial), on a real segment through the
 compiled core (``shm_layout/_core.c``), and the same steps on a plain bytearray through
 the Python model (``shm_layout/ledger.py``). After every step the admission bytes must
 be equal and the invariants must hold: counters equal the records (after damage: from
@@ -417,6 +418,23 @@ class CoreAgainstModel(RuleBasedStateMachine):
         for buf in (self.seg.buf, self.model_buf):
             HOLDER["state"].put(buf, state, hb)
         self.written_free.add((provider, h))  # until the sweep has looked
+
+    @rule(
+        provider=st.sampled_from(range(len(PROVIDERS))),
+        h=st.integers(0, 7),
+        value=st.sampled_from([0, 1, 0xFFFFFFFF]),
+    )
+    def a_bad_write_to_a_live_records_member_serial(
+        self, provider: int, h: int, value: int
+    ) -> None:
+        """A live record's member serial written over (0 looks like a freed record's):
+        never freed while its process lives; its owner puts it back (free_phantoms) or
+        its release does."""
+        hb = ledger.holder_base(provider, h)
+        if HOLDER["state"].get(self.model_buf, hb) not in (HOLDER_RUNNING, HOLDER_WAITING):
+            return
+        for buf in (self.seg.buf, self.model_buf):
+            HOLDER["member_serial"].put(buf, value, hb)
 
     @precondition(lambda self: any(m.alive for m in self.members))
     @rule(who=st.integers(0, 5))
