@@ -650,6 +650,18 @@ def test_r_a16_a_bad_write_to_a_live_members_serial_frees_none_of_its_slots(
     adm.close()
 
 
+def _a_holder_and_a_sweeper(
+    segment_name: str, config: Path, agents: Callable[..., Agent]
+) -> tuple[Agent, Admission, Segment, int]:
+    """Another process running a body on p1 (limit 1), an Admission of ours to arrive and
+    sweep with, a mapping to scribble on, and the index of the holder's record."""
+    holder = agents("--segment", segment_name, "--config", str(config), "hold")
+    holder.expect("admitted")
+    adm = Admission.attach(config=config, segment=segment_name, generation="sweeper")
+    seg = Segment.open(segment_name)
+    return holder, adm, seg, _record_of(seg, holder.pid)
+
+
 def _record_of(seg: Segment, pid: int) -> int:
     return next(
         h
@@ -668,12 +680,8 @@ def test_r_a16_a_bad_write_that_frees_a_running_record_lets_nobody_in(
     Now a writer of ours clears a record's member serial when it frees it, so a free
     record that still names a live registration was freed by damage: put back, never
     taken as a free place."""
-    holder = agents("--segment", segment_name, "--config", str(config), "hold")
-    holder.expect("admitted")
-    adm = Admission.attach(config=config, segment=segment_name, generation="sweeper")
-    seg = Segment.open(segment_name)
+    holder, adm, seg, h = _a_holder_and_a_sweeper(segment_name, config, agents)
     try:
-        h = _record_of(seg, holder.pid)
         HOLDER["state"].put(seg.buf, layout.HOLDER_FREE, holder_base(0, h))  # one bad write
         with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=1.5):
             pass  # waits through sweeps: the holder's body still runs, nobody else may
@@ -699,12 +707,8 @@ def test_r_a16_a_running_records_member_serial_written_0_frees_nothing_and_leaks
     for a free record while its process lives; and a release that comes before its owner
     has put the serial back still frees it (before: the release changed nothing and the
     owner's look then kept the record as its own for good: one slot lost)."""
-    holder = agents("--segment", segment_name, "--config", str(config), "hold")
-    holder.expect("admitted")
-    adm = Admission.attach(config=config, segment=segment_name, generation="sweeper")
-    seg = Segment.open(segment_name)
+    holder, adm, seg, h = _a_holder_and_a_sweeper(segment_name, config, agents)
     try:
-        h = _record_of(seg, holder.pid)
         HOLDER["member_serial"].put(seg.buf, 0, holder_base(0, h))  # one bad write
         with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=1.5):
             pass  # waits through sweeps: the holder's body still runs, nobody else may

@@ -107,18 +107,26 @@ def test_r_g3_await_legacy_pidfile_that_never_appears_is_refused_at_start(
     assert "has exited" not in out.stderr
 
 
-def test_r_g3_await_legacy_pidfile_that_appears_within_the_grace_is_awaited(
-    rig: Rig, legacy: subprocess.Popen[bytes], tmp_path: Path
+def _legacy_writes_its_pid_then_exits(
+    rig: Rig, legacy: subprocess.Popen[bytes], pidfile: Path
 ) -> None:
-    pidfile = tmp_path / "legacy.pid"
-    sidecar = rig.start(rig.config(), "--await-legacy", str(pidfile), "--await-legacy-grace", "20")
-    _wait_log(sidecar, "does not exist yet")
+    """The legacy gateway writes its pidfile: the sidecar drains (limit 0) while it lives
+    and publishes the discovered limit once it has exited."""
     pidfile.write_text(f"{legacy.pid}\n")
     p = rig.wait("p1", lambda p: p["source"] == "legacy_drain")
     assert p["effective_limit"] == 0
     legacy.kill()
     legacy.wait()
     rig.wait("p1", discovered(20), what="drain over")
+
+
+def test_r_g3_await_legacy_pidfile_that_appears_within_the_grace_is_awaited(
+    rig: Rig, legacy: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "legacy.pid"
+    sidecar = rig.start(rig.config(), "--await-legacy", str(pidfile), "--await-legacy-grace", "20")
+    _wait_log(sidecar, "does not exist yet")
+    _legacy_writes_its_pid_then_exits(rig, legacy, pidfile)
 
 
 def test_r_g3_an_empty_pidfile_is_waited_for_until_the_legacy_gateway_writes_its_pid(
@@ -133,12 +141,7 @@ def test_r_g3_an_empty_pidfile_is_waited_for_until_the_legacy_gateway_writes_its
     _wait_log(sidecar, "is empty")
     time.sleep(0.5)  # several reads of the empty file
     assert sidecar.poll() is None, sidecar.log_text()
-    pidfile.write_text(f"{legacy.pid}\n")
-    p = rig.wait("p1", lambda p: p["source"] == "legacy_drain")
-    assert p["effective_limit"] == 0
-    legacy.kill()
-    legacy.wait()
-    rig.wait("p1", discovered(20), what="drain over")
+    _legacy_writes_its_pid_then_exits(rig, legacy, pidfile)
 
 
 def test_r_g3_a_pidfile_still_empty_after_the_grace_is_refused_at_start(
