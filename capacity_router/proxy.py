@@ -368,9 +368,7 @@ class FarmProxy:
                 "invalid_request",
                 param="model",
             )
-        if not self.candidates(model):
-            return self._no_worker(model)
-        return _Relay(self, request, model, body)
+        return _Relay(self, request, model, body)  # 404 and 503 come from its first choice
 
 
 class _UpstreamFailed(Exception):
