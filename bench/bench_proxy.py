@@ -35,7 +35,7 @@ ROOT = HERE.parent
 KEY = "bench-router-key"
 MODEL = "bench-model"
 LONG = 64  # tokens in the long streamed answer
-KINDS = ("plain", "stream1", "stream64")
+KINDS = ("models", "plain", "stream1", "stream64")
 
 
 @dataclass
@@ -99,9 +99,12 @@ def _body(kind: str) -> dict[str, object]:
 
 def _one(client: httpx.Client, url: str, kind: str) -> int:
     """One request, read to its end; returns the wall time in ns."""
-    body = _body(kind)
+    if kind == "models":
+        method, path, body = "GET", "/v1/models", None
+    else:
+        method, path, body = "POST", "/v1/chat/completions", _body(kind)
     started = time.perf_counter_ns()
-    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+    with client.stream(method, f"{url}{path}", json=body) as response:
         size = 0
         for chunk in response.iter_raw():
             size += len(chunk)
@@ -177,6 +180,7 @@ def proxy_table_rows(r: ProxyCost, fmt_us: Callable[[float], str]) -> list[list[
     """Rows: what, direct p50, through the router p50, the router adds, router CPU."""
     rows = []
     labels = {
+        "models": "GET /v1/models (the router answers it)",
         "plain": "completion, 1 token, not streamed",
         "stream1": "streamed completion, 1 token",
         "stream64": f"streamed completion, {LONG} tokens",
