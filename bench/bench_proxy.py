@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from bench_common import Cleanup, median, proc_cpu_ns, wait_until
+from bench_common import Cleanup, median, percentile, proc_cpu_ns, wait_until
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -40,8 +40,10 @@ KINDS = ("models", "plain", "stream1", "stream64")
 
 @dataclass
 class ProxyCost:
-    # kind -> side -> per-round median latency (ns); kind -> per-round router CPU per request
+    # kind -> side -> per-round median (and 10th percentile) latency in ns;
+    # kind -> per-round router CPU per request
     latency: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    fast: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     router_cpu: dict[str, list[float]] = field(default_factory=dict)
     rounds: int = 0
     requests: int = 0
@@ -138,8 +140,7 @@ def run_proxy_cost(
     cleanup: Cleanup, rounds: int, requests: int, streams: int, log: Callable[[str], None]
 ) -> ProxyCost:
     worker_url, router_url, router_pid = _farm(cleanup)
-    direct = httpx.Client(trust_env=False, timeout=30)
-    routed = httpx.Client(trust_env=False, timeout=30, headers={"Authorization": f"Bearer {KEY}"})
+    direct, routed = _client(), _client({"Authorization": f"Bearer {KEY}"})
     cleanup.push("http clients", lambda: (direct.close(), routed.close()))
     sides = {"direct": (direct, worker_url), "router": (routed, router_url)}
     wait_until(
@@ -155,6 +156,7 @@ def run_proxy_cost(
     result = ProxyCost(rounds=rounds, requests=requests, streams=streams)
     for kind in KINDS:
         result.latency[kind] = {"direct": [], "router": []}
+        result.fast[kind] = {"direct": [], "router": []}
         result.router_cpu[kind] = []
     for i in range(rounds):
         log(f"proxy: round {i + 1} of {rounds}")
@@ -167,6 +169,7 @@ def run_proxy_cost(
                 times = [_one(client, url, kind) for _ in range(count)]
                 cpu = proc_cpu_ns(router_pid) - cpu_before
                 result.latency[kind][side].append(median(times))
+                result.fast[kind][side].append(percentile(times, 10))
                 if side == "router":
                     result.router_cpu[kind].append(cpu / count)
     return result
@@ -177,35 +180,38 @@ def _per_token(samples: list[float], ones: list[float]) -> list[float]:
 
 
 def proxy_table_rows(r: ProxyCost, fmt_us: Callable[[float], str]) -> list[list[str]]:
-    """Rows: what, direct p50, through the router p50, the router adds, router CPU."""
-    rows = []
+    """Rows: what, direct p50, via the router p50, the router adds at p50 and at p10,
+    router CPU."""
     labels = {
         "models": "GET /v1/models (the router answers it)",
         "plain": "completion, 1 token, not streamed",
         "stream1": "streamed completion, 1 token",
         "stream64": f"streamed completion, {LONG} tokens",
     }
+
+    def added(d: list[float], p: list[float]) -> str:
+        return fmt_us(median([b - a for a, b in zip(d, p, strict=True)]))
+
+    rows = []
     for kind in KINDS:
         d, p = r.latency[kind]["direct"], r.latency[kind]["router"]
-        added = median([b - a for a, b in zip(d, p, strict=True)])
+        fd, fp = r.fast[kind]["direct"], r.fast[kind]["router"]
+        cpu = fmt_us(median(r.router_cpu[kind]))
         rows.append(
-            [
-                labels[kind],
-                fmt_us(median(d)),
-                fmt_us(median(p)),
-                fmt_us(added),
-                fmt_us(median(r.router_cpu[kind])),
-            ]
+            [labels[kind], fmt_us(median(d)), fmt_us(median(p)), added(d, p), added(fd, fp), cpu]
         )
     d_tok = _per_token(r.latency["stream64"]["direct"], r.latency["stream1"]["direct"])
     p_tok = _per_token(r.latency["stream64"]["router"], r.latency["stream1"]["router"])
+    fd_tok = _per_token(r.fast["stream64"]["direct"], r.fast["stream1"]["direct"])
+    fp_tok = _per_token(r.fast["stream64"]["router"], r.fast["stream1"]["router"])
     cpu_tok = _per_token(r.router_cpu["stream64"], r.router_cpu["stream1"])
     rows.append(
         [
-            f"per streamed token (({LONG} - 1) slope)",
+            f"per streamed token (slope, {LONG} vs 1)",
             fmt_us(median(d_tok)),
             fmt_us(median(p_tok)),
-            fmt_us(median([b - a for a, b in zip(d_tok, p_tok, strict=True)])),
+            added(d_tok, p_tok),
+            added(fd_tok, fp_tok),
             fmt_us(median(cpu_tok)),
         ]
     )

@@ -757,17 +757,18 @@ def section_proxy(cleanup: Cleanup, plan: Plan) -> str:
         cleanup, plan.proxy_rounds, plan.proxy_requests, plan.proxy_streams, log
     )
     table = render_table(
-        ["chat completion", "direct p50 us", "via router p50 us", "router adds us",
+        ["request", "direct p50 us", "via router p50 us", "adds at p50", "adds at p10",
          "router CPU us"],
         proxy_table_rows(result, fmt_us),
-        right={1, 2, 3, 4},
+        right={1, 2, 3, 4, 5},
     )  # fmt: skip
     head = (
         "9. The router's relay: the same chat completions straight to a simulated worker "
         "(router simworker --openai --delay 0) and through router serve in front of it, one "
         f"at a time from httpx on loopback; {plan.proxy_rounds} interleaved rounds x "
         f"{plan.proxy_requests} requests ({plan.proxy_streams} for the 64-token streams); "
-        "p50: median of per-round medians; router adds: median of per-round differences; "
+        "p50: median of per-round medians; adds at p50 (p10): median of per-round "
+        "differences of the medians (10th percentiles, less disturbed by a busy machine); "
         "router CPU: its schedstat (all threads) per request, or per token for the slope"
     )
     return "\n".join([head, "", table])
