@@ -21,7 +21,7 @@ import pytest
 from gwtest import free_port, stopped_at_exit, wait_for
 from router_support import KEY, Router, serve_args, worker, write_registry
 
-from capacity_router import RouterServer, SimWorker
+from capacity_router import RouterServer, SimWorker, proxy
 from capacity_router.proxy import Candidate, choose
 from capacity_router.registry import SlotSource, Worker
 
@@ -138,6 +138,18 @@ def test_r_k5_a_body_without_a_model_is_400(router: Router, openai_sim: OpenAISi
         )
         assert response.status_code == 400
         assert response.json()["error"]["param"] == "model"
+
+
+def test_r_k5_a_body_over_the_bound_is_413_and_reaches_no_worker(
+    router: Router, recording: RecordingWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(proxy, "MAX_REQUEST_BYTES", 1000)  # the router runs in this process
+    r = router([worker("a", [recording.url], ["wh"])])
+    body = json.dumps({"model": "wh", "input": "x" * 1000}).encode()
+    response = httpx.post(f"{r.url}/v1/embeddings", content=body, headers=AUTH, trust_env=False)
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+    assert recording.seen == []
 
 
 # -- which worker ------------------------------------------------------------------------
