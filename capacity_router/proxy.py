@@ -297,17 +297,18 @@ class FarmProxy:
         return any(model in worker.models for worker in self._registry.current.workers)
 
     def _no_worker(self, model: str) -> Response:
+        shown = repr(model if len(model) <= 256 else model[:256] + "...")  # the client's text
         if not self._known(model):
             return openai_error(
                 404,
-                f"The model {model!r} does not exist on this router",
+                f"The model {shown} does not exist on this router",
                 "invalid_request_error",
                 "model_not_found",
                 param="model",
             )
         return openai_error(
             503,
-            f"no healthy worker serves the model {model!r} now",
+            f"no healthy worker serves the model {shown} now",
             "server_error",
             "no_healthy_worker",
             headers={"Retry-After": self._retry_after},
