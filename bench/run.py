@@ -15,7 +15,8 @@ running), ``import`` (what ``import handler_shim`` and an attach add to a proces
 ``sidecar`` (RSS and CPU of ``gateway-capacity sidecar``), ``asgi``
 (server CPU and latency a request pays for ``AdmissionMiddleware``; ``--asgi-before REF``
 measures another revision's middleware beside it), ``retry`` (the openai SDK's retries
-against a fixed and an estimated ``Retry-After``).
+against a fixed and an estimated ``Retry-After``), ``proxy`` (what ``router serve``'s relay
+adds per request and per streamed token, beside the same requests sent to the worker).
 ``--compare REF`` instead runs the micro figures (uncontended, hand-off, QueueFull) of
 REF and of this checkout side by side, in interleaved rounds (bench_compare.py).
 The table goes to stdout and to ``bench/results-latest.txt``; progress goes
@@ -62,6 +63,7 @@ SECTIONS = (
     "sidecar-scale",
     "asgi",
     "retry",
+    "proxy",
 )
 PLOT_DATA: dict[str, object] = {}  # what the plots draw, filled by the sections
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -94,6 +96,9 @@ class Plan:
     switch_trips: int = 20000
     body_rounds: int = 5
     body_s: float = 2.0
+    proxy_rounds: int = 7
+    proxy_requests: int = 100  # per kind and side in a round (short answers)
+    proxy_streams: int = 30  # per side in a round (64-token streams)
 
 
 FULL = Plan(7, 0.2, 250, 3, 2.0, 5.0, 10.0, 20, 1500, 0.5)
@@ -101,7 +106,8 @@ QUICK = Plan(
     3, 0.04, 60, 1, 0.5, 2.0, 4.0, 4, 500, 0.1, 1, 3.0, ((1, 1), (8, 4)),
     idle_counts=(32,), idle_modes=("blocking",), sweep_processes=9, sweep_s=1.0,
     refusal_counts=(2, 5), close_trials=3, import_trials=2, switch_rounds=1,
-    switch_trips=5000, body_rounds=1, body_s=0.3,
+    switch_trips=5000, body_rounds=1, body_s=0.3, proxy_rounds=1, proxy_requests=20,
+    proxy_streams=5,
 )  # fmt: skip
 BODY_S = 0.001  # the body of each slot in the ``body`` section
 COMPARE: list[str] = []  # --compare REF: git refs measured beside this checkout
@@ -743,6 +749,31 @@ def section_retry(cleanup: Cleanup, plan: Plan) -> str:
     return "\n".join([head, "", table])
 
 
+def section_proxy(cleanup: Cleanup, plan: Plan) -> str:
+    from bench_proxy import proxy_table_rows, run_proxy_cost
+
+    log(f"proxy: router serve in front of simworker --openai, {plan.proxy_rounds} rounds")
+    result = run_proxy_cost(
+        cleanup, plan.proxy_rounds, plan.proxy_requests, plan.proxy_streams, log
+    )
+    table = render_table(
+        ["request", "direct p50 us", "via router p50 us", "adds at p50", "adds at p10",
+         "router CPU us"],
+        proxy_table_rows(result, fmt_us),
+        right={1, 2, 3, 4, 5},
+    )  # fmt: skip
+    head = (
+        "9. The router's relay: the same chat completions straight to a simulated worker "
+        "(router simworker --openai --delay 0) and through router serve in front of it, one "
+        f"at a time from httpx on loopback; {plan.proxy_rounds} interleaved rounds x "
+        f"{plan.proxy_requests} requests ({plan.proxy_streams} for the 64-token streams); "
+        "p50: median of per-round medians; adds at p50 (p10): median of per-round "
+        "differences of the medians (10th percentiles, less disturbed by a busy machine); "
+        "router CPU: its schedstat (all threads) per request, or per token for the slope"
+    )
+    return "\n".join([head, "", table])
+
+
 def compare_report(cleanup: Cleanup, plan: Plan) -> str:
     """``--compare REF``: REF(s) and this checkout side by side (bench_compare.py)."""
     from bench_common import percentile
@@ -823,6 +854,7 @@ RUNNERS: dict[str, Callable[[Cleanup, Plan], str]] = {
     "sidecar-scale": section_sidecar_scale,
     "asgi": section_asgi,
     "retry": section_retry,
+    "proxy": section_proxy,
 }
 
 

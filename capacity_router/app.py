@@ -21,6 +21,9 @@ Endpoints:
 - ``GET /admin/workers`` (bearer, loopback peers only): the registered ids and
   what fences each (``registry``, ``admin`` or null), for ``router show``. Only
   the key holder on the router's own host sees ids; no URL, health or reason.
+- The OpenAI-compatible paths (bearer): ``POST /v1/chat/completions``,
+  ``/v1/completions``, ``/v1/embeddings`` relayed to a worker, ``GET
+  /v1/models`` answered from the farm (``proxy``).
 
 Every refusal is 401 with ``WWW-Authenticate: Bearer`` when the key is
 missing or wrong; the compare is constant-time.
@@ -57,11 +60,15 @@ from .poller import (
     UnknownWorker,
     WorkerStatus,
 )
+from .proxy import FarmProxy, WorkerKey, no_worker_key
+from .proxy import routes as proxy_routes
 from .registry import RegistryWatcher
 
 log = logging.getLogger("capacity_router")
 
 _NO_STORE = {"Cache-Control": "no-store"}
+# Connections and tasks at once: every relayed request holds one for its whole answer.
+MAX_CONCURRENCY = 1024
 
 
 def _json(status: int, body: object, headers: dict[str, str] | None = None) -> Response:
@@ -100,7 +107,9 @@ def _is_loopback_peer(request: Request) -> bool:
     return address.is_loopback
 
 
-def build_app(observer: CapacityObserver, key: KeyFile) -> Starlette:
+def build_app(
+    observer: CapacityObserver, key: KeyFile, proxy: FarmProxy | None = None
+) -> Starlette:
     async def capacity(request: Request) -> Response:
         if not _authorized(request, key.key):
             return _unauthorized()
@@ -156,6 +165,7 @@ def build_app(observer: CapacityObserver, key: KeyFile) -> Starlette:
             Route("/admin/workers", workers, methods=["GET"]),
             Route("/admin/fence/{worker}", admin(observer.fence, True), methods=["POST"]),
             Route("/admin/unfence/{worker}", admin(observer.unfence, False), methods=["POST"]),
+            *(() if proxy is None else proxy_routes(proxy, lambda r: _authorized(r, key.key))),
         ]
     )
     # Exact paths only: a redirect for "/v1/capacity/" would be a 3xx the probe refuses anyway.
@@ -188,7 +198,8 @@ class RouterServer:
     :class:`~capacity_router.keyfile.KeyFileError`), binds, runs the first
     round, starts serving and returns the bound port. ``fence``/``unfence``
     act like the admin endpoint and return the snapshot of the round they
-    trigger. Usable as a context manager.
+    trigger. ``worker_key`` gives the key sent to a worker with a relayed
+    request (none by default). Usable as a context manager.
     """
 
     def __init__(
@@ -199,6 +210,7 @@ class RouterServer:
         port: int = 0,
         poll_interval: float = DEFAULT_INTERVAL_S,
         poll_timeout: float = DEFAULT_TIMEOUT_S,
+        worker_key: WorkerKey = no_worker_key,
     ) -> None:
         self.registry_path = os.fspath(registry_path)
         self.key_file = os.fspath(key_file)
@@ -206,7 +218,9 @@ class RouterServer:
         self.port = port
         self.poll_interval = poll_interval
         self.poll_timeout = poll_timeout
+        self._worker_key = worker_key
         self._observer: CapacityObserver | None = None
+        self._proxy: FarmProxy | None = None
         self._server: uvicorn.Server | None = None
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -248,10 +262,17 @@ class RouterServer:
             timeout=self.poll_timeout,
             before_round=refresh_key,
         )
+        self._proxy = FarmProxy(
+            self._observer,
+            registry,
+            worker_key=self._worker_key,
+            connect_timeout=self.poll_timeout,
+            retry_after_s=self.poll_interval,
+        )
         self._sock = _bind(self.host, self.port)
         self.port = self._sock.getsockname()[1]
         config = uvicorn.Config(
-            build_app(self._observer, key),
+            build_app(self._observer, key, self._proxy),
             lifespan="off",
             log_config=None,
             log_level="warning",
@@ -259,7 +280,7 @@ class RouterServer:
             server_header=False,
             http="h11",
             loop="asyncio",
-            limit_concurrency=256,
+            limit_concurrency=MAX_CONCURRENCY,
             timeout_graceful_shutdown=2,
         )
         self._server = uvicorn.Server(config)
@@ -271,7 +292,11 @@ class RouterServer:
         if self._error is not None:
             self.stop()
             raise RuntimeError(f"router failed to start: {self._error!r}") from self._error
-        log.info("serving %s/v1/capacity (%d workers)", self.url, len(registry.current.workers))
+        log.info(
+            "serving %s/v1/capacity and the OpenAI-compatible paths (%d workers)",
+            self.url,
+            len(registry.current.workers),
+        )
         return self.port
 
     def stop(self) -> None:
@@ -303,6 +328,10 @@ class RouterServer:
     def workers(self) -> tuple[WorkerStatus, ...]:
         """Per-worker local status of the last round (not published over HTTP)."""
         return () if self._observer is None else self._observer.workers()
+
+    def in_flight(self) -> dict[str, int]:
+        """Relayed requests running on each worker now (a worker absent has none)."""
+        return {} if self._proxy is None else self._proxy.in_flight()
 
     def observe(self) -> CapacitySnapshot:
         """Run a round now and return its snapshot."""
@@ -341,8 +370,9 @@ class RouterServer:
             self._ready.set()
 
     async def _serve(self) -> None:
-        observer, server, sock = self._observer, self._server, self._sock
+        observer, server, sock, proxy = self._observer, self._server, self._sock, self._proxy
         assert observer is not None and server is not None and sock is not None
+        assert proxy is not None
         self._loop = asyncio.get_running_loop()
         poll: asyncio.Task[None] | None = None
         try:
@@ -359,4 +389,5 @@ class RouterServer:
                 poll.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await poll
+            await proxy.aclose()
             await observer.aclose()

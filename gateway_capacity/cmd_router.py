@@ -60,14 +60,17 @@ def register(subparsers: Any) -> None:
     actions = parser.add_subparsers(dest="router_action", metavar="ACTION", required=True)
 
     serve = actions.add_parser(
-        "serve", help="serve GET /v1/capacity (and the loopback admin endpoint)"
+        "serve",
+        help="serve GET /v1/capacity, relay the OpenAI-compatible paths to the workers "
+        "(and the loopback admin endpoint)",
     )
     serve.add_argument("--workers", required=True, metavar="FILE", help="worker registry (JSON)")
     serve.add_argument(
         "--key-file",
         required=True,
         metavar="PATH",
-        help="bearer key clients must send (owner-only file)",
+        help="bearer key clients must send, for capacity and relayed requests alike "
+        "(owner-only file)",
     )
     serve.add_argument(
         "--listen",
