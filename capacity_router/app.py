@@ -18,9 +18,11 @@ Endpoints:
   at once and answer with the new snapshot. 404 unknown worker (naming the
   registered ids), 409 for an unfence of a worker fenced in the registry file,
   403 non-loopback peer.
-- ``GET /admin/workers`` (bearer, loopback peers only): the registered ids and
-  what fences each (``registry``, ``admin`` or null), for ``router show``. Only
-  the key holder on the router's own host sees ids; no URL, health or reason.
+- ``GET /admin/workers`` (bearer, loopback peers only): the registered ids,
+  what fences each (``registry``, ``admin`` or null) and the last round's
+  view of it (``state``, ``slots``, ``reason``, the registered ids it does not
+  serve, what it says it is doing), for ``router show``. Only the key holder
+  on the router's own host sees these; no URL and never a key.
 
 Every refusal is 401 with ``WWW-Authenticate: Bearer`` when the key is
 missing or wrong; the compare is constant-time.
@@ -147,7 +149,20 @@ def build_app(observer: CapacityObserver, key: KeyFile) -> Starlette:
             return _json(403, {"error": "the admin endpoint answers loopback clients only"})
         if not _authorized(request, key.key):
             return _unauthorized()
-        listed = [{"id": i, "fenced_by": by} for i, by in observer.fences()]
+        seen = {s.id: s for s in observer.workers()}
+        listed: list[dict[str, object]] = []
+        for worker_id, by in observer.fences():
+            entry: dict[str, object] = {"id": worker_id, "fenced_by": by}
+            status = seen.get(worker_id)
+            if status is not None and status.state is not None:
+                entry.update(
+                    state=status.state,
+                    slots=status.slots,
+                    reason=status.reason,
+                    unserved=list(status.unserved),
+                    activity=status.activity,
+                )
+            listed.append(entry)
         return _json(200, {"workers": listed})
 
     app = Starlette(
