@@ -395,7 +395,7 @@ HEALTH_PATHS: dict[str, str] = {
     "lmstudio": "api/v1/models",  # no health endpoint: the model list answers when up
     "vllm": "health",  # 503 when the engine is dead
     "ollama": "",  # GET / answers "Ollama is running"
-    "mlx": "health",
+    "mlx": "v1/models",  # mlx_lm.server: the model list is what it surely serves
     "localai": "readyz",
     "llama-swap": "health",
 }
