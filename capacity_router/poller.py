@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -294,7 +295,9 @@ class CapacityObserver:
         async def bounded(worker: Worker) -> Observation:
             key: bytes | None = None
             if worker.key_file is not None:
-                key, error = self._worker_key(worker.key_file)
+                key, error = self._worker_key(
+                    os.path.join(os.path.dirname(self._registry.path), worker.key_file)
+                )
                 if key is None:
                     return Observation("unreadable", reason=f"keyFile: {error}")
             async with semaphore:

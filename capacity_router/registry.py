@@ -25,7 +25,8 @@
   (:data:`OPTIONAL_FIXED_SOURCES`: N counts for a model it loads on demand),
   or ``{"fixed": N}`` alone for any worker (health only, any non-5xx).
 - ``keyFile`` (optional) is a file holding the bearer key of a worker started
-  with ``--api-key``; same rules as the router's own key file.
+  with ``--api-key``; same rules as the router's own key file. A relative
+  path is relative to the registry file's directory.
 - ``fenced: true`` drains the worker from the file (survives restarts).
 
 Unknown fields are refused, so a typo such as ``"fence": true`` cannot leave a

@@ -252,9 +252,16 @@ async def read_sglang(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) 
     """SGLang: ``GET /server_info`` (``/get_server_info`` before it was renamed):
     ``internal_states[i].effective_max_running_requests_per_dp`` times ``dp_size``."""
     served = await served_ids(fetch)
-    status, _ = await fetch.get("server_info")
-    path = "server_info" if status != 404 else "get_server_info"
-    info = await fetch.json(path, _sglang)
+    status, body = await fetch.get("server_info")
+    if status == 404:
+        info = await fetch.json("get_server_info", _sglang)
+    elif status != 200:
+        raise Unreadable(f"/server_info answered {status}{_hint(status)}")
+    else:
+        try:
+            info = _sglang.decode(body)
+        except msgspec.DecodeError as exc:
+            raise Unreadable(f"/server_info: {exc}") from None
     per_dp = min(s.effective_max_running_requests_per_dp for s in info.internal_states)
     return _per_model(models, served, _cap(per_dp * info.dp_size))
 

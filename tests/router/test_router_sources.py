@@ -211,3 +211,14 @@ def test_r_k5_worker_key_file_readable_by_others_is_refused_and_never_logged(
     assert "chmod 600" in status_of(r, "w").reason
     assert WORKER_KEY not in caplog.text
     assert WORKER_KEY not in repr(r.workers())
+
+
+def test_r_k5_worker_key_file_path_is_relative_to_the_registry(
+    shaped: Callable[..., SimWorker],
+    router: Callable[..., RouterServer],
+    registry_path: Path,
+) -> None:
+    w = shaped("llama-server", api_key=WORKER_KEY)
+    owner_only(registry_path.parent / "worker.key", WORKER_KEY)
+    r = router([worker("w", [w.url], ["wh"], {"source": "props"}, keyFile="worker.key")])
+    assert rows(r.observe()) == {"wh": 6}
