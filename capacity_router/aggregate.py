@@ -13,6 +13,10 @@ No I/O and no clock: the poller passes ``observed_at``. Rules, per model id:
   "unknown", while a row of 0 would drain it;
 - aliases on one worker share its scheduler: the worker's slots count once
   for each model id it serves (a repeated id counts once);
+- a worker that reports per model (``Observation.per_model``: ids it says it
+  does not serve, a multi-model server's unloaded models) counts that number
+  for each id, 0 for an id it does not list; an id in ``Observation.unknown``
+  (a model loading now) is unreadable for that id alone;
 - every registered model id has a row (0 when nothing serves it now), sorted
   by id, each count capped at the contract's maximum.
 """
@@ -38,15 +42,32 @@ class Observation:
     healthy, but its slot count could not be read. ``unhealthy``: it answered
     that it cannot serve (e.g. 503 while loading). ``unreachable``: no answer.
     ``reason`` is a short phrase for logs; it never reaches the wire.
+
+    With ``per_model`` (``ok`` only) each registered id counts its own number
+    (absent: 0) instead of ``slots``; ``unknown`` ids are unreadable now;
+    ``unserved`` are the registered ids the worker says it does not serve;
+    ``activity`` is what the worker says it is doing (``router show`` only).
     """
 
     state: State
     slots: int | None = None
     reason: str = ""
+    per_model: Mapping[str, int] | None = None
+    unknown: frozenset[str] = frozenset()
+    unserved: tuple[str, ...] = ()
+    activity: str = ""
 
     def __post_init__(self) -> None:
         if (self.state == "ok") != (self.slots is not None):
             raise ValueError("slots is set exactly when state is 'ok'")
+        if self.per_model is not None and self.state != "ok":
+            raise ValueError("per_model is set only when state is 'ok'")
+
+    def count_for(self, model: str) -> int:
+        assert self.slots is not None
+        if self.per_model is None:
+            return self.slots
+        return self.per_model.get(model, 0)
 
 
 def is_fenced(worker: Worker, admin_fenced: Collection[str]) -> bool:
@@ -80,9 +101,12 @@ def aggregate(
             complete = False
             unknown.update(served)
             continue
-        assert obs.slots is not None
         for model in served:
-            totals[model] += obs.slots
+            if model in obs.unknown:
+                complete = False
+                unknown.add(model)
+                continue
+            totals[model] += obs.count_for(model)
             read.add(model)
     rows = [
         ModelCapacity(id=model, max_concurrent_requests=min(total, MAX_SLOTS))

@@ -18,9 +18,11 @@ Endpoints:
   at once and answer with the new snapshot. 404 unknown worker (naming the
   registered ids), 409 for an unfence of a worker fenced in the registry file,
   403 non-loopback peer.
-- ``GET /admin/workers`` (bearer, loopback peers only): the registered ids and
-  what fences each (``registry``, ``admin`` or null), for ``router show``. Only
-  the key holder on the router's own host sees ids; no URL, health or reason.
+- ``GET /admin/workers`` (bearer, loopback peers only): the registered ids,
+  what fences each (``registry``, ``admin`` or null) and the last round's
+  view of it (``state``, ``slots``, ``reason``, the registered ids it does not
+  serve, what it says it is doing), for ``router show``. Only the key holder
+  on the router's own host sees these; no URL and never a key.
 - The OpenAI-compatible paths (bearer): ``POST /v1/chat/completions``,
   ``/v1/completions``, ``/v1/embeddings`` relayed to a worker, ``GET
   /v1/models`` answered from the farm (``proxy``).
@@ -60,7 +62,7 @@ from .poller import (
     UnknownWorker,
     WorkerStatus,
 )
-from .proxy import FarmProxy, WorkerKey, no_worker_key
+from .proxy import FarmProxy, WorkerKey
 from .proxy import routes as proxy_routes
 from .registry import RegistryWatcher
 
@@ -156,7 +158,20 @@ def build_app(
             return _json(403, {"error": "the admin endpoint answers loopback clients only"})
         if not _authorized(request, key.key):
             return _unauthorized()
-        listed = [{"id": i, "fenced_by": by} for i, by in observer.fences()]
+        seen = {s.id: s for s in observer.workers()}
+        listed: list[dict[str, object]] = []
+        for worker_id, by in observer.fences():
+            entry: dict[str, object] = {"id": worker_id, "fenced_by": by}
+            status = seen.get(worker_id)
+            if status is not None and status.state is not None:
+                entry.update(
+                    state=status.state,
+                    slots=status.slots,
+                    reason=status.reason,
+                    unserved=list(status.unserved),
+                    activity=status.activity,
+                )
+            listed.append(entry)
         return _json(200, {"workers": listed})
 
     app = Starlette(
@@ -199,7 +214,8 @@ class RouterServer:
     round, starts serving and returns the bound port. ``fence``/``unfence``
     act like the admin endpoint and return the snapshot of the round they
     trigger. ``worker_key`` gives the key sent to a worker with a relayed
-    request (none by default). Usable as a context manager.
+    request (by default the worker's registry ``keyFile``, else none). Usable as
+    a context manager.
     """
 
     def __init__(
@@ -210,7 +226,7 @@ class RouterServer:
         port: int = 0,
         poll_interval: float = DEFAULT_INTERVAL_S,
         poll_timeout: float = DEFAULT_TIMEOUT_S,
-        worker_key: WorkerKey = no_worker_key,
+        worker_key: WorkerKey | None = None,
     ) -> None:
         self.registry_path = os.fspath(registry_path)
         self.key_file = os.fspath(key_file)
@@ -265,7 +281,7 @@ class RouterServer:
         self._proxy = FarmProxy(
             self._observer,
             registry,
-            worker_key=self._worker_key,
+            worker_key=self._worker_key or self._observer.key_for,
             connect_timeout=self.poll_timeout,
             retry_after_s=self.poll_interval,
         )

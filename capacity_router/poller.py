@@ -8,38 +8,41 @@ into the snapshot that ``GET /v1/capacity`` serves until the next round.
 than the oldest answer in it. Nothing is cached between rounds: a worker's
 changed slot setting shows in the next round.
 
-Per URL, for ``{"source": "props"}``: ``GET /health`` must answer 200, then
-``GET /props`` must answer 200 with an integer ``total_slots`` in 0..4096.
-For ``{"fixed": N}``: ``GET /health`` must get any HTTP answer other than a
-5xx (501 "not implemented" counts as alive): such workers often have no
-health endpoint, so a 404 still proves the process is up.
-When a worker has several URLs they are polled together and the best answer
-wins (ok > unreadable > unhealthy > unreachable): it is one worker.
+Per URL: ``GET`` the kind's health path (``sources.HEALTH_PATHS``), which
+must answer 200 (a bare ``{"fixed": N}``: any HTTP answer other than a 5xx;
+501 "not implemented" counts as alive, and a 404 still proves the process is
+up), then the kind's reader (``sources.READERS``) reads the slots and checks
+the served ids. When a worker has several URLs they are polled together and
+the best answer wins (ok > unreadable > unhealthy > unreachable): it is one
+worker.
 
-Redirects are not followed, proxies from the environment are not used, no
-credential is sent to workers, and bodies are read up to a bound.
+Redirects are not followed, proxies from the environment are not used, and
+bodies are read up to a bound. A worker with a ``keyFile`` gets
+``Authorization: Bearer KEY`` on every request; no other credential is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Literal
 
 import httpx
-import msgspec
 
-from sidecar.contract import MAX_SLOTS, CapacitySnapshot, encode_snapshot, read_capped
+from sidecar.contract import CapacitySnapshot, encode_snapshot
 
 from .aggregate import Observation, State, aggregate, is_fenced
-from .registry import RegistryWatcher, SlotSource, Worker, endpoint
+from .keyfile import KeyFile, KeyFileError
+from .registry import RegistryWatcher, Worker
+from .sources import HEALTH_PATHS, JSON_BODY_LIMIT, READERS, Fetch, Unhealthy, Unreadable
 
 log = logging.getLogger("capacity_router")
 
-PROPS_BODY_LIMIT = 1 << 20  # llama.cpp's /props carries the chat template
+PROPS_BODY_LIMIT = JSON_BODY_LIMIT
 DEFAULT_INTERVAL_S = 1.0
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_MAX_CONCURRENCY = 32
@@ -51,17 +54,6 @@ class UnknownWorker(LookupError):
 
 class FencedInRegistry(ValueError):
     """The worker is fenced by the registry file; only an edit of the file restores it."""
-
-
-class _Props(msgspec.Struct):
-    total_slots: Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOTS)]
-
-
-_props_decoder = msgspec.json.Decoder(_Props, strict=True)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 _PREFERENCE: tuple[State, ...] = ("ok", "unreadable", "unhealthy", "unreachable")
@@ -77,58 +69,65 @@ def _describe(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-async def _status_only(client: httpx.AsyncClient, url: str) -> int:
-    async with client.stream("GET", url) as response:
-        return response.status_code
-
-
-async def _get(client: httpx.AsyncClient, url: str, limit: int) -> tuple[int, bytes]:
-    async with client.stream("GET", url) as response:
-        body = await read_capped(response.aiter_raw(), limit)
-        if body is None:
-            raise _TooLarge
-        return response.status_code, body
-
-
 async def poll_url(
-    client: httpx.AsyncClient, slots: SlotSource, url: str, timeout: float
+    client: httpx.AsyncClient,
+    worker: Worker,
+    url: str,
+    timeout: float,
+    key: bytes | None = None,
 ) -> Observation:
     """Observe one worker through one of its URLs, within ``timeout`` seconds."""
-    stage = "health"
+    slots = worker.slots
+    kind = slots.kind
+    headers = {"Authorization": "Bearer " + key.decode("ascii")} if key is not None else {}
+    fetch = Fetch(client, url, headers)
+    health_stage = True
     try:
         async with asyncio.timeout(timeout):
-            status = await _status_only(client, endpoint(url, "health"))
-            if slots.fixed is not None:
+            status = await fetch.status(HEALTH_PATHS[kind])
+            if kind == "fixed":
+                assert slots.fixed is not None
                 if status >= 500 and status != 501:
-                    return Observation("unhealthy", reason=f"/health answered {status}")
+                    return Observation("unhealthy", reason=f"{fetch.stage} answered {status}")
                 return Observation("ok", slots.fixed, "fixed")
             if status != 200:
-                return Observation("unhealthy", reason=f"/health answered {status}")
-            stage = "props"
-            status, body = await _get(client, endpoint(url, "props"), PROPS_BODY_LIMIT)
-            if status != 200:
-                return Observation("unreadable", reason=f"/props answered {status}")
-            try:
-                props = _props_decoder.decode(body)
-            except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-                return Observation("unreadable", reason=f"/props: {exc}")
-            return Observation("ok", props.total_slots, "props")
+                if status in (401, 403):
+                    return Observation(
+                        "unreadable",
+                        reason=f"{fetch.stage} answered {status} (the worker wants a key: keyFile)",
+                    )
+                return Observation("unhealthy", reason=f"{fetch.stage} answered {status}")
+            health_stage = False
+            reading = await READERS[kind](fetch, worker.models, slots)
     except TimeoutError:
-        if stage == "props":
-            return Observation("unreadable", reason="/props timed out")
-        return Observation("unreachable", reason="timed out")
-    except _TooLarge:
-        return Observation("unreadable", reason=f"/props body over {PROPS_BODY_LIMIT} bytes")
+        if health_stage:
+            return Observation("unreachable", reason="timed out")
+        return Observation("unreadable", reason=f"{fetch.stage} timed out")
+    except Unhealthy as exc:
+        return Observation("unhealthy", reason=str(exc))
+    except Unreadable as exc:
+        return Observation("unreadable", reason=str(exc))
     except httpx.HTTPError as exc:
-        if stage == "props":
-            return Observation("unreadable", reason=f"/props: {_describe(exc)}")
-        return Observation("unreachable", reason=_describe(exc))
+        if health_stage:
+            return Observation("unreachable", reason=_describe(exc))
+        return Observation("unreadable", reason=f"{fetch.stage}: {_describe(exc)}")
+    return Observation(
+        "ok",
+        reading.slots,
+        kind,
+        per_model=reading.per_model,
+        unknown=reading.unknown,
+        unserved=reading.unserved,
+        activity=reading.activity,
+    )
 
 
-async def poll_worker(client: httpx.AsyncClient, worker: Worker, timeout: float) -> Observation:
+async def poll_worker(
+    client: httpx.AsyncClient, worker: Worker, timeout: float, key: bytes | None = None
+) -> Observation:
     """One worker, all its URLs at once; the best answer stands for the worker."""
     results = await asyncio.gather(
-        *(poll_url(client, worker.slots, url, timeout) for url in worker.urls)
+        *(poll_url(client, worker, url, timeout, key) for url in worker.urls)
     )
     for state in _PREFERENCE:
         for result in results:
@@ -147,6 +146,8 @@ class WorkerStatus:
     state: State | None  # None: fenced, not polled
     slots: int | None
     reason: str
+    unserved: tuple[str, ...] = ()
+    activity: str = ""
 
     @property
     def fenced(self) -> bool:
@@ -196,6 +197,8 @@ class CapacityObserver:
         self._client: httpx.AsyncClient | None = None
         self._logged: dict[str, tuple[object, ...]] = {}
         self._logged_registry_error: str | None = None
+        self._keys: dict[str, KeyFile] = {}
+        self._key_errors: dict[str, str | None] = {}
 
     # -- read side (any thread) ------------------------------------------
 
@@ -290,8 +293,13 @@ class CapacityObserver:
         semaphore = asyncio.Semaphore(self._max_concurrency)
 
         async def bounded(worker: Worker) -> Observation:
+            key: bytes | None = None
+            if worker.key_file is not None:
+                key, error = self._worker_key(self._key_path(worker.key_file))
+                if key is None:
+                    return Observation("unreadable", reason=f"keyFile: {error}")
             async with semaphore:
-                return await poll_worker(client, worker, self.timeout)
+                return await poll_worker(client, worker, self.timeout, key)
 
         observed_at = time.time()
         active = [w for w in registry.workers if not is_fenced(w, admin_fenced)]
@@ -304,13 +312,53 @@ class CapacityObserver:
         self._published = (snapshot, encode_snapshot(snapshot))
         return snapshot
 
+    def _key_path(self, key_file: str) -> str:
+        return os.path.join(os.path.dirname(self._registry.path), key_file)
+
+    def key_for(self, worker: Worker) -> bytes | None:
+        """The bearer key a worker wants (its registry ``keyFile``), or None."""
+        if worker.key_file is None:
+            return None
+        return self._worker_key(self._key_path(worker.key_file))[0]
+
+    def _worker_key(self, path: str) -> tuple[bytes | None, str | None]:
+        """A worker's bearer key from its key file (re-read on change), or the reason not."""
+        holder = self._keys.get(path)
+        error: str | None
+        if holder is None:
+            try:
+                holder = KeyFile(path)
+            except KeyFileError as exc:
+                error = str(exc)
+                self._log_key_error(path, error)
+                return None, error
+            self._keys[path] = holder
+        holder.refresh()
+        error = holder.last_error
+        self._log_key_error(path, error)
+        return holder.key, error
+
+    def _log_key_error(self, path: str, error: str | None) -> None:
+        if self._key_errors.get(path) == error:
+            return
+        self._key_errors[path] = error
+        if error is not None:
+            log.warning("worker key file: %s", error)
+
     def _log_changes(self, statuses: tuple[WorkerStatus, ...]) -> None:
         current: dict[str, tuple[object, ...]] = {}
         for s in statuses:
-            key = (s.fenced_by, s.state, s.slots, s.reason)
+            key = (s.fenced_by, s.state, s.slots, s.reason, s.unserved)
             current[s.id] = key
-            if self._logged.get(s.id) == key:
+            previous = self._logged.get(s.id)
+            if previous == key:
                 continue
+            if s.unserved and (previous is None or previous[4] != s.unserved):
+                log.warning(
+                    "worker %s does not serve %s: counted 0 for it",
+                    s.id,
+                    ", ".join(s.unserved),
+                )
             if s.fenced_by is not None:
                 log.info("worker %s: fenced (%s)", s.id, s.fenced_by)
             elif s.state == "ok":
@@ -333,4 +381,6 @@ def _status(worker: Worker, admin_fenced: frozenset[str], obs: Observation | Non
         state=None if obs is None else obs.state,
         slots=None if obs is None else obs.slots,
         reason="" if obs is None else obs.reason,
+        unserved=() if obs is None else obs.unserved,
+        activity="" if obs is None else obs.activity,
     )

@@ -17,9 +17,16 @@
 - ``models`` are upstream model ids (what the gateway's ``models`` map points
   to). Several ids on one worker are aliases of one scheduler: the worker's
   slots count once for each id.
-- ``slots`` is ``{"source": "props"}`` (a llama.cpp-compatible server:
-  ``GET /props`` -> ``total_slots``, ``GET /health`` -> 200) or
-  ``{"fixed": N}`` for a worker that exposes no slot count.
+- ``slots`` names how the worker's slots are read: ``{"source": KIND}``, one
+  of :data:`READ_SOURCES` (each server's own endpoint, see
+  ``capacity_router/sources.py``), ``{"source": KIND, "fixed": N}`` for a
+  server that does not expose its parallelism (:data:`FIXED_SOURCES`: health
+  and served ids are still checked) or that may hold a model unloaded
+  (:data:`OPTIONAL_FIXED_SOURCES`: N counts for a model it loads on demand),
+  or ``{"fixed": N}`` alone for any worker (health only, any non-5xx).
+- ``keyFile`` (optional) is a file holding the bearer key of a worker started
+  with ``--api-key``; same rules as the router's own key file. A relative
+  path is relative to the registry file's directory.
 - ``fenced: true`` drains the worker from the file (survives restarts).
 
 Unknown fields are refused, so a typo such as ``"fence": true`` cannot leave a
@@ -58,15 +65,50 @@ class RegistryError(ValueError):
     """The registry file cannot be used. ``str()`` is a one-line reason."""
 
 
-class SlotSource(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Exactly one of ``source`` (``"props"``) or ``fixed`` (a count)."""
+SourceKind = Literal[
+    "props",
+    "llama-server",
+    "llama-server-router",
+    "sglang",
+    "tgi",
+    "lmstudio",
+    "vllm",
+    "ollama",
+    "mlx",
+    "localai",
+    "llama-swap",
+]
+READ_SOURCES: frozenset[str] = frozenset({"props", "llama-server", "sglang", "tgi", "lmstudio"})
+"""Sources whose slot count is read from the server; ``fixed`` is refused."""
+FIXED_SOURCES: frozenset[str] = frozenset({"vllm", "ollama", "mlx", "localai"})
+"""Sources whose parallelism is not visible over HTTP: ``fixed`` is required."""
+OPTIONAL_FIXED_SOURCES: frozenset[str] = frozenset({"llama-server-router", "llama-swap"})
+"""Read per loaded model; ``fixed``, if given, counts for a model not loaded now."""
 
-    source: Literal["props"] | None = None
+
+class SlotSource(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """``source`` (a server kind), ``fixed`` (a count), or both where the kind allows."""
+
+    source: SourceKind | None = None
     fixed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOTS)] | None = None
 
     def __post_init__(self) -> None:
-        if (self.source is None) == (self.fixed is None):
-            raise ValueError('slots must be {"source": "props"} or {"fixed": N}')
+        if self.source is None:
+            if self.fixed is None:
+                raise ValueError('slots must be {"source": KIND} or {"fixed": N}')
+        elif self.source in READ_SOURCES and self.fixed is not None:
+            raise ValueError(f'source {self.source!r} reads its slots: drop "fixed"')
+        elif self.source in FIXED_SOURCES and self.fixed is None:
+            raise ValueError(
+                f'source {self.source!r} does not expose its parallelism: add "fixed": N'
+            )
+
+    @property
+    def kind(self) -> str:
+        """The server kind; ``"fixed"`` for a bare ``{"fixed": N}``."""
+        if self.source is None:
+            return "fixed"
+        return "props" if self.source == "llama-server" else self.source
 
 
 class Worker(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -77,6 +119,9 @@ class Worker(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     models: Annotated[tuple[ModelId, ...], msgspec.Meta(min_length=1, max_length=MAX_MODELS)]
     slots: SlotSource
     fenced: bool = False
+    key_file: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = msgspec.field(
+        default=None, name="keyFile"
+    )
 
 
 class RegistryFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -1,9 +1,21 @@
-"""A simulated llama.cpp-style worker: ``/props`` and ``/health`` on loopback.
+"""A simulated inference worker on loopback, in the shape of a real server.
 
-For the demo and the tests. ``GET /props`` answers like ``llama-server``
-(``{"total_slots": N, ...}``; ``--parallel N`` sets N on a real one) and
-``GET /health`` answers 200 ``{"status": "ok"}`` or, when unhealthy, 503 as
-a loading llama-server does.
+For the demo and the tests. The default shape is ``llama-server``:
+``GET /props`` answers ``{"total_slots": N, ...}`` (``--parallel N`` sets N
+on a real one) and ``GET /health`` answers 200 ``{"status": "ok"}`` or, when
+unhealthy, 503 as a loading llama-server does. Other shapes (``shape=``,
+``router simworker --shape``) answer the endpoints the router reads from
+that server, with the field names of its source (docs/router.md):
+``llama-server-router`` (``/models`` with per-model ``status``, ``/props``
+without ``total_slots`` unless ``?model=``), ``sglang`` (``/server_info``,
+or only ``/get_server_info`` with ``old_names``), ``tgi`` (``/info``),
+``lmstudio`` (``/api/v1/models``), ``vllm`` (``/health``, ``/metrics``),
+``ollama`` (``GET /`` "Ollama is running") and ``llama-swap`` (``/running``,
+``/upstream/MODEL/props``). Every shape lists its models on ``/v1/models``
+(a ``llama-server`` only when a model name is given). With ``api_key`` every
+path except ``/health`` and ``/`` wants ``Authorization: Bearer KEY`` (401
+otherwise), as ``llama-server --api-key`` does. ``load_triggers`` counts the
+requests that would have loaded a model on the real server.
 
 With ``openai=True`` (``gateway-capacity router simworker --openai``) it is
 also a fake OpenAI-compatible upstream, something to point
@@ -30,15 +42,44 @@ until the fault is cleared or the worker stops).
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
 PropsFault = Literal["garbage", "error", "hang"]
+Shape = Literal[
+    "llama-server",
+    "llama-server-router",
+    "sglang",
+    "tgi",
+    "lmstudio",
+    "vllm",
+    "ollama",
+    "llama-swap",
+]
+SHAPES: tuple[Shape, ...] = (
+    "llama-server",
+    "llama-server-router",
+    "sglang",
+    "tgi",
+    "lmstudio",
+    "vllm",
+    "ollama",
+    "llama-swap",
+)
+ModelState = Literal["unloaded", "loading", "loaded", "sleeping"]
+
+# What each real server answers without a key (llama.cpp server-http.cpp public
+# endpoints; llama-swap's /health has no apiKeyAuth; Ollama's root).
+_PUBLIC = frozenset({"/health", "/v1/health", "/"})
+_HEALTH_PATH: dict[str, str] = {"ollama": "/", "lmstudio": "/api/v1/models"}
+Answer = tuple[int | str, Any]
 
 
 class _Server(ThreadingHTTPServer):
@@ -65,10 +106,34 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _send_text(self, status: int, text: str) -> None:
+        body = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _not_found(self) -> None:
+        self._send(
+            404, b'{"error":{"code":404,"message":"File Not Found","type":"not_found_error"}}'
+        )
+
     def do_GET(self) -> None:
         sim = self.server.sim
-        path = self.path.split("?", 1)[0]
-        if sim.openai and (path == "/metrics" or _is_upstream_metrics(path)):
+        path, _, query = self.path.partition("?")
+        params = dict(urllib.parse.parse_qsl(query))
+        if path not in _PUBLIC and not sim._authorized(self.headers.get("Authorization")):
+            self._send(
+                401,
+                b'{"error":{"code":401,"message":"Invalid API Key","type":"authentication_error"}}',
+            )
+            return
+        shape = sim.shape
+        if path == _HEALTH_PATH.get(shape, "/health"):
+            self._health(sim)
+            return
+        if (sim.openai or shape == "vllm") and (path == "/metrics" or _is_upstream_metrics(path)):
             body = sim._metrics().encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
@@ -76,34 +141,44 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(body)
             return
-        if sim.openai and path == "/v1/models":
-            model = {"id": sim.model, "object": "model", "owned_by": "simworker"}
-            self._send(200, json.dumps({"object": "list", "data": [model]}).encode())
-            return
-        if path == "/health":
-            if sim.healthy:
-                self._send(200, b'{"status":"ok"}')
-            else:
-                self._send(
-                    503,
-                    b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}',
-                )
-        elif path == "/props":
-            sim._count_props()
-            fault = sim.props_fault
-            if fault == "hang":
-                sim._wait_hang()
-                self.close_connection = True
-            elif fault == "garbage":
-                self._send(200, b"<html>not json</html>")
-            elif fault == "error":
-                self._send(500, b'{"error":{"code":500,"message":"internal error"}}')
-            else:
-                self._send(200, json.dumps(sim._props()).encode())
+        answer = sim._answer(path, params)
+        if answer is None:
+            self._not_found()
+        elif answer[0] == "text":
+            self._send_text(200, str(answer[1]))
+        elif answer[0] == "props":
+            self._props(sim)
         else:
+            status, body = answer
+            self._send(int(status), json.dumps(body).encode())
+
+    def _health(self, sim: SimWorker) -> None:
+        if not sim.healthy:
             self._send(
-                404, b'{"error":{"code":404,"message":"File Not Found","type":"not_found_error"}}'
+                503,
+                b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}',
             )
+        elif sim.shape == "llama-swap":
+            self._send_text(200, "OK")
+        elif sim.shape == "ollama":
+            self._send_text(200, "Ollama is running")
+        elif sim.shape == "lmstudio":
+            self._send(200, json.dumps(sim._lmstudio_models()).encode())
+        else:
+            self._send(200, b'{"status":"ok"}')
+
+    def _props(self, sim: SimWorker) -> None:
+        sim._count_props()
+        fault = sim.props_fault
+        if fault == "hang":
+            sim._wait_hang()
+            self.close_connection = True
+        elif fault == "garbage":
+            self._send(200, b"<html>not json</html>")
+        elif fault == "error":
+            self._send(500, b'{"error":{"code":500,"message":"internal error"}}')
+        else:
+            self._send(200, json.dumps(sim._props()).encode())
 
     def do_POST(self) -> None:
         sim = self.server.sim
@@ -189,16 +264,33 @@ class SimWorker:
         slots: int = 10,
         host: str = "127.0.0.1",
         port: int = 0,
-        model: str = "sim-model",
+        model: str | None = None,
         *,
         openai: bool = False,
         delay: float = 0.5,
+        shape: Shape = "llama-server",
+        api_key: str | None = None,
+        dp_size: int = 1,
+        old_names: bool = False,
     ) -> None:
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; one of {', '.join(SHAPES)}")
+        if dp_size < 1:
+            raise ValueError("dp_size must be at least 1")
         self.host = host
         self.port = port
-        self.model = model
+        self.model = model if model is not None else "sim-model"
+        # A llama-server without a named model lists nothing (its /v1/models is
+        # then not consulted), so any registered id counts, as before ids were checked.
+        self.lists_models = model is not None or openai or shape != "llama-server"
         self.openai = openai
         self.delay = delay
+        self.shape: Shape = shape
+        self._api_key = api_key
+        self.dp_size = dp_size
+        self.old_names = old_names  # sglang before /server_info: /get_server_info only
+        self._model_states: dict[str, ModelState] = {self.model: "loaded"}
+        self.load_triggers = 0  # requests that would have loaded a model on a real server
         self._room = threading.Condition()
         self._running = 0
         self._waiting = 0
@@ -248,6 +340,18 @@ class SimWorker:
             self._slots = n
         with self._room:  # completions waiting for a slot look again
             self._room.notify_all()
+
+    def set_model_state(self, model: str, state: ModelState | None) -> None:
+        """Router-mode / llama-swap model states (None: the model is not offered)."""
+        with self._lock:
+            if state is None:
+                self._model_states.pop(model, None)
+            else:
+                self._model_states[model] = state
+
+    def model_states(self) -> dict[str, ModelState]:
+        with self._lock:
+            return dict(self._model_states)
 
     def set_healthy(self, healthy: bool) -> None:
         with self._lock:
@@ -348,3 +452,152 @@ class SimWorker:
             "model_path": f"/models/{self.model}.gguf",
             "build_info": "simworker",
         }
+
+    def _authorized(self, header: str | None) -> bool:
+        if self._api_key is None:
+            return True
+        expected = f"Bearer {self._api_key}".encode()
+        return header is not None and hmac.compare_digest(header.encode(), expected)
+
+    def _model_list(self) -> dict[str, Any]:
+        """``GET /v1/models``: OpenAI's list; llama.cpp adds ``aliases`` and, in
+        router mode, ``status`` ``{"value": ...}`` (server-models.cpp get_router_models)."""
+        created = int(time.time())
+        data: list[dict[str, Any]] = []
+        for name, state in self.model_states().items():
+            entry: dict[str, Any] = {"id": name, "object": "model", "created": created}
+            if self.shape in ("llama-server", "llama-server-router"):
+                entry.update(owned_by="llamacpp", aliases=[])
+                if self.shape == "llama-server-router":
+                    entry["status"] = {"value": state, "args": []}
+            else:
+                entry["owned_by"] = {"vllm": "vllm", "llama-swap": "llama-swap"}.get(
+                    self.shape, "simworker"
+                )
+            data.append(entry)
+        return {"object": "list", "data": data}
+
+    def _lmstudio_models(self) -> dict[str, Any]:
+        """LM Studio REST v1 ``GET /api/v1/models`` (fields per its list-models docs)."""
+        models = []
+        for name, state in self.model_states().items():
+            loaded = state == "loaded"
+            instances = (
+                [{"id": name, "config": {"context_length": 4096, "parallel": self.slots}}]
+                if loaded
+                else []
+            )
+            models.append(
+                {
+                    "type": "llm",
+                    "publisher": "simworker",
+                    "key": name,
+                    "display_name": name,
+                    "loaded_instances": instances,
+                    "max_context_length": 4096,
+                    "format": "gguf",
+                }
+            )
+        return {"models": models}
+
+    def _answer(self, path: str, params: dict[str, str]) -> Answer | None:
+        """The body for ``GET path`` in this worker's shape, or None (404)."""
+        shape = self.shape
+        if path == "/v1/models" and self.lists_models:
+            return (200, self._model_list())
+        if shape == "llama-server":
+            return ("props", None) if path == "/props" else None
+        if shape == "llama-server-router":
+            return self._router_answer(path, params)
+        if shape == "sglang":
+            if path == "/get_server_info" or (path == "/server_info" and not self.old_names):
+                per_dp = self.slots // self.dp_size
+                state = {
+                    "last_gen_throughput": 0.0,
+                    "effective_max_running_requests_per_dp": per_dp,
+                }
+                return (
+                    200,
+                    {
+                        "model_path": self.model,
+                        "dp_size": self.dp_size,
+                        "tp_size": 1,
+                        "internal_states": [dict(state) for _ in range(self.dp_size)],
+                        "version": "simworker",
+                    },
+                )
+            return None
+        if shape == "tgi":
+            if path == "/info":
+                return (
+                    200,
+                    {
+                        "model_id": self.model,
+                        "model_dtype": "torch.float16",
+                        "model_device_type": "cpu",
+                        "max_concurrent_requests": self.slots,
+                        "max_best_of": 2,
+                        "max_stop_sequences": 4,
+                        "version": "simworker",
+                    },
+                )
+            return None
+        if shape == "ollama":
+            if path == "/api/tags":
+                return (200, {"models": [{"name": m, "model": m} for m in self.model_states()]})
+            return None
+        if shape == "llama-swap":
+            return self._swap_answer(path)
+        return None
+
+    def _router_answer(self, path: str, params: dict[str, str]) -> Answer | None:
+        if path == "/models":
+            return (200, self._model_list())
+        if path != "/props":
+            return None
+        name = params.get("model", "")
+        if not name:  # the router's own props: no total_slots (get_router_props)
+            return (
+                200,
+                {
+                    "role": "router",
+                    "max_instances": 4,
+                    "models_autoload": True,
+                    "model_alias": "llama-server",
+                    "model_path": "none",
+                    "default_generation_settings": {"params": {}, "n_ctx": 0},
+                    "build_info": "simworker",
+                },
+            )
+        state = self.model_states().get(name)
+        if state is None:
+            error = {"code": 400, "message": f"model '{name}' not found"}
+            return (400, {"error": {**error, "type": "invalid_request_error"}})
+        autoload = params.get("autoload", "true") in ("true", "1")
+        if state not in ("loaded", "sleeping", "loading"):
+            if autoload:
+                with self._lock:
+                    self.load_triggers += 1
+            error = {"code": 400, "message": "model is not loaded"}
+            return (400, {"error": {**error, "type": "invalid_request_error"}})
+        return ("props", None)
+
+    def _swap_answer(self, path: str) -> Answer | None:
+        states = self.model_states()
+        if path == "/running":
+            running = [
+                {"model": m, "state": "ready", "cmd": "llama-server", "proxy": "", "ttl": 0}
+                for m, s in states.items()
+                if s == "loaded"
+            ]
+            return (200, {"running": running})
+        parts = path.split("/")  # "", "upstream", model, "props"
+        if len(parts) == 4 and parts[1] == "upstream" and parts[3] == "props":
+            model = urllib.parse.unquote(parts[2])
+            if model not in states:
+                return (400, {"error": "model id required in path"})
+            if states[model] != "loaded":
+                with self._lock:
+                    self.load_triggers += 1  # llama-swap would start this model's process
+            return ("props", None)
+        return None

@@ -8,6 +8,7 @@ options::
     gateway-capacity router unfence WORKER --key-file PATH [--url URL] [--json]
     gateway-capacity router show    --key-file PATH [--url URL] [--json]
     gateway-capacity router simworker --slots N [--port P] [--host 127.0.0.1|::1]
+                                      [--shape KIND] [--api-key-file PATH]
 
 The key is only ever read from the key file: never an argument, never printed.
 ``fence``/``unfence``/``show`` talk to a router on this host (loopback URL).
@@ -106,7 +107,10 @@ def register(subparsers: Any) -> None:
     show = actions.add_parser("show", help="print the router's current snapshot")
     _add_client_options(show)
 
-    text = "serve a simulated llama.cpp-style worker (GET /props, GET /health) on loopback"
+    text = (
+        "serve a simulated inference worker on loopback, in the shape of a real server "
+        "(default llama-server: GET /props, GET /health)"
+    )
     simworker = actions.add_parser("simworker", help=text, description=text)
     simworker.add_argument(
         "--slots", type=_slot_count, required=True, metavar="N", help="its total_slots"
@@ -121,7 +125,23 @@ def register(subparsers: Any) -> None:
         help="loopback address to serve on (default 127.0.0.1)",
     )
     simworker.add_argument(
-        "--model", default="sim-model", metavar="NAME", help="name shown in its model_path"
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="the model it serves (listed on GET /v1/models, so the router checks the "
+        "registry's ids against it; a llama-server shape without --model lists none)",
+    )
+    simworker.add_argument(
+        "--shape",
+        default="llama-server",
+        choices=SIM_SHAPES,
+        help="which server it answers as (default llama-server); see docs/router.md",
+    )
+    simworker.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="require this key (Authorization: Bearer) on every path but the health "
+        "check, as llama-server --api-key does; owner-only file, never an argument",
     )
     simworker.add_argument(
         "--openai",
@@ -246,8 +266,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _simworker(args: argparse.Namespace) -> int:
     """A stand-in worker for trying the router from the shell; stops on SIGTERM or Ctrl-C."""
-    from capacity_router import SimWorker
+    from capacity_router import KeyFileError, SimWorker, read_key_file
 
+    api_key: str | None = None
+    if args.api_key_file is not None:
+        try:
+            api_key = read_key_file(args.api_key_file).decode("ascii")
+        except KeyFileError as exc:
+            fail(str(exc), code=EXIT_USAGE)
     worker = SimWorker(
         slots=args.slots,
         host=args.host,
@@ -255,6 +281,8 @@ def _simworker(args: argparse.Namespace) -> int:
         model=args.model,
         openai=args.openai,
         delay=args.delay,
+        shape=args.shape,
+        api_key=api_key,
     )
     stop = _stop_on_signals()
     try:
@@ -262,18 +290,44 @@ def _simworker(args: argparse.Namespace) -> int:
     except OSError as exc:
         where = f"[{args.host}]" if ":" in args.host else args.host
         fail(f"cannot listen on {where}:{args.port}: {exc.strerror or exc}", code=EXIT_USAGE)
-    served = "GET /props, GET /health"
+    served = _SIM_SERVES[args.shape]
+    if api_key is not None:
+        served += " (bearer key required but on the health check)"
     if args.openai:
         served += (
             f", POST /v1/chat/completions ({args.delay:g} s each), GET /v1/models, "
             f"GET /metrics, GET /upstream/{args.model}/metrics"
         )
+    if args.shape != "llama-server":
+        served = f"as {args.shape}: {served}"
     print(f"simulated worker on {worker.url} ({args.slots} slots): {served}", flush=True)
     try:
         stop.wait()
     finally:
         worker.stop()
     return EXIT_OK
+
+
+SIM_SHAPES = (
+    "llama-server",
+    "llama-server-router",
+    "sglang",
+    "tgi",
+    "lmstudio",
+    "vllm",
+    "ollama",
+    "llama-swap",
+)
+_SIM_SERVES = {
+    "llama-server": "GET /props, GET /health",
+    "llama-server-router": "GET /models, GET /props?model=ID, GET /health",
+    "sglang": "GET /server_info, GET /get_server_info, GET /health",
+    "tgi": "GET /info, GET /health",
+    "lmstudio": "GET /api/v1/models",
+    "vllm": "GET /health, GET /metrics, GET /v1/models",
+    "ollama": "GET /, GET /api/tags, GET /v1/models",
+    "llama-swap": "GET /running, GET /upstream/MODEL/props, GET /health",
+}
 
 
 # -- fence / unfence / show ---------------------------------------------------
@@ -390,7 +444,19 @@ def _describe_workers(workers: list[dict[str, Any]]) -> str:
     for w in workers:
         by = w.get("fenced_by")
         state = f"FENCED ({'admin: router unfence' if by == 'admin' else 'in the registry file'})"
-        lines.append(f"  {w.get('id')}: {state if by else 'in service'}")
+        line = f"  {w.get('id')}: {state if by else 'in service'}"
+        seen = w.get("state")
+        if not by and seen is not None:
+            if seen == "ok":
+                line += f", {w.get('slots')} slots ({w.get('reason')})"
+            else:
+                line += f", {seen} ({w.get('reason')})"
+        unserved = w.get("unserved")
+        if unserved:
+            line += f"; does not serve {', '.join(map(str, unserved))} (counted 0)"
+        if w.get("activity"):
+            line += f"; {w.get('activity')}"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -518,6 +518,22 @@ class RouterWorker(Struct, kw_only=True):
         Literal["registry", "admin"] | None,
         Meta(description="the registry file, router fence, or null: in service"),
     ]
+    state: Annotated[
+        Literal["ok", "unreadable", "unhealthy", "unreachable"] | None,
+        Meta(description="the last round's view; absent while fenced or before a round"),
+    ] = None
+    slots: Annotated[
+        int | None, Meta(description="the slots read (ok only): per model when it says")
+    ] = None
+    reason: Annotated[str | None, Meta(description="how the slots were read, or why not")] = None
+    unserved: Annotated[
+        list[str] | None,
+        Meta(description="registered model ids this worker does not serve (counted 0)"),
+    ] = None
+    activity: Annotated[
+        str | None,
+        Meta(description="what the worker says it is doing (vLLM gauges, loaded models)"),
+    ] = None
 
 
 class RouterShowDoc(Struct, kw_only=True):

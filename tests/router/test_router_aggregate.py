@@ -58,6 +58,22 @@ def test_r_k5_aliases_share_the_scheduler_slots_count_once_per_model_id() -> Non
     assert rows(snap) == {"wh": 14, "wh-long": 10}
 
 
+def test_r_k5_per_model_counts_zero_for_an_id_the_worker_does_not_list() -> None:
+    per_model = Observation("ok", 10, "vllm", per_model={"wh": 10}, unserved=("typo",))
+    snap = aggregate(
+        [w("a", "wh", "typo"), w("b", "typo")], set(), {"a": per_model, "b": ok(3)}, NOW
+    )
+    assert rows(snap) == {"typo": 3, "wh": 10}
+    assert snap.complete is True
+
+
+def test_r_k5_model_loading_on_a_multi_model_worker_is_unknown_alone() -> None:
+    obs = Observation("ok", 4, "llama-server-router", per_model={"a": 4}, unknown=frozenset({"b"}))
+    snap = aggregate([w("x", "a", "b")], set(), {"x": obs}, NOW)
+    assert rows(snap) == {"a": 4}
+    assert snap.complete is False
+
+
 def test_r_k5_fenced_workers_do_not_count_in_file_or_by_admin() -> None:
     workers = [w("a", "wh", fenced=True), w("b", "wh"), w("c", "wh")]
     obs = {"a": ok(10), "b": ok(10), "c": ok(10)}

@@ -105,11 +105,20 @@ def test_r_k5_fence_and_unfence_through_the_cli_drain_and_restore_a_worker(
     # which workers are fenced, and by what (the capacity endpoint itself never says)
     assert shown_doc["workers"] == [
         {"id": "a", "fenced_by": "admin"},
-        {"id": "b", "fenced_by": None},
+        {
+            "id": "b",
+            "fenced_by": None,
+            "state": "ok",
+            "slots": 10,
+            "reason": "props",
+            "unserved": [],
+            "activity": "",
+        },
     ]
     text = cli("show", "--url", router.url, "--key-file", str(key_file))
     assert "workers: 2 registered, 1 fenced" in text.stdout
-    assert "a: FENCED (admin: router unfence)" in text.stdout and "b: in service" in text.stdout
+    assert "a: FENCED (admin: router unfence)" in text.stdout
+    assert "b: in service, 10 slots (props)" in text.stdout
 
     restored = cli("unfence", "a", "--url", router.url, "--key-file", str(key_file), "--json")
     outputs += [restored.stdout, restored.stderr]
@@ -247,3 +256,53 @@ def test_r_k1_show_refuses_an_answer_that_is_not_the_contract(
     result = cli("show", "--url", impostor.url, "--key-file", str(key_file))
     assert result.returncode == 1
     assert "invalid snapshot" in result.stderr
+
+
+WORKER_KEY = "sim-worker-key-41c7"
+
+
+@pytest.mark.parametrize(
+    ("shape", "slots"),
+    [
+        ("llama-server", {"source": "llama-server"}),
+        ("llama-server-router", {"source": "llama-server-router"}),
+        ("sglang", {"source": "sglang"}),
+        ("tgi", {"source": "tgi"}),
+        ("lmstudio", {"source": "lmstudio"}),
+        ("vllm", {"source": "vllm", "fixed": 5}),
+        ("ollama", {"source": "ollama", "fixed": 5}),
+        ("llama-swap", {"source": "llama-swap"}),
+    ],
+)
+def test_r_k5_simworker_shapes_behind_serve_give_a_discovered_limit_and_show_says_which(
+    serve: Callable[..., Served], key_file: Path, tmp_path: Path, shape: str, slots: Any
+) -> None:
+    worker_key = tmp_path / "worker.key"
+    worker_key.write_text(WORKER_KEY + "\n")
+    worker_key.chmod(0o600)
+    args = ["--slots", "5", "--model", "wh", "--shape", shape, "--api-key-file", str(worker_key)]
+    sim = subprocess.Popen(
+        [*CLI, "simworker", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = read_line(sim)
+        assert line.startswith("simulated worker on http://127.0.0.1:"), line
+        url = line.split()[3]
+        entry = worker("w", [url], ["wh", "typo-model"], slots, keyFile=str(worker_key))
+        router = serve([entry])
+        assert router.capacity() == {"typo-model": 0, "wh": 5}
+        shown = cli("show", "--url", router.url, "--key-file", str(key_file), "--json")
+        listed = json.loads(shown.stdout)["workers"]
+        assert listed[0]["state"] == "ok" and listed[0]["unserved"] == ["typo-model"]
+        text = cli("show", "--url", router.url, "--key-file", str(key_file))
+        assert "does not serve typo-model (counted 0)" in text.stdout
+        code, err = router.terminate()
+        assert code == 0
+        assert "worker w does not serve typo-model" in err
+        assert WORKER_KEY not in err + shown.stdout + text.stdout
+    finally:
+        sim.send_signal(signal.SIGTERM)
+        sim.communicate(timeout=20)

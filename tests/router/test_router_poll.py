@@ -21,7 +21,8 @@ PROPS = SlotSource(source="props")
 def poll(slots: SlotSource, url: str, timeout: float = 2.0) -> Observation:
     async def go() -> Observation:
         async with new_client(timeout) as client:
-            return await poll_url(client, slots, url, timeout)
+            worker = Worker(id="w", urls=(url,), models=("m",), slots=slots)
+            return await poll_url(client, worker, url, timeout)
 
     return asyncio.run(go())
 

@@ -294,6 +294,11 @@ class RecordingWorker:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:
+                if self.path.endswith("/v1/models"):  # lists nothing: served ids unchecked
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 self._answer(b'{"total_slots": 2}' if self.path.endswith("/props") else b"{}")
 
             def do_POST(self) -> None:
@@ -395,6 +400,25 @@ def test_r_k5_the_worker_gets_its_own_key_never_the_clients(
     assert "authorization" not in to_b
     for headers in (to_a, to_b):
         assert KEY not in json.dumps(headers)
+
+
+def test_r_k5_a_worker_with_a_key_file_gets_that_key_on_relayed_requests(
+    registry_path: Path, key_file: Path, recording: RecordingWorker
+) -> None:
+    worker_key = registry_path.parent / "worker-a.key"
+    worker_key.write_text("worker-a-file-key\n")
+    worker_key.chmod(0o600)
+    write_registry(registry_path, [worker("a", [recording.url], ["wh"], keyFile=worker_key.name)])
+    with RouterServer(registry_path, key_file, poll_interval=0.2) as r:
+        response = httpx.post(
+            f"{r.url}/v1/chat/completions",
+            json={"model": "wh", "messages": MESSAGES},
+            headers=AUTH,
+            trust_env=False,
+        )
+        assert response.status_code == 200
+    (_, headers, _) = recording.seen[-1]
+    assert headers["authorization"] == "Bearer worker-a-file-key"
 
 
 # -- as an operator runs it ------------------------------------------------------------------
