@@ -84,7 +84,7 @@ def test_every_compile_only_marker_stands_before_a_python_block() -> None:
     for doc in DOCS:
         lines = doc.read_text().splitlines()
         for number, line in enumerate(lines):
-            if "<!-- snippet:" not in line:
+            if not line.lstrip().startswith("<!-- snippet:"):
                 continue
             following = lines[number + 1] if number + 1 < len(lines) else ""
             opening = FENCE.match(following)
