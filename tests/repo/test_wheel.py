@@ -171,7 +171,9 @@ def test_every_wheel_name_the_docs_print_is_the_one_make_wheel_builds(built: Bui
     assert concrete, "no doc prints the whole name"
 
 
-def test_every_wheel_extra_the_docs_install_exists_in_the_wheel(built: Built) -> None:
+def test_every_wheel_extra_the_docs_install_exists_in_the_wheel(
+    built: Built, tmp_path: Path
+) -> None:
     """`pip install 'gateway_capacity-...whl[serve]'`: pip installs what the wheel's
     metadata offers as that extra; a name it does not offer only gets a warning."""
     with zipfile.ZipFile(built.wheel) as whl:
@@ -184,6 +186,25 @@ def test_every_wheel_extra_the_docs_install_exists_in_the_wheel(built: Built) ->
     ]
     assert not missing, f"the wheel offers {sorted(offered)}; the docs ask for {missing}"
     assert offered <= set(PYPROJECT["project"]["optional-dependencies"])
+    # and pip takes the line as printed (the built wheel's path in the doc name's place)
+    report = tmp_path / "report.json"
+    for extras in sorted({extras for _, extras in asked}):
+        run = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report",
+             str(report), "--ignore-installed", f"{built.wheel}[{extras}]"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "does not provide the extra" not in run.stderr, run.stderr
+        install = json.loads(report.read_text())["install"]
+        (ours,) = [item for item in install if item["metadata"]["name"] == "gateway-capacity"]
+        assert ours["requested_extras"] == extras.split(","), ours
+        names = {item["metadata"]["name"].lower() for item in install}
+        for extra in extras.split(","):  # what the extra brings is resolved with it
+            for requirement in PYPROJECT["project"]["optional-dependencies"][extra]:
+                assert re.split(r"[\[<>=!~; ]", requirement)[0].lower() in names, requirement
 
 
 @pytest.fixture
