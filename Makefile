@@ -29,11 +29,12 @@ else
 endif
 	touch $(WHEEL_TOOLS)
 
-# The sdist and a manylinux wheel (cp311-abi3 once setup.py's LIMITED_API is on) in
+# The sdist and a manylinux wheel (cp311-abi3: setup.py's LIMITED_API) in
 # $(WHEELHOUSE): a gateway host installs the wheel with pip and needs no compiler.
+# Quiet: warnings, then the sdist's path and the wheel's last (`make wheel V=1`: all of it).
 WHEELHOUSE ?= dist
 wheel: $(WHEEL_TOOLS)
-	./scripts/build-wheel $(PY) $(WHEELHOUSE)
+	@V=$(V) ./scripts/build-wheel $(PY) $(WHEELHOUSE)
 
 # What runs a second time in the darwin test mode of shm_layout/platform.py
 # (GATEWAY_CAPACITY_PLATFORM=darwin: macOS's answers, and an error for every call macOS

@@ -368,6 +368,9 @@ class Demo:
                     ),
                     "peak_running": max((s.running for s in ph.samples), default=0),
                     "peak_waiting": max((s.waiting for s in ph.samples), default=0),
+                    "over_limit_running": max(
+                        (s.running for s in ph.samples if s.running > s.limit), default=0
+                    ),
                 }
                 for ph in phases
             ],
@@ -529,10 +532,20 @@ def _print_summary(summary: dict[str, Any], out: TextIO) -> None:
     if "admitted" in summary:
         print(
             f"  admitted {summary['admitted']}, queue-full {summary['rejected']}, timeouts "
-            f"{summary['timeouts']}; peak running {summary['peak_running']} (never above the "
-            f"limit in force), peak waiting {summary['peak_waiting']} (bound 32)",
+            f"{summary['timeouts']}; peak running {summary['peak_running']} (at most the limit "
+            f"in force when each was admitted), peak waiting {summary['peak_waiting']} (bound 32)",
             file=out,
         )
+        rose = any(problem.startswith("running rose") for problem in summary.get("problems", []))
+        for ph in summary.get("phases", []):
+            if ph["over_limit_running"] and not rose:
+                # check() saw running only fall while above the limit: nothing new came in
+                print(
+                    f"  {ph['name']}: running {ph['over_limit_running']} over the lowered "
+                    f"limit {ph['expected_limit']} only while requests admitted before it "
+                    "finished",
+                    file=out,
+                )
         for load in summary.get("load", []):
             print(f"  {load['generation']}: {load['admitted']} requests admitted", file=out)
         print(

@@ -566,6 +566,13 @@ class DemoPhase(Struct, kw_only=True):
     advertised_seen: Annotated[list[int], Meta(description="every advertised value sampled")]
     peak_running: Annotated[int, Meta(description="most running in the phase")]
     peak_waiting: Annotated[int, Meta(description="most waiting in the phase")]
+    over_limit_running: Annotated[
+        int,
+        Meta(
+            description="most running sampled above the limit in force (requests admitted "
+            "before it was lowered, finishing); 0: never above it"
+        ),
+    ] = 0
 
 
 class DemoLoad(Struct, kw_only=True):

@@ -39,6 +39,7 @@ from shm_layout import layout, platform, writer
 from shm_layout.errors import GatewayCapacityError
 from shm_layout.liveness import ParentWatch, is_alive, my_identity, process_start
 from shm_layout.names import resolve_segment_name
+from shm_layout.owners import OwnerError, OwnerPolicy
 from shm_layout.segment import ForeignSegment, Segment
 from shm_layout.view import ReplicaView, parse_view, snapshot_bytes
 from sidecar import sdnotify
@@ -129,6 +130,7 @@ def parse_legacy(
     grace_s: float = 0.0,
     proc_hides: str | None = None,
     forbidden: Mapping[int, str] | None = None,
+    trusted: Sequence[int] = (),
 ) -> list[_Legacy]:
     """``--await-legacy PID|PIDFILE``: the processes to wait for, by pid and start time.
 
@@ -146,7 +148,11 @@ def parse_legacy(
     A pidfile is trusted only as OpenSSH trusts a key (R-G6, issue 16): owned
     by root or this user, not writable by group or others, and in directories
     nobody else can change (:mod:`sidecar.trust`); else another user could
-    hold every opted-in provider at 0 by writing a pid into it. ``forbidden``
+    hold every opted-in provider at 0 by writing a pid into it. ``trusted``: the
+    uids the operator named with ``--owner`` (the segment may be theirs), also
+    trusted for the pidfile and its directories: a legacy gateway writes it as its
+    own user in its own ``RuntimeDirectory=``, and that user could hold the
+    providers through the segment anyway. ``forbidden``
     maps pids that may never be awaited (pid 1, the sidecar, its parent: a
     drain that only they could end) to a phrase naming them; see
     :func:`forbidden_legacy_pids`.
@@ -159,7 +165,7 @@ def parse_legacy(
             pid = int(spec)
         else:
             try:
-                text, written = _read_pidfile(spec, grace_s)
+                text, written = _read_pidfile(spec, grace_s, trusted)
             except FileNotFoundError:
                 raise StartupError(
                     f"--await-legacy {spec}: no such pidfile (waited {grace_s:g}s; a typo? "
@@ -230,20 +236,27 @@ class UntrustedPidfile(StartupError):
     """An ``--await-legacy`` pidfile that another user could have written."""
 
 
-def _read_pidfile(path: str, grace_s: float) -> tuple[str, float]:
+def _read_pidfile(path: str, grace_s: float, trusted: Sequence[int] = ()) -> tuple[str, float]:
     """The pidfile's text and mtime, waiting up to ``grace_s`` for it to appear and to
     hold something.
 
-    Raises :class:`UntrustedPidfile` when another user than root or this one
-    could have written it (the file or a directory on its path).
+    Raises :class:`UntrustedPidfile` when another user than root, this one or one of
+    ``trusted`` could have written it (the file or a directory on its path).
     """
     deadline = time.monotonic() + grace_s
     announced = False
     while True:
         try:
             with open(path, encoding="ascii") as f:
-                problem = path_problem(path) or _pidfile_problem(os.fstat(f.fileno()))
+                problem = path_problem(path, trusted=trusted) or _pidfile_problem(
+                    os.fstat(f.fileno()), trusted
+                )
                 if problem is not None:
+                    if " is owned by " in problem and not trusted:
+                        problem += (
+                            "; if that is the legacy gateway's user, name it with --owner USER "
+                            "(the user group-shared mode trusts with the segment)"
+                        )
                     raise UntrustedPidfile(f"--await-legacy {path}: pidfile not trusted: {problem}")
                 text = f.read().strip()
                 if text or time.monotonic() >= deadline:
@@ -262,8 +275,8 @@ def _read_pidfile(path: str, grace_s: float) -> tuple[str, float]:
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
-def _pidfile_problem(st: os.stat_result) -> str | None:
-    foreign = file_owner_problem(st)
+def _pidfile_problem(st: os.stat_result, trusted: Sequence[int] = ()) -> str | None:
+    foreign = file_owner_problem(st, trusted=trusted)
     if foreign is not None:
         return f"it {foreign}"
     if st.st_mode & 0o022:
@@ -342,11 +355,16 @@ class Sidecar:
                 "still finds is taken for alive, never for exited",
                 self.proc_hides,
             )
+        try:  # --owner (or $GATEWAY_CAPACITY_OWNER): trusted with the segment, and a pidfile
+            named = OwnerPolicy.for_process(options.owner).uids
+        except OwnerError as exc:
+            raise StartupError(str(exc)) from None
         self.legacy = parse_legacy(
             options.await_legacy,
             options.await_legacy_grace_s,
             self.proc_hides,
             forbidden_legacy_pids(options.parent_pid),
+            trusted=[uid for uid in named if uid != os.geteuid()],
         )
         # R-G3, for --check: on the deadline clock, which a stepped wall clock never moves
         self.legacy_since = platform.deadline_now() if self.legacy else 0.0

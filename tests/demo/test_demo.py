@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ def _run_demo(*extra: str) -> dict[str, object]:
     schema = json.loads((ROOT / "docs" / "schemas" / "demo.schema.json").read_text())
     jsonschema.validate(summary, schema)  # schema_version and every field (issue 18 item 10)
     assert "advertised 20  limit 20 (discovered)" in out.stderr  # shown live
+    assert "never above the limit in force" not in out.stderr  # it is, while they finish
     picture = summary["picture"]
     assert isinstance(picture, str), summary
     assert f"picture: {picture} (limit, advertised, running and waiting" in out.stderr
@@ -87,6 +89,65 @@ def test_demo_shows_20_then_10_then_20_and_leaves_nothing_behind_twice_in_a_row(
         for p in psutil.Process().children(recursive=True)
         if "gateway_capacity" in " ".join(p.cmdline())
     ]
+
+
+def _summary_of(phases: list[dict[str, object]], problems: list[str]) -> str:
+    from gateway_capacity.demo import _print_summary
+
+    summary = {
+        "phases": phases,
+        "admitted": 90,
+        "rejected": 0,
+        "timeouts": 0,
+        "peak_running": 20,
+        "peak_waiting": 21,
+        "load": [],
+        "final_running": 0,
+        "final_waiting": 0,
+        "holder_records_left": 0,
+        "cleaned_up": True,
+        "problems": problems,
+        "ok": not problems,
+    }
+    out = io.StringIO()
+    _print_summary(summary, out)
+    return out.getvalue()
+
+
+def _phase(name: str, expect: int, peak: int, over: int) -> dict[str, object]:
+    return {
+        "name": name,
+        "expected_limit": expect,
+        "reached_after_s": 0.5,
+        "limits_seen": sorted({20, expect}),
+        "advertised_seen": [expect],
+        "peak_running": peak,
+        "peak_waiting": 21,
+        "over_limit_running": over,
+    }
+
+
+def test_r_a1_summary_says_running_stayed_over_a_lowered_limit_while_earlier_ones_finished() -> (
+    None
+):
+    """The live lines show `limit 10 running 15` after the drain (lowering cancels
+    nothing); the summary says the same, not "never above the limit in force"."""
+    phases = [
+        _phase("two workers", 20, 20, 0),
+        _phase("w2 drained (fenced)", 10, 20, 15),
+        _phase("w2 restored", 20, 20, 0),
+    ]
+    text = _summary_of(phases, [])
+    assert "never above" not in text
+    assert "peak running 20 (at most the limit in force when each was admitted)" in text
+    assert (
+        "w2 drained (fenced): running 15 over the lowered limit 10 only while requests "
+        "admitted before it finished"
+    ) in text
+    assert "two workers: running" not in text and "w2 restored: running" not in text
+    # when running was seen rising above the limit, the summary does not claim it
+    rose = _summary_of(phases, ["running rose to 16 above limit 10 at 8.1s"])
+    assert "only while requests admitted before it finished" not in rose
 
 
 def test_without_matplotlib_the_demo_says_so_instead_of_failing() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import selectors
 import signal
 import subprocess
@@ -208,3 +209,66 @@ def test_router_simworker_openai_is_an_upstream_to_try_the_gateway_and_wait_for_
     assert streamed.headers["content-type"] == "text/event-stream"
     assert streamed.text.count("data: ") == 3 and streamed.text.endswith("data: [DONE]\n\n")
     assert wait_for_slot(1) == 0
+
+
+def test_r_l5_the_openai_walk_through_stays_on_the_static_fallback_and_says_so(
+    tmp_path: Path, processes: list[subprocess.Popen[str]], key_file: Path, segment_name: str
+) -> None:
+    """examples/README.md's second walk-through: the example gateway's provider points at
+    `router simworker --openai`, which serves no /v1/capacity, so the limit is the
+    config's fallback for good. The README prints what `availability` then shows."""
+    import httpx
+
+    from handler_shim import Admission
+
+    _, line = _start(
+        processes, "router", "simworker", "--openai", "--slots", "2", "--delay", "0.1",
+        "--model", "workhorse", "--port", "0",
+    )  # fmt: skip
+    base = line.split()[3]
+    assert httpx.get(f"{base}/v1/capacity", timeout=5).status_code == 404
+    doc = json.loads((EXAMPLES / "gateway.json").read_text())
+    doc["providers"][0].update(baseUrl=f"{base}/v1", credentialFile=str(key_file))
+    config = tmp_path / "my-gateway.json"
+    config.write_text(json.dumps(doc))
+    env = {**os.environ, "GATEWAY_CAPACITY_SEGMENT": segment_name}
+
+    def local_inference() -> dict[str, object]:
+        out = subprocess.run(
+            [*CLI, "availability", "--config", str(config), "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        (provider,) = [
+            p for p in json.loads(out.stdout)["providers"] if p["id"] == "local-inference"
+        ]
+        return dict(provider)
+
+    # a handler alone (no sidecar): the fallback
+    adm = Admission.attach(config=str(config), generation="walk-through", segment=segment_name)
+    try:
+        alone = local_inference()
+        assert (alone["effective_limit"], alone["source"]) == (8, "gateway"), alone
+        sidecar = subprocess.Popen(
+            [*CLI, "sidecar", "--config", str(config), "--refresh", "1"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        processes.append(sidecar)
+        deadline = time.monotonic() + 20
+        probed = local_inference()
+        while "no_endpoint" not in str(probed["reason"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            probed = local_inference()
+    finally:
+        adm.close()
+    assert (probed["effective_limit"], probed["source"]) == (8, "gateway"), probed
+    readme = (EXAMPLES / "README.md").read_text()
+    assert "static fallback" in readme
+    assert "limit 8 (gateway)  running 0  waiting 0/32  fallback 8 (gateway)" in readme
+    assert f"reason: {probed['reason']}" in readme

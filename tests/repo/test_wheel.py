@@ -54,24 +54,29 @@ def limited_api_switch() -> bool:
 
 
 class Built:
-    def __init__(self, out: Path, log: str) -> None:
-        self.log = log
+    def __init__(self, out: Path, printed: subprocess.CompletedProcess[str], log: str) -> None:
+        self.stdout = printed.stdout
+        self.stderr = printed.stderr
+        self.log = log  # the tools' whole output, which `make wheel` keeps quiet
         (self.wheel,) = out.glob("*.whl")
         (self.sdist,) = out.glob("*.tar.gz")
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    """The wheel, built once for every test of this module."""
     out = tmp_path_factory.mktemp("wheelhouse")
+    log = tmp_path_factory.mktemp("wheel-log") / "build.log"
+    env = {k: v for k, v in os.environ.items() if k != "V"}
     run = subprocess.run(
         [str(ROOT / "scripts" / "build-wheel"), sys.executable, str(out)],
+        env={**env, "BUILD_WHEEL_LOG": str(log)},
         capture_output=True,
         text=True,
         timeout=240,
     )
-    log = run.stdout + run.stderr
-    assert run.returncode == 0, log[-4000:]
-    return Built(out, log)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    return Built(out, run, log.read_text())
 
 
 def test_make_wheel_builds_a_manylinux_wheel_from_an_sdist_that_carries_the_core(
@@ -104,11 +109,102 @@ def test_make_wheel_builds_a_manylinux_wheel_from_an_sdist_that_carries_the_core
         assert f"gateway_capacity-{VERSION}/{path}" in members, path
 
 
+def test_make_wheel_is_quiet_and_prints_the_wheel_path_last(built: Built) -> None:
+    """Not a line per file added: the tools' warnings, the sdist's path, the wheel's last."""
+    assert "adding '" in built.log  # the tools did talk, into the log
+    printed = built.stdout + built.stderr
+    assert "adding '" not in printed, printed
+    assert len(printed.splitlines()) <= 8, printed
+    assert built.stdout.splitlines()[-1] == str(built.wheel)
+    assert built.stdout.splitlines()[-2] == str(built.sdist)
+
+
 def test_the_build_prints_no_deprecation_warning(built: Built) -> None:
     """setuptools' "`project.license` as a TOML table is deprecated ... By 2027-Feb-18"
     and its kin: a deprecation now is a build that stops working later."""
     lines = [line for line in built.log.splitlines() if re.search(r"deprecat", line, re.I)]
     assert not lines, "\n".join(lines)
+
+
+# A wheel's file name as the docs print it: the name, a `*` or `...` standing for a part
+# the reader fills in, and an optional `[extra,...]` as pip takes it after a wheel's path.
+DOC_WHEEL = re.compile(r"(?:gateway_capacity-|\.\.\.)[\w.*-]*?\.whl(?:\[(?P<extras>[\w,-]+)\])?")
+DOCS = [ROOT / "README.md", ROOT / "examples" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def doc_wheel_names() -> list[tuple[str, str, str | None]]:
+    """(where, wheel name, extras) for every wheel file name README and docs/ print."""
+    found = []
+    for doc in DOCS:
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            for match in DOC_WHEEL.finditer(line):
+                name = match.group(0).split("[")[0]
+                found.append((f"{doc.relative_to(ROOT)}:{number}", name, match.group("extras")))
+    return found
+
+
+def doc_name_pattern(name: str) -> re.Pattern[str]:
+    """A printed name as a pattern: `*` and `...` are the parts a reader fills in, and a
+    concrete manylinux tag stands for the one this machine's glibc and arch give."""
+    parts = re.split(r"(\*|\.\.\.|manylinux_2_\d+_(?:x86_64|aarch64))", name)
+    regex = ""
+    for part in parts:
+        if part in ("*", "..."):
+            regex += ".*"
+        elif part.startswith("manylinux_"):
+            regex += r"manylinux_2_\d+_\w+"
+        else:
+            regex += re.escape(part)
+    return re.compile(regex)
+
+
+def test_every_wheel_name_the_docs_print_is_the_one_make_wheel_builds(built: Built) -> None:
+    names = doc_wheel_names()
+    assert len(names) >= 5, names  # README's build, install and serve lines, systemd.md's
+    wrong = [
+        f"{where}: {name}"
+        for where, name, _ in names
+        if not doc_name_pattern(name).fullmatch(built.wheel.name)
+    ]
+    assert not wrong, f"make wheel built {built.wheel.name}; the docs say:\n" + "\n".join(wrong)
+    concrete = [name for _, name, _ in names if "*" not in name and "..." not in name]
+    assert concrete, "no doc prints the whole name"
+
+
+def test_every_wheel_extra_the_docs_install_exists_in_the_wheel(
+    built: Built, tmp_path: Path
+) -> None:
+    """`pip install 'gateway_capacity-...whl[serve]'`: pip installs what the wheel's
+    metadata offers as that extra; a name it does not offer only gets a warning."""
+    with zipfile.ZipFile(built.wheel) as whl:
+        metadata = whl.read(f"gateway_capacity-{VERSION}.dist-info/METADATA").decode()
+    offered = set(re.findall(r"^Provides-Extra: (\S+)$", metadata, re.M))
+    asked = [(where, extras) for where, _, extras in doc_wheel_names() if extras]
+    assert asked, "README installs the serve extra from the wheel"
+    missing = [
+        f"{where}: [{extras}]" for where, extras in asked if not set(extras.split(",")) <= offered
+    ]
+    assert not missing, f"the wheel offers {sorted(offered)}; the docs ask for {missing}"
+    assert offered <= set(PYPROJECT["project"]["optional-dependencies"])
+    # and pip takes the line as printed (the built wheel's path in the doc name's place)
+    report = tmp_path / "report.json"
+    for extras in sorted({extras for _, extras in asked}):
+        run = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report",
+             str(report), "--ignore-installed", f"{built.wheel}[{extras}]"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "does not provide the extra" not in run.stderr, run.stderr
+        install = json.loads(report.read_text())["install"]
+        (ours,) = [item for item in install if item["metadata"]["name"] == "gateway-capacity"]
+        assert ours["requested_extras"] == extras.split(","), ours
+        names = {item["metadata"]["name"].lower() for item in install}
+        for extra in extras.split(","):  # what the extra brings is resolved with it
+            for requirement in PYPROJECT["project"]["optional-dependencies"][extra]:
+                assert re.split(r"[\[<>=!~; ]", requirement)[0].lower() in names, requirement
 
 
 @pytest.fixture

@@ -162,3 +162,63 @@ def test_metrics_listen_beyond_loopback_is_a_warning_that_says_what_is_exposed(
         assert warning is not None
         assert f"served without authentication to {exposed}" in warning
         assert "provider ids, limits" in warning
+
+
+def _runtime_directory_pidfile(public_dir: Path, pid: int) -> tuple[Path, Path]:
+    """What a legacy gateway running as nobody leaves: its ``RuntimeDirectory=`` (0755,
+    its own) and in it the pidfile it wrote as itself (0644)."""
+    run_dir = public_dir / "gateway"
+    run_dir.mkdir(mode=0o755)
+    os.chown(run_dir, NOBODY, NOBODY)
+    pidfile = run_dir / "legacy.pid"
+
+    def write() -> None:
+        fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, f"{pid}\n".encode())
+        os.close(fd)
+
+    as_nobody(write)
+    assert (run_dir.stat().st_uid, pidfile.stat().st_uid) == (NOBODY, NOBODY)
+    return run_dir, pidfile
+
+
+def test_r_g6_a_pidfile_in_the_owner_users_runtime_directory_is_trusted_with_owner(
+    public_dir: Path, legacy: subprocess.Popen[bytes], rig: Rig
+) -> None:
+    """docs/systemd.md's first --await-legacy example, as printed: the legacy gateway's
+    user (here nobody) is the one the operator names with --owner, so its pidfile and
+    the directory it is in are trusted as the segment is, and the drain runs."""
+    _, pidfile = _runtime_directory_pidfile(public_dir, legacy.pid)
+    rig.start(rig.config(), "--owner", "nobody", "--await-legacy", str(pidfile))
+    rig.wait("p1", lambda p: p["source"] == "legacy_drain" and p["effective_limit"] == 0)
+    legacy.kill()
+    legacy.wait()
+    rig.wait("p1", lambda p: p["source"] == "discovered")
+
+
+def test_r_g6_the_owner_users_pidfile_without_owner_is_refused_saying_to_name_it(
+    public_dir: Path, legacy: subprocess.Popen[bytes], refused: Refused
+) -> None:
+    run_dir, pidfile = _runtime_directory_pidfile(public_dir, legacy.pid)
+    (error,) = refused("--await-legacy", str(pidfile))
+    assert (
+        f"pidfile not trusted: directory {run_dir} is owned by uid 65534 (nobody), not root "
+        "or this user; if that is the legacy gateway's user, name it with --owner USER"
+    ) in error
+
+
+def test_r_g6_a_pidfile_of_a_user_nobody_named_stays_refused_under_owner(
+    public_dir: Path, legacy: subprocess.Popen[bytes], refused: Refused
+) -> None:
+    """--owner trusts the user it names, never another: nobody's pidfile under
+    --owner daemon is refused, naming both."""
+    run_dir, pidfile = _runtime_directory_pidfile(public_dir, legacy.pid)
+    (error,) = refused("--owner", "daemon", "--await-legacy", str(pidfile))
+    assert (
+        f"directory {run_dir} is owned by uid 65534 (nobody), not root, this user or "
+        "uid 1 (daemon) (--owner)"
+    ) in error
+    run_dir.chmod(0o755)
+    os.chown(run_dir, 0, 0)  # the directory now root's: the file itself is still nobody's
+    (error,) = refused("--owner", "daemon", "--await-legacy", str(pidfile))
+    assert f"{pidfile}: pidfile not trusted: it is owned by uid 65534 (nobody), not" in error
