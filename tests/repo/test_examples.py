@@ -158,15 +158,17 @@ def test_router_simworker_refuses_a_non_loopback_host() -> None:
 def test_router_simworker_openai_is_an_upstream_to_try_the_gateway_and_wait_for_slot(
     processes: list[subprocess.Popen[str]],
 ) -> None:
-    """Issue 18 s.5 item 4: `router simworker --openai` answers OpenAI completions
-    (streaming or not, at most --slots at once, each taking --delay) and serves llama-swap's
-    vLLM gauges of them, which `wait-for-slot` (metrics mode) reads (R-W1)."""
+    """`router simworker --openai` answers OpenAI completions (streaming or not, at most
+    --slots at once, each taking --delay) and serves llama-swap's vLLM gauges of them,
+    which `wait-for-slot` (metrics mode) reads (R-W1). Each completion holds its slot for
+    8 s, so the `wait-for-slot` process started while both are in flight samples them
+    even on a loaded machine."""
     import concurrent.futures
 
     import httpx
 
     _, line = _start(
-        processes, "router", "simworker", "--slots", "1", "--openai", "--delay", "2",
+        processes, "router", "simworker", "--slots", "1", "--openai", "--delay", "8",
         "--model", "workhorse", "--port", "0",
     )  # fmt: skip
     assert "POST /v1/chat/completions" in line and "/upstream/workhorse/metrics" in line, line
@@ -185,12 +187,12 @@ def test_router_simworker_openai_is_an_upstream_to_try_the_gateway_and_wait_for_
     assert wait_for_slot(1) == 0  # nothing in flight: room
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         answers = [
-            pool.submit(httpx.post, f"{base}/v1/chat/completions", json=ask, timeout=30),
+            pool.submit(httpx.post, f"{base}/v1/chat/completions", json=ask, timeout=60),
             pool.submit(
                 httpx.post,
                 f"{base}/v1/chat/completions",
                 json={**ask, "stream": True},
-                timeout=30,
+                timeout=60,
             ),
         ]
         deadline = time.monotonic() + 10
