@@ -302,7 +302,8 @@ def json_error_text(error: str, data: bytes) -> str:
     found = _AT_BYTE.search(error)
     if found is not None:
         offset = min(int(found.group(1)), len(data))
-        error = error[: found.start()].rstrip()
+        # "is not valid JSON" says it already; the segment keeps 128 bytes of the status
+        error = error[: found.start()].rstrip().removeprefix("JSON is malformed: ")
     elif "truncated" in error:
         if not data.strip():
             return "the file is empty"
