@@ -22,6 +22,7 @@ from gateway_capacity.exits import EXIT_USAGE
 _COMMANDS = (
     "gateway_capacity.cmd_sidecar",
     "gateway_capacity.cmd_views",  # availability, inspect, watch
+    "gateway_capacity.cmd_segments",
     "gateway_capacity.cmd_check_config",
     "gateway_capacity.cmd_verify",
     "gateway_capacity.wait_for_slot",
