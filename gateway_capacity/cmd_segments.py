@@ -48,38 +48,50 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
-def list_segments(policy: OwnerPolicy | None = None) -> list[ListedSegment] | None:
-    """The segments ``policy`` trusts, by name; None where shared memory cannot be listed."""
+def segment_names(policy: OwnerPolicy | None = None) -> list[str] | None:
+    """The names of the segments ``policy`` trusts, by their ``stat`` alone (nothing is
+    opened); None where shared memory cannot be listed."""
     from shm_layout import layout, platform
     from shm_layout.owners import OwnerPolicy
-    from shm_layout.view import read_view
 
     names = platform.list_shared_memory()
     if names is None:
         return None
     policy = policy or OwnerPolicy.for_process()
-    found: list[ListedSegment] = []
+    found = []
     for name in sorted(names)[:MAX_LISTED]:
         st = platform.shared_memory_stat(name)
-        if st is None or st.st_size != layout.TOTAL_SIZE or policy.problem(st) is not None:
-            continue  # not a segment, or not ours by its owner: never opened
-        try:
-            view = read_view(name, policy=policy, wait_init=False)
-        except Exception as exc:  # not ready, not ours by its header, gone meanwhile
-            found.append(ListedSegment(name=name, error=str(exc).split("; ")[0]))
-            continue
-        s = view.sidecar
-        found.append(
-            ListedSegment(
-                name=name,
-                config_path=view.config_path or None,
-                sidecar=None
-                if s is None
-                else ListedSidecar(pid=s.pid, alive=s.alive, status=sidecar_status(s)),
-                handlers=sum(1 for m in view.members if m.alive),
-            )
-        )
+        if st is not None and st.st_size == layout.TOTAL_SIZE and policy.problem(st) is None:
+            found.append(name)
     return found
+
+
+def listed(name: str, policy: OwnerPolicy | None = None) -> ListedSegment:
+    """One segment read-only and without waiting: its config, sidecar and handlers."""
+    from shm_layout.view import read_view
+
+    try:
+        view = read_view(name, policy=policy, wait_init=False)
+    except Exception as exc:  # not ready, not ours by its header, gone meanwhile
+        return ListedSegment(name=name, error=str(exc).split("; ")[0])
+    s = view.sidecar
+    return ListedSegment(
+        name=name,
+        config_path=view.config_path or None,
+        sidecar=None
+        if s is None
+        else ListedSidecar(pid=s.pid, alive=s.alive, status=sidecar_status(s)),
+        handlers=sum(1 for m in view.members if m.alive),
+    )
+
+
+def list_segments(policy: OwnerPolicy | None = None) -> list[ListedSegment] | None:
+    """The segments ``policy`` trusts, by name; None where shared memory cannot be listed."""
+    from shm_layout.owners import OwnerPolicy
+
+    policy = policy or OwnerPolicy.for_process()
+    names = segment_names(policy)
+    return None if names is None else [listed(name, policy) for name in names]
 
 
 def describe(segment: ListedSegment) -> str:
@@ -88,29 +100,31 @@ def describe(segment: ListedSegment) -> str:
         return f"{segment.name}  unreadable: {segment.error}"
     config = segment.config_path or "unknown (no sidecar has written it)"
     s = segment.sidecar
-    sidecar = "none has run" if s is None else f"pid {s.pid} {s.status}"
-    return f"{segment.name}  config {config}  sidecar {sidecar}  handlers {segment.handlers}"
+    sidecar = "no sidecar has run" if s is None else f"sidecar pid {s.pid} {s.status}"
+    return f"{segment.name}  config {config}  {sidecar}  handlers {segment.handlers}"
 
 
 def nearest(missing: str) -> str:
     """For a segment name that does not exist: the segments of this user that do, the
-    nearest first, as one clause ("" where none can be listed)."""
+    nearest first, as one clause ("" where none can be listed). Only those it names
+    are opened."""
+    from shm_layout.owners import OwnerPolicy
+
     try:
-        segments = list_segments()
+        policy = OwnerPolicy.for_process()
+        names = segment_names(policy)
+        if names is None:
+            return ""
+        if not names:
+            return "; this user has no segments at all"
+        close = difflib.get_close_matches(missing, names, n=NEAREST_SHOWN, cutoff=0.6)
+        shown = [listed(name, policy) for name in close or names[:NEAREST_SHOWN]]
     except Exception:  # a diagnostic: the missing segment is the error to report
         return ""
-    if segments is None:
-        return ""
-    if not segments:
-        return "; this user has no segments at all"
-    by_name = {s.name: s for s in segments}
-    close = difflib.get_close_matches(missing, list(by_name), n=NEAREST_SHOWN, cutoff=0.6)
-    shown = close or sorted(by_name)[:NEAREST_SHOWN]
-    lead = "did you mean" if close else "this user's segments are"
-    more = len(segments) - len(shown)
+    more = len(names) - len(shown)
     tail = f" and {more} more ('gateway-capacity segments' lists them)" if more > 0 else ""
-    items = "; ".join(_brief(by_name[n]) for n in shown)
-    return f"; {lead} {items}{tail}?" if close else f"; {lead} {items}{tail}"
+    items = "; ".join(_brief(s) for s in shown)
+    return f"; did you mean {items}{tail}?" if close else f"; this user has {items}{tail}"
 
 
 def _brief(segment: ListedSegment) -> str:

@@ -299,8 +299,8 @@ def owner_problems(view: SegmentView) -> list[str]:
     except OwnerError as exc:
         return [f"$GATEWAY_CAPACITY_OWNER: {exc}"]
     problem = policy.problem(info)
-    if problem is None:
-        return []
+    if problem is None or problem.startswith("is accessible"):
+        return []  # ours (one open to all users is refused when read: UnsafePermissions)
     owner = user_name(info.st_uid)
     return [
         f"segment {view.name} {problem}: a handler of this user refuses it (ForeignSegment). "
