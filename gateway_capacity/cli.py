@@ -9,6 +9,7 @@ side stay light.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import signal
@@ -21,6 +22,7 @@ from gateway_capacity.exits import EXIT_USAGE
 _COMMANDS = (
     "gateway_capacity.cmd_sidecar",
     "gateway_capacity.cmd_views",  # availability, inspect, watch
+    "gateway_capacity.cmd_segments",
     "gateway_capacity.cmd_check_config",
     "gateway_capacity.cmd_verify",
     "gateway_capacity.wait_for_slot",
@@ -69,11 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         # argparse would echo them, and a stray word may be a pasted key (R-P7, R-W3).
         # The usage shown is the subcommand's, where the mistyped option belongs.
-        _chosen(parser, args).print_usage(sys.stderr)
-        shown = [_safe_word(word) for word in extra]
-        print(
-            f"gateway-capacity: error: unrecognized arguments: {' '.join(shown)}", file=sys.stderr
-        )
+        chosen = _chosen(parser, args)
+        chosen.print_usage(sys.stderr)
+        print(f"gateway-capacity: error: {unknown_arguments(chosen, extra)}", file=sys.stderr)
         return EXIT_USAGE
     common.json_errors = bool(getattr(args, "json", False))
     try:
@@ -104,6 +104,53 @@ def _reader_went_away() -> int:
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
     return 128 + signal.SIGPIPE
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """The error line for the words ``parser`` did not take: a mistyped option is named
+    with the option it most resembles (``unknown option --confg; did you mean
+    --config?``) and its value is shown when it names an existing file or is a number.
+    Any other word is not shown: it may be a pasted key (R-P7, R-W3)."""
+    takes_value = {
+        o: action.nargs != 0
+        for action in parser._actions
+        for o in action.option_strings
+        if o.startswith("--")
+    }
+    parts: list[str] = []
+    stray: list[str] = []
+    words = iter(enumerate(extra))
+    for i, word in words:
+        if not (word.startswith("--") and len(word) > 2):
+            stray.append(_safe_word(word))
+            continue
+        name, eq, value = word.partition("=")
+        near = difflib.get_close_matches(name, list(takes_value), n=1, cutoff=0.75)
+        if (
+            not eq
+            and near
+            and takes_value[near[0]]
+            and i + 1 < len(extra)
+            and not extra[i + 1].startswith("-")
+        ):
+            value = extra[i + 1]  # the value meant for the option it resembles
+            eq = " "
+            next(words)
+        given = name + (eq + (value if _harmless(value) else "(not shown)") if eq else "")
+        hint = f"; did you mean {near[0]}?" if near else ""
+        parts.append(f"unknown option {name}{hint}" + (f" (given: {given})" if eq else ""))
+    if stray:
+        parts.append(f"unrecognized arguments: {' '.join(stray)}")
+    return "; ".join(parts)
+
+
+def _harmless(value: str) -> bool:
+    """A value safe to echo: the name of an existing file or a number, never a key."""
+    try:
+        float(value)
+    except ValueError:
+        return os.path.exists(value)
+    return True
 
 
 def _safe_word(word: str) -> str:

@@ -13,7 +13,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gateway_capacity.common import add_target_options, fail, segment_from_args, shorten
-from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
+from gateway_capacity.exits import (
+    EXIT_NO_SEGMENT,
+    EXIT_OK,
+    EXIT_PROBLEM,
+    EXIT_USAGE,
+    EXIT_WARNING,
+)
 from gateway_capacity.schemas import SCHEMA_VERSION, sidecar_status
 
 if TYPE_CHECKING:
@@ -32,8 +38,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--check",
         action="store_true",
-        help="health check: exit 1 when the sidecar is dead or stale, or a provider that "
-        "asks for discovery is on its fallback; one line per problem",
+        help="health check: exit 1 when the sidecar is dead or stale, a provider that asks "
+        "for discovery is on its fallback or is held at 0 by a model the farm lacks, the "
+        "config on disk is broken, or the segment is another user's; exit 4 when only a "
+        "provider held at limit 0 for another reason; one line per problem and its fix",
     )
     p.add_argument(
         "--max-heartbeat-age",
@@ -95,7 +103,9 @@ def _read(args: argparse.Namespace) -> SegmentView:
     try:
         return read_view(name)
     except SegmentMissing as exc:
-        fail(str(exc), EXIT_NO_SEGMENT)
+        from gateway_capacity.cmd_segments import nearest
+
+        fail(f"{exc}{nearest(name)}", EXIT_NO_SEGMENT)
     except SegmentError as exc:
         fail(str(exc), EXIT_USAGE)
 
@@ -213,8 +223,8 @@ def damage_problems(view: SegmentView) -> list[str]:
 
 
 def health_problems(view: SegmentView, max_heartbeat_age: float) -> list[str]:
-    """What ``availability --check`` fails on, one line each (empty: healthy)."""
-    problems = damage_problems(view)
+    """What ``availability --check`` fails on, one line each with its fix (empty: healthy)."""
+    problems = damage_problems(view) + owner_problems(view)
     s = view.sidecar
     if s is None:
         problems.append(f"no sidecar has ever written segment {view.name}")
@@ -235,28 +245,94 @@ def health_problems(view: SegmentView, max_heartbeat_age: float) -> list[str]:
             f"{s.legacy_max_s / 60:g} min: pid {s.legacy_pid} still runs, opted-in providers "
             "admit nothing new (R-G3); stop it, or restart the sidecar without --await-legacy"
         )
+    if view.config_status not in ("", "ok"):
+        path = view.config_path or "the config"
+        problems.append(
+            f"config {path}: {view.config_status}. Fix the file ('gateway-capacity "
+            f"check-config --config {path}' says what is wrong): the sidecar picks up the "
+            "fix by itself, and handlers that attach meanwhile refuse the broken file"
+        )
     for p in view.providers:
         if p.capacity_discovery and p.source in FALLBACK_SOURCES:
             problems.append(
                 f"provider {p.id}: discovery failed, on fallback {p.effective_limit} "
                 f"({p.source}): {p.reason}"
             )
+        elif p.effective_limit == 0 and MISSING_MODEL in p.reason:
+            problems.append(
+                f"provider {p.id}: held at limit 0 ({p.source}): {p.reason}; every request "
+                "waits, then times out. Name in models only what the farm serves "
+                "('gateway-capacity verify' shows what it reports)"
+            )
     return problems
+
+
+# limits.py's words when a configured model is what holds a discovered value at 0 (R-L8)
+MISSING_MODEL = " missing from "
+
+
+def health_warnings(view: SegmentView) -> list[str]:
+    """States ``availability --check`` warns of (exit 4 when nothing fails): each may be
+    meant (every worker fenced, a static limit of 0) but admits nothing."""
+    return [
+        f"provider {p.id}: limit 0 ({p.source}): {shorten(p.reason)}; it admits nothing "
+        "(requests wait, then time out) until the limit rises"
+        for p in view.providers
+        if p.effective_limit == 0
+        and p.source != "legacy_drain"  # the drain's 0 is R-G3's; an overdue one fails
+        and MISSING_MODEL not in p.reason
+        and not (p.capacity_discovery and p.source in FALLBACK_SOURCES)
+    ]
+
+
+def owner_problems(view: SegmentView) -> list[str]:
+    """A segment of a user this process does not trust: a handler of this user refuses
+    it (``ForeignSegment``, R-G6). Linux only: macOS shows no owner without opening."""
+    from shm_layout import platform
+    from shm_layout.owners import OwnerError, OwnerPolicy, user_name
+
+    info = platform.shared_memory_stat(view.name)
+    if info is None:
+        return []
+    try:
+        policy = OwnerPolicy.for_process()
+    except OwnerError as exc:
+        return [f"$GATEWAY_CAPACITY_OWNER: {exc}"]
+    problem = policy.problem(info)
+    if problem is None or problem.startswith("is accessible"):
+        return []  # ours (one open to all users is refused when read: UnsafePermissions)
+    owner = user_name(info.st_uid)
+    return [
+        f"segment {view.name} {problem}: a handler of this user refuses it (ForeignSegment). "
+        f"If the handlers and the sidecar run as {owner} on purpose, run this check as "
+        f"{owner} or with GATEWAY_CAPACITY_OWNER={owner} (handlers: Admission.attach(..., "
+        f"group_shared=True, owner='{owner}'), the sidecar --group-shared); if it is not "
+        f"meant to be there, remove it as root ('gateway-capacity inspect --segment "
+        f"{view.name} --unlink --force') and find out who made it"
+    ]
 
 
 def run_availability(args: argparse.Namespace) -> int:
     view = _read(args)
     if args.check:
         problems = health_problems(view, args.max_heartbeat_age)
+        warnings = health_warnings(view)
         if args.json:
-            doc = {"schema_version": SCHEMA_VERSION, "ok": not problems, "problems": problems}
+            doc = {
+                "schema_version": SCHEMA_VERSION,
+                "ok": not problems and not warnings,
+                "problems": problems,
+                "warnings": warnings,
+            }
             print(json.dumps(doc, indent=2))
-        elif problems:
-            print("\n".join(problems))
+        elif problems or warnings:
+            print("\n".join(problems + [f"warning: {w}" for w in warnings]))
         else:
             assert view.sidecar is not None  # health_problems reports a missing one
             print(f"ok: segment {view.name}, sidecar pid {view.sidecar.pid} running")
-        return EXIT_PROBLEM if problems else EXIT_OK
+        if problems:
+            return EXIT_PROBLEM
+        return EXIT_WARNING if warnings else EXIT_OK
     if args.json:
         print(json.dumps(availability_doc(view), indent=2))
     else:

@@ -398,8 +398,49 @@ class HealthDoc(Struct, kw_only=True):
     """gateway-capacity availability --check --json: the health check."""
 
     schema_version: Version
-    ok: Annotated[bool, Meta(description="no problem found (exit 0)")]
-    problems: Annotated[list[str], Meta(description="one line per problem (exit 1)")]
+    ok: Annotated[bool, Meta(description="no problem and no warning found (exit 0)")]
+    problems: Annotated[
+        list[str],
+        Meta(description="one line per problem, each naming the fix (any: exit 1)"),
+    ]
+    warnings: Annotated[
+        list[str],
+        Meta(
+            description="one line per state that may be meant but stops admission "
+            "(only these: exit 4)"
+        ),
+    ] = []
+
+
+class ListedSidecar(Struct, kw_only=True):
+    """The sidecar that last wrote a listed segment."""
+
+    pid: Annotated[int, Meta(description="its process id")]
+    alive: Annotated[bool, Meta(description="that process still runs (pid and start time)")]
+    status: Annotated[str, Meta(description="one phrase: running, stopping, stopped, ...")]
+
+
+class ListedSegment(Struct, kw_only=True):
+    """One segment of this user (or of the configured owner) in /dev/shm."""
+
+    name: Annotated[str, Meta(description="the segment name, for --segment")]
+    config_path: Annotated[
+        str | None, Meta(description="the config its sidecar read (null: no sidecar has run)")
+    ] = None
+    sidecar: Annotated[
+        ListedSidecar | None, Meta(description="the sidecar that last wrote it (null: none)")
+    ] = None
+    handlers: Annotated[Count, Meta(description="handler processes attached and alive")] = 0
+    error: Annotated[
+        str | None, Meta(description="why it could not be read (then nothing else is known)")
+    ] = None
+
+
+class SegmentsDoc(Struct, kw_only=True):
+    """gateway-capacity segments --json: the segments of this user that exist."""
+
+    schema_version: Version
+    segments: Annotated[list[ListedSegment], Meta(description="by name")]
 
 
 class CheckedAddress(Struct, kw_only=True):
@@ -610,6 +651,7 @@ SCHEMAS: Final[dict[str, tuple[type[Struct], str]]] = {
     "availability.schema.json": (AvailabilityDoc, "gateway-capacity availability --json"),
     "inspect.schema.json": (InspectDoc, "gateway-capacity inspect --json"),
     "availability-check.schema.json": (HealthDoc, "gateway-capacity availability --check --json"),
+    "segments.schema.json": (SegmentsDoc, "gateway-capacity segments --json"),
     "check-config.schema.json": (CheckConfigDoc, "gateway-capacity check-config --json"),
     "verify.schema.json": (VerifyDoc, "gateway-capacity verify --json"),
     "wait-for-slot.schema.json": (WaitForSlotDoc, "gateway-capacity wait-for-slot --json"),

@@ -15,13 +15,21 @@ that says what to fix)::
 
     GatewayCapacityError               anything gateway-capacity refused
     ├── BadSegmentName (ValueError)    attach: the segment name cannot be used
+    ├── OwnerError (ValueError)        attach(owner=..., group=...): no such user or group
+    ├── ForeignObject                  attach: the lock file or its directory is not ours
+    ├── NotOnThisPlatform              a call this platform does not have
     ├── ConfigError                    attach(config=...): the file cannot be read or parsed
+    ├── ProviderIdError (ValueError)   a provider id the segment cannot store
+    ├── TableFull                      the segment has no row left for another provider
+    ├── CoreError (OSError)            the admission core refused a call (a stale ticket)
+    │   └── DamagedLock                the segment's lock word holds what no lock writes
     ├── SegmentError                   attach: the shared segment cannot be used
     │   ├── SegmentMissing
     │   ├── SegmentNotReady            its creator never finished initialising it
     │   ├── UnsafePermissions
     │   ├── IncompatibleLayout         another major layout version (R-G2)
     │   └── NotOurSegment
+    │       ├── ForeignSegment         another user owns it: --group-shared and owner=
     │       └── DamagedSegment         ours by its header, values no writer produces
     └── AdmissionError                 attach: no member row left; use after close()
         ├── QueueFull                  the provider's queue is at its bound (R-A2)
@@ -39,10 +47,15 @@ from handler_shim.admission import (
     Ticket,
     UnknownProvider,
 )
+from shm_layout._core import CoreError, DamagedLock
 from shm_layout.errors import GatewayCapacityError
+from shm_layout.ledger import ProviderIdError
 from shm_layout.names import BadSegmentName
+from shm_layout.owners import ForeignObject, OwnerError
+from shm_layout.platform import NotOnThisPlatform
 from shm_layout.segment import (
     DamagedSegment,
+    ForeignSegment,
     IncompatibleLayout,
     NotOurSegment,
     SegmentError,
@@ -50,6 +63,7 @@ from shm_layout.segment import (
     SegmentNotReady,
     UnsafePermissions,
 )
+from shm_layout.writer import TableFull
 
 if TYPE_CHECKING:
     from handler_shim.asgi import AdmissionMiddleware
@@ -62,14 +76,22 @@ __all__ = [
     "AdmissionTimeout",
     "BadSegmentName",
     "ConfigError",
+    "CoreError",
+    "DamagedLock",
     "DamagedSegment",
+    "ForeignObject",
+    "ForeignSegment",
     "GatewayCapacityError",
     "IncompatibleLayout",
+    "NotOnThisPlatform",
     "NotOurSegment",
+    "OwnerError",
+    "ProviderIdError",
     "QueueFull",
     "SegmentError",
     "SegmentMissing",
     "SegmentNotReady",
+    "TableFull",
     "Ticket",
     "UnknownProvider",
     "UnsafePermissions",

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING
 
 from shm_layout import _core, layout, platform
 from shm_layout.errors import GatewayCapacityError
-from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING
+from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING, PROVIDER
 from shm_layout.liveness import process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.owners import OwnerPolicy
@@ -116,6 +116,10 @@ class AdmissionTimeout(AdmissionError, TimeoutError):
 class UnknownProvider(AdmissionError, KeyError):
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+def _seconds(timeout: float | None) -> str:
+    return "the timeout" if timeout is None else f"the timeout of {timeout:g} s"
 
 
 class ProviderEntry:
@@ -664,9 +668,11 @@ class Admission:
             ledger.encode_provider_id(provider_id)
         except ledger.ProviderIdError as exc:
             return str(exc)
+        known = ledger.provider_ids(att.buf)
         return (
-            f"provider {provider_id!r} is not in segment {self._name}: is it in the gateway "
-            "config the sidecar (or the first handler) read?"
+            f"provider {provider_id!r} is not in segment {self._name} (its providers: "
+            f"{', '.join(known) if known else 'none yet'}): is it in the gateway config the "
+            "sidecar (or the first handler) read?"
         )
 
     def _attachment_of(self, core: CoreObject) -> _Attachment:
@@ -684,10 +690,34 @@ class Admission:
                 "are already waiting"
             )
         if code == _core.BUSY:  # the lock stayed busy for the whole timeout
-            return AdmissionTimeout("the segment lock stayed busy for the whole timeout")
+            return AdmissionTimeout(
+                f"provider {att.provider_name(ticket.provider)}: the segment lock stayed busy "
+                f"for the whole timeout ({_seconds(ticket.timeout)})"
+            )
         if code == _core.CLOSED:
             return AdmissionError("this Admission was closed")
         return AdmissionError(f"admission refused (code {code})")
+
+    def _timed_out(self, ticket: CoreTicket) -> str:
+        """What an :class:`AdmissionTimeout` says: the provider, the timeout, and what was
+        ahead of the request when it ran out (a lock-free look at the provider's row)."""
+        from shm_layout import ledger
+
+        try:
+            att = self._attachment_of(_core_of(ticket))
+            name = att.provider_name(ticket.provider)
+        except AdmissionError:
+            return f"no slot was granted within the timeout ({_seconds(ticket.timeout)})"
+        text = f"provider {name}: no slot was granted within {_seconds(ticket.timeout)}"
+        p = ticket.provider
+        try:
+            limit = ledger.effective_limit(att.buf, p, platform.deadline_now())
+            running = PROVIDER["running"].get(att.buf, ledger.provider_base(p))
+            ahead = ledger.waiting_ahead(att.buf, p, ticket.holder) if ticket.live else None
+        except (ValueError, IndexError):  # a segment written over: the plain words
+            return text
+        text += f": {running} running on a limit of {limit.value} ({limit.source})"
+        return text if ahead is None else f"{text}, {ahead} waiting ahead of it in the queue"
 
     def _moved_ticket(self, ticket: CoreTicket) -> CoreTicket:
         """The name leads elsewhere: move, and point ``ticket`` (not live) at the
@@ -722,8 +752,9 @@ class Admission:
                     code = _core.MOVED
                     continue
                 if result == _core.W_TIMEOUT:
+                    why = self._timed_out(ticket)  # while the record still holds its ticket
                     ticket.leave(_core.TIMEOUT, True)  # a grant that raced is handed on
-                    raise AdmissionTimeout("no slot was granted within the timeout")
+                    raise AdmissionTimeout(why)
                 if result == _core.W_CLOSED or self._closing:
                     raise AdmissionError("this Admission was closed while waiting")
                 raise AdmissionError("the admission record was removed while waiting")
@@ -790,8 +821,9 @@ class Admission:
             async with asyncio.timeout(ticket.timeout):
                 await self._acquire(ticket, code)
         except TimeoutError:
+            why = self._timed_out(ticket)  # while the record still holds its ticket
             await self._leave_async(ticket, _core.TIMEOUT)
-            raise AdmissionTimeout("no slot was granted within the timeout") from None
+            raise AdmissionTimeout(why) from None
         except BaseException:  # CancelledError, QueueFull and friends (R-A4, R-A12)
             await self._leave_async(ticket, _core.CANCELLED)
             raise

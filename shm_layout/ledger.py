@@ -170,6 +170,29 @@ def find_provider(buf: Buffer, provider_id: str) -> int | None:
     return None
 
 
+def provider_ids(buf: Buffer) -> list[str]:
+    """The ids of the segment's provider rows, in row order (lock-free, as ``find_provider``)."""
+    ids = []
+    for p in range(PROVIDER_COUNT):
+        base = provider_base(p)
+        if not PROVIDER["in_use"].get(buf, base):
+            break
+        ids.append(layout.decode_text(PROVIDER["id"].get(buf, base)))
+    return ids
+
+
+def waiting_ahead(buf: Buffer, p: int, h: int) -> int:
+    """How many waiting records of provider ``p`` hold an earlier ticket than record ``h``
+    (FIFO order, R-A3): the requests a waiter at ``h`` would be granted after."""
+    mine = HOLDER["ticket"].get(buf, holder_base(p, h))
+    ahead = 0
+    for other in range(HOLDERS_PER_PROVIDER):
+        base = holder_base(p, other)
+        if other != h and HOLDER["state"].get(buf, base) == HOLDER_WAITING:
+            ahead += HOLDER["ticket"].get(buf, base) < mine
+    return ahead
+
+
 # --- the model ------------------------------------------------------------------------
 Decision = Literal["admit", "wait", "full", "wait_refused", "closed"]
 Outcome = Literal["released", "timeout", "cancelled"]

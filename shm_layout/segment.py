@@ -387,8 +387,10 @@ def _foreign(name: str, problem: str, policy: OwnerPolicy) -> ForeignSegment:
     return ForeignSegment(
         f"segment {name} {problem}: another user made it first, or the wrong owner is "
         f"configured. If it is not meant to be there, remove it as root ({_recovery(name)}) "
-        "and find out who made it; if that user is meant to own it, name them with --owner "
-        "(or $GATEWAY_CAPACITY_OWNER, Admission.attach(owner=...))"
+        "and find out who made it; if that user is meant to own it (the sidecar and the "
+        "handlers run as different users), name them: Admission.attach(..., "
+        "group_shared=True, owner=THAT_USER) in the handlers (or $GATEWAY_CAPACITY_OWNER), "
+        "and the sidecar with --group-shared --owner HANDLER_USER"
     )
 
 
@@ -412,7 +414,9 @@ def _attach(
         who = f" (it belongs to {user_name(owner.st_uid)})" if owner is not None else ""
         raise SegmentError(
             f"segment {name} exists but this user may not open it{who}: owner-only by "
-            "default; see the group-shared option"
+            "default. To share it between users, start the sidecar with --group-shared "
+            "--owner HANDLER_USER and attach with Admission.attach(..., group_shared=True, "
+            "owner=SIDECAR_USER)"
         ) from None
     try:
         info = os.fstat(shm.fd)

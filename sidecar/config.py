@@ -27,6 +27,7 @@ This module must stay importable by ``handler_shim``: no httpx, no probe.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Final, Literal
@@ -291,6 +292,31 @@ _ENTRY_FIELDS: Final = frozenset(ProviderConfig.__struct_encode_fields__)
 UTF8_BOM: Final = b"\xef\xbb\xbf"
 
 
+_AT_BYTE: Final = re.compile(r"\(byte (\d+)\)$")
+
+
+def json_error_text(error: str, data: bytes) -> str:
+    """msgspec's decode error with its byte offset given as the line and column an editor
+    shows (both from 1; the column counts characters); a truncated document is placed
+    where it ends."""
+    found = _AT_BYTE.search(error)
+    if found is not None:
+        offset = min(int(found.group(1)), len(data))
+        # "is not valid JSON" says it already; the segment keeps 128 bytes of the status
+        error = error[: found.start()].rstrip().removeprefix("JSON is malformed: ")
+    elif "truncated" in error:
+        if not data.strip():
+            return "the file is empty"
+        offset = len(data.rstrip())
+        error = "JSON ends early (a brace, bracket or string is not closed)"
+    else:
+        return error
+    line_start = data.rfind(b"\n", 0, offset) + 1
+    line = data.count(b"\n", 0, offset) + 1
+    column = len(data[line_start:offset].decode("utf-8", "replace")) + 1
+    return f"{error} at line {line}, column {column}"
+
+
 def raw_provider_entries(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
     """The provider entries as written, by id (first wins); ``{}`` when unreadable.
 
@@ -310,10 +336,13 @@ def raw_provider_entries(path: str | os.PathLike[str]) -> dict[str, dict[str, An
 
 
 def parse_config(data: bytes, source: str = "<config>") -> GatewayConfig:
+    text = data.removeprefix(UTF8_BOM)
     try:
-        doc = msgspec.json.decode(data.removeprefix(UTF8_BOM))
+        doc = msgspec.json.decode(text)
     except msgspec.DecodeError as exc:
-        raise ConfigError(f"config {source} is not valid JSON: {exc}") from None
+        raise ConfigError(
+            f"config {source} is not valid JSON: {json_error_text(str(exc), text)}"
+        ) from None
     if not isinstance(doc, dict):
         raise ConfigError(f"config {source}: the top level must be a JSON object")
     try:

@@ -293,3 +293,24 @@ def test_r_p2_capacity_url_is_base_url_slash_capacity(
 def test_handler_side_can_import_config_without_httpx() -> None:
     code = "import sys, sidecar.config; sys.exit(1 if 'httpx' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("content", "where"),
+    [
+        (b'{\n  "maxConcurrent": 4,\n  "providers": [,]\n}', "line 3, column 17"),
+        ('{\n  "ü": x}'.encode(), "line 2, column 8"),  # characters, not bytes
+        (b'{\n  "providers": [\n', "JSON ends early (a brace, bracket or string is not"),
+        (b'{\n  "providers": [\n', "line 2, column 17"),
+        (b"\n\n", "the file is empty"),
+    ],
+)
+def test_r_c3_a_json_error_gives_the_line_and_column_an_editor_shows(
+    tmp_path: Path, content: bytes, where: str
+) -> None:
+    path = tmp_path / "gateway.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert where in str(info.value), str(info.value)
+    assert "byte" not in str(info.value)

@@ -24,6 +24,7 @@ HOME = {
     "availability": ["README.md"],
     "inspect": ["README.md"],
     "watch": ["README.md"],
+    "segments": ["README.md"],
     "check-config": ["docs/probe.md"],
     "verify": ["README.md"],
     "wait-for-slot": ["docs/wait-for-slot.md"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from gwtest import run_cli
 
 
@@ -14,6 +16,23 @@ def test_unrecognized_arguments_are_refused_without_being_shown() -> None:
     assert typo.returncode == 2
     assert "--segmnt" in typo.stderr and "--token=(not shown)" in typo.stderr
     assert "sk-abc-999" not in typo.stderr
+
+
+def test_a_mistyped_option_names_the_option_it_resembles_and_shows_a_file_value(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "my-gateway.json"
+    config.write_text('{"providers": []}')
+    out = run_cli("check-config", "--confg", str(config))
+    assert out.returncode == 2
+    assert "unknown option --confg; did you mean --config?" in out.stderr, out.stderr
+    assert f"--confg {config}" in out.stderr  # the value is a file: worth seeing
+    assert "not shown" not in out.stderr
+    secret = run_cli("check-config", "--confg", "sk-pasted-as-a-value-4242")
+    assert "did you mean --config?" in secret.stderr
+    assert "sk-pasted-as-a-value-4242" not in secret.stdout + secret.stderr
+    flag = run_cli("availability", "--jsn", "--segment", "/gwt-unused")
+    assert "unknown option --jsn; did you mean --json?" in flag.stderr, flag.stderr
 
 
 def test_options_are_never_abbreviated_so_a_key_is_not_taken_for_a_path() -> None:

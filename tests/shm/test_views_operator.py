@@ -120,11 +120,94 @@ def test_check_is_1_when_a_provider_fell_back_after_failing_discovery(
     assert doc["problems"][0].startswith("provider li: discovery failed, on fallback 5 (gateway)")
 
 
+def test_check_is_1_while_the_config_on_disk_is_broken_and_0_once_fixed(
+    segment_name: str, sidecar: Callable[[dict[str, object]], subprocess.Popen[str]]
+) -> None:
+    """The sidecar keeps the last good config (R-C3); the handlers that attach meanwhile
+    refuse the file, so the check fails naming it and how to find what is wrong."""
+    sidecar({"providers": [{"id": "static", "maxConcurrent": 3}]})
+    assert wait_until(lambda: check(segment_name).returncode == 0, timeout=30)
+    config = Path(json.loads(run_cli("availability", "--segment", segment_name, "--json")
+                              .stdout)["config_path"])  # fmt: skip
+    config.write_text('{"providers": [\n  {"id": "static", "maxConcurrent": 3},\n]}')
+    assert wait_until(lambda: check(segment_name).returncode == 1, timeout=30)
+    out = check(segment_name, "--json")
+    (problem,) = json.loads(out.stdout)["problems"]
+    assert problem.startswith(f"config {config}: broken edit ignored, last good config kept")
+    assert "line 3, column 1" in problem  # where the trailing comma's error is
+    assert f"'gateway-capacity check-config --config {config}'" in problem
+    config.write_text('{"providers": [{"id": "static", "maxConcurrent": 3}]}')
+    assert wait_until(lambda: check(segment_name).returncode == 0, timeout=30)
+
+
+def test_check_warns_with_exit_4_of_a_provider_held_at_limit_0(
+    segment_name: str, sidecar: Callable[[dict[str, object]], subprocess.Popen[str]]
+) -> None:
+    """A static limit of 0 (or every worker fenced) may be meant; it admits nothing."""
+    sidecar({"providers": [{"id": "off", "maxConcurrent": 0}, {"id": "on", "maxConcurrent": 2}]})
+    assert wait_until(lambda: check(segment_name).returncode == 4, timeout=30)
+    out = check(segment_name)
+    assert out.stdout.startswith("warning: provider off: limit 0 (provider): "), out.stdout
+    assert "it admits nothing" in out.stdout and len(out.stdout.splitlines()) == 1
+    doc = json.loads(check(segment_name, "--json").stdout)
+    assert doc["ok"] is False and doc["problems"] == [] and len(doc["warnings"]) == 1
+
+
+def test_check_is_1_for_a_segment_of_another_user_naming_both_fixes(
+    segment_name: str,
+) -> None:
+    """A handler of this user would refuse it (ForeignSegment, R-G6)."""
+    from gwtest import as_nobody
+
+    def make() -> int:
+        Segment.open(segment_name).close()
+        return 0
+
+    assert as_nobody(make)[0] == 0
+    out = check(segment_name, "--json")
+    assert out.returncode == 1, out.stdout + out.stderr
+    (foreign,) = [p for p in json.loads(out.stdout)["problems"] if "ForeignSegment" in p]
+    assert foreign.startswith(f"segment {segment_name} belongs to nobody (uid 65534)")
+    assert "GATEWAY_CAPACITY_OWNER=nobody" in foreign and "--group-shared" in foreign
+    assert "--unlink --force" in foreign
+    trusted = run_cli(
+        "availability", "--segment", segment_name, "--check",
+        env={**os.environ, "GATEWAY_CAPACITY_OWNER": "nobody"},
+    )  # fmt: skip
+    assert "ForeignSegment" not in trusted.stdout, trusted.stdout
+
+
 def test_check_is_1_without_any_sidecar(segment_name: str) -> None:
     Segment.open(segment_name, create=True).close()
     out = check(segment_name)
     assert out.returncode == 1
     assert out.stdout.strip() == f"no sidecar has ever written segment {segment_name}"
+
+
+@pytest.mark.linux("lists /dev/shm; macOS cannot list shared memory")
+def test_a_segment_name_one_character_off_names_the_segment_that_exists(
+    segment_name: str, sidecar: Callable[[dict[str, object]], subprocess.Popen[str]]
+) -> None:
+    proc = sidecar({"providers": [{"id": "static", "maxConcurrent": 3}]})
+    assert wait_until(lambda: check(segment_name).returncode == 0, timeout=30)
+    config = json.loads(run_cli("availability", "--segment", segment_name, "--json").stdout)[
+        "config_path"
+    ]
+    typo = segment_name[:-1] + ("0" if segment_name[-1] != "0" else "1")
+    out = run_cli("availability", "--segment", typo)
+    assert out.returncode == 3
+    line = out.stderr.strip()
+    assert line.startswith(f"gateway-capacity: no segment {typo}: nothing has created it")
+    assert f"did you mean {segment_name} (config {config}, sidecar pid {proc.pid} running" in line
+    assert len(line.splitlines()) == 1
+
+    listed = run_cli("segments", "--json")
+    assert listed.returncode == 0, listed.stderr
+    (mine,) = [s for s in json.loads(listed.stdout)["segments"] if s["name"] == segment_name]
+    assert mine["config_path"] == config
+    assert mine["sidecar"] == {"pid": proc.pid, "alive": True, "status": "running"}
+    text = run_cli("segments").stdout
+    assert f"{segment_name}  config {config}  sidecar pid {proc.pid} running" in text
 
 
 @pytest.mark.parametrize("command", [["inspect", "--json"], ["availability"]])
@@ -151,11 +234,11 @@ def test_a_reader_that_closes_the_pipe_gets_no_traceback(
 def test_json_mode_reports_errors_as_json_with_the_same_exit_code(segment_name: str) -> None:
     missing = run_cli("availability", "--segment", segment_name, "--json")
     assert missing.returncode == 3 and missing.stderr == ""
-    assert json.loads(missing.stdout) == {
-        "schema_version": 1,
-        "error": f"no segment {segment_name}: nothing has created it yet "
-        "(start the sidecar or a handler)",
-    }
+    error = json.loads(missing.stdout)
+    assert set(error) == {"schema_version", "error"} and error["schema_version"] == 1
+    assert error["error"].startswith(
+        f"no segment {segment_name}: nothing has created it yet (start the sidecar or a handler)"
+    )
     bad = run_cli("inspect", "--segment", "bad/slash", "--json")
     assert bad.returncode == 2 and bad.stderr == ""
     assert "must start with '/'" in json.loads(bad.stdout)["error"]

@@ -136,6 +136,7 @@ def test_a_segment_no_sidecar_has_written_validates_too(
 JSON_COMMANDS = {
     "availability": ("availability", "availability-check"),
     "inspect": ("inspect",),
+    "segments": ("segments",),
     "check-config": ("check-config",),
     "verify": ("verify",),
     "wait-for-slot": ("wait-for-slot",),
@@ -200,6 +201,7 @@ def test_every_json_output_carries_schema_version_and_validates(rig: Rig, tmp_pa
 
     validate("availability-check", cli_doc("availability", "--check", "--json", *seg))
     validate("check-config", cli_doc("check-config", "--config", str(config), "--json"))
+    validate("segments", cli_doc("segments", "--json"))
     validate("verify", cli_doc("verify", "--config", str(config), *seg, "--json"))
     local = ("wait-for-slot", *seg, "--provider", "static", "--json")
     validate("wait-for-slot", cli_doc(*local, "--check"))

@@ -79,6 +79,12 @@ def test_r_l3_a_model_typo_is_a_sidecar_warning_and_verify_exits_1(rig: Rig) -> 
         run_cli("verify", "--config", str(cfg), "--segment", segment_name, "--json").stdout
     )
     assert doc["ok"] is False and doc["providers"][0]["missing_models"] == ["workhors"]
+    check = run_cli("availability", "--segment", segment_name, "--check", "--json")
+    assert check.returncode == 1, check.stdout + check.stderr
+    (problem,) = json.loads(check.stdout)["problems"]
+    assert problem.startswith("provider li: held at limit 0 (discovered): discovered 0, ")
+    assert "upstream model workhors missing from 127.0.0.1" in problem
+    assert "every request waits, then times out" in problem and "verify" in problem
     sidecar.signal(signal.SIGTERM)
     sidecar.wait(timeout=20)
     log = sidecar.log_text()
