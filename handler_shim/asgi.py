@@ -21,9 +21,9 @@ gunicorn with uvicorn workers, with or without ``--preload``.
 * **Which provider.** ``provider=`` is a provider id, a function of the ASGI
   scope, or :data:`by_model`, which reads the request's model where the wrapped
   application reads it (a route table, LiteLLM's proxy by default: the path of its
-  Azure- and engine-style routes, the form or JSON body elsewhere) and refuses an
-  inference request whose model cannot be read (see :class:`ByModel`). None means
-  "not admitted".
+  Azure- and engine-style routes or the query string, else the form or JSON body) and
+  refuses an inference request whose model cannot be read (see :class:`ByModel`).
+  None means "not admitted".
 * **The slot** (SPEC R-A1..R-A4) is taken before the wrapped app runs and
   released when the last body message has been sent (streamed bodies and
   SSE included), or when the app returns or raises, whichever comes first.
@@ -129,8 +129,9 @@ class ByModel:
     the model is read where that application reads it:
 
     * a route whose path carries the model (``/openai/deployments/{model}/chat/completions``,
-      ``/engines/{model}/completions``...): the path's model, which wins over the body's
-      (the body is then not read);
+      ``/engines/{model}/completions``...), or whose query string may
+      (``/v1/chat/completions?model=...``): that model, which wins over the body's (the
+      body is then not read);
     * else the body's ``model``: a form body (``multipart/form-data``,
       ``application/x-www-form-urlencoded``) by its fields, parsed by Starlette's own form
       parser (the one LiteLLM's ``request.form()`` uses, imported only then), any other
@@ -189,9 +190,10 @@ class ByModel:
         return content_type is None or not content_type.lower().lstrip().startswith(self.FORMS)
 
     def inference_route(self, scope: Scope) -> tuple[ModelRoute, str] | None:
-        """The table's route of this request and the model its path carries (or "")."""
+        """The table's route of this request and the model its path or query string
+        carries (or "")."""
         path = route_path(scope.get("path", ""), scope.get("root_path", ""))
-        return match(self.routes, scope.get("method", ""), path)
+        return match(self.routes, scope.get("method", ""), path, scope.get("query_string", b""))
 
 
 by_model: Final = ByModel()
@@ -416,9 +418,9 @@ class AdmissionMiddleware:
         assert self._models is not None
         inference = selector.inference_route(scope)
         if inference is not None:
-            chosen, path_model = inference
-            if path_model:  # the path's model wins: the body need not be read
-                return self._models.provider(path_model), receive
+            chosen, endpoint_model = inference
+            if endpoint_model:  # the path's or query's model wins: the body is not read
+                return self._models.provider(endpoint_model), receive
         elif not selector.wants_body(scope):
             return None, receive
         messages = await _read_body(scope, receive, selector.max_body)

@@ -6,8 +6,10 @@ A table lists the application's **inference routes** in its own order of matchin
 first route whose pattern matches the path wins, as in Starlette's router), each with:
 
 * the path parameter that carries the model, if any (the Azure- and engine-style routes:
-  ``/openai/deployments/{model}/chat/completions``); it wins over the body's ``model``
-  when it is not empty;
+  ``/openai/deployments/{model}/chat/completions``), or the query parameter (FastAPI takes
+  an endpoint's ``model`` argument that is not in its path from the query string:
+  ``/v1/chat/completions?model=...``); either wins over the body's ``model`` when it is
+  not empty;
 * how a form body is read (``multipart/form-data``, ``application/x-www-form-urlencoded``):
   ``dict(form)`` (the last ``model`` field) or the field-by-field walk of LiteLLM's
   ``get_form_data`` (where ``model[]`` makes a list of the model, not a string).
@@ -28,6 +30,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from typing import Final, NamedTuple
+from urllib.parse import parse_qsl
 
 FORM_TYPES: Final = frozenset({"application/x-www-form-urlencoded", "multipart/form-data"})
 
@@ -47,32 +50,54 @@ def compile_template(template: str) -> re.Pattern[str]:
 
 class ModelRoute(NamedTuple):
     """One inference route: ``template`` (Starlette's syntax), the name of its path
-    parameter that carries the model (or None), and whether a form body is read
-    field by field (``get_form_data``) instead of as ``dict(form)``."""
+    parameter that carries the model (or None), the name of the query parameter that
+    does (or None), and whether a form body is read field by field (``get_form_data``)
+    instead of as ``dict(form)``."""
 
     template: str
     path_model: str | None
     pattern: re.Pattern[str]
+    query_model: str | None = None
     form_items: bool = False
 
 
-def route(template: str, path_model: str | None = None, *, form_items: bool = False) -> ModelRoute:
-    return ModelRoute(template, path_model, compile_template(template), form_items)
+def route(
+    template: str,
+    path_model: str | None = None,
+    *,
+    query_model: str | None = None,
+    form_items: bool = False,
+) -> ModelRoute:
+    return ModelRoute(template, path_model, compile_template(template), query_model, form_items)
 
 
 RouteTable = Sequence[ModelRoute]
 
 
-def match(table: RouteTable, method: str, path: str) -> tuple[ModelRoute, str] | None:
+def match(
+    table: RouteTable, method: str, path: str, query_string: bytes = b""
+) -> tuple[ModelRoute, str] | None:
     """The first route of ``table`` that a ``POST`` to ``path`` matches, with the model its
-    path carries (``""`` when none); None for any other request."""
+    path or query string carries (``""`` when none); None for any other request."""
     if method != "POST":
         return None
     for r in table:
         m = r.pattern.match(path)
-        if m is not None:
-            return r, (m[r.path_model] if r.path_model is not None else "")
+        if m is None:
+            continue
+        if r.path_model is not None:
+            return r, m[r.path_model]
+        if r.query_model is not None:
+            return r, query_value(query_string, r.query_model)
+        return r, ""
     return None
+
+
+def query_value(query_string: bytes, name: str) -> str:
+    """The last value of ``name`` in the query string, as Starlette's ``QueryParams`` and
+    FastAPI's scalar query parameters read it (``""`` when absent)."""
+    pairs = parse_qsl(query_string.decode("latin-1"), keep_blank_values=True)
+    return next((value for key, value in reversed(pairs) if key == name), "")
 
 
 def route_path(path: str, root_path: str) -> str:
@@ -100,18 +125,21 @@ def form_model(items: Iterable[tuple[str, object]], *, field_by_field: bool) -> 
     return model
 
 
-def resolve(path_model: str, body_model: object) -> str | None:
-    """The model the application serves: the path's when not empty, else the body's
-    (``resolve_inference_model``: ``endpoint_model or body_model``); None when that is
-    not a string naming something."""
-    model = path_model or body_model
+def resolve(endpoint_model: str, body_model: object) -> str | None:
+    """The model the application serves: the path's or query's when not empty, else the
+    body's (``resolve_inference_model``: ``endpoint_model or body_model``); None when that
+    is not a string naming something."""
+    model = endpoint_model or body_model
     return model if isinstance(model, str) and model else None
 
 
 def _both(
-    *templates: str, path_model: str | None = None, form_items: bool = False
+    *templates: str,
+    path_model: str | None = None,
+    query_model: str | None = None,
+    form_items: bool = False,
 ) -> list[ModelRoute]:
-    return [route(t, path_model, form_items=form_items) for t in templates]
+    return [route(t, path_model, query_model=query_model, form_items=form_items) for t in templates]
 
 
 # litellm.proxy.proxy_server:app, POST routes that call a model, in the app's order.
@@ -121,28 +149,28 @@ LITELLM: Final[tuple[ModelRoute, ...]] = (
         "/engines/{model:path}/chat/completions",
         path_model="model",
     ),
-    *_both("/chat/completions", "/v1/chat/completions"),
+    *_both("/chat/completions", "/v1/chat/completions", query_model="model"),
     *_both(
         "/openai/deployments/{model:path}/completions",
         "/engines/{model:path}/completions",
         path_model="model",
     ),
-    *_both("/completions", "/v1/completions"),
+    *_both("/completions", "/v1/completions", query_model="model"),
     *_both(
         "/openai/deployments/{model:path}/embeddings",
         "/engines/{model:path}/embeddings",
         path_model="model",
     ),
-    *_both("/embeddings", "/v1/embeddings"),
+    *_both("/embeddings", "/v1/embeddings", query_model="model"),
     *_both("/moderations", "/v1/moderations"),
     *_both("/audio/speech", "/v1/audio/speech"),
     *_both("/audio/transcriptions", "/v1/audio/transcriptions", form_items=True),
     *_both("/openai/v1/responses", "/responses", "/v1/responses"),
     *_both("/rerank", "/v1/rerank", "/v2/rerank"),
     route("/openai/deployments/{model:path}/images/generations", "model"),
-    *_both("/images/generations", "/v1/images/generations"),
+    *_both("/images/generations", "/v1/images/generations", query_model="model"),
     route("/openai/deployments/{model:path}/images/edits", "model"),
-    *_both("/images/edits", "/v1/images/edits"),
+    *_both("/images/edits", "/v1/images/edits", query_model="model"),
     *_both(
         "/models/{model_name:path}:generateContent",
         "/v1beta/models/{model_name:path}:generateContent",
@@ -150,5 +178,6 @@ LITELLM: Final[tuple[ModelRoute, ...]] = (
         "/v1beta/models/{model_name:path}:streamGenerateContent",
         path_model="model_name",
     ),
+    route("/queue/chat/completions", query_model="model"),
 )
 """LiteLLM's proxy (the routes ``by_model`` knows by default; docs/litellm.md lists them)."""

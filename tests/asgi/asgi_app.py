@@ -16,7 +16,8 @@ Routes:
   With ``GWT_BY_MODEL=1`` the provider is ``by_model`` (the body's ``model``).
 - ``POST /deployments/{model}/hold?name=N``: the same. With ``GWT_BY_MODEL=table`` the
   provider is a ``ByModel`` whose table is :data:`TABLE` (this route carries the model
-  in its path; ``/v1/hold`` in its body), with ``$GWT_BY_MODEL_DEFAULT`` as its default.
+  in its path; ``/v1/hold`` in its query string or body), with ``$GWT_BY_MODEL_DEFAULT``
+  as its default.
 - ``GET /health`` (not admitted): ``ok``.
 - websocket ``/ws`` (not admitted): accepts and closes.
 """
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from handler_shim.asgi import AdmissionMiddleware, ByModel, ProviderChoice, by_model
 from handler_shim.model_routes import route
 
-TABLE = (route("/deployments/{model:path}/hold", "model"), route("/v1/hold"))
+TABLE = (route("/deployments/{model:path}/hold", "model"), route("/v1/hold", query_model="model"))
 
 RELEASE_DIR = Path(os.environ.get("GWT_RELEASE_DIR", "/nonexistent"))
 

@@ -221,7 +221,7 @@ def answer_of(req: RawRequest) -> tuple[int, dict[str, Any]]:
     return int(head.split(b" ", 2)[1]), json.loads(body)["error"]
 
 
-def test_r_a1_by_model_table_the_path_model_wins_and_form_bodies_are_read_by_their_fields(
+def test_r_a1_by_model_table_the_path_or_query_model_wins_and_forms_are_read_by_their_fields(
     start_server: StartServer, by_model_config: Path
 ) -> None:
     pytest.importorskip("starlette", reason="forms are read with Starlette's parser")
@@ -277,8 +277,14 @@ def test_r_a1_by_model_table_the_path_model_wins_and_form_bodies_are_read_by_the
     server.release()
     for req in (in_path, urlencoded, multipart):
         assert req.read_all().endswith(b"done\n\r\n0\r\n\r\n")
+    # the query string's model wins over the body's too (FastAPI's query parameter)
+    in_query = post(server, "q&model=alias-1", completion("alias-2"))
+    assert in_query.read_all().endswith(b"done\n\r\n0\r\n\r\n")
     wait_counts(server, {"p1": (0, 0), "p2": (0, 0)})
     assert holder_count(server.segment) == 0
+    doc = json.loads(run_cli("inspect", "--segment", server.segment, "--json").stdout)
+    admitted = {p["id"]: p["counters"]["admitted_total"] for p in doc["providers"]}
+    assert admitted == {"p1": 2, "p2": 2}
 
 
 def test_by_model_table_a_request_whose_model_cannot_be_read_goes_to_the_named_default(

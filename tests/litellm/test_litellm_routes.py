@@ -60,7 +60,11 @@ for path in json.load(sys.stdin):
     answers[path] = None if hit is None else [
         hit.path, hit.name, hit.path_regex.match(path).groupdict()
     ]
-print(json.dumps({"answers": answers, "templates": [[r.path, r.name] for r in routes]}))
+def params(r, kind):
+    return [p.name for p in getattr(r.dependant, kind)]
+
+templates = [[r.path, params(r, "path_params"), params(r, "query_params")] for r in routes]
+print(json.dumps({"answers": answers, "templates": templates}))
 """
 
 
@@ -98,10 +102,19 @@ def test_the_litellm_table_matches_litellms_own_router_in_its_order() -> None:
         assert ours[0].template == template, (path, real)
         if ours[0].path_model is not None:
             assert params[ours[0].path_model] == ours[1], (path, params)
-    # every POST route of LiteLLM whose path carries a model is in the table
-    in_path = {t for t, _ in doc["templates"] if re.search(r"\{model(_name)?(:path)?\}", t)}
-    counted = {t for t in in_path if not t.endswith(":countTokens")}
-    assert counted <= ours_templates, sorted(counted - ours_templates)
+    # every POST route of LiteLLM whose path or query string carries a model is in the
+    # table, with the same parameter
+    carried = {
+        t: (
+            next((p for p in path if p.startswith("model")), None),
+            "model" if "model" in query else None,
+        )
+        for t, path, query in doc["templates"]
+        if not t.endswith(":countTokens")
+    }
+    carried = {t: names for t, names in carried.items() if names != (None, None)}
+    ours = {r.template: (r.path_model, r.query_model) for r in LITELLM}
+    assert {t: ours.get(t) for t in carried} == carried
 
 
 def routes_yaml(directory: Path, upstream: HoldingUpstream) -> Path:
@@ -169,6 +182,10 @@ def test_r_a1_by_model_holds_every_litellm_route_shape_to_the_limit_of_the_provi
         "azure path, no body model": (azure, {"json": {"messages": MESSAGES}}),
         "azure path, another provider's alias in the body": (
             azure,
+            {"json": {"model": OTHER_ALIAS, "messages": MESSAGES}},
+        ),
+        "json route, the alias in the query, another provider's in the body": (
+            f"/v1/chat/completions?model={ALIAS}",
             {"json": {"model": OTHER_ALIAS, "messages": MESSAGES}},
         ),
         "engine path, form body": (
