@@ -7,9 +7,13 @@
 LiteLLM's own ``max_parallel_requests`` is counted per worker process (and per
 generation during an upgrade); here every worker, and every other gateway on the host
 that admits through gateway-capacity, draws on one budget per provider with no Redis.
-The request's ``model`` (a LiteLLM ``model_name``) is looked up in the gateway
-config's ``models`` maps: name each LiteLLM ``model_name`` there as an alias of the
-provider that serves it (``"models": {"local-workhorse": "workhorse"}``).
+The request's model (a LiteLLM ``model_name``, read where LiteLLM reads it: the path of
+its Azure- and engine-style routes or the query string, else the form or JSON body) is
+looked up in the gateway config's ``models`` maps: name each LiteLLM ``model_name`` there
+as an alias of the provider that serves it (``"models": {"local-workhorse": "workhorse"}``).
+An inference request whose model cannot be read is refused 400;
+``ByModel(default="<provider>")`` in place of ``by_model`` admits such requests on that
+provider instead (docs/litellm.md).
 
 Environment (read in each worker process): ``GATEWAY_CONFIG`` (required),
 ``GATEWAY_GENERATION`` (default ``litellm``), ``GATEWAY_ADMISSION_TIMEOUT`` (seconds a

@@ -14,6 +14,10 @@ Routes:
   away ends it early (as Starlette's streaming responses do). A ``POST`` reads
   its whole body first and sends ``body <sha256> <length>`` after that first line.
   With ``GWT_BY_MODEL=1`` the provider is ``by_model`` (the body's ``model``).
+- ``POST /deployments/{model}/hold?name=N``: the same. With ``GWT_BY_MODEL=table`` the
+  provider is a ``ByModel`` whose table is :data:`TABLE` (this route carries the model
+  in its path; ``/v1/hold`` in its query string or body), with ``$GWT_BY_MODEL_DEFAULT``
+  as its default.
 - ``GET /health`` (not admitted): ``ok``.
 - websocket ``/ws`` (not admitted): accepts and closes.
 """
@@ -30,7 +34,10 @@ from urllib.parse import parse_qs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from handler_shim.asgi import AdmissionMiddleware, by_model
+from handler_shim.asgi import AdmissionMiddleware, ByModel, ProviderChoice, by_model
+from handler_shim.model_routes import route
+
+TABLE = (route("/deployments/{model:path}/hold", "model"), route("/v1/hold", query_model="model"))
 
 RELEASE_DIR = Path(os.environ.get("GWT_RELEASE_DIR", "/nonexistent"))
 
@@ -52,7 +59,7 @@ async def inner(scope: dict[str, Any], receive: Any, send: Any) -> None:
     path = scope["path"]
     if path == "/health":
         await _whole(send, 200, b"ok\n")
-    elif path == "/v1/hold":
+    elif path == "/v1/hold" or (path.startswith("/deployments/") and path.endswith("/hold")):
         query = parse_qs(scope.get("query_string", b"").decode())
         name = query.get("name", ["-"])[0]
         body = None
@@ -118,11 +125,18 @@ def _provider(scope: dict[str, Any]) -> str | None:
     return "p1" if scope["path"].startswith("/v1/") else None
 
 
+def _choice() -> ProviderChoice:
+    mode = os.environ.get("GWT_BY_MODEL")
+    if mode == "table":
+        return ByModel(routes=TABLE, default=os.environ.get("GWT_BY_MODEL_DEFAULT") or None)
+    return by_model if mode == "1" else _provider
+
+
 app = AdmissionMiddleware(
     inner,
     config=os.environ.get("GWT_CONFIG") or None,
     segment=os.environ.get("GWT_SEGMENT") or None,
     generation=lambda: os.environ.get("GWT_GENERATION", "asgi-test"),
-    provider=by_model if os.environ.get("GWT_BY_MODEL") == "1" else _provider,
+    provider=_choice(),
     timeout=float(os.environ.get("GWT_TIMEOUT", "30")),
 )

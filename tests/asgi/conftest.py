@@ -45,7 +45,8 @@ def start_server(tmp_path: Path, segment_name: str, asgi_config: Path) -> Iterat
         generation: str = "gen-A",
         config: Path | None = asgi_config,
         wait_attached: bool = True,
-        by_model: bool = False,
+        by_model: bool | str = False,
+        env_extra: dict[str, str] | None = None,
     ) -> Server:
         release_dir = tmp_path / f"release-{len(servers)}"
         release_dir.mkdir()
@@ -58,7 +59,8 @@ def start_server(tmp_path: Path, segment_name: str, asgi_config: Path) -> Iterat
             "GWT_TIMEOUT": str(timeout),
             "GWT_RELEASE_DIR": str(release_dir),
             "PYTHONUNBUFFERED": "1",
-            "GWT_BY_MODEL": "1" if by_model else "0",
+            "GWT_BY_MODEL": by_model if isinstance(by_model, str) else "1" if by_model else "0",
+            **(env_extra or {}),
         }
         pidfile = None
         if kind == "uvicorn":

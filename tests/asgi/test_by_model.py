@@ -160,7 +160,7 @@ def test_by_model_refuses_an_oversize_body_413_and_a_body_that_is_not_a_json_obj
             break  # the server answered and closed
     status, error, _ = answer(chunked)
     assert status == 413 and error["code"] == "request_too_large"
-    for bad in (b"{not json", b"\xff\xfe", b'["alias-1"]', b'"alias-1"'):
+    for bad in (b"{not json", b"\xff\xfe", b'["alias-1"]', b'"alias-1"', b"[" * 100_000):
         status, error, _ = answer(post(server, "bad", bad))
         assert status == 400 and error["code"] == "invalid_json", bad
         assert error["type"] == "invalid_request_error"
@@ -213,3 +213,97 @@ def test_r_a4_by_model_a_client_that_leaves_while_its_body_is_read_or_while_it_w
     wait_counts(server, {"p1": (0, 0), "p2": (0, 0)})
     assert holder_count(server.segment) == 0
     assert "Traceback" not in server.output()
+
+
+def answer_of(req: RawRequest) -> tuple[int, dict[str, Any]]:
+    raw = req.read_all()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)["error"]
+
+
+def test_r_a1_by_model_table_the_path_or_query_model_wins_and_forms_are_read_by_their_fields(
+    start_server: StartServer, by_model_config: Path
+) -> None:
+    pytest.importorskip("starlette", reason="forms are read with Starlette's parser")
+    server = start_server("uvicorn", config=by_model_config, by_model="table")
+    # the path names p1's alias, the body p2's: the path wins, as in LiteLLM
+    body = completion("alias-2")
+    in_path = RawRequest(
+        server.port,
+        "/deployments/alias-1/hold?name=a",
+        method="POST",
+        body=body,
+        headers={"Content-Type": "application/json"},
+    )
+    in_path.admitted_pid()
+    wait_counts(server, {"p1": (1, 0), "p2": (0, 0)})
+    form = b"messages=hi&model=alias-1&model=alias-2"  # the last field wins, as in dict(form)
+    urlencoded = post(
+        server, "u", form, headers={"Content-Type": "application/x-www-form-urlencoded"}
+    )
+    multipart_body = (
+        b'--b0\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+        b"Content-Type: audio/wav\r\n\r\nRIFF\x00\xff\r\n"
+        b'--b0\r\nContent-Disposition: form-data; name="model"\r\n\r\nalias-2\r\n--b0--\r\n'
+    )
+    multipart = post(
+        server, "m", multipart_body, headers={"Content-Type": "multipart/form-data; boundary=b0"}
+    )
+    wait_counts(server, {"p1": (1, 0), "p2": (2, 0)})
+    for name, req, sent in (
+        ("a", in_path, body),
+        ("u", urlencoded, form),
+        ("m", multipart, multipart_body),
+    ):
+        if name != "a":
+            req.admitted_pid()
+        assert req.body_line() == (hashlib.sha256(sent).hexdigest(), len(sent)), name
+    # a model that cannot be read on a table route: refused, never passed on unadmitted
+    for path, unreadable, kind in (
+        ("/v1/hold?name=x", completion(None), "application/json"),
+        ("/v1/hold?name=x", b"", "application/json"),
+        ("/v1/hold?name=x", b"prompt=hi", "application/x-www-form-urlencoded"),
+        ("/deployments//hold?name=x", b'{"messages": []}', "application/json"),
+    ):
+        req = RawRequest(
+            server.port, path, method="POST", body=unreadable, headers={"Content-Type": kind}
+        )
+        status, error = answer_of(req)
+        assert (status, error["code"]) == (400, "model_required"), (path, unreadable)
+    broken = post(server, "x", b"--b0\r\n", headers={"Content-Type": "multipart/form-data"})
+    status, error = answer_of(broken)
+    assert (status, error["code"]) == (400, "invalid_form")
+    assert counts(server, "p1") == (1, 0) and counts(server, "p2") == (2, 0)
+    server.release()
+    for req in (in_path, urlencoded, multipart):
+        assert req.read_all().endswith(b"done\n\r\n0\r\n\r\n")
+    # the query string's model wins over the body's too (FastAPI's query parameter)
+    in_query = post(server, "q&model=alias-1", completion("alias-2"))
+    assert in_query.read_all().endswith(b"done\n\r\n0\r\n\r\n")
+    wait_counts(server, {"p1": (0, 0), "p2": (0, 0)})
+    assert holder_count(server.segment) == 0
+    doc = json.loads(run_cli("inspect", "--segment", server.segment, "--json").stdout)
+    admitted = {p["id"]: p["counters"]["admitted_total"] for p in doc["providers"]}
+    assert admitted == {"p1": 2, "p2": 2}
+
+
+def test_by_model_table_a_request_whose_model_cannot_be_read_goes_to_the_named_default(
+    start_server: StartServer, by_model_config: Path
+) -> None:
+    server = start_server(
+        "uvicorn",
+        config=by_model_config,
+        by_model="table",
+        env_extra={"GWT_BY_MODEL_DEFAULT": "p1"},
+    )
+    first = post(server, "d1", b'{"messages": []}')
+    first.admitted_pid()
+    second = post(server, "d2", b"")
+    wait_counts(server, {"p1": (1, 1), "p2": (0, 0)})  # p1's limit of 1 holds them
+    known = post(server, "k", completion("alias-2"))  # a readable model keeps its own
+    known.admitted_pid()
+    wait_counts(server, {"p1": (1, 1), "p2": (1, 0)})
+    server.release()
+    for req in (first, second, known):
+        assert req.read_all().endswith(b"done\n\r\n0\r\n\r\n")
+    wait_counts(server, {"p1": (0, 0), "p2": (0, 0)})

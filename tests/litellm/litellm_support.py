@@ -23,17 +23,25 @@ UPSTREAM_MODEL = "workhorse"
 
 
 class HoldingUpstream(ThreadingHTTPServer):
-    """``POST /v1/chat/completions``: a streamed answer sends its first chunk at once, then
-    every answer waits until ``release`` is set. Counts what it saw."""
+    """``POST /v1/chat/completions`` (and ``/v1/completions``): a streamed answer sends its
+    first chunk at once, then every answer waits until ``release`` is set (or ``hold``
+    seconds have passed). Counts what it saw, and the most it held at once (``peak``)."""
 
     daemon_threads = True
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _UpstreamHandler)
         self.release = threading.Event()
+        self.hold = 60.0
         self.lock = threading.Lock()
         self.seen = 0
         self.models: list[str] = []
+        self.inflight = 0
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        with self.lock:
+            self.peak = self.inflight
 
     @property
     def base(self) -> str:
@@ -51,7 +59,17 @@ class _UpstreamHandler(BaseHTTPRequestHandler):
         with self.server.lock:
             self.server.seen += 1
             self.server.models.append(body.get("model"))
+            self.server.inflight += 1
+            self.server.peak = max(self.server.peak, self.server.inflight)
+        try:
+            self._answer(body)
+        finally:
+            with self.server.lock:
+                self.server.inflight -= 1
+
+    def _answer(self, body: dict[str, Any]) -> None:
         model = body.get("model", "?")
+        hold = self.server.hold
         try:
             if body.get("stream"):
                 self.send_response(200)
@@ -69,10 +87,15 @@ class _UpstreamHandler(BaseHTTPRequestHandler):
                     }
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
-                    self.server.release.wait(60)
+                    self.server.release.wait(hold)
                 self.wfile.write(b"data: [DONE]\n\n")
                 return
-            self.server.release.wait(60)
+            self.server.release.wait(hold)
+            if not self.path.endswith("/chat/completions"):  # a text completion
+                choice = {"index": 0, "text": "ok", "finish_reason": "stop", "logprobs": None}
+                text = {"id": "t", "object": "text_completion", "created": 1, "model": model}
+                self._send({**text, "choices": [choice]})
+                return
             answer = json.dumps(
                 {
                     "id": "c",
@@ -89,6 +112,17 @@ class _UpstreamHandler(BaseHTTPRequestHandler):
                     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
                 }
             ).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+        except OSError:
+            pass  # the caller went away
+
+    def _send(self, doc: dict[str, Any]) -> None:
+        answer = json.dumps(doc).encode()
+        try:
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(answer)))
