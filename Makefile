@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 PREFIX ?= /opt/gateway-capacity
 EXTRAS ?=
 
-.PHONY: test demo lint bench drill soak clean schemas install wheel completions mac-check runs
+.PHONY: check test demo lint bench drill soak clean schemas install wheel completions mac-check runs
 
 UNAME := $(shell uname -s)
 
@@ -63,6 +63,12 @@ DARWIN_TESTS := tests/admission tests/asgi \
 	tests/shm/test_views_operator.py tests/shm/test_one_line_errors.py \
 	tests/demo/test_demo.py::test_demo_shows_20_then_10_then_20_and_leaves_nothing_behind_twice_in_a_row
 
+# The fast tier, for the edit-test loop: every test but those tests/conftest.py marks slow
+# (a container, a wheel build, LiteLLM, a long run by design); under 2 minutes on 2 cores.
+check: $(STAMP)
+	$(PY) -m pytest -n auto -q -m 'not slow'
+
+# The whole suite, for CI and before a merge.
 test: $(STAMP) $(WHEEL_TOOLS)
 	./scripts/ensure-tools
 	$(PY) -m pytest -n auto -q
