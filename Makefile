@@ -6,18 +6,30 @@ STAMP  := $(VENV)/.installed
 
 # `make install`: an operator install, the program and its runtime
 # dependencies only (no test or lint extras) in a venv of its own, where the
-# systemd unit's ExecStart= expects it (docs/systemd.md).
+# systemd unit's ExecStart= expects it (docs/systemd.md). EXTRAS=router on the host
+# that runs the reference router (starlette, uvicorn), EXTRAS=serve for gunicorn.
 PREFIX ?= /opt/gateway-capacity
+EXTRAS ?=
 
-.PHONY: test demo lint bench drill soak clean schemas install wheel completions mac-check runs
+.PHONY: check test demo lint bench drill soak clean schemas install wheel completions mac-check runs
 
 UNAME := $(shell uname -s)
 
+# Two stamps: what the whole suite needs (every extra), and what the demo needs (the
+# program, the reference router and the picture), so that `make demo` on a fresh clone
+# does not wait for the test, lint, bench and LiteLLM extras.
 $(STAMP): pyproject.toml setup.py shm_layout/_core.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,lint,bench,plot,litellm]'
-	touch $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,lint,bench,plot,router,serve,litellm]'
+	touch $(STAMP) $(DEMO_STAMP)
+
+DEMO_STAMP := $(VENV)/.installed-demo
+$(DEMO_STAMP): pyproject.toml setup.py shm_layout/_core.c
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[router,plot]'
+	touch $(DEMO_STAMP)
 
 # `make wheel`'s tools, from PyPI into the venv (tests/repo/test_wheel.py uses them too)
 WHEEL_TOOLS := $(VENV)/.wheel-tools
@@ -52,6 +64,12 @@ DARWIN_TESTS := tests/admission tests/asgi \
 	tests/shm/test_views_operator.py tests/shm/test_one_line_errors.py \
 	tests/demo/test_demo.py::test_demo_shows_20_then_10_then_20_and_leaves_nothing_behind_twice_in_a_row
 
+# The fast tier, for the edit-test loop: every test but those tests/conftest.py marks slow
+# (a container, a wheel build, LiteLLM, a long run by design); under 2 minutes on 2 cores.
+check: $(STAMP)
+	$(PY) -m pytest -n auto -q -m 'not slow'
+
+# The whole suite, for CI and before a merge.
 test: $(STAMP) $(WHEEL_TOOLS)
 	./scripts/ensure-tools
 	$(PY) -m pytest -n auto -q
@@ -69,13 +87,14 @@ MAC_CHECK := tests/admission tests/shm/test_core_model.py tests/shm/test_lock_re
 mac-check: $(STAMP)
 	$(PY) -m pytest -n auto -rs $(MAC_CHECK)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/gateway-capacity demo
 
 # ruff, mypy --strict, and the admission core cross-compiled for aarch64-macos and
 # x86_64-macos with zig (ziglang from PyPI, the lint extra), warnings as errors
 # (scripts/macos_cross_check.py says what that proves and what it does not).
-LINT_PY := sidecar shm_layout handler_shim capacity_router gateway_capacity examples drill \
+LINT_PY := sidecar shm_layout handler_shim gateway_config capacity_router gateway_capacity \
+	examples drill \
 	scripts/cli_files.py scripts/macos_cross_check.py
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PY) tests
@@ -117,7 +136,7 @@ bench: $(STAMP)
 WHEEL ?=
 install:
 	test -x $(PREFIX)/bin/python || $(PYTHON) -m venv $(PREFIX)
-	$(PREFIX)/bin/python -m pip install --quiet --upgrade $(or $(WHEEL),.)
+	$(PREFIX)/bin/python -m pip install --quiet --upgrade '$(or $(WHEEL),.)$(if $(EXTRAS),[$(EXTRAS)])'
 	install -D -m 0644 docs/systemd.md $(PREFIX)/share/doc/gateway-capacity/systemd.md
 	install -D -m 0644 systemd/gateway-capacity-sidecar@.service \
 		$(PREFIX)/share/gateway-capacity/systemd/gateway-capacity-sidecar@.service

@@ -2,7 +2,9 @@
 
 Answers ``GET /v1/capacity`` with the sum, per model id, of the slots of
 distinct healthy, registered, unfenced workers. Shares only the contract
-types (``sidecar.contract``) with the rest of the project.
+types (``sidecar.contract``) with the rest of the project. The HTTP server
+(``RouterServer``, ``build_app``) needs the ``router`` extra (starlette, uvicorn) and
+loads on first use; the rest, a router's client included, needs only the core.
 
 Public API::
 
@@ -13,12 +15,16 @@ Public API::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .aggregate import Observation, aggregate
-from .app import RouterServer, build_app
 from .keyfile import KeyFileError, read_key_file
 from .poller import CapacityObserver, FencedInRegistry, UnknownWorker, WorkerStatus
 from .registry import RegistryError, RegistryFile, RegistryWatcher, Worker, parse_registry
 from .simworker import SimWorker
+
+if TYPE_CHECKING:
+    from .app import RouterServer, build_app
 
 __all__ = [
     "CapacityObserver",
@@ -38,3 +44,11 @@ __all__ = [
     "parse_registry",
     "read_key_file",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("RouterServer", "build_app"):
+        from . import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module 'capacity_router' has no attribute {name!r}")

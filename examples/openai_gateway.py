@@ -59,8 +59,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from gateway_config import ConfigError, ProviderConfig, read_config_file
 from handler_shim.asgi import GRANT_HEADER, GRANT_KEY, AdmissionMiddleware, Grant
-from sidecar.config import ConfigError, ProviderConfig, load_config
 from sidecar.credential import CredentialError, read_credential
 
 log = logging.getLogger("openai_gateway")
@@ -116,7 +116,7 @@ class ConfigCache:
 
 
 def _pick_provider(path: str) -> ProviderConfig:
-    config = load_config(path)
+    config = read_config_file(path)
     wanted = os.environ.get("GATEWAY_PROVIDER")
     for provider in config.providers:
         if (wanted is None and provider.base_url) or provider.id == wanted:

@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from gateway_capacity.common import fail
+from gateway_capacity.common import fail, require_router_extra
 from gateway_capacity.exits import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from gateway_capacity.logs import add_log_options
 from gateway_capacity.schemas import SCHEMA_VERSION
@@ -230,6 +230,7 @@ def _stop_on_signals() -> threading.Event:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    require_router_extra("the reference router")
     from capacity_router import KeyFileError, RegistryError, RouterServer
     from gateway_capacity.logs import setup_logging
 

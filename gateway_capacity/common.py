@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from typing import NoReturn
@@ -61,3 +62,19 @@ def shorten(text: str, limit: int = TEXT_REASON_MAX) -> str:
     """``text`` on one line, cut to ``limit`` characters with a visible ellipsis."""
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+ROUTER_EXTRA = ("starlette", "uvicorn")
+
+
+def require_router_extra(what: str) -> None:
+    """Exit 2 with the install command when ``what`` needs the reference router's HTTP
+    stack (the ``router`` extra) and it is not installed: a handler host has no need of it.
+    """
+    missing = [name for name in ROUTER_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        fail(
+            f"{what} needs {' and '.join(missing)}: install the router extra "
+            "(pip install 'gateway-capacity[router]')",
+            code=EXIT_USAGE,
+        )

@@ -485,6 +485,9 @@ class DemoFailed(Exception):
 
 
 def run(args: argparse.Namespace) -> int:
+    from gateway_capacity.common import require_router_extra
+
+    require_router_extra("the demo (it runs the reference router)")
     out = sys.stderr if args.json else sys.stdout
     demo = Demo(args.fast, out)
     summary: dict[str, Any] = {"schema_version": SCHEMA_VERSION}

@@ -66,8 +66,8 @@ from shm_layout.segment import (
 from shm_layout.writer import TableFull
 
 if TYPE_CHECKING:
+    from gateway_config import ConfigError
     from handler_shim.asgi import AdmissionMiddleware
-    from sidecar.config import ConfigError
 
 __all__ = [
     "Admission",
@@ -105,7 +105,7 @@ def __getattr__(name: str) -> Any:
 
         return AdmissionMiddleware
     if name == "ConfigError":
-        from sidecar.config import ConfigError
+        from gateway_config import ConfigError
 
         return ConfigError
     raise AttributeError(f"module 'handler_shim' has no attribute {name!r}")

@@ -68,7 +68,8 @@ from shm_layout.owners import OwnerPolicy
 from shm_layout.segment import Segment, remove_doorbell
 
 # What a handler's ``import handler_shim`` loads is what a slot needs; asyncio (with ssl
-# and concurrent.futures), the model, the writer and the views load when used (issue 19).
+# and concurrent.futures), the model, the writer and the views load when used
+# (tests/repo/test_packaging.py checks what it loads).
 if TYPE_CHECKING:
     import asyncio
     from collections.abc import Callable, Coroutine
@@ -141,10 +142,9 @@ class ProviderEntry:
 
 
 def providers_from_config(path: str | os.PathLike[str]) -> list[ProviderEntry]:
-    from sidecar.config import load_config  # config types and rules only: no httpx
-    from sidecar.limits import fallback_for
+    from gateway_config import fallback_for, read_config_file
 
-    cfg = load_config(path)
+    cfg = read_config_file(path)
     for skipped in cfg.skipped:
         log.warning("config %s: %s", cfg.source, skipped)
     out = []

@@ -609,14 +609,14 @@ class ModelMap:
         return self._map.get(model)
 
     def _refresh(self) -> None:
-        from sidecar.config import ConfigError, load_config  # config types only: no httpx
+        from gateway_config import ConfigError, read_config_file
 
         try:
             st = os.stat(self.path)
             stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
             if stamp == self._stamp:
                 return
-            config = load_config(self.path)
+            config = read_config_file(self.path)
         except (OSError, ConfigError) as exc:
             self._complain(f"by_model: {exc}; keeping the last good model map")
             return

@@ -22,8 +22,8 @@ Three layers, each needed because the one before proves too little:
 host once (in a thread, so a hung resolver cannot outlive the caller's deadline)
 and returns the pinned addresses the probe may connect to, or why none.
 
-Nothing here imports httpx at module level: ``sidecar.config`` (and through it
-``handler_shim``) uses the pure functions.
+Nothing here imports httpx at module level: ``sidecar.config`` uses the pure
+functions.
 """
 
 from __future__ import annotations

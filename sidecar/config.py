@@ -16,71 +16,65 @@ its :class:`ProviderStatus` says why, in one of these forms:
 - ``opt_in_refused:<why>``: the host may not receive the credential (R-P1);
 - ``config_invalid:<why>``: a field has the wrong type or value.
 
-An entry without a usable ``id`` (a string of 1..64 UTF-8 bytes without
-control characters: the shared segment stores ids in 64 bytes) or repeating an
-earlier id cannot be admitted for at all; it is listed in
-:attr:`GatewayConfig.skipped` with the reason.
-
-This module must stay importable by ``handler_shim``: no httpx, no probe.
+Reading and typing the file is ``gateway_config``'s, which the handlers use alone;
+its names are re-exported here for the sidecar and the CLI. An entry without a usable
+``id`` is listed in :attr:`GatewayConfig.skipped` with the reason.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Final, Literal
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import msgspec
 
-from shm_layout.errors import GatewayCapacityError
+from gateway_config import (
+    ENTRY_FIELDS,
+    MAX_LIMIT,
+    MAX_PROVIDER_ID_BYTES,
+    RANGE_ONLY,
+    UTF8_BOM,
+    ConfigError,
+    ConfigFile,
+    LimitSetting,
+    ProviderConfig,
+    TailnetCheck,
+    Uid,
+    UpstreamModelId,
+    UserName,
+    field_message,
+    parse_config_file,
+    read_config_file,
+)
 from sidecar.addresses import classify, is_localhost_name, parse_ip, static_opt_in
 from sidecar.credential import check_credential_spec
 
-MAX_PROVIDER_ID_BYTES: Final = 64
-MAX_LIMIT: Final = 2**31 - 1  # fits any 32-bit counter in the segment
-
-LimitSetting = Annotated[int, msgspec.Meta(ge=0, le=MAX_LIMIT)]
-Uid = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]
-UserName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-# R-P1: "peer" asks the local tailscaled (LocalAPI whois) and refuses when it cannot
-# vouch; "range-only" is the operator's explicit choice to accept Tailscale addresses on
-# their range alone (a Mac with the GUI app has no LocalAPI socket), shown wherever the
-# opt-in is shown.
-TailnetCheck = Literal["peer", "range-only"]
-RANGE_ONLY: Final = "range-only"
-UpstreamModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-
-
-class ConfigError(GatewayCapacityError):
-    """The file as a whole cannot be used. ``str()`` is one line naming the file."""
-
-
-class ProviderConfig(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
-    """One entry of ``providers`` (JSON names in camelCase: ``baseUrl``, ``maxConcurrent``...).
-
-    ``models`` maps gateway alias -> upstream model id; capacity rows are
-    matched on the upstream ids (R-C2).
-    """
-
-    id: str
-    type: str | None = None
-    base_url: str | None = None
-    tailnet: bool = False
-    credential_file: str | None = None
-    capacity_discovery: bool = False
-    max_concurrent: LimitSetting | None = None
-    models: dict[str, UpstreamModelId] = {}
-    tailnet_check: TailnetCheck = "peer"
-    # loopback only: who must own the socket listening on the router's port before the
-    # key is sent there (R-P7; sidecar/listeners.py)
-    listener_owner: Uid | UserName | None = None
-
-    @property
-    def upstream_models(self) -> frozenset[str]:
-        return frozenset(self.models.values())
+__all__ = [
+    "MAX_LIMIT",
+    "MAX_PROVIDER_ID_BYTES",
+    "RANGE_ONLY",
+    "UTF8_BOM",
+    "ConfigError",
+    "Endpoint",
+    "GatewayConfig",
+    "LimitSetting",
+    "ProviderConfig",
+    "ProviderStatus",
+    "TailnetCheck",
+    "Uid",
+    "UpstreamModelId",
+    "UserName",
+    "check_provider",
+    "judge",
+    "load_config",
+    "parse_base_url",
+    "parse_config",
+    "provider_problems",
+    "raw_provider_entries",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,12 +221,12 @@ def provider_problems(entry: Mapping[str, Any]) -> tuple[ProviderConfig, list[st
     usable: dict[str, Any] = {"id": entry.get("id")}
     bad: set[str] = set()
     for name, value in entry.items():
-        if name == "id" or name not in _ENTRY_FIELDS:
+        if name == "id" or name not in ENTRY_FIELDS:
             continue
         try:
             msgspec.convert({"id": usable["id"], name: value}, ProviderConfig, strict=True)
         except msgspec.ValidationError as exc:
-            problems.append(f"config_invalid:{_field_message(str(exc))}")
+            problems.append(f"config_invalid:{field_message(str(exc))}")
             bad.add(name)
         else:
             usable[name] = value
@@ -277,44 +271,7 @@ def provider_problems(entry: Mapping[str, Any]) -> tuple[ProviderConfig, list[st
 
 def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
     """Read and judge the gateway's config file (read-only; R-C1, R-C3)."""
-    source = os.fspath(path)
-    try:
-        with open(source, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {source}: {exc.strerror or exc}") from None
-    return parse_config(data, source)
-
-
-_ENTRY_FIELDS: Final = frozenset(ProviderConfig.__struct_encode_fields__)
-# Editors on Windows (and PowerShell's Out-File) start UTF-8 files with a BOM; JSON
-# forbids it (RFC 8259 section 8.1) but allows a parser to ignore it, as we do.
-UTF8_BOM: Final = b"\xef\xbb\xbf"
-
-
-_AT_BYTE: Final = re.compile(r"\(byte (\d+)\)$")
-
-
-def json_error_text(error: str, data: bytes) -> str:
-    """msgspec's decode error with its byte offset given as the line and column an editor
-    shows (both from 1; the column counts characters); a truncated document is placed
-    where it ends."""
-    found = _AT_BYTE.search(error)
-    if found is not None:
-        offset = min(int(found.group(1)), len(data))
-        # "is not valid JSON" says it already; the segment keeps 128 bytes of the status
-        error = error[: found.start()].rstrip().removeprefix("JSON is malformed: ")
-    elif "truncated" in error:
-        if not data.strip():
-            return "the file is empty"
-        offset = len(data.rstrip())
-        error = "JSON ends early (a brace, bracket or string is not closed)"
-    else:
-        return error
-    line_start = data.rfind(b"\n", 0, offset) + 1
-    line = data.count(b"\n", 0, offset) + 1
-    column = len(data[line_start:offset].decode("utf-8", "replace")) + 1
-    return f"{error} at line {line}, column {column}"
+    return judge(read_config_file(path))
 
 
 def raw_provider_entries(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
@@ -336,86 +293,21 @@ def raw_provider_entries(path: str | os.PathLike[str]) -> dict[str, dict[str, An
 
 
 def parse_config(data: bytes, source: str = "<config>") -> GatewayConfig:
-    text = data.removeprefix(UTF8_BOM)
-    try:
-        doc = msgspec.json.decode(text)
-    except msgspec.DecodeError as exc:
-        raise ConfigError(
-            f"config {source} is not valid JSON: {json_error_text(str(exc), text)}"
-        ) from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"config {source}: the top level must be a JSON object")
-    try:
-        gateway_max = msgspec.convert(doc.get("maxConcurrent"), LimitSetting | None, strict=True)
-    except msgspec.ValidationError:
-        raise ConfigError(
-            f"config {source}: top-level maxConcurrent must be an integer 0..{MAX_LIMIT} or absent"
-        ) from None
-    entries = doc.get("providers")
-    if entries is None:
-        entries = []
-    if not isinstance(entries, list):
-        raise ConfigError(f"config {source}: providers must be a JSON array")
+    """The file typed by ``gateway_config``, then each provider judged (R-C3)."""
+    return judge(parse_config_file(data, source))
 
-    providers: list[ProviderConfig] = []
+
+def judge(file: ConfigFile) -> GatewayConfig:
     statuses: dict[str, ProviderStatus] = {}
-    skipped: list[str] = []
-    for index, entry in enumerate(entries):
-        where = f"providers[{index}]"
-        if not isinstance(entry, dict):
-            skipped.append(f"{where}: not a JSON object")
-            continue
-        provider_id = entry.get("id")
-        problem = _id_problem(provider_id)
-        if problem is not None:
-            skipped.append(f"{where}: {problem}")
-            continue
-        assert isinstance(provider_id, str)
-        if provider_id in statuses:
-            skipped.append(f"{where}: duplicate id {provider_id!r} (the first entry is used)")
-            continue
-        provider, status = _judge_entry(provider_id, entry)
-        providers.append(provider)
-        statuses[provider_id] = status
-    return GatewayConfig(source, gateway_max, tuple(providers), statuses, tuple(skipped))
-
-
-def _id_problem(value: Any) -> str | None:
-    if not isinstance(value, str):
-        return "id is missing or not a string (entry skipped)"
-    size = len(value.encode("utf-8", "surrogatepass"))
-    if not 1 <= size <= MAX_PROVIDER_ID_BYTES:
-        return f"id must be 1..{MAX_PROVIDER_ID_BYTES} bytes of UTF-8, got {size} (entry skipped)"
-    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
-        return "id contains control characters (entry skipped)"
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return "id is not valid UTF-8 (entry skipped)"
-    return None
-
-
-def _judge_entry(provider_id: str, entry: dict[str, Any]) -> tuple[ProviderConfig, ProviderStatus]:
-    try:
-        provider = msgspec.convert(entry, ProviderConfig, strict=True)
-    except msgspec.ValidationError as exc:
-        # Keep the provider for static admission (R-A8) with what can be trusted:
-        # its id and, when valid, its own maxConcurrent.
-        try:
-            own_max = msgspec.convert(entry.get("maxConcurrent"), LimitSetting | None, strict=True)
-        except msgspec.ValidationError:
-            own_max = None
-        kept = ProviderConfig(id=provider_id, max_concurrent=own_max)
-        requested = entry.get("capacityDiscovery") is True
-        why = _field_message(str(exc))
-        return kept, ProviderStatus(provider_id, requested, False, f"config_invalid:{why}")
-    return provider, check_provider(provider)
-
-
-def _field_message(message: str) -> str:
-    """msgspec's "Expected `bool`, got `str` - at `$.tailnet`" as "tailnet: expected ..."."""
-    text, sep, where = message.partition(" - at `")
-    if not sep:
-        return message
-    field = where.rstrip("`").removeprefix("$.").removeprefix("$")
-    return f"{field}: {text[:1].lower()}{text[1:]}"
+    for provider in file.providers:
+        problem = file.invalid.get(provider.id)
+        if problem is None:
+            statuses[provider.id] = check_provider(provider)
+        else:
+            statuses[provider.id] = ProviderStatus(
+                provider.id,
+                problem.discovery_requested,
+                False,
+                f"config_invalid:{problem.reason}",
+            )
+    return GatewayConfig(file.source, file.max_concurrent, file.providers, statuses, file.skipped)

@@ -40,8 +40,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final
 
+# the fallback chain is the config's (handlers read it without the sidecar); named here too
+from gateway_config import DEFAULT_FALLBACK as DEFAULT_FALLBACK
+from gateway_config import FallbackSource as FallbackSource
+from gateway_config import fallback_for as fallback_for
 from sidecar.contract import MAX_FUTURE_S, STALE_AFTER_S
 from sidecar.replica import OK, ProviderProbe, ReplicaResult
 
@@ -50,8 +54,6 @@ if TYPE_CHECKING:  # attribute access only: importing limits pulls in no config 
     from sidecar.config import GatewayConfig
 
 DISCOVERED_CAP: Final = 64  # R-L4
-DEFAULT_FALLBACK: Final = 4  # section 5, when neither maxConcurrent is set
-FallbackSource = Literal["provider", "gateway", "default"]
 SNAPSHOT_TTL_S: Final = STALE_AFTER_S  # R-L7: a discovered limit lives 30 s past its snapshot
 
 DISCOVERED: Final = "discovered"
@@ -119,19 +121,6 @@ class LimitDecision:
     # is made (R-L7: the wall clock is judged once, then a step of it moves nothing);
     # None: not yet anchored (a pure decision), or nothing expires
     expires_mono: float | None = None
-
-
-def fallback_for(provider_max: int | None, gateway_max: int | None) -> tuple[int, FallbackSource]:
-    """``provider.maxConcurrent ?? gateway.maxConcurrent ?? 4`` and its source name.
-
-    The one home of the fallback chain: the daemon, the handlers (before any
-    sidecar ran) and ``check-config`` all ask here. 0 is a real setting, not "unset".
-    """
-    if provider_max is not None:
-        return provider_max, "provider"
-    if gateway_max is not None:
-        return gateway_max, "gateway"
-    return DEFAULT_FALLBACK, "default"
 
 
 def rules_from_config(config: GatewayConfig) -> tuple[ProviderRules, ...]:

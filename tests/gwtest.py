@@ -66,7 +66,9 @@ class Agent:
     def pid(self) -> int:
         return self.proc.pid
 
-    def expect(self, event: str, timeout: float = 15.0) -> dict[str, Any]:
+    def expect(self, event: str | tuple[str, ...], timeout: float = 15.0) -> dict[str, Any]:
+        """The next event named ``event`` (or any of a tuple of names), skipping others."""
+        wanted = (event,) if isinstance(event, str) else event
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -79,11 +81,21 @@ class Agent:
             except queue.Empty:
                 continue
             self.seen.append(ev)
-            if ev["event"] == event:
+            if ev["event"] in wanted:
                 return ev
             if ev["event"] == "eof":
                 err = self.proc.stderr.read() if self.proc.stderr else ""
                 raise AssertionError(f"agent {self.pid} ended before {event!r}: {self.seen} {err}")
+
+    def has_seen(self, event: str) -> bool:
+        """Whether ``event`` has arrived by now (reads what is queued, waits for nothing)."""
+        while True:
+            try:
+                ev = self.events.get_nowait()
+            except queue.Empty:
+                break
+            self.seen.append(ev)
+        return any(ev["event"] == event for ev in self.seen)
 
     def send(self, word: str) -> None:
         assert self.proc.stdin is not None

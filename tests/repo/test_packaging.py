@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -14,10 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
-def _third_party_imports() -> set[str]:
+def _third_party_imports(packages: list[str]) -> set[str]:
     ours = set(PYPROJECT["tool"]["setuptools"]["packages"])
     found: set[str] = set()
-    for package in ours:
+    for package in packages:
         for path in (ROOT / package).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Import):
@@ -39,14 +41,74 @@ def _names(specs: list[str]) -> set[str]:
     }
 
 
+EXTRAS = PYPROJECT["project"]["optional-dependencies"]
+ROUTER_PACKAGES = ["capacity_router"]  # the reference router: the `router` extra's stack
+
+
 def test_core_dependencies_are_exactly_what_the_packages_import() -> None:
-    """Every core dependency is imported, and every import is a core dependency, except
-    the optional extras a package imports only when present (the demo's picture)."""
+    """Every core dependency is imported by a package other than the router, and every
+    import of theirs is a core dependency, except the optional extras a package imports
+    only when present (the demo's picture; Starlette's form parser, which the ASGI
+    middleware's ``by_model`` uses for a form body under a Starlette app and refuses the
+    form without: the ``serve`` extra)."""
     declared = _names(PYPROJECT["project"]["dependencies"])
-    optional = _names(PYPROJECT["project"]["optional-dependencies"]["plot"])
-    found = _third_party_imports()
-    assert declared <= found
-    assert found - declared <= optional, found - declared
+    core = [p for p in PYPROJECT["tool"]["setuptools"]["packages"] if p not in ROUTER_PACKAGES]
+    found = _third_party_imports(core)
+    assert declared <= found, declared - found
+    assert found - declared <= _names(EXTRAS["plot"]) | {"starlette"}, found - declared
+    assert "starlette" in _names(EXTRAS["serve"])
+
+
+def test_the_router_extra_is_what_the_router_imports_beyond_the_core() -> None:
+    declared = _names(PYPROJECT["project"]["dependencies"])
+    found = _third_party_imports(ROUTER_PACKAGES)
+    assert found - declared == _names(EXTRAS["router"])
+    assert _names(EXTRAS["router"]) <= _names(EXTRAS["serve"])  # uvicorn workers, Starlette
+
+
+HEAVY = ("starlette", "uvicorn", "httpx", "sidecar", "capacity_router", "msgspec")
+
+
+def _loaded_after(code: str) -> list[str]:
+    """Which of HEAVY's top-level modules a fresh interpreter holds after ``code``."""
+    probe = (
+        f"{code}\nimport sys\nprint(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    loaded: list[str] = ast.literal_eval(out.stdout.strip())
+    return loaded
+
+
+def test_import_handler_shim_loads_no_sidecar_router_or_http_stack() -> None:
+    assert _loaded_after("import handler_shim") == []
+
+
+def test_a_handler_reads_its_config_without_the_sidecar() -> None:
+    code = (
+        "import json, tempfile\n"
+        "from handler_shim.admission import providers_from_config\n"
+        "with tempfile.NamedTemporaryFile('w', suffix='.json', delete=False) as f:\n"
+        "    json.dump({'maxConcurrent': 3, 'providers': [{'id': 'a'}]}, f)\n"
+        "entries = providers_from_config(f.name)\n"
+        "assert [(e.provider_id, e.fallback, e.fallback_source) for e in entries] == "
+        "[('a', 3, 'gateway')], entries\n"
+    )
+    loaded = _loaded_after(code)
+    assert [m for m in loaded if m.split(".")[0] != "msgspec"] == [], loaded
+
+
+def test_the_router_client_loads_no_http_server() -> None:
+    """fence/unfence/show talk to a router with httpx: no starlette or uvicorn needed."""
+    loaded = _loaded_after("import capacity_router.keyfile, capacity_router.registry")
+    assert not [m for m in loaded if m.split(".")[0] in ("starlette", "uvicorn")], loaded
 
 
 def test_version_comes_from_the_package_metadata() -> None:

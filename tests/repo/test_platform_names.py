@@ -41,7 +41,14 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("shm_layout", "handler_shim", "sidecar", "gateway_capacity", "capacity_router")
+PACKAGES = (
+    "shm_layout",
+    "handler_shim",
+    "gateway_config",
+    "sidecar",
+    "gateway_capacity",
+    "capacity_router",
+)
 ALSO = ("examples", "drill")  # run on a Mac too: the example gateway, `make mac-check`'s drill
 PLATFORM_MODULE = "shm_layout/platform.py"
 

@@ -1,0 +1,270 @@
+"""The gateway's JSON config file as data: read-only, its types, and the fallback limit.
+
+What every reader of the file shares: the handlers (``handler_shim``), the sidecar
+(``sidecar.config`` adds the opt-in checks on top) and the example gateway. The file
+belongs to the gateway: it is opened read-only and never written, renamed or touched
+(R-C1). Unknown fields anywhere are ignored, so a newer gateway's additions never
+break us.
+
+A file that cannot be read, is not JSON, is not an object, or whose top-level
+``maxConcurrent``/``providers`` have the wrong type raises :class:`ConfigError`.
+Inside, each provider entry stands alone (R-C3):
+
+- an entry without a usable ``id`` (a string of 1..64 UTF-8 bytes without control
+  characters: the shared segment stores ids in 64 bytes), or repeating an earlier id,
+  cannot be admitted for at all; it is listed in :attr:`ConfigFile.skipped` with the
+  reason;
+- an entry with a wrongly typed field is kept for static admission with what can be
+  trusted (its id and, when valid, its own ``maxConcurrent``), and
+  :attr:`ConfigFile.invalid` says what is wrong with it.
+
+Imports msgspec and nothing of ours but the error root: a handler reads its config
+without the sidecar's address, credential or probe machinery.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+from shm_layout.errors import GatewayCapacityError
+
+MAX_PROVIDER_ID_BYTES: Final = 64
+MAX_LIMIT: Final = 2**31 - 1  # fits any 32-bit counter in the segment
+DEFAULT_FALLBACK: Final = 4  # REQUIREMENTS.md section 5, when neither maxConcurrent is set
+
+LimitSetting = Annotated[int, msgspec.Meta(ge=0, le=MAX_LIMIT)]
+Uid = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]
+UserName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# R-P1: "peer" asks the local tailscaled (LocalAPI whois) and refuses when it cannot
+# vouch; "range-only" is the operator's explicit choice to accept Tailscale addresses on
+# their range alone (a Mac with the GUI app has no LocalAPI socket), shown wherever the
+# opt-in is shown.
+TailnetCheck = Literal["peer", "range-only"]
+RANGE_ONLY: Final = "range-only"
+UpstreamModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+FallbackSource = Literal["provider", "gateway", "default"]
+
+# Editors on Windows (and PowerShell's Out-File) start UTF-8 files with a BOM; JSON
+# forbids it (RFC 8259 section 8.1) but allows a parser to ignore it, as we do.
+UTF8_BOM: Final = b"\xef\xbb\xbf"
+
+__all__ = [
+    "DEFAULT_FALLBACK",
+    "ENTRY_FIELDS",
+    "MAX_LIMIT",
+    "MAX_PROVIDER_ID_BYTES",
+    "RANGE_ONLY",
+    "UTF8_BOM",
+    "ConfigError",
+    "ConfigFile",
+    "EntryProblem",
+    "FallbackSource",
+    "LimitSetting",
+    "ProviderConfig",
+    "TailnetCheck",
+    "Uid",
+    "UpstreamModelId",
+    "UserName",
+    "fallback_for",
+    "field_message",
+    "parse_config_file",
+    "read_config_file",
+]
+
+
+class ConfigError(GatewayCapacityError):
+    """The file as a whole cannot be used. ``str()`` is one line naming the file."""
+
+
+class ProviderConfig(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
+    """One entry of ``providers`` (JSON names in camelCase: ``baseUrl``, ``maxConcurrent``...).
+
+    ``models`` maps gateway alias -> upstream model id; capacity rows are
+    matched on the upstream ids (R-C2).
+    """
+
+    id: str
+    type: str | None = None
+    base_url: str | None = None
+    tailnet: bool = False
+    credential_file: str | None = None
+    capacity_discovery: bool = False
+    max_concurrent: LimitSetting | None = None
+    models: dict[str, UpstreamModelId] = {}
+    tailnet_check: TailnetCheck = "peer"
+    # loopback only: who must own the socket listening on the router's port before the
+    # key is sent there (R-P7; sidecar/listeners.py)
+    listener_owner: Uid | UserName | None = None
+
+    @property
+    def upstream_models(self) -> frozenset[str]:
+        return frozenset(self.models.values())
+
+
+ENTRY_FIELDS: Final = frozenset(ProviderConfig.__struct_encode_fields__)
+
+
+@dataclass(frozen=True, slots=True)
+class EntryProblem:
+    """Why a provider entry was kept with its id and own ``maxConcurrent`` only."""
+
+    discovery_requested: bool  # the entry said ``capacityDiscovery: true``
+    reason: str  # "field: expected ...", from msgspec
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigFile:
+    source: str  # the path read, for messages
+    max_concurrent: int | None  # the gateway-wide fallback (R-C2)
+    providers: tuple[ProviderConfig, ...]  # file order, one per usable id
+    invalid: Mapping[str, EntryProblem]  # by provider id: entries kept in part
+    skipped: tuple[str, ...]  # entries that have no usable id, with the reason
+
+    def provider(self, provider_id: str) -> ProviderConfig | None:
+        for p in self.providers:
+            if p.id == provider_id:
+                return p
+        return None
+
+
+def fallback_for(provider_max: int | None, gateway_max: int | None) -> tuple[int, FallbackSource]:
+    """``provider.maxConcurrent ?? gateway.maxConcurrent ?? 4`` and its source name.
+
+    The one home of the fallback chain: the daemon, the handlers (before any
+    sidecar ran) and ``check-config`` all ask here. 0 is a real setting, not "unset".
+    """
+    if provider_max is not None:
+        return provider_max, "provider"
+    if gateway_max is not None:
+        return gateway_max, "gateway"
+    return DEFAULT_FALLBACK, "default"
+
+
+def read_config_file(path: str | os.PathLike[str]) -> ConfigFile:
+    """Read the gateway's config file (read-only; R-C1) and type its entries (R-C3)."""
+    source = os.fspath(path)
+    try:
+        with open(source, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {source}: {exc.strerror or exc}") from None
+    return parse_config_file(data, source)
+
+
+_AT_BYTE: Final = re.compile(r"\(byte (\d+)\)$")
+
+
+def json_error_text(error: str, data: bytes) -> str:
+    """msgspec's decode error with its byte offset given as the line and column an editor
+    shows (both from 1; the column counts characters); a truncated document is placed
+    where it ends."""
+    found = _AT_BYTE.search(error)
+    if found is not None:
+        offset = min(int(found.group(1)), len(data))
+        # "is not valid JSON" says it already; the segment keeps 128 bytes of the status
+        error = error[: found.start()].rstrip().removeprefix("JSON is malformed: ")
+    elif "truncated" in error:
+        if not data.strip():
+            return "the file is empty"
+        offset = len(data.rstrip())
+        error = "JSON ends early (a brace, bracket or string is not closed)"
+    else:
+        return error
+    line_start = data.rfind(b"\n", 0, offset) + 1
+    line = data.count(b"\n", 0, offset) + 1
+    column = len(data[line_start:offset].decode("utf-8", "replace")) + 1
+    return f"{error} at line {line}, column {column}"
+
+
+def parse_config_file(data: bytes, source: str = "<config>") -> ConfigFile:
+    text = data.removeprefix(UTF8_BOM)
+    try:
+        doc = msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        raise ConfigError(
+            f"config {source} is not valid JSON: {json_error_text(str(exc), text)}"
+        ) from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config {source}: the top level must be a JSON object")
+    try:
+        gateway_max = msgspec.convert(doc.get("maxConcurrent"), LimitSetting | None, strict=True)
+    except msgspec.ValidationError:
+        raise ConfigError(
+            f"config {source}: top-level maxConcurrent must be an integer 0..{MAX_LIMIT} or absent"
+        ) from None
+    entries = doc.get("providers")
+    if entries is None:
+        entries = []
+    if not isinstance(entries, list):
+        raise ConfigError(f"config {source}: providers must be a JSON array")
+
+    providers: list[ProviderConfig] = []
+    invalid: dict[str, EntryProblem] = {}
+    seen: set[str] = set()
+    skipped: list[str] = []
+    for index, entry in enumerate(entries):
+        where = f"providers[{index}]"
+        if not isinstance(entry, dict):
+            skipped.append(f"{where}: not a JSON object")
+            continue
+        provider_id = entry.get("id")
+        problem = _id_problem(provider_id)
+        if problem is not None:
+            skipped.append(f"{where}: {problem}")
+            continue
+        assert isinstance(provider_id, str)
+        if provider_id in seen:
+            skipped.append(f"{where}: duplicate id {provider_id!r} (the first entry is used)")
+            continue
+        seen.add(provider_id)
+        provider, entry_problem = _typed_entry(provider_id, entry)
+        providers.append(provider)
+        if entry_problem is not None:
+            invalid[provider_id] = entry_problem
+    return ConfigFile(source, gateway_max, tuple(providers), invalid, tuple(skipped))
+
+
+def field_message(message: str) -> str:
+    """msgspec's "Expected `bool`, got `str` - at `$.tailnet`" as "tailnet: expected ..."."""
+    text, sep, where = message.partition(" - at `")
+    if not sep:
+        return message
+    field = where.rstrip("`").removeprefix("$.").removeprefix("$")
+    return f"{field}: {text[:1].lower()}{text[1:]}"
+
+
+def _id_problem(value: Any) -> str | None:
+    if not isinstance(value, str):
+        return "id is missing or not a string (entry skipped)"
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if not 1 <= size <= MAX_PROVIDER_ID_BYTES:
+        return f"id must be 1..{MAX_PROVIDER_ID_BYTES} bytes of UTF-8, got {size} (entry skipped)"
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
+        return "id contains control characters (entry skipped)"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "id is not valid UTF-8 (entry skipped)"
+    return None
+
+
+def _typed_entry(
+    provider_id: str, entry: dict[str, Any]
+) -> tuple[ProviderConfig, EntryProblem | None]:
+    try:
+        return msgspec.convert(entry, ProviderConfig, strict=True), None
+    except msgspec.ValidationError as exc:
+        # kept for static admission (R-A8) with what can be trusted
+        try:
+            own_max = msgspec.convert(entry.get("maxConcurrent"), LimitSetting | None, strict=True)
+        except msgspec.ValidationError:
+            own_max = None
+        kept = ProviderConfig(id=provider_id, max_concurrent=own_max)
+        requested = entry.get("capacityDiscovery") is True
+        return kept, EntryProblem(requested, field_message(str(exc)))
