@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 PREFIX ?= /opt/gateway-capacity
 EXTRAS ?=
 
-.PHONY: check test demo lint bench drill soak clean schemas install wheel completions mac-check runs
+.PHONY: check test demo lint bench drill soak clean schemas install wheel completions mac-check runs real-workers
 
 UNAME := $(shell uname -s)
 
@@ -125,6 +125,18 @@ soak: $(STAMP)
 RUNS ?= 5
 runs:
 	./scripts/fresh-clone-runs $(RUNS) --hog
+
+# The router and the chain against real llama.cpp llama-server processes (tests/real):
+# builds llama-server once from the llama.cpp sources that the llama-cpp-python sdist on
+# PyPI vendors (scripts/build-llama-server, about 20 minutes on 2 cores, cached), writes a
+# tiny random-weight model, runs the tests, then re-records the answers that `make test`
+# replays (tests/router/fixtures/llama-server-*-recorded.json).
+real-workers: $(STAMP)
+	./scripts/ensure-tools --real-workers
+	$(PY) -m pip install --quiet -e '.[real]'
+	GWCAP_LLAMA_SERVER="$$(./scripts/build-llama-server $(PY))" && export GWCAP_LLAMA_SERVER && \
+	$(PY) -m pytest -q -n 0 -rs tests/real && \
+	$(PY) scripts/record-llama-server.py
 
 bench: $(STAMP)
 	./scripts/ensure-tools --bench
