@@ -57,6 +57,51 @@ class ConfigError(GatewayCapacityError):
     """The file as a whole cannot be used. ``str()`` is one line naming the file."""
 
 
+GatewayId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+LeaseSeconds = Annotated[float, msgspec.Meta(ge=1.0, le=300.0)]
+ShareFloor = Annotated[int, msgspec.Meta(ge=0, le=64)]
+
+
+class CapacityShare(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
+    """``capacityShare``: several gateways share each discovered capacity through Redis
+    (docs/share.md). Absent: every gateway admits up to the whole capacity (local mode).
+
+    ``redis`` is a ``redis://`` or ``rediss://`` (TLS) URL without a password; the
+    password, if any, is read from ``credentialFile`` under the provider key's rules.
+    """
+
+    redis: str
+    gateway: GatewayId
+    credential_file: str | None = None
+    lease: LeaseSeconds = 10.0
+    floor: ShareFloor = 1
+
+
+def check_share(share: CapacityShare) -> str | None:
+    """``None`` when ``share`` can be used, else why not (no file or network access)."""
+    try:
+        parts = urlsplit(share.redis)
+        parts.port  # noqa: B018  (raises on a bad port)
+    except ValueError as exc:
+        return f"redis: not a URL ({exc})"
+    if parts.scheme not in ("redis", "rediss"):
+        return "redis: must be a redis:// or rediss:// URL"
+    if not parts.hostname:
+        return "redis: the URL names no host"
+    if parts.password is not None or (parts.username and not share.credential_file):
+        return "redis: put no password in the URL; use credentialFile (kept out of argv and logs)"
+    if share.credential_file is not None:
+        return check_credential_spec(share.credential_file)
+    return None
+
+
+def redis_url_for_logs(url: str) -> str:
+    """The URL with any userinfo removed, for messages."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{host}{parts.path}"
+
+
 class ProviderConfig(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
     """One entry of ``providers`` (JSON names in camelCase: ``baseUrl``, ``maxConcurrent``...).
 
@@ -124,6 +169,7 @@ class GatewayConfig:
     providers: tuple[ProviderConfig, ...]
     statuses: Mapping[str, ProviderStatus]  # by provider id, one per provider
     skipped: tuple[str, ...]  # entries that have no usable id, with the reason
+    share: CapacityShare | None = None  # share mode (docs/share.md); None: local mode
 
     def provider(self, provider_id: str) -> ProviderConfig | None:
         for p in self.providers:
@@ -322,6 +368,7 @@ def parse_config(data: bytes, source: str = "<config>") -> GatewayConfig:
         raise ConfigError(
             f"config {source}: top-level maxConcurrent must be an integer 0..{MAX_LIMIT} or absent"
         ) from None
+    share = _share(doc.get("capacityShare"), source)
     entries = doc.get("providers")
     if entries is None:
         entries = []
@@ -348,7 +395,22 @@ def parse_config(data: bytes, source: str = "<config>") -> GatewayConfig:
         provider, status = _judge_entry(provider_id, entry)
         providers.append(provider)
         statuses[provider_id] = status
-    return GatewayConfig(source, gateway_max, tuple(providers), statuses, tuple(skipped))
+    return GatewayConfig(source, gateway_max, tuple(providers), statuses, tuple(skipped), share)
+
+
+def _share(value: Any, source: str) -> CapacityShare | None:
+    """``capacityShare``, judged as a whole: a share mode asked for and unusable stops the
+    config (exit 2) rather than falling back to local mode, which would over-admit."""
+    if value is None:
+        return None
+    try:
+        share = msgspec.convert(value, CapacityShare, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"config {source}: capacityShare: {_field_message(str(exc))}") from None
+    problem = check_share(share)
+    if problem is not None:
+        raise ConfigError(f"config {source}: capacityShare: {problem}")
+    return share
 
 
 def _id_problem(value: Any) -> str | None:

@@ -114,7 +114,7 @@ def test_every_documented_metric_is_scraped_with_its_type_and_labels_and_nothing
     )
     assert value(samples, "gateway_capacity_effective_limit", **p1) == 20
     assert value(samples, "gateway_capacity_effective_limit", **static) == 3
-    for source in ("discovered", "provider", "gateway", "default", "legacy_drain"):
+    for source in ("discovered", "provider", "gateway", "default", "legacy_drain", "share"):
         expect = 1 if source == "discovered" else 0
         assert value(samples, "gateway_capacity_limit_source", source=source, **p1) == expect
     assert value(samples, "gateway_capacity_limit_source", source="provider", **static) == 1
