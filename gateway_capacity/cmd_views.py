@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from gateway_capacity.common import add_target_options, fail, segment_from_args, shorten
 from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from gateway_capacity.schemas import SCHEMA_VERSION, sidecar_status
+from sidecar.shares import DEGRADED as SHARE_DEGRADED
 
 if TYPE_CHECKING:
     from shm_layout.view import SegmentView
@@ -241,6 +242,8 @@ def health_problems(view: SegmentView, max_heartbeat_age: float) -> list[str]:
                 f"provider {p.id}: discovery failed, on fallback {p.effective_limit} "
                 f"({p.source}): {p.reason}"
             )
+        if p.source == "share" and p.reason.startswith(SHARE_DEGRADED):
+            problems.append(f"provider {p.id}: limit {p.effective_limit}, {p.reason}")
     return problems
 
 

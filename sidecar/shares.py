@@ -35,6 +35,9 @@ from dataclasses import dataclass
 from typing import Final
 
 MIN_TABLE_TTL_MS: Final = 1000
+# what a share published while Redis does not answer says first; `availability --check`
+# fails on it
+DEGRADED: Final = "share degraded: "
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,17 +172,19 @@ def local_limit(held: Held | None, capacity: int, now_mono: float, redis_error: 
     capacity = max(0, capacity)
     if held is None:
         why = f"no share granted yet ({redis_error})" if redis_error else "no share granted yet"
-        return Local(0, "none", why)
+        return Local(0, "none", (DEGRADED if redis_error else "") + why)
     limit = min(held.limit, capacity)
     in_lease = now_mono < held.asked_mono + held.lease_s
     if in_lease and not redis_error:
         return Local(limit, "granted", f"share {limit} of {capacity}, {held.gateways} gateway(s)")
     if in_lease:
-        return Local(limit, "kept", f"share {limit} kept until its lease ends: {redis_error}")
+        return Local(
+            limit, "kept", f"{DEGRADED}share {limit} kept until its lease ends: {redis_error}"
+        )
     safe = min(limit, capacity // max(1, held.gateways))
     return Local(
         safe,
         "safe",
-        f"safe local limit {safe} (last share {held.limit}, capacity {capacity} / "
+        f"{DEGRADED}safe local limit {safe} (last share {held.limit}, capacity {capacity} / "
         f"{held.gateways} gateway(s)): {redis_error or 'lease lapsed'}",
     )
