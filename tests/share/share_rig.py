@@ -150,6 +150,15 @@ class Gateway:
             timeout=30,
         )
 
+    def verify(self) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [EXE, "verify", "--json", "--segment", self.segment],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=60,
+        )
+
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 

@@ -4,6 +4,7 @@ from the farm's side: the sum of running never exceeds the capacity in force."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +56,9 @@ def test_share_demand_moves_and_running_never_exceeds_capacity(
     assert all(p is not None and p["source"] == "share" for p in (a.provider(), b.provider()))
     b.start_worker(12)
     wait_for("a and b split", lambda: sorted(shares(gateways)) == [1, 4, 4])
+    verify = a.verify()  # the share rests on the capacity the rules give
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert json.loads(verify.stdout)["providers"][0]["segment_source"] == "share"
     a.stop_workers()
     wait_for("b takes what a gave up", lambda: b.limit() == CAPACITY - 2)
     b.stop_workers()
