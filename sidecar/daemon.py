@@ -347,6 +347,13 @@ class Sidecar:
         except ConfigError as exc:
             raise StartupError(str(exc)) from None
         self.config_stamp = _stamp(options.config_path)
+        if self.config.share is not None:
+            try:
+                import redis  # noqa: F401
+            except ImportError:
+                raise StartupError(
+                    "capacityShare needs redis-py: pip install 'gateway-capacity[share]'"
+                ) from None
         self.config_status = "ok"
         self.proc_hides = proc_hides_other_users()
         if self.proc_hides:
