@@ -88,6 +88,8 @@ PUBLISH_COALESCE_S = 0.05
 AWAIT_LEGACY_MAX_S = 1800.0
 SHARE_POLL_S = 0.05  # how often share mode looks at running and waiting
 SHARE_MIN_CALL_S = 0.1  # at most this often a call per provider when demand changes
+SHARE_RENEWALS = 4  # calls per lease at least: half a lease of silence means an outage
+SHARE_WAITING_CALL_S = 0.25  # how often a provider with waiting requests asks again
 
 
 @dataclass
@@ -824,8 +826,9 @@ class Sidecar:
     # --- share mode ----------------------------------------------------------------------------
     async def _share_loop(self) -> None:
         """Keep a lease per provider whose capacity is discovered: a call when what this
-        gateway reports changes (at most every ``SHARE_MIN_CALL_S``) and at least three
-        times a lease; each answer is published at once."""
+        gateway reports changes (at most every ``SHARE_MIN_CALL_S``), while requests wait
+        (every ``SHARE_WAITING_CALL_S``) and at least ``SHARE_RENEWALS`` times a lease;
+        each answer is published at once."""
         share = self.share_config
         assert share is not None
         from sidecar.share import ShareClient
@@ -869,7 +872,14 @@ class Sidecar:
             asked = (capacity, held, running + waiting)
             mono = time.monotonic()
             since = mono - state.share_asked_mono
-            if since < share.lease / 3 and (asked == state.share_asked or since < SHARE_MIN_CALL_S):
+            # due: a quarter of a lease passed; what it reports changed; or requests wait
+            # (a share another gateway gives up is granted only on asking again)
+            due = (
+                since >= share.lease / SHARE_RENEWALS
+                or (asked != state.share_asked and since >= SHARE_MIN_CALL_S)
+                or (waiting > 0 and since >= SHARE_WAITING_CALL_S)
+            )
+            if not due:
                 continue
             report = Report(
                 share.gateway,

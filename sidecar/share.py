@@ -46,7 +46,7 @@ for i = 1, #raw, 2 do
 end
 
 local leases, ids = {}, {}
-if touched == nil or now - touched > lease then
+if touched == nil or now - touched > math.floor(lease / 2) then
   redis.call('DEL', KEYS[1])
   rebuild = now + lease
 else

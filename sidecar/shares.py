@@ -12,8 +12,8 @@ does exactly this inside Redis (the tests run both on the same calls and
 compare). Rules:
 
 * **expiry**: a lease not renewed by ``expires_ms`` is gone, its share free;
-* **a silent table is not trusted**: when nobody called for longer than a
-  lease (Redis was stopped, or restarted empty), the leases are dropped and
+* **a silent table is not trusted**: when nobody called for longer than half
+  a lease (Redis was stopped, or restarted empty), the leases are dropped and
   for one lease the table *rebuilds*: a gateway is granted at most what it
   already ``held``, so every gateway re-registers what it runs before anyone
   grows;
@@ -107,7 +107,7 @@ def targets(capacity: int, floor: int, demands: Mapping[str, int]) -> dict[str, 
 def step(table: Table | None, report: Report, now_ms: int) -> tuple[Table, Grant]:
     """One gateway's call at server time ``now_ms``: the new table and its grant."""
     lease_ms = max(1, report.lease_ms)
-    if table is None or now_ms - table.touched_ms > lease_ms:
+    if table is None or now_ms - table.touched_ms > silent_after_ms(lease_ms):
         leases: dict[str, Lease] = {}
         rebuild_until = now_ms + lease_ms
     else:
@@ -130,6 +130,14 @@ def step(table: Table | None, report: Report, now_ms: int) -> tuple[Table, Grant
     leases[report.gateway] = Lease(reserved, max(0, report.demand), now_ms + lease_ms)
     grant = Grant(limit, reserved, len(leases), rebuilding, others)
     return Table(leases, now_ms, rebuild_until), grant
+
+
+def silent_after_ms(lease_ms: int) -> int:
+    """How long without any call makes a table untrusted: half a lease. Live gateways
+    renew every quarter of a lease, so a longer silence means Redis did not answer them;
+    and a gateway falls to its safe local limit only after a whole lease without an
+    answer, so whoever finds its lease expired after an outage finds the table silent."""
+    return lease_ms // 2
 
 
 def table_ttl_ms(lease_ms: int) -> int:

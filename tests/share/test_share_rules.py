@@ -59,7 +59,9 @@ def test_shrink_before_grow_a_share_moves_only_as_running_finishes() -> None:
     table, g = step(None, report("a", 10, 0, 0), 0)
     table, g = step(table, report("b", 10, 0, 0), 1)
     assert g.rebuilding  # a new table grants nothing beyond what is held
-    table, _ = step(table, report("b", 10, 0, 0), LEASE // 2)
+    for t in range(LEASE // 4, LEASE, LEASE // 4):  # renewals, as the sidecars do
+        table, _ = step(table, report("a", 10, 0, 0), t)
+        table, _ = step(table, report("b", 10, 0, 0), t)
     now = LEASE + 10
     table, a = step(table, report("a", 10, 0, 20), now)
     assert a.limit == 9 and not a.rebuilding  # b keeps its floor
@@ -173,3 +175,81 @@ def test_the_lua_script_drops_a_stale_lease_written_by_hand(redis_server: Any) -
     limit, *_ = script(keys=[key], args=["a", 10, 0, 10, 1, LEASE, table_ttl_ms(LEASE)])
     assert limit == 10
     assert set(client.hkeys(key)) == {b"~touched", b"~rebuild", b"g:a"}
+
+
+# --- the invariant over whole histories ------------------------------------------------
+
+event = st.tuples(
+    st.sampled_from(["a", "b", "c"]),
+    st.sampled_from(["call", "call", "admit", "finish", "wait", "unwait", "down", "up"]),
+    st.integers(0, 3_000),  # ms since the previous event
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 20), st.integers(0, 3), st.lists(event, max_size=80))
+def test_the_sum_of_running_never_exceeds_the_capacity(
+    capacity: int, floor: int, events: list[tuple[str, str, int]]
+) -> None:
+    """Gateways that obey their limits and report honestly, each renewing at least
+    every quarter of a lease as the sidecar does, the others' calls in any order, Redis
+    down for all of them at times: every gateway's running stays within its
+    reservation, and the sum of running within the capacity. A gateway without an
+    answer for a lease falls to its safe local limit (``local_limit``)."""
+    table: Table | None = None
+    now = 0
+    up = True
+    held_by: dict[str, Held | None] = dict.fromkeys("abc")
+    last_call = dict.fromkeys("abc", -(10**9))
+    running = dict.fromkeys("abc", 0)
+    waiting = dict.fromkeys("abc", 0)
+
+    def in_force(gw: str) -> int:
+        error = "" if up else "down"
+        return local_limit(held_by[gw], capacity, now / 1000, error).limit
+
+    def call(gw: str) -> None:
+        nonlocal table
+        last_call[gw] = now
+        if not up:
+            return
+        held = max(in_force(gw), running[gw])
+        rep = Report(gw, capacity, held, running[gw] + waiting[gw], floor, LEASE)
+        table, grant = step(table, rep, now)
+        held_by[gw] = Held(grant.limit, grant.gateways, capacity, now / 1000, LEASE / 1000)
+        assert grant.reserved >= running[gw]
+
+    for gw, what, gap in events:
+        target = now + gap
+        while True:  # the renewals due meanwhile, in time order
+            due, other = min((last_call[o] + LEASE // 4, o) for o in "abc")
+            if due > target:
+                break
+            now = max(now, due)
+            call(other)
+        now = target
+        if what == "call":
+            call(gw)
+        elif what == "admit" and running[gw] < in_force(gw):
+            running[gw] += 1
+        elif what == "finish" and running[gw] > 0:
+            running[gw] -= 1
+        elif what == "wait":
+            waiting[gw] += 1
+        elif what == "unwait" and waiting[gw] > 0:
+            waiting[gw] -= 1
+        elif what == "down":
+            up = False
+        elif what == "up":
+            up = True
+        assert sum(running.values()) <= capacity, (running, table)
+
+
+def test_after_an_outage_longer_than_half_a_lease_nobody_grows_into_a_lapsed_share() -> None:
+    """Redis down for everyone: a (last answer at 1 s) falls to its safe limit at 11 s
+    and may still run 5; when Redis answers at 12 s, b must not be granted a's 5."""
+    table = Table({"a": Lease(5, 5, 11_000), "b": Lease(5, 10, 14_000)}, 4_000, 0)
+    safe = local_limit(Held(5, 2, 10, 1.0, LEASE / 1000), 10, 11.0, "down")
+    assert (safe.state, safe.limit) == ("safe", 5)
+    _, b = step(table, report("b", 10, 5, 10), 12_000)
+    assert b.rebuilding and b.limit == 5
