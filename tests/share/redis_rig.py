@@ -24,7 +24,7 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *extra: str) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.skip("redis-server not installed (scripts/ensure-tools installs it)")
@@ -33,6 +33,7 @@ class RedisServer:
         except ImportError:
             pytest.skip("python package 'redis' missing (the test extra)")
         self.exe = exe
+        self.extra = list(extra)
         self.workdir = workdir
         self.port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -44,7 +45,10 @@ class RedisServer:
     def client(self) -> Any:
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        password = None
+        if "--requirepass" in self.extra:
+            password = self.extra[self.extra.index("--requirepass") + 1]
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, password=password)
 
     def start(self) -> None:
         """Start (again, on the same port, empty: nothing is saved)."""
@@ -68,6 +72,7 @@ class RedisServer:
                     "warning",
                     "--logfile",
                     str(self.workdir / "redis.log"),
+                    *self.extra,
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,

@@ -29,7 +29,15 @@ def _env() -> dict[str, str]:
 
 
 class Gateway:
-    def __init__(self, name: str, tmp: Path, farm: Farm, redis: RedisServer, key_file: Path):
+    def __init__(
+        self,
+        name: str,
+        tmp: Path,
+        farm: Farm,
+        redis: RedisServer,
+        key_file: Path,
+        **share: Any,
+    ):
         self.name = name
         self.tmp = tmp
         self.farm = farm
@@ -37,7 +45,13 @@ class Gateway:
         self.config = tmp / f"{name}.json"
         doc = {
             "maxConcurrent": 4,
-            "capacityShare": {"redis": redis.url, "gateway": name, "lease": LEASE, "floor": 1},
+            "capacityShare": {
+                "redis": redis.url,
+                "gateway": name,
+                "lease": LEASE,
+                "floor": 1,
+                **share,
+            },
             "providers": [
                 {
                     "id": "p1",
