@@ -52,6 +52,7 @@ from sidecar.config import (
     ProviderConfig,
     load_config,
     parse_base_url,
+    redis_url_for_logs,
 )
 from sidecar.limits import (
     DISCOVERED,
@@ -844,6 +845,14 @@ class Sidecar:
                 self._share_failed(f"credential: {exc}")
                 return
         self.share = ShareClient(share, password)
+        log.info(
+            "capacityShare: gateway %s shares each discovered capacity through %s "
+            "(lease %gs, floor %d)",
+            share.gateway,
+            redis_url_for_logs(share.redis),
+            share.lease,
+            share.floor,
+        )
         while not self.stop.is_set():
             try:
                 await self._share_turn()
