@@ -68,7 +68,7 @@ class Gateway:
         self.done = 0
         self.log = tmp / f"{name}-sidecar.log"
 
-    def start_sidecar(self) -> None:
+    def start_sidecar(self, *extra: str) -> None:
         with open(self.log, "ab") as err:
             self.sidecar = subprocess.Popen(
                 [
@@ -80,6 +80,7 @@ class Gateway:
                     self.segment,
                     "--refresh",
                     str(REFRESH),
+                    *extra,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -150,6 +151,10 @@ class Gateway:
             if p["id"] == "p1":
                 return dict(p)
         return None
+
+    def source(self) -> str:
+        p = self.provider()
+        return "" if p is None else str(p["source"])
 
     def limit(self) -> int:
         p = self.provider()

@@ -80,3 +80,38 @@ def test_share_with_a_wrong_password_holds_no_share_and_fails_the_check(
         gw.cleanup()
         farm.stop()
     assert wrong not in gw.log_text() and PASSWORD not in gw.log_text()
+
+
+def test_share_metrics_say_whether_redis_answers(
+    tmp_path: Path, key: str, key_file: Path, locked_redis: RedisServer
+) -> None:
+    import re
+    import urllib.request
+
+    farm = Farm(key, 9, grace=1.0)
+    gw = Gateway(
+        "gw-m",
+        tmp_path,
+        farm,
+        locked_redis,
+        key_file,
+        credentialFile=str(_password_file(tmp_path, PASSWORD)),
+    )
+    try:
+        gw.start_sidecar("--metrics-listen", "127.0.0.1:0")
+        wait_for(
+            "a share", lambda: (gw.provider() or {}).get("source") == "share" and gw.limit() > 0
+        )
+        found = re.search(r"metrics on (http://\S+?:\d+)/metrics", gw.log_text())
+        assert found, gw.log_text()
+        with urllib.request.urlopen(found.group(1) + "/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+        assert "# TYPE gateway_capacity_share_redis_up gauge" in text
+        assert "gateway_capacity_share_redis_up 1.0" in text
+        assert re.search(
+            r'gateway_capacity_share_calls_total\{provider="p1",result="ok"\} [1-9]', text
+        )
+        assert 'gateway_capacity_limit_source{provider="p1",source="share"} 1.0' in text
+    finally:
+        gw.cleanup()
+        farm.stop()

@@ -36,7 +36,9 @@ def gateways(
     for gw in gws:
         gw.start_sidecar()
     try:
-        wait_for("three shares", lambda: all(gw.limit() >= 1 for gw in gws))
+        wait_for(
+            "three shares", lambda: all(gw.source() == "share" and gw.limit() >= 1 for gw in gws)
+        )
         yield gws
     finally:
         for gw in gws:
