@@ -132,13 +132,15 @@ def test_share_a_stale_lease_written_by_hand_expires(
     a, _b, _c = gateways
     client: Any = redis_server.client()
     key = "gateway-capacity:share:{p1}"
-    wait_for("a table", lambda: bool(client.exists(key)))
-    now_ms = int(client.hget(key, "~touched"))
-    client.hset(key, "g:ghost", f"5 5 {now_ms + int(LEASE * 1000)}")
     a.start_worker(12)
-    time.sleep(0.5)
-    assert a.limit() <= CAPACITY - 2 - 5  # the ghost's 5 are reserved until it expires
-    wait_for("the ghost's share returns", lambda: a.limit() == CAPACITY - 2, timeout=LEASE * 4)
+    wait_for("a grows", lambda: a.limit() == CAPACITY - 2)
+    seconds, micros = client.time()  # the server's clock, as the script reads it
+    expires_ms = seconds * 1000 + micros // 1000 + int(LEASE * 1500)
+    client.hset(key, "g:ghost", f"5 5 {expires_ms}")  # a lease nobody renews
+    # the ghost's 5 are reserved: a's limit drops (its running stay reserved, and
+    # nothing more is granted while the sum is over the capacity)
+    wait_for("a shrinks", lambda: a.limit() <= CAPACITY - 2 - 5, timeout=LEASE)
+    wait_for("the ghost's share returns", lambda: a.limit() == CAPACITY - 2, timeout=LEASE * 5)
     a.stop_workers()
     assert farm.violations == []
 
