@@ -64,6 +64,7 @@ SECTIONS = (
     "asgi",
     "retry",
     "proxy",
+    "share",
 )
 PLOT_DATA: dict[str, object] = {}  # what the plots draw, filled by the sections
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -774,6 +775,46 @@ def section_proxy(cleanup: Cleanup, plan: Plan) -> str:
     return "\n".join([head, "", table])
 
 
+def section_share(cleanup: Cleanup, plan: Plan) -> str:
+    from bench_redis import RedisUnavailable
+    from bench_share import LEASE_S, THEIR_TTL_S, run_share
+
+    head = (
+        "10. Share mode (docs/share.md): three gateways, one 6-slot farm, one redis-server; "
+        f"lease {LEASE_S:g} s, beside a per-request Redis semaphore in LiteLLM's style "
+        "(sorted set of slot ids with a TTL)"
+    )
+    iterations = 20_000 if plan is QUICK else 200_000
+    try:
+        r = run_share(cleanup, log, iterations)
+    except RedisUnavailable as exc:
+        log(f"share: {exc}")
+        return "\n".join([head, "", f"share: not measured ({exc})"])
+    table = render_table(
+        ["", "share mode", "per-request Redis semaphore"],
+        [
+            [
+                "per request (acquire+release)",
+                f"{fmt_us(r.share_ns)} us (local mode {fmt_us(r.local_ns)} us)",
+                f"{fmt_us(r.zset_ns)} us",
+            ],
+            [
+                "a crashed gateway's capacity lost for",
+                f"{r.ours_lost_s:.2f} s (lease {LEASE_S:g} s)",
+                f"{r.theirs_lost_s:.2f} s with a {THEIR_TTL_S:g} s TTL (LiteLLM: 3600 s)",
+            ],
+            ["a demand shift moves capacity in", f"{r.shift_s:.2f} s", "at once (per request)"],
+            [
+                "Redis operations per second per gateway",
+                f"{r.ops_idle:.1f} idle, {r.ops_busy:.1f} while demand moves",
+                "2 per request",
+            ],
+        ],
+        right=set(),
+    )
+    return "\n".join([head, "", table])
+
+
 def compare_report(cleanup: Cleanup, plan: Plan) -> str:
     """``--compare REF``: REF(s) and this checkout side by side (bench_compare.py)."""
     from bench_common import percentile
@@ -855,6 +896,7 @@ RUNNERS: dict[str, Callable[[Cleanup, Plan], str]] = {
     "asgi": section_asgi,
     "retry": section_retry,
     "proxy": section_proxy,
+    "share": section_share,
 }
 
 

@@ -101,7 +101,7 @@ def compare(
     ``no_answer`` (discovery is on and no replica gave a valid answer).
     """
     from shm_layout.layout import RUNNING_ROOM
-    from sidecar.limits import OPT_IN_REFUSED, decide, previous_from_view
+    from sidecar.limits import DISCOVERED, OPT_IN_REFUSED, SHARE, decide, previous_from_view
 
     draining = view.sidecar is not None and view.sidecar.alive and view.sidecar.legacy_alive > 0
     rows: list[dict[str, Any]] = []
@@ -112,6 +112,12 @@ def compare(
         decision = decide(r, probe, previous, now, legacy_draining=draining)
         segment_limit = None if seen is None else seen.effective_limit
         same = segment_limit == min(decision.effective_limit, RUNNING_ROOM)
+        if seen is not None and seen.source == SHARE and decision.source == DISCOVERED:
+            # share mode: the segment enforces this gateway's share of the discovered
+            # capacity; what the rules give is that capacity, and the share stays within it
+            same = seen.discovered == min(decision.effective_limit, RUNNING_ROOM) and (
+                seen.effective_limit <= (seen.discovered or 0)
+            )
         answered = any(v.ok for v in decision.replicas)
         refused_opt_in = probe is not None and (probe.refused or "").startswith(OPT_IN_REFUSED)
         if r.discovery_active and not refused_opt_in and not answered:

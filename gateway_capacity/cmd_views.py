@@ -21,6 +21,7 @@ from gateway_capacity.exits import (
     EXIT_WARNING,
 )
 from gateway_capacity.schemas import SCHEMA_VERSION, sidecar_status
+from sidecar.shares import DEGRADED as SHARE_DEGRADED
 
 if TYPE_CHECKING:
     from shm_layout.view import SegmentView
@@ -264,6 +265,8 @@ def health_problems(view: SegmentView, max_heartbeat_age: float) -> list[str]:
                 "waits, then times out. Name in models only what the farm serves "
                 "('gateway-capacity verify' shows what it reports)"
             )
+        if p.source == "share" and p.reason.startswith(SHARE_DEGRADED):
+            problems.append(f"provider {p.id}: limit {p.effective_limit}, {p.reason}")
     return problems
 
 

@@ -35,7 +35,7 @@ SidecarState = Literal["none", "running", "stopped", "unknown"]
 LockKind = Literal["robust-mutex", "lock-file"]
 
 Source = Annotated[
-    Literal["discovered", "provider", "gateway", "default", "legacy_drain"],
+    Literal["discovered", "provider", "gateway", "default", "legacy_drain", "share"],
     Meta(description="where the limit comes from (R-L9)"),
 ]
 FallbackSource = Annotated[

@@ -125,6 +125,9 @@ class ConfigFile:
     providers: tuple[ProviderConfig, ...]  # file order, one per usable id
     invalid: Mapping[str, EntryProblem]  # by provider id: entries kept in part
     skipped: tuple[str, ...]  # entries that have no usable id, with the reason
+    # ``capacityShare`` as written, for the sidecar to judge (share mode, docs/share.md);
+    # handlers never read it
+    capacity_share: Any = None
 
     def provider(self, provider_id: str) -> ProviderConfig | None:
         for p in self.providers:
@@ -227,7 +230,9 @@ def parse_config_file(data: bytes, source: str = "<config>") -> ConfigFile:
         providers.append(provider)
         if entry_problem is not None:
             invalid[provider_id] = entry_problem
-    return ConfigFile(source, gateway_max, tuple(providers), invalid, tuple(skipped))
+    return ConfigFile(
+        source, gateway_max, tuple(providers), invalid, tuple(skipped), doc.get("capacityShare")
+    )
 
 
 def field_message(message: str) -> str:

@@ -241,6 +241,7 @@ SOURCES = {
     3: "gateway",
     4: "default",
     5: "legacy_drain",
+    6: "share",  # this gateway's share of the discovered capacity (docs/share.md)
 }
 SOURCE_CODES = {name: code for code, name in SOURCES.items()}
 

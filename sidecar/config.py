@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Annotated, Any, Final
 from urllib.parse import urlsplit
 
 import msgspec
@@ -57,6 +57,7 @@ __all__ = [
     "MAX_PROVIDER_ID_BYTES",
     "RANGE_ONLY",
     "UTF8_BOM",
+    "CapacityShare",
     "ConfigError",
     "Endpoint",
     "GatewayConfig",
@@ -68,13 +69,60 @@ __all__ = [
     "UpstreamModelId",
     "UserName",
     "check_provider",
+    "check_share",
     "judge",
     "load_config",
     "parse_base_url",
     "parse_config",
     "provider_problems",
     "raw_provider_entries",
+    "redis_url_for_logs",
 ]
+
+
+GatewayId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+LeaseSeconds = Annotated[float, msgspec.Meta(ge=1.0, le=300.0)]
+ShareFloor = Annotated[int, msgspec.Meta(ge=0, le=64)]
+
+
+class CapacityShare(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
+    """``capacityShare``: several gateways share each discovered capacity through Redis
+    (docs/share.md). Absent: every gateway admits up to the whole capacity (local mode).
+
+    ``redis`` is a ``redis://`` or ``rediss://`` (TLS) URL without a password; the
+    password, if any, is read from ``credentialFile`` under the provider key's rules.
+    """
+
+    redis: str
+    gateway: GatewayId
+    credential_file: str | None = None
+    lease: LeaseSeconds = 10.0
+    floor: ShareFloor = 1
+
+
+def check_share(share: CapacityShare) -> str | None:
+    """``None`` when ``share`` can be used, else why not (no file or network access)."""
+    try:
+        parts = urlsplit(share.redis)
+        parts.port  # noqa: B018  (raises on a bad port)
+    except ValueError as exc:
+        return f"redis: not a URL ({exc})"
+    if parts.scheme not in ("redis", "rediss"):
+        return "redis: must be a redis:// or rediss:// URL"
+    if not parts.hostname:
+        return "redis: the URL names no host"
+    if parts.password is not None or (parts.username and not share.credential_file):
+        return "redis: put no password in the URL; use credentialFile (kept out of argv and logs)"
+    if share.credential_file is not None:
+        return check_credential_spec(share.credential_file)
+    return None
+
+
+def redis_url_for_logs(url: str) -> str:
+    """The URL with any userinfo removed, for messages."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{host}{parts.path}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +167,7 @@ class GatewayConfig:
     providers: tuple[ProviderConfig, ...]
     statuses: Mapping[str, ProviderStatus]  # by provider id, one per provider
     skipped: tuple[str, ...]  # entries that have no usable id, with the reason
+    share: CapacityShare | None = None  # share mode (docs/share.md); None: local mode
 
     def provider(self, provider_id: str) -> ProviderConfig | None:
         for p in self.providers:
@@ -310,4 +359,22 @@ def judge(file: ConfigFile) -> GatewayConfig:
                 False,
                 f"config_invalid:{problem.reason}",
             )
-    return GatewayConfig(file.source, file.max_concurrent, file.providers, statuses, file.skipped)
+    share = _share(file.capacity_share, file.source)
+    return GatewayConfig(
+        file.source, file.max_concurrent, file.providers, statuses, file.skipped, share
+    )
+
+
+def _share(value: Any, source: str) -> CapacityShare | None:
+    """``capacityShare``, judged as a whole: a share mode asked for and unusable stops the
+    config (exit 2) rather than falling back to local mode, which would over-admit."""
+    if value is None:
+        return None
+    try:
+        share = msgspec.convert(value, CapacityShare, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"config {source}: capacityShare: {field_message(str(exc))}") from None
+    problem = check_share(share)
+    if problem is not None:
+        raise ConfigError(f"config {source}: capacityShare: {problem}")
+    return share

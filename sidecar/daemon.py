@@ -14,6 +14,9 @@ Tasks, all on one asyncio loop:
   they ask for within ``PUBLISH_COALESCE_S`` are one transaction that writes
   only what changed (issue 19: one publish per refresh, not one per provider,
   each rewriting every provider);
+* in share mode (``capacityShare``, docs/share.md), one loop that keeps this
+  gateway's lease per provider in Redis (``sidecar.share``) and publishes the
+  share it holds (``sidecar.shares``) as the limit, source ``share``;
 * housekeeping every ``TICK_S``: heartbeat and reaping of dead holders
   (R-A5), legacy processes (R-G3), the parent (``--parent-pid``), the config
   file (R-C3, R-C4) and the systemd watchdog.
@@ -35,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shm_layout import layout, platform, writer
+from shm_layout import layout, ledger, platform, writer
 from shm_layout.errors import GatewayCapacityError
 from shm_layout.liveness import ParentWatch, is_alive, my_identity, process_start
 from shm_layout.names import resolve_segment_name
@@ -50,9 +53,11 @@ from sidecar.config import (
     ProviderConfig,
     load_config,
     parse_base_url,
+    redis_url_for_logs,
 )
 from sidecar.limits import (
     DISCOVERED,
+    SHARE,
     LimitDecision,
     ProviderRules,
     decide,
@@ -63,12 +68,14 @@ from sidecar.limits import (
 )
 from sidecar.metrics import SidecarMetrics, probe_reasons
 from sidecar.replica import ProviderProbe
+from sidecar.shares import Held, Report, local_limit
 from sidecar.trust import file_owner_problem, path_problem
 
 if TYPE_CHECKING:
     from prometheus_client.exposition import ThreadingWSGIServer
 
     from sidecar.probe import ProbeClients
+    from sidecar.share import ShareClient
 
 log = logging.getLogger("gateway_capacity.sidecar")
 
@@ -81,6 +88,10 @@ SEGMENT_CHECK_S = 2.0
 # enough that no provider's news waits on another's probe (R-P8)
 PUBLISH_COALESCE_S = 0.05
 AWAIT_LEGACY_MAX_S = 1800.0
+SHARE_POLL_S = 0.05  # how often share mode looks at running and waiting
+SHARE_MIN_CALL_S = 0.1  # at most this often a call per provider when demand changes
+SHARE_RENEWALS = 4  # calls per lease at least: half a lease of silence means an outage
+SHARE_WAITING_CALL_S = 0.25  # how often a provider with waiting requests asks again
 
 
 @dataclass
@@ -119,6 +130,11 @@ class _ProviderState:
     # the Publication last built for this provider and what it was built from
     publication: writer.Publication | None = None
     built_from: tuple[object, ...] = ()
+    # share mode: the last grant, why the last call failed, what the last call reported
+    share_held: Held | None = None
+    share_error: str = ""
+    share_asked: tuple[int, int, int] | tuple[()] = ()
+    share_asked_mono: float = -1e18
 
 
 class StartupError(GatewayCapacityError):
@@ -347,6 +363,13 @@ class Sidecar:
         except ConfigError as exc:
             raise StartupError(str(exc)) from None
         self.config_stamp = _stamp(options.config_path)
+        if self.config.share is not None:
+            try:
+                import redis  # noqa: F401
+            except ImportError:
+                raise StartupError(
+                    "capacityShare needs redis-py: pip install 'gateway-capacity[share]'"
+                ) from None
         self.config_status = "ok"
         self.proc_hides = proc_hides_other_users()
         if self.proc_hides:
@@ -407,6 +430,10 @@ class Sidecar:
         self._grid_origin = time.monotonic()  # probe loops start on multiples of refresh_s
         self.clients: ProbeClients | None = None
         self._retained: asyncio.Task[None] | None = None
+        self.share: ShareClient | None = None
+        # read once: a reload that adds, drops or changes capacityShare needs a restart
+        self.share_config = self.config.share
+        self._share_down_since: float | None = None  # monotonic; None: Redis answers
 
     # --- life cycle ---------------------------------------------------------------------
     async def run(self) -> int:
@@ -455,8 +482,16 @@ class Sidecar:
         self._ready = True
         self._send_status()
         housekeeping = asyncio.create_task(self._housekeeping())
+        sharing = asyncio.create_task(self._share_loop()) if self.share_config else None
         await self.stop.wait()
         housekeeping.cancel()
+        if sharing is not None:
+            sharing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sharing
+        if self.share is not None:
+            with contextlib.suppress(Exception):
+                await self.share.aclose()
         for state in self.providers.values():
             if state.task is not None:
                 state.task.cancel()
@@ -588,6 +623,11 @@ class Sidecar:
         if config == self.config and self.config_status == "ok":
             return  # touched or rewritten with the same content: nothing to redo (R-P9)
         log.info("config: change picked up")
+        if config.share != self.share_config:
+            log.warning(
+                "config: capacityShare changed; it is read at start only: restart the sidecar "
+                "to apply it (the running one keeps the old setting)"
+            )
         self.generation += 1
         self.config_status = "ok"
         self._apply_config(config)
@@ -661,7 +701,30 @@ class Sidecar:
             # R-L6's base is the last *discovered* limit while unexpired, not the last
             # decision: one failed refresh in between must not reset it to the fallback.
             state.last_discovered = decision
-        return decision
+        return self._shared(state, decision, now, mono)
+
+    def _shared(
+        self, state: _ProviderState, decision: LimitDecision, now: float, mono: float
+    ) -> LimitDecision:
+        """In share mode, a discovered limit is the farm's capacity; this gateway enforces
+        its share of it (``shares.local_limit``), source ``share``. The share's deadline is
+        its lease's, seen from here: a sidecar that dies leaves no share in force past it."""
+        share = self.share_config
+        if share is None or decision.source != DISCOVERED or decision.expires_mono is None:
+            return decision
+        local = local_limit(state.share_held, decision.effective_limit, mono, state.share_error)
+        expires_mono = decision.expires_mono
+        if local.state in ("granted", "kept") and state.share_held is not None:
+            held = state.share_held
+            expires_mono = min(expires_mono, held.asked_mono + held.lease_s)
+        return dataclasses.replace(
+            decision,
+            effective_limit=local.limit,
+            source=SHARE,
+            reason=f"{local.reason}; capacity {decision.reason}",
+            expires_at=now + (expires_mono - mono),
+            expires_mono=expires_mono,
+        )
 
     def _decide_once(self, state: _ProviderState, now: float) -> LimitDecision:
         """Section 5's decision; until the first probe, a limit inherited from the
@@ -778,6 +841,148 @@ class Sidecar:
             d.reason,
             extra={"provider": d.provider_id, "limit": d.effective_limit, "source": d.source},
         )
+
+    # --- share mode ----------------------------------------------------------------------------
+    async def _share_loop(self) -> None:
+        """Keep a lease per provider whose capacity is discovered: a call when what this
+        gateway reports changes (at most every ``SHARE_MIN_CALL_S``), while requests wait
+        (every ``SHARE_WAITING_CALL_S``) and at least ``SHARE_RENEWALS`` times a lease;
+        each answer is published at once."""
+        share = self.share_config
+        assert share is not None
+        from sidecar.share import ShareClient
+
+        password = None
+        if share.credential_file is not None:
+            from sidecar.credential import CredentialError, read_credential
+
+            try:
+                password = read_credential(share.credential_file).reveal()
+            except CredentialError as exc:
+                log.error("capacityShare: %s; share mode holds no share", exc)
+                self._share_failed(f"credential: {exc}")
+                return
+        self.share = ShareClient(share, password)
+        log.info(
+            "capacityShare: gateway %s shares each discovered capacity through %s "
+            "(lease %gs, floor %d)",
+            share.gateway,
+            redis_url_for_logs(share.redis),
+            share.lease,
+            share.floor,
+        )
+        while not self.stop.is_set():
+            try:
+                await self._share_turn()
+            except Exception:
+                self._log_unexpected("share mode")
+            await asyncio.sleep(SHARE_POLL_S)
+
+    async def _share_turn(self) -> None:
+        share = self.share_config
+        if share is None or self.share is None or self.retired:
+            return
+        changed = False
+        for provider_id, state in list(self.providers.items()):
+            d = state.decision
+            if d is None or d.source != SHARE or d.discovered is None:
+                continue
+            capacity = d.discovered
+            p = ledger.find_provider(self.seg.buf, provider_id)
+            if p is None:
+                continue
+            base = ledger.provider_base(p)
+            running = layout.PROVIDER["running"].get(self.seg.buf, base)
+            waiting = layout.PROVIDER["waiting"].get(self.seg.buf, base)
+            in_force = ledger.limit_value(self.seg.buf, p, platform.deadline_now())
+            held = max(in_force, running)
+            asked = (capacity, held, running + waiting)
+            mono = time.monotonic()
+            since = mono - state.share_asked_mono
+            # due: a quarter of a lease passed; what it reports changed; or requests wait
+            # (a share another gateway gives up is granted only on asking again)
+            due = (
+                since >= share.lease / SHARE_RENEWALS
+                or (asked != state.share_asked and since >= SHARE_MIN_CALL_S)
+                or (waiting > 0 and since >= SHARE_WAITING_CALL_S)
+            )
+            if not due:
+                continue
+            report = Report(
+                share.gateway,
+                capacity,
+                held,
+                running + waiting,
+                share.floor,
+                int(share.lease * 1000),
+            )
+            from sidecar.share import ShareUnavailable
+
+            asked_mono = platform.deadline_now()
+            state.share_asked, state.share_asked_mono = asked, mono
+            try:
+                answer = await self.share.call(provider_id, report)
+            except ShareUnavailable as exc:
+                self._share_failed(str(exc))
+                state.share_error = str(exc)
+                self.metrics.share_call(provider_id, ok=False)
+            else:
+                self._share_recovered()
+                state.share_error = ""
+                g = answer.grant
+                state.share_held = Held(g.limit, g.gateways, capacity, asked_mono, share.lease)
+                self.metrics.share_call(provider_id, ok=True)
+            if self.providers.get(provider_id) is state:
+                before = state.decision
+                state.decision = self._decide(state, time.time())
+                self._log_decision(state)
+                changed = (
+                    changed
+                    or before is None
+                    or (
+                        (before.effective_limit, before.reason, before.expires_mono)
+                        != (
+                            state.decision.effective_limit,
+                            state.decision.reason,
+                            state.decision.expires_mono,
+                        )
+                    )
+                )
+        # a lease that lapsed while no call was due (Redis slow) is noticed here too
+        for state in self.providers.values():
+            d = state.decision
+            if (
+                d is not None
+                and d.source == SHARE
+                and d.expires_mono is not None
+                and d.expires_mono <= platform.deadline_now() + SHARE_POLL_S
+            ):
+                state.decision = self._decide(state, time.time())
+                self._log_decision(state)
+                changed = True
+        if changed:
+            self._publish()
+
+    def _share_failed(self, why: str) -> None:
+        self.metrics.share_reachable(False)
+        if self._share_down_since is None:
+            self._share_down_since = time.monotonic()
+            share = self.share_config
+            log.warning(
+                "capacityShare: %s: keeping each share until its lease ends (%gs), then a "
+                "safe local limit; availability --check fails until Redis answers",
+                why,
+                share.lease if share else 0,
+            )
+
+    def _share_recovered(self) -> None:
+        self.metrics.share_reachable(True)
+        if self._share_down_since is not None:
+            log.info(
+                "capacityShare: Redis answers again after %.1fs: shares follow demand",
+                time.monotonic() - self._share_down_since,
+            )
+            self._share_down_since = None
 
     # --- housekeeping ------------------------------------------------------------------------
     async def _housekeeping(self) -> None:
@@ -961,7 +1166,7 @@ def _publication(
         )
         for r in d.replicas
     ]
-    enforced = d.source in ("discovered", "legacy_drain") and d.expires_at is not None
+    enforced = d.source in ("discovered", "legacy_drain", "share") and d.expires_at is not None
     return writer.Publication(
         provider_id=provider_id,
         discovery=discovery,

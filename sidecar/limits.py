@@ -58,7 +58,8 @@ SNAPSHOT_TTL_S: Final = STALE_AFTER_S  # R-L7: a discovered limit lives 30 s pas
 
 DISCOVERED: Final = "discovered"
 LEGACY_DRAIN: Final = "legacy_drain"
-SOURCES: Final = frozenset({DISCOVERED, "provider", "gateway", "default", LEGACY_DRAIN})
+SHARE: Final = "share"  # set by the daemon in share mode (sidecar.shares), never by decide
+SOURCES: Final = frozenset({DISCOVERED, "provider", "gateway", "default", LEGACY_DRAIN, SHARE})
 
 _DETAIL_MAX = 80  # keep reasons short; a detail is a phrase, never a body
 # probe refusals that mean "not opted in" (R-L1), as opposed to an opted-in provider

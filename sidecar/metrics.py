@@ -30,7 +30,13 @@ from importlib import metadata
 from typing import Any, Final
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -90,6 +96,9 @@ class SidecarMetrics:
             buckets=PROBE_BUCKETS,
             registry=self.registry,
         )
+        # share mode only (capacityShare): absent series otherwise
+        self._share_calls: Counter | None = None
+        self._share_reachable: Gauge | None = None
         self._known: set[str] = set()
         self._lock = threading.Lock()
         self._last_turn: float | None = None  # monotonic
@@ -143,6 +152,29 @@ class SidecarMetrics:
             for reason in PROBE_REASONS:
                 self.probe_results.remove(provider, reason)
             self.probe_duration.remove(provider)
+
+    def share_call(self, provider: str, *, ok: bool) -> None:
+        """One lease call to Redis for ``provider`` (share mode), answered or not."""
+        if self._share_calls is None:
+            self._share_calls = Counter(
+                "share_calls",
+                "Lease calls to Redis in share mode, by outcome (ok, unavailable)",
+                ["provider", "result"],
+                namespace=NAMESPACE,
+                registry=self.registry,
+            )
+        self._share_calls.labels(provider, "ok" if ok else "unavailable").inc()
+
+    def share_reachable(self, up: bool) -> None:
+        """1 while Redis answers this sidecar's lease calls, 0 while it does not."""
+        if self._share_reachable is None:
+            self._share_reachable = Gauge(
+                "share_redis_up",
+                "1 while Redis answers the share-mode lease calls, 0 while it does not",
+                namespace=NAMESPACE,
+                registry=self.registry,
+            )
+        self._share_reachable.set(1 if up else 0)
 
     def turned(self) -> None:
         """The event loop made one turn of housekeeping (for /healthz); refused

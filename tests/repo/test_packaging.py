@@ -48,14 +48,15 @@ ROUTER_PACKAGES = ["capacity_router"]  # the reference router: the `router` extr
 def test_core_dependencies_are_exactly_what_the_packages_import() -> None:
     """Every core dependency is imported by a package other than the router, and every
     import of theirs is a core dependency, except the optional extras a package imports
-    only when present (the demo's picture; Starlette's form parser, which the ASGI
-    middleware's ``by_model`` uses for a form body under a Starlette app and refuses the
-    form without: the ``serve`` extra)."""
+    only when present (the demo's picture, share mode's Redis client; Starlette's form
+    parser, which the ASGI middleware's ``by_model`` uses for a form body under a
+    Starlette app and refuses the form without: the ``serve`` extra)."""
     declared = _names(PYPROJECT["project"]["dependencies"])
     core = [p for p in PYPROJECT["tool"]["setuptools"]["packages"] if p not in ROUTER_PACKAGES]
     found = _third_party_imports(core)
     assert declared <= found, declared - found
-    assert found - declared <= _names(EXTRAS["plot"]) | {"starlette"}, found - declared
+    optional = _names(EXTRAS["plot"]) | _names(EXTRAS["share"]) | {"starlette"}
+    assert found - declared <= optional, found - declared
     assert "starlette" in _names(EXTRAS["serve"])
 
 

@@ -1,0 +1,201 @@
+"""Three gateways on one machine in front of one fake farm: a sidecar and a segment
+each, real handler processes (load_worker.py), one redis-server."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from farm import Farm
+from redis_rig import RedisServer
+
+EXE = str(Path(sys.executable).with_name("gateway-capacity"))
+WORKER = str(Path(__file__).with_name("load_worker.py"))
+LEASE = 2.0
+REFRESH = 0.3
+_SCRUBBED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "GATEWAY_CAPACITY_SEGMENT")
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
+
+
+class Gateway:
+    def __init__(
+        self,
+        name: str,
+        tmp: Path,
+        farm: Farm,
+        redis: RedisServer,
+        key_file: Path,
+        **share: Any,
+    ):
+        self.name = name
+        self.tmp = tmp
+        self.farm = farm
+        self.segment = "/gwt-share-" + secrets.token_hex(5)
+        self.config = tmp / f"{name}.json"
+        doc = {
+            "maxConcurrent": 4,
+            "capacityShare": {
+                "redis": redis.url,
+                "gateway": name,
+                "lease": LEASE,
+                "floor": 1,
+                **share,
+            },
+            "providers": [
+                {
+                    "id": "p1",
+                    "baseUrl": farm.base_url,
+                    "credentialFile": str(key_file),
+                    "capacityDiscovery": True,
+                    "models": {"w": "workhorse"},
+                }
+            ],
+        }
+        self.config.write_text(json.dumps(doc))
+        self.sidecar: subprocess.Popen[bytes] | None = None
+        self.workers: list[subprocess.Popen[str]] = []
+        self.done = 0
+        self.log = tmp / f"{name}-sidecar.log"
+
+    def start_sidecar(self, *extra: str) -> None:
+        with open(self.log, "ab") as err:
+            self.sidecar = subprocess.Popen(
+                [
+                    EXE,
+                    "sidecar",
+                    "--config",
+                    str(self.config),
+                    "--segment",
+                    self.segment,
+                    "--refresh",
+                    str(REFRESH),
+                    *extra,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=_env(),
+            )
+
+    def kill_sidecar(self) -> None:
+        if self.sidecar is not None and self.sidecar.poll() is None:
+            self.sidecar.kill()
+            self.sidecar.wait(10)
+
+    def start_worker(self, threads: int, hold_ms: float = 40.0) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                WORKER,
+                "--segment",
+                self.segment,
+                "--farm",
+                self.farm.base_url,
+                "--threads",
+                str(threads),
+                "--hold-ms",
+                str(hold_ms),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        self.workers.append(proc)
+        return proc
+
+    def stop_workers(self) -> None:
+        for proc in self.workers:
+            if proc.poll() is None:
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write("exit\n")
+                proc.stdin.flush()
+                out = proc.stdout.read()
+                proc.wait(30)
+                for line in out.splitlines():
+                    if line.startswith("done "):
+                        self.done += int(line.split()[1])
+        self.workers = []
+
+    def kill_all(self) -> None:
+        for proc in self.workers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        self.workers = []
+        self.kill_sidecar()
+
+    def provider(self) -> dict[str, Any] | None:
+        from gateway_capacity.cmd_views import availability_doc
+        from shm_layout.segment import SegmentError
+        from shm_layout.view import read_view
+
+        try:
+            doc = availability_doc(read_view(self.segment))
+        except SegmentError:
+            return None
+        for p in doc["providers"]:
+            if p["id"] == "p1":
+                return dict(p)
+        return None
+
+    def source(self) -> str:
+        p = self.provider()
+        return "" if p is None else str(p["source"])
+
+    def limit(self) -> int:
+        p = self.provider()
+        return -1 if p is None else int(p["effective_limit"])
+
+    def check(self) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [EXE, "availability", "--check", "--segment", self.segment],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=30,
+        )
+
+    def verify(self) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [EXE, "verify", "--json", "--segment", self.segment],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=60,
+        )
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def cleanup(self) -> None:
+        self.kill_all()
+        from shm_layout.segment import unlink_segment
+
+        unlink_segment(self.segment)
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def sigstop(pid: int) -> None:
+    os.kill(pid, signal.SIGSTOP)

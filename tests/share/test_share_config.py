@@ -1,0 +1,64 @@
+"""``capacityShare`` in the gateway config: judged as a whole, refused rather than
+silently ignored (local mode would over-admit)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from sidecar.config import ConfigError, parse_config, redis_url_for_logs
+
+
+def config(share: Any) -> bytes:
+    return json.dumps({"capacityShare": share, "providers": []}).encode()
+
+
+def test_share_absent_means_local_mode() -> None:
+    assert parse_config(b'{"providers": []}').share is None
+
+
+def test_share_accepts_redis_and_rediss_with_defaults() -> None:
+    got = parse_config(config({"redis": "rediss://cache.internal:6380/2", "gateway": "gw-1"}))
+    assert got.share is not None
+    assert (got.share.redis, got.share.gateway, got.share.lease, got.share.floor) == (
+        "rediss://cache.internal:6380/2",
+        "gw-1",
+        10.0,
+        1,
+    )
+
+
+@pytest.mark.parametrize(
+    ("share", "why"),
+    [
+        ({"redis": "redis://:hunter2@h/0", "gateway": "a"}, "no password in the URL"),
+        ({"redis": "redis://user@h/0", "gateway": "a"}, "no password in the URL"),
+        ({"redis": "http://h/0", "gateway": "a"}, "redis:// or rediss://"),
+        ({"redis": "redis:///0", "gateway": "a"}, "names no host"),
+        ({"redis": "redis://h:99999/0", "gateway": "a"}, "not a URL"),
+        ({"redis": "redis://h/0", "gateway": "a b"}, "gateway"),
+        ({"redis": "redis://h/0", "gateway": "a", "lease": 0.5}, "lease"),
+        ({"redis": "redis://h/0", "gateway": "a", "floor": -1}, "floor"),
+        ({"redis": "redis://h/0", "gateway": "a", "credentialFile": "pw.txt"}, "absolute"),
+        ({"gateway": "a"}, "redis"),
+        ("redis://h/0", "capacityShare"),
+    ],
+)
+def test_share_refuses_what_it_cannot_use(share: Any, why: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(config(share))
+    assert "capacityShare" in str(err.value) and why in str(err.value)
+    assert "hunter2" not in str(err.value)
+
+
+def test_share_a_user_name_goes_with_a_credential_file() -> None:
+    got = parse_config(
+        config({"redis": "redis://gw@h/0", "gateway": "a", "credentialFile": "/etc/pw"})
+    )
+    assert got.share is not None and got.share.credential_file == "/etc/pw"
+
+
+def test_share_urls_in_messages_lose_their_user_part() -> None:
+    assert redis_url_for_logs("rediss://gw:secret@h:6380/1") == "rediss://h:6380/1"

@@ -1,0 +1,117 @@
+"""Share mode against a Redis that asks for a password: read from ``credentialFile``
+under the provider key's rules, never in argv or the log."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from farm import Farm
+from redis_rig import RedisServer
+from share_rig import Gateway, wait_for
+
+PASSWORD = "redis-pw-" + secrets.token_hex(12)
+
+
+@pytest.fixture(scope="module")
+def locked_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis-auth"), "--requirepass", PASSWORD)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _password_file(tmp: Path, text: str, mode: int = 0o600) -> Path:
+    path = tmp / "redis.password"
+    path.write_text(text + "\n")
+    path.chmod(mode)
+    return path
+
+
+def test_share_reads_the_redis_password_from_its_file_and_never_shows_it(
+    tmp_path: Path, key: str, key_file: Path, locked_redis: RedisServer
+) -> None:
+    farm = Farm(key, 9, grace=1.0)
+    gw = Gateway(
+        "gw-a",
+        tmp_path,
+        farm,
+        locked_redis,
+        key_file,
+        credentialFile=str(_password_file(tmp_path, PASSWORD)),
+    )
+    try:
+        gw.start_sidecar()
+        wait_for(
+            "a share", lambda: (gw.provider() or {}).get("source") == "share" and gw.limit() > 0
+        )
+        assert gw.check().returncode == 0
+        assert gw.sidecar is not None
+        argv = Path(f"/proc/{gw.sidecar.pid}/cmdline").read_bytes()
+        assert PASSWORD.encode() not in argv
+    finally:
+        gw.cleanup()
+        farm.stop()
+    assert PASSWORD not in gw.log_text()
+
+
+def test_share_with_a_wrong_password_holds_no_share_and_fails_the_check(
+    tmp_path: Path, key: str, key_file: Path, locked_redis: RedisServer
+) -> None:
+    farm = Farm(key, 9, grace=1.0)
+    wrong = "not-" + PASSWORD
+    gw = Gateway(
+        "gw-b",
+        tmp_path,
+        farm,
+        locked_redis,
+        key_file,
+        credentialFile=str(_password_file(tmp_path, wrong)),
+    )
+    try:
+        gw.start_sidecar()
+        wait_for("no share", lambda: "share degraded" in str((gw.provider() or {}).get("reason")))
+        assert gw.limit() == 0
+        check = gw.check()
+        assert check.returncode != 0 and "no share granted yet" in check.stdout
+    finally:
+        gw.cleanup()
+        farm.stop()
+    assert wrong not in gw.log_text() and PASSWORD not in gw.log_text()
+
+
+def test_share_metrics_say_whether_redis_answers(
+    tmp_path: Path, key: str, key_file: Path, locked_redis: RedisServer
+) -> None:
+    import re
+    import urllib.request
+
+    farm = Farm(key, 9, grace=1.0)
+    gw = Gateway(
+        "gw-m",
+        tmp_path,
+        farm,
+        locked_redis,
+        key_file,
+        credentialFile=str(_password_file(tmp_path, PASSWORD)),
+    )
+    try:
+        gw.start_sidecar("--metrics-listen", "127.0.0.1:0")
+        wait_for(
+            "a share", lambda: (gw.provider() or {}).get("source") == "share" and gw.limit() > 0
+        )
+        found = re.search(r"metrics on (http://\S+?:\d+)/metrics", gw.log_text())
+        assert found, gw.log_text()
+        with urllib.request.urlopen(found.group(1) + "/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+        assert "# TYPE gateway_capacity_share_redis_up gauge" in text
+        assert "gateway_capacity_share_redis_up 1.0" in text
+        assert re.search(
+            r'gateway_capacity_share_calls_total\{provider="p1",result="ok"\} [1-9]', text
+        )
+        assert 'gateway_capacity_limit_source{provider="p1",source="share"} 1.0' in text
+    finally:
+        gw.cleanup()
+        farm.stop()

@@ -1,0 +1,255 @@
+"""The share rules (sidecar.shares) by table and hypothesis, and the Lua script in a real
+redis-server doing exactly what the pure function does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sidecar.share import STEP_LUA, table_key
+from sidecar.shares import Held, Lease, Report, Table, local_limit, step, table_ttl_ms, targets
+
+LEASE = 10_000
+
+
+def report(gw: str, cap: int, held: int, demand: int, floor: int = 1) -> Report:
+    return Report(gw, cap, held, demand, floor, LEASE)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "floor", "demands", "expected"),
+    [
+        (20, 1, {"a": 0, "b": 0, "c": 0}, {"a": 1, "b": 1, "c": 1}),
+        (20, 1, {"a": 30, "b": 0, "c": 0}, {"a": 18, "b": 1, "c": 1}),
+        (20, 1, {"a": 30, "b": 30}, {"a": 10, "b": 10}),
+        (20, 1, {"a": 3, "b": 30}, {"a": 3, "b": 17}),
+        (20, 2, {"a": 5, "b": 5}, {"a": 5, "b": 5}),
+        (2, 1, {"a": 5, "b": 5, "c": 5}, {"a": 1, "b": 1, "c": 0}),
+        (0, 1, {"a": 5}, {"a": 0}),
+        (7, 0, {"a": 0, "b": 9}, {"a": 0, "b": 7}),
+    ],
+)
+def test_targets_floor_each_then_waiting_demand_max_min_fair(
+    capacity: int, floor: int, demands: dict[str, int], expected: dict[str, int]
+) -> None:
+    assert targets(capacity, floor, demands) == expected
+
+
+@given(
+    st.integers(0, 100),
+    st.integers(0, 8),
+    st.dictionaries(st.sampled_from("abcdefgh"), st.integers(0, 200), min_size=1),
+)
+def test_targets_never_exceed_capacity_nor_a_demand_above_the_floor(
+    capacity: int, floor: int, demands: dict[str, int]
+) -> None:
+    t = targets(capacity, floor, demands)
+    assert sum(t.values()) <= capacity
+    base = min(floor, capacity // len(demands))
+    for g, d in demands.items():
+        assert base <= t[g] <= max(base, d)
+    if sum(t.values()) < capacity:  # capacity left over: every demand is met
+        assert all(t[g] >= d for g, d in demands.items())
+
+
+def test_shrink_before_grow_a_share_moves_only_as_running_finishes() -> None:
+    table, g = step(None, report("a", 10, 0, 0), 0)
+    table, g = step(table, report("b", 10, 0, 0), 1)
+    assert g.rebuilding  # a new table grants nothing beyond what is held
+    for t in range(LEASE // 4, LEASE, LEASE // 4):  # renewals, as the sidecars do
+        table, _ = step(table, report("a", 10, 0, 0), t)
+        table, _ = step(table, report("b", 10, 0, 0), t)
+    now = LEASE + 10
+    table, a = step(table, report("a", 10, 0, 20), now)
+    assert a.limit == 9 and not a.rebuilding  # b keeps its floor
+    table, _ = step(table, report("a", 10, 9, 9), now + 1)  # a runs 9
+    table, b = step(table, report("b", 10, 0, 20), now + 2)  # b's demand rises
+    assert b.limit == 1  # nothing given up yet: only b's own floor
+    table, a = step(table, report("a", 10, 9, 9), now + 3)
+    assert a.limit == 5 and a.reserved == 9  # a's limit drops; its running stays reserved
+    table, b = step(table, report("b", 10, 1, 20), now + 4)
+    assert b.limit == 1
+    table, a = step(table, report("a", 10, 6, 6), now + 5)  # 3 of a's finished
+    assert a.reserved == 6
+    table, b = step(table, report("b", 10, 1, 20), now + 6)
+    assert b.limit == 4  # exactly what a gave up
+    assert sum(lease.reserved for lease in table.leases.values()) <= 10
+
+
+def test_an_expired_lease_returns_its_share() -> None:
+    table = Table({"a": Lease(8, 8, 5_000)}, touched_ms=4_000, rebuild_until_ms=0)
+    _, b = step(table, report("b", 10, 0, 10), 4_500)
+    assert b.limit == 2
+    _, b = step(table, report("b", 10, 0, 10), 5_001)
+    assert b.limit == 10 and b.gateways == 1
+
+
+def test_a_table_silent_for_a_lease_is_rebuilt_from_what_gateways_hold() -> None:
+    table = Table({"a": Lease(8, 8, 30_000)}, touched_ms=0, rebuild_until_ms=0)
+    table, b = step(table, report("b", 10, 2, 10), LEASE + 1)  # a is still running 8
+    assert b.rebuilding and b.limit == 2 and b.gateways == 1
+    table, a = step(table, report("a", 10, 8, 8), LEASE + 2)
+    assert (a.limit, a.reserved) == (5, 8)  # its target is 5 now: it shrinks as 3 finish
+    assert sum(x.reserved for x in table.leases.values()) == 10
+
+
+def test_capacity_dropping_under_the_running_total_grants_nothing_new() -> None:
+    table = Table({"a": Lease(6, 6, 50_000), "b": Lease(4, 4, 50_000)}, 0, 0)
+    table, a = step(table, report("a", 5, 6, 6), 1)
+    assert a.limit == 1 and a.reserved == 6  # target 3 (b's demand), room 5 - 4 = 1
+    table, b = step(table, report("b", 5, 4, 4), 2)
+    assert b.limit == 0 and b.reserved == 4
+
+
+def test_the_gateway_keeps_its_share_for_a_lease_then_a_safe_local_limit() -> None:
+    held = Held(limit=9, gateways=3, capacity=20, asked_mono=100.0, lease_s=10.0)
+    assert local_limit(held, 20, 105.0, "").state == "granted"
+    kept = local_limit(held, 20, 109.9, "Redis unavailable")
+    assert (kept.limit, kept.state) == (9, "kept")
+    safe = local_limit(held, 20, 110.0, "Redis unavailable")
+    assert (safe.limit, safe.state) == (6, "safe")  # 20 // 3, below the last share
+    assert local_limit(None, 20, 0.0, "Redis unavailable").limit == 0
+
+
+# --- the Lua script against the model -------------------------------------------------
+
+call = st.tuples(
+    st.sampled_from(["a", "b", "c"]),
+    st.integers(0, 30),  # capacity
+    st.integers(0, 30),  # held
+    st.integers(0, 40),  # demand
+    st.integers(0, 3),  # floor
+)
+
+
+def _table_in_redis(client: Any, key: str) -> Table | None:
+    raw = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+    if not raw:
+        return None
+    leases = {}
+    for k, v in raw.items():
+        if k.startswith("g:"):
+            r, d, e = (int(x) for x in v.split())
+            leases[k[2:]] = Lease(r, d, e)
+    return Table(leases, int(raw["~touched"]), int(raw["~rebuild"]))
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(call, min_size=1, max_size=25))
+def test_the_lua_script_is_the_pure_step(redis_server: Any, calls: list[Any]) -> None:
+    """Each call runs in Redis (server TIME) and in the model at the time Redis used: the
+    grants and the tables agree (expiry and rebuilding have their own tests below)."""
+    client = redis_server.client()
+    script = client.register_script(STEP_LUA)
+    key = table_key("lua-vs-model")
+    client.delete(key)
+    model: Table | None = None
+    for gw, cap, held, demand, floor in calls:
+        rep = Report(gw, cap, held, demand, floor, LEASE)
+        out = script(keys=[key], args=[gw, cap, held, demand, floor, LEASE, table_ttl_ms(LEASE)])
+        limit, reserved, gateways, rebuilding, others, now = (int(x) for x in out)
+        model, grant = step(model, rep, now)
+        assert (limit, reserved, gateways, bool(rebuilding), others) == (
+            grant.limit,
+            grant.reserved,
+            grant.gateways,
+            grant.rebuilding,
+            grant.others_reserved,
+        )
+        assert _table_in_redis(client, key) == model
+
+
+def test_the_lua_script_drops_a_stale_lease_written_by_hand(redis_server: Any) -> None:
+    client = redis_server.client()
+    script = client.register_script(STEP_LUA)
+    key = table_key("stale")
+    client.delete(key)
+    script(keys=[key], args=["a", 10, 0, 0, 1, LEASE, table_ttl_ms(LEASE)])
+    touched = int(client.hget(key, "~touched"))
+    client.hset(key, mapping={"~rebuild": 0, "g:ghost": f"9 9 {touched - 1}", "g:junk": "x"})
+    limit, *_ = script(keys=[key], args=["a", 10, 0, 10, 1, LEASE, table_ttl_ms(LEASE)])
+    assert limit == 10
+    assert set(client.hkeys(key)) == {b"~touched", b"~rebuild", b"g:a"}
+
+
+# --- the invariant over whole histories ------------------------------------------------
+
+event = st.tuples(
+    st.sampled_from(["a", "b", "c"]),
+    st.sampled_from(["call", "call", "admit", "finish", "wait", "unwait", "down", "up"]),
+    st.integers(0, 3_000),  # ms since the previous event
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 20), st.integers(0, 3), st.lists(event, max_size=80))
+def test_the_sum_of_running_never_exceeds_the_capacity(
+    capacity: int, floor: int, events: list[tuple[str, str, int]]
+) -> None:
+    """Gateways that obey their limits and report honestly, each renewing at least
+    every quarter of a lease as the sidecar does, the others' calls in any order, Redis
+    down for all of them at times: every gateway's running stays within its
+    reservation, and the sum of running within the capacity. A gateway without an
+    answer for a lease falls to its safe local limit (``local_limit``)."""
+    table: Table | None = None
+    now = 0
+    up = True
+    held_by: dict[str, Held | None] = dict.fromkeys("abc")
+    last_call = dict.fromkeys("abc", -(10**9))
+    running = dict.fromkeys("abc", 0)
+    waiting = dict.fromkeys("abc", 0)
+
+    def in_force(gw: str) -> int:
+        error = "" if up else "down"
+        return local_limit(held_by[gw], capacity, now / 1000, error).limit
+
+    def call(gw: str) -> None:
+        nonlocal table
+        last_call[gw] = now
+        if not up:
+            return
+        held = max(in_force(gw), running[gw])
+        rep = Report(gw, capacity, held, running[gw] + waiting[gw], floor, LEASE)
+        table, grant = step(table, rep, now)
+        held_by[gw] = Held(grant.limit, grant.gateways, capacity, now / 1000, LEASE / 1000)
+        assert grant.reserved >= running[gw]
+
+    for gw, what, gap in events:
+        target = now + gap
+        while True:  # the renewals due meanwhile, in time order
+            due, other = min((last_call[o] + LEASE // 4, o) for o in "abc")
+            if due > target:
+                break
+            now = max(now, due)
+            call(other)
+        now = target
+        if what == "call":
+            call(gw)
+        elif what == "admit" and running[gw] < in_force(gw):
+            running[gw] += 1
+        elif what == "finish" and running[gw] > 0:
+            running[gw] -= 1
+        elif what == "wait":
+            waiting[gw] += 1
+        elif what == "unwait" and waiting[gw] > 0:
+            waiting[gw] -= 1
+        elif what == "down":
+            up = False
+        elif what == "up":
+            up = True
+        assert sum(running.values()) <= capacity, (running, table)
+
+
+def test_after_an_outage_longer_than_half_a_lease_nobody_grows_into_a_lapsed_share() -> None:
+    """Redis down for everyone: a (last answer at 1 s) falls to its safe limit at 11 s
+    and may still run 5; when Redis answers at 12 s, b must not be granted a's 5."""
+    table = Table({"a": Lease(5, 5, 11_000), "b": Lease(5, 10, 14_000)}, 4_000, 0)
+    safe = local_limit(Held(5, 2, 10, 1.0, LEASE / 1000), 10, 11.0, "down")
+    assert (safe.state, safe.limit) == ("safe", 5)
+    _, b = step(table, report("b", 10, 5, 10), 12_000)
+    assert b.rebuilding and b.limit == 5
