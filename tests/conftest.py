@@ -108,6 +108,10 @@ SLOW: dict[str, str] = {
     "tests/soak/test_soak.py::test_r_a1_r_a2_r_a5_short_soak": "the soak's 20-second form",
     "tests/drill/test_upgrade_drill.py::test_upgrade_drill_short_form": "the drill's short form",
     "tests/demo/": "runs the demo (about 25 s a run)",
+    "tests/share/test_share_gateways.py": "three sidecars, handlers and a redis-server a test",
+    "tests/real/": "real llama-server processes (make real-workers)",
+    "tests/repo/test_examples.py::test_r_k5_the_relay_walk_through": "a farm, router, "
+    "sidecar and gateway, seven 3-second streams",
 }
 
 

@@ -274,3 +274,119 @@ def test_r_l5_the_openai_walk_through_stays_on_the_static_fallback_and_says_so(
     assert "static fallback" in readme
     assert "limit 8 (gateway)  running 0  waiting 0/32  fallback 8 (gateway)" in readme
     assert f"reason: {probed['reason']}" in readme
+
+
+def test_r_k5_the_relay_walk_through_reaches_a_discovered_limit_and_sdk_streams(
+    tmp_path: Path, processes: list[subprocess.Popen[str]], key_file: Path, segment_name: str
+) -> None:
+    """examples/README.md's relay walk-through: the provider's baseUrl is `router serve`,
+    which both answers /v1/capacity (2 + 3 slots: limit 5, discovered) and relays the
+    example gateway's completions to the workers; seven streams from the official
+    `openai` SDK then run at most five at a time and all finish."""
+    import threading
+
+    import httpx
+    import openai
+    from gwtest import free_port
+
+    workers = []
+    for slots in (2, 3):
+        _, line = _start(
+            processes, "router", "simworker", "--openai", "--slots", str(slots), "--delay", "3",
+            "--model", "workhorse", "--port", "0",
+        )  # fmt: skip
+        workers.append(line.split()[3])
+    registry = tmp_path / "workers.json"
+    registry.write_text(
+        json.dumps(
+            {
+                "workers": [
+                    {"id": f"w{i}", "urls": [url], "models": ["workhorse"],
+                     "slots": {"source": "props"}}
+                    for i, url in enumerate(workers, 1)
+                ]
+            }
+        )
+    )  # fmt: skip
+    _, line = _start(
+        processes, "router", "serve", "--workers", str(registry), "--key-file", str(key_file),
+        "--listen", "127.0.0.1:0", "--poll", "0.5",
+    )  # fmt: skip
+    router = line.split()[1].removesuffix("/v1/capacity")
+    doc = json.loads((EXAMPLES / "gateway.json").read_text())
+    doc["providers"][0].update(baseUrl=f"{router}/v1", credentialFile=str(key_file))
+    config = tmp_path / "my-gateway.json"
+    config.write_text(json.dumps(doc))
+    env = {**os.environ, "GATEWAY_CAPACITY_SEGMENT": segment_name}
+    processes.append(
+        subprocess.Popen(
+            [*CLI, "sidecar", "--config", str(config), "--refresh", "1"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+    )
+
+    def local_inference() -> dict[str, object]:
+        out = subprocess.run(
+            [*CLI, "availability", "--config", str(config), "--json"],
+            env=env, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        if out.returncode != 0:
+            return {}
+        (p,) = [p for p in json.loads(out.stdout)["providers"] if p["id"] == "local-inference"]
+        return dict(p)
+
+    deadline = time.monotonic() + 30
+    seen = local_inference()
+    while seen.get("effective_limit") != 5 and time.monotonic() < deadline:
+        time.sleep(0.3)
+        seen = local_inference()
+    assert (seen.get("effective_limit"), seen.get("source")) == (5, "discovered"), seen
+    port = free_port()
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "--app-dir", str(EXAMPLES), "openai_gateway:app",
+         "--host", "127.0.0.1", "--port", str(port)],
+        env={**env, "GATEWAY_CONFIG": str(config)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    processes.append(gateway)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+    )
+    texts: list[str] = []
+    peak = [0]
+    done = threading.Event()
+
+    def stream() -> None:
+        chunks = client.chat.completions.create(
+            model="local-workhorse", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+
+    def watch() -> None:
+        while not done.is_set():
+            running = local_inference().get("running")
+            if isinstance(running, int):
+                peak[0] = max(peak[0], running)
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=stream) for _ in range(7)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    done.set()
+    watcher.join()
+    assert len(texts) == 7 and all(texts), texts
+    assert 1 <= peak[0] <= 5, peak
