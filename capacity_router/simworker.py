@@ -50,7 +50,7 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 PropsFault = Literal["garbage", "error", "hang"]
 Shape = Literal[
@@ -63,16 +63,7 @@ Shape = Literal[
     "ollama",
     "llama-swap",
 ]
-SHAPES: tuple[Shape, ...] = (
-    "llama-server",
-    "llama-server-router",
-    "sglang",
-    "tgi",
-    "lmstudio",
-    "vllm",
-    "ollama",
-    "llama-swap",
-)
+SHAPES: tuple[Shape, ...] = get_args(Shape)
 ModelState = Literal["unloaded", "loading", "loaded", "sleeping"]
 
 # What each real server answers without a key (llama.cpp server-http.cpp public
