@@ -265,7 +265,7 @@ def _identity_of(name: str) -> Identity | None:
         shm = posix_ipc.SharedMemory(name, read_only=True)
     except posix_ipc.ExistentialError:
         return None
-    except ipc.DENIED:
+    except (*ipc.DENIED, OSError):  # a symbolic link (ELOOP) is no object of ours either
         return _UNKNOWN
     try:
         return _object_identity(shm.fd)
@@ -292,7 +292,7 @@ def _remove_abandoned(name: str, identity: Identity) -> None:
     notice within one sweep and leave (R-A15)."""
     try:
         shm = posix_ipc.SharedMemory(name, read_only=True)
-    except (posix_ipc.ExistentialError, *ipc.DENIED):
+    except (posix_ipc.ExistentialError, *ipc.DENIED, OSError):
         return
     try:
         if _object_identity(shm.fd) != identity:
@@ -383,6 +383,35 @@ def _reserve(name: str, fd: int) -> None:
         # EOPNOTSUPP, EINVAL: a file system without fallocate keeps the old behaviour
 
 
+def _symlink_refusal(name: str, policy: OwnerPolicy | None) -> ForeignSegment:
+    """The name is a symbolic link (``shm_open`` never follows one: ELOOP). Nothing of
+    ours makes links there: another user planted it, to have us map what it points at."""
+    link = platform.shared_memory_stat(name)  # lstat: the link's own owner
+    found = (
+        f"made by {user_name(link.st_uid)} (uid {link.st_uid})"
+        if link is not None
+        else "owner unknown"
+    )
+    expected = (policy or OwnerPolicy.for_process()).expected()
+    return ForeignSegment(
+        f"segment {name} is a symbolic link ({found}, expected a segment of {expected}): "
+        f"refused, never followed (another user may have planted it). Remove the link as "
+        f"root with {_recovery(name)} (it removes the link, not what it points at) and find "
+        "out who made it"
+    )
+
+
+def _open_shm(name: str, *, read_only: bool, policy: OwnerPolicy | None) -> posix_ipc.SharedMemory:
+    """``shm_open`` of an existing object; a symbolic link under the name is refused
+    (ForeignSegment) rather than left to surface as a bare ELOOP."""
+    try:
+        return posix_ipc.SharedMemory(name, read_only=read_only)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _symlink_refusal(name, policy) from None
+        raise
+
+
 def _foreign(name: str, problem: str, policy: OwnerPolicy) -> ForeignSegment:
     return ForeignSegment(
         f"segment {name} {problem}: another user made it first, or the wrong owner is "
@@ -402,7 +431,7 @@ def _attach(
     """Map ``name``. With ``policy``, an object whose owner it does not trust is refused
     before anything else is read from it or waited for (R-G6)."""
     try:
-        shm = posix_ipc.SharedMemory(name, read_only=read_only)
+        shm = _open_shm(name, read_only=read_only, policy=policy)
     except posix_ipc.ExistentialError:
         raise SegmentMissing(
             f"no segment {name}: nothing has created it yet (start the sidecar or a handler)"
@@ -569,7 +598,7 @@ def owner_of(name: str) -> tuple[int, int] | None:
     """(uid, gid) of the object under ``name`` without trusting it, or None."""
     try:
         shm = posix_ipc.SharedMemory(name, read_only=True)
-    except (posix_ipc.ExistentialError, *ipc.DENIED):
+    except (posix_ipc.ExistentialError, *ipc.DENIED, OSError):  # OSError: a symbolic link
         info = platform.shared_memory_stat(name)
         return None if info is None else (info.st_uid, info.st_gid)
     try:
@@ -646,7 +675,7 @@ def objects_left(name: str, bells: list[int] | tuple[int, ...] = ()) -> list[str
         left.append(name)
     except posix_ipc.ExistentialError:
         pass
-    except ipc.DENIED:
+    except (*ipc.DENIED, OSError):  # another user's, or a symbolic link under the name
         left.append(name)
     path = lock.lock_file_path(name)
     if os.path.lexists(path):
