@@ -361,6 +361,9 @@ static void on_sigbus(int sig, siginfo_t *info, void *ctx)
     (void)ctx;
     if (info != NULL && info->si_code > 0) { /* a fault (si_code <= 0: sent by a process) */
         uintptr_t at = (uintptr_t)info->si_addr;
+        int mended = 0, failed = 0;
+        /* every registration that holds the address is told (two may, for a moment, while
+         * one mapping is unregistered after a new one took its addresses) */
         for (int i = 0; i < MAX_GUARDS; i++) {
             uintptr_t start = __atomic_load_n(&guards[i].start, __ATOMIC_ACQUIRE);
             size_t len = __atomic_load_n(&guards[i].len, __ATOMIC_ACQUIRE);
@@ -371,11 +374,15 @@ static void on_sigbus(int sig, siginfo_t *info, void *ctx)
             void *p = mmap((void *)from, len - (from - start), guards[i].prot,
                            MAP_FIXED | MAP_PRIVATE | MAP_ANON, -1, 0);
             errno = saved;
-            if (p == MAP_FAILED)
-                break; /* cannot mend it: die as without us */
+            if (p == MAP_FAILED) {
+                failed = 1;
+                continue;
+            }
             __atomic_store_n(&guards[i].damaged, 1, __ATOMIC_RELEASE);
-            return; /* the access is retried, on zero pages */
+            mended = 1;
         }
+        if (mended && !failed)
+            return; /* the access is retried, on zero pages */
     }
     sigaction(SIGBUS, &bus_previous, NULL);
     if (info == NULL || info->si_code <= 0)
@@ -1552,6 +1559,14 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
     c->base = c->view.buf;
     c->size = c->view.len;
     c->guard = guard_find(c->base);
+    PyObject *slot = PyObject_GetAttrString(buffer, "_guard"); /* segment.Mapping's own */
+    if (slot != NULL) {
+        long i = PyLong_AsLong(slot);
+        if (!(i == -1 && PyErr_Occurred()) && i >= 0 && i < MAX_GUARDS)
+            c->guard = (int)i;
+        Py_DECREF(slot);
+    }
+    PyErr_Clear();
     if (c->size < c->o[G_TOTAL_SIZE]) {
         PyErr_SetString(PyExc_ValueError, "the buffer is smaller than the layout");
         return -1;

@@ -63,7 +63,7 @@ def _end(agent: Agent, stop: Path) -> tuple[dict[str, object], str]:
 def _said_once(err: str) -> None:
     # in the darwin test mode the name check (a creation stamp there) may see it first
     lines = [x for x in err.splitlines() if TRUNCATED in x or "removed or replaced while" in x]
-    assert len(lines) == 1, f"said {len(lines)} times: {err}"
+    assert len(lines) == 1, f"said {len(lines)} times: {err!r}"
     assert platform.is_darwin() or TRUNCATED in lines[0], err
 
 
