@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import stat
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -407,10 +408,17 @@ def _unlink(args: argparse.Namespace) -> int:
                 "stop them first or add --force",
                 1,
             )
+    from shm_layout import platform
+
+    before = platform.shared_memory_stat(name)
     try:
         existed = unlink_segment(name)
     except SegmentError as exc:
         fail(str(exc), EXIT_USAGE)
+    if before is not None and stat.S_ISLNK(before.st_mode):
+        # shm_unlink removes the name, never what a link there points at
+        print(f"removed the symbolic link {platform.SHM_DIR}{name} (not what it pointed at)")
+        return EXIT_OK
     if not existed and view is None and unread is None:
         fail(f"no segment {name}", EXIT_NO_SEGMENT)
     if unread is not None:

@@ -519,7 +519,7 @@ class Admission:
         att = self._usable()
         p = att.index.get(provider)
         if p is None:
-            p = att.provider(provider)
+            att, p = self._look_up(att, provider)
         return _core.Ticket(att.core, p, timeout)
 
     def slot(self, provider: str, timeout: float | None = None) -> CoreTicket:
@@ -532,7 +532,7 @@ class Admission:
             self._note_loop(loop)
         p = att.index.get(provider)
         if p is None:
-            p = att.provider(provider)
+            att, p = self._look_up(att, provider)
         return _core.Ticket(att.core, p, timeout)
 
     async def acquire(self, provider: str, timeout: float | None = None) -> Ticket:
@@ -658,6 +658,18 @@ class Admission:
                 "the forked child"
             )
         return self._current
+
+    def _look_up(self, att: _Attachment, provider_id: str) -> tuple[_Attachment, int]:
+        """The row of a provider not looked up on ``att`` yet. On a segment truncated
+        under us the look read zeros: it is made where arrivals go now (R-A15)."""
+        try:
+            if not att.core.lost:
+                return att, att.provider(provider_id)
+        except UnknownProvider:
+            if not att.core.lost:
+                raise
+        att = self._move(att)
+        return att, att.provider(provider_id)
 
     def _unknown_reason(self, att: _Attachment, provider_id: str) -> str:
         from shm_layout import ledger
@@ -963,11 +975,13 @@ class Admission:
                     raise
                 att.ensure(self._entries)
             except GatewayCapacityError as exc:
-                self._move_failure = (
-                    f"segment {self._name} was removed or replaced, and what its name leads to "
-                    f"now cannot be used: {exc}"
+                failure = (
+                    f"segment {self._name} was {_what_happened(old)}, and what its name leads "
+                    f"to now cannot be used: {exc}"
                 )
-                log.error("%s", self._move_failure)
+                if failure != self._move_failure:  # said once; arrivals are refused with it
+                    log.error("%s", failure)
+                self._move_failure = failure
                 raise AdmissionError(self._move_failure) from None
             self._move_failure = None
             self._current = att
@@ -982,6 +996,16 @@ class Admission:
         if key in self._logged:
             return
         self._logged.add(key)
+        if att.core.lost:
+            log.error(
+                "segment %s was truncated while this process used it (by hand, or by a member "
+                "of its group, who may write it): it is treated as removed. New requests go to "
+                "what the name leads to now, and the %d running here end without it. Never "
+                "shrink a segment; 'gateway-capacity inspect --check' names one",
+                self._name,
+                _running(att),
+            )
+            return
         log.error(
             "segment %s was removed or replaced while this process used it; new requests go "
             "to what the name leads to now, and the %d running here finish on the old one. "
@@ -1024,6 +1048,10 @@ class Admission:
             return
         self._logged.add(key)
         log.error("%s", message)
+
+
+def _what_happened(att: _Attachment) -> str:
+    return "truncated under this process" if att.core.lost else "removed or replaced"
 
 
 def _core_of(ticket: CoreTicket) -> CoreObject:

@@ -325,6 +325,106 @@ static int byte_held(int fd, int kind, off_t at)
     }
 }
 
+/* ===== 1b. guarded mappings: a segment truncated under us ===========================
+ * Whoever may write the segment may also shrink it (ftruncate, `truncate -s 0`): a
+ * member of its group in group-shared mode, root's own tooling. Every access past the
+ * new end is then a SIGBUS, which killed the process. The way libwayland-server's
+ * wl_shm survives a client that shrinks its pool: a SIGBUS handler that, when the
+ * faulting address lies in a mapping registered here, maps anonymous zero pages over
+ * that mapping from the faulting page to its end (mmap MAP_FIXED|MAP_PRIVATE|
+ * MAP_ANONYMOUS: one system call, the address stays valid), marks the mapping damaged
+ * and returns, so the access is retried and reads zeros. The pages before it are left
+ * to the object: what is still there (the header, with the lock word, after a shrink to
+ * a page) stays shared, so a lock this process holds is still let go where the others
+ * look for it; a later fault below mends from there on. Any other SIGBUS (an address of no registered mapping, or a
+ * kill()) goes to the disposition that was there before ours: it is put back and the
+ * fault taken again (or the signal sent again), so a process dies of a foreign SIGBUS
+ * exactly as it would have. Every mapping of a segment is made by segment.py's
+ * ``_Mapping``, which registers it here when it is mapped and unregisters it when it is
+ * unmapped; the core reads the damaged flag of the mapping it was given (``lost``). */
+#define MAX_GUARDS 256
+typedef struct {
+    uintptr_t start; /* 0: a free slot */
+    size_t len;
+    int prot;
+    int damaged;     /* set by the handler (async-signal-safe: an atomic store) */
+} Guard;
+
+static Guard guards[MAX_GUARDS];
+static pthread_mutex_t guards_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct sigaction bus_previous;
+static int bus_installed;
+static uintptr_t bus_page = 4096; /* the page size, read before the handler is installed */
+
+static void on_sigbus(int sig, siginfo_t *info, void *ctx)
+{
+    (void)ctx;
+    if (info != NULL && info->si_code > 0) { /* a fault (si_code <= 0: sent by a process) */
+        uintptr_t at = (uintptr_t)info->si_addr;
+        int mended = 0, failed = 0;
+        /* every registration that holds the address is told (two may, for a moment, while
+         * one mapping is unregistered after a new one took its addresses) */
+        for (int i = 0; i < MAX_GUARDS; i++) {
+            uintptr_t start = __atomic_load_n(&guards[i].start, __ATOMIC_ACQUIRE);
+            size_t len = __atomic_load_n(&guards[i].len, __ATOMIC_ACQUIRE);
+            if (start == 0 || at < start || at - start >= len)
+                continue;
+            uintptr_t from = at - (at - start) % bus_page;
+            int saved = errno;
+            void *p = mmap((void *)from, len - (from - start), guards[i].prot,
+                           MAP_FIXED | MAP_PRIVATE | MAP_ANON, -1, 0);
+            errno = saved;
+            if (p == MAP_FAILED) {
+                failed = 1;
+                continue;
+            }
+            __atomic_store_n(&guards[i].damaged, 1, __ATOMIC_RELEASE);
+            mended = 1;
+        }
+        if (mended && !failed)
+            return; /* the access is retried, on zero pages */
+    }
+    sigaction(SIGBUS, &bus_previous, NULL);
+    if (info == NULL || info->si_code <= 0)
+        raise(SIGBUS); /* delivered once this handler returns (SIGBUS is blocked here) */
+    /* a fault: returning retries it, under the previous disposition */
+}
+
+static int install_bus_handler(void)
+{
+    if (bus_installed)
+        return 0;
+    long page = sysconf(_SC_PAGESIZE);
+    if (page > 0)
+        bus_page = (uintptr_t)page;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGBUS, &sa, &bus_previous) != 0)
+        return -1;
+    bus_installed = 1;
+    return 0;
+}
+
+/* The slot of the registered mapping that holds ``addr``, or -1. */
+static int guard_find(const void *addr)
+{
+    uintptr_t at = (uintptr_t)addr;
+    for (int i = 0; i < MAX_GUARDS; i++) {
+        uintptr_t start = __atomic_load_n(&guards[i].start, __ATOMIC_ACQUIRE);
+        if (start != 0 && at >= start && at - start < guards[i].len)
+            return i;
+    }
+    return -1;
+}
+
+static int guard_damaged(int i)
+{
+    return i >= 0 && i < MAX_GUARDS && __atomic_load_n(&guards[i].damaged, __ATOMIC_ACQUIRE);
+}
+
 /* ===== 2. the Core object ==============================================================
  * One attachment of one process to one segment: the mapping, the offsets, the lock
  * target, this process's registration (member row, serial, doorbell), and what Python
@@ -343,6 +443,9 @@ typedef struct {
     int closed;
     int closing;                /* close() began: arrivals refused, waiters told (R-A14) */
     int moved;                  /* the name leads to another segment now (R-A15) */
+    int lost;                   /* ... because the object was truncated under us: the
+                                 * mapping reads zeros now (section 1b); never read again */
+    int guard;                  /* our mapping's slot in guards[], -1 none */
     double named_checked_at;    /* when the name was last compared with the mapping */
     int busy;                   /* calls in flight with the GIL released */
     int member;                 /* our registration, -1 none */
@@ -1044,11 +1147,15 @@ static void short_nap(long *ns)
 }
 
 #define E_DAMAGED_LOCK (-2)
+#define E_LOST (-3) /* the segment was truncated under us: see lost() */
+static int lost(Core *c);
 
 /* 0: entered; 1: busy (try) or deadline passed; -1: error (errno); E_DAMAGED_LOCK.
  * ``deadline`` is on the deadline clock, 0 for none. */
 static int enter(Core *c, int blocking, double deadline)
 {
+    if (lost(c))
+        return E_LOST;
     if (c->kind == KIND_ROBUST) {
 #if HAVE_ROBUST
         pthread_mutex_t *mu = (pthread_mutex_t *)AT(c, c->o[H_MUTEX]);
@@ -1266,6 +1373,19 @@ static void deliver(Core *c, Rings *r)
  * happen before it is taken back: the lock is never held while this thread waits for
  * the GIL (R-A11). */
 
+/* The segment was truncated under us: our mapping was mended by the SIGBUS handler
+ * (section 1b), or the name check saw the very object we mapped (same inode) smaller than
+ * the layout. Treated as a segment removed by hand (R-A15): arrivals move, waiters are
+ * told, leaves touch nothing, and no section is entered on it again. */
+static int lost(Core *c)
+{
+    if (!c->lost && guard_damaged(c->guard)) {
+        c->lost = 1;
+        c->moved = 1;
+    }
+    return c->lost;
+}
+
 static int usable(Core *c)
 {
     if (!c->closed && (!c->have_view || c->target < 0)) { /* Core.__new__ without __init__ */
@@ -1285,6 +1405,12 @@ static int usable(Core *c)
 
 static PyObject *lock_error(Core *c, int rc)
 {
+    if (rc == E_LOST || lost(c))
+        return PyErr_Format(CoreError,
+                            "segment %s was truncated under this process (by hand, or by a member "
+                            "of its group, who may write it): it is treated as removed; see "
+                            "'gateway-capacity inspect --segment %s --check'",
+                            c->name, c->name);
     if (rc == E_DAMAGED_LOCK)
         return PyErr_Format(DamagedLock,
                             "segment %s: its lock word is damaged (no lock call of ours wrote it); stop "
@@ -1356,6 +1482,7 @@ static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         c->target = -1;
         c->member = -1;
         c->group = -1;
+        c->guard = -1;
     }
     return (PyObject *)c;
 }
@@ -1431,6 +1558,15 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
     c->have_view = 1;
     c->base = c->view.buf;
     c->size = c->view.len;
+    c->guard = guard_find(c->base);
+    PyObject *slot = PyObject_GetAttrString(buffer, "_guard"); /* segment.Mapping's own */
+    if (slot != NULL) {
+        long i = PyLong_AsLong(slot);
+        if (!(i == -1 && PyErr_Occurred()) && i >= 0 && i < MAX_GUARDS)
+            c->guard = (int)i;
+        Py_DECREF(slot);
+    }
+    PyErr_Clear();
     if (c->size < c->o[G_TOTAL_SIZE]) {
         PyErr_SetString(PyExc_ValueError, "the buffer is smaller than the layout");
         return -1;
@@ -1546,15 +1682,22 @@ static int same_creation(Core *c, int fd, off_t size)
 
 static int name_leads_here(Core *c)
 {
+    if (lost(c))
+        return 0;
     int fd = shm_open(c->name, O_RDONLY, 0);
     if (fd < 0)
         return errno == ENOENT ? 0 : -1;
     struct stat st;
     int answer = -1;
     if (fstat(fd, &st) == 0) {
-        if (c->seg_ino != 0) /* Linux: the object's device and inode */
+        if (c->seg_ino != 0) { /* Linux: the object's device and inode */
             answer = st.st_dev == c->seg_dev && st.st_ino == c->seg_ino;
-        else /* macOS (no identity given): its creation stamp */
+            if (answer && st.st_size < c->o[G_TOTAL_SIZE]) { /* ours, truncated in place */
+                c->lost = 1;
+                c->moved = 1;
+                answer = 0;
+            }
+        } else /* macOS (no identity given): its creation stamp */
             answer = same_creation(c, fd, st.st_size);
     }
     close(fd);
@@ -1697,7 +1840,7 @@ static int do_arrive(Core *c, Ticket *tk, int p, unsigned int pid, double given,
     }
     if (futex && ((c->flags & F_NO_FUTEX) || !HAVE_FUTEX))
         futex = 0;
-    if (!c->closing && given <= 0 && name_moved(c))
+    if (!c->closing && (lost(c) || (given <= 0 && name_moved(c))))
         return R_MOVED; /* the caller moves to what the name leads to now */
     int rc, decision = R_FULL;
     double deadline = deadline_arg(timeout);
@@ -1710,6 +1853,13 @@ static int do_arrive(Core *c, Ticket *tk, int p, unsigned int pid, double given,
         decision = arrive_locked(c, tk, p, pid, now, may_wait, futex, &rings);
     });
     tk->busy = 0;
+    if (!c->closing && lost(c)) { /* truncated during the section: what it wrote is gone */
+        if (tk->live)
+            own_set(c, tk->provider, tk->holder, 0);
+        tk->live = 0;
+        tk->running = 0;
+        return R_MOVED;
+    }
     if (rc < 0 || rc == E_DAMAGED_LOCK) {
         lock_error(c, rc);
         return -1;
@@ -1799,6 +1949,16 @@ static void ticket_done(Core *c, Ticket *tk)
     tk->running = 0;
 }
 
+/* A leave on a truncated segment: there is no record left to free (the object's pages
+ * are gone, ours read zeros); forget the ticket, as if it had been freed. */
+static int leave_lost(Core *c, Ticket *tk)
+{
+    int was = tk->running ? 1 : 2;
+    own_set(c, tk->provider, tk->holder, 0);
+    ticket_done(c, tk);
+    return was;
+}
+
 /* leave ``tk`` with ``outcome``: -1 busy (non-blocking), 0 stale, 1 running, 2 waiting;
  * -2 with an exception set. */
 static int do_leave(Ticket *tk, int outcome, double given, int blocking)
@@ -1811,6 +1971,8 @@ static int do_leave(Ticket *tk, int outcome, double given, int blocking)
         tk->running = 0;
         return 0;
     }
+    if (lost(c))
+        return leave_lost(c, tk);
     int rc, was = 0;
     Rings rings;
     memset(&rings, 0, sizeof rings);
@@ -1820,6 +1982,8 @@ static int do_leave(Ticket *tk, int outcome, double given, int blocking)
         was = leave_locked(c, tk, outcome, now, &rings);
     });
     tk->busy = 0;
+    if ((rc < 0 || rc == E_DAMAGED_LOCK) && lost(c))
+        return leave_lost(c, tk);
     if (rc < 0 || rc == E_DAMAGED_LOCK) {
         lock_error(c, rc);
         return -2;
@@ -2008,6 +2172,10 @@ static PyObject *Core_wait(Core *c, PyObject *args)
         for (;;) {
             uint32_t word_now = __atomic_load_n(word, __ATOMIC_ACQUIRE);
             uint32_t state = ticket_state(c, tk);
+            if (lost(c)) { /* what was read came from zero pages */
+                result = W_MOVED;
+                break;
+            }
             if (state == RUNNING) {
                 result = W_GRANTED;
                 break;
@@ -2127,7 +2295,7 @@ static PyObject *Core_dispatch(Core *c, PyObject *args)
             if (nwatched > 0 || c->held > 0)
                 name_moved(c); /* a process that only waits or holds notices a move too */
         }
-        if (posts || reclaimed || c->moved || !timed)
+        if (posts || reclaimed || lost(c) || c->moved || !timed)
             break;
         if (period >= 0 && (always || nwatched > 0 || c->held > 0) &&
             deadline_clock() - started >= period)
@@ -2215,11 +2383,14 @@ static PyObject *Core_retire(Core *c, PyObject *unused)
     c->moved = 1;
     if (c->closed || c->fork_gen != fork_generation)
         Py_RETURN_NONE;
+    BUSY_ADD(c, 1); /* the retired attachment's dispatcher may close it meanwhile: not under us */
     Py_BEGIN_ALLOW_THREADS
-    wake_own_waiters(c);
+    if (!lost(c)) /* lost: its waiters look at lost() themselves */
+        wake_own_waiters(c);
     if (c->own_bell)
         sem_post(c->own_bell);
     Py_END_ALLOW_THREADS
+    BUSY_ADD(c, -1);
     Py_RETURN_NONE;
 }
 
@@ -2625,6 +2796,7 @@ static PyObject *Core_get_held(Core *c, void *closure) { return PyLong_FromLong(
 static PyObject *Core_get_held_running(Core *c, void *closure) { return PyLong_FromLong(c->held_running); }
 static PyObject *Core_get_closing(Core *c, void *closure) { return PyBool_FromLong(c->closing); }
 static PyObject *Core_get_moved(Core *c, void *closure) { return PyBool_FromLong(c->moved); }
+static PyObject *Core_get_lost(Core *c, void *closure) { return PyBool_FromLong(lost(c)); }
 
 /* ===== 8. Ticket =========================================================================
  * One holder record's handle, filled in by the core before the lock is let go (R-A12).
@@ -2925,6 +3097,7 @@ static PyGetSetDef Core_getset[] = {
     {"busy", (getter)Core_get_busy, NULL, "calls of other threads inside the core now", NULL},
     {"closing", (getter)Core_get_closing, NULL, "close() began", NULL},
     {"moved", (getter)Core_get_moved, NULL, "retired: the name leads elsewhere", NULL},
+    {"lost", (getter)Core_get_lost, NULL, "the segment was truncated under us (moved too)", NULL},
     {NULL}
 };
 
@@ -3113,7 +3286,72 @@ static PyObject *mod_deadline_now(PyObject *self, PyObject *unused)
     return PyFloat_FromDouble(deadline_clock());
 }
 
+/* guard(buffer, writable) -> slot: register a mapping of a segment with the SIGBUS
+ * handler (section 1b); -1 when the table is full (the mapping is then unguarded). */
+static PyObject *mod_guard(PyObject *self, PyObject *args)
+{
+    PyObject *buffer;
+    int writable;
+    if (!PyArg_ParseTuple(args, "Op", &buffer, &writable))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(buffer, &view, PyBUF_SIMPLE) != 0)
+        return NULL;
+    uintptr_t start = (uintptr_t)view.buf;
+    size_t len = (size_t)view.len;
+    PyBuffer_Release(&view);
+    long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0)
+        page = 4096;
+    if (start == 0 || len == 0 || start % (uintptr_t)page != 0) {
+        PyErr_SetString(PyExc_ValueError, "guard() takes a whole mapping");
+        return NULL;
+    }
+    len = (len + (size_t)page - 1) / (size_t)page * (size_t)page;
+    int slot = -1;
+    pthread_mutex_lock(&guards_mu);
+    if (install_bus_handler() == 0)
+        for (int i = 0; i < MAX_GUARDS; i++)
+            if (__atomic_load_n(&guards[i].start, __ATOMIC_ACQUIRE) == 0) {
+                guards[i].prot = PROT_READ | (writable ? PROT_WRITE : 0);
+                __atomic_store_n(&guards[i].damaged, 0, __ATOMIC_RELEASE);
+                __atomic_store_n(&guards[i].len, len, __ATOMIC_RELEASE);
+                __atomic_store_n(&guards[i].start, start, __ATOMIC_RELEASE);
+                slot = i;
+                break;
+            }
+    pthread_mutex_unlock(&guards_mu);
+    return PyLong_FromLong(slot);
+}
+
+/* unguard(slot): the mapping is about to be unmapped (or was). */
+static PyObject *mod_unguard(PyObject *self, PyObject *arg)
+{
+    long i = PyLong_AsLong(arg);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    if (i >= 0 && i < MAX_GUARDS) {
+        pthread_mutex_lock(&guards_mu);
+        __atomic_store_n(&guards[i].start, 0, __ATOMIC_RELEASE);
+        __atomic_store_n(&guards[i].len, 0, __ATOMIC_RELEASE);
+        pthread_mutex_unlock(&guards_mu);
+    }
+    Py_RETURN_NONE;
+}
+
+/* damaged(slot) -> bool: the handler replaced the mapping's pages with zeros. */
+static PyObject *mod_damaged(PyObject *self, PyObject *arg)
+{
+    long i = PyLong_AsLong(arg);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(guard_damaged((int)i));
+}
+
 static PyMethodDef module_methods[] = {
+    {"guard", mod_guard, METH_VARARGS, "guard(buffer, writable) -> slot: survive a truncation of it"},
+    {"unguard", mod_unguard, METH_O, "unguard(slot): before the mapping goes"},
+    {"damaged", mod_damaged, METH_O, "damaged(slot) -> bool: its pages were replaced by zeros"},
     {"init_mutex", mod_init_mutex, METH_VARARGS, "init_mutex(buffer, offset): a process-shared robust mutex"},
     {"mutex_state", mod_mutex_state, METH_VARARGS, "mutex_state(buffer, offset) -> (sane, locked, tid, tid_exists)"},
     {"fields", mod_fields, METH_NOARGS, "the offsets Core needs"},

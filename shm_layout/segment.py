@@ -82,6 +82,41 @@ class DamagedSegment(NotOurSegment):
     """Ours by its header, but its tables hold values no writer of ours produces."""
 
 
+class Mapping(mmap.mmap):
+    """A mapping of a segment that a truncation cannot turn into death by SIGBUS.
+
+    Whoever may write the segment may also shrink it (a member of its group in
+    group-shared mode, root's own tooling); an access past the new end is a SIGBUS.
+    Every mapping of a segment is made here and registered with the core's SIGBUS
+    handler for as long as it is mapped: a fault inside it replaces its pages with
+    zeros (``damaged`` turns True) and the access goes on; a fault anywhere else is
+    left to whatever handled SIGBUS before (``_core.c``, section 1b)."""
+
+    _guard = -1
+
+    def __new__(cls, fd: int, length: int, *, access: int = mmap.ACCESS_WRITE) -> Mapping:
+        self = super().__new__(cls, fd, length, access=access)
+        self._guard = _core.guard(self, access != mmap.ACCESS_READ)
+        return self
+
+    @property
+    def damaged(self) -> bool:
+        """Was the object truncated under this mapping (its pages read zeros now)?"""
+        return self._guard >= 0 and _core.damaged(self._guard)
+
+    def close(self) -> None:
+        super().close()  # BufferError while a view of it lives: it stays mapped, and guarded
+        self._unguard()
+
+    def _unguard(self) -> None:
+        if self._guard >= 0:
+            _core.unguard(self._guard)
+            self._guard = -1
+
+    def __del__(self) -> None:  # before the mapping goes with the object
+        self._unguard()
+
+
 def _recovery(name: str) -> str:
     return f"'gateway-capacity inspect --segment {name} --unlink --force'"
 
@@ -243,7 +278,7 @@ def _object_identity(fd: int) -> Identity:
         return ("inode", *inode)
     if info.st_size < layout.HEADER_SIZE:
         return ("creation", info.st_size)
-    head = mmap.mmap(fd, layout.HEADER_SIZE, access=mmap.ACCESS_READ)
+    head = Mapping(fd, layout.HEADER_SIZE, access=mmap.ACCESS_READ)
     try:
         return _creation_identity(head, info.st_size)
     finally:
@@ -265,7 +300,7 @@ def _identity_of(name: str) -> Identity | None:
         shm = posix_ipc.SharedMemory(name, read_only=True)
     except posix_ipc.ExistentialError:
         return None
-    except ipc.DENIED:
+    except (*ipc.DENIED, OSError):  # a symbolic link (ELOOP) is no object of ours either
         return _UNKNOWN
     try:
         return _object_identity(shm.fd)
@@ -292,7 +327,7 @@ def _remove_abandoned(name: str, identity: Identity) -> None:
     notice within one sweep and leave (R-A15)."""
     try:
         shm = posix_ipc.SharedMemory(name, read_only=True)
-    except (posix_ipc.ExistentialError, *ipc.DENIED):
+    except (posix_ipc.ExistentialError, *ipc.DENIED, OSError):
         return
     try:
         if _object_identity(shm.fd) != identity:
@@ -327,7 +362,7 @@ def _try_create(
         _reserve(name, shm.fd)
         info = os.fstat(shm.fd)
         inode = platform.shared_memory_identity(info)
-        buf = mmap.mmap(shm.fd, layout.TOTAL_SIZE)
+        buf = Mapping(shm.fd, layout.TOTAL_SIZE)
     except SegmentError:
         _unlink_shm(name)
         raise
@@ -383,6 +418,35 @@ def _reserve(name: str, fd: int) -> None:
         # EOPNOTSUPP, EINVAL: a file system without fallocate keeps the old behaviour
 
 
+def _symlink_refusal(name: str, policy: OwnerPolicy | None) -> ForeignSegment:
+    """The name is a symbolic link (``shm_open`` never follows one: ELOOP). Nothing of
+    ours makes links there: another user planted it, to have us map what it points at."""
+    link = platform.shared_memory_stat(name)  # lstat: the link's own owner
+    found = (
+        f"made by {user_name(link.st_uid)} (uid {link.st_uid})"
+        if link is not None
+        else "owner unknown"
+    )
+    expected = (policy or OwnerPolicy.for_process()).expected()
+    return ForeignSegment(
+        f"segment {name} is a symbolic link ({found}, expected a segment of {expected}): "
+        f"refused, never followed (another user may have planted it). Remove the link as "
+        f"root with {_recovery(name)} (it removes the link, not what it points at) and find "
+        "out who made it"
+    )
+
+
+def _open_shm(name: str, *, read_only: bool, policy: OwnerPolicy | None) -> posix_ipc.SharedMemory:
+    """``shm_open`` of an existing object; a symbolic link under the name is refused
+    (ForeignSegment) rather than left to surface as a bare ELOOP."""
+    try:
+        return posix_ipc.SharedMemory(name, read_only=read_only)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _symlink_refusal(name, policy) from None
+        raise
+
+
 def _foreign(name: str, problem: str, policy: OwnerPolicy) -> ForeignSegment:
     return ForeignSegment(
         f"segment {name} {problem}: another user made it first, or the wrong owner is "
@@ -400,11 +464,11 @@ def _attach(
     read_only: bool = False,
     policy: OwnerPolicy | None = None,
     wait_init: bool = True,
-) -> tuple[mmap.mmap, Identity]:
+) -> tuple[Mapping, Identity]:
     """Map ``name``. With ``policy``, an object whose owner it does not trust is refused
     before anything else is read from it or waited for (R-G6)."""
     try:
-        shm = posix_ipc.SharedMemory(name, read_only=read_only)
+        shm = _open_shm(name, read_only=read_only, policy=policy)
     except posix_ipc.ExistentialError:
         raise SegmentMissing(
             f"no segment {name}: nothing has created it yet (start the sidecar or a handler)"
@@ -434,7 +498,7 @@ def _attach(
         while True:
             size = os.fstat(shm.fd).st_size
             if size >= layout.HEADER_SIZE:
-                head = mmap.mmap(shm.fd, layout.HEADER_SIZE, access=mmap.ACCESS_READ)
+                head = Mapping(shm.fd, layout.HEADER_SIZE, access=mmap.ACCESS_READ)
                 try:
                     ready = HEADER["init_complete"].get(head) == INIT_MARK
                     magic, major, minor = (HEADER[k].get(head) for k in ("magic", "major", "minor"))
@@ -466,6 +530,8 @@ def _attach(
             )
         if major != MAJOR:
             raise IncompatibleLayout(name, (major, minor))
+        if size < layout.TOTAL_SIZE and geometry_ok:
+            raise truncated(name, size)
         if not _our_size(size) or not geometry_ok:
             raise NotOurSegment(
                 f"segment {name} is {size} bytes or has other table sizes than layout "
@@ -473,8 +539,11 @@ def _attach(
                 "not ours"
             )
         access = mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE
-        buf = mmap.mmap(shm.fd, layout.TOTAL_SIZE, access=access)
+        buf = Mapping(shm.fd, layout.TOTAL_SIZE, access=access)
         problem = damage(buf, lock_word=not read_only, repairable=read_only)
+        if buf.damaged:
+            buf.close()
+            raise truncated(name, os.fstat(shm.fd).st_size)
         if problem is not None:
             buf.close()
             raise DamagedSegment(
@@ -482,6 +551,29 @@ def _attach(
                 f"with {_recovery(name)}"
             )
         return buf, _object_identity(shm.fd)
+    finally:
+        shm.close_fd()
+
+
+def truncated(name: str, size: int | None = None) -> DamagedSegment:
+    """The refusal of a segment that is smaller than its header says."""
+    if size is None:
+        size = _size_of(name)
+    now = f"it is {size} bytes" if size is not None else "it shrank while it was read"
+    return DamagedSegment(
+        f"segment {name} was truncated: {now}, its header says {layout.TOTAL_SIZE} (by hand, "
+        "or by a member of its group, who may write it); handlers treat it as removed. Once "
+        f"no handler uses it, remove it with {_recovery(name)}"
+    )
+
+
+def _size_of(name: str) -> int | None:
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=True)
+    except (posix_ipc.ExistentialError, *ipc.DENIED, OSError):
+        return None
+    try:
+        return os.fstat(shm.fd).st_size
     finally:
         shm.close_fd()
 
@@ -573,7 +665,7 @@ def owner_of(name: str) -> tuple[int, int] | None:
     """(uid, gid) of the object under ``name`` without trusting it, or None."""
     try:
         shm = posix_ipc.SharedMemory(name, read_only=True)
-    except (posix_ipc.ExistentialError, *ipc.DENIED):
+    except (posix_ipc.ExistentialError, *ipc.DENIED, OSError):  # OSError: a symbolic link
         info = platform.shared_memory_stat(name)
         return None if info is None else (info.st_uid, info.st_gid)
     try:
@@ -592,7 +684,7 @@ def describe_owner(name: str) -> str | None:
 
 def map_readonly(
     name: str, *, policy: OwnerPolicy | None = None, wait_init: bool = True
-) -> mmap.mmap:
+) -> Mapping:
     """A read-only mapping for readers (inspect, availability, wait-for-slot). With
     ``policy``, a segment of an untrusted owner is refused (the sibling scan)."""
     names.check_segment_name(name)
@@ -600,7 +692,8 @@ def map_readonly(
         return _attach(name, read_only=True, policy=policy, wait_init=wait_init)[0]
     except _Abandoned:
         raise SegmentNotReady(
-            f"segment {name} was never initialised (its creator died); the next handler or "
+            f"segment {name} is 0 bytes: never initialised (its creator died), or truncated "
+            "(by hand, or by a member of its group, who may write it); the next handler or "
             f"sidecar recreates it, or remove it with {_recovery(name)}"
         ) from None
 
@@ -650,7 +743,7 @@ def objects_left(name: str, bells: list[int] | tuple[int, ...] = ()) -> list[str
         left.append(name)
     except posix_ipc.ExistentialError:
         pass
-    except ipc.DENIED:
+    except (*ipc.DENIED, OSError):  # another user's, or a symbolic link under the name
         left.append(name)
     path = lock.lock_file_path(name)
     if os.path.lexists(path):

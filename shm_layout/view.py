@@ -33,7 +33,7 @@ from shm_layout.ledger import effective_limit, holder_base, member_base, provide
 from shm_layout.liveness import is_alive
 from shm_layout.lock import kind_name, members_alive, stamp
 from shm_layout.owners import OwnerPolicy
-from shm_layout.segment import describe_owner, map_readonly
+from shm_layout.segment import describe_owner, map_readonly, truncated
 
 READ_RETRIES = 200
 STUCK_S = 0.02
@@ -189,6 +189,8 @@ def read_view(
     buf = map_readonly(name, policy=policy, wait_init=wait_init)
     try:
         data, consistent = snapshot_bytes(buf)
+        if buf.damaged:  # truncated while it was read: what was read is zeros
+            raise truncated(name)
     finally:
         buf.close()
     return parse_view(name, data, consistent, now=now, owner=describe_owner(name))

@@ -503,7 +503,7 @@ class Sidecar:
                     await state.task
         if self.clients is not None:
             await self.clients.aclose()
-        if not self.retired:
+        if not self.retired and not self.seg.core.lost:  # lost: nothing of it is left to say it in
             writer.set_state(self.seg, self.epoch, layout.SIDECAR_STOPPED)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
@@ -536,6 +536,27 @@ class Sidecar:
             self._log_unexpected("reload")
         if self.generation == generation and self.config_status == "ok":
             log.info("config unchanged")
+
+    def _segment_gone(self) -> bool:
+        """The segment was removed, replaced or truncated under us (R-A15): exit 1, so that
+        a restart attaches to what the name leads to now. Returns False (stop)."""
+        if self.seg.core.lost:
+            log.error(
+                "segment %s was truncated under this sidecar (by hand, or by a member of its "
+                "group, who may write it); exiting so that a restart attaches to what its "
+                "name leads to ('gateway-capacity inspect --check' names it)",
+                self.segment_name,
+            )
+        else:
+            log.error(
+                "segment %s was removed or replaced under this sidecar (inspect "
+                "--unlink --force?); exiting so that a restart attaches to the "
+                "current one",
+                self.segment_name,
+            )
+        self.exit_code = 1
+        self.stop.set()
+        return False
 
     def _retire(self, exc: writer.Superseded) -> None:
         if not self.retired:
@@ -992,6 +1013,9 @@ class Sidecar:
                 if not self._housekeep(last):
                     return
             except Exception:  # one bad turn must not stop heartbeat and reaping
+                if self.seg.core.lost:  # truncated during the turn
+                    self._segment_gone()
+                    return
                 self._log_unexpected("housekeeping")
             await asyncio.sleep(TICK_S)
 
@@ -1011,6 +1035,8 @@ class Sidecar:
             self._redecide_all()
             self._publish()
         self._check_legacy_overdue()
+        if self.seg.core.lost:  # truncated under us: nothing of it can be written or read
+            return self._segment_gone()
         try:
             reclaimed = writer.heartbeat(
                 self.seg,
@@ -1033,15 +1059,7 @@ class Sidecar:
         if time.monotonic() - last["segment"] >= SEGMENT_CHECK_S:
             last["segment"] = time.monotonic()
             if not self.seg.still_named():
-                log.error(
-                    "segment %s was removed or replaced under this sidecar (inspect "
-                    "--unlink --force?); exiting so that a restart attaches to the "
-                    "current one",
-                    self.segment_name,
-                )
-                self.exit_code = 1
-                self.stop.set()
-                return False
+                return self._segment_gone()
         if time.monotonic() - last["config"] >= min(CONFIG_POLL_S, self.opts.refresh_s):
             last["config"] = time.monotonic()
             self._check_config()

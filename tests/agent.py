@@ -15,6 +15,12 @@ It prints one JSON object per line (flushed) for each event, with
   interruptible --stop-file F        loop on slot_blocking, catching every
                                      KeyboardInterrupt, until the file F exists;
                                      then report and stay alive until stdin ends
+  serve --stop-file F [--mark-file M] [--hold-ms MS]
+                                     loop on slot_blocking until F exists, each
+                                     refusal reported once per reason; then report
+                                     the slots taken, and those taken once M existed
+
+  --group-shared attaches in group-shared mode (the segment mode 0660).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from handler_shim import Admission, AdmissionTimeout, QueueFull
+from handler_shim import Admission, AdmissionError, AdmissionTimeout, QueueFull
 
 _print_lock = threading.Lock()
 
@@ -53,9 +59,16 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--hold-ms", type=float, default=0.0)
     ap.add_argument("--stop-file", default="")
+    ap.add_argument("--mark-file", default="")
+    ap.add_argument("--group-shared", action="store_true")
     args = ap.parse_args()
 
-    adm = Admission.attach(config=args.config, generation=args.gen, segment=args.segment)
+    adm = Admission.attach(
+        config=args.config,
+        generation=args.gen,
+        segment=args.segment,
+        group_shared=args.group_shared,
+    )
     emit("attached", segment=adm.segment_name)
 
     if args.command in ("lock", "scribble"):
@@ -68,6 +81,9 @@ def main() -> int:
 
     if args.command == "interruptible":
         return interruptible(adm, args.provider, args.stop_file)
+
+    if args.command == "serve":
+        return serve(adm, args.provider, args.stop_file, args.mark_file, args.hold_ms)
 
     if args.command == "cycle":
         for _ in range(args.count):
@@ -173,6 +189,31 @@ def interruptible(adm: Admission, provider: str, stop_file: str) -> int:
     emit("quiet", **counts)
     for _ in sys.stdin:
         pass
+    adm.close()
+    return 0
+
+
+def serve(adm: Admission, provider: str, stop_file: str, mark_file: str, hold_ms: float) -> int:
+    """A handler that goes on serving short slots whatever the segment does."""
+    counts = {"slots": 0, "slots_after_mark": 0, "refused": 0}
+    reasons: list[str] = []
+    emit("serving")
+    while not os.path.exists(stop_file):
+        try:
+            with adm.slot_blocking(provider, timeout=5.0):
+                time.sleep(hold_ms / 1000)
+            counts["slots"] += 1
+            if mark_file and os.path.exists(mark_file):
+                counts["slots_after_mark"] += 1
+                if counts["slots_after_mark"] == 1:
+                    emit("after_mark")
+        except AdmissionError as exc:
+            counts["refused"] += 1
+            if str(exc) not in reasons:
+                reasons.append(str(exc))
+                emit("refused", reason=str(exc))
+            time.sleep(0.01)
+    emit("quiet", reasons=reasons, **counts)
     adm.close()
     return 0
 
