@@ -57,6 +57,13 @@ def servers(work: Path) -> Iterator[Callable[..., LlamaServer]]:
         server.stop()
 
 
+def entry(
+    worker_id: str, server: LlamaServer, models: list[str], source: str = "llama-server"
+) -> dict[str, Any]:
+    """One worker of the registry: this llama-server, read as ``source``."""
+    return {"id": worker_id, "urls": [server.url], "models": models, "slots": {"source": source}}
+
+
 def write_registry(work: Path, workers: list[dict[str, Any]]) -> Path:
     path = work / "workers.json"
     tmp = work / "workers.json.tmp"
@@ -98,7 +105,7 @@ def test_r_k5_slots_follow_parallel_across_a_restart(
     first = servers("-m", str(model), "--alias", "tiny", "--parallel", "2")
     registry = write_registry(
         work,
-        [{"id": "a", "urls": [first.url], "models": ["tiny"], "slots": {"source": "llama-server"}}],
+        [entry("a", first, ["tiny"])],
     )
     with RouterServer(registry, work / "router.key", poll_interval=0.5) as router:
         assert wait_rows(router, {"tiny": 2})["complete"] is True
@@ -125,8 +132,8 @@ def test_r_k5_two_servers_sum_and_a_killed_one_drops_out(
     registry = write_registry(
         work,
         [
-            {"id": "a", "urls": [a.url], "models": ["tiny"], "slots": {"source": "llama-server"}},
-            {"id": "b", "urls": [b.url], "models": ["tiny"], "slots": {"source": "llama-server"}},
+            entry("a", a, ["tiny"]),
+            entry("b", b, ["tiny"]),
         ],
     )
     with RouterServer(registry, work / "router.key", poll_interval=0.5) as router:
@@ -230,8 +237,8 @@ def test_r_k5_a_stream_through_the_router_with_the_openai_sdk_and_a_fenced_worke
     registry = write_registry(
         work,
         [
-            {"id": "a", "urls": [a.url], "models": ["tiny"], "slots": {"source": "llama-server"}},
-            {"id": "b", "urls": [b.url], "models": ["tiny"], "slots": {"source": "llama-server"}},
+            entry("a", a, ["tiny"]),
+            entry("b", b, ["tiny"]),
         ],
     )
     with RouterServer(registry, work / "router.key", poll_interval=0.5) as router:
