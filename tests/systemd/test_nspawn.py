@@ -265,9 +265,12 @@ def test_make_install_brings_the_program_and_runtime_deps_only(box: Box) -> None
 
 
 def test_unit_is_active_only_after_ready_and_awaits_a_legacy_process(box: Box) -> None:
-    """docs step 5, during an upgrade (--await-legacy, "Lifecycle"): the sidecar
-    sends READY=1 only once it publishes, which is after the legacy pidfile
-    appeared; until then the unit is "activating"."""
+    """docs step 5, during an upgrade (--await-legacy, "Lifecycle"), with
+    systemd.md's first example as printed: the legacy gateway runs as the user
+    ``gateway`` (the --owner user) and writes its pidfile in its own
+    ``RuntimeDirectory=gateway``, the ordinary way. The sidecar sends READY=1
+    only once it publishes, which is after that pidfile appeared; until then
+    the unit is "activating" (R-G3, R-G6)."""
     box.put(ENV_FILE, f'GATEWAY_CAPACITY_ARGS="{SIDECAR_ARGS} --await-legacy {PIDFILE}"\n')
     box.run(f"install -m 0644 {SRC}/systemd/gateway-capacity-sidecar@.service /etc/systemd/system/")
     box.run("systemctl daemon-reload")
@@ -276,10 +279,20 @@ def test_unit_is_active_only_after_ready_and_awaits_a_legacy_process(box: Box) -
     time.sleep(2.0)  # well inside the 10 s pidfile grace
     assert _state(box) == "activating"
     assert box.show(UNIT, "StatusText")["StatusText"] == ""
-    # the legacy gateway (any process) and its pidfile
-    box.run("systemd-run --unit=legacy-gateway sleep 600")
+    # the legacy gateway, as its own user, writing its pidfile where it may
+    box.put(
+        "/usr/local/bin/legacy-gateway",
+        f"#!/bin/sh\necho $$ > {PIDFILE}\nexec sleep 600\n",
+        mode=0o755,
+    )
+    box.run(
+        "systemd-run --unit=legacy-gateway -p User=gateway -p RuntimeDirectory=gateway "
+        "/usr/local/bin/legacy-gateway"
+    )
     pid = box.show("legacy-gateway.service", "MainPID")["MainPID"]
-    box.put(PIDFILE, pid + "\n")
+    box.wait("pidfile written", lambda: box.run(f"cat {PIDFILE}", check=False).stdout.strip() == pid, 10)
+    owners = box.run(f"stat -c %U {PIDFILE} /run/gateway").stdout.split()
+    assert owners == ["gateway", "gateway"], owners
     box.wait("unit active", lambda: _state(box) == "active", 30)
     p = _provider(box)
     assert (p["source"], p["effective_limit"]) == ("legacy_drain", 0), p

@@ -26,11 +26,12 @@ from sdunit_helpers import INSTALLED_EXEC, INSTANCE, UNIT_TEMPLATE, installable_
 
 pytestmark = pytest.mark.linux("systemd: the unit is Linux's (a Mac starts the sidecar as a child)")
 
-# Measured with systemd 252 (Debian 12): "Overall exposure level ... 1.3 OK".
-# --threshold counts tenths (13 passes, 12 fails), so 13 is the measured
+# Measured with systemd 252 (Debian 12): "Overall exposure level ... 1.4 OK"
+# (1.3 with PrivateUsers=yes, which the owner checks cannot live with: below).
+# --threshold counts tenths (14 passes, 13 fails), so 14 is the measured
 # score itself: any weakening of the sandbox fails this test. Raise it only
 # together with a reason in JUSTIFIED_EXPOSURES.
-EXPOSURE_THRESHOLD = 13
+EXPOSURE_THRESHOLD = 14
 
 # Every check `systemd-analyze security` reports as unmet, and why it must stay so.
 JUSTIFIED_EXPOSURES = {
@@ -43,6 +44,8 @@ JUSTIFIED_EXPOSURES = {
     "ProcSubset": "psutil and the Prometheus process metrics read /proc/stat",
     "RootDirectoryOrRootImage": "runs the installed venv from the host file system",
     "DeviceAllow": "char-rtc:r is what ProtectClock=yes itself adds",
+    "PrivateUsers": "the owner checks compare real uids: in a user namespace the --owner "
+    "user's segment and pidfile show as nobody's, like any other user's (R-G6)",
 }
 
 # Checks that must hold: they are what makes this unit safe to run next to the handlers.
@@ -53,7 +56,6 @@ REQUIRED = (
     "ProtectHome",
     "PrivateDevices",
     "PrivateTmp",
-    "PrivateUsers",
     "NoNewPrivileges",
     "UMask",
     "RestrictAddressFamilies_AF_PACKET",
@@ -181,6 +183,15 @@ def test_r_g5_unit_never_removes_the_segment_under_the_handlers() -> None:
     assert _values("DynamicUser") == []
     assert _values("User") == ["gateway-capacity"]
     assert _values("Group") == ["gateway-capacity"]
+
+
+def test_r_g6_unit_sees_the_real_owner_of_every_object() -> None:
+    """The segment and --await-legacy pidfile checks trust root, the sidecar's user
+    and the --owner user by uid. PrivateUsers=yes would map every other user to
+    nobody inside the unit: the --owner user's objects would look like anyone's
+    and be refused, and could not be told from a stranger's."""
+    assert _values("PrivateUsers") in ([], ["no"])
+    assert _values("User") == ["gateway-capacity"]  # and not root: no user namespace needed
 
 
 def test_r_a5_unit_keeps_other_users_processes_and_dev_shm_visible() -> None:
