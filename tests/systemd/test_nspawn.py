@@ -290,7 +290,9 @@ def test_unit_is_active_only_after_ready_and_awaits_a_legacy_process(box: Box) -
         "/usr/local/bin/legacy-gateway"
     )
     pid = box.show("legacy-gateway.service", "MainPID")["MainPID"]
-    box.wait("pidfile written", lambda: box.run(f"cat {PIDFILE}", check=False).stdout.strip() == pid, 10)
+    box.wait(
+        "pidfile written", lambda: box.run(f"cat {PIDFILE}", check=False).stdout.strip() == pid, 10
+    )
     owners = box.run(f"stat -c %U {PIDFILE} /run/gateway").stdout.split()
     assert owners == ["gateway", "gateway"], owners
     box.wait("unit active", lambda: _state(box) == "active", 30)
