@@ -1,5 +1,5 @@
 """What an operator sees when the segment is another user's, damaged, or full: one line
-that says what to do, never a traceback (issue 10, observation 7)."""
+that says what to do, never a traceback."""
 
 from __future__ import annotations
 

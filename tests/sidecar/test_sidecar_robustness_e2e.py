@@ -21,7 +21,8 @@ def test_r_g3_a_drain_never_lapses_between_refreshes(
     rig: Rig, legacy: subprocess.Popen[bytes]
 ) -> None:
     """The router's snapshots are 27 s old, so what they discover expires 3 s after each
-    probe; with a 20 s refresh the drain used to expire with them and let new work in."""
+    probe; with a 20 s refresh the drain must outlast them, not expire with them and let
+    new work in."""
     rig.capacity.set(observed_offset=-27.0)
     rig.start(rig.config(), "--await-legacy", str(legacy.pid), refresh=20.0)
     rig.wait("p1", lambda p: p["source"] == "legacy_drain")
