@@ -6,7 +6,7 @@ so one binary wheel per platform serves every CPython from 3.11 on (``cp311-abi3
 
 from setuptools import Extension, setup
 
-# The stable ABI switch (issue 18). True: shm_layout/_core.c compiles against the limited
+# The stable ABI switch. True: shm_layout/_core.c compiles against the limited
 # API of 3.11 (Py_LIMITED_API, heap types via PyType_FromSpec): the core is built as
 # _core.abi3.so and `make wheel` tags the wheel cp311-abi3, one wheel per platform for
 # every CPython from 3.11 on. False: a cp311-cp311 wheel for this interpreter only.

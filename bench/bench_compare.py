@@ -10,10 +10,10 @@ interpreter, and each side gets its own segment.
 Interleaved: every round runs every case of every side once (the side order alternates
 from round to round), so noise from the shared machine falls on both sides alike. What
 is compared: uncontended ``slot_blocking``/``slot()`` against the two-section floor and
-``asyncio.Semaphore`` measured in the same worker (issue 19's ratios); hand-off p50/p99
-(two workers of the side ping-pong one slot of limit 1); an arrival refused with
-QueueFull with 2 and 17 processes attached. The hand-off is measured for a blocking and
-an async waiter.
+``asyncio.Semaphore`` measured in the same worker (the ratios docs/benchmarks.md quotes);
+hand-off p50/p99 (two workers of the side ping-pong one slot of limit 1); an arrival
+refused with QueueFull with 2 and 17 processes attached. The hand-off is measured for a
+blocking and an async waiter.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The host as the number of handler processes grows (issue 19): idle waiters, the sweep,
+"""The host as the number of handler processes grows: idle waiters, the sweep,
 an arrival refused with QueueFull; and what one process pays: close(), import, attach.
 
 Handler processes are ``bench/gw_worker.py`` subprocesses (a hundred start in seconds and

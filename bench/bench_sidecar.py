@@ -161,7 +161,7 @@ def _check_alive(proc: subprocess.Popen[bytes], log_path: str) -> None:
         raise RuntimeError(f"sidecar exited with {proc.returncode}:\n{tail}")
 
 
-# --- the sidecar as the work grows (issue 19): providers x replicas at --refresh 1 ----------
+# --- the sidecar as the work grows: providers x replicas at --refresh 1 ---------------------
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCALES = ((1, 1), (8, 4), (32, 4), (64, 1), (64, 4))  # (providers, replicas)
@@ -397,7 +397,7 @@ def main() -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
-        description="the sidecar's CPU and RSS as providers and replicas grow (issue 19)"
+        description="the sidecar's CPU and RSS as providers and replicas grow"
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=10.0)

@@ -1,4 +1,4 @@
-"""Where a request's time goes in AdmissionMiddleware, in process, under cProfile (issue 19).
+"""Where a request's time goes in AdmissionMiddleware, in process, under cProfile.
 
     .venv/bin/python bench/profile_asgi.py [REF]
 

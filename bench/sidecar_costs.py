@@ -1,4 +1,4 @@
-"""CPU per probe and per publication, measured in this process (issue 19).
+"""CPU per probe and per publication, measured in this process.
 
     python bench/sidecar_costs.py --port P --key-file F [--probes N] [--publishes N]
 

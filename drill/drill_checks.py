@@ -116,7 +116,7 @@ def check_inflight(drill: Drill, events: list[list[Any]]) -> None:
     [asked, granted] intervals. The limit in force over an interval is read from the
     observer's samples: those inside it, the last one before it and the first one
     after it (a change between two samples shows in the next one). Load delays the
-    request on its way to the upstream, but no longer moves the time it is judged at.
+    request on its way to the upstream, but does not move the time it is judged at.
     """
     import bisect
 

@@ -1,4 +1,4 @@
-"""The upgrade drill: one admission budget across real gateway generations (issue 12 s.2).
+"""The upgrade drill: one admission budget across real gateway generations.
 
     python drill/upgrade_drill.py [--short] [--plot PNG] [--json]
 
@@ -159,7 +159,7 @@ def upgrade(drill: Drill) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description="The upgrade drill (issue 12 section 2).")
+    ap = argparse.ArgumentParser(description="The upgrade drill.")
     ap.add_argument("--short", action="store_true", help="the short form (make test)")
     ap.add_argument("--plot", type=Path, help="write the timeline as a PNG here")
     ap.add_argument(

@@ -30,8 +30,8 @@ if TYPE_CHECKING:  # a handler's import stays light: no typing or dataclasses at
 
 MAGIC = b"GWCAPSG\x00"
 # 3: owner-checked objects, per-registration doorbell names, deadlines on the host's
-#    monotonic clock, records woken by futex; 2: kernel-held lock and liveness (_core.c);
-#    1 used pid heuristics
+#    monotonic clock, records woken by futex, a kernel-held lock and liveness (_core.c);
+#    a segment of another major is refused, never read
 MAJOR = 3
 MINOR = 0
 

@@ -321,7 +321,7 @@ def _remove_abandoned(name: str, identity: Identity) -> None:
     object judged abandoned. Processes that judge it together take turns on a lock of
     that object itself (``flock`` on its descriptor), so the first unlinks it and the
     others, finding the name leads elsewhere by then, never unlink the creation made in
-    its place (before: 6 of 15 runs of six such processes ended on two segments). Where
+    its place (without the lock, processes racing here can end on two segments). Where
     the platform cannot lock the object, two may still race: the one that unlinks a
     creation just made leaves the other's processes on an unnamed segment, which they
     notice within one sweep and leave (R-A15)."""
@@ -406,7 +406,7 @@ def _try_create(
 def _reserve(name: str, fd: int) -> None:
     """Give the new object its memory now. ``ftruncate`` alone makes a sparse object
     whose pages are found missing only when written: on a full ``/dev/shm`` the first
-    write through the mapping killed the process with SIGBUS, with no word of why."""
+    write through the mapping would kill the process with SIGBUS, with no word of why."""
     try:
         platform.reserve(fd, layout.TOTAL_SIZE)
     except OSError as exc:
@@ -415,7 +415,7 @@ def _reserve(name: str, fd: int) -> None:
                 f"segment {name}: no room for its {layout.TOTAL_SIZE} bytes of shared memory "
                 f"({exc.strerror}); free space in /dev/shm (see df /dev/shm) and start again"
             ) from None
-        # EOPNOTSUPP, EINVAL: a file system without fallocate keeps the old behaviour
+        # EOPNOTSUPP, EINVAL: on a file system without fallocate the object stays sparse
 
 
 def _symlink_refusal(name: str, policy: OwnerPolicy | None) -> ForeignSegment:

@@ -12,8 +12,8 @@ Tasks, all on one asyncio loop:
   once when the config changes (R-P9). The loops keep to one common grid of
   ``refresh_s``, so a refresh's answers arrive together, and the publications
   they ask for within ``PUBLISH_COALESCE_S`` are one transaction that writes
-  only what changed (issue 19: one publish per refresh, not one per provider,
-  each rewriting every provider);
+  only what changed (one publish per refresh, not one per provider, each
+  rewriting every provider);
 * in share mode (``capacityShare``, docs/share.md), one loop that keeps this
   gateway's lease per provider in Redis (``sidecar.share``) and publishes the
   share it holds (``sidecar.shares``) as the limit, source ``share``;
@@ -161,7 +161,7 @@ def parse_legacy(
     other users' processes: a pid that ``kill(pid, 0)`` finds but /proc does
     not show is then awaited, never taken for exited.
 
-    A pidfile is trusted only as OpenSSH trusts a key (R-G6, issue 16): owned
+    A pidfile is trusted only as OpenSSH trusts a key (R-G6): owned
     by root or this user, not writable by group or others, and in directories
     nobody else can change (:mod:`sidecar.trust`); else another user could
     hold every opted-in provider at 0 by writing a pid into it. ``trusted``: the
@@ -1068,7 +1068,7 @@ class Sidecar:
         return True
 
     def _check_legacy_overdue(self) -> None:
-        """A drain that outlasts ``--await-legacy-max`` is a WARNING, once (R-G3, issue 16);
+        """A drain that outlasts ``--await-legacy-max`` is a WARNING, once (R-G3);
         ``availability --check`` fails on it from the segment's header."""
         if not self.legacy or self._legacy_overdue_warned:
             return
@@ -1128,7 +1128,7 @@ def status_line(
 
 
 def metrics_exposure(listen: str, bound_host: str) -> str | None:
-    """The WARNING for ``--metrics-listen`` on an address that is not loopback (issue 16):
+    """The WARNING for ``--metrics-listen`` on an address that is not loopback:
     what is served, to whom, and unauthenticated; ``None`` on loopback."""
     ip = parse_ip(bound_host)
     if ip is not None and is_loopback(ip):

@@ -43,7 +43,7 @@ from typing import Final
 import httpx
 
 # httpcore runs `import sniffio` inside every request and falls back to asyncio when it
-# fails, rescanning sys.path each time (15-20 % of the sidecar's CPU, issue 19). It is a
+# fails, rescanning sys.path each time (15-20 % of the sidecar's CPU). It is a
 # declared dependency; importing it here makes a missing one an error at start, not a
 # silent cost at every probe.
 import sniffio  # noqa: F401
@@ -69,7 +69,7 @@ USER_AGENT: Final = "gateway-capacity-sidecar"
 # An idle kept-alive connection is dropped after this long: below the idle timeouts of
 # common servers (uvicorn 5 s, nginx 75 s), so that we close first rather than race a
 # server's close with our next request. At a 15 s refresh each probe connects anew; at
-# the short refreshes where the cost counts (issue 19) connections are reused.
+# the short refreshes where the cost counts connections are reused.
 KEEPALIVE_S: Final = 4.0
 MAX_KEEPALIVE_PER_HOST: Final = 8  # a host's replicas (the segment shows 8)
 
@@ -93,7 +93,7 @@ def default_ssl_context() -> ssl.SSLContext:
 
 
 class ProbeClients:
-    """Long-lived HTTP clients for probes, kept alive between refreshes (issue 19).
+    """Long-lived HTTP clients for probes, kept alive between refreshes.
 
     One ``httpx.AsyncClient`` per configured (scheme, host, port), created on first
     use; its connection pool is keyed by the pinned address the request URL names.

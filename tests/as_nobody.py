@@ -1,4 +1,4 @@
-"""Run a few steps as another local user, for real: the attacker of issue 16.
+"""Run a few steps as another local user, for real: docs/SECURITY.md's "another local user".
 
 The tests run as root; ``as_nobody(fn)`` forks, drops to uid/gid 65534 in the
 child (``setgroups([])``, ``setgid``, ``setuid``: no capability is left) and

@@ -247,7 +247,7 @@ def agents() -> Iterator[Callable[..., Agent]]:
 # container, a built wheel: two builds at once in one checkout race on its
 # egg-info): all their tests go to one xdist worker, in order. xdist's own
 # --dist loadgroup does not group under pytest 9 (it renames node ids, which
-# pytest 9 no longer reads back), so the scheduler is chosen here.
+# pytest 9 does not read back), so the scheduler is chosen here.
 ONE_WORKER_MODULES = ("tests/systemd/test_nspawn.py::", "tests/repo/test_wheel.py::")
 
 

@@ -113,7 +113,7 @@ def test_retry_after_follows_the_measured_hold_time(adm: Admission) -> None:
 
 
 def test_try_acquire_takes_a_free_slot_and_never_queues(adm: Admission, segment_name: str) -> None:
-    """The middleware's fast path (issue 19): one try-lock step; None instead of waiting,
+    """The middleware's fast path: one try-lock step; None instead of waiting,
     with nothing recorded; QueueFull when the queue is full; FIFO kept (a free slot is
     not taken past someone who waits)."""
     a, b = adm.try_acquire("p1"), adm.try_acquire("p1")

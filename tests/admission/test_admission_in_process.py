@@ -296,9 +296,9 @@ sys.exit(os.waitstatus_to_exitcode(status))
 def test_a_childs_records_carry_its_own_pid_even_when_no_fork_hook_ran(
     p1_segment: Callable[..., P1Segment],
 ) -> None:
-    """Found by a review of the pid cache: a child made by glibc's ``_Fork()`` (which runs
-    no fork hooks) wrote its parent's pid into its records, so ``inspect`` named the wrong
-    process. A record carries the pid its registration was made with."""
+    """A child made by glibc's ``_Fork()`` (which runs no fork hooks) writes its own pid
+    into its records, not its parent's cached one, so ``inspect`` names the right
+    process: a record carries the pid its registration was made with."""
     seg = p1_segment(2)
     done = subprocess.run(
         [sys.executable, "-c", RAW_FORK_CHILD, str(seg.config), seg.name], timeout=60
@@ -311,9 +311,9 @@ def test_a_childs_records_carry_its_own_pid_even_when_no_fork_hook_ran(
 def test_r_a7_a_handled_signal_neither_kills_the_dispatcher_nor_loses_a_grant(
     adm: Admission,
 ) -> None:
-    """A wait is not restarted after a signal handler runs: it used to end the dispatcher
-    thread (later grants were lost). Now the dispatcher (doorbell) and a waiting thread
-    (its record's futex) both go on waiting, and the handler runs."""
+    """A signal handler that runs during a wait ends neither the dispatcher thread (that
+    would lose every later grant) nor the wait: the dispatcher (doorbell) and a waiting
+    thread (its record's futex) both go on waiting, and the handler runs."""
     import signal
 
     previous = signal.signal(signal.SIGUSR1, lambda *_: None)  # a gateway's reload handler

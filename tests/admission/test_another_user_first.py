@@ -1,4 +1,4 @@
-"""Another local user gets to every name first (R-G6, issue 16).
+"""Another local user gets to every name first (R-G6).
 
 The attacker is a real process of the user ``nobody`` (a forked child that drops to
 nobody's uid: no special rights), and the victim is this test, as root, using the
@@ -69,7 +69,8 @@ def test_r_g6_a_segment_another_user_made_first_is_refused_with_its_owner(
 def test_r_g6_a_squatter_holding_the_lock_inside_its_segment_hangs_nobody(
     segment_name: str, config: Path
 ) -> None:
-    """Before: nobody took the robust mutex of its own segment and root's attach hung."""
+    """nobody holds the robust mutex of its own segment forever: root's attach is refused
+    as foreign at once, without ever waiting for that lock."""
 
     def squat_and_hold() -> None:
         seg = Segment.open(segment_name)
@@ -87,7 +88,9 @@ def test_r_g6_a_squatter_holding_the_lock_inside_its_segment_hangs_nobody(
 
 
 def test_r_g6_a_zero_filled_squat_is_refused_at_once(segment_name: str, config: Path) -> None:
-    """Before: 'could not be created or attached; try again' after 20 s, for good."""
+    """A zero-filled object of nobody's at the segment's name is refused as foreign at
+    once, naming its owner, never 'could not be created or attached; try again' after a
+    long wait."""
 
     def zeros() -> int:
         shm = posix_ipc.SharedMemory(segment_name, posix_ipc.O_CREX, 0o600, layout.TOTAL_SIZE)
@@ -118,7 +121,8 @@ def test_r_g6_a_named_owner_is_trusted(segment_name: str, config: Path) -> None:
 def test_r_g6_a_lock_file_another_user_made_first_is_refused_untouched(
     segment_name: str, config: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Before: root stamped and used nobody's lock file, and hung when nobody locked it."""
+    """A lock file of nobody's, made first (or a symlink at its name), is refused in one line:
+    root neither stamps it nor locks it, so nobody's lock on it cannot hang root."""
     monkeypatch.setenv(lock.FORCE_LOCK_FILE_ENV, "1")
     path = lock.lock_file_path(segment_name)
 
@@ -152,9 +156,10 @@ def test_r_g6_a_lock_file_another_user_made_first_is_refused_untouched(
 
 
 def test_r_g6_doorbell_names_cannot_be_guessed_or_squatted(segment_name: str, config: Path) -> None:
-    """Before: nobody pre-created sem.<segment>.d0..d127 and took the posts meant for
-    root's waiters. Doorbells are now named after 64 random bits written in the
-    segment, which nobody cannot read; the old names are nothing to us."""
+    """Doorbells are named after 64 random bits written in the segment, which nobody
+    cannot read, so nobody cannot pre-create them and take the posts meant for root's
+    waiters; semaphores nobody made under predictable names (sem.<segment>.dN) are
+    nothing to us."""
 
     def squat_old_names() -> int:
         for m in range(4):
@@ -221,8 +226,8 @@ def test_r_g6_a_doorbell_another_user_owns_is_never_posted(segment_name: str, co
 
 
 def test_r_g6_decoy_segments_cost_an_attach_almost_nothing(segment_name: str, config: Path) -> None:
-    """Before: every decoy (right magic and major, never initialised, a live pid of
-    nobody's) cost a root attach 2 s in the split-budget scan."""
+    """Decoys (right magic and major, never initialised, a live pid of nobody's) cost a
+    root attach almost nothing in the split-budget scan, not seconds each."""
     decoys = ["/gwcap1-" + secrets.token_hex(6) for _ in range(40)]
 
     def plant() -> None:
@@ -256,8 +261,8 @@ def test_r_g6_decoy_segments_cost_an_attach_almost_nothing(segment_name: str, co
 def test_r_g6_group_shared_mode_never_touches_the_process_umask(
     segment_name: str, config: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Before: group-shared mode set a process-wide umask for a moment, and files other
-    threads made in that moment came out 0660."""
+    """Group-shared mode never sets the process-wide umask, not even for a moment: files
+    other threads made in that moment would come out 0660."""
 
     def no_umask(mask: int) -> int:
         raise AssertionError("the process umask was changed")

@@ -1,4 +1,4 @@
-"""The errors a handler can meet form one tree, exported by handler_shim (issue 13)."""
+"""The errors a handler can meet form one tree, exported by handler_shim."""
 
 from __future__ import annotations
 

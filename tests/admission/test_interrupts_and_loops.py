@@ -25,11 +25,10 @@ def _records_of(segment: str, pid: int) -> list[str]:
 def test_r_a12_a_sigint_storm_leaves_no_record_in_a_process_that_goes_on(
     sem_mode: str, p1_segment: MakeP1Segment, tmp_path: Path
 ) -> None:
-    """Issue 10, observation 3: SIGINT every 1-100 ms to a handler that catches
-    KeyboardInterrupt and keeps serving left 1-4 records behind (0 of 3 slots
-    obtainable) until the process exited. Here the interrupts come faster still
-    (0.2-5 ms, landing in every part of slot entry and exit); afterwards the process
-    is alive, holds nothing, and all 3 slots can be had."""
+    """SIGINT every 0.2-5 ms, landing in every part of slot entry and exit, to a handler
+    that catches KeyboardInterrupt and keeps serving: no record is left behind (a left
+    one would hold a slot until the process exits); afterwards the process is alive,
+    holds nothing, and all 3 slots can be had."""
     seg = p1_segment(3)
     segment_name = seg.name
     stop = tmp_path / "stop"
@@ -67,8 +66,8 @@ def test_r_a12_a_sigint_storm_leaves_no_record_in_a_process_that_goes_on(
 def test_r_a11_a_stopped_lock_holder_never_freezes_the_event_loop(
     sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
-    """Issue 10, observation 2: a lock holder SIGSTOPped for 3 s blocked another process's
-    event loop for 2.99 s, since async slot() waited for the lock on the loop."""
+    """A lock holder SIGSTOPped for 3 s does not block another process's event loop:
+    async slot() never waits for the lock on the loop."""
     seg = p1_segment(2)
     adm = seg.attach("async")
     holder = seg.locker()

@@ -1,10 +1,10 @@
 """The limit in force is judged at the moment of the section, not when the request
 started waiting for the lock (R-A1, R-L7).
 
-The core used to be handed the caller's ``time.time()``, read before it waited for the
-segment lock. Behind a lock holder stopped for longer than a publication's remaining
-life, every waiting request was then admitted against the expired publication: three
-running against a fallback of one.
+The core reads the clock itself once it holds the segment lock. A time read by the
+caller before it waited for the lock would be stale behind a lock holder stopped for
+longer than a publication's remaining life: every waiting request would be admitted
+against the expired publication, three running against a fallback of one.
 """
 
 from __future__ import annotations

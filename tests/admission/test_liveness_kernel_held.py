@@ -68,9 +68,9 @@ def test_r_a5_holders_in_another_pid_namespace_are_alive(
     write_config: Callable[..., Path],
     tmp_path: Path,
 ) -> None:
-    """Issue 10, observation 4: a holder under ``unshare -p --fork --mount-proc`` took 3 of
-    3 slots, and a process of the root namespace reclaimed them as dead (6 in flight
-    against 3). Containers that share the host's /dev/shm are a real deployment."""
+    """A holder under ``unshare -p --fork --mount-proc`` takes 3 of 3 slots: a process of
+    the root namespace must not reclaim them as dead (its pid means nothing there), or 6
+    run against 3. Containers that share the host's /dev/shm are a real deployment."""
     assert UNSHARE is not None
     cfg = _cfg(write_config, 3)
     cmd = [

@@ -2,10 +2,10 @@
 
 The lock file is found by name (``$GATEWAY_CAPACITY_LOCK_DIR`` or ``/dev/shm``). A
 process whose environment names another directory, or that comes after the file was
-removed and made again, used to lock a file nobody else locks: it entered the section
-beside the others, judged every other process's members dead through its own file and
-reclaimed their slots; two ran on a limit of 1. The creator now stamps the file, and
-an attacher whose file lacks the stamp refuses with one line saying what to fix.
+removed and made again, would lock a file nobody else locks: it would enter the section
+beside the others, judge every other process's members dead through its own file and
+reclaim their slots, and two would run on a limit of 1. So the creator stamps the file,
+and an attacher whose file lacks the stamp refuses with one line saying what to fix.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The moments of change (R-A14, R-A15, R-A16, R-L7; issue 17): an attachment closing
+"""The moments of change (R-A14, R-A15, R-A16, R-L7): an attachment closing
 while others wait, an event loop closed with waiters, the segment removed or written
 over by hand, a stepped wall clock.
 
@@ -51,8 +51,9 @@ def _mine(segment: str, pid: int) -> int:
 def test_r_a14_an_arrival_waiting_for_the_lock_when_close_runs_is_refused_never_admitted(
     sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
-    """Before: the arrival wrote its record under a registration close() had just freed
-    and ran its body uncounted: 2 running on a limit of 1."""
+    """An arrival that gets the lock after close() freed its registration is refused: it
+    never writes a record under the freed registration and runs its body uncounted
+    (2 running on a limit of 1)."""
     adm = Admission.attach(config=config, segment=segment_name, generation="closing")
     locker = agents("--segment", segment_name, "--config", str(config), "lock")
     locker.expect("locked")  # another process holds the segment lock
@@ -91,8 +92,8 @@ def test_r_a14_close_waits_for_running_bodies_then_cuts_with_one_warning(
     agents: Callable[..., Agent],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Before: close() freed running slots at once and another process was admitted while
-    their bodies ran 2 s more."""
+    """close() keeps running slots counted until their bodies end (here 2 s more): no
+    other process is admitted while they run."""
     adm = Admission.attach(config=config, segment=segment_name, generation="closing")
     body_ends = threading.Event()
     body_end: list[float] = []
@@ -147,7 +148,7 @@ def test_r_a14_close_with_nothing_running_returns_at_once(segment_name: str, con
         pass
     started = time.monotonic()
     adm.close()
-    assert time.monotonic() - started < 1.0  # (issue 19 measures it in bench: <= 10 ms)
+    assert time.monotonic() - started < 1.0  # (bench measures it: <= 10 ms)
 
 
 def test_r_a14_waiters_are_refused_when_close_begins(segment_name: str, config: Path) -> None:
@@ -190,8 +191,8 @@ def test_r_a14_waiters_are_refused_when_close_begins(segment_name: str, config: 
 def test_r_a14_waiters_of_a_closed_event_loop_are_freed_within_a_sweep_and_never_granted(
     sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
-    """Before: loop.close() with tasks waiting kept their records for the life of the
-    process, and the next grant went to a dead task: the slot was held by nobody."""
+    """loop.close() with tasks waiting: their records are freed within a sweep, and no
+    grant goes to a dead task (a slot held by nobody)."""
     adm = Admission.attach(config=config, segment=segment_name, generation="loops")
     holder = agents("--segment", segment_name, "--config", str(config), "hold")
     holder.expect("admitted")
@@ -268,9 +269,9 @@ STORM = textwrap.dedent(
 def test_r_a14_a_signal_storm_through_asyncio_teardown_leaks_no_record(
     segment_name: str, config: Path, tmp_path: Path, agents: Callable[..., Agent]
 ) -> None:
-    """Before: a signal handler raising every few ms through asyncio's teardown left 34
-    records (2 running, 32 waiting) for good, every other arrival got QueueFull, and
-    close() never finished."""
+    """A signal handler raising every few ms through asyncio's teardown leaves no record
+    behind (left ones would hold slots and fill the queue for good, every other arrival
+    getting QueueFull), and close() finishes."""
     script = tmp_path / "storm.py"
     script.write_text(STORM)
     root = str(Path(AGENT).parent.parent)
@@ -291,8 +292,8 @@ def test_r_a14_a_signal_storm_through_asyncio_teardown_leaks_no_record(
 def test_r_a12_a_signal_storm_lets_no_foreign_exception_out_of_slot_blocking(
     segment_name: str, config: Path
 ) -> None:
-    """Before: Python's own 'RuntimeError: release unlocked lock' escaped slot_blocking
-    6-8 times in 30 s of a storm (threading.Event interrupted inside its Condition)."""
+    """Python's own 'RuntimeError: release unlocked lock' (a threading.Event interrupted
+    inside its Condition) never escapes slot_blocking during a storm of signals."""
     import signal
 
     adm = Admission.attach(config=config, segment=segment_name, generation="storm")
@@ -363,10 +364,10 @@ def _cycle(adm: Admission, stop: threading.Event) -> None:
 def test_r_a14_running_slots_of_a_closed_event_loop_are_freed_within_a_sweep(
     sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
-    """Before: a process whose only async slots were admitted at once (no waiter) never
-    collected a closed loop's tasks: its dispatcher slept until something posted it, so
-    the slot of a task that would never run again was held for the life of the process,
-    and another process waited on a limit of 1 for good."""
+    """A process whose only async slots were admitted at once (no waiter) still collects
+    a closed loop's tasks within a sweep: a dispatcher that slept until something posted
+    it would hold the slot of a task that will never run again for the life of the
+    process, and another process would wait on a limit of 1 for good."""
     adm = Admission.attach(config=config, segment=segment_name, generation="loops")
     loop = asyncio.new_event_loop()
 
@@ -402,8 +403,8 @@ def test_r_a15_a_segment_removed_by_hand_never_splits_the_budget(
     p1_segment: Callable[..., P1Segment],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Before: after `rm /dev/shm/<segment>` the old and the new handlers split the budget
-    (4 running on a limit of 2) without a word, and close() hung for good."""
+    """After `rm /dev/shm/<segment>` the old and the new handlers do not split the budget
+    without a word (4 running on a limit of 2), and close() does not hang."""
     caplog.set_level(logging.ERROR, logger="gateway_capacity.admission")
     seg = p1_segment(2)
     segment_name = seg.name
@@ -466,11 +467,11 @@ MOVER = textwrap.dedent(
 def test_r_a15_r_a5_the_first_to_arrive_after_a_segment_removed_by_hand_keeps_its_old_slots_alive(
     sem_mode: str, segment_name: str, config: Path, tmp_path: Path
 ) -> None:
-    """Before (lock-file kind): the handler that recreated the segment took over the old
-    lock file, stamped it and closed its descriptor, which drops every record lock its
-    process holds on that file: its member lock in the old segment went, so another
-    process still on the old segment reaped the slot its body was running on (and the
-    old and the new segment shared one lock file, lock bytes and all)."""
+    """Lock-file kind: the handler that recreates the segment must not take over the old
+    lock file (stamp it and close its descriptor): closing it would drop every record
+    lock its process holds on that file, its member lock in the old segment with them,
+    and another process still on the old segment would reap the slot its body runs on
+    (and the old and the new segment would share one lock file, lock bytes and all)."""
     script = tmp_path / "mover.py"
     script.write_text(MOVER)
     root = str(Path(AGENT).parent.parent)
@@ -500,8 +501,9 @@ def test_r_a16_a_bad_write_to_the_counters_is_never_obeyed(
     write_config: Callable[..., Path],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Before: running := 0 while 3 of 3 ran let 3 more in (6 running); 0xFFFFFFFF gave a
-    permanent AdmissionTimeout; garbage in `waiting` wedged the provider for good."""
+    """A bad write to a provider's counters: running := 0 while 3 of 3 run lets nobody
+    more in (not 6 running); running := 0xFFFFFFFF is no permanent AdmissionTimeout;
+    garbage in `waiting` does not wedge the provider."""
     caplog.set_level(logging.ERROR, logger="gateway_capacity.admission")
     config = write_config({"providers": [{"id": "p1", "maxConcurrent": 3}]})
     adm = Admission.attach(config=config, segment=segment_name, generation="d")
@@ -533,10 +535,10 @@ def test_r_a16_a_bad_write_to_the_counters_is_never_obeyed(
 def test_r_a16_a_bad_write_to_an_in_use_word_never_refuses_new_handlers(
     sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
-    """Before: one bad write to a live idle handler's member row (in_use := 2), to a
-    provider row's in_use, or to a free record's state made every new attach refuse the
-    segment as damaged ("remove it"), for as long as nobody swept it: on a host without a
-    sidecar, for good (a new generation could not start)."""
+    """One bad write to a live idle handler's member row (in_use := 2), to a provider
+    row's in_use, or to a free record's state does not make new attaches refuse the
+    segment as damaged ("remove it") until somebody sweeps it: on a host without a
+    sidecar that would be for good (a new generation could not start)."""
     idle = agents("--segment", segment_name, "--config", str(config), "hold")
     idle.expect("admitted")
     idle.send("release")
@@ -571,9 +573,9 @@ def test_r_a16_a_bad_write_to_an_in_use_word_never_refuses_new_handlers(
 def test_r_a3_r_a16_a_bad_write_to_the_next_ticket_lets_no_newcomer_overtake_a_waiter(
     sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
-    """Before: next_ticket := 0 while two processes waited (tickets 21, 22) gave every
-    newcomer a smaller ticket than theirs: newcomers overtook them for as long as
-    newcomers kept coming, and the old waiters timed out (R-A3)."""
+    """next_ticket := 0 while two processes wait (tickets 21, 22): newcomers must not get
+    smaller tickets than theirs and overtake them for as long as newcomers keep coming
+    while the earlier waiters time out (R-A3)."""
     adm = Admission.attach(config=config, segment=segment_name, generation="d")
     held = adm.acquire_blocking("p1")
     for _ in range(20):  # a host that has been queueing for a while: tickets went by
@@ -603,10 +605,9 @@ def test_r_a16_a_bad_write_that_revives_a_free_record_never_wedges_the_provider(
     sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """One bad write, state := RUNNING, to a free record whose last owner still lives (an
-    idle handler). Before: the next sweep's recount took it for the truth, and a provider
-    with a limit of 1 admitted nobody for as long as that handler lived (0 of 6). Then the
-    owner, which knows the records it holds, freed the phantom within a sweep; now the
-    sweep's recount frees it (a freed record carries no registration serial)."""
+    idle handler). Taken for the truth, it would leave a provider with a limit of 1
+    admitting nobody for as long as that handler lives (0 of 6); the sweep's recount
+    frees it (a freed record carries no registration serial)."""
     idle = agents("--segment", segment_name, "--config", str(config), "hold")
     idle.expect("admitted")
     idle.send("release")
@@ -633,8 +634,8 @@ def test_r_a16_a_bad_write_that_revives_a_free_record_never_wedges_the_provider(
 def test_r_a16_a_bad_write_to_a_live_members_serial_frees_none_of_its_slots(
     sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
-    """Before: adding 1 to a live member's serial let the sweep reclaim its slots while
-    they ran (6 running on a limit of 3)."""
+    """Adding 1 to a live member's serial does not let the sweep reclaim its slots while
+    they run (6 running on a limit of 3)."""
     holder = agents("--segment", segment_name, "--config", str(config), "hold")
     holder.expect("admitted")
     adm = Admission.attach(config=config, segment=segment_name, generation="sweeper")
@@ -674,12 +675,11 @@ def _record_of(seg: Segment, pid: int) -> int:
 def test_r_a16_a_bad_write_that_frees_a_running_record_lets_nobody_in(
     sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
-    """Before: state := 0 on a running record was taken for the truth by the next sweep's
-    recount, which let one more request in for as long as the damaged body ran (measured:
-    4 bodies on a limit of 3 for 0.494 s with 0.5 s bodies; with longer bodies, longer).
-    Now a writer of ours clears a record's member serial when it frees it, so a free
-    record that still names a live registration was freed by damage: put back, never
-    taken as a free place."""
+    """state := 0 on a running record: taken for the truth by the next sweep's recount,
+    it would let one more request in for as long as the damaged body runs. A writer of
+    ours clears a record's member serial when it frees it, so a free record that still
+    names a live registration was freed by damage: put back, never taken as a free
+    place."""
     holder, adm, seg, h = _a_holder_and_a_sweeper(segment_name, config, agents)
     try:
         HOLDER["state"].put(seg.buf, layout.HOLDER_FREE, holder_base(0, h))  # one bad write
@@ -705,8 +705,8 @@ def test_r_a16_a_running_records_member_serial_written_0_frees_nothing_and_leaks
 ) -> None:
     """A running record's member serial := 0 (what a freed record carries): never taken
     for a free record while its process lives; and a release that comes before its owner
-    has put the serial back still frees it (before: the release changed nothing and the
-    owner's look then kept the record as its own for good: one slot lost)."""
+    has put the serial back still frees it (were it to change nothing, the owner's look
+    would keep the record as its own for good: one slot lost)."""
     holder, adm, seg, h = _a_holder_and_a_sweeper(segment_name, config, agents)
     try:
         HOLDER["member_serial"].put(seg.buf, 0, holder_base(0, h))  # one bad write
@@ -734,9 +734,10 @@ def test_r_a14_r_a16_a_running_record_written_free_during_closes_grace_is_still_
     agents: Callable[..., Agent],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Found by review: close() counted only records that said RUNNING, so one written
-    free during its grace ended the grace at once; unregister cut it without a warning,
-    and another process was admitted while the body ran on."""
+    """close() counts its running bodies by what it holds, not only by records that say
+    RUNNING: one written free during its grace does not end the grace at once and let
+    unregister cut it without a warning while another process is admitted beside the
+    body."""
     adm = Admission.attach(config=config, segment=segment_name, generation="closing")
     stuck = threading.Event()
     runner = threading.Thread(target=lambda: _hold(adm, stuck))
@@ -775,9 +776,9 @@ def test_r_a14_r_a16_a_running_record_written_free_during_closes_grace_is_still_
 def test_r_a16_a_bad_write_that_frees_a_waiting_record_keeps_its_place(
     sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
-    """state := 0 on a waiter's record: before, the waiter ended with "the admission
-    record was removed while waiting" (or waited its timeout out) and the queue lost it.
-    Now the record is put back as a waiter (it holds a ticket) and granted in turn."""
+    """state := 0 on a waiter's record: the record is put back as a waiter (it holds a
+    ticket) and granted in turn, rather than the waiter ending with "the admission record
+    was removed while waiting" (or waiting its timeout out) and the queue losing it."""
     adm = Admission.attach(config=config, segment=segment_name, generation="d")
     held = adm.acquire_blocking("p1")
     waiter = agents("--segment", segment_name, "--config", str(config), "hold", "--timeout", "30")
@@ -804,8 +805,9 @@ def test_r_a16_a_bad_write_that_frees_a_waiting_record_keeps_its_place(
 def test_r_a16_a_damaged_lock_word_is_one_line_never_an_abort(
     segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
-    """Before: garbage in the mutex bytes made handlers die of SIGABRT/SIGILL in glibc,
-    hang, or raise CoreError outside the product's error tree; a new attach said ok."""
+    """Garbage in the mutex bytes is one line inside the product's error tree: handlers
+    neither die of SIGABRT/SIGILL in glibc nor hang nor raise outside the tree; a new
+    attach fails naming the lock word, and ``inspect --check`` says how to recover."""
     from handler_shim import GatewayCapacityError
 
     if not _core.HAVE_ROBUST:
@@ -837,9 +839,9 @@ def _faketime() -> str:
 def test_r_l7_a_stepped_wall_clock_neither_extends_nor_cuts_a_published_limit(
     step: str, segment_name: str, write_config: Callable[..., Path]
 ) -> None:
-    """Before: with its clock 1 h back a handler kept an expired limit of 1 for an hour;
-    1 h forward, it ignored a fresh publication. The handler here runs under faketime
-    (its wall clock stepped; the monotonic clock is the host's)."""
+    """With its clock 1 h back a handler does not keep an expired limit of 1 for an hour;
+    1 h forward, it does not ignore a fresh publication. The handler here runs under
+    faketime (its wall clock stepped; the monotonic clock is the host's)."""
     faketime = _faketime()
     config = write_config({"providers": [{"id": "p1", "maxConcurrent": 3}]})
     seg_owner = Admission.attach(config=config, segment=segment_name, generation="publisher")
@@ -907,8 +909,8 @@ def _no_leftover(segment_name: str) -> Iterator[None]:
 def test_r_a4_a_wait_for_a_busy_lock_counts_against_the_timeout(
     sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
-    """Before: the wait for a stopped lock holder and the wait for the grant each got the
-    whole timeout, so a blocking slot could take twice its timeout."""
+    """The wait for a stopped lock holder and the wait for the grant share one timeout:
+    a blocking slot never takes twice its timeout."""
     holder = agents("--segment", segment_name, "--config", str(config), "hold")
     holder.expect("admitted")  # the limit of 1 is spent: whoever comes next must wait
     adm = Admission.attach(config=config, segment=segment_name, generation="t")

@@ -15,7 +15,8 @@ from shm_layout import layout
 def test_r_a13_sixty_five_providers_leave_the_first_64_working(
     segment_name: str, write_config: Callable[..., Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue 10, observation 5: 65 providers made attach raise TableFull for every handler."""
+    """65 providers configured: attach still works, the first 64 get their budgets and the
+    65th is refused by name with the table's size, never a TableFull for every handler."""
     count = layout.PROVIDER_COUNT + 1
     cfg = write_config({"providers": [{"id": f"p{i}", "maxConcurrent": 1} for i in range(count)]})
     caplog.set_level(logging.WARNING)
@@ -46,8 +47,8 @@ def test_r_a13_ids_are_matched_in_full_never_by_prefix(
     segment_name: str,
     write_config: Callable[..., Path],
 ) -> None:
-    """Issue 10, observation 6: with 'a'*64 configured (limit 1) and held, slot('a'*65) and
-    slot('a'*64 + 'SUFFIX') were admitted against that provider's budget."""
+    """With 'a'*64 configured (limit 1) and held, slot('a'*65) and slot('a'*64 + 'SUFFIX')
+    are refused as unknown, never admitted against that provider's budget."""
     cfg = write_config({"providers": [{"id": configured, "maxConcurrent": 1}]})
     adm = Admission.attach(config=cfg, segment=segment_name, generation="ids")
     try:

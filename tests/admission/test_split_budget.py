@@ -1,4 +1,4 @@
-"""One gateway, two paths, two budgets: made visible (issue 11), with a real sidecar.
+"""One gateway, two paths, two budgets: made visible, with a real sidecar.
 
 The sidecar reads the config at one path; a handler names it through a symlink,
 so the names derive to two segments. ``availability`` shows the config path each

@@ -1,4 +1,4 @@
-"""AdmissionMiddleware under real uvicorn and real gunicorn (SPEC section 8, issue 12).
+"""AdmissionMiddleware under real uvicorn and real gunicorn (SPEC section 8).
 
 p1 has a static limit of 2 in these tests; ``/v1/hold`` is admitted and held
 until the test releases it; ``/health`` is not admitted.
@@ -256,8 +256,8 @@ def test_gunicorn_hup_relabels_new_workers_and_shutdown_detaches(
 def test_gunicorn_worker_that_cannot_attach_halts_the_master_with_boot_error_3(
     start_server: StartServer, tmp_path: Path
 ) -> None:
-    """Issue 18 s.5 item 1: not 18 restarts in 12 s, but gunicorn's worker boot error (3),
-    on which the master stops, with the reason in one line."""
+    """A worker that cannot attach exits with gunicorn's worker boot error (3), on which
+    the master stops, with the reason in one line, instead of restarting it forever."""
     missing = tmp_path / "no-such-gateway.json"
     server = start_server("gunicorn", workers=1, config=missing, wait_attached=False)
     code = server.proc.wait(timeout=60)
@@ -278,8 +278,8 @@ def test_gunicorn_worker_that_cannot_attach_halts_the_master_with_boot_error_3(
 def test_r_a1_a_request_that_waited_gets_what_was_read_ahead_unchanged(
     start_server: StartServer,
 ) -> None:
-    """Issue 19: only a request that must wait gets the reader task; what it read while
-    the request waited (here a 300 kB body, several messages) reaches the app unchanged."""
+    """Only a request that must wait gets the reader task; what it read while the
+    request waited (here a 300 kB body, several messages) reaches the app unchanged."""
     import hashlib
 
     server = start_server("uvicorn")

@@ -1,5 +1,5 @@
 """``provider=by_model`` under real uvicorn: the body's model picks the provider's budget
-(issue 18 section 2, SPEC section 8; R-C2 aliases, R-A1/R-A2/R-A4 per provider).
+(SPEC section 8; R-C2 aliases, R-A1/R-A2/R-A4 per provider).
 
 The config: ``p1`` (limit 1) names ``alias-1`` -> ``up-1``; ``p2`` (limit 2) names
 ``alias-2`` -> ``up-2`` and ``shared-alias`` -> ``up-2``. ``/v1/hold`` reads the whole

@@ -132,7 +132,7 @@ def test_example_gateway_refuses_unknown_models_and_reports_an_unreachable_provi
 def test_example_gateway_without_a_usable_config_halts_gunicorn_with_boot_error_3(
     tmp_path: Path, config: str
 ) -> None:
-    """Issue 18 s.5 items 1-2: GATEWAY_CONFIG is required (no silent examples/gateway.json),
+    """GATEWAY_CONFIG is required (no silent examples/gateway.json),
     and a worker that cannot start exits 3, gunicorn's worker boot error: the master stops
     with the reason instead of restarting the worker forever."""
     env = {k: v for k, v in os.environ.items() if k != "GATEWAY_CONFIG"}

@@ -1,5 +1,5 @@
-"""Retry-After from the drain estimate, as the official ``openai`` SDK acts on it (issue 18
-section 4; SPEC section 8, R-A2).
+"""Retry-After from the drain estimate, as the official ``openai`` SDK acts on it
+(SPEC section 8, R-A2).
 
 The example gateway (limit 4) in front of a slow fake upstream (``SimWorker(openai=True)``,
 0.5 s a completion); 80 concurrent completions from ``openai.AsyncOpenAI`` with its default

@@ -27,7 +27,7 @@ def _run_demo(*extra: str) -> dict[str, object]:
     assert out.returncode == 0, out.stderr[-3000:]
     summary: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
     schema = json.loads((ROOT / "docs" / "schemas" / "demo.schema.json").read_text())
-    jsonschema.validate(summary, schema)  # schema_version and every field (issue 18 item 10)
+    jsonschema.validate(summary, schema)  # schema_version and every field
     assert "advertised 20  limit 20 (discovered)" in out.stderr  # shown live
     assert "never above the limit in force" not in out.stderr  # it is, while they finish
     picture = summary["picture"]

@@ -1,4 +1,4 @@
-"""The upgrade drill's short form on real servers (issue 12 section 2; R-A1, R-A2, R-G3, R-G4).
+"""The upgrade drill's short form on real servers (R-A1, R-A2, R-G3, R-G4).
 
 The drill itself checks every invariant and reports problems; this test runs
 it as ``make drill`` does (shorter phases) and checks the summary's figures.
@@ -98,9 +98,10 @@ def _leave(n: int, request: int) -> list[object]:
 
 
 def test_r_a1_drill_check_judges_each_rise_by_the_limit_in_force_at_its_grants() -> None:
-    """The exact check (issue 17 s.6): a request granted under limit 3 that reaches the
-    upstream late, after the limit fell to 2, is no violation (the old 1 s window failed
-    here under load); three in flight that were all granted under limit 2 is one."""
+    """The exact check: a request granted under limit 3 that reaches the upstream late,
+    after the limit fell to 2, is no violation (a check by the upstream's arrival time
+    would fail here under load); three in flight that were all granted under limit 2 is
+    one."""
     samples = [(0.0, 3), (1.0, 3), (2.0, 2), (3.0, 2), (4.0, 2)]
     late = [_arrive(1, 1, 0.1, 0.1), _arrive(2, 2, 0.2, 0.2), _arrive(3, 3, 0.9, 0.95)]
     drill = _drill_with(samples)

@@ -1,5 +1,5 @@
 """LiteLLM's proxy and gateway-capacity, both ways in, against the real ``litellm`` package
-(issue 18 section 3; SPEC section 8; R-A1, R-A2, R-A4).
+(SPEC section 8; R-A1, R-A2, R-A4).
 
 1. ``examples/litellm_proxy.py``: LiteLLM's ASGI app wrapped in ``AdmissionMiddleware``
    with ``provider=by_model``, under real uvicorn with two workers.

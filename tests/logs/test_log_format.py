@@ -1,6 +1,6 @@
 """Log lines of the sidecar and the router: RFC 3339 timestamps, ``--log-format json|text``.
 
-Real processes, as an operator runs them; a refused opt-in is a WARNING (issue 11).
+Real processes, as an operator runs them; a refused opt-in is a WARNING.
 """
 
 from __future__ import annotations

@@ -202,7 +202,7 @@ def test_r_p7_a_world_readable_systemd_credential_is_refused_without_chmod_advic
     assert "chmod" not in str(info.value) and "LoadCredential=" in str(info.value)
 
 
-# --- another local user's files (issue 16): the attacker really runs as nobody -------------
+# --- another local user's files: the attacker really runs as nobody ------------------------
 
 import sys  # noqa: E402
 
@@ -270,7 +270,7 @@ def test_r_p7_a_symlinked_directory_another_user_controls_is_refused(
     public_dir: Path, sticky_dir: Path
 ) -> None:
     """nobody's directory with a link to root's private keys: root must not read through it
-    and send a root-only file as the bearer key (issue 16)."""
+    and send a root-only file as the bearer key."""
     private = public_dir / "private"
     private.mkdir(mode=0o700)
     secret = write_key(private / "root-only.key", KEY.encode())

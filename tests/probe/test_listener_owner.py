@@ -1,4 +1,4 @@
-"""Who listens on a loopback provider's port before the key goes there (R-P7, issue 16).
+"""Who listens on a loopback provider's port before the key goes there (R-P7).
 
 While the router is down any local user can listen on its port; the listener
 here really belongs to ``nobody`` (a forked child that dropped to uid 65534).

@@ -183,7 +183,7 @@ def test_r_l5_closed_port_is_unreachable(make_provider: MakeProvider, no_tailsca
     result = asyncio.run(probe_provider(provider, tailscale_socket=no_tailscaled))
     (replica,) = result.replicas
     assert replica.reason == "unreachable"
-    # the URL with its port, then why (issue 18 item 7: "127.0.0.1 unreachable" said neither)
+    # the URL with its port, then why: a bare "127.0.0.1 unreachable" would say neither
     assert replica.detail.startswith(f"http://127.0.0.1:{port}/v1/capacity: ConnectError")
 
 

@@ -1,8 +1,8 @@
-"""The shell completions and the man page `make install` installs (issue 18 item 9).
+"""The shell completions and the man page `make install` installs.
 
 They are generated from the CLI's parser by shtab and argparse-manpage
 (``make completions``) and committed, so an install needs neither; these tests
-fail when the committed files no longer match the parser, and show that the
+fail when the committed files do not match the parser, and show that the
 bash completion really completes.
 """
 

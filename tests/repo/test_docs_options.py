@@ -1,4 +1,4 @@
-"""The docs and the CLI name the same options (issue 18 item 10).
+"""The docs and the CLI name the same options.
 
 Every option of every subcommand appears in the document that describes that
 subcommand, and every option a documented command line gives a subcommand

@@ -36,7 +36,7 @@ def test_example_gateway_config_loads_with_discovery_active_on_loopback() -> Non
 
 
 def test_example_fallback_is_below_the_example_farm_and_no_ceiling_on_discovery() -> None:
-    """Issue 18 item 8: one failed probe switches a provider to its fallback at once
+    """One failed probe switches a provider to its fallback at once
     (R-L5), so a fallback above what the farm has (two ten-slot workers: 20) would
     oversubscribe it exactly when the farm is in trouble (docs/limits.md)."""
     config = load_config(EXAMPLES / "gateway.json")

@@ -1,4 +1,4 @@
-"""`make wheel` and an install with no compiler on the host (issue 18, section 1).
+"""`make wheel` and an install with no compiler on the host.
 
 The wheel is built once for this module, the way `make wheel` builds it
 (``scripts/build-wheel``: the sdist, a wheel built from that sdist, repaired by

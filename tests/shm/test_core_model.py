@@ -580,11 +580,12 @@ def test_the_core_does_what_the_model_does(kind: str, monkeypatch: pytest.Monkey
 def test_a_phantom_waiter_freed_by_a_grant_never_strands_a_real_one(
     kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Found by the machine above (R-A16): a free record naming a process that is gone,
-    written back to life as WAITING, sits at the head of the queue, uncounted. When a
-    slot frees, the grant meets it, frees it as dead and counts one waiter fewer: the
-    counters said nobody waited while a real waiter did, with room, until the next
-    sweep. Now a grant that freed a dead waiter lets the records decide before it stops."""
+    """R-A16, a case the machine above finds: a free record naming a process that is
+    gone, written back to life as WAITING, sits at the head of the queue, uncounted. When
+    a slot frees, the grant meets it, frees it as dead and counts one waiter fewer; were
+    it to stop there, the counters would say nobody waits while a real waiter does, with
+    room, until the next sweep. So a grant that freed a dead waiter lets the records
+    decide before it stops."""
     if kind == "lock-file":
         monkeypatch.setenv(lock.FORCE_LOCK_FILE_ENV, "1")
     else:

@@ -1,9 +1,10 @@
 """A Core made without __init__ is refused, and dropping it touches no one's lock target.
 
-``Core.__new__`` zero-filled the object, so its target index was 0: the first lock
-target of the process, which a live Core uses. Any call then locked through that
-descriptor and wrote through a NULL base (SIGSEGV); dropping it released target 0 (with
-the lock-file kind, closing that descriptor drops every record lock of the process).
+``Core.__new__`` zero-fills the object, so its target index is 0: the first lock target
+of the process, which a live Core uses. Were it not refused, any call would lock through
+that descriptor and write through a NULL base (SIGSEGV), and dropping it would release
+target 0 (with the lock-file kind, closing that descriptor drops every record lock of
+the process).
 Run in a child process, so a crash is a failure rather than the end of the test run.
 """
 

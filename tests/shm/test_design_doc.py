@@ -1,4 +1,4 @@
-"""docs/DESIGN.md's byte tables must say what shm_layout/layout.py does (issue 2)."""
+"""docs/DESIGN.md's byte tables must say what shm_layout/layout.py does."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """A full /dev/shm is a one-line error that says what to fix, never a crash.
 
-Creating the segment used to size it with ftruncate only: the object was sparse, and
-the first write of the header through the mapping found no page to back it, so the
-handler (or sidecar) died of SIGBUS with no word of why, and so did the next one.
+Creating the segment gives it its memory at once (``posix_fallocate``), not only a size
+(``ftruncate``): in a sparse object the first write of the header through the mapping
+would find no page to back it, and the handler (or sidecar) would die of SIGBUS with no
+word of why, and so would the next one.
 
 The test mounts a 64 KiB tmpfs over /dev/shm in a private mount namespace of its own
 (``unshare -m``, root only), fills it, and tries there; the machine's /dev/shm is not

@@ -1,8 +1,8 @@
 """Every name ``shm_layout`` exports resolves, though each loads on first use.
 
 ``shm_layout/__init__.py`` maps its names to their modules lazily (so that ``import
-handler_shim`` stays light). The map was built from a slice of the sorted ``__all__``
-and left ``unlink_segment`` out, which ``make bench`` imports first of all.
+handler_shim`` stays light); a name missing from the map would fail only when first
+used, as ``unlink_segment`` would in ``make bench``, which imports it first of all.
 """
 
 from __future__ import annotations

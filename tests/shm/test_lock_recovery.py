@@ -54,8 +54,9 @@ def test_r_a6_lock_of_a_sigkilled_holder_is_free_at_once(
 def test_r_a6_a_live_holder_is_never_robbed_however_long_it_is_stopped(
     sem_mode: str, p1_segment: MakeP1Segment
 ) -> None:
-    """A holder SIGSTOPped inside the lock for longer than any bound the old lock had
-    (5 s) keeps it; readers still read; once it is really gone, the contender gets in."""
+    """A holder SIGSTOPped inside the lock keeps it however long it is stopped (the lock
+    has no timeout: 7 s here); readers still read; once it is really gone, the
+    contender gets in."""
     seg = p1_segment()
     adm = seg.attach("contender")
     holder = seg.locker()
@@ -126,11 +127,10 @@ adm.close()
 def test_r_a11_a_gil_hog_in_a_holders_process_never_breaks_mutual_exclusion(
     sem_mode: str, p1_segment: MakeP1Segment, tmp_path: Path
 ) -> None:
-    """Issue 10, observation 1: thread A loops on slot_blocking while thread B of the same
-    process holds the GIL for seconds in one C call. The old core lost the GIL inside its
-    Python critical section, and another process took the lock after 5 s. Now the section
-    runs in C without the GIL: the contender keeps entering, nothing is repaired, and no
-    slot is ever above the limit."""
+    """Thread A loops on slot_blocking while thread B of the same process holds the GIL
+    for seconds in one C call. The locked section runs in C without the GIL, so A never
+    waits for the GIL while it holds the lock: the contender keeps entering, nothing is
+    repaired, and no slot is ever above the limit."""
     import subprocess
     import sys
 

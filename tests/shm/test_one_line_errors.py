@@ -1,5 +1,5 @@
 """What an operator sees when the segment is another user's, damaged, or full: one line
-that says what to do, never a traceback (issue 10, observation 7)."""
+that says what to do, never a traceback."""
 
 from __future__ import annotations
 
@@ -80,8 +80,9 @@ def test_another_users_segment_is_one_line_for_every_command(segment_name: str) 
 def test_a_damaged_segment_is_named_as_damaged(
     segment_name: str, write_config: Callable[..., Path]
 ) -> None:
-    """A valid header followed by random bytes: inspect and availability died with an
-    OverflowError (29 lines) and attach said TableFull."""
+    """A valid header followed by random bytes: inspect and availability say "damaged"
+    in one line (no traceback), and attach refuses it as damaged with the command that
+    removes it, not as a full table."""
     cfg = write_config({"providers": [{"id": "p1"}]})
     Admission.attach(config=cfg, segment=segment_name, generation="g").close()
     import posix_ipc

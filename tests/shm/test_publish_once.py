@@ -1,4 +1,4 @@
-"""A refresh publishes in one transaction that writes only what changed (issue 19).
+"""A refresh publishes in one transaction that writes only what changed.
 
 Counted by the segment's own ``lock_seq`` (+1 per lock acquisition), not by time.
 """

@@ -310,9 +310,9 @@ print(json.dumps(doc))
 def test_r_g2_processes_that_find_an_abandoned_segment_together_end_on_one(
     segment_name: str,
 ) -> None:
-    """Each attacher that judged the never-initialised object abandoned used to unlink
-    whatever was under the name, including the segment another had just created: the
-    processes ended up on separate segments with separate budgets."""
+    """R-G2: attachers that judge a never-initialised object abandoned together unlink
+    only that object, never the segment another has just created in its place: all of
+    them end on one segment with one budget."""
     shm = posix_ipc.SharedMemory(segment_name, posix_ipc.O_CREX, 0o600, layout.TOTAL_SIZE)
     shm.close_fd()  # a creator that died before its init mark
     go = time.time() + 1.0

@@ -41,7 +41,7 @@ def test_r_g4_a_second_sidecar_fences_the_first_which_exits_0_and_never_writes_a
     match = re.search(r"superseded.*epoch (\d+)\b.*epoch (\d+)", log)
     assert match, log
     assert (int(match.group(1)), int(match.group(2))) == (first_epoch, first_epoch + 1)
-    # and the new one says whom it fenced, on its own side too (issue 18 item 7)
+    # and the new one says whom it fenced, on its own side too
     assert (
         f"fenced the running sidecar pid {first.pid} (writer epoch {first_epoch}): "
         "it stops writing and exits 0"

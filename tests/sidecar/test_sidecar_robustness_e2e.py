@@ -1,7 +1,7 @@
-"""Sidecar robustness: what a review found and these tests keep fixed.
+"""Sidecar robustness: a drain between refreshes, a touched config, a segment removed
+under the sidecar, refresh values the expiry cannot follow, a full provider table.
 
-Each test names the failure it guards against; each ran red before its fix (the
-refresh values 0 and -1 were refused already and are kept for completeness).
+Each test names the failure it guards against.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def test_r_g3_a_drain_never_lapses_between_refreshes(
     rig: Rig, legacy: subprocess.Popen[bytes]
 ) -> None:
     """The router's snapshots are 27 s old, so what they discover expires 3 s after each
-    probe; with a 20 s refresh the drain used to expire with them and let new work in."""
+    probe; with a 20 s refresh the drain must outlast them, not expire with them and let
+    new work in."""
     rig.capacity.set(observed_offset=-27.0)
     rig.start(rig.config(), "--await-legacy", str(legacy.pid), refresh=20.0)
     rig.wait("p1", lambda p: p["source"] == "legacy_drain")
@@ -70,7 +71,7 @@ def test_r_p9_a_refresh_the_expiry_cannot_follow_is_refused(refresh: str, rig: R
 
 def test_a_full_provider_table_is_reported_and_the_sidecar_keeps_working(rig: Rig) -> None:
     """Rows are never freed (handlers cache them), so renaming a provider in a config of
-    64 needs a 65th row. That once killed every task of the sidecar silently."""
+    64 needs a 65th row: the full table is reported and the sidecar's tasks go on."""
     providers = [{"id": f"p{i}", "maxConcurrent": 2} for i in range(64)]
     config = rig.write_config({"providers": providers})
     sidecar = rig.start(config)

@@ -1,7 +1,7 @@
 """What the sidecar does for systemd, with real processes: SIGHUP re-reads the
 config (``systemctl reload``), ``STATUS=`` carries the limits, and the
 ``--await-legacy`` drain neither stops on a pid that /proc hides nor starts
-on a pidfile path that does not exist (issue 11)."""
+on a pidfile path that does not exist."""
 
 from __future__ import annotations
 
@@ -132,9 +132,9 @@ def test_r_g3_await_legacy_pidfile_that_appears_within_the_grace_is_awaited(
 def test_r_g3_an_empty_pidfile_is_waited_for_until_the_legacy_gateway_writes_its_pid(
     rig: Rig, legacy: subprocess.Popen[bytes], tmp_path: Path
 ) -> None:
-    """Found in the nspawn test under load: a pidfile made and not yet written (what
-    ``echo $$ > file`` and most daemons do) was read as empty, "does not hold a pid", and
-    the sidecar exited 2, which its unit never restarts. Now it waits within the grace."""
+    """A pidfile made and not yet written (what ``echo $$ > file`` and most daemons do)
+    is waited for within the grace, not read as "does not hold a pid" with an exit 2,
+    which its unit never restarts."""
     pidfile = tmp_path / "legacy.pid"
     pidfile.touch(mode=0o644)
     sidecar = rig.start(rig.config(), "--await-legacy", str(pidfile), "--await-legacy-grace", "20")

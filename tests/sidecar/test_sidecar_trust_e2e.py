@@ -1,4 +1,4 @@
-"""What the sidecar takes from files and addresses another user controls (issue 16).
+"""What the sidecar takes from files and addresses another user controls.
 
 The attacker really runs as ``nobody`` (``tests/as_nobody.py``); the sidecar is the
 operator's process, started as the unit starts it.
@@ -44,8 +44,8 @@ def refused(segment_name: str, write_config: Callable[..., Path]) -> Refused:
 def test_r_g6_a_pidfile_others_can_rewrite_is_refused_before_anything_drains(
     public_dir: Path, legacy: subprocess.Popen[bytes], refused: Refused
 ) -> None:
-    """nobody rewrites a pidfile in a directory everyone may write to `1`: before, every
-    opted-in provider stayed at 0 for as long as pid 1 lived; now the start fails."""
+    """nobody rewrites a pidfile in a directory everyone may write to `1`: the start
+    fails, rather than hold every opted-in provider at 0 for as long as pid 1 lives."""
     run_dir = public_dir / "run"
     run_dir.mkdir()
     run_dir.chmod(0o777)

@@ -1,4 +1,4 @@
-"""The chaos soak (issue 12, section 3): real processes, real kills, one budget.
+"""The chaos soak: real processes, real kills, one budget.
 
     .venv/bin/python tests/soak/soak.py [--seconds 240] [--workers 12] [--hammers 2]
         [--seed N] [--json REPORT]

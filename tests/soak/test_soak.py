@@ -1,4 +1,4 @@
-"""The chaos soak's short form (issue 12): ``make soak`` runs the long one.
+"""The chaos soak's short form: ``make soak`` runs the long one.
 
 Real processes throughout (``tests/soak/soak.py``): handler workers of two
 generations, the sidecar, a flipping capacity router and a counting upstream on

@@ -1,4 +1,4 @@
-"""The unit under a real systemd: PID 1 of a Debian 12 container (issue 11).
+"""The unit under a real systemd: PID 1 of a Debian 12 container.
 
 docs/systemd.md is followed step by step inside, as root, as an operator
 would: the wheel ``make wheel`` built on the host (a build machine), installed
@@ -258,7 +258,7 @@ def test_make_install_brings_the_program_and_runtime_deps_only(box: Box) -> None
     # from the wheel: the compiled core came in built, tagged for manylinux
     wheel = box.run(f"cat {PREFIX}/lib/python3*/site-packages/gateway_capacity-*.dist-info/WHEEL")
     assert "manylinux" in wheel.stdout, wheel.stdout
-    # the man page and the shell completions (issue 18 item 9)
+    # the man page and the shell completions
     box.run(f"test -f {PREFIX}/share/man/man1/gateway-capacity.1")
     box.run(f"test -f {PREFIX}/share/bash-completion/completions/gateway-capacity")
     box.run(f"test -f {PREFIX}/share/zsh/site-functions/_gateway-capacity")
@@ -389,7 +389,7 @@ def test_reload_rereads_the_config_without_a_restart(box: Box) -> None:
         ),
         15,
     )
-    box.run(f"systemctl kill -s HUP {UNIT}")  # the issue's old failure: HUP stopped the unit
+    box.run(f"systemctl kill -s HUP {UNIT}")  # a bare HUP must not stop the unit either
     time.sleep(1.0)
     assert _state(box) == "active"
     assert box.show(UNIT, "MainPID", "NRestarts") == before

@@ -117,8 +117,9 @@ def test_verify_that_could_not_compare_exits_2_never_ok(failure: str, rig: Rig) 
 def test_an_unreachable_router_is_named_by_its_url_with_the_port_and_a_missing_value_is_a_dash(
     rig: Rig,
 ) -> None:
-    """Issue 18 item 7: "127.0.0.1 unreachable" named no port, and verify printed
-    ``value None`` where availability prints ``value -``."""
+    """An unreachable router is named with its URL and port, not a bare "127.0.0.1
+    unreachable", and a missing value prints ``value -`` as availability does, never
+    ``value None``."""
     segment_name, server = rig.segment, rig.capacity
     cfg = rig.write_config({"providers": [_li(rig)]})
     _made_by_a_handler(cfg, segment_name)
