@@ -5,13 +5,29 @@ successor back into `make check`, or keep a stale line in the table for good."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
-
-import conftest
+from typing import Any
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
+
+
+def _table(name: str) -> Any:
+    """The literal assigned to ``name`` in tests/conftest.py (read, not imported: under
+    xdist the module named ``conftest`` may be another folder's)."""
+    tree = ast.parse((TESTS / "conftest.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign | ast.Assign) and node.value is not None:
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return ast.literal_eval(node.value)
+    raise AssertionError(f"tests/conftest.py assigns no {name}")
+
+
+LONG: tuple[str, ...] = _table("LONG")
+SLOW: dict[str, str] = _table("SLOW")
 
 
 def _defined(path: Path, name: str, *, prefix: bool = False) -> bool:
@@ -23,7 +39,7 @@ def _defined(path: Path, name: str, *, prefix: bool = False) -> bool:
 
 def test_every_long_entry_names_a_test_function_that_exists() -> None:
     missing = []
-    for nodeid in conftest.LONG:
+    for nodeid in LONG:
         file, _, name = nodeid.partition("::")
         path = REPO / file
         if not path.is_file() or not name or not _defined(path, name):
@@ -33,7 +49,7 @@ def test_every_long_entry_names_a_test_function_that_exists() -> None:
 
 def test_every_slow_entry_names_a_folder_file_or_test_that_exists() -> None:
     missing = []
-    for prefix in conftest.SLOW:
+    for prefix in SLOW:
         file, _, name = prefix.partition("::")
         path = REPO / file
         found = path.is_file() and (not name or _defined(path, name, prefix=True))
@@ -43,5 +59,5 @@ def test_every_slow_entry_names_a_folder_file_or_test_that_exists() -> None:
 
 
 def test_the_tables_do_not_name_a_test_twice() -> None:
-    assert len(set(conftest.LONG)) == len(conftest.LONG)
-    assert not [n for n in conftest.LONG if any(n.startswith(p) for p in conftest.SLOW)]
+    assert len(set(LONG)) == len(LONG)
+    assert not [n for n in LONG if any(n.startswith(p) for p in SLOW)]
