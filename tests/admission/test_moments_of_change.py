@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import shutil
 import sys
 import textwrap
@@ -566,6 +567,102 @@ def test_r_a16_a_bad_write_to_an_in_use_word_never_refuses_new_handlers(
         seg.close()
     idle.send("release")
     assert idle.finish() == 0
+
+
+def test_r_a16_a_published_limit_with_a_deadline_too_far_ahead_is_never_obeyed(
+    sem_mode: str, segment_name: str, config: Path
+) -> None:
+    """A published limit of 96 with a deadline an hour ahead (no publication sets one
+    more than DEADLINE_SLACK_S ahead) is out of range: the fallback (1) applies, the
+    sweep clears it as damage, and both check views fail naming it and the recovery."""
+    adm = Admission.attach(config=config, segment=segment_name, generation="d")
+    base = provider_base(0)
+    try:
+        held = adm.acquire_blocking("p1")
+        PROVIDER["expires_mono"].put(adm._buf, platform.deadline_now() + 3600.0, base)
+        PROVIDER["published_limit"].put(adm._buf, 96, base)  # one bad write
+        with pytest.raises(AdmissionTimeout), adm.slot_blocking("p1", timeout=0.6):
+            pass  # never a second on a fallback of 1
+        adm._core.sweep(0.0)
+        assert PROVIDER["published_limit"].get(adm._buf, base) == -1
+        adm.release(held)
+    finally:
+        adm.close()
+    for command in ("inspect", "availability"):
+        check = run_cli(command, "--segment", segment_name, "--check")
+        assert check.returncode == 1, (command, check.stdout)
+        assert "deadline lies too far ahead" in check.stdout, (command, check.stdout)
+        assert "--unlink --force" in check.stdout, (command, check.stdout)
+
+
+def test_r_a16_random_bytes_over_the_admission_area_raise_only_the_products_errors(
+    sem_mode: str,
+    segment_name: str,
+    write_config: Callable[..., Path],
+    agents: Callable[..., Agent],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Accidental damage (R-A16): random bytes written again and again over the provider,
+    record and member tables while handlers cycle slots and another process holds one.
+    Every call ends (a bounded wait: nothing hangs), only GatewayCapacityError comes out
+    of the product, close() returns, and both check views then fail naming damage and
+    the recovery."""
+    from handler_shim import GatewayCapacityError
+
+    config = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
+    holder = agents("--segment", segment_name, "--config", str(config), "hold")
+    holder.expect("admitted")
+    adm = Admission.attach(config=config, segment=segment_name, generation="d")
+    seg = Segment.open(segment_name)
+    stop = threading.Event()
+    foreign: list[BaseException | None] = []
+    ours = [0]
+    # the product's own threads (the dispatcher) must not die of it either
+    monkeypatch.setattr(threading, "excepthook", lambda args: foreign.append(args.exc_value))
+
+    def cycle() -> None:
+        while not stop.is_set():
+            try:
+                with adm.slot_blocking("p1", timeout=0.2):
+                    time.sleep(0.005)
+            except GatewayCapacityError:
+                ours[0] += 1
+            except BaseException as exc:  # anything else escaped the product
+                foreign.append(exc)
+                return
+
+    def scribble() -> None:
+        rng = random.Random(28)
+        start, end = layout.PROVIDERS_BASE, layout.TOTAL_SIZE
+        while not stop.is_set():
+            at = rng.randrange(start, end - 16)
+            n = rng.randint(1, 16)
+            seg.buf[at : at + n] = rng.randbytes(n)
+            time.sleep(0.002)
+
+    workers = [threading.Thread(target=cycle, daemon=True) for _ in range(3)]
+    scribbler = threading.Thread(target=scribble, daemon=True)
+    try:
+        for t in [*workers, scribbler]:
+            t.start()
+        time.sleep(2.0)
+        stop.set()
+        for t in [*workers, scribbler]:
+            t.join(20)  # each slot wait is bounded by its timeout plus one section
+        assert not any(t.is_alive() for t in workers), "a slot call never returned"
+        assert foreign == [], foreign
+        closer = threading.Thread(target=lambda: adm.close(grace=1.0), daemon=True)
+        closer.start()
+        closer.join(20)
+        assert not closer.is_alive(), "close() never returned"
+    finally:
+        stop.set()
+        seg.close()
+    for command in ("inspect", "availability"):
+        check = run_cli(command, "--segment", segment_name, "--check")
+        assert check.returncode != 0, (command, check.stdout)
+        said = (check.stdout + check.stderr).lower()
+        assert "damage" in said and "--unlink --force" in said, (command, said)
 
 
 def test_r_a3_r_a16_a_bad_write_to_the_next_ticket_lets_no_newcomer_overtake_a_waiter(
