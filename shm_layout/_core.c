@@ -14,8 +14,10 @@
  *
  * Invariants whenever the lock is free: running/waiting equal the RUNNING/WAITING
  * records (derived; recounted from the records when in doubt, R-A6, R-A16);
- * waiting <= 32; nobody waits while running < limit; every record in use names a
- * member row in use with the record's member serial.
+ * waiting <= 32; nobody waits while running < limit; a record is alive exactly while
+ * its member row's lock byte is held. Damage (R-A16): values no writer produces are
+ * checked and put right (ledger.py's docstring lists them); a consistent lie by a
+ * process that may write the segment is out of scope (docs/SECURITY.md).
  *
  * Sections of this file, each owning one thing:
  *   1. targets and liveness   the per-process table of lock files/objects, byte locks
@@ -469,9 +471,6 @@ typedef struct {
     char damage_note[64];       /* what it found last */
     long held;                  /* live tickets (running or waiting) */
     long held_running;          /* of them running */
-    uint64_t *owned;            /* serial of each record this registration holds, by
-                                 * provider x holder; 0 none (written under the lock) */
-    double owned_checked_at;    /* deadline clock of the last check of them */
     double lock_report_at;      /* when a stuck lock was last reported (deadline clock) */
     int lock_suspect;           /* a long-held lock names a thread that is not here */
     PyObject *slow_enter;       /* callables for the slot context managers' slow paths */
@@ -607,39 +606,6 @@ static void ring_record(Core *c, Rings *r, long hb)
         ring_member(r, ldi32(c, hb + c->o[K_MEMBER]));
 }
 
-/* The records this registration holds, as it knows them: every record that names it
- * and is not among them can only be there by damage (a phantom: a free record written
- * back to life), and nobody else may free a record of a live process. So the owner
- * looks, every SWEEP_S, and frees its phantoms (R-A16). */
-static inline long own_index(Core *c, int p, int h) { return (long)p * c->o[G_HOLDERS_PER] + h; }
-
-static void own_set(Core *c, int p, int h, uint64_t serial)
-{
-    if (c->owned)
-        c->owned[own_index(c, p, h)] = serial;
-}
-
-/* A live record that names this registration's member row (whatever serial it says: a
- * row handed to a new registration drops the old one's records, so only damage leaves a
- * record of another serial naming a row that is held). */
-static int names_my_row(Core *c, long hb)
-{
-    uint32_t s = ld32(c, hb + c->o[K_STATE]);
-    return (s == RUNNING || s == WAITING) && c->member >= 0 && ldi32(c, hb + c->o[K_MEMBER]) == c->member;
-}
-
-/* What is wrong with record (p, h) from its owner's side: 0 nothing, 1 a phantom (it
- * names our row but is not one we hold: free it), 2 ours with its member serial written
- * over (put it back). */
-static int own_record_problem(Core *c, int p, int h, long hb)
-{
-    if (!names_my_row(c, hb))
-        return 0;
-    if (c->owned[own_index(c, p, h)] != ld64(c, hb + c->o[K_SERIAL]))
-        return 1;
-    return ld64(c, hb + c->o[K_MEMBER_SERIAL]) != c->member_serial ? 2 : 0;
-}
-
 /* Damage found and put right, under the lock: counted in the header with when and what
  * (inspect, --check), and in this object, whose process logs it once (R-A16). */
 static void note_damage(Core *c, const char *what)
@@ -692,30 +658,11 @@ static void put_counts(Core *c, long b, uint32_t running, uint32_t waiting)
     st64(c, b + c->o[P_COUNTS_CHECK], counts_word(running, waiting));
 }
 
-/* Every writer of ours frees a record this way: its member serial cleared first (no
- * registration's serial is 0), so a free record that still carries a live registration's
- * serial was freed by damage, never by us (R-A16). */
-static void free_record(Core *c, long hb)
-{
-    st64(c, hb + c->o[K_MEMBER_SERIAL], 0);
-    st32(c, hb + c->o[K_STATE], FREE);
-}
+static void free_record(Core *c, long hb) { st32(c, hb + c->o[K_STATE], FREE); }
 
-static int put_back_freed(Core *c, long hb);
-
-/* A record of this registration as it was: one written free (or garbage) still names us
- * (see free_record) and is put back by the next step that looks, so its request still
- * runs (no ticket) or waits. */
-static uint32_t own_state(Core *c, long hb, uint32_t s)
-{
-    if (s != RUNNING && s != WAITING && c->member >= 0 && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
-        ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial)
-        return ld64(c, hb + c->o[K_TICKET]) ? WAITING : RUNNING;
-    return s;
-}
-
-/* Rebuild running/waiting from the records (the records are the truth). Returns 1 when
- * the stored counters or a record's state were wrong. */
+/* Rebuild running/waiting from the records (the records are the truth): a state word
+ * that is none of FREE, WAITING, RUNNING is freed. Returns 1 when the stored counters or
+ * a state word were wrong. */
 static int recount_provider(Core *c, int p)
 {
     uint32_t running = 0, waiting = 0;
@@ -723,24 +670,10 @@ static int recount_provider(Core *c, int p)
     for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
         long hb = hbase(c, p, h);
         uint32_t s = ld32(c, hb + c->o[K_STATE]);
-        if (s == RUNNING || s == WAITING) {
-            /* (a live record with no member serial may be a free one written back to life,
-             * or a live one whose serial was written 0: its owner tells, free_phantoms) */
-            uint32_t was = ld64(c, hb + c->o[K_TICKET]) ? WAITING : RUNNING; /* see pump */
-            if (s != was) { /* one state written over the other */
-                st32(c, hb + c->o[K_STATE], was);
-                note_damage(c, "a live record's state was written over");
-                s = was;
-                wrong = 1;
-            }
-        } else {
-            if (ld64(c, hb + c->o[K_MEMBER_SERIAL]) != 0 && put_back_freed(c, hb)) {
-                s = ld32(c, hb + c->o[K_STATE]); /* a live request's record, written free */
-                wrong = 1;
-            } else if (s != FREE || ld64(c, hb + c->o[K_MEMBER_SERIAL]) != 0) {
-                wrong |= s != FREE; /* a torn write by a holder that died, or garbage */
-                free_record(c, hb);
-            }
+        if (s != FREE && s != RUNNING && s != WAITING) {
+            free_record(c, hb); /* garbage: no writer of ours wrote it */
+            s = FREE;
+            wrong = 1;
         }
         if (s == RUNNING)
             running++;
@@ -781,23 +714,6 @@ static int head_waiter(Core *c, int p)
     return best;
 }
 
-/* The highest ticket among the provider's waiters: the next one handed out must come
- * after it, whatever next_ticket says (a bad write to it would let newcomers overtake
- * every waiter, R-A3). */
-static uint64_t last_ticket(Core *c, int p)
-{
-    uint64_t last = 0;
-    for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
-        long hb = hbase(c, p, h);
-        if (ld32(c, hb + c->o[K_STATE]) == WAITING) {
-            uint64_t t = ld64(c, hb + c->o[K_TICKET]);
-            if (t > last)
-                last = t;
-        }
-    }
-    return last;
-}
-
 /* --- liveness ------------------------------------------------------------------------ */
 typedef struct { signed char held[MAX_MEMBERS]; } AliveCache;
 
@@ -812,47 +728,20 @@ static int member_byte_held(Core *c, int m, AliveCache *cache)
     return held;
 }
 
-/* Is the registration (m, serial) alive? The kernel's word: somebody holds row m's lock
- * byte. The row must also say (m, serial): a row handed to another process drops the
- * old registration's records first (register), so a record whose serial its held row
- * does not carry exists only by damage, and damage is never a reason to reclaim a slot
- * whose process lives (R-A16): alive, and noted. */
-static int member_alive(Core *c, int m, uint64_t serial, AliveCache *cache)
+/* Is a record of member row m alive? The kernel's word alone: somebody holds row m's
+ * lock byte (a row out of range: nobody can). A row is handed to a new registration only
+ * after the old one's records are freed (register, reap), so a held row's records are
+ * its holder's; the row's in_use and serial words are not consulted (R-A5, R-A16). */
+static int member_alive(Core *c, int m, AliveCache *cache)
 {
     if (m < 0 || m >= c->o[G_MEMBER_COUNT])
         return 0; /* no process can hold a row that does not exist */
-    if (!member_byte_held(c, m, cache))
-        return 0;
-    long mb = mbase(c, m);
-    if (ld32(c, mb + c->o[M_IN_USE]) == 1 && ld64(c, mb + c->o[M_SERIAL]) == serial)
-        return 1;
-    note_damage(c, "a record's member serial is not its live member row's");
-    return 1;
+    return member_byte_held(c, m, cache);
 }
 
 static int holder_alive(Core *c, long hb, AliveCache *cache)
 {
-    return member_alive(c, ldi32(c, hb + c->o[K_MEMBER]), ld64(c, hb + c->o[K_MEMBER_SERIAL]), cache);
-}
-
-/* A record that is not running or waiting but carries a member serial (see free_record):
- * if that registration lives, its request still runs or waits, and the record is put
- * back: running when it holds no ticket (an arrival admitted at once, or a grant, clears
- * it), else waiting. Never taken as a free place, never recounted away: one bad write to
- * a state word must not let one more request in (R-A16). Returns 1 when put back. */
-static int put_back_freed(Core *c, long hb)
-{
-    int m = ldi32(c, hb + c->o[K_MEMBER]);
-    uint64_t serial = ld64(c, hb + c->o[K_MEMBER_SERIAL]);
-    if (serial == 0 || m < 0 || m >= c->o[G_MEMBER_COUNT])
-        return 0;
-    /* as member_alive: the kernel's word, whatever the row says (a row handed to another
-     * registration first drops the old one's records, free ones too) */
-    if (!member_byte_held(c, m, NULL))
-        return 0;
-    st32(c, hb + c->o[K_STATE], ld64(c, hb + c->o[K_TICKET]) ? WAITING : RUNNING);
-    note_damage(c, "a live request's record was written free");
-    return 1;
+    return member_alive(c, ldi32(c, hb + c->o[K_MEMBER]), cache);
 }
 
 /* The hold time of a record that stops running, into the provider's decayed mean (for
@@ -880,15 +769,12 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
     if (waiting == 0)
         return;
     uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
-    int recounted = 0, freed_dead = 0;
-    while (running < limit) {
-        /* Nobody counted waits, yet a dead waiter was freed (it may be one the counters
-         * never had: a record written back to life, so a real waiter is left uncounted);
-         * or somebody waits by the counters and no record does (they drifted): the
-         * records decide, once. */
-        int h = waiting ? head_waiter(c, p) : -1;
+    int recounted = 0;
+    while (running < limit && waiting > 0) {
+        /* somebody waits by the counters and no record does: the records decide, once */
+        int h = head_waiter(c, p);
         if (h < 0) {
-            if (recounted || (waiting == 0 && !freed_dead))
+            if (recounted)
                 break;
             recounted = 1;
             recount_provider(c, p);
@@ -901,12 +787,10 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
         if (!holder_alive(c, hb, cache)) {
             free_record(c, hb);
             inc64(c, b + c->o[P_RECLAIMED]);
-            freed_dead = 1;
             continue;
         }
         std_(c, hb + c->o[K_SINCE], now.wall);
         std_(c, hb + c->o[K_SINCE_MONO], now.mono);
-        st64(c, hb + c->o[K_TICKET], 0); /* running records hold no ticket (put_back_freed) */
         st32(c, hb + c->o[K_STATE], RUNNING);
         running++;
         ring_record(c, rings, hb);
@@ -923,7 +807,7 @@ static void repair_all(Core *c)
             recount_provider(c, p);
 }
 
-/* Free one member's records, recount and grant. */
+/* Free one registration's live records, recount and grant. */
 static void drop_member_records(Core *c, int m, uint64_t serial, Now now, Rings *rings, uint32_t *running_freed)
 {
     for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
@@ -934,12 +818,11 @@ static void drop_member_records(Core *c, int m, uint64_t serial, Now now, Rings 
         for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
             long hb = hbase(c, p, h);
             uint32_t s = ld32(c, hb + c->o[K_STATE]);
-            if (ldi32(c, hb + c->o[K_MEMBER]) == m && ld64(c, hb + c->o[K_MEMBER_SERIAL]) == serial) {
-                if (s != RUNNING && s != WAITING) /* written free: as it was */
-                    s = ld64(c, hb + c->o[K_TICKET]) ? WAITING : RUNNING;
+            if ((s == RUNNING || s == WAITING) && ldi32(c, hb + c->o[K_MEMBER]) == m &&
+                ld64(c, hb + c->o[K_MEMBER_SERIAL]) == serial) {
                 if (s == RUNNING && running_freed)
                     (*running_freed)++;
-                free_record(c, hb); /* a free one too: written free, it still names them */
+                free_record(c, hb);
                 freed++;
             }
         }
@@ -965,12 +848,8 @@ static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
             if (ldi32(c, hb + c->o[K_MEMBER]) != c->member ||
                 ld64(c, hb + c->o[K_MEMBER_SERIAL]) != c->member_serial)
                 continue;
-            uint32_t s = ld32(c, hb + c->o[K_STATE]);
-            if (s != RUNNING && s != WAITING && put_back_freed(c, hb))
-                s = ld32(c, hb + c->o[K_STATE]);
-            if (s == WAITING) {
+            if (ld32(c, hb + c->o[K_STATE]) == WAITING) {
                 free_record(c, hb);
-                own_set(c, p, h, 0);
                 here++;
             }
         }
@@ -994,22 +873,6 @@ static void free_member_row(Core *c, int m, Rings *rings)
     if (bell && rings->nunlink < MAX_MEMBERS)
         rings->unlink[rings->nunlink++] = bell;
     st64(c, mb + c->o[M_BELL], 0);
-}
-
-/* This process's own member row, as it registered it: repaired if it was written over
- * (R-A16). The row is ours; nobody else writes it legitimately. */
-static void check_own_row(Core *c)
-{
-    if (c->member < 0)
-        return;
-    long mb = mbase(c, c->member);
-    if (ld32(c, mb + c->o[M_IN_USE]) != 1 || ld64(c, mb + c->o[M_SERIAL]) != c->member_serial ||
-        ld64(c, mb + c->o[M_BELL]) != c->bell) {
-        st64(c, mb + c->o[M_SERIAL], c->member_serial);
-        st64(c, mb + c->o[M_BELL], c->bell);
-        st32(c, mb + c->o[M_IN_USE], 1);
-        note_damage(c, "this process's member row was written over");
-    }
 }
 
 /* Free every record of dead processes (and their member rows); then grant. */
@@ -1051,7 +914,6 @@ static uint32_t reap(Core *c, Now now, Rings *rings)
  * not once per process. */
 static uint32_t sweep(Core *c, Now now, Rings *rings)
 {
-    check_own_row(c);
     for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
         long b = pbase(c, p);
         uint32_t in_use = ld32(c, b + c->o[P_IN_USE]);
@@ -1468,7 +1330,6 @@ static void Core_dealloc(Core *c)
     Py_XDECREF(c->slow_enter);
     Py_XDECREF(c->slow_aenter);
     Py_XDECREF(c->slow_aexit);
-    PyMem_Free(c->owned);
     freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     tp_free(c);
     Py_DECREF(tp);
@@ -1725,7 +1586,6 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
 {
     if (c->member < 0 || c->closing)
         return R_CLOSED; /* unregistered or closing meanwhile: nothing may run (R-A14) */
-    check_own_row(c);
     long b = pbase(c, p);
     int decision = R_FULL;
     for (int attempt = 0; attempt < 2; attempt++) {
@@ -1745,8 +1605,7 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
         if (decision != R_FULL) {
             for (int i = 0; i < c->o[G_HOLDERS_PER]; i++) {
                 long ib = hbase(c, p, i);
-                if (ld32(c, ib + c->o[K_STATE]) == FREE &&
-                    !(ld64(c, ib + c->o[K_MEMBER_SERIAL]) != 0 && put_back_freed(c, ib))) {
+                if (ld32(c, ib + c->o[K_STATE]) == FREE) {
                     h = i;
                     break;
                 }
@@ -1773,17 +1632,10 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
         uint64_t ticket = 0;
         if (decision == R_WAIT) {
             ticket = ld64(c, b + c->o[P_NEXT_TICKET]);
-            uint64_t last = last_ticket(c, p);
-            if (ticket < last) { /* behind a ticket it handed out: never obeyed (R-A3, R-A16) */
-                note_damage(c, "a provider's next ticket was written over");
-                ticket = last;
-            }
-            if (ticket != UINT64_MAX) /* written to the top: a waiter never holds 0 */
+            if (ticket != UINT64_MAX) /* written to the top: it stays there, never wraps */
                 ticket++;
             st64(c, b + c->o[P_NEXT_TICKET], ticket);
         }
-        /* serial and member before member_serial: a process killed in between leaves a
-         * free record naming itself (dead), never another row's registration */
         st64(c, hb + c->o[K_SERIAL], serial);
         st32(c, hb + c->o[K_MEMBER], (uint32_t)c->member);
         st32(c, hb + c->o[K_PID], pid);
@@ -1800,7 +1652,6 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
         tk->fork_gen = c->fork_gen;
         tk->futex = futex;
         tk->live = 1;
-        own_set(c, p, h, serial);
         tk->running = decision == R_ADMIT;
         if (decision == R_ADMIT) {
             st32(c, hb + c->o[K_STATE], RUNNING); /* state last */
@@ -1854,8 +1705,6 @@ static int do_arrive(Core *c, Ticket *tk, int p, unsigned int pid, double given,
     });
     tk->busy = 0;
     if (!c->closing && lost(c)) { /* truncated during the section: what it wrote is gone */
-        if (tk->live)
-            own_set(c, tk->provider, tk->holder, 0);
         tk->live = 0;
         tk->running = 0;
         return R_MOVED;
@@ -1897,27 +1746,13 @@ static int leave_locked(Core *c, Ticket *tk, int outcome, Now now, Rings *rings)
     int p = tk->provider;
     long b = pbase(c, p);
     long hb = hbase(c, p, tk->holder);
-    if (ld64(c, hb + c->o[K_SERIAL]) == tk->serial && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
-        ld64(c, hb + c->o[K_MEMBER_SERIAL]) != c->member_serial && c->owned &&
-        c->owned[own_index(c, p, tk->holder)] == tk->serial) {
-        /* ours (our own table says so) with its member serial written over: put back,
-         * then left; else the release would change nothing and free_phantoms would keep
-         * the record as ours for good */
-        st64(c, hb + c->o[K_MEMBER_SERIAL], c->member_serial);
-        note_damage(c, "a record's member serial was written over");
-    }
     uint32_t state = ld32(c, hb + c->o[K_STATE]);
-    if (state != RUNNING && state != WAITING && ld64(c, hb + c->o[K_SERIAL]) == tk->serial &&
-        ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
-        ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial && put_back_freed(c, hb))
-        state = ld32(c, hb + c->o[K_STATE]); /* ours, written free: put back, then left */
     if (ld64(c, hb + c->o[K_SERIAL]) == tk->serial && (state == RUNNING || state == WAITING) &&
         ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
         ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial) {
         if (counters_damaged(c, b) && recount_provider(c, p))
             note_damage(c, "provider counters were written over");
         free_record(c, hb);
-        own_set(c, p, tk->holder, 0);
         uint32_t running = ld32(c, b + c->o[P_RUNNING]);
         uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
         if (state == RUNNING) {
@@ -1954,7 +1789,6 @@ static void ticket_done(Core *c, Ticket *tk)
 static int leave_lost(Core *c, Ticket *tk)
 {
     int was = tk->running ? 1 : 2;
-    own_set(c, tk->provider, tk->holder, 0);
     ticket_done(c, tk);
     return was;
 }
@@ -2020,9 +1854,6 @@ static uint32_t ticket_state(Core *c, Ticket *tk)
         return FREE;
     long hb = hbase(c, tk->provider, tk->holder);
     uint32_t state = ld32(c, hb + c->o[K_STATE]);
-    if (ld64(c, hb + c->o[K_SERIAL]) != tk->serial)
-        return FREE;
-    state = own_state(c, hb, state); /* written free: the next step that looks puts it back */
     if (ld64(c, hb + c->o[K_SERIAL]) != tk->serial) /* taken meanwhile by another arrival */
         return FREE;
     return state;
@@ -2043,79 +1874,6 @@ static PyObject *Core_state(Core *c, PyObject *arg)
         c->held_running++;
     }
     return PyLong_FromLong(state);
-}
-
-/* 1 when some record of our row needs putting right (lock-free). */
-static int phantoms_seen(Core *c)
-{
-    if (!c->owned || c->member < 0)
-        return 0;
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
-        if (!ld32(c, pbase(c, p) + c->o[P_IN_USE]))
-            continue;
-        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++)
-            if (own_record_problem(c, p, h, hbase(c, p, h)))
-                return 1;
-    }
-    return 0;
-}
-
-/* The lock is held: free every phantom of our row and put back our records' serials;
- * recount and grant (ledger.free_phantoms). */
-static uint32_t free_phantoms(Core *c, Now now, Rings *rings)
-{
-    uint32_t freed = 0, restored = 0;
-    if (!c->owned || c->member < 0)
-        return 0;
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
-        if (!ld32(c, pbase(c, p) + c->o[P_IN_USE]))
-            continue;
-        uint32_t here = 0;
-        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
-            long hb = hbase(c, p, h);
-            int problem = own_record_problem(c, p, h, hb);
-            if (problem == 1) {
-                free_record(c, hb);
-                here++;
-            } else if (problem == 2) {
-                st64(c, hb + c->o[K_MEMBER_SERIAL], c->member_serial);
-                restored++;
-            }
-        }
-        if (here) {
-            freed += here;
-            recount_provider(c, p);
-            pump(c, p, now, rings, NULL);
-        }
-    }
-    if (freed)
-        note_damage(c, "a record named this process that it does not hold");
-    if (restored)
-        note_damage(c, "a record of this process had its serial written over");
-    return freed;
-}
-
-/* Every SWEEP_S, without the lock: any phantom of ours? Then free them under a try-lock
- * (a busy lock: next time). The GIL may be released. */
-static uint32_t phantoms_if_due(Core *c)
-{
-    double now = deadline_clock();
-    if (now - c->owned_checked_at < SWEEP_S)
-        return 0;
-    c->owned_checked_at = now;
-    if (!phantoms_seen(c))
-        return 0;
-    uint32_t freed = 0;
-    Rings rings;
-    memset(&rings, 0, sizeof rings);
-    BUSY_ADD(c, 1);
-    if (enter(c, 0, 0.0) == 0) {
-        freed = free_phantoms(c, section_now(0.0), &rings);
-        leave_lock(c);
-        deliver(c, &rings);
-    }
-    BUSY_ADD(c, -1);
-    return freed;
 }
 
 /* A sweep if one is due, when the lock is free at once (a try: whoever has it is doing
@@ -2289,7 +2047,6 @@ static PyObject *Core_dispatch(Core *c, PyObject *args)
             posts++;
         if (c->closing)
             break;
-        phantoms_if_due(c); /* records naming us that we do not hold (R-A16) */
         if (c->held > 0 || nwatched > 0) {
             reclaimed += sweep_if_due(c);
             if (nwatched > 0 || c->held > 0)
@@ -2527,10 +2284,6 @@ static PyObject *Core_register(Core *c, PyObject *args)
     }
     if (got >= 0) {
         c->own_bell = own;
-        if (c->owned == NULL)
-            c->owned = PyMem_Calloc((size_t)(c->o[G_PROVIDER_COUNT] * c->o[G_HOLDERS_PER]), sizeof(uint64_t));
-        if (c->owned == NULL)
-            return PyErr_NoMemory();
     } else if (own)
         sem_close(own);
     DELIVER(c, &rings);
@@ -2559,8 +2312,6 @@ static PyObject *Core_unregister(Core *c, PyObject *args)
         Now now = section_now(given);
         c->member = -1; /* inside the section: an arrival waiting for the lock sees it */
         drop_member_records(c, m, serial, now, &rings, &cut);
-        if (c->owned)
-            memset(c->owned, 0, sizeof(uint64_t) * (size_t)(c->o[G_PROVIDER_COUNT] * c->o[G_HOLDERS_PER]));
         long mb = mbase(c, m);
         if (ld64(c, mb + c->o[M_SERIAL]) == serial) {
             st32(c, mb + c->o[M_IN_USE], 0);
@@ -2731,26 +2482,6 @@ static PyObject *Core_snapshot(Core *c, PyObject *unused)
     return out;
 }
 
-/* free_phantoms(now) -> records freed: the owner's check of the records that name it
- * (the dispatcher does it every SWEEP_S; tests and the model call it directly). */
-static PyObject *Core_free_phantoms(Core *c, PyObject *args)
-{
-    double given;
-    if (!PyArg_ParseTuple(args, "d", &given))
-        return NULL;
-    if (!usable(c))
-        return NULL;
-    int rc;
-    uint32_t freed = 0;
-    Rings rings;
-    memset(&rings, 0, sizeof rings);
-    LOCKED(c, 1, 0.0, rc, { freed = free_phantoms(c, section_now(given), &rings); });
-    if (rc < 0 || rc == E_DAMAGED_LOCK)
-        return lock_error(c, rc);
-    DELIVER(c, &rings);
-    return PyLong_FromUnsignedLong(freed);
-}
-
 /* own_records() -> (running, waiting): this registration's records, read lock-free
  * (close() waits for the running to end). */
 static PyObject *Core_own_records(Core *c, PyObject *unused)
@@ -2764,7 +2495,7 @@ static PyObject *Core_own_records(Core *c, PyObject *unused)
                 continue;
             for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
                 long hb = hbase(c, p, h);
-                uint32_t s = own_state(c, hb, ld32(c, hb + c->o[K_STATE]));
+                uint32_t s = ld32(c, hb + c->o[K_STATE]);
                 if (s != FREE && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
                     ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial) {
                     if (s == RUNNING)
@@ -3079,7 +2810,6 @@ static PyMethodDef Core_methods[] = {
     {"ensure_provider", (PyCFunction)Core_ensure_provider, METH_VARARGS, "ensure_provider(id, fallback, source, flags, bound, reason) -> (index, created)"},
     {"transact", (PyCFunction)Core_transact, METH_VARARGS, "transact(guards, writes, pump, now, sweep=False) -> bool"},
     {"snapshot", (PyCFunction)Core_snapshot, METH_NOARGS, "snapshot() -> bytes"},
-    {"free_phantoms", (PyCFunction)Core_free_phantoms, METH_VARARGS, "free_phantoms(now) -> records naming us that we do not hold, freed"},
     {"own_records", (PyCFunction)Core_own_records, METH_NOARGS, "(running, waiting) records of this registration"},
     {"take_events", (PyCFunction)Core_take_events, METH_NOARGS, "(lock repairs, damage repairs, note) since the last call"},
     {"set_slow_paths", (PyCFunction)Core_set_slow_paths, METH_VARARGS, "set_slow_paths(enter, aenter, aexit)"},

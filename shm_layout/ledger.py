@@ -6,11 +6,13 @@ for people and for the tests: ``tests/shm/test_core_model.py`` drives both
 with the same steps and requires the same bytes. Readers also use its lock-free
 helpers (``effective_limit``, ``find_provider``).
 
-Invariants, per provider, whenever the segment lock is free:
+Invariants, per provider, whenever the segment lock is free (the segment is written
+only by this protocol's steps; what a bad write can and cannot do is bounded below):
 
 * ``running`` = number of RUNNING records, ``waiting`` = number of WAITING
-  records (the counters are derived; :meth:`Ledger.recount_provider` rebuilds
-  them, and every sweep checks them: a mismatch is damage, repaired, R-A16).
+  records (the counters are derived, and always written with their check word;
+  :meth:`Ledger.recount_provider` rebuilds them from the records, and every sweep
+  does: a mismatch is damage, counted, R-A16).
 * ``waiting <= queue_bound`` (32): an arrival that would exceed it is refused.
 * a new arrival is admitted at once only when nobody waits and
   ``running < limit``; otherwise it queues with the next ticket (FIFO).
@@ -19,12 +21,22 @@ Invariants, per provider, whenever the segment lock is free:
   dead: then it is freed instead. Its owner is woken after unlock (its waiting
   thread on the record's state word, or its process's doorbell).
 * a record belongs to a registration (member row and its serial); it is alive
-  exactly while that member row's lock byte is held (``lock.py``). A record
-  whose serial its held row does not carry exists only by damage, and damage
-  is never a reason to take a live process's slot: alive (R-A16).
+  exactly while that member row's lock byte is held (``lock.py``): the kernel's
+  word alone. A row is handed to a new registration only after the old one's
+  records are freed (``register``, ``reap``), so a held row's records are its
+  holder's.
 * the limit is the published one while its deadline (on the host's deadline
   clock) lies ahead, and no further ahead than any publication can set it;
-  else the fallback (R-L7).
+  else the fallback (R-L7); either is clamped to 0..RUNNING_ROOM.
+
+Damage (R-A16): only the segment owner's processes (and, group-shared, its group's)
+can write the segment, and they are trusted not to lie. Against accidental damage the
+steps check what no writer produces: counters that disagree with their check word or
+are out of range (recounted before use), a state word that is none of the three
+(freed), an ``in_use`` word that is neither 0 nor 1, a queue bound that is not
+``QUEUE_BOUND``, a published deadline too far ahead (all put right by the sweep and
+counted in ``damage``). A consistent lie (a record or counter rewritten to another
+valid-looking value) is believed as written: it is out of scope.
 
 Record transitions (all under the lock):
 
@@ -218,49 +230,18 @@ class Ledger:
         self.buf = buf
         self.held = held
         self.damage = 0  # like the core's per-object count (R-A16)
-        # the records each registration holds, as its own core knows them: (p, h) -> serial
-        self.owned: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
 
     # liveness, as the core sees it
-    def member_alive(self, m: int, serial: int) -> bool:
-        if not 0 <= m < layout.MEMBER_COUNT:
-            return False
-        if not self.held(m):
-            return False
-        mb = member_base(m)
-        if MEMBER["in_use"].get(self.buf, mb) == 1 and MEMBER["serial"].get(self.buf, mb) == serial:
-            return True
-        self.damage += 1  # a record's serial its live row does not carry: damage, alive
-        return True
+    def member_alive(self, m: int) -> bool:
+        """The kernel's word alone: row ``m``'s lock byte is held (a row out of range:
+        nobody can hold it). The row's in_use and serial words are not consulted."""
+        return 0 <= m < layout.MEMBER_COUNT and self.held(m)
 
     def _holder_alive(self, hb: int) -> bool:
-        return self.member_alive(
-            HOLDER["member"].get(self.buf, hb), HOLDER["member_serial"].get(self.buf, hb)
-        )
+        return self.member_alive(HOLDER["member"].get(self.buf, hb))
 
     def _free_record(self, hb: int) -> None:
-        """How every writer frees a record: its member serial cleared first (no
-        registration's serial is 0), so a free record that still carries a live
-        registration's serial was freed by damage, never by a writer (R-A16)."""
-        HOLDER["member_serial"].put(self.buf, 0, hb)
         HOLDER["state"].put(self.buf, HOLDER_FREE, hb)
-
-    def _put_back_freed(self, hb: int) -> bool:
-        """A record neither running nor waiting whose member serial names a live
-        registration: its request still runs or waits; put it back (running when it
-        holds no ticket, else waiting). Never a free place, never recounted away."""
-        buf = self.buf
-        m, serial = HOLDER["member"].get(buf, hb), HOLDER["member_serial"].get(buf, hb)
-        if serial == 0 or not 0 <= m < layout.MEMBER_COUNT:
-            return False
-        # as member_alive: the kernel's word, whatever the row says (a row handed to
-        # another registration first drops the old one's records, free ones too)
-        if not self.held(m):
-            return False
-        state = HOLDER_WAITING if HOLDER["ticket"].get(buf, hb) else HOLDER_RUNNING
-        HOLDER["state"].put(buf, state, hb)
-        self.damage += 1
-        return True
 
     def _get(self, field: str, base: int) -> int:
         value: int = PROVIDER[field].get(self.buf, base)
@@ -305,7 +286,6 @@ class Ledger:
         """``registered`` False: the registration is gone or closing (R-A14)."""
         if not registered:
             return "closed", None, set()
-        self.check_own_row(member, member_serial, bell)
         buf, base, rings = self.buf, provider_base(p), set[int]()
         for attempt in range(2):
             if self._counters_damaged(base) and self.recount_provider(p):
@@ -332,11 +312,7 @@ class Ledger:
             ticket = 0
             if decision == "wait":
                 ticket = self._get("next_ticket", base)
-                last = self._last_ticket(p)
-                if ticket < last:  # behind a ticket it handed out: never obeyed (R-A3)
-                    self.damage += 1
-                    ticket = last
-                ticket = min(ticket + 1, 2**64 - 1)  # written to the top: a waiter never holds 0
+                ticket = min(ticket + 1, 2**64 - 1)  # written to the top: it stays, never wraps
                 PROVIDER["next_ticket"].put(buf, ticket, base)
             waker = layout.WAKE_FUTEX if futex else layout.WAKE_DOORBELL
             layout.HOLDER_BODY.pack_into(
@@ -351,7 +327,6 @@ class Ledger:
                 now,
                 waker,
             )
-            self.owned.setdefault((member, member_serial), {})[(p, h)] = serial
             if decision == "admit":
                 HOLDER["state"].put(buf, HOLDER_RUNNING, hb)  # state last
                 self._put_counts(base, running + 1, waiting)
@@ -364,25 +339,9 @@ class Ledger:
             return decision, Ticket(p, h, serial), rings
         raise AssertionError("unreachable")
 
-    def check_own_row(self, member: int, member_serial: int, bell: int) -> None:
-        """The arriving process's own member row, put back as it registered it (R-A16)."""
-        mb = member_base(member)
-        if (
-            MEMBER["in_use"].get(self.buf, mb) != 1
-            or MEMBER["serial"].get(self.buf, mb) != member_serial
-            or MEMBER["bell"].get(self.buf, mb) != bell
-        ):
-            MEMBER["serial"].put(self.buf, member_serial, mb)
-            MEMBER["bell"].put(self.buf, bell, mb)
-            MEMBER["in_use"].put(self.buf, 1, mb)
-            self.damage += 1
-
     def _free_place(self, p: int) -> int | None:
         for h in range(HOLDERS_PER_PROVIDER):
-            hb = holder_base(p, h)
-            if HOLDER["state"].get(self.buf, hb) == HOLDER_FREE and not (
-                HOLDER["member_serial"].get(self.buf, hb) != 0 and self._put_back_freed(hb)
-            ):
+            if HOLDER["state"].get(self.buf, holder_base(p, h)) == HOLDER_FREE:
                 return h
         return None
 
@@ -392,25 +351,7 @@ class Ledger:
     ) -> tuple[str, set[int]]:
         """Free ``t``'s record if it is still this registration's: (what it was, rings)."""
         buf, base, hb = self.buf, provider_base(t.provider), holder_base(t.provider, t.holder)
-        if (
-            HOLDER["serial"].get(buf, hb) == t.serial
-            and HOLDER["member"].get(buf, hb) == member
-            and HOLDER["member_serial"].get(buf, hb) != member_serial
-            and self.owned.get((member, member_serial), {}).get((t.provider, t.holder)) == t.serial
-        ):
-            # ours (our own table says so) with its member serial written over: put back,
-            # then left (else the release would change nothing, and the record stay ours)
-            HOLDER["member_serial"].put(buf, member_serial, hb)
-            self.damage += 1
         state = HOLDER["state"].get(buf, hb)
-        if (
-            state not in (HOLDER_RUNNING, HOLDER_WAITING)
-            and HOLDER["serial"].get(buf, hb) == t.serial
-            and HOLDER["member"].get(buf, hb) == member
-            and HOLDER["member_serial"].get(buf, hb) == member_serial
-            and self._put_back_freed(hb)
-        ):
-            state = HOLDER["state"].get(buf, hb)  # ours, written free: put back, then left
         if (
             HOLDER["serial"].get(buf, hb) != t.serial
             or state not in (HOLDER_RUNNING, HOLDER_WAITING)
@@ -421,7 +362,6 @@ class Ledger:
         if self._counters_damaged(base) and self.recount_provider(t.provider):
             self.damage += 1
         self._free_record(hb)
-        self.owned.get((member, member_serial), {}).pop((t.provider, t.holder), None)
         running, waiting = self._get("running", base), self._get("waiting", base)
         if state == HOLDER_RUNNING:
             self._put_counts(base, max(running - 1, 0), waiting)
@@ -460,12 +400,8 @@ class Ledger:
                     or HOLDER["member_serial"].get(self.buf, hb) != member_serial
                 ):
                     continue
-                state = HOLDER["state"].get(self.buf, hb)
-                if state not in (HOLDER_RUNNING, HOLDER_WAITING) and self._put_back_freed(hb):
-                    state = HOLDER["state"].get(self.buf, hb)
-                if state == HOLDER_WAITING:
+                if HOLDER["state"].get(self.buf, hb) == HOLDER_WAITING:
                     self._free_record(hb)
-                    self.owned.get((member, member_serial), {}).pop((p, h), None)
                     here += 1
             if here:
                 freed += here
@@ -483,15 +419,12 @@ class Ledger:
         if waiting == 0:
             return rings
         limit = limit_value(buf, p, now)
-        recounted = freed_dead = False
-        while running < limit:
-            # Nobody counted waits, yet a dead waiter was freed (it may be one the counters
-            # never had: a record written back to life, so a real waiter is left
-            # uncounted); or somebody waits by the counters and no record does (they
-            # drifted): the records decide, once.
-            h = self._head_waiter(p) if waiting else None
+        recounted = False
+        while running < limit and waiting > 0:
+            # somebody waits by the counters and no record does: the records decide, once
+            h = self._head_waiter(p)
             if h is None:
-                if recounted or (waiting == 0 and not freed_dead):
+                if recounted:
                     break
                 recounted = True
                 self.recount_provider(p)
@@ -502,11 +435,9 @@ class Ledger:
             if not self._holder_alive(hb):
                 self._free_record(hb)
                 self._bump("reclaimed_total", base)
-                freed_dead = True
                 continue
             HOLDER["since"].put(buf, now, hb)
             HOLDER["since_mono"].put(buf, now, hb)
-            HOLDER["ticket"].put(buf, 0, hb)  # running records hold no ticket (put back)
             HOLDER["state"].put(buf, HOLDER_RUNNING, hb)
             running += 1
             rings.add(HOLDER["member"].get(buf, hb))
@@ -514,16 +445,6 @@ class Ledger:
         self._put_counts(base, running, waiting)
         self._peak("peak_running", base, running)
         return rings
-
-    def _last_ticket(self, p: int) -> int:
-        """The highest ticket among ``p``'s waiters: the next one must come after it,
-        whatever ``next_ticket`` says (a bad write to it, R-A16)."""
-        last = 0
-        for h in range(HOLDERS_PER_PROVIDER):
-            hb = holder_base(p, h)
-            if HOLDER["state"].get(self.buf, hb) == HOLDER_WAITING:
-                last = max(last, HOLDER["ticket"].get(self.buf, hb))
-        return last
 
     def _head_waiter(self, p: int) -> int | None:
         best: int | None = None
@@ -597,28 +518,16 @@ class Ledger:
         return reaped
 
     def recount_provider(self, p: int) -> bool:
-        """Rebuild the counters from the records; True when something was wrong."""
+        """Rebuild the counters from the records (a state word that is none of FREE,
+        WAITING, RUNNING is freed); True when something was wrong."""
         running = waiting = 0
         wrong = False
         for h in range(HOLDERS_PER_PROVIDER):
             hb = holder_base(p, h)
             state = HOLDER["state"].get(self.buf, hb)
-            if state in (HOLDER_RUNNING, HOLDER_WAITING):
-                # (a live record with no member serial may be a free one written back to
-                # life, or a live one whose serial was written 0: its owner tells)
-                was = HOLDER_WAITING if HOLDER["ticket"].get(self.buf, hb) else HOLDER_RUNNING
-                if state != was:  # one state written over the other
-                    HOLDER["state"].put(self.buf, was, hb)
-                    self.damage += 1
-                    state, wrong = was, True
-            else:
-                stale = HOLDER["member_serial"].get(self.buf, hb) != 0
-                if stale and self._put_back_freed(hb):  # a live request's, written free
-                    state = HOLDER["state"].get(self.buf, hb)
-                    wrong = True
-                elif state != HOLDER_FREE or stale:
-                    wrong = wrong or state != HOLDER_FREE  # torn by a dead holder, or garbage
-                    self._free_record(hb)
+            if state not in (HOLDER_FREE, HOLDER_RUNNING, HOLDER_WAITING):
+                self._free_record(hb)  # garbage: no writer wrote it
+                state, wrong = HOLDER_FREE, True
             if state == HOLDER_RUNNING:
                 running += 1
             elif state == HOLDER_WAITING:
@@ -644,16 +553,18 @@ class Ledger:
         MEMBER["bell"].put(self.buf, 0, mb)
 
     def drop_member_records(self, m: int, serial: int, now: float) -> set[int]:
+        """Free the live records of registration (m, serial); recount and grant."""
         rings: set[int] = set()
         for p in self._providers():
             freed = False
             for h in range(HOLDERS_PER_PROVIDER):
                 hb = holder_base(p, h)
                 if (
-                    HOLDER["member"].get(self.buf, hb) == m
+                    HOLDER["state"].get(self.buf, hb) in (HOLDER_RUNNING, HOLDER_WAITING)
+                    and HOLDER["member"].get(self.buf, hb) == m
                     and HOLDER["member_serial"].get(self.buf, hb) == serial
                 ):
-                    self._free_record(hb)  # a free one too: written free, it names them
+                    self._free_record(hb)
                     freed = True
             if freed:
                 self.recount_provider(p)
@@ -698,35 +609,7 @@ class Ledger:
             return m, serial, rings
         return -1, 0, rings
 
-    def free_phantoms(self, member: int, member_serial: int, now: float) -> tuple[int, set[int]]:
-        """The owner's look at the records that name its member row: one it does not hold
-        is a phantom (a free record written back to life; nobody else may free a live
-        process's record): freed; one it holds whose serial was written over: put back."""
-        owned = self.owned.get((member, member_serial), {})
-        freed, restored, rings = 0, 0, set[int]()
-        for p in self._providers():
-            here = 0
-            for h in range(HOLDERS_PER_PROVIDER):
-                hb = holder_base(p, h)
-                if HOLDER["state"].get(self.buf, hb) not in (HOLDER_RUNNING, HOLDER_WAITING):
-                    continue
-                if HOLDER["member"].get(self.buf, hb) != member:
-                    continue
-                if owned.get((p, h), 0) != HOLDER["serial"].get(self.buf, hb):
-                    self._free_record(hb)
-                    here += 1
-                elif HOLDER["member_serial"].get(self.buf, hb) != member_serial:
-                    HOLDER["member_serial"].put(self.buf, member_serial, hb)
-                    restored += 1
-            if here:
-                freed += here
-                self.recount_provider(p)
-                rings |= self.pump(p, now)
-        self.damage += bool(freed) + bool(restored)
-        return freed, rings
-
     def unregister(self, m: int, serial: int, now: float) -> set[int]:
-        self.owned.pop((m, serial), None)
         rings = self.drop_member_records(m, serial, now)
         mb = member_base(m)
         if MEMBER["serial"].get(self.buf, mb) == serial:

@@ -227,8 +227,8 @@ def parse_view(
     registered = _lock_rows(data)
     mark = stamp(data) if kind == layout.LOCK_FILE else b""
     # the kernel's word, per member row: its lock byte is held (serial 0: whoever holds
-    # it). A record is alive when its row's byte is held, as the core judges it: a serial
-    # the row does not carry is damage, and damage never makes a live process dead (R-A16)
+    # it). A record is alive when its row's byte is held, as the core judges it: the
+    # record's serial is not consulted (R-A5, R-A16)
     held = dict(zip(registered, members_alive(name, kind, registered, mark), strict=True))
     alive = _AliveByRow(held)
     members = _members(data, alive)

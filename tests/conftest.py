@@ -144,7 +144,6 @@ LONG: tuple[str, ...] = (
     "tests/admission/test_moments_of_change.py::test_r_a12_a_signal_storm_lets_no_foreign_exception_out_of_slot_blocking",
     "tests/admission/test_moments_of_change.py::test_r_a15_a_segment_removed_by_hand_never_splits_the_budget",
     "tests/admission/test_moments_of_change.py::test_r_a16_a_bad_write_to_an_in_use_word_never_refuses_new_handlers",
-    "tests/admission/test_moments_of_change.py::test_r_a16_a_running_records_member_serial_written_0_frees_nothing_and_leaks_nothing",
     "tests/admission/test_moments_of_change.py::test_r_l7_a_stepped_wall_clock_neither_extends_nor_cuts_a_published_limit",
     "tests/admission/test_split_budget.py::test_handler_on_another_path_warns_once_and_availability_shows_each_config_path",
     "tests/admission/test_truncated_segment.py::test_r_a15_a_handler_survives_its_segment_truncated_to_nothing_by_root",

@@ -8,16 +8,19 @@ close that begins while others arrive and wait (its waiters freed, its arrivals
 refused) and ends with slots still running, an event loop torn down with waiters, the
 segment removed and made again under its name (arrivals told MOVED, running slots
 finish), and damage (a bad write to a counter, its check word, a member's serial, an
-in_use word, a published deadline, the lock word, a running or waiting record's
-state written free, over with the other state, or with garbage, and its member
-serial), on a real segment through the
-compiled core (``shm_layout/_core.c``), and the same steps on a plain bytearray through
-the Python model (``shm_layout/ledger.py``). After every step the admission bytes must
-be equal and the invariants must hold: counters equal the records (after damage: from
-the next step that touches the provider, or the next sweep), waiting never above 32,
-nobody waits while there is room, an admission never raises running above the limit in
-force (after damage: never once a step has looked), no request runs without a live
-record of its own. Runs on both lock kinds. (A clock step is no step here: the core
+in_use word, a published deadline, the lock word, a record's state word with garbage),
+on a real segment through the compiled core (``shm_layout/_core.c``), and the same
+steps on a plain bytearray through the Python model (``shm_layout/ledger.py``). Lies a
+trusted writer could tell (a free record written back to life, a live record's state
+or member serial written to another valid value) are drawn too: they are out of scope
+by the threat model (docs/SECURITY.md), so nothing repairs them, but core and model must
+still do the same with them, and raise nothing. After every step the admission bytes
+must be equal and the invariants must hold: counters equal the records (after damage:
+from the next step that touches the provider, or the next sweep), waiting never above
+32, nobody waits while there is room, an admission never raises running above the
+limit in force (after damage: never once a step has looked), no request runs without a
+live record of its own (unless a lie or garbage was written over that record). Runs on
+both lock kinds. (A clock step is no step here: the core
 reads no wall clock, its deadlines are on one monotonic clock, which never steps; the
 stepped wall clock is tested on real processes under faketime in
 tests/admission/test_moments_of_change.py.)
@@ -95,8 +98,8 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.now = 1000.0
         self.unpumped = False  # time passed: a limit may have risen with nobody pumping yet
         self.damaged: set[int] = set()  # providers written over since a step looked at them
-        self.revived: set[int] = set()  # providers with a record written back to life
-        self.written_free: set[tuple[int, int]] = set()  # live records written free, unseen
+        self.uncounted: set[int] = set()  # providers with a record's state written, unswept
+        self.overwritten: set[tuple[int, int, int]] = set()  # (p, h, serial) written over
         self.running: list[Any] = []  # tickets whose bodies run: (member, ticket, model)
         self.issued: list[Any] = []  # every ticket that got a record: (member, ticket, model)
         self.replacement: Segment | None = None  # what the name leads to after a replace
@@ -226,26 +229,18 @@ class CoreAgainstModel(RuleBasedStateMachine):
         model_reclaimed, _ = self.model.reap(self.now)
         assert reclaimed == model_reclaimed
         self.unpumped = False
-        self.damaged -= set(range(len(PROVIDERS))) - self.revived  # pumped: counters looked at
+        self.damaged -= set(range(len(PROVIDERS))) - self.uncounted  # pumped: counters looked at
 
     @rule()
     def sweep(self) -> None:
-        """The host's sweep: counters against records, damage put right, then a reap."""
+        """The host's sweep: counters rebuilt from the records, values out of range put
+        right, then a reap."""
         reclaimed = self.seg.core.sweep(self.now)
         model_reclaimed, _ = self.model.sweep(self.now)
         assert reclaimed == model_reclaimed
         self.unpumped = False
         self.damaged.clear()
-        if self._no_phantoms_left():
-            self.revived.clear()
-        # put back by the recount (unless a second bad write took its registration's
-        # serial away: then it is a record of nobody, and freed)
-        self.written_free = {
-            (p, h)
-            for p, h in self.written_free
-            if HOLDER["state"].get(self.model_buf, ledger.holder_base(p, h))
-            not in (HOLDER_RUNNING, HOLDER_WAITING)
-        }
+        self.uncounted.clear()
 
     # --- the moments of change (R-A14) -------------------------------------------
     @precondition(lambda self: sum(m.alive and not m.closing for m in self.members) > 1)
@@ -296,9 +291,12 @@ class CoreAgainstModel(RuleBasedStateMachine):
             was = m.core.leave(ticket, _core.CANCELLED, self.now, True)
             model_was, _ = self.model.leave(model_ticket, m.index, m.serial, "cancelled", self.now)
             # freeing one orphan may grant the next one: freed all the same (unless its
-            # record was freed and then written back to life: a phantom, not its own)
+            # record was written over)
             assert WAS[was] == model_was
-            assert model_was in ("waiting", "running") or model_ticket.provider in self.revived
+            assert model_was in ("waiting", "running") or (
+                (model_ticket.provider, model_ticket.holder, model_ticket.serial)
+                in self.overwritten
+            )
             self.damaged.discard(model_ticket.provider)
 
     @precondition(lambda self: self.replacement is None and any(m.alive for m in self.members))
@@ -340,13 +338,9 @@ class CoreAgainstModel(RuleBasedStateMachine):
             buf[span] = before
 
     def _ours_running(self, hb: int, m: Member) -> bool:
-        """Running, or written free while running (no ticket): its body runs on."""
         buf = self.model_buf
-        state = HOLDER["state"].get(buf, hb)
-        if state not in (HOLDER_RUNNING, HOLDER_WAITING):
-            state = HOLDER_WAITING if HOLDER["ticket"].get(buf, hb) else HOLDER_RUNNING
         return bool(
-            state == HOLDER_RUNNING
+            HOLDER["state"].get(buf, hb) == HOLDER_RUNNING
             and HOLDER["member"].get(buf, hb) == m.index
             and HOLDER["member_serial"].get(buf, hb) == m.serial
         )
@@ -394,14 +388,16 @@ class CoreAgainstModel(RuleBasedStateMachine):
         h=st.integers(0, 7),
         state=st.sampled_from([HOLDER_RUNNING, HOLDER_WAITING]),
     )
-    def a_bad_write_revives_a_free_record(self, provider: int, h: int, state: int) -> None:
-        """A free record written back to life: a phantom that names its last owner."""
+    def a_lie_revives_a_free_record(self, provider: int, h: int, state: int) -> None:
+        """A free record written back to life (out of scope): it names its last owner and
+        counts as that owner's while the owner lives; the sweep's recount counts it."""
         hb = ledger.holder_base(provider, h)
         if HOLDER["state"].get(self.model_buf, hb) != HOLDER_FREE:
             return
         for buf in (self.seg.buf, self.model_buf):
             HOLDER["state"].put(buf, state, hb)
-        self.revived.add(provider)  # until a sweep, or its owner, puts it right
+        self.uncounted.add(provider)
+        self.overwritten.add((provider, h, HOLDER["serial"].get(self.model_buf, hb)))
 
     @rule(
         provider=st.sampled_from(range(len(PROVIDERS))),
@@ -409,62 +405,31 @@ class CoreAgainstModel(RuleBasedStateMachine):
         state=st.sampled_from([HOLDER_FREE, HOLDER_RUNNING, HOLDER_WAITING, 7]),
     )
     def a_bad_write_to_a_live_records_state(self, provider: int, h: int, state: int) -> None:
-        """state := FREE (or the other live state, or garbage) on a record whose request
-        runs or waits: never taken as a free place, never recounted away (no request
-        more than the limit); put right by the next recount, or by its owner's leave."""
+        """state := garbage (7) on a record whose request runs or waits: no writer wrote
+        it, so the next recount frees it and counts it as damage. state := FREE or the
+        other live state is a lie (out of scope): believed as written."""
         hb = ledger.holder_base(provider, h)
         if HOLDER["state"].get(self.model_buf, hb) not in (HOLDER_RUNNING, HOLDER_WAITING):
             return
         for buf in (self.seg.buf, self.model_buf):
             HOLDER["state"].put(buf, state, hb)
-        self.written_free.add((provider, h))  # until the sweep has looked
+        self.uncounted.add(provider)  # until the sweep has recounted
+        self.overwritten.add((provider, h, HOLDER["serial"].get(self.model_buf, hb)))
 
     @rule(
         provider=st.sampled_from(range(len(PROVIDERS))),
         h=st.integers(0, 7),
         value=st.sampled_from([0, 1, 0xFFFFFFFF]),
     )
-    def a_bad_write_to_a_live_records_member_serial(
-        self, provider: int, h: int, value: int
-    ) -> None:
-        """A live record's member serial written over (0 looks like a freed record's):
-        never freed while its process lives; its owner puts it back (free_phantoms) or
-        its release does."""
+    def a_lie_to_a_live_records_member_serial(self, provider: int, h: int, value: int) -> None:
+        """A live record's member serial written over (out of scope): the record is no
+        longer its owner's to leave; it counts while its member row's holder lives."""
         hb = ledger.holder_base(provider, h)
         if HOLDER["state"].get(self.model_buf, hb) not in (HOLDER_RUNNING, HOLDER_WAITING):
             return
         for buf in (self.seg.buf, self.model_buf):
             HOLDER["member_serial"].put(buf, value, hb)
-
-    @precondition(lambda self: any(m.alive for m in self.members))
-    @rule(who=st.integers(0, 5))
-    def an_owner_frees_its_phantoms(self, who: int) -> None:
-        """What each process's dispatcher does every sweep: free the records that name
-        it but are not ones it holds."""
-        live = [m for m in self.members if m.alive]
-        m = live[who % len(live)]
-        freed = m.core.free_phantoms(self.now)
-        model_freed, _ = self.model.free_phantoms(m.index, m.serial, self.now)
-        assert freed == model_freed
-        if self._no_phantoms_left():
-            self.revived.clear()
-
-    def _no_phantoms_left(self) -> bool:
-        """Every live record is one a live registration holds, with that record's serial
-        (a record naming a dead process, or written over, waits for the sweep)."""
-        held = {
-            (p, h, serial)
-            for m in self.members
-            if m.alive
-            for (p, h), serial in self.model.owned.get((m.index, m.serial), {}).items()
-        }
-        for p in range(len(PROVIDERS)):
-            for h in range(layout.HOLDERS_PER_PROVIDER):
-                hb = ledger.holder_base(p, h)
-                live = HOLDER["state"].get(self.model_buf, hb) in (HOLDER_RUNNING, HOLDER_WAITING)
-                if live and (p, h, HOLDER["serial"].get(self.model_buf, hb)) not in held:
-                    return False
-        return True
+        self.overwritten.add((provider, h, HOLDER["serial"].get(self.model_buf, hb)))
 
     @rule(provider=st.sampled_from(range(len(PROVIDERS))), limit=st.integers(0, 5))
     def a_deadline_too_far_ahead(self, provider: int, limit: int) -> None:
@@ -521,16 +486,16 @@ class CoreAgainstModel(RuleBasedStateMachine):
     @invariant()
     def no_body_runs_without_a_live_record(self) -> None:
         """Every admitted request whose owner lives and has not been cut has its record,
-        RUNNING, with its serial (R-A14, R-A16: damage never frees a live slot)."""
+        RUNNING, with its serial (R-A14), unless that record was written over (R-A16:
+        garbage there is freed, a lie is believed)."""
         if not hasattr(self, "model"):
             return
         for m, _ticket, model_ticket in self.running:
-            if not m.alive:
-                continue
             hb = ledger.holder_base(model_ticket.provider, model_ticket.holder)
+            key = (model_ticket.provider, model_ticket.holder, model_ticket.serial)
+            if not m.alive or key in self.overwritten:
+                continue
             assert HOLDER["serial"].get(self.seg.buf, hb) == model_ticket.serial  # never reused
-            if (model_ticket.provider, model_ticket.holder) in self.written_free:
-                continue  # free by a bad write, not yet looked at: put back by the sweep
             assert HOLDER["state"].get(self.seg.buf, hb) == HOLDER_RUNNING
 
     @invariant()
@@ -539,8 +504,8 @@ class CoreAgainstModel(RuleBasedStateMachine):
             return
         buf = self.seg.buf
         for p in range(len(PROVIDERS)):
-            if p in self.damaged or p in self.revived or any(x == p for x, _ in self.written_free):
-                continue  # written over; the next step that looks (or its owner) repairs it
+            if p in self.damaged or p in self.uncounted:
+                continue  # written over; the next step that looks (or the sweep) recounts
             base = ledger.provider_base(p)
             states = [
                 HOLDER["state"].get(buf, ledger.holder_base(p, h))
@@ -574,50 +539,3 @@ def test_the_core_does_what_the_model_does(kind: str, monkeypatch: pytest.Monkey
             suppress_health_check=[HealthCheck.too_slow],
         ),
     )
-
-
-@pytest.mark.parametrize("kind", ["robust-mutex", "lock-file"])
-def test_a_phantom_waiter_freed_by_a_grant_never_strands_a_real_one(
-    kind: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """R-A16, a case the machine above finds: a free record naming a process that is
-    gone, written back to life as WAITING, sits at the head of the queue, uncounted. When
-    a slot frees, the grant meets it, frees it as dead and counts one waiter fewer; were
-    it to stop there, the counters would say nobody waits while a real waiter does, with
-    room, until the next sweep. So a grant that freed a dead waiter lets the records
-    decide before it stops."""
-    if kind == "lock-file":
-        monkeypatch.setenv(lock.FORCE_LOCK_FILE_ENV, "1")
-    else:
-        monkeypatch.delenv(lock.FORCE_LOCK_FILE_ENV, raising=False)
-    name = "/gwt-p" + secrets.token_hex(5)
-    seg = Segment.open(name)
-    try:
-        writer.ensure_provider(seg, "p0", 1, "provider", False)
-        member = Member(seg, 101, 1000.0)
-        running, waiter = _core.Ticket(), _core.Ticket()
-        assert member.core.arrive(running, 0, 101, 1000.0, True, True, -1.0) == _core.ADMIT
-        assert member.core.arrive(waiter, 0, 101, 1000.0, True, True, -1.0) == _core.WAIT
-        phantom = next(
-            ledger.holder_base(0, h)
-            for h in range(layout.HOLDERS_PER_PROVIDER)
-            if HOLDER["serial"].get(seg.buf, ledger.holder_base(0, h)) == 0
-        )
-        dead = Member(seg, 102, 1000.0)
-        dead.core.abandon()  # a process that is gone; the phantom names it
-        HOLDER["member"].put(seg.buf, dead.index, phantom)
-        HOLDER["member_serial"].put(seg.buf, dead.serial, phantom)
-        HOLDER["state"].put(seg.buf, HOLDER_WAITING, phantom)  # ticket 0: the queue's head
-        assert member.core.leave(running, _core.RELEASED, 1000.0, True) == 1
-        assert member.core.state(waiter) == HOLDER_RUNNING  # not left waiting with room
-        base = ledger.provider_base(0)
-        assert (PROVIDER["running"].get(seg.buf, base), PROVIDER["waiting"].get(seg.buf, base)) == (
-            1,
-            0,
-        )
-        assert HOLDER["state"].get(seg.buf, phantom) == HOLDER_FREE
-        member.core.unregister(1000.0)
-        member.core.close()
-    finally:
-        seg.close()
-        unlink_segment(name)
