@@ -381,12 +381,11 @@ class _Attachment:
 
     def _tick(self) -> None:
         """macOS (no timed semaphore wait): post the doorbell every tick while this
-        process waits or holds slots (the sweep, R-A5), and every other tick otherwise
-        (the owner's look for phantom records of its own, R-A16)."""
-        ticks = 0
+        process waits, holds slots or is retired, as the dispatcher's period on Linux:
+        its dispatcher keeps the host's sweep going (R-A5), collects closed event loops
+        and drops a retired attachment. An idle process has nothing to look at."""
         while not self._stop.wait(TICK_S):
-            ticks += 1
-            if self.waiters or self.core.held or ticks % 2 == 0:
+            if self.waiters or self.core.held or self.retired or self.adm._loops:
                 self.core.post_own()
 
     # --- leaving ------------------------------------------------------------------------
