@@ -60,7 +60,11 @@ import weakref
 from typing import TYPE_CHECKING
 
 from shm_layout import _core, layout, platform
+from shm_layout.errors import AdmissionError as AdmissionError
+from shm_layout.errors import AdmissionTimeout as AdmissionTimeout
 from shm_layout.errors import GatewayCapacityError
+from shm_layout.errors import QueueFull as QueueFull
+from shm_layout.errors import UnknownProvider as UnknownProvider
 from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING, PROVIDER
 from shm_layout.liveness import process_start
 from shm_layout.names import resolve_segment_name
@@ -100,23 +104,6 @@ def _forked() -> None:
 
 
 os.register_at_fork(after_in_child=_forked)
-
-
-class AdmissionError(GatewayCapacityError):
-    """Base of the errors of admitting a request (the segment's are :class:`SegmentError`)."""
-
-
-class QueueFull(AdmissionError):
-    """The provider's queue already holds its bound of waiters (R-A2)."""
-
-
-class AdmissionTimeout(AdmissionError, TimeoutError):
-    """No slot was granted within the timeout; nothing is left queued (R-A4)."""
-
-
-class UnknownProvider(AdmissionError, KeyError):
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 def _seconds(timeout: float | None) -> str:

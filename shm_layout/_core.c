@@ -499,9 +499,9 @@ static PyTypeObject *CoreType;
 static PyTypeObject *TicketType;
 static PyTypeObject *DoneType;
 static PyObject *DONE;          /* an awaitable that is already done (fast __aenter__) */
-static PyObject *CoreError;     /* also a GatewayCapacityError (R-A16) */
+static PyObject *CoreError;     /* shm_layout.errors.CoreError, a GatewayCapacityError */
 static unsigned long main_thread; /* where Python runs signal handlers */
-static PyObject *DamagedLock;
+static PyObject *DamagedLock;   /* shm_layout.errors.DamagedLock */
 
 /* typed access ------------------------------------------------------------------------ */
 #define AT(c, off) ((void *)((c)->base + (off)))
@@ -3383,34 +3383,22 @@ PyMODINIT_FUNC PyInit__core(void)
         Py_DECREF(threading);
     }
     PyErr_Clear();
+    /* The exceptions are the Python classes of shm_layout.errors (the one exception module) */
     PyObject *errors = PyImport_ImportModule("shm_layout.errors");
     if (!errors)
         return NULL;
-    PyObject *root = PyObject_GetAttrString(errors, "GatewayCapacityError");
+    CoreError = PyObject_GetAttrString(errors, "CoreError");
+    DamagedLock = CoreError ? PyObject_GetAttrString(errors, "DamagedLock") : NULL;
     Py_DECREF(errors);
-    if (!root)
+    if (!CoreError || !DamagedLock)
         return NULL;
     CoreType = (PyTypeObject *)PyType_FromSpec(&Core_spec);
     TicketType = (PyTypeObject *)PyType_FromSpec(&Ticket_spec);
     DoneType = (PyTypeObject *)PyType_FromSpec(&Done_spec);
-    if (!CoreType || !TicketType || !DoneType) {
-        Py_DECREF(root);
+    if (!CoreType || !TicketType || !DoneType)
         return NULL;
-    }
     DONE = PyObject_CallNoArgs((PyObject *)DoneType);
-    PyObject *bases = PyTuple_Pack(2, root, PyExc_OSError);
-    Py_DECREF(root);
-    if (!DONE || !bases)
-        return NULL;
-    CoreError = PyErr_NewExceptionWithDoc("shm_layout._core.CoreError",
-                                          "The core could not do a step; str() says what to fix.", bases, NULL);
-    Py_DECREF(bases);
-    if (!CoreError)
-        return NULL;
-    DamagedLock = PyErr_NewExceptionWithDoc("shm_layout._core.DamagedLock",
-                                            "The segment's lock word holds bytes no lock call of ours wrote.",
-                                            CoreError, NULL);
-    if (!DamagedLock)
+    if (!DONE)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m)
