@@ -11,21 +11,21 @@ STAMP  := $(VENV)/.installed
 PREFIX ?= /opt/gateway-capacity
 EXTRAS ?=
 
-.PHONY: check test demo lint bench drill soak clean schemas install wheel completions mac-check runs real-workers
+.PHONY: check test demo lint bench drill soak clean schemas header install wheel completions mac-check runs real-workers
 
 UNAME := $(shell uname -s)
 
 # Two stamps: what the whole suite needs (every extra), and what the demo needs (the
 # program, the reference router and the picture), so that `make demo` on a fresh clone
 # does not wait for the test, lint, bench and LiteLLM extras.
-$(STAMP): pyproject.toml setup.py shm_layout/_core.c
+$(STAMP): pyproject.toml setup.py shm_layout/_core.c shm_layout/_layout.h
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,lint,bench,plot,router,serve,litellm]'
 	touch $(STAMP) $(DEMO_STAMP)
 
 DEMO_STAMP := $(VENV)/.installed-demo
-$(DEMO_STAMP): pyproject.toml setup.py shm_layout/_core.c
+$(DEMO_STAMP): pyproject.toml setup.py shm_layout/_core.c shm_layout/_layout.h
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[router,plot]'
@@ -110,6 +110,10 @@ drill: $(STAMP)
 # the JSON Schemas of availability/inspect --json, generated from gateway_capacity/schemas.py
 schemas: $(STAMP)
 	$(PY) -m gateway_capacity.schemas docs/schemas
+
+# the admission core's layout header, generated from shm_layout/layout.py (committed)
+header:
+	$(PY) -m shm_layout.gen_header
 
 # shell completions (bash, zsh) and the man page, generated from the CLI's parser into share/
 completions: $(STAMP)

@@ -19,6 +19,8 @@ setup(
         Extension(
             "shm_layout._core",
             sources=["shm_layout/_core.c"],
+            # generated from layout.py by `python -m shm_layout.gen_header`, committed
+            depends=["shm_layout/_layout.h"],
             extra_compile_args=[
                 "-O2",
                 "-Wall",

@@ -88,7 +88,7 @@ log = logging.getLogger("gateway_capacity.admission")
 CoreTicket = _core.Ticket
 CoreObject = _core.Core
 
-SWEEP_S = 0.5  # the host's sweep, and the longest a waiter sleeps without looking (R-A5)
+SWEEP_S = layout.SWEEP_S  # the host's sweep, and the longest a waiter sleeps without looking
 TICK_S = 0.25  # macOS only: the ticker's post, standing in for a timed wait (R-A10)
 CLOSE_GRACE_S = 10.0  # close(): how long running slots may go on before they are cut
 JOIN_S = 2.0  # close(): the longest wait for a thread of ours to end

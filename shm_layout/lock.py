@@ -60,7 +60,7 @@ def lock_file_path(segment: str) -> str:
     return os.path.join(platform.lock_dir(), segment.lstrip("/") + ".lock")
 
 
-STAMP_AT = 4096  # offset of the stamp in the lock file (_core.c reads it there)
+STAMP_AT = layout.STAMP_AT  # offset of the stamp in the lock file
 
 
 def stamp(buf: mmap.mmap | bytes) -> bytes:
