@@ -29,8 +29,9 @@
  *   9. tests only             hold_lock, abandon, die_in_section
  *  10. module                 init_mutex, probe, mutex_state, the types
  *
- * Byte offsets are not written here: layout.py hands them over at construction
- * (FIELD_NAMES names what it must give), so the layout lives in one place.
+ * Byte offsets and the constants shared with Python are not written here: they come
+ * from _layout.h, generated from layout.py (python -m shm_layout.gen_header), so the
+ * layout lives in one place; Core() refuses a layout.py that is not the one built in.
  *
  * Built against the stable ABI (Py_LIMITED_API 3.11, setup.py): one wheel per
  * platform serves every CPython from 3.11 on.
@@ -40,6 +41,7 @@
 #define _GNU_SOURCE
 #endif
 #include <Python.h>
+#include "_layout.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -81,65 +83,22 @@
 #define HAVE_CLOCKWAIT 0
 #endif
 
-enum { KIND_ROBUST = 1, KIND_FILE = 2 };
-enum { FREE = 0, WAITING = 1, RUNNING = 2 };
-enum { WAKE_DOORBELL = 0, WAKE_FUTEX = 1 };
+enum { KIND_ROBUST = LOCK_ROBUST, KIND_FILE = LOCK_FILE }; /* the lock kinds */
+enum { FREE = HOLDER_FREE, WAITING = HOLDER_WAITING, RUNNING = HOLDER_RUNNING }; /* a record's states */
 /* arrive() decisions (ledger.Decision) and leave() outcomes (ledger.Outcome) */
 enum { R_BUSY = 0, R_ADMIT = 1, R_WAIT = 2, R_FULL = 3, R_WAIT_REFUSED = 4, R_CLOSED = 5, R_MOVED = 6 };
 enum { OUT_RELEASED = 0, OUT_TIMEOUT = 1, OUT_CANCELLED = 2 };
 /* wait() results */
 enum { W_GRANTED = 1, W_GONE = 2, W_TIMEOUT = 3, W_CLOSED = 4, W_MOVED = 5 };
 /* platform flags (platform.core_flags) */
-enum { F_NO_FUTEX = 1, F_NO_SEM_TIMEOUT = 2, F_NO_SEM_OWNER = 4 };
+enum { F_NO_FUTEX = CORE_NO_FUTEX, F_NO_SEM_TIMEOUT = CORE_NO_SEM_TIMEOUT, F_NO_SEM_OWNER = CORE_NO_SEM_OWNER };
 
 #define MAX_MEMBERS 256
 #define MAX_OWNERS 8
-#define STAMP_AT 4096  /* where a lock file holds its segment's stamp (lock bytes are 0..256) */
 #define MAX_TARGETS 64
 #define MAX_FUTEX 512  /* futex wakes collected in one section; more: wake every waiter */
-#define SWEEP_S 0.5    /* a sweep for dead holders and damage at least this often (R-A5) */
-#define DEADLINE_SLACK_S 60.0 /* a published deadline further ahead than this is damage */
-#define HOLD_MEAN_WEIGHT 0.2
-#define BELL_FORMAT "/gwcb-%016llx" /* names.doorbell_name */
+#define BELL_FORMAT DOORBELL_PREFIX "%016llx" /* names.doorbell_name */
 
-/* Offsets and sizes layout.py must provide, in this order. */
-static const char *const FIELD_NAMES[] = {
-    "h.dirty", "h.lock_seq", "h.change_seq", "h.repairs", "h.heartbeat_mono", "h.sweep_mono",
-    "h.damage_repairs", "h.damage_mono", "h.damage_note", "h.mutex",
-    "h.created_at", "h.creator_pid", "h.creator_start",
-    "p.in_use", "p.flags", "p.id", "p.fallback_limit", "p.fallback_source",
-    "p.published_limit", "p.expires_mono", "p.discovered", "p.queue_bound", "p.running",
-    "p.waiting", "p.next_ticket", "p.admitted_total", "p.rejected_total",
-    "p.timeouts_total", "p.cancelled_total", "p.reclaimed_total", "p.peak_running",
-    "p.peak_waiting", "p.reason", "p.hold_mean_s", "p.counts_check",
-    "k.state", "k.pid", "k.member_serial", "k.ticket", "k.serial", "k.member", "k.since",
-    "k.since_mono", "k.waker",
-    "m.in_use", "m.pid", "m.start", "m.serial", "m.major", "m.minor", "m.attached_at",
-    "m.label", "m.bell",
-    "g.providers_base", "g.provider_row_size", "g.provider_count", "g.holders_base",
-    "g.holder_row_size", "g.holders_per_provider", "g.members_base", "g.member_row_size",
-    "g.member_count", "g.running_room", "g.queue_bound", "g.id_bytes", "g.reason_bytes",
-    "g.label_bytes", "g.total_size", "g.mutex_size",
-};
-enum {
-    H_DIRTY, H_LOCK_SEQ, H_CHANGE_SEQ, H_REPAIRS, H_HEARTBEAT_MONO, H_SWEEP_MONO,
-    H_DAMAGE_REPAIRS, H_DAMAGE_MONO, H_DAMAGE_NOTE, H_MUTEX,
-    H_CREATED_AT, H_CREATOR_PID, H_CREATOR_START,
-    P_IN_USE, P_FLAGS, P_ID, P_FALLBACK, P_FALLBACK_SOURCE,
-    P_PUBLISHED, P_EXPIRES_MONO, P_DISCOVERED, P_QUEUE_BOUND, P_RUNNING,
-    P_WAITING, P_NEXT_TICKET, P_ADMITTED, P_REJECTED,
-    P_TIMEOUTS, P_CANCELLED, P_RECLAIMED, P_PEAK_RUNNING,
-    P_PEAK_WAITING, P_REASON, P_HOLD_MEAN, P_COUNTS_CHECK,
-    K_STATE, K_PID, K_MEMBER_SERIAL, K_TICKET, K_SERIAL, K_MEMBER, K_SINCE,
-    K_SINCE_MONO, K_WAKER,
-    M_IN_USE, M_PID, M_START, M_SERIAL, M_MAJOR, M_MINOR, M_ATTACHED_AT,
-    M_LABEL, M_BELL,
-    G_PROVIDERS_BASE, G_PROVIDER_ROW, G_PROVIDER_COUNT, G_HOLDERS_BASE,
-    G_HOLDER_ROW, G_HOLDERS_PER, G_MEMBERS_BASE, G_MEMBER_ROW,
-    G_MEMBER_COUNT, G_RUNNING_ROOM, G_QUEUE_BOUND, G_ID_BYTES, G_REASON_BYTES,
-    G_LABEL_BYTES, G_TOTAL_SIZE, G_MUTEX_SIZE,
-    NFIELDS
-};
 
 /* ===== 1. targets and liveness ========================================================
  * One descriptor per lock target (the shm object for the robust kind, the lock file for
@@ -426,7 +385,7 @@ static int guard_damaged(int i)
 }
 
 /* ===== 2. the Core object ==============================================================
- * One attachment of one process to one segment: the mapping, the offsets, the lock
+ * One attachment of one process to one segment: the mapping, the lock
  * target, this process's registration (member row, serial, doorbell), and what Python
  * gave it to call back for the slow paths of the slot context managers. */
 typedef struct {
@@ -435,7 +394,6 @@ typedef struct {
     int have_view;
     char *base;
     Py_ssize_t size;
-    long o[NFIELDS];
     int kind;
     int flags;                  /* F_* platform flags */
     int target;                 /* index into targets[], -1 none */
@@ -516,12 +474,12 @@ static inline void inc64(Core *c, long off) { st64(c, off, ld64(c, off) + 1); }
 
 #define BUSY_ADD(c, n) __atomic_add_fetch(&(c)->busy, (n), __ATOMIC_RELAXED)
 
-static inline long pbase(Core *c, int p) { return c->o[G_PROVIDERS_BASE] + (long)p * c->o[G_PROVIDER_ROW]; }
+static inline long pbase(Core *c, int p) { return PROVIDERS_BASE + (long)p * PROVIDER_ROW_SIZE; }
 static inline long hbase(Core *c, int p, int h)
 {
-    return c->o[G_HOLDERS_BASE] + ((long)p * c->o[G_HOLDERS_PER] + h) * c->o[G_HOLDER_ROW];
+    return HOLDERS_BASE + ((long)p * HOLDERS_PER_PROVIDER + h) * HOLDER_ROW_SIZE;
 }
-static inline long mbase(Core *c, int m) { return c->o[G_MEMBERS_BASE] + (long)m * c->o[G_MEMBER_ROW]; }
+static inline long mbase(Core *c, int m) { return MEMBERS_BASE + (long)m * MEMBER_ROW_SIZE; }
 
 /* ===== 3. clocks ======================================================================
  * Deadlines (a published limit's expiry, sweeps, hold times) are on the deadline clock:
@@ -598,20 +556,20 @@ static void ring_member(Rings *r, int m)
 
 static void ring_record(Core *c, Rings *r, long hb)
 {
-    if (ld32(c, hb + c->o[K_WAKER]) == WAKE_FUTEX) {
+    if (ld32(c, hb + HOLDER_WAKER) == WAKE_FUTEX) {
         if (r->nfutex < MAX_FUTEX)
-            r->futex[r->nfutex++] = hb + c->o[K_STATE];
+            r->futex[r->nfutex++] = hb + HOLDER_STATE;
         else
             r->futex_overflow = 1;
     } else
-        ring_member(r, ldi32(c, hb + c->o[K_MEMBER]));
+        ring_member(r, ldi32(c, hb + HOLDER_MEMBER));
 }
 
 /* The records this registration holds, as it knows them: every record that names it
  * and is not among them can only be there by damage (a phantom: a free record written
  * back to life), and nobody else may free a record of a live process. So the owner
  * looks, every SWEEP_S, and frees its phantoms (R-A16). */
-static inline long own_index(Core *c, int p, int h) { return (long)p * c->o[G_HOLDERS_PER] + h; }
+static inline long own_index(Core *c, int p, int h) { return (long)p * HOLDERS_PER_PROVIDER + h; }
 
 static void own_set(Core *c, int p, int h, uint64_t serial)
 {
@@ -624,8 +582,8 @@ static void own_set(Core *c, int p, int h, uint64_t serial)
  * record of another serial naming a row that is held). */
 static int names_my_row(Core *c, long hb)
 {
-    uint32_t s = ld32(c, hb + c->o[K_STATE]);
-    return (s == RUNNING || s == WAITING) && c->member >= 0 && ldi32(c, hb + c->o[K_MEMBER]) == c->member;
+    uint32_t s = ld32(c, hb + HOLDER_STATE);
+    return (s == RUNNING || s == WAITING) && c->member >= 0 && ldi32(c, hb + HOLDER_MEMBER) == c->member;
 }
 
 /* What is wrong with record (p, h) from its owner's side: 0 nothing, 1 a phantom (it
@@ -635,9 +593,9 @@ static int own_record_problem(Core *c, int p, int h, long hb)
 {
     if (!names_my_row(c, hb))
         return 0;
-    if (c->owned[own_index(c, p, h)] != ld64(c, hb + c->o[K_SERIAL]))
+    if (c->owned[own_index(c, p, h)] != ld64(c, hb + HOLDER_SERIAL))
         return 1;
-    return ld64(c, hb + c->o[K_MEMBER_SERIAL]) != c->member_serial ? 2 : 0;
+    return ld64(c, hb + HOLDER_MEMBER_SERIAL) != c->member_serial ? 2 : 0;
 }
 
 /* Damage found and put right, under the lock: counted in the header with when and what
@@ -646,28 +604,28 @@ static void note_damage(Core *c, const char *what)
 {
     c->damage++;
     snprintf(c->damage_note, sizeof c->damage_note, "%s", what);
-    st32(c, c->o[H_DAMAGE_REPAIRS], ld32(c, c->o[H_DAMAGE_REPAIRS]) + 1);
-    std_(c, c->o[H_DAMAGE_MONO], deadline_clock());
-    memset(AT(c, c->o[H_DAMAGE_NOTE]), 0, 64);
-    memcpy(AT(c, c->o[H_DAMAGE_NOTE]), c->damage_note, strnlen(c->damage_note, 63));
+    st32(c, HEADER_DAMAGE_REPAIRS, ld32(c, HEADER_DAMAGE_REPAIRS) + 1);
+    std_(c, HEADER_DAMAGE_MONO, deadline_clock());
+    memset(AT(c, HEADER_DAMAGE_NOTE), 0, 64);
+    memcpy(AT(c, HEADER_DAMAGE_NOTE), c->damage_note, strnlen(c->damage_note, 63));
 }
 
 /* A published deadline further ahead than any publication can set (30 s after an
  * observation at most 5 s in the future, R-K4) is damage, never obeyed (R-A16). */
 static int published_in_force(Core *c, long b, double now)
 {
-    if (ldi32(c, b + c->o[P_PUBLISHED]) < 0)
+    if (ldi32(c, b + PROVIDER_PUBLISHED_LIMIT) < 0)
         return 0;
-    double expires = ldd(c, b + c->o[P_EXPIRES_MONO]);
+    double expires = ldd(c, b + PROVIDER_EXPIRES_MONO);
     return now < expires && expires - now <= DEADLINE_SLACK_S;
 }
 
 static int limit_value(Core *c, int p, double now)
 {
     long b = pbase(c, p);
-    int32_t room = (int32_t)c->o[G_RUNNING_ROOM];
-    int32_t value = published_in_force(c, b, now) ? ldi32(c, b + c->o[P_PUBLISHED])
-                                                  : ldi32(c, b + c->o[P_FALLBACK]);
+    int32_t room = (int32_t)RUNNING_ROOM;
+    int32_t value = published_in_force(c, b, now) ? ldi32(c, b + PROVIDER_PUBLISHED_LIMIT)
+                                                  : ldi32(c, b + PROVIDER_FALLBACK_LIMIT);
     if (value < 0)
         value = 0;
     return value < room ? value : room;
@@ -675,8 +633,8 @@ static int limit_value(Core *c, int p, double now)
 
 static void note_peak(Core *c, long b, long field, uint32_t value)
 {
-    if (value > ld32(c, b + c->o[field]))
-        st32(c, b + c->o[field], value);
+    if (value > ld32(c, b + field))
+        st32(c, b + field, value);
 }
 
 /* running and waiting, always written with their check word (layout.counts_check). */
@@ -687,9 +645,9 @@ static inline uint64_t counts_word(uint32_t running, uint32_t waiting)
 
 static void put_counts(Core *c, long b, uint32_t running, uint32_t waiting)
 {
-    st32(c, b + c->o[P_RUNNING], running);
-    st32(c, b + c->o[P_WAITING], waiting);
-    st64(c, b + c->o[P_COUNTS_CHECK], counts_word(running, waiting));
+    st32(c, b + PROVIDER_RUNNING, running);
+    st32(c, b + PROVIDER_WAITING, waiting);
+    st64(c, b + PROVIDER_COUNTS_CHECK, counts_word(running, waiting));
 }
 
 /* Every writer of ours frees a record this way: its member serial cleared first (no
@@ -697,8 +655,8 @@ static void put_counts(Core *c, long b, uint32_t running, uint32_t waiting)
  * serial was freed by damage, never by us (R-A16). */
 static void free_record(Core *c, long hb)
 {
-    st64(c, hb + c->o[K_MEMBER_SERIAL], 0);
-    st32(c, hb + c->o[K_STATE], FREE);
+    st64(c, hb + HOLDER_MEMBER_SERIAL, 0);
+    st32(c, hb + HOLDER_STATE, FREE);
 }
 
 static int put_back_freed(Core *c, long hb);
@@ -708,9 +666,9 @@ static int put_back_freed(Core *c, long hb);
  * runs (no ticket) or waits. */
 static uint32_t own_state(Core *c, long hb, uint32_t s)
 {
-    if (s != RUNNING && s != WAITING && c->member >= 0 && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
-        ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial)
-        return ld64(c, hb + c->o[K_TICKET]) ? WAITING : RUNNING;
+    if (s != RUNNING && s != WAITING && c->member >= 0 && ldi32(c, hb + HOLDER_MEMBER) == c->member &&
+        ld64(c, hb + HOLDER_MEMBER_SERIAL) == c->member_serial)
+        return ld64(c, hb + HOLDER_TICKET) ? WAITING : RUNNING;
     return s;
 }
 
@@ -720,24 +678,24 @@ static int recount_provider(Core *c, int p)
 {
     uint32_t running = 0, waiting = 0;
     int wrong = 0;
-    for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+    for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
         long hb = hbase(c, p, h);
-        uint32_t s = ld32(c, hb + c->o[K_STATE]);
+        uint32_t s = ld32(c, hb + HOLDER_STATE);
         if (s == RUNNING || s == WAITING) {
             /* (a live record with no member serial may be a free one written back to life,
              * or a live one whose serial was written 0: its owner tells, free_phantoms) */
-            uint32_t was = ld64(c, hb + c->o[K_TICKET]) ? WAITING : RUNNING; /* see pump */
+            uint32_t was = ld64(c, hb + HOLDER_TICKET) ? WAITING : RUNNING; /* see pump */
             if (s != was) { /* one state written over the other */
-                st32(c, hb + c->o[K_STATE], was);
+                st32(c, hb + HOLDER_STATE, was);
                 note_damage(c, "a live record's state was written over");
                 s = was;
                 wrong = 1;
             }
         } else {
-            if (ld64(c, hb + c->o[K_MEMBER_SERIAL]) != 0 && put_back_freed(c, hb)) {
-                s = ld32(c, hb + c->o[K_STATE]); /* a live request's record, written free */
+            if (ld64(c, hb + HOLDER_MEMBER_SERIAL) != 0 && put_back_freed(c, hb)) {
+                s = ld32(c, hb + HOLDER_STATE); /* a live request's record, written free */
                 wrong = 1;
-            } else if (s != FREE || ld64(c, hb + c->o[K_MEMBER_SERIAL]) != 0) {
+            } else if (s != FREE || ld64(c, hb + HOLDER_MEMBER_SERIAL) != 0) {
                 wrong |= s != FREE; /* a torn write by a holder that died, or garbage */
                 free_record(c, hb);
             }
@@ -748,8 +706,8 @@ static int recount_provider(Core *c, int p)
             waiting++;
     }
     long b = pbase(c, p);
-    wrong |= ld32(c, b + c->o[P_RUNNING]) != running || ld32(c, b + c->o[P_WAITING]) != waiting ||
-             ld64(c, b + c->o[P_COUNTS_CHECK]) != counts_word(running, waiting);
+    wrong |= ld32(c, b + PROVIDER_RUNNING) != running || ld32(c, b + PROVIDER_WAITING) != waiting ||
+             ld64(c, b + PROVIDER_COUNTS_CHECK) != counts_word(running, waiting);
     put_counts(c, b, running, waiting);
     return wrong;
 }
@@ -758,20 +716,20 @@ static int recount_provider(Core *c, int p)
  * word written with them. Never obeyed: recounted first. */
 static int counters_damaged(Core *c, long b)
 {
-    uint32_t running = ld32(c, b + c->o[P_RUNNING]);
-    uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
-    return running > (uint32_t)c->o[G_HOLDERS_PER] || waiting > (uint32_t)c->o[G_QUEUE_BOUND] ||
-           ld64(c, b + c->o[P_COUNTS_CHECK]) != counts_word(running, waiting);
+    uint32_t running = ld32(c, b + PROVIDER_RUNNING);
+    uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
+    return running > (uint32_t)HOLDERS_PER_PROVIDER || waiting > (uint32_t)QUEUE_BOUND ||
+           ld64(c, b + PROVIDER_COUNTS_CHECK) != counts_word(running, waiting);
 }
 
 static int head_waiter(Core *c, int p)
 {
     int best = -1;
     uint64_t best_ticket = 0;
-    for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+    for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
         long hb = hbase(c, p, h);
-        if (ld32(c, hb + c->o[K_STATE]) == WAITING) {
-            uint64_t t = ld64(c, hb + c->o[K_TICKET]);
+        if (ld32(c, hb + HOLDER_STATE) == WAITING) {
+            uint64_t t = ld64(c, hb + HOLDER_TICKET);
             if (best < 0 || t < best_ticket) {
                 best = h;
                 best_ticket = t;
@@ -787,10 +745,10 @@ static int head_waiter(Core *c, int p)
 static uint64_t last_ticket(Core *c, int p)
 {
     uint64_t last = 0;
-    for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+    for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
         long hb = hbase(c, p, h);
-        if (ld32(c, hb + c->o[K_STATE]) == WAITING) {
-            uint64_t t = ld64(c, hb + c->o[K_TICKET]);
+        if (ld32(c, hb + HOLDER_STATE) == WAITING) {
+            uint64_t t = ld64(c, hb + HOLDER_TICKET);
             if (t > last)
                 last = t;
         }
@@ -819,12 +777,12 @@ static int member_byte_held(Core *c, int m, AliveCache *cache)
  * whose process lives (R-A16): alive, and noted. */
 static int member_alive(Core *c, int m, uint64_t serial, AliveCache *cache)
 {
-    if (m < 0 || m >= c->o[G_MEMBER_COUNT])
+    if (m < 0 || m >= MEMBER_COUNT)
         return 0; /* no process can hold a row that does not exist */
     if (!member_byte_held(c, m, cache))
         return 0;
     long mb = mbase(c, m);
-    if (ld32(c, mb + c->o[M_IN_USE]) == 1 && ld64(c, mb + c->o[M_SERIAL]) == serial)
+    if (ld32(c, mb + MEMBER_IN_USE) == 1 && ld64(c, mb + MEMBER_SERIAL) == serial)
         return 1;
     note_damage(c, "a record's member serial is not its live member row's");
     return 1;
@@ -832,7 +790,7 @@ static int member_alive(Core *c, int m, uint64_t serial, AliveCache *cache)
 
 static int holder_alive(Core *c, long hb, AliveCache *cache)
 {
-    return member_alive(c, ldi32(c, hb + c->o[K_MEMBER]), ld64(c, hb + c->o[K_MEMBER_SERIAL]), cache);
+    return member_alive(c, ldi32(c, hb + HOLDER_MEMBER), ld64(c, hb + HOLDER_MEMBER_SERIAL), cache);
 }
 
 /* A record that is not running or waiting but carries a member serial (see free_record):
@@ -842,15 +800,15 @@ static int holder_alive(Core *c, long hb, AliveCache *cache)
  * a state word must not let one more request in (R-A16). Returns 1 when put back. */
 static int put_back_freed(Core *c, long hb)
 {
-    int m = ldi32(c, hb + c->o[K_MEMBER]);
-    uint64_t serial = ld64(c, hb + c->o[K_MEMBER_SERIAL]);
-    if (serial == 0 || m < 0 || m >= c->o[G_MEMBER_COUNT])
+    int m = ldi32(c, hb + HOLDER_MEMBER);
+    uint64_t serial = ld64(c, hb + HOLDER_MEMBER_SERIAL);
+    if (serial == 0 || m < 0 || m >= MEMBER_COUNT)
         return 0;
     /* as member_alive: the kernel's word, whatever the row says (a row handed to another
      * registration first drops the old one's records, free ones too) */
     if (!member_byte_held(c, m, NULL))
         return 0;
-    st32(c, hb + c->o[K_STATE], ld64(c, hb + c->o[K_TICKET]) ? WAITING : RUNNING);
+    st32(c, hb + HOLDER_STATE, ld64(c, hb + HOLDER_TICKET) ? WAITING : RUNNING);
     note_damage(c, "a live request's record was written free");
     return 1;
 }
@@ -861,12 +819,12 @@ static void note_hold(Core *c, long b, double hold)
 {
     if (!(hold >= 0.0) || hold > 86400.0)
         return;
-    double mean = ldd(c, b + c->o[P_HOLD_MEAN]);
+    double mean = ldd(c, b + PROVIDER_HOLD_MEAN_S);
     if (!(mean > 0.0) || mean > 86400.0)
         mean = hold;
     else
         mean = mean + (hold - mean) * HOLD_MEAN_WEIGHT;
-    std_(c, b + c->o[P_HOLD_MEAN], mean);
+    std_(c, b + PROVIDER_HOLD_MEAN_S, mean);
 }
 
 /* Grant head waiters while there is room; a dead head is reclaimed, never granted. */
@@ -875,8 +833,8 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
     long b = pbase(c, p);
     if (counters_damaged(c, b) && recount_provider(c, p))
         note_damage(c, "provider counters were written over");
-    uint32_t running = ld32(c, b + c->o[P_RUNNING]);
-    uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
+    uint32_t running = ld32(c, b + PROVIDER_RUNNING);
+    uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
     if (waiting == 0)
         return;
     uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
@@ -892,51 +850,51 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
                 break;
             recounted = 1;
             recount_provider(c, p);
-            running = ld32(c, b + c->o[P_RUNNING]);
-            waiting = ld32(c, b + c->o[P_WAITING]);
+            running = ld32(c, b + PROVIDER_RUNNING);
+            waiting = ld32(c, b + PROVIDER_WAITING);
             continue;
         }
         long hb = hbase(c, p, h);
         waiting--;
         if (!holder_alive(c, hb, cache)) {
             free_record(c, hb);
-            inc64(c, b + c->o[P_RECLAIMED]);
+            inc64(c, b + PROVIDER_RECLAIMED_TOTAL);
             freed_dead = 1;
             continue;
         }
-        std_(c, hb + c->o[K_SINCE], now.wall);
-        std_(c, hb + c->o[K_SINCE_MONO], now.mono);
-        st64(c, hb + c->o[K_TICKET], 0); /* running records hold no ticket (put_back_freed) */
-        st32(c, hb + c->o[K_STATE], RUNNING);
+        std_(c, hb + HOLDER_SINCE, now.wall);
+        std_(c, hb + HOLDER_SINCE_MONO, now.mono);
+        st64(c, hb + HOLDER_TICKET, 0); /* running records hold no ticket (put_back_freed) */
+        st32(c, hb + HOLDER_STATE, RUNNING);
         running++;
         ring_record(c, rings, hb);
-        inc64(c, b + c->o[P_ADMITTED]);
+        inc64(c, b + PROVIDER_ADMITTED_TOTAL);
     }
     put_counts(c, b, running, waiting);
-    note_peak(c, b, P_PEAK_RUNNING, running);
+    note_peak(c, b, PROVIDER_PEAK_RUNNING, running);
 }
 
 static void repair_all(Core *c)
 {
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
-        if (ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+    for (int p = 0; p < PROVIDER_COUNT; p++)
+        if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
             recount_provider(c, p);
 }
 
 /* Free one member's records, recount and grant. */
 static void drop_member_records(Core *c, int m, uint64_t serial, Now now, Rings *rings, uint32_t *running_freed)
 {
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
         long b = pbase(c, p);
-        if (!ld32(c, b + c->o[P_IN_USE]))
+        if (!ld32(c, b + PROVIDER_IN_USE))
             continue;
         int freed = 0;
-        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
             long hb = hbase(c, p, h);
-            uint32_t s = ld32(c, hb + c->o[K_STATE]);
-            if (ldi32(c, hb + c->o[K_MEMBER]) == m && ld64(c, hb + c->o[K_MEMBER_SERIAL]) == serial) {
+            uint32_t s = ld32(c, hb + HOLDER_STATE);
+            if (ldi32(c, hb + HOLDER_MEMBER) == m && ld64(c, hb + HOLDER_MEMBER_SERIAL) == serial) {
                 if (s != RUNNING && s != WAITING) /* written free: as it was */
-                    s = ld64(c, hb + c->o[K_TICKET]) ? WAITING : RUNNING;
+                    s = ld64(c, hb + HOLDER_TICKET) ? WAITING : RUNNING;
                 if (s == RUNNING && running_freed)
                     (*running_freed)++;
                 free_record(c, hb); /* a free one too: written free, it still names them */
@@ -955,19 +913,19 @@ static void drop_member_records(Core *c, int m, uint64_t serial, Now now, Rings 
 static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
 {
     uint32_t freed = 0;
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
         long b = pbase(c, p);
-        if (!ld32(c, b + c->o[P_IN_USE]))
+        if (!ld32(c, b + PROVIDER_IN_USE))
             continue;
         uint32_t here = 0;
-        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
             long hb = hbase(c, p, h);
-            if (ldi32(c, hb + c->o[K_MEMBER]) != c->member ||
-                ld64(c, hb + c->o[K_MEMBER_SERIAL]) != c->member_serial)
+            if (ldi32(c, hb + HOLDER_MEMBER) != c->member ||
+                ld64(c, hb + HOLDER_MEMBER_SERIAL) != c->member_serial)
                 continue;
-            uint32_t s = ld32(c, hb + c->o[K_STATE]);
+            uint32_t s = ld32(c, hb + HOLDER_STATE);
             if (s != RUNNING && s != WAITING && put_back_freed(c, hb))
-                s = ld32(c, hb + c->o[K_STATE]);
+                s = ld32(c, hb + HOLDER_STATE);
             if (s == WAITING) {
                 free_record(c, hb);
                 own_set(c, p, h, 0);
@@ -976,7 +934,7 @@ static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
         }
         if (here) {
             freed += here;
-            st64(c, b + c->o[P_CANCELLED], ld64(c, b + c->o[P_CANCELLED]) + here);
+            st64(c, b + PROVIDER_CANCELLED_TOTAL, ld64(c, b + PROVIDER_CANCELLED_TOTAL) + here);
             recount_provider(c, p);
             pump(c, p, now, rings, NULL);
         }
@@ -989,11 +947,11 @@ static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
 static void free_member_row(Core *c, int m, Rings *rings)
 {
     long mb = mbase(c, m);
-    st32(c, mb + c->o[M_IN_USE], 0);
-    uint64_t bell = ld64(c, mb + c->o[M_BELL]);
+    st32(c, mb + MEMBER_IN_USE, 0);
+    uint64_t bell = ld64(c, mb + MEMBER_BELL);
     if (bell && rings->nunlink < MAX_MEMBERS)
         rings->unlink[rings->nunlink++] = bell;
-    st64(c, mb + c->o[M_BELL], 0);
+    st64(c, mb + MEMBER_BELL, 0);
 }
 
 /* This process's own member row, as it registered it: repaired if it was written over
@@ -1003,11 +961,11 @@ static void check_own_row(Core *c)
     if (c->member < 0)
         return;
     long mb = mbase(c, c->member);
-    if (ld32(c, mb + c->o[M_IN_USE]) != 1 || ld64(c, mb + c->o[M_SERIAL]) != c->member_serial ||
-        ld64(c, mb + c->o[M_BELL]) != c->bell) {
-        st64(c, mb + c->o[M_SERIAL], c->member_serial);
-        st64(c, mb + c->o[M_BELL], c->bell);
-        st32(c, mb + c->o[M_IN_USE], 1);
+    if (ld32(c, mb + MEMBER_IN_USE) != 1 || ld64(c, mb + MEMBER_SERIAL) != c->member_serial ||
+        ld64(c, mb + MEMBER_BELL) != c->bell) {
+        st64(c, mb + MEMBER_SERIAL, c->member_serial);
+        st64(c, mb + MEMBER_BELL, c->bell);
+        st32(c, mb + MEMBER_IN_USE, 1);
         note_damage(c, "this process's member row was written over");
     }
 }
@@ -1018,28 +976,28 @@ static uint32_t reap(Core *c, Now now, Rings *rings)
     AliveCache cache;
     memset(cache.held, -1, sizeof cache.held);
     uint32_t reclaimed = 0;
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
         long b = pbase(c, p);
-        if (!ld32(c, b + c->o[P_IN_USE]))
+        if (!ld32(c, b + PROVIDER_IN_USE))
             continue;
         uint32_t freed = 0;
-        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
             long hb = hbase(c, p, h);
-            if (ld32(c, hb + c->o[K_STATE]) != FREE && !holder_alive(c, hb, &cache)) {
+            if (ld32(c, hb + HOLDER_STATE) != FREE && !holder_alive(c, hb, &cache)) {
                 free_record(c, hb);
                 freed++;
             }
         }
         if (freed) {
             reclaimed += freed;
-            st64(c, b + c->o[P_RECLAIMED], ld64(c, b + c->o[P_RECLAIMED]) + freed);
+            st64(c, b + PROVIDER_RECLAIMED_TOTAL, ld64(c, b + PROVIDER_RECLAIMED_TOTAL) + freed);
             recount_provider(c, p);
         }
         pump(c, p, now, rings, &cache);
     }
-    for (int m = 0; m < c->o[G_MEMBER_COUNT]; m++) {
+    for (int m = 0; m < MEMBER_COUNT; m++) {
         long mb = mbase(c, m);
-        if (ld32(c, mb + c->o[M_IN_USE]) && !member_byte_held(c, m, &cache))
+        if (ld32(c, mb + MEMBER_IN_USE) && !member_byte_held(c, m, &cache))
             free_member_row(c, m, rings);
     }
     return reclaimed;
@@ -1052,43 +1010,43 @@ static uint32_t reap(Core *c, Now now, Rings *rings)
 static uint32_t sweep(Core *c, Now now, Rings *rings)
 {
     check_own_row(c);
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
         long b = pbase(c, p);
-        uint32_t in_use = ld32(c, b + c->o[P_IN_USE]);
+        uint32_t in_use = ld32(c, b + PROVIDER_IN_USE);
         if (!in_use)
             continue;
         if (in_use != 1) { /* claimed (never freed), but not by a word of ours */
-            st32(c, b + c->o[P_IN_USE], 1);
+            st32(c, b + PROVIDER_IN_USE, 1);
             note_damage(c, "a provider row's in_use was written over");
         }
-        if (ld32(c, b + c->o[P_QUEUE_BOUND]) != (uint32_t)c->o[G_QUEUE_BOUND]) {
-            st32(c, b + c->o[P_QUEUE_BOUND], (uint32_t)c->o[G_QUEUE_BOUND]);
+        if (ld32(c, b + PROVIDER_QUEUE_BOUND) != (uint32_t)QUEUE_BOUND) {
+            st32(c, b + PROVIDER_QUEUE_BOUND, (uint32_t)QUEUE_BOUND);
             note_damage(c, "a provider's queue bound was written over");
         }
         if (recount_provider(c, p))
             note_damage(c, "provider counters disagreed with the records");
-        if (ldi32(c, b + c->o[P_PUBLISHED]) >= 0 &&
-            ldd(c, b + c->o[P_EXPIRES_MONO]) - now.mono > DEADLINE_SLACK_S) {
-            st32(c, b + c->o[P_PUBLISHED], (uint32_t)-1); /* never obeyed: the fallback */
+        if (ldi32(c, b + PROVIDER_PUBLISHED_LIMIT) >= 0 &&
+            ldd(c, b + PROVIDER_EXPIRES_MONO) - now.mono > DEADLINE_SLACK_S) {
+            st32(c, b + PROVIDER_PUBLISHED_LIMIT, (uint32_t)-1); /* never obeyed: the fallback */
             note_damage(c, "a published limit's deadline lies too far ahead");
         }
     }
     uint32_t reclaimed = reap(c, now, rings);
-    for (int m = 0; m < c->o[G_MEMBER_COUNT]; m++) {
+    for (int m = 0; m < MEMBER_COUNT; m++) {
         long mb = mbase(c, m);
-        if (ld32(c, mb + c->o[M_IN_USE]) > 1) { /* its lock byte is held: reap kept it */
-            st32(c, mb + c->o[M_IN_USE], 1);
+        if (ld32(c, mb + MEMBER_IN_USE) > 1) { /* its lock byte is held: reap kept it */
+            st32(c, mb + MEMBER_IN_USE, 1);
             note_damage(c, "a member row's in_use was written over");
         }
     }
-    std_(c, c->o[H_SWEEP_MONO], now.mono);
+    std_(c, HEADER_SWEEP_MONO, now.mono);
     return reclaimed;
 }
 
 /* Is a sweep due? Lock-free: a racing reader sees the old or the new time. */
 static int sweep_due(Core *c)
 {
-    double last = ldd(c, c->o[H_SWEEP_MONO]);
+    double last = ldd(c, HEADER_SWEEP_MONO);
     double now = deadline_clock();
     return !(now - last < SWEEP_S) || last > now + 1.0; /* garbage ahead: due */
 }
@@ -1158,7 +1116,7 @@ static int enter(Core *c, int blocking, double deadline)
         return E_LOST;
     if (c->kind == KIND_ROBUST) {
 #if HAVE_ROBUST
-        pthread_mutex_t *mu = (pthread_mutex_t *)AT(c, c->o[H_MUTEX]);
+        pthread_mutex_t *mu = (pthread_mutex_t *)AT(c, MUTEX_OFFSET);
         if (!mutex_sane(mu))
             return E_DAMAGED_LOCK;
         int rc;
@@ -1221,25 +1179,25 @@ static int enter(Core *c, int blocking, double deadline)
             return -1;
         }
     }
-    uint64_t seq = ld64(c, c->o[H_CHANGE_SEQ]);
-    st64(c, c->o[H_CHANGE_SEQ], seq % 2 == 0 ? seq + 1 : seq + 2); /* odd: readers retry */
-    inc64(c, c->o[H_LOCK_SEQ]);
-    if (ld32(c, c->o[H_DIRTY])) { /* the last holder died mid-section (R-A6) */
+    uint64_t seq = ld64(c, HEADER_CHANGE_SEQ);
+    st64(c, HEADER_CHANGE_SEQ, seq % 2 == 0 ? seq + 1 : seq + 2); /* odd: readers retry */
+    inc64(c, HEADER_LOCK_SEQ);
+    if (ld32(c, HEADER_DIRTY)) { /* the last holder died mid-section (R-A6) */
         repair_all(c);
-        st32(c, c->o[H_REPAIRS], ld32(c, c->o[H_REPAIRS]) + 1);
+        st32(c, HEADER_REPAIRS, ld32(c, HEADER_REPAIRS) + 1);
         c->repaired++;
     }
-    st32(c, c->o[H_DIRTY], 1);
+    st32(c, HEADER_DIRTY, 1);
     return 0;
 }
 
 static void leave_lock(Core *c)
 {
-    st32(c, c->o[H_DIRTY], 0);
-    st64(c, c->o[H_CHANGE_SEQ], ld64(c, c->o[H_CHANGE_SEQ]) + 1);
+    st32(c, HEADER_DIRTY, 0);
+    st64(c, HEADER_CHANGE_SEQ, ld64(c, HEADER_CHANGE_SEQ) + 1);
     if (c->kind == KIND_ROBUST) {
 #if HAVE_ROBUST
-        pthread_mutex_unlock((pthread_mutex_t *)AT(c, c->o[H_MUTEX]));
+        pthread_mutex_unlock((pthread_mutex_t *)AT(c, MUTEX_OFFSET));
 #endif
     } else {
         Target *t = &targets[c->target];
@@ -1283,7 +1241,7 @@ static int bell_owner_ok(Core *c, const char *name)
 
 static void post_member(Core *c, int m)
 {
-    uint64_t bell = ld64(c, mbase(c, m) + c->o[M_BELL]);
+    uint64_t bell = ld64(c, mbase(c, m) + MEMBER_BELL);
     if (bell == 0)
         return; /* no doorbell (not registered any more) */
     pthread_mutex_lock(&c->bell_mu);
@@ -1317,11 +1275,11 @@ static void wake_records(Core *c, Rings *r)
     for (int i = 0; i < r->nfutex; i++)
         futex_op(AT(c, r->futex[i]), FUTEX_WAKE, INT32_MAX, NULL);
     if (r->futex_overflow) /* more than one section's room: wake every futex waiter */
-        for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
-            for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+        for (int p = 0; p < PROVIDER_COUNT; p++)
+            for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
                 long hb = hbase(c, p, h);
-                if (ld32(c, hb + c->o[K_WAKER]) == WAKE_FUTEX)
-                    futex_op(AT(c, hb + c->o[K_STATE]), FUTEX_WAKE, INT32_MAX, NULL);
+                if (ld32(c, hb + HOLDER_WAKER) == WAKE_FUTEX)
+                    futex_op(AT(c, hb + HOLDER_STATE), FUTEX_WAKE, INT32_MAX, NULL);
             }
 #else
     (void)c;
@@ -1474,6 +1432,37 @@ static void Core_dealloc(Core *c)
     Py_DECREF(tp);
 }
 
+/* The layout this core was built for (_layout.h, generated from layout.py). Core() is
+ * handed layout.core_offsets() and refuses a layout that is not this one: a core built
+ * before layout.py changed must be rebuilt, never read the segment at the old offsets. */
+static const struct { const char *key; long value; } LAYOUT[] = {
+#define LAYOUT_ENTRY(key, value) {key, value},
+    LAYOUT_OFFSETS(LAYOUT_ENTRY)
+#undef LAYOUT_ENTRY
+};
+#define NLAYOUT ((int)(sizeof LAYOUT / sizeof LAYOUT[0]))
+
+/* 0 when ``offsets`` (layout.core_offsets()) is the layout compiled in, else -1 with
+ * CoreError naming the first difference. */
+static int check_layout(PyObject *offsets)
+{
+    for (int i = 0; i < NLAYOUT; i++) {
+        PyObject *v = PyDict_GetItemString(offsets, LAYOUT[i].key);
+        long have = v ? PyLong_AsLong(v) : -1;
+        if (have == -1 && PyErr_Occurred())
+            return -1;
+        if (have != LAYOUT[i].value) {
+            PyErr_Format(CoreError,
+                         "the admission core was built for another layout (%s is %ld in the "
+                         "build, %ld in layout.py): reinstall gateway-capacity, or rebuild the "
+                         "core in a checkout",
+                         LAYOUT[i].key, LAYOUT[i].value, have);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
@@ -1515,17 +1504,9 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
     c->flags = flags;
     c->group = group;
     pthread_mutex_init(&c->bell_mu, NULL);
-    for (int i = 0; i < NFIELDS; i++) {
-        PyObject *v = PyDict_GetItemString(offsets, FIELD_NAMES[i]);
-        if (v == NULL) {
-            PyErr_Format(PyExc_ValueError, "offsets lacks %s", FIELD_NAMES[i]);
-            return -1;
-        }
-        c->o[i] = PyLong_AsLong(v);
-        if (c->o[i] == -1 && PyErr_Occurred())
-            return -1;
-    }
-    if (c->o[G_MEMBER_COUNT] > MAX_MEMBERS) {
+    if (check_layout(offsets) < 0)
+        return -1;
+    if (MEMBER_COUNT > MAX_MEMBERS) {
         PyErr_SetString(PyExc_ValueError, "too many members for the core");
         return -1;
     }
@@ -1549,7 +1530,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
         PyErr_Format(CoreError, "lock kind %d is not available on this system", kind);
         return -1;
     }
-    if (kind == KIND_ROBUST && c->o[G_MUTEX_SIZE] < (long)sizeof(pthread_mutex_t)) {
+    if (kind == KIND_ROBUST && MUTEX_SIZE < (long)sizeof(pthread_mutex_t)) {
         PyErr_SetString(PyExc_ValueError, "the header's mutex field is too small");
         return -1;
     }
@@ -1567,7 +1548,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
         Py_DECREF(slot);
     }
     PyErr_Clear();
-    if (c->size < c->o[G_TOTAL_SIZE]) {
+    if (c->size < TOTAL_SIZE) {
         PyErr_SetString(PyExc_ValueError, "the buffer is smaller than the layout");
         return -1;
     }
@@ -1662,7 +1643,7 @@ static double deadline_arg(double timeout)
  * in mode, owner, group and size only (XNU pshm_stat), dev and ino are 0. */
 static int same_creation(Core *c, int fd, off_t size)
 {
-    long fields[] = {c->o[H_CREATED_AT], c->o[H_CREATOR_PID], c->o[H_CREATOR_START]};
+    long fields[] = {HEADER_CREATED_AT, HEADER_CREATOR_PID, HEADER_CREATOR_START};
     long widths[] = {8, 4, 8};
     size_t len = 0;
     for (int i = 0; i < 3; i++)
@@ -1692,7 +1673,7 @@ static int name_leads_here(Core *c)
     if (fstat(fd, &st) == 0) {
         if (c->seg_ino != 0) { /* Linux: the object's device and inode */
             answer = st.st_dev == c->seg_dev && st.st_ino == c->seg_ino;
-            if (answer && st.st_size < c->o[G_TOTAL_SIZE]) { /* ours, truncated in place */
+            if (answer && st.st_size < TOTAL_SIZE) { /* ours, truncated in place */
                 c->lost = 1;
                 c->moved = 1;
                 answer = 0;
@@ -1731,9 +1712,9 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
     for (int attempt = 0; attempt < 2; attempt++) {
         if (counters_damaged(c, b) && recount_provider(c, p))
             note_damage(c, "provider counters were written over");
-        uint32_t running = ld32(c, b + c->o[P_RUNNING]);
-        uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
-        uint32_t bound = (uint32_t)c->o[G_QUEUE_BOUND];
+        uint32_t running = ld32(c, b + PROVIDER_RUNNING);
+        uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
+        uint32_t bound = (uint32_t)QUEUE_BOUND;
         uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
         if (waiting == 0 && running < limit)
             decision = R_ADMIT;
@@ -1743,10 +1724,10 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
             decision = R_WAIT;
         int h = -1;
         if (decision != R_FULL) {
-            for (int i = 0; i < c->o[G_HOLDERS_PER]; i++) {
+            for (int i = 0; i < HOLDERS_PER_PROVIDER; i++) {
                 long ib = hbase(c, p, i);
-                if (ld32(c, ib + c->o[K_STATE]) == FREE &&
-                    !(ld64(c, ib + c->o[K_MEMBER_SERIAL]) != 0 && put_back_freed(c, ib))) {
+                if (ld32(c, ib + HOLDER_STATE) == FREE &&
+                    !(ld64(c, ib + HOLDER_MEMBER_SERIAL) != 0 && put_back_freed(c, ib))) {
                     h = i;
                     break;
                 }
@@ -1761,7 +1742,7 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
             continue;
         }
         if (decision == R_FULL) {
-            inc64(c, b + c->o[P_REJECTED]);
+            inc64(c, b + PROVIDER_REJECTED_TOTAL);
             break;
         }
         if (decision == R_WAIT && !may_wait) {
@@ -1769,10 +1750,10 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
             break;
         }
         long hb = hbase(c, p, h);
-        uint64_t serial = ld64(c, hb + c->o[K_SERIAL]) + 1;
+        uint64_t serial = ld64(c, hb + HOLDER_SERIAL) + 1;
         uint64_t ticket = 0;
         if (decision == R_WAIT) {
-            ticket = ld64(c, b + c->o[P_NEXT_TICKET]);
+            ticket = ld64(c, b + PROVIDER_NEXT_TICKET);
             uint64_t last = last_ticket(c, p);
             if (ticket < last) { /* behind a ticket it handed out: never obeyed (R-A3, R-A16) */
                 note_damage(c, "a provider's next ticket was written over");
@@ -1780,18 +1761,18 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
             }
             if (ticket != UINT64_MAX) /* written to the top: a waiter never holds 0 */
                 ticket++;
-            st64(c, b + c->o[P_NEXT_TICKET], ticket);
+            st64(c, b + PROVIDER_NEXT_TICKET, ticket);
         }
         /* serial and member before member_serial: a process killed in between leaves a
          * free record naming itself (dead), never another row's registration */
-        st64(c, hb + c->o[K_SERIAL], serial);
-        st32(c, hb + c->o[K_MEMBER], (uint32_t)c->member);
-        st32(c, hb + c->o[K_PID], pid);
-        st64(c, hb + c->o[K_MEMBER_SERIAL], c->member_serial);
-        st64(c, hb + c->o[K_TICKET], ticket);
-        std_(c, hb + c->o[K_SINCE], now.wall);
-        std_(c, hb + c->o[K_SINCE_MONO], now.mono);
-        st32(c, hb + c->o[K_WAKER], futex ? WAKE_FUTEX : WAKE_DOORBELL);
+        st64(c, hb + HOLDER_SERIAL, serial);
+        st32(c, hb + HOLDER_MEMBER, (uint32_t)c->member);
+        st32(c, hb + HOLDER_PID, pid);
+        st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
+        st64(c, hb + HOLDER_TICKET, ticket);
+        std_(c, hb + HOLDER_SINCE, now.wall);
+        std_(c, hb + HOLDER_SINCE_MONO, now.mono);
+        st32(c, hb + HOLDER_WAKER, futex ? WAKE_FUTEX : WAKE_DOORBELL);
         /* the ticket is ours before the lock is let go: an exception that lands after
          * this call returns still finds it (R-A12) */
         tk->provider = p;
@@ -1803,14 +1784,14 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
         own_set(c, p, h, serial);
         tk->running = decision == R_ADMIT;
         if (decision == R_ADMIT) {
-            st32(c, hb + c->o[K_STATE], RUNNING); /* state last */
+            st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
             put_counts(c, b, running + 1, waiting);
-            note_peak(c, b, P_PEAK_RUNNING, running + 1);
-            inc64(c, b + c->o[P_ADMITTED]);
+            note_peak(c, b, PROVIDER_PEAK_RUNNING, running + 1);
+            inc64(c, b + PROVIDER_ADMITTED_TOTAL);
         } else {
-            st32(c, hb + c->o[K_STATE], WAITING);
+            st32(c, hb + HOLDER_STATE, WAITING);
             put_counts(c, b, running, waiting + 1);
-            note_peak(c, b, P_PEAK_WAITING, waiting + 1);
+            note_peak(c, b, PROVIDER_PEAK_WAITING, waiting + 1);
         }
         break;
     }
@@ -1834,7 +1815,7 @@ static int do_arrive(Core *c, Ticket *tk, int p, unsigned int pid, double given,
 {
     if (!usable(c))
         return -1;
-    if (p < 0 || p >= c->o[G_PROVIDER_COUNT] || tk->live || tk->busy) {
+    if (p < 0 || p >= PROVIDER_COUNT || tk->live || tk->busy) {
         PyErr_SetString(PyExc_ValueError, "bad provider or a ticket in use");
         return -1;
     }
@@ -1897,41 +1878,41 @@ static int leave_locked(Core *c, Ticket *tk, int outcome, Now now, Rings *rings)
     int p = tk->provider;
     long b = pbase(c, p);
     long hb = hbase(c, p, tk->holder);
-    if (ld64(c, hb + c->o[K_SERIAL]) == tk->serial && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
-        ld64(c, hb + c->o[K_MEMBER_SERIAL]) != c->member_serial && c->owned &&
+    if (ld64(c, hb + HOLDER_SERIAL) == tk->serial && ldi32(c, hb + HOLDER_MEMBER) == c->member &&
+        ld64(c, hb + HOLDER_MEMBER_SERIAL) != c->member_serial && c->owned &&
         c->owned[own_index(c, p, tk->holder)] == tk->serial) {
         /* ours (our own table says so) with its member serial written over: put back,
          * then left; else the release would change nothing and free_phantoms would keep
          * the record as ours for good */
-        st64(c, hb + c->o[K_MEMBER_SERIAL], c->member_serial);
+        st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
         note_damage(c, "a record's member serial was written over");
     }
-    uint32_t state = ld32(c, hb + c->o[K_STATE]);
-    if (state != RUNNING && state != WAITING && ld64(c, hb + c->o[K_SERIAL]) == tk->serial &&
-        ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
-        ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial && put_back_freed(c, hb))
-        state = ld32(c, hb + c->o[K_STATE]); /* ours, written free: put back, then left */
-    if (ld64(c, hb + c->o[K_SERIAL]) == tk->serial && (state == RUNNING || state == WAITING) &&
-        ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
-        ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial) {
+    uint32_t state = ld32(c, hb + HOLDER_STATE);
+    if (state != RUNNING && state != WAITING && ld64(c, hb + HOLDER_SERIAL) == tk->serial &&
+        ldi32(c, hb + HOLDER_MEMBER) == c->member &&
+        ld64(c, hb + HOLDER_MEMBER_SERIAL) == c->member_serial && put_back_freed(c, hb))
+        state = ld32(c, hb + HOLDER_STATE); /* ours, written free: put back, then left */
+    if (ld64(c, hb + HOLDER_SERIAL) == tk->serial && (state == RUNNING || state == WAITING) &&
+        ldi32(c, hb + HOLDER_MEMBER) == c->member &&
+        ld64(c, hb + HOLDER_MEMBER_SERIAL) == c->member_serial) {
         if (counters_damaged(c, b) && recount_provider(c, p))
             note_damage(c, "provider counters were written over");
         free_record(c, hb);
         own_set(c, p, tk->holder, 0);
-        uint32_t running = ld32(c, b + c->o[P_RUNNING]);
-        uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
+        uint32_t running = ld32(c, b + PROVIDER_RUNNING);
+        uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
         if (state == RUNNING) {
             put_counts(c, b, running ? running - 1 : 0, waiting);
-            note_hold(c, b, now.mono - ldd(c, hb + c->o[K_SINCE_MONO]));
+            note_hold(c, b, now.mono - ldd(c, hb + HOLDER_SINCE_MONO));
             was = 1;
         } else {
             put_counts(c, b, running, waiting ? waiting - 1 : 0);
             was = 2;
         }
         if (outcome == OUT_TIMEOUT)
-            inc64(c, b + c->o[P_TIMEOUTS]);
+            inc64(c, b + PROVIDER_TIMEOUTS_TOTAL);
         else if (outcome == OUT_CANCELLED)
-            inc64(c, b + c->o[P_CANCELLED]);
+            inc64(c, b + PROVIDER_CANCELLED_TOTAL);
         pump(c, p, now, rings, NULL);
     }
     return was;
@@ -2019,11 +2000,11 @@ static uint32_t ticket_state(Core *c, Ticket *tk)
     if (!tk->live || tk->core != c || c->closed)
         return FREE;
     long hb = hbase(c, tk->provider, tk->holder);
-    uint32_t state = ld32(c, hb + c->o[K_STATE]);
-    if (ld64(c, hb + c->o[K_SERIAL]) != tk->serial)
+    uint32_t state = ld32(c, hb + HOLDER_STATE);
+    if (ld64(c, hb + HOLDER_SERIAL) != tk->serial)
         return FREE;
     state = own_state(c, hb, state); /* written free: the next step that looks puts it back */
-    if (ld64(c, hb + c->o[K_SERIAL]) != tk->serial) /* taken meanwhile by another arrival */
+    if (ld64(c, hb + HOLDER_SERIAL) != tk->serial) /* taken meanwhile by another arrival */
         return FREE;
     return state;
 }
@@ -2050,10 +2031,10 @@ static int phantoms_seen(Core *c)
 {
     if (!c->owned || c->member < 0)
         return 0;
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
-        if (!ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
+        if (!ld32(c, pbase(c, p) + PROVIDER_IN_USE))
             continue;
-        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++)
+        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++)
             if (own_record_problem(c, p, h, hbase(c, p, h)))
                 return 1;
     }
@@ -2067,18 +2048,18 @@ static uint32_t free_phantoms(Core *c, Now now, Rings *rings)
     uint32_t freed = 0, restored = 0;
     if (!c->owned || c->member < 0)
         return 0;
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
-        if (!ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
+        if (!ld32(c, pbase(c, p) + PROVIDER_IN_USE))
             continue;
         uint32_t here = 0;
-        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
             long hb = hbase(c, p, h);
             int problem = own_record_problem(c, p, h, hb);
             if (problem == 1) {
                 free_record(c, hb);
                 here++;
             } else if (problem == 2) {
-                st64(c, hb + c->o[K_MEMBER_SERIAL], c->member_serial);
+                st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
                 restored++;
             }
         }
@@ -2161,7 +2142,7 @@ static PyObject *Core_wait(Core *c, PyObject *args)
     }
     double deadline = timeout < 0 ? 0.0 : deadline_clock() + timeout;
     long hb = hbase(c, tk->provider, tk->holder);
-    uint32_t *word = (uint32_t *)AT(c, hb + c->o[K_STATE]);
+    uint32_t *word = (uint32_t *)AT(c, hb + HOLDER_STATE);
     int result = 0;
     uint32_t reclaimed = 0;
     int on_main = PyThread_get_thread_ident() == main_thread;
@@ -2333,14 +2314,14 @@ static void wake_own_waiters(Core *c)
 #if HAVE_FUTEX
     if (c->member < 0)
         return;
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
-        if (!ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
+        if (!ld32(c, pbase(c, p) + PROVIDER_IN_USE))
             continue;
-        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
             long hb = hbase(c, p, h);
-            if (ld32(c, hb + c->o[K_STATE]) == WAITING && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
-                ld32(c, hb + c->o[K_WAKER]) == WAKE_FUTEX)
-                futex_op(AT(c, hb + c->o[K_STATE]), FUTEX_WAKE, INT32_MAX, NULL);
+            if (ld32(c, hb + HOLDER_STATE) == WAITING && ldi32(c, hb + HOLDER_MEMBER) == c->member &&
+                ld32(c, hb + HOLDER_WAKER) == WAKE_FUTEX)
+                futex_op(AT(c, hb + HOLDER_STATE), FUTEX_WAKE, INT32_MAX, NULL);
         }
     }
 #else
@@ -2442,8 +2423,8 @@ static PyObject *Core_pump_all(Core *c, PyObject *args)
     memset(&rings, 0, sizeof rings);
     LOCKED(c, 1, 0.0, rc, {
         Now now = section_now(given);
-        for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
-            if (ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+        for (int p = 0; p < PROVIDER_COUNT; p++)
+            if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
                 pump(c, p, now, &rings, NULL);
     });
     if (rc < 0 || rc == E_DAMAGED_LOCK)
@@ -2470,8 +2451,8 @@ static PyObject *Core_register(Core *c, PyObject *args)
         PyErr_SetString(CoreError, "already registered");
         return NULL;
     }
-    if (label_len > c->o[G_LABEL_BYTES])
-        label_len = c->o[G_LABEL_BYTES];
+    if (label_len > LABEL_BYTES)
+        label_len = LABEL_BYTES;
     sem_t *own = NULL;
     if (bell) {
         char name[40];
@@ -2487,10 +2468,10 @@ static PyObject *Core_register(Core *c, PyObject *args)
     Target *t = &targets[c->target];
     LOCKED(c, 1, 0.0, rc, {
         Now now = section_now(given);
-        for (int m = 0; m < c->o[G_MEMBER_COUNT] && got < 0; m++) {
+        for (int m = 0; m < MEMBER_COUNT && got < 0; m++) {
             long mb = mbase(c, m);
-            uint64_t old = ld64(c, mb + c->o[M_SERIAL]);
-            if (ld32(c, mb + c->o[M_IN_USE])) {
+            uint64_t old = ld64(c, mb + MEMBER_SERIAL);
+            if (ld32(c, mb + MEMBER_IN_USE)) {
                 if (member_byte_held(c, m, NULL))
                     continue;
                 drop_member_records(c, m, old, now, &rings, NULL); /* its owner died */
@@ -2502,16 +2483,16 @@ static PyObject *Core_register(Core *c, PyObject *args)
             if (byte_lock(t->fd, c->kind, 1 + (off_t)m, F_WRLCK, 0) != 0)
                 continue;
             serial = old + 1;
-            st32(c, mb + c->o[M_PID], pid);
-            std_(c, mb + c->o[M_START], start);
-            st64(c, mb + c->o[M_SERIAL], serial);
-            *(uint16_t *)AT(c, mb + c->o[M_MAJOR]) = (uint16_t)major;
-            *(uint16_t *)AT(c, mb + c->o[M_MINOR]) = (uint16_t)minor;
-            std_(c, mb + c->o[M_ATTACHED_AT], now.wall);
-            memset(AT(c, mb + c->o[M_LABEL]), 0, c->o[G_LABEL_BYTES]);
-            memcpy(AT(c, mb + c->o[M_LABEL]), label, label_len);
-            st64(c, mb + c->o[M_BELL], bell);
-            st32(c, mb + c->o[M_IN_USE], 1); /* last */
+            st32(c, mb + MEMBER_PID, pid);
+            std_(c, mb + MEMBER_START, start);
+            st64(c, mb + MEMBER_SERIAL, serial);
+            *(uint16_t *)AT(c, mb + MEMBER_MAJOR) = (uint16_t)major;
+            *(uint16_t *)AT(c, mb + MEMBER_MINOR) = (uint16_t)minor;
+            std_(c, mb + MEMBER_ATTACHED_AT, now.wall);
+            memset(AT(c, mb + MEMBER_LABEL), 0, LABEL_BYTES);
+            memcpy(AT(c, mb + MEMBER_LABEL), label, label_len);
+            st64(c, mb + MEMBER_BELL, bell);
+            st32(c, mb + MEMBER_IN_USE, 1); /* last */
             t->own[m] = serial;
             got = m;
             c->member = m;
@@ -2528,7 +2509,7 @@ static PyObject *Core_register(Core *c, PyObject *args)
     if (got >= 0) {
         c->own_bell = own;
         if (c->owned == NULL)
-            c->owned = PyMem_Calloc((size_t)(c->o[G_PROVIDER_COUNT] * c->o[G_HOLDERS_PER]), sizeof(uint64_t));
+            c->owned = PyMem_Calloc((size_t)(PROVIDER_COUNT * HOLDERS_PER_PROVIDER), sizeof(uint64_t));
         if (c->owned == NULL)
             return PyErr_NoMemory();
     } else if (own)
@@ -2560,11 +2541,11 @@ static PyObject *Core_unregister(Core *c, PyObject *args)
         c->member = -1; /* inside the section: an arrival waiting for the lock sees it */
         drop_member_records(c, m, serial, now, &rings, &cut);
         if (c->owned)
-            memset(c->owned, 0, sizeof(uint64_t) * (size_t)(c->o[G_PROVIDER_COUNT] * c->o[G_HOLDERS_PER]));
+            memset(c->owned, 0, sizeof(uint64_t) * (size_t)(PROVIDER_COUNT * HOLDERS_PER_PROVIDER));
         long mb = mbase(c, m);
-        if (ld64(c, mb + c->o[M_SERIAL]) == serial) {
-            st32(c, mb + c->o[M_IN_USE], 0);
-            st64(c, mb + c->o[M_BELL], 0);
+        if (ld64(c, mb + MEMBER_SERIAL) == serial) {
+            st32(c, mb + MEMBER_IN_USE, 0);
+            st64(c, mb + MEMBER_BELL, 0);
         }
         t->own[m] = 0;
         byte_lock(t->fd, c->kind, 1 + (off_t)m, F_UNLCK, 0);
@@ -2589,14 +2570,14 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
         return NULL;
     if (!usable(c))
         return NULL;
-    if (id_len < 1 || id_len > c->o[G_ID_BYTES] || memchr(id, 0, id_len)) {
+    if (id_len < 1 || id_len > ID_BYTES || memchr(id, 0, id_len)) {
         PyErr_SetString(PyExc_ValueError, "a provider id is 1 to ID_BYTES bytes without NUL");
         return NULL;
     }
-    if (reason_len > c->o[G_REASON_BYTES])
-        reason_len = c->o[G_REASON_BYTES];
+    if (reason_len > REASON_BYTES)
+        reason_len = REASON_BYTES;
     char padded[256];
-    if (c->o[G_ID_BYTES] > (long)sizeof padded) {
+    if (ID_BYTES > (long)sizeof padded) {
         PyErr_SetString(PyExc_ValueError, "ID_BYTES too large");
         return NULL;
     }
@@ -2604,26 +2585,26 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
     memcpy(padded, id, id_len);
     int rc, index = -1, created = 0;
     LOCKED(c, 1, 0.0, rc, {
-        for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+        for (int p = 0; p < PROVIDER_COUNT; p++) {
             long b = pbase(c, p);
-            if (ld32(c, b + c->o[P_IN_USE])) {
-                if (memcmp(AT(c, b + c->o[P_ID]), padded, c->o[G_ID_BYTES]) == 0) {
+            if (ld32(c, b + PROVIDER_IN_USE)) {
+                if (memcmp(AT(c, b + PROVIDER_ID), padded, ID_BYTES) == 0) {
                     index = p;
                     break;
                 }
                 continue;
             }
-            memcpy(AT(c, b + c->o[P_ID]), padded, c->o[G_ID_BYTES]);
-            st32(c, b + c->o[P_QUEUE_BOUND], (uint32_t)bound);
+            memcpy(AT(c, b + PROVIDER_ID), padded, ID_BYTES);
+            st32(c, b + PROVIDER_QUEUE_BOUND, (uint32_t)bound);
             put_counts(c, b, 0, 0);
-            st32(c, b + c->o[P_PUBLISHED], (uint32_t)-1);
-            st32(c, b + c->o[P_DISCOVERED], (uint32_t)-1);
-            st32(c, b + c->o[P_FALLBACK], (uint32_t)fallback);
-            st32(c, b + c->o[P_FALLBACK_SOURCE], (uint32_t)source);
-            st32(c, b + c->o[P_FLAGS], (uint32_t)flags);
-            memset(AT(c, b + c->o[P_REASON]), 0, c->o[G_REASON_BYTES]);
-            memcpy(AT(c, b + c->o[P_REASON]), reason, reason_len);
-            st32(c, b + c->o[P_IN_USE], 1); /* last */
+            st32(c, b + PROVIDER_PUBLISHED_LIMIT, (uint32_t)-1);
+            st32(c, b + PROVIDER_DISCOVERED, (uint32_t)-1);
+            st32(c, b + PROVIDER_FALLBACK_LIMIT, (uint32_t)fallback);
+            st32(c, b + PROVIDER_FALLBACK_SOURCE, (uint32_t)source);
+            st32(c, b + PROVIDER_FLAGS, (uint32_t)flags);
+            memset(AT(c, b + PROVIDER_REASON), 0, REASON_BYTES);
+            memcpy(AT(c, b + PROVIDER_REASON), reason, reason_len);
+            st32(c, b + PROVIDER_IN_USE, 1); /* last */
             index = p;
             created = 1;
             break;
@@ -2657,7 +2638,7 @@ static int parse_patches(Core *c, PyObject *seq, Patch **out, Py_ssize_t *n, PyO
         Py_ssize_t len;
         if (!PyArg_ParseTuple(item, "ly#", &off, &src, &len))
             return -1;
-        if (off < 0 || len < 0 || off + len > c->o[G_TOTAL_SIZE]) {
+        if (off < 0 || len < 0 || off + len > TOTAL_SIZE) {
             PyErr_SetString(PyExc_ValueError, "a patch outside the segment");
             return -1;
         }
@@ -2694,8 +2675,8 @@ static PyObject *Core_transact(Core *c, PyObject *args)
                 if (do_sweep)
                     sweep(c, now, &rings);
                 else if (do_pump)
-                    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
-                        if (ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+                    for (int p = 0; p < PROVIDER_COUNT; p++)
+                        if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
                             pump(c, p, now, &rings, NULL);
             }
         });
@@ -2718,12 +2699,12 @@ static PyObject *Core_snapshot(Core *c, PyObject *unused)
 {
     if (!usable(c))
         return NULL;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, c->o[G_TOTAL_SIZE]);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, TOTAL_SIZE);
     if (!out)
         return NULL;
     char *dst = PyBytes_AsString(out);
     int rc;
-    LOCKED(c, 1, 0.0, rc, { memcpy(dst, c->base, c->o[G_TOTAL_SIZE]); });
+    LOCKED(c, 1, 0.0, rc, { memcpy(dst, c->base, TOTAL_SIZE); });
     if (rc < 0 || rc == E_DAMAGED_LOCK) {
         Py_DECREF(out);
         return lock_error(c, rc);
@@ -2759,14 +2740,14 @@ static PyObject *Core_own_records(Core *c, PyObject *unused)
         return NULL;
     long running = 0, waiting = 0;
     if (c->member >= 0)
-        for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
-            if (!ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+        for (int p = 0; p < PROVIDER_COUNT; p++) {
+            if (!ld32(c, pbase(c, p) + PROVIDER_IN_USE))
                 continue;
-            for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+            for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
                 long hb = hbase(c, p, h);
-                uint32_t s = own_state(c, hb, ld32(c, hb + c->o[K_STATE]));
-                if (s != FREE && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
-                    ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial) {
+                uint32_t s = own_state(c, hb, ld32(c, hb + HOLDER_STATE));
+                if (s != FREE && ldi32(c, hb + HOLDER_MEMBER) == c->member &&
+                    ld64(c, hb + HOLDER_MEMBER_SERIAL) == c->member_serial) {
                     if (s == RUNNING)
                         running++;
                     else if (s == WAITING)
@@ -3001,9 +2982,9 @@ static PyObject *Core_hold_lock(Core *c, PyObject *args)
     if (rc != 0)
         return lock_error(c, rc);
     if (dirty) /* as if killed mid-write: counters that disagree with the records */
-        for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
-            if (ld32(c, pbase(c, p) + c->o[P_IN_USE]))
-                st32(c, pbase(c, p) + c->o[P_RUNNING], 999);
+        for (int p = 0; p < PROVIDER_COUNT; p++)
+            if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
+                st32(c, pbase(c, p) + PROVIDER_RUNNING, 999);
     Py_RETURN_NONE;
 }
 
@@ -3043,12 +3024,12 @@ static PyObject *Core_die_in_section(Core *c, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     rc = enter(c, 1, 0.0);
     if (rc == 0) {
-        for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
-            if (ld32(c, pbase(c, p) + c->o[P_IN_USE]))
-                st32(c, pbase(c, p) + c->o[P_RUNNING], running);
+        for (int p = 0; p < PROVIDER_COUNT; p++)
+            if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
+                st32(c, pbase(c, p) + PROVIDER_RUNNING, running);
         if (c->kind == KIND_ROBUST) {
 #if HAVE_ROBUST
-            pthread_mutex_unlock((pthread_mutex_t *)AT(c, c->o[H_MUTEX]));
+            pthread_mutex_unlock((pthread_mutex_t *)AT(c, MUTEX_OFFSET));
 #endif
         } else {
             byte_lock(targets[c->target].fd, c->kind, 0, F_UNLCK, 0);
@@ -3275,9 +3256,9 @@ static PyObject *mod_probe(PyObject *self, PyObject *args)
 
 static PyObject *mod_fields(PyObject *self, PyObject *unused)
 {
-    PyObject *t = PyTuple_New(NFIELDS);
-    for (int i = 0; t && i < NFIELDS; i++)
-        PyTuple_SetItem(t, i, PyUnicode_FromString(FIELD_NAMES[i]));
+    PyObject *t = PyTuple_New(NLAYOUT);
+    for (int i = 0; t && i < NLAYOUT; i++)
+        PyTuple_SetItem(t, i, PyUnicode_FromString(LAYOUT[i].key));
     return t;
 }
 

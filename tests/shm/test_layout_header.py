@@ -3,11 +3,14 @@ layout refuses to attach."""
 
 from __future__ import annotations
 
+import mmap
 import subprocess
 import sys
 from pathlib import Path
 
-from shm_layout import gen_header, layout
+import pytest
+
+from shm_layout import _core, gen_header, layout
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,9 +24,8 @@ def test_the_committed_header_is_what_the_generator_writes_from_layout_py() -> N
 
 def test_the_generator_check_mode_fails_on_a_stale_header(tmp_path: Path) -> None:
     stale = tmp_path / "_layout.h"
-    stale.write_text(
-        gen_header.render().replace("#define HOLDER_STATE 0", "#define HOLDER_STATE 4")
-    )
+    text = gen_header.render()
+    stale.write_text(text.replace("#define HOLDER_STATE 0", "#define HOLDER_STATE 4"))
     code = (
         "import sys; from pathlib import Path; from shm_layout import gen_header; "
         f"gen_header.HEADER_PATH = Path({str(stale)!r}); sys.exit(gen_header.main(['--check']))"
@@ -39,3 +41,18 @@ def test_every_offset_the_core_is_handed_is_named_in_the_header() -> None:
     header = gen_header.render()
     for key in layout.core_offsets():
         assert f'X("{key}", ' in header, key
+    assert tuple(_core.fields()) == tuple(layout.core_offsets())
+
+
+def test_a_core_built_for_another_layout_refuses_to_attach_with_one_line() -> None:
+    offsets = layout.core_offsets()
+    offsets["k.state"] += 8
+    buf = mmap.mmap(-1, layout.TOTAL_SIZE)
+    try:
+        with pytest.raises(_core.CoreError) as info:
+            _core.Core(buf, offsets, layout.LOCK_FILE, "/nonexistent", False, "/gwcap-header-test")
+    finally:
+        buf.close()
+    text = str(info.value)
+    assert "\n" not in text
+    assert "k.state" in text and "built for another layout" in text and "rebuild" in text
