@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -360,7 +361,7 @@ class _Attachment:
         place in the queue nor a grant stays with a request nobody runs (R-A14)."""
         self.unwatch(waiter)
         if waiter.ticket.live:
-            waiter.ticket.leave(_core.CANCELLED, True)
+            waiter.ticket.leave(_core.CANCELLED, blocking=True)
             self.adm._log_once(
                 "orphan",
                 "a request was waiting in an event loop that was closed; its place was freed",
@@ -537,7 +538,9 @@ class Admission:
         ``QueueFull`` as :meth:`acquire` does. Give the ticket back with :meth:`release`."""
         ticket = self.slot(provider)
         core = _core_of(ticket)
-        code = core.arrive(ticket, ticket.provider, os.getpid(), IN_CORE, False, False, -1.0)
+        code = core.arrive(
+            ticket, ticket.provider, os.getpid(), IN_CORE, may_wait=False, blocking=False
+        )
         if code == _core.ADMIT:
             return Ticket(provider, ticket)
         if code in (_core.FULL, _core.CLOSED):
@@ -561,10 +564,11 @@ class Admission:
         core_ticket = ticket._take()
         if core_ticket is None or not core_ticket.live:
             return
-        if core_ticket.leave(_core.RELEASED, False) == -1:
+        if core_ticket.leave(_core.RELEASED, blocking=False) == -1:
             threading.Thread(
                 target=core_ticket.leave,
-                args=(_core.RELEASED, True),
+                args=(_core.RELEASED,),
+                kwargs={"blocking": True},
                 name="gwcap-release",
                 daemon=True,
             ).start()
@@ -747,12 +751,12 @@ class Admission:
                 if result == _core.W_GRANTED:
                     return
                 if result == _core.W_MOVED:
-                    ticket.leave(_core.CANCELLED, True)
+                    ticket.leave(_core.CANCELLED, blocking=True)
                     code = _core.MOVED
                     continue
                 if result == _core.W_TIMEOUT:
                     why = self._timed_out(ticket)  # while the record still holds its ticket
-                    ticket.leave(_core.TIMEOUT, True)  # a grant that raced is handed on
+                    ticket.leave(_core.TIMEOUT, blocking=True)  # a grant that raced is handed on
                     raise AdmissionTimeout(why)
                 if result == _core.W_CLOSED or self._closing:
                     raise AdmissionError("this Admission was closed while waiting")
@@ -761,13 +765,20 @@ class Admission:
             # Whatever landed (a timeout, a KeyboardInterrupt, an exception from a signal
             # handler): leave nothing behind (R-A12). Should this line itself be skipped,
             # the ticket frees its record when it is dropped.
-            ticket.leave(_core.CANCELLED, True)
+            ticket.leave(_core.CANCELLED, blocking=True)
             raise
 
     def _arrive_again(self, ticket: CoreTicket, deadline: float | None) -> int:
         remaining = -1.0 if deadline is None else max(deadline - platform.deadline_now(), 0.0)
         code: int = _core_of(ticket).arrive(
-            ticket, ticket.provider, os.getpid(), IN_CORE, True, True, remaining, True
+            ticket,
+            ticket.provider,
+            os.getpid(),
+            IN_CORE,
+            may_wait=True,
+            blocking=True,
+            timeout=remaining,
+            futex=True,
         )
         return code
 
@@ -835,15 +846,13 @@ class Admission:
             # for: R-A4).
             while code == _core.BUSY:
                 code = await self._off_loop(
-                    _core_of(ticket).arrive,
+                    functools.partial(
+                        _core_of(ticket).arrive, may_wait=True, blocking=True, timeout=LOCK_TURN_S
+                    ),
                     ticket,
                     ticket.provider,
                     os.getpid(),
                     IN_CORE,
-                    True,
-                    True,
-                    LOCK_TURN_S,
-                    False,
                 )
             if code == _core.MOVED:
                 ticket = self._moved_ticket(ticket)
@@ -886,8 +895,8 @@ class Admission:
             att.unwatch(waiter)
 
     async def _leave_async(self, ticket: CoreTicket, outcome: int) -> None:
-        if ticket.leave(outcome, False) == -1:  # the lock is busy: not on the loop
-            await self._off_loop(ticket.leave, outcome, True)
+        if ticket.leave(outcome, blocking=False) == -1:  # the lock is busy: not on the loop
+            await self._off_loop(functools.partial(ticket.leave, blocking=True), outcome)
 
     def _aexit_slow(self, ticket: CoreTicket) -> Coroutine[Any, Any, None]:
         return self._leave_async(ticket, _core.RELEASED)

@@ -1856,15 +1856,28 @@ static int do_arrive(Core *c, Ticket *tk, int p, unsigned int pid, double given,
     return decision;
 }
 
-/* arrive(ticket, provider, pid, now, may_wait, blocking, timeout, futex=False) -> code */
-static PyObject *Core_arrive(Core *c, PyObject *args)
+/* A flag every caller must name (``may_wait=``, ``blocking=``): PyArg_ParseTupleAndKeywords
+ * has no required keyword-only arguments, so it starts at -1 and is checked here. */
+static int named(int flag, const char *call, const char *name)
 {
+    if (flag >= 0)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s() missing required keyword-only argument: '%s'", call, name);
+    return -1;
+}
+
+/* arrive(ticket, provider, pid, now, *, may_wait, blocking, timeout=-1.0, futex=False) -> code */
+static PyObject *Core_arrive(Core *c, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"ticket", "provider", "pid", "now", "may_wait", "blocking", "timeout", "futex", NULL};
     PyObject *tko;
-    int p, may_wait, blocking, futex = 0;
+    int p, may_wait = -1, blocking = -1, futex = 0;
     unsigned int pid;
-    double now, timeout;
-    if (!PyArg_ParseTuple(args, "O!iIdppd|p", TicketType, &tko, &p, &pid, &now, &may_wait, &blocking,
-                          &timeout, &futex))
+    double now, timeout = -1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!iId|$ppdp", kwlist, TicketType, &tko, &p, &pid, &now,
+                                     &may_wait, &blocking, &timeout, &futex))
+        return NULL;
+    if (named(may_wait, "arrive", "may_wait") < 0 || named(blocking, "arrive", "blocking") < 0)
         return NULL;
     int code = do_arrive(c, (Ticket *)tko, p, pid, now, may_wait, blocking, timeout, futex);
     return code < 0 ? NULL : PyLong_FromLong(code);
@@ -1976,13 +1989,17 @@ static int do_leave(Ticket *tk, int outcome, double given, int blocking)
     return was;
 }
 
-/* leave(ticket, outcome, now, blocking) -> -1 busy, 0 stale, 1 was running, 2 was waiting */
-static PyObject *Core_leave(Core *c, PyObject *args)
+/* leave(ticket, outcome, now, *, blocking) -> -1 busy, 0 stale, 1 was running, 2 was waiting */
+static PyObject *Core_leave(Core *c, PyObject *args, PyObject *kwds)
 {
+    static char *kwlist[] = {"ticket", "outcome", "now", "blocking", NULL};
     PyObject *tko;
-    int outcome, blocking;
+    int outcome, blocking = -1;
     double now;
-    if (!PyArg_ParseTuple(args, "O!idp", TicketType, &tko, &outcome, &now, &blocking))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!id|$p", kwlist, TicketType, &tko, &outcome, &now,
+                                     &blocking))
+        return NULL;
+    if (named(blocking, "leave", "blocking") < 0)
         return NULL;
     Ticket *tk = (Ticket *)tko;
     if (tk->core != c || !tk->live)
@@ -2385,13 +2402,14 @@ static PyObject *Core_still_named(Core *c, PyObject *unused)
     return PyLong_FromLong(answer);
 }
 
-/* sweep(now, blocking=True) and reap(now, blocking=True): one step that frees dead
+/* sweep(now, *, blocking=True) and reap(now, *, blocking=True): one step that frees dead
  * holders' records (the sweep also checks for damage), -> reclaimed, -1 busy. */
-static PyObject *reclaim_step(Core *c, PyObject *args, uint32_t (*step)(Core *, Now, Rings *))
+static PyObject *reclaim_step(Core *c, PyObject *args, PyObject *kwds, uint32_t (*step)(Core *, Now, Rings *))
 {
+    static char *kwlist[] = {"now", "blocking", NULL};
     double given;
     int blocking = 1;
-    if (!PyArg_ParseTuple(args, "d|p", &given, &blocking))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "d|$p", kwlist, &given, &blocking))
         return NULL;
     if (!usable(c))
         return NULL;
@@ -2408,8 +2426,8 @@ static PyObject *reclaim_step(Core *c, PyObject *args, uint32_t (*step)(Core *, 
     return PyLong_FromUnsignedLong(reclaimed);
 }
 
-static PyObject *Core_sweep(Core *c, PyObject *args) { return reclaim_step(c, args, sweep); }
-static PyObject *Core_reap(Core *c, PyObject *args) { return reclaim_step(c, args, reap); }
+static PyObject *Core_sweep(Core *c, PyObject *args, PyObject *kwds) { return reclaim_step(c, args, kwds, sweep); }
+static PyObject *Core_reap(Core *c, PyObject *args, PyObject *kwds) { return reclaim_step(c, args, kwds, reap); }
 
 static PyObject *Core_pump_all(Core *c, PyObject *args)
 {
@@ -2915,11 +2933,14 @@ static PyObject *Ticket_aexit(Ticket *t, PyObject *args)
     return PyObject_CallFunction(c->slow_aexit, "O", (PyObject *)t);
 }
 
-/* leave(outcome, blocking=True) -> as Core.leave, on the ticket's own core. */
-static PyObject *Ticket_leave(Ticket *t, PyObject *args)
+/* leave(outcome, *, blocking) -> as Core.leave, on the ticket's own core. */
+static PyObject *Ticket_leave(Ticket *t, PyObject *args, PyObject *kwds)
 {
-    int outcome, blocking = 1;
-    if (!PyArg_ParseTuple(args, "i|p", &outcome, &blocking))
+    static char *kwlist[] = {"outcome", "blocking", NULL};
+    int outcome, blocking = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|$p", kwlist, &outcome, &blocking))
+        return NULL;
+    if (named(blocking, "leave", "blocking") < 0)
         return NULL;
     int was = do_leave(t, outcome, 0.0, blocking);
     return was == -2 ? NULL : PyLong_FromLong(was);
@@ -3043,8 +3064,10 @@ static PyObject *Core_die_in_section(Core *c, PyObject *args)
 }
 
 static PyMethodDef Core_methods[] = {
-    {"arrive", (PyCFunction)Core_arrive, METH_VARARGS, "arrive(ticket, provider, pid, now, may_wait, blocking, timeout, futex=False) -> code"},
-    {"leave", (PyCFunction)Core_leave, METH_VARARGS, "leave(ticket, outcome, now, blocking) -> -1 busy, 0 stale, 1 running, 2 waiting"},
+    {"arrive", (PyCFunction)(void (*)(void))Core_arrive, METH_VARARGS | METH_KEYWORDS,
+     "arrive(ticket, provider, pid, now, *, may_wait, blocking, timeout=-1.0, futex=False) -> code"},
+    {"leave", (PyCFunction)(void (*)(void))Core_leave, METH_VARARGS | METH_KEYWORDS,
+     "leave(ticket, outcome, now, *, blocking) -> -1 busy, 0 stale, 1 running, 2 waiting"},
     {"state", (PyCFunction)Core_state, METH_O, "state(ticket) -> record state (lock-free)"},
     {"wait", (PyCFunction)Core_wait, METH_VARARGS, "wait(ticket, timeout) -> (W_*, reclaimed): sleep on the record (Linux)"},
     {"dispatch", (PyCFunction)Core_dispatch, METH_VARARGS, "dispatch(period, watched, always=False) -> (changed, reclaimed, posts)"},
@@ -3052,8 +3075,10 @@ static PyMethodDef Core_methods[] = {
     {"begin_close", (PyCFunction)Core_begin_close, METH_VARARGS, "begin_close(now) -> waiting records freed"},
     {"retire", (PyCFunction)Core_retire, METH_NOARGS, "the name leads elsewhere: waiters move"},
     {"still_named", (PyCFunction)Core_still_named, METH_NOARGS, "1 same object, 0 replaced or gone, -1 unknown"},
-    {"sweep", (PyCFunction)Core_sweep, METH_VARARGS, "sweep(now, blocking=True) -> reclaimed, -1 busy"},
-    {"reap", (PyCFunction)Core_reap, METH_VARARGS, "reap(now, blocking=True) -> reclaimed, -1 busy"},
+    {"sweep", (PyCFunction)(void (*)(void))Core_sweep, METH_VARARGS | METH_KEYWORDS,
+     "sweep(now, *, blocking=True) -> reclaimed, -1 busy"},
+    {"reap", (PyCFunction)(void (*)(void))Core_reap, METH_VARARGS | METH_KEYWORDS,
+     "reap(now, *, blocking=True) -> reclaimed, -1 busy"},
     {"pump_all", (PyCFunction)Core_pump_all, METH_VARARGS, "pump_all(now)"},
     {"register", (PyCFunction)Core_register, METH_VARARGS, "register(pid, start, label, major, minor, now, bell=0) -> (member, serial)"},
     {"unregister", (PyCFunction)Core_unregister, METH_VARARGS, "unregister(now) -> running records cut"},
@@ -3099,7 +3124,7 @@ static PyMethodDef Ticket_methods[] = {
     {"__exit__", (PyCFunction)Ticket_exit, METH_VARARGS, "release"},
     {"__aenter__", (PyCFunction)Ticket_aenter, METH_NOARGS, "arrive without blocking the loop"},
     {"__aexit__", (PyCFunction)Ticket_aexit, METH_VARARGS, "release without blocking the loop"},
-    {"leave", (PyCFunction)Ticket_leave, METH_VARARGS, "leave(outcome, blocking=True)"},
+    {"leave", (PyCFunction)(void (*)(void))Ticket_leave, METH_VARARGS | METH_KEYWORDS, "leave(outcome, *, blocking)"},
     {"rebind", (PyCFunction)Ticket_rebind, METH_VARARGS, "rebind(core, provider): move a ticket that is not live"},
     {NULL}
 };

@@ -200,7 +200,10 @@ def test_r_g6_a_doorbell_another_user_owns_is_never_posted(segment_name: str, co
     try:
         held = [other.acquire_blocking("p1"), other.acquire_blocking("p1")]
         waiting = _core.Ticket()  # a waiter woken by its doorbell (as async waiters are)
-        assert adm._core.arrive(waiting, 0, os.getpid(), 0.0, True, True, -1.0) == _core.WAIT
+        assert (
+            adm._core.arrive(waiting, 0, os.getpid(), 0.0, may_wait=True, blocking=True)
+            == _core.WAIT
+        )
         m = adm._current.member
         MEMBER["bell"].put(adm._buf, int(name.rsplit("-", 1)[1], 16), member_base(m))
         other.release(held.pop())  # the grant goes to our waiting record
@@ -210,7 +213,7 @@ def test_r_g6_a_doorbell_another_user_owns_is_never_posted(segment_name: str, co
             assert sem.value == 0  # nobody's semaphore was not posted
         finally:
             sem.close()
-        waiting.leave(_core.RELEASED, True)
+        waiting.leave(_core.RELEASED, blocking=True)
         with adm.slot_blocking("p1", timeout=2):  # our next arrival repairs our row
             assert MEMBER["bell"].get(adm._buf, member_base(m)) == adm._current.bell
         other.release(held.pop())

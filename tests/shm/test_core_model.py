@@ -143,9 +143,15 @@ class CoreAgainstModel(RuleBasedStateMachine):
         live = [m for m in self.members if m.alive and not m.retired]
         m = live[who % len(live)]
         ticket = _core.Ticket()
-        code = m.core.arrive(ticket, provider, m.pid, self.now, may_wait, True, -1.0)
+        code = m.core.arrive(ticket, provider, m.pid, self.now, may_wait=may_wait, blocking=True)
         decision, model_ticket, _ = self.model.arrive(
-            provider, m.pid, m.index, m.serial, self.now, may_wait, registered=not m.closing
+            provider,
+            m.pid,
+            m.index,
+            m.serial,
+            self.now,
+            may_wait=may_wait,
+            registered=not m.closing,
         )
         assert CODES[code] == decision
         if decision != "closed":
@@ -183,9 +189,9 @@ class CoreAgainstModel(RuleBasedStateMachine):
             # left already (its loop was torn down): a second leave is a no-op, whatever
             # its old record now says (a bad write may have revived it with its serial);
             # the model's tickets carry no liveness, so it is not asked
-            assert m.core.leave(ticket, OUTCOMES[outcome], self.now, True) == 0
+            assert m.core.leave(ticket, OUTCOMES[outcome], self.now, blocking=True) == 0
             return
-        was = m.core.leave(ticket, OUTCOMES[outcome], self.now, True)
+        was = m.core.leave(ticket, OUTCOMES[outcome], self.now, blocking=True)
         model_was, _ = self.model.leave(model_ticket, m.index, m.serial, outcome, self.now)  # type: ignore[arg-type]
         assert WAS[was] == model_was
         if model_was != "stale":
@@ -293,7 +299,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
             if owner is not m:
                 continue
             self.running = [r for r in self.running if r[1] is not ticket]
-            was = m.core.leave(ticket, _core.CANCELLED, self.now, True)
+            was = m.core.leave(ticket, _core.CANCELLED, self.now, blocking=True)
             model_was, _ = self.model.leave(model_ticket, m.index, m.serial, "cancelled", self.now)
             # freeing one orphan may grant the next one: freed all the same (unless its
             # record was freed and then written back to life: a phantom, not its own)
@@ -316,7 +322,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
                 continue
             assert m.core.still_named() == 0
             m.core.retire()
-            code = m.core.arrive(_core.Ticket(), 0, m.pid, 0.0, True, True, -1.0)
+            code = m.core.arrive(_core.Ticket(), 0, m.pid, 0.0, may_wait=True, blocking=True)
             assert code == (_core.CLOSED if m.closing else _core.MOVED) and m.core.moved
             m.retired = True
         assert self.replacement.core.still_named() == 1
@@ -595,8 +601,12 @@ def test_a_phantom_waiter_freed_by_a_grant_never_strands_a_real_one(
         writer.ensure_provider(seg, "p0", 1, "provider", False)
         member = Member(seg, 101, 1000.0)
         running, waiter = _core.Ticket(), _core.Ticket()
-        assert member.core.arrive(running, 0, 101, 1000.0, True, True, -1.0) == _core.ADMIT
-        assert member.core.arrive(waiter, 0, 101, 1000.0, True, True, -1.0) == _core.WAIT
+        assert (
+            member.core.arrive(running, 0, 101, 1000.0, may_wait=True, blocking=True) == _core.ADMIT
+        )
+        assert (
+            member.core.arrive(waiter, 0, 101, 1000.0, may_wait=True, blocking=True) == _core.WAIT
+        )
         phantom = next(
             ledger.holder_base(0, h)
             for h in range(layout.HOLDERS_PER_PROVIDER)
@@ -607,7 +617,7 @@ def test_a_phantom_waiter_freed_by_a_grant_never_strands_a_real_one(
         HOLDER["member"].put(seg.buf, dead.index, phantom)
         HOLDER["member_serial"].put(seg.buf, dead.serial, phantom)
         HOLDER["state"].put(seg.buf, HOLDER_WAITING, phantom)  # ticket 0: the queue's head
-        assert member.core.leave(running, _core.RELEASED, 1000.0, True) == 1
+        assert member.core.leave(running, _core.RELEASED, 1000.0, blocking=True) == 1
         assert member.core.state(waiter) == HOLDER_RUNNING  # not left waiting with room
         base = ledger.provider_base(0)
         assert (PROVIDER["running"].get(seg.buf, base), PROVIDER["waiting"].get(seg.buf, base)) == (
