@@ -21,14 +21,14 @@ UNAME := $(shell uname -s)
 $(STAMP): pyproject.toml setup.py shm_layout/_core.c shm_layout/_layout.h
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,lint,bench,plot,router,serve,litellm]'
+	GATEWAY_CAPACITY_TEST_HOOKS=1 $(PY) -m pip install --quiet -e '.[test,lint,bench,plot,router,serve,litellm]'
 	touch $(STAMP) $(DEMO_STAMP)
 
 DEMO_STAMP := $(VENV)/.installed-demo
 $(DEMO_STAMP): pyproject.toml setup.py shm_layout/_core.c shm_layout/_layout.h
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[router,plot]'
+	GATEWAY_CAPACITY_TEST_HOOKS=1 $(PY) -m pip install --quiet -e '.[router,plot]'
 	touch $(DEMO_STAMP)
 
 # `make wheel`'s tools, from PyPI into the venv (tests/repo/test_wheel.py uses them too)
@@ -137,7 +137,7 @@ runs:
 # replays (tests/router/fixtures/llama-server-*-recorded.json).
 real-workers: $(STAMP)
 	./scripts/ensure-tools --real-workers
-	$(PY) -m pip install --quiet -e '.[real]'
+	GATEWAY_CAPACITY_TEST_HOOKS=1 $(PY) -m pip install --quiet -e '.[real]'
 	GWCAP_LLAMA_SERVER="$$(./scripts/build-llama-server $(PY))" && export GWCAP_LLAMA_SERVER && \
 	$(PY) -m pytest -q -n 0 -rs tests/real && \
 	$(PY) scripts/record-llama-server.py

@@ -26,7 +26,7 @@
  *   6. wake-ups               doorbells (named, per registration) and futexes
  *   7. Core methods           one Python call = one locked step, GIL released to wait
  *   8. Ticket                 one holder record's handle; the slot context manager
- *   9. tests only             hold_lock, abandon, die_in_section
+ *   9. tests only             hold_lock, abandon, die_in_section (a test build only)
  *  10. module                 init_mutex, probe, mutex_state, the types
  *
  * Byte offsets and the constants shared with Python are not written here: they come
@@ -2985,7 +2985,10 @@ static PyObject *Ticket_repr(Ticket *t)
 
 /* ===== 9. tests only ======================================================================
  * What a test needs to play a process frozen or killed inside the lock, and a death that
- * drops a registration's lock byte. Nothing in the product calls these. */
+ * drops a registration's lock byte. Nothing in the product calls these: they are compiled
+ * only into a test build (GWCAP_TEST_HOOKS, set by setup.py when
+ * GATEWAY_CAPACITY_TEST_HOOKS=1, as `make test` builds); _core.TEST_HOOKS says which. */
+#ifdef GWCAP_TEST_HOOKS
 
 /* hold_lock(dirty=False): take the lock and never let it go, as a process frozen inside
  * a section would. */
@@ -3062,6 +3065,10 @@ static PyObject *Core_die_in_section(Core *c, PyObject *args)
         return lock_error(c, rc);
     Py_RETURN_NONE;
 }
+#define TEST_HOOKS 1
+#else
+#define TEST_HOOKS 0
+#endif /* GWCAP_TEST_HOOKS */
 
 static PyMethodDef Core_methods[] = {
     {"arrive", (PyCFunction)(void (*)(void))Core_arrive, METH_VARARGS | METH_KEYWORDS,
@@ -3090,9 +3097,11 @@ static PyMethodDef Core_methods[] = {
     {"take_events", (PyCFunction)Core_take_events, METH_NOARGS, "(lock repairs, damage repairs, note) since the last call"},
     {"set_slow_paths", (PyCFunction)Core_set_slow_paths, METH_VARARGS, "set_slow_paths(enter, aenter, aexit)"},
     {"close", (PyCFunction)Core_close, METH_NOARGS, "release the buffer and the lock target"},
+#ifdef GWCAP_TEST_HOOKS
     {"hold_lock", (PyCFunction)Core_hold_lock, METH_VARARGS, "tests only: take the lock and keep it"},
     {"abandon", (PyCFunction)Core_abandon, METH_NOARGS, "tests only: drop the member lock as death does"},
     {"die_in_section", (PyCFunction)Core_die_in_section, METH_VARARGS, "tests only: a holder's death mid-section"},
+#endif
     {NULL}
 };
 
@@ -3415,6 +3424,7 @@ PyMODINIT_FUNC PyInit__core(void)
         PyModule_AddObjectRef(m, "DamagedLock", DamagedLock) < 0 ||
         PyModule_AddObjectRef(m, "DONE", DONE) < 0 ||
         add_int(m, "HAVE_ROBUST", HAVE_ROBUST) < 0 || add_int(m, "HAVE_FUTEX", HAVE_FUTEX) < 0 ||
+        add_int(m, "TEST_HOOKS", TEST_HOOKS) < 0 ||
         add_int(m, "KIND_ROBUST", KIND_ROBUST) < 0 || add_int(m, "KIND_FILE", KIND_FILE) < 0 ||
         add_int(m, "BUSY", R_BUSY) < 0 || add_int(m, "ADMIT", R_ADMIT) < 0 || add_int(m, "WAIT", R_WAIT) < 0 ||
         add_int(m, "FULL", R_FULL) < 0 || add_int(m, "WAIT_REFUSED", R_WAIT_REFUSED) < 0 ||

@@ -8,6 +8,7 @@ from shm_layout.errors import DamagedLock as DamagedLock
 
 HAVE_ROBUST: int
 HAVE_FUTEX: int
+TEST_HOOKS: int
 KIND_ROBUST: int
 KIND_FILE: int
 BUSY: int
@@ -147,6 +148,7 @@ class Core:
         aenter: Callable[[Ticket, int], Any],
         aexit: Callable[[Ticket], Any],
     ) -> None: ...
+    # a test build only (TEST_HOOKS == 1): tests reach them through gwtest.core_hooks()
     def hold_lock(self, dirty: bool = ...) -> None: ...
     def abandon(self) -> None: ...
     def die_in_section(self, running: int) -> None: ...

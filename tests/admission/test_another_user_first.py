@@ -20,7 +20,7 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
-from gwtest import NobodyProcess, as_nobody, run_cli
+from gwtest import NobodyProcess, as_nobody, core_hooks, run_cli
 
 from handler_shim import Admission, SegmentError
 from shm_layout import _core, layout, lock, names, platform
@@ -73,7 +73,7 @@ def test_r_g6_a_squatter_holding_the_lock_inside_its_segment_hangs_nobody(
 
     def squat_and_hold() -> None:
         seg = Segment.open(segment_name)
-        seg.core.hold_lock(False)  # and never let go
+        core_hooks(seg.core).hold_lock(False)  # and never let go
 
     squatter = NobodyProcess(squat_and_hold)
     try:

@@ -30,6 +30,7 @@ import secrets
 from typing import Any
 
 import pytest
+from gwtest import core_hooks
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -486,12 +487,12 @@ class CoreAgainstModel(RuleBasedStateMachine):
     def a_process_dies(self, who: int) -> None:
         live = [m for m in self.members if m.alive]
         victim = live[who % len(live)]
-        victim.core.abandon()
+        core_hooks(victim.core).abandon()
         victim.alive = False
 
     @rule(running=st.integers(0, 99))
     def a_lock_holder_dies_mid_section(self, running: int) -> None:
-        self.seg.core.die_in_section(running)
+        core_hooks(self.seg.core).die_in_section(running)
         for p in range(len(PROVIDERS)):
             PROVIDER["running"].put(self.model_buf, running, ledger.provider_base(p))
         self.seg.core.snapshot()  # the next holder repairs before anything else
@@ -613,7 +614,7 @@ def test_a_phantom_waiter_freed_by_a_grant_never_strands_a_real_one(
             if HOLDER["serial"].get(seg.buf, ledger.holder_base(0, h)) == 0
         )
         dead = Member(seg, 102, 1000.0)
-        dead.core.abandon()  # a process that is gone; the phantom names it
+        core_hooks(dead.core).abandon()  # a process that is gone; the phantom names it
         HOLDER["member"].put(seg.buf, dead.index, phantom)
         HOLDER["member_serial"].put(seg.buf, dead.serial, phantom)
         HOLDER["state"].put(seg.buf, HOLDER_WAITING, phantom)  # ticket 0: the queue's head
