@@ -23,7 +23,7 @@ def _records_of(segment: str, pid: int) -> list[str]:
 
 
 def test_r_a12_a_sigint_storm_leaves_no_record_in_a_process_that_goes_on(
-    sem_mode: str, p1_segment: MakeP1Segment, tmp_path: Path
+    lock_kind: str, p1_segment: MakeP1Segment, tmp_path: Path
 ) -> None:
     """Issue 10, observation 3: SIGINT every 1-100 ms to a handler that catches
     KeyboardInterrupt and keeps serving left 1-4 records behind (0 of 3 slots
@@ -65,7 +65,7 @@ def test_r_a12_a_sigint_storm_leaves_no_record_in_a_process_that_goes_on(
 
 
 def test_r_a11_a_stopped_lock_holder_never_freezes_the_event_loop(
-    sem_mode: str, p1_segment: MakeP1Segment
+    lock_kind: str, p1_segment: MakeP1Segment
 ) -> None:
     """Issue 10, observation 2: a lock holder SIGSTOPped for 3 s blocked another process's
     event loop for 2.99 s, since async slot() waited for the lock on the loop."""
@@ -105,7 +105,7 @@ def test_r_a11_a_stopped_lock_holder_never_freezes_the_event_loop(
 
 
 def test_r_a12_close_while_other_threads_wait_for_the_lock_leaves_nothing(
-    sem_mode: str, p1_segment: MakeP1Segment
+    lock_kind: str, p1_segment: MakeP1Segment
 ) -> None:
     """A handler shutting down (close(), or the atexit hook) while its threads are still
     inside slot(), waiting for a lock another process holds: close() returns, the

@@ -3,7 +3,7 @@ while others wait, an event loop closed with waiters, the segment removed or wri
 over by hand, a stepped wall clock.
 
 Real processes (tests/agent.py), the real segment, real signals; both lock kinds where
-the lock takes part (``sem_mode``: the Linux path and the macOS path forced on Linux).
+the lock takes part (``lock_kind``: the Linux path and the macOS path forced on Linux).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _mine(segment: str, pid: int) -> int:
 
 # --- 1. close() racing a waiting arrival; close() while bodies run (R-A14) ----------------
 def test_r_a14_an_arrival_waiting_for_the_lock_when_close_runs_is_refused_never_admitted(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """Before: the arrival wrote its record under a registration close() had just freed
     and ran its body uncounted: 2 running on a limit of 1."""
@@ -85,7 +85,7 @@ def test_r_a14_an_arrival_waiting_for_the_lock_when_close_runs_is_refused_never_
 
 
 def test_r_a14_close_waits_for_running_bodies_then_cuts_with_one_warning(
-    sem_mode: str,
+    lock_kind: str,
     segment_name: str,
     config: Path,
     agents: Callable[..., Agent],
@@ -188,7 +188,7 @@ def test_r_a14_waiters_are_refused_when_close_begins(segment_name: str, config: 
 
 # --- 2. an event loop closed with waiters (R-A14, R-A12) ----------------------------------
 def test_r_a14_waiters_of_a_closed_event_loop_are_freed_within_a_sweep_and_never_granted(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """Before: loop.close() with tasks waiting kept their records for the life of the
     process, and the next grant went to a dead task: the slot was held by nobody."""
@@ -361,7 +361,7 @@ def _cycle(adm: Admission, stop: threading.Event) -> None:
 
 
 def test_r_a14_running_slots_of_a_closed_event_loop_are_freed_within_a_sweep(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """Before: a process whose only async slots were admitted at once (no waiter) never
     collected a closed loop's tasks: its dispatcher slept until something posted it, so
@@ -397,7 +397,7 @@ def test_r_a14_running_slots_of_a_closed_event_loop_are_freed_within_a_sweep(
 # --- 3. the segment removed or replaced by hand (R-A15) -----------------------------------
 @pytest.mark.parametrize("how", ["rm", "unlink --force"])
 def test_r_a15_a_segment_removed_by_hand_never_splits_the_budget(
-    sem_mode: str,
+    lock_kind: str,
     how: str,
     p1_segment: Callable[..., P1Segment],
     caplog: pytest.LogCaptureFixture,
@@ -464,7 +464,7 @@ MOVER = textwrap.dedent(
 
 
 def test_r_a15_r_a5_the_first_to_arrive_after_a_segment_removed_by_hand_keeps_its_old_slots_alive(
-    sem_mode: str, segment_name: str, config: Path, tmp_path: Path
+    lock_kind: str, segment_name: str, config: Path, tmp_path: Path
 ) -> None:
     """Before (lock-file kind): the handler that recreated the segment took over the old
     lock file, stamped it and closed its descriptor, which drops every record lock its
@@ -495,7 +495,7 @@ def test_r_a15_r_a5_the_first_to_arrive_after_a_segment_removed_by_hand_keeps_it
 
 # --- 4. damage (R-A16) ---------------------------------------------------------------------
 def test_r_a16_a_bad_write_to_the_counters_is_never_obeyed(
-    sem_mode: str,
+    lock_kind: str,
     segment_name: str,
     write_config: Callable[..., Path],
     caplog: pytest.LogCaptureFixture,
@@ -531,7 +531,7 @@ def test_r_a16_a_bad_write_to_the_counters_is_never_obeyed(
 
 
 def test_r_a16_a_bad_write_to_an_in_use_word_never_refuses_new_handlers(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """Before: one bad write to a live idle handler's member row (in_use := 2), to a
     provider row's in_use, or to a free record's state made every new attach refuse the
@@ -569,7 +569,7 @@ def test_r_a16_a_bad_write_to_an_in_use_word_never_refuses_new_handlers(
 
 
 def test_r_a3_r_a16_a_bad_write_to_the_next_ticket_lets_no_newcomer_overtake_a_waiter(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """Before: next_ticket := 0 while two processes waited (tickets 21, 22) gave every
     newcomer a smaller ticket than theirs: newcomers overtook them for as long as
@@ -600,7 +600,7 @@ def test_r_a3_r_a16_a_bad_write_to_the_next_ticket_lets_no_newcomer_overtake_a_w
 
 
 def test_r_a16_a_bad_write_that_revives_a_free_record_never_wedges_the_provider(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """One bad write, state := RUNNING, to a free record whose last owner still lives (an
     idle handler). Before: the next sweep's recount took it for the truth, and a provider
@@ -631,7 +631,7 @@ def test_r_a16_a_bad_write_that_revives_a_free_record_never_wedges_the_provider(
 
 
 def test_r_a16_a_bad_write_to_a_live_members_serial_frees_none_of_its_slots(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """Before: adding 1 to a live member's serial let the sweep reclaim its slots while
     they ran (6 running on a limit of 3)."""
@@ -672,7 +672,7 @@ def _record_of(seg: Segment, pid: int) -> int:
 
 
 def test_r_a16_a_bad_write_that_frees_a_running_record_lets_nobody_in(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """Before: state := 0 on a running record was taken for the truth by the next sweep's
     recount, which let one more request in for as long as the damaged body ran (measured:
@@ -701,7 +701,7 @@ def test_r_a16_a_bad_write_that_frees_a_running_record_lets_nobody_in(
 
 
 def test_r_a16_a_running_records_member_serial_written_0_frees_nothing_and_leaks_nothing(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """A running record's member serial := 0 (what a freed record carries): never taken
     for a free record while its process lives; and a release that comes before its owner
@@ -728,7 +728,7 @@ def test_r_a16_a_running_records_member_serial_written_0_frees_nothing_and_leaks
 
 
 def test_r_a14_r_a16_a_running_record_written_free_during_closes_grace_is_still_waited_for(
-    sem_mode: str,
+    lock_kind: str,
     segment_name: str,
     config: Path,
     agents: Callable[..., Agent],
@@ -773,7 +773,7 @@ def test_r_a14_r_a16_a_running_record_written_free_during_closes_grace_is_still_
 
 
 def test_r_a16_a_bad_write_that_frees_a_waiting_record_keeps_its_place(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """state := 0 on a waiter's record: before, the waiter ended with "the admission
     record was removed while waiting" (or waited its timeout out) and the queue lost it.
@@ -905,7 +905,7 @@ def _no_leftover(segment_name: str) -> Iterator[None]:
 
 
 def test_r_a4_a_wait_for_a_busy_lock_counts_against_the_timeout(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """Before: the wait for a stopped lock holder and the wait for the grant each got the
     whole timeout, so a blocking slot could take twice its timeout."""
