@@ -11,24 +11,24 @@ STAMP  := $(VENV)/.installed
 PREFIX ?= /opt/gateway-capacity
 EXTRAS ?=
 
-.PHONY: check test demo lint bench drill soak clean schemas install wheel completions mac-check runs real-workers
+.PHONY: check test demo lint bench drill soak clean schemas header install wheel completions mac-check runs real-workers
 
 UNAME := $(shell uname -s)
 
 # Two stamps: what the whole suite needs (every extra), and what the demo needs (the
 # program, the reference router and the picture), so that `make demo` on a fresh clone
 # does not wait for the test, lint, bench and LiteLLM extras.
-$(STAMP): pyproject.toml setup.py shm_layout/_core.c
+$(STAMP): pyproject.toml setup.py shm_layout/_core.c shm_layout/_layout.h
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,lint,bench,plot,router,serve,litellm]'
+	GATEWAY_CAPACITY_TEST_HOOKS=1 $(PY) -m pip install --quiet -e '.[test,lint,bench,plot,router,serve,litellm]'
 	touch $(STAMP) $(DEMO_STAMP)
 
 DEMO_STAMP := $(VENV)/.installed-demo
-$(DEMO_STAMP): pyproject.toml setup.py shm_layout/_core.c
+$(DEMO_STAMP): pyproject.toml setup.py shm_layout/_core.c shm_layout/_layout.h
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[router,plot]'
+	GATEWAY_CAPACITY_TEST_HOOKS=1 $(PY) -m pip install --quiet -e '.[router,plot]'
 	touch $(DEMO_STAMP)
 
 # `make wheel`'s tools, from PyPI into the venv (tests/repo/test_wheel.py uses them too)
@@ -111,6 +111,10 @@ drill: $(STAMP)
 schemas: $(STAMP)
 	$(PY) -m gateway_capacity.schemas docs/schemas
 
+# the admission core's layout header, generated from shm_layout/layout.py (committed)
+header:
+	$(PY) -m shm_layout.gen_header
+
 # shell completions (bash, zsh) and the man page, generated from the CLI's parser into share/
 completions: $(STAMP)
 	$(PY) scripts/cli_files.py share
@@ -133,7 +137,7 @@ runs:
 # replays (tests/router/fixtures/llama-server-*-recorded.json).
 real-workers: $(STAMP)
 	./scripts/ensure-tools --real-workers
-	$(PY) -m pip install --quiet -e '.[real]'
+	GATEWAY_CAPACITY_TEST_HOOKS=1 $(PY) -m pip install --quiet -e '.[real]'
 	GWCAP_LLAMA_SERVER="$$(./scripts/build-llama-server $(PY))" && export GWCAP_LLAMA_SERVER && \
 	$(PY) -m pytest -q -n 0 -rs tests/real && \
 	$(PY) scripts/record-llama-server.py

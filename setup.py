@@ -4,6 +4,8 @@ The core is built against the stable ABI (``Py_LIMITED_API`` for 3.11, heap type
 so one binary wheel per platform serves every CPython from 3.11 on (``cp311-abi3``).
 """
 
+import os
+
 from setuptools import Extension, setup
 
 # The stable ABI switch. True: shm_layout/_core.c compiles against the limited
@@ -14,11 +16,21 @@ LIMITED_API = True
 LIMITED_API_VERSION = "cp311"  # the oldest CPython the abi3 wheel serves: requires-python
 LIMITED_API_HEX = "0x030B0000"  # 3.11: Py_buffer joined the limited API there
 
+# The core's test entry points (_core.c section 9: hold_lock, abandon, die_in_section) are
+# compiled in only when this is set to 1, as the Makefile's test install does; a wheel or
+# `pip install .` has none of them (_core.TEST_HOOKS == 0).
+TEST_HOOKS = os.environ.get("GATEWAY_CAPACITY_TEST_HOOKS") == "1"
+MACROS = [("Py_LIMITED_API", LIMITED_API_HEX)] if LIMITED_API else []
+if TEST_HOOKS:
+    MACROS.append(("GWCAP_TEST_HOOKS", "1"))
+
 setup(
     ext_modules=[
         Extension(
             "shm_layout._core",
             sources=["shm_layout/_core.c"],
+            # generated from layout.py by `python -m shm_layout.gen_header`, committed
+            depends=["shm_layout/_layout.h"],
             extra_compile_args=[
                 "-O2",
                 "-Wall",
@@ -30,7 +42,7 @@ setup(
             ],
             # glibc < 2.34 keeps pthread in libpthread; harmless elsewhere
             libraries=["pthread"],
-            define_macros=[("Py_LIMITED_API", LIMITED_API_HEX)] if LIMITED_API else [],
+            define_macros=MACROS,
             py_limited_api=LIMITED_API,
         )
     ],

@@ -530,6 +530,8 @@ import sys, time
 sys.path.insert(0, {root!r})
 from handler_shim import Admission
 adm = Admission.attach(config={config!r}, segment={segment!r}, generation="doomed")
+from shm_layout import _core
+assert _core.TEST_HOOKS, "a test build of the core (GATEWAY_CAPACITY_TEST_HOOKS=1, make bench)"
 adm._core.hold_lock(True)  # frozen inside a section, counters half written
 print("locked", flush=True)
 time.sleep(3600)

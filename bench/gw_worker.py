@@ -145,11 +145,11 @@ class Worker:
         ticket = self.adm.slot_blocking(provider)
         core, p, pid = ticket.core, ticket.provider, os.getpid()
         arrive = core.arrive
-        if arrive(ticket, p, pid, 0.0, True, False, -1.0) != _core.FULL:
+        if arrive(ticket, p, pid, 0.0, may_wait=True, blocking=False) != _core.FULL:
             raise RuntimeError("the arrival was not refused")
         t0 = time.perf_counter_ns()
         for _ in range(n):
-            arrive(ticket, p, pid, 0.0, True, False, -1.0)
+            arrive(ticket, p, pid, 0.0, may_wait=True, blocking=False)
         return {"ns": time.perf_counter_ns() - t0}
 
     # --- uncontended acquire+release (run.py --compare) -------------------------------

@@ -32,7 +32,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from shm_layout.errors import GatewayCapacityError
+from shm_layout.errors import ConfigError as ConfigError
 
 MAX_PROVIDER_ID_BYTES: Final = 64
 MAX_LIMIT: Final = 2**31 - 1  # fits any 32-bit counter in the segment
@@ -76,10 +76,6 @@ __all__ = [
     "parse_config_file",
     "read_config_file",
 ]
-
-
-class ConfigError(GatewayCapacityError):
-    """The file as a whole cannot be used. ``str()`` is one line naming the file."""
 
 
 class ProviderConfig(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):

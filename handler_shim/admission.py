@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -60,7 +61,11 @@ import weakref
 from typing import TYPE_CHECKING
 
 from shm_layout import _core, layout, platform
+from shm_layout.errors import AdmissionError as AdmissionError
+from shm_layout.errors import AdmissionTimeout as AdmissionTimeout
 from shm_layout.errors import GatewayCapacityError
+from shm_layout.errors import QueueFull as QueueFull
+from shm_layout.errors import UnknownProvider as UnknownProvider
 from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING, PROVIDER
 from shm_layout.liveness import process_start
 from shm_layout.names import resolve_segment_name
@@ -84,7 +89,7 @@ log = logging.getLogger("gateway_capacity.admission")
 CoreTicket = _core.Ticket
 CoreObject = _core.Core
 
-SWEEP_S = 0.5  # the host's sweep, and the longest a waiter sleeps without looking (R-A5)
+SWEEP_S = layout.SWEEP_S  # the host's sweep, and the longest a waiter sleeps without looking
 TICK_S = 0.25  # macOS only: the ticker's post, standing in for a timed wait (R-A10)
 CLOSE_GRACE_S = 10.0  # close(): how long running slots may go on before they are cut
 JOIN_S = 2.0  # close(): the longest wait for a thread of ours to end
@@ -100,23 +105,6 @@ def _forked() -> None:
 
 
 os.register_at_fork(after_in_child=_forked)
-
-
-class AdmissionError(GatewayCapacityError):
-    """Base of the errors of admitting a request (the segment's are :class:`SegmentError`)."""
-
-
-class QueueFull(AdmissionError):
-    """The provider's queue already holds its bound of waiters (R-A2)."""
-
-
-class AdmissionTimeout(AdmissionError, TimeoutError):
-    """No slot was granted within the timeout; nothing is left queued (R-A4)."""
-
-
-class UnknownProvider(AdmissionError, KeyError):
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 def _seconds(timeout: float | None) -> str:
@@ -373,7 +361,7 @@ class _Attachment:
         place in the queue nor a grant stays with a request nobody runs (R-A14)."""
         self.unwatch(waiter)
         if waiter.ticket.live:
-            waiter.ticket.leave(_core.CANCELLED, True)
+            waiter.ticket.leave(_core.CANCELLED, blocking=True)
             self.adm._log_once(
                 "orphan",
                 "a request was waiting in an event loop that was closed; its place was freed",
@@ -549,7 +537,9 @@ class Admission:
         ``QueueFull`` as :meth:`acquire` does. Give the ticket back with :meth:`release`."""
         ticket = self.slot(provider)
         core = _core_of(ticket)
-        code = core.arrive(ticket, ticket.provider, os.getpid(), IN_CORE, False, False, -1.0)
+        code = core.arrive(
+            ticket, ticket.provider, os.getpid(), IN_CORE, may_wait=False, blocking=False
+        )
         if code == _core.ADMIT:
             return Ticket(provider, ticket)
         if code in (_core.FULL, _core.CLOSED):
@@ -573,10 +563,11 @@ class Admission:
         core_ticket = ticket._take()
         if core_ticket is None or not core_ticket.live:
             return
-        if core_ticket.leave(_core.RELEASED, False) == -1:
+        if core_ticket.leave(_core.RELEASED, blocking=False) == -1:
             threading.Thread(
                 target=core_ticket.leave,
-                args=(_core.RELEASED, True),
+                args=(_core.RELEASED,),
+                kwargs={"blocking": True},
                 name="gwcap-release",
                 daemon=True,
             ).start()
@@ -759,12 +750,12 @@ class Admission:
                 if result == _core.W_GRANTED:
                     return
                 if result == _core.W_MOVED:
-                    ticket.leave(_core.CANCELLED, True)
+                    ticket.leave(_core.CANCELLED, blocking=True)
                     code = _core.MOVED
                     continue
                 if result == _core.W_TIMEOUT:
                     why = self._timed_out(ticket)  # while the record still holds its ticket
-                    ticket.leave(_core.TIMEOUT, True)  # a grant that raced is handed on
+                    ticket.leave(_core.TIMEOUT, blocking=True)  # a grant that raced is handed on
                     raise AdmissionTimeout(why)
                 if result == _core.W_CLOSED or self._closing:
                     raise AdmissionError("this Admission was closed while waiting")
@@ -773,13 +764,20 @@ class Admission:
             # Whatever landed (a timeout, a KeyboardInterrupt, an exception from a signal
             # handler): leave nothing behind (R-A12). Should this line itself be skipped,
             # the ticket frees its record when it is dropped.
-            ticket.leave(_core.CANCELLED, True)
+            ticket.leave(_core.CANCELLED, blocking=True)
             raise
 
     def _arrive_again(self, ticket: CoreTicket, deadline: float | None) -> int:
         remaining = -1.0 if deadline is None else max(deadline - platform.deadline_now(), 0.0)
         code: int = _core_of(ticket).arrive(
-            ticket, ticket.provider, os.getpid(), IN_CORE, True, True, remaining, True
+            ticket,
+            ticket.provider,
+            os.getpid(),
+            IN_CORE,
+            may_wait=True,
+            blocking=True,
+            timeout=remaining,
+            futex=True,
         )
         return code
 
@@ -847,15 +845,13 @@ class Admission:
             # for: R-A4).
             while code == _core.BUSY:
                 code = await self._off_loop(
-                    _core_of(ticket).arrive,
+                    functools.partial(
+                        _core_of(ticket).arrive, may_wait=True, blocking=True, timeout=LOCK_TURN_S
+                    ),
                     ticket,
                     ticket.provider,
                     os.getpid(),
                     IN_CORE,
-                    True,
-                    True,
-                    LOCK_TURN_S,
-                    False,
                 )
             if code == _core.MOVED:
                 ticket = self._moved_ticket(ticket)
@@ -898,8 +894,8 @@ class Admission:
             att.unwatch(waiter)
 
     async def _leave_async(self, ticket: CoreTicket, outcome: int) -> None:
-        if ticket.leave(outcome, False) == -1:  # the lock is busy: not on the loop
-            await self._off_loop(ticket.leave, outcome, True)
+        if ticket.leave(outcome, blocking=False) == -1:  # the lock is busy: not on the loop
+            await self._off_loop(functools.partial(ticket.leave, blocking=True), outcome)
 
     def _aexit_slow(self, ticket: CoreTicket) -> Coroutine[Any, Any, None]:
         return self._leave_async(ticket, _core.RELEASED)

@@ -28,11 +28,12 @@
  *   6. wake-ups               doorbells (named, per registration) and futexes
  *   7. Core methods           one Python call = one locked step, GIL released to wait
  *   8. Ticket                 one holder record's handle; the slot context manager
- *   9. tests only             hold_lock, abandon, die_in_section
+ *   9. tests only             hold_lock, abandon, die_in_section (a test build only)
  *  10. module                 init_mutex, probe, mutex_state, the types
  *
- * Byte offsets are not written here: layout.py hands them over at construction
- * (FIELD_NAMES names what it must give), so the layout lives in one place.
+ * Byte offsets and the constants shared with Python are not written here: they come
+ * from _layout.h, generated from layout.py (python -m shm_layout.gen_header), so the
+ * layout lives in one place; Core() refuses a layout.py that is not the one built in.
  *
  * Built against the stable ABI (Py_LIMITED_API 3.11, setup.py): one wheel per
  * platform serves every CPython from 3.11 on.
@@ -42,6 +43,7 @@
 #define _GNU_SOURCE
 #endif
 #include <Python.h>
+#include "_layout.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -83,65 +85,22 @@
 #define HAVE_CLOCKWAIT 0
 #endif
 
-enum { KIND_ROBUST = 1, KIND_FILE = 2 };
-enum { FREE = 0, WAITING = 1, RUNNING = 2 };
-enum { WAKE_DOORBELL = 0, WAKE_FUTEX = 1 };
+enum { KIND_ROBUST = LOCK_ROBUST, KIND_FILE = LOCK_FILE }; /* the lock kinds */
+enum { FREE = HOLDER_FREE, WAITING = HOLDER_WAITING, RUNNING = HOLDER_RUNNING }; /* a record's states */
 /* arrive() decisions (ledger.Decision) and leave() outcomes (ledger.Outcome) */
 enum { R_BUSY = 0, R_ADMIT = 1, R_WAIT = 2, R_FULL = 3, R_WAIT_REFUSED = 4, R_CLOSED = 5, R_MOVED = 6 };
 enum { OUT_RELEASED = 0, OUT_TIMEOUT = 1, OUT_CANCELLED = 2 };
 /* wait() results */
 enum { W_GRANTED = 1, W_GONE = 2, W_TIMEOUT = 3, W_CLOSED = 4, W_MOVED = 5 };
 /* platform flags (platform.core_flags) */
-enum { F_NO_FUTEX = 1, F_NO_SEM_TIMEOUT = 2, F_NO_SEM_OWNER = 4 };
+enum { F_NO_FUTEX = CORE_NO_FUTEX, F_NO_SEM_TIMEOUT = CORE_NO_SEM_TIMEOUT, F_NO_SEM_OWNER = CORE_NO_SEM_OWNER };
 
 #define MAX_MEMBERS 256
 #define MAX_OWNERS 8
-#define STAMP_AT 4096  /* where a lock file holds its segment's stamp (lock bytes are 0..256) */
 #define MAX_TARGETS 64
 #define MAX_FUTEX 512  /* futex wakes collected in one section; more: wake every waiter */
-#define SWEEP_S 0.5    /* a sweep for dead holders and damage at least this often (R-A5) */
-#define DEADLINE_SLACK_S 60.0 /* a published deadline further ahead than this is damage */
-#define HOLD_MEAN_WEIGHT 0.2
-#define BELL_FORMAT "/gwcb-%016llx" /* names.doorbell_name */
+#define BELL_FORMAT DOORBELL_PREFIX "%016llx" /* names.doorbell_name */
 
-/* Offsets and sizes layout.py must provide, in this order. */
-static const char *const FIELD_NAMES[] = {
-    "h.dirty", "h.lock_seq", "h.change_seq", "h.repairs", "h.heartbeat_mono", "h.sweep_mono",
-    "h.damage_repairs", "h.damage_mono", "h.damage_note", "h.mutex",
-    "h.created_at", "h.creator_pid", "h.creator_start",
-    "p.in_use", "p.flags", "p.id", "p.fallback_limit", "p.fallback_source",
-    "p.published_limit", "p.expires_mono", "p.discovered", "p.queue_bound", "p.running",
-    "p.waiting", "p.next_ticket", "p.admitted_total", "p.rejected_total",
-    "p.timeouts_total", "p.cancelled_total", "p.reclaimed_total", "p.peak_running",
-    "p.peak_waiting", "p.reason", "p.hold_mean_s", "p.counts_check",
-    "k.state", "k.pid", "k.member_serial", "k.ticket", "k.serial", "k.member", "k.since",
-    "k.since_mono", "k.waker",
-    "m.in_use", "m.pid", "m.start", "m.serial", "m.major", "m.minor", "m.attached_at",
-    "m.label", "m.bell",
-    "g.providers_base", "g.provider_row_size", "g.provider_count", "g.holders_base",
-    "g.holder_row_size", "g.holders_per_provider", "g.members_base", "g.member_row_size",
-    "g.member_count", "g.running_room", "g.queue_bound", "g.id_bytes", "g.reason_bytes",
-    "g.label_bytes", "g.total_size", "g.mutex_size",
-};
-enum {
-    H_DIRTY, H_LOCK_SEQ, H_CHANGE_SEQ, H_REPAIRS, H_HEARTBEAT_MONO, H_SWEEP_MONO,
-    H_DAMAGE_REPAIRS, H_DAMAGE_MONO, H_DAMAGE_NOTE, H_MUTEX,
-    H_CREATED_AT, H_CREATOR_PID, H_CREATOR_START,
-    P_IN_USE, P_FLAGS, P_ID, P_FALLBACK, P_FALLBACK_SOURCE,
-    P_PUBLISHED, P_EXPIRES_MONO, P_DISCOVERED, P_QUEUE_BOUND, P_RUNNING,
-    P_WAITING, P_NEXT_TICKET, P_ADMITTED, P_REJECTED,
-    P_TIMEOUTS, P_CANCELLED, P_RECLAIMED, P_PEAK_RUNNING,
-    P_PEAK_WAITING, P_REASON, P_HOLD_MEAN, P_COUNTS_CHECK,
-    K_STATE, K_PID, K_MEMBER_SERIAL, K_TICKET, K_SERIAL, K_MEMBER, K_SINCE,
-    K_SINCE_MONO, K_WAKER,
-    M_IN_USE, M_PID, M_START, M_SERIAL, M_MAJOR, M_MINOR, M_ATTACHED_AT,
-    M_LABEL, M_BELL,
-    G_PROVIDERS_BASE, G_PROVIDER_ROW, G_PROVIDER_COUNT, G_HOLDERS_BASE,
-    G_HOLDER_ROW, G_HOLDERS_PER, G_MEMBERS_BASE, G_MEMBER_ROW,
-    G_MEMBER_COUNT, G_RUNNING_ROOM, G_QUEUE_BOUND, G_ID_BYTES, G_REASON_BYTES,
-    G_LABEL_BYTES, G_TOTAL_SIZE, G_MUTEX_SIZE,
-    NFIELDS
-};
 
 /* ===== 1. targets and liveness ========================================================
  * One descriptor per lock target (the shm object for the robust kind, the lock file for
@@ -428,7 +387,7 @@ static int guard_damaged(int i)
 }
 
 /* ===== 2. the Core object ==============================================================
- * One attachment of one process to one segment: the mapping, the offsets, the lock
+ * One attachment of one process to one segment: the mapping, the lock
  * target, this process's registration (member row, serial, doorbell), and what Python
  * gave it to call back for the slow paths of the slot context managers. */
 typedef struct {
@@ -437,7 +396,6 @@ typedef struct {
     int have_view;
     char *base;
     Py_ssize_t size;
-    long o[NFIELDS];
     int kind;
     int flags;                  /* F_* platform flags */
     int target;                 /* index into targets[], -1 none */
@@ -498,9 +456,9 @@ static PyTypeObject *CoreType;
 static PyTypeObject *TicketType;
 static PyTypeObject *DoneType;
 static PyObject *DONE;          /* an awaitable that is already done (fast __aenter__) */
-static PyObject *CoreError;     /* also a GatewayCapacityError (R-A16) */
+static PyObject *CoreError;     /* shm_layout.errors.CoreError, a GatewayCapacityError */
 static unsigned long main_thread; /* where Python runs signal handlers */
-static PyObject *DamagedLock;
+static PyObject *DamagedLock;   /* shm_layout.errors.DamagedLock */
 
 /* typed access ------------------------------------------------------------------------ */
 #define AT(c, off) ((void *)((c)->base + (off)))
@@ -515,12 +473,12 @@ static inline void inc64(Core *c, long off) { st64(c, off, ld64(c, off) + 1); }
 
 #define BUSY_ADD(c, n) __atomic_add_fetch(&(c)->busy, (n), __ATOMIC_RELAXED)
 
-static inline long pbase(Core *c, int p) { return c->o[G_PROVIDERS_BASE] + (long)p * c->o[G_PROVIDER_ROW]; }
+static inline long pbase(Core *c, int p) { return PROVIDERS_BASE + (long)p * PROVIDER_ROW_SIZE; }
 static inline long hbase(Core *c, int p, int h)
 {
-    return c->o[G_HOLDERS_BASE] + ((long)p * c->o[G_HOLDERS_PER] + h) * c->o[G_HOLDER_ROW];
+    return HOLDERS_BASE + ((long)p * HOLDERS_PER_PROVIDER + h) * HOLDER_ROW_SIZE;
 }
-static inline long mbase(Core *c, int m) { return c->o[G_MEMBERS_BASE] + (long)m * c->o[G_MEMBER_ROW]; }
+static inline long mbase(Core *c, int m) { return MEMBERS_BASE + (long)m * MEMBER_ROW_SIZE; }
 
 /* ===== 3. clocks ======================================================================
  * Deadlines (a published limit's expiry, sweeps, hold times) are on the deadline clock:
@@ -597,13 +555,13 @@ static void ring_member(Rings *r, int m)
 
 static void ring_record(Core *c, Rings *r, long hb)
 {
-    if (ld32(c, hb + c->o[K_WAKER]) == WAKE_FUTEX) {
+    if (ld32(c, hb + HOLDER_WAKER) == WAKE_FUTEX) {
         if (r->nfutex < MAX_FUTEX)
-            r->futex[r->nfutex++] = hb + c->o[K_STATE];
+            r->futex[r->nfutex++] = hb + HOLDER_STATE;
         else
             r->futex_overflow = 1;
     } else
-        ring_member(r, ldi32(c, hb + c->o[K_MEMBER]));
+        ring_member(r, ldi32(c, hb + HOLDER_MEMBER));
 }
 
 /* Damage found and put right, under the lock: counted in the header with when and what
@@ -612,28 +570,28 @@ static void note_damage(Core *c, const char *what)
 {
     c->damage++;
     snprintf(c->damage_note, sizeof c->damage_note, "%s", what);
-    st32(c, c->o[H_DAMAGE_REPAIRS], ld32(c, c->o[H_DAMAGE_REPAIRS]) + 1);
-    std_(c, c->o[H_DAMAGE_MONO], deadline_clock());
-    memset(AT(c, c->o[H_DAMAGE_NOTE]), 0, 64);
-    memcpy(AT(c, c->o[H_DAMAGE_NOTE]), c->damage_note, strnlen(c->damage_note, 63));
+    st32(c, HEADER_DAMAGE_REPAIRS, ld32(c, HEADER_DAMAGE_REPAIRS) + 1);
+    std_(c, HEADER_DAMAGE_MONO, deadline_clock());
+    memset(AT(c, HEADER_DAMAGE_NOTE), 0, 64);
+    memcpy(AT(c, HEADER_DAMAGE_NOTE), c->damage_note, strnlen(c->damage_note, 63));
 }
 
 /* A published deadline further ahead than any publication can set (30 s after an
  * observation at most 5 s in the future, R-K4) is damage, never obeyed (R-A16). */
 static int published_in_force(Core *c, long b, double now)
 {
-    if (ldi32(c, b + c->o[P_PUBLISHED]) < 0)
+    if (ldi32(c, b + PROVIDER_PUBLISHED_LIMIT) < 0)
         return 0;
-    double expires = ldd(c, b + c->o[P_EXPIRES_MONO]);
+    double expires = ldd(c, b + PROVIDER_EXPIRES_MONO);
     return now < expires && expires - now <= DEADLINE_SLACK_S;
 }
 
 static int limit_value(Core *c, int p, double now)
 {
     long b = pbase(c, p);
-    int32_t room = (int32_t)c->o[G_RUNNING_ROOM];
-    int32_t value = published_in_force(c, b, now) ? ldi32(c, b + c->o[P_PUBLISHED])
-                                                  : ldi32(c, b + c->o[P_FALLBACK]);
+    int32_t room = (int32_t)RUNNING_ROOM;
+    int32_t value = published_in_force(c, b, now) ? ldi32(c, b + PROVIDER_PUBLISHED_LIMIT)
+                                                  : ldi32(c, b + PROVIDER_FALLBACK_LIMIT);
     if (value < 0)
         value = 0;
     return value < room ? value : room;
@@ -641,8 +599,8 @@ static int limit_value(Core *c, int p, double now)
 
 static void note_peak(Core *c, long b, long field, uint32_t value)
 {
-    if (value > ld32(c, b + c->o[field]))
-        st32(c, b + c->o[field], value);
+    if (value > ld32(c, b + field))
+        st32(c, b + field, value);
 }
 
 /* running and waiting, always written with their check word (layout.counts_check). */
@@ -653,12 +611,12 @@ static inline uint64_t counts_word(uint32_t running, uint32_t waiting)
 
 static void put_counts(Core *c, long b, uint32_t running, uint32_t waiting)
 {
-    st32(c, b + c->o[P_RUNNING], running);
-    st32(c, b + c->o[P_WAITING], waiting);
-    st64(c, b + c->o[P_COUNTS_CHECK], counts_word(running, waiting));
+    st32(c, b + PROVIDER_RUNNING, running);
+    st32(c, b + PROVIDER_WAITING, waiting);
+    st64(c, b + PROVIDER_COUNTS_CHECK, counts_word(running, waiting));
 }
 
-static void free_record(Core *c, long hb) { st32(c, hb + c->o[K_STATE], FREE); }
+static void free_record(Core *c, long hb) { st32(c, hb + HOLDER_STATE, FREE); }
 
 /* Rebuild running/waiting from the records (the records are the truth): a state word
  * that is none of FREE, WAITING, RUNNING is freed. Returns 1 when the stored counters or
@@ -667,9 +625,9 @@ static int recount_provider(Core *c, int p)
 {
     uint32_t running = 0, waiting = 0;
     int wrong = 0;
-    for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+    for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
         long hb = hbase(c, p, h);
-        uint32_t s = ld32(c, hb + c->o[K_STATE]);
+        uint32_t s = ld32(c, hb + HOLDER_STATE);
         if (s != FREE && s != RUNNING && s != WAITING) {
             free_record(c, hb); /* garbage: no writer of ours wrote it */
             s = FREE;
@@ -681,8 +639,8 @@ static int recount_provider(Core *c, int p)
             waiting++;
     }
     long b = pbase(c, p);
-    wrong |= ld32(c, b + c->o[P_RUNNING]) != running || ld32(c, b + c->o[P_WAITING]) != waiting ||
-             ld64(c, b + c->o[P_COUNTS_CHECK]) != counts_word(running, waiting);
+    wrong |= ld32(c, b + PROVIDER_RUNNING) != running || ld32(c, b + PROVIDER_WAITING) != waiting ||
+             ld64(c, b + PROVIDER_COUNTS_CHECK) != counts_word(running, waiting);
     put_counts(c, b, running, waiting);
     return wrong;
 }
@@ -691,20 +649,20 @@ static int recount_provider(Core *c, int p)
  * word written with them. Never obeyed: recounted first. */
 static int counters_damaged(Core *c, long b)
 {
-    uint32_t running = ld32(c, b + c->o[P_RUNNING]);
-    uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
-    return running > (uint32_t)c->o[G_HOLDERS_PER] || waiting > (uint32_t)c->o[G_QUEUE_BOUND] ||
-           ld64(c, b + c->o[P_COUNTS_CHECK]) != counts_word(running, waiting);
+    uint32_t running = ld32(c, b + PROVIDER_RUNNING);
+    uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
+    return running > (uint32_t)HOLDERS_PER_PROVIDER || waiting > (uint32_t)QUEUE_BOUND ||
+           ld64(c, b + PROVIDER_COUNTS_CHECK) != counts_word(running, waiting);
 }
 
 static int head_waiter(Core *c, int p)
 {
     int best = -1;
     uint64_t best_ticket = 0;
-    for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+    for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
         long hb = hbase(c, p, h);
-        if (ld32(c, hb + c->o[K_STATE]) == WAITING) {
-            uint64_t t = ld64(c, hb + c->o[K_TICKET]);
+        if (ld32(c, hb + HOLDER_STATE) == WAITING) {
+            uint64_t t = ld64(c, hb + HOLDER_TICKET);
             if (best < 0 || t < best_ticket) {
                 best = h;
                 best_ticket = t;
@@ -734,14 +692,14 @@ static int member_byte_held(Core *c, int m, AliveCache *cache)
  * its holder's; the row's in_use and serial words are not consulted (R-A5, R-A16). */
 static int member_alive(Core *c, int m, AliveCache *cache)
 {
-    if (m < 0 || m >= c->o[G_MEMBER_COUNT])
+    if (m < 0 || m >= MEMBER_COUNT)
         return 0; /* no process can hold a row that does not exist */
     return member_byte_held(c, m, cache);
 }
 
 static int holder_alive(Core *c, long hb, AliveCache *cache)
 {
-    return member_alive(c, ldi32(c, hb + c->o[K_MEMBER]), cache);
+    return member_alive(c, ldi32(c, hb + HOLDER_MEMBER), cache);
 }
 
 /* The hold time of a record that stops running, into the provider's decayed mean (for
@@ -750,12 +708,12 @@ static void note_hold(Core *c, long b, double hold)
 {
     if (!(hold >= 0.0) || hold > 86400.0)
         return;
-    double mean = ldd(c, b + c->o[P_HOLD_MEAN]);
+    double mean = ldd(c, b + PROVIDER_HOLD_MEAN_S);
     if (!(mean > 0.0) || mean > 86400.0)
         mean = hold;
     else
         mean = mean + (hold - mean) * HOLD_MEAN_WEIGHT;
-    std_(c, b + c->o[P_HOLD_MEAN], mean);
+    std_(c, b + PROVIDER_HOLD_MEAN_S, mean);
 }
 
 /* Grant head waiters while there is room; a dead head is reclaimed, never granted. */
@@ -764,8 +722,8 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
     long b = pbase(c, p);
     if (counters_damaged(c, b) && recount_provider(c, p))
         note_damage(c, "provider counters were written over");
-    uint32_t running = ld32(c, b + c->o[P_RUNNING]);
-    uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
+    uint32_t running = ld32(c, b + PROVIDER_RUNNING);
+    uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
     if (waiting == 0)
         return;
     uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
@@ -778,48 +736,48 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
                 break;
             recounted = 1;
             recount_provider(c, p);
-            running = ld32(c, b + c->o[P_RUNNING]);
-            waiting = ld32(c, b + c->o[P_WAITING]);
+            running = ld32(c, b + PROVIDER_RUNNING);
+            waiting = ld32(c, b + PROVIDER_WAITING);
             continue;
         }
         long hb = hbase(c, p, h);
         waiting--;
         if (!holder_alive(c, hb, cache)) {
             free_record(c, hb);
-            inc64(c, b + c->o[P_RECLAIMED]);
+            inc64(c, b + PROVIDER_RECLAIMED_TOTAL);
             continue;
         }
-        std_(c, hb + c->o[K_SINCE], now.wall);
-        std_(c, hb + c->o[K_SINCE_MONO], now.mono);
-        st32(c, hb + c->o[K_STATE], RUNNING);
+        std_(c, hb + HOLDER_SINCE, now.wall);
+        std_(c, hb + HOLDER_SINCE_MONO, now.mono);
+        st32(c, hb + HOLDER_STATE, RUNNING);
         running++;
         ring_record(c, rings, hb);
-        inc64(c, b + c->o[P_ADMITTED]);
+        inc64(c, b + PROVIDER_ADMITTED_TOTAL);
     }
     put_counts(c, b, running, waiting);
-    note_peak(c, b, P_PEAK_RUNNING, running);
+    note_peak(c, b, PROVIDER_PEAK_RUNNING, running);
 }
 
 static void repair_all(Core *c)
 {
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
-        if (ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+    for (int p = 0; p < PROVIDER_COUNT; p++)
+        if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
             recount_provider(c, p);
 }
 
 /* Free one registration's live records, recount and grant. */
 static void drop_member_records(Core *c, int m, uint64_t serial, Now now, Rings *rings, uint32_t *running_freed)
 {
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
         long b = pbase(c, p);
-        if (!ld32(c, b + c->o[P_IN_USE]))
+        if (!ld32(c, b + PROVIDER_IN_USE))
             continue;
         int freed = 0;
-        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
             long hb = hbase(c, p, h);
-            uint32_t s = ld32(c, hb + c->o[K_STATE]);
-            if ((s == RUNNING || s == WAITING) && ldi32(c, hb + c->o[K_MEMBER]) == m &&
-                ld64(c, hb + c->o[K_MEMBER_SERIAL]) == serial) {
+            uint32_t s = ld32(c, hb + HOLDER_STATE);
+            if ((s == RUNNING || s == WAITING) && ldi32(c, hb + HOLDER_MEMBER) == m &&
+                ld64(c, hb + HOLDER_MEMBER_SERIAL) == serial) {
                 if (s == RUNNING && running_freed)
                     (*running_freed)++;
                 free_record(c, hb);
@@ -838,24 +796,24 @@ static void drop_member_records(Core *c, int m, uint64_t serial, Now now, Rings 
 static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
 {
     uint32_t freed = 0;
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
         long b = pbase(c, p);
-        if (!ld32(c, b + c->o[P_IN_USE]))
+        if (!ld32(c, b + PROVIDER_IN_USE))
             continue;
         uint32_t here = 0;
-        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
             long hb = hbase(c, p, h);
-            if (ldi32(c, hb + c->o[K_MEMBER]) != c->member ||
-                ld64(c, hb + c->o[K_MEMBER_SERIAL]) != c->member_serial)
+            if (ldi32(c, hb + HOLDER_MEMBER) != c->member ||
+                ld64(c, hb + HOLDER_MEMBER_SERIAL) != c->member_serial)
                 continue;
-            if (ld32(c, hb + c->o[K_STATE]) == WAITING) {
+            if (ld32(c, hb + HOLDER_STATE) == WAITING) {
                 free_record(c, hb);
                 here++;
             }
         }
         if (here) {
             freed += here;
-            st64(c, b + c->o[P_CANCELLED], ld64(c, b + c->o[P_CANCELLED]) + here);
+            st64(c, b + PROVIDER_CANCELLED_TOTAL, ld64(c, b + PROVIDER_CANCELLED_TOTAL) + here);
             recount_provider(c, p);
             pump(c, p, now, rings, NULL);
         }
@@ -868,11 +826,11 @@ static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
 static void free_member_row(Core *c, int m, Rings *rings)
 {
     long mb = mbase(c, m);
-    st32(c, mb + c->o[M_IN_USE], 0);
-    uint64_t bell = ld64(c, mb + c->o[M_BELL]);
+    st32(c, mb + MEMBER_IN_USE, 0);
+    uint64_t bell = ld64(c, mb + MEMBER_BELL);
     if (bell && rings->nunlink < MAX_MEMBERS)
         rings->unlink[rings->nunlink++] = bell;
-    st64(c, mb + c->o[M_BELL], 0);
+    st64(c, mb + MEMBER_BELL, 0);
 }
 
 /* Free every record of dead processes (and their member rows); then grant. */
@@ -881,28 +839,28 @@ static uint32_t reap(Core *c, Now now, Rings *rings)
     AliveCache cache;
     memset(cache.held, -1, sizeof cache.held);
     uint32_t reclaimed = 0;
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
         long b = pbase(c, p);
-        if (!ld32(c, b + c->o[P_IN_USE]))
+        if (!ld32(c, b + PROVIDER_IN_USE))
             continue;
         uint32_t freed = 0;
-        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
             long hb = hbase(c, p, h);
-            if (ld32(c, hb + c->o[K_STATE]) != FREE && !holder_alive(c, hb, &cache)) {
+            if (ld32(c, hb + HOLDER_STATE) != FREE && !holder_alive(c, hb, &cache)) {
                 free_record(c, hb);
                 freed++;
             }
         }
         if (freed) {
             reclaimed += freed;
-            st64(c, b + c->o[P_RECLAIMED], ld64(c, b + c->o[P_RECLAIMED]) + freed);
+            st64(c, b + PROVIDER_RECLAIMED_TOTAL, ld64(c, b + PROVIDER_RECLAIMED_TOTAL) + freed);
             recount_provider(c, p);
         }
         pump(c, p, now, rings, &cache);
     }
-    for (int m = 0; m < c->o[G_MEMBER_COUNT]; m++) {
+    for (int m = 0; m < MEMBER_COUNT; m++) {
         long mb = mbase(c, m);
-        if (ld32(c, mb + c->o[M_IN_USE]) && !member_byte_held(c, m, &cache))
+        if (ld32(c, mb + MEMBER_IN_USE) && !member_byte_held(c, m, &cache))
             free_member_row(c, m, rings);
     }
     return reclaimed;
@@ -914,43 +872,43 @@ static uint32_t reap(Core *c, Now now, Rings *rings)
  * not once per process. */
 static uint32_t sweep(Core *c, Now now, Rings *rings)
 {
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
         long b = pbase(c, p);
-        uint32_t in_use = ld32(c, b + c->o[P_IN_USE]);
+        uint32_t in_use = ld32(c, b + PROVIDER_IN_USE);
         if (!in_use)
             continue;
         if (in_use != 1) { /* claimed (never freed), but not by a word of ours */
-            st32(c, b + c->o[P_IN_USE], 1);
+            st32(c, b + PROVIDER_IN_USE, 1);
             note_damage(c, "a provider row's in_use was written over");
         }
-        if (ld32(c, b + c->o[P_QUEUE_BOUND]) != (uint32_t)c->o[G_QUEUE_BOUND]) {
-            st32(c, b + c->o[P_QUEUE_BOUND], (uint32_t)c->o[G_QUEUE_BOUND]);
+        if (ld32(c, b + PROVIDER_QUEUE_BOUND) != (uint32_t)QUEUE_BOUND) {
+            st32(c, b + PROVIDER_QUEUE_BOUND, (uint32_t)QUEUE_BOUND);
             note_damage(c, "a provider's queue bound was written over");
         }
         if (recount_provider(c, p))
             note_damage(c, "provider counters disagreed with the records");
-        if (ldi32(c, b + c->o[P_PUBLISHED]) >= 0 &&
-            ldd(c, b + c->o[P_EXPIRES_MONO]) - now.mono > DEADLINE_SLACK_S) {
-            st32(c, b + c->o[P_PUBLISHED], (uint32_t)-1); /* never obeyed: the fallback */
+        if (ldi32(c, b + PROVIDER_PUBLISHED_LIMIT) >= 0 &&
+            ldd(c, b + PROVIDER_EXPIRES_MONO) - now.mono > DEADLINE_SLACK_S) {
+            st32(c, b + PROVIDER_PUBLISHED_LIMIT, (uint32_t)-1); /* never obeyed: the fallback */
             note_damage(c, "a published limit's deadline lies too far ahead");
         }
     }
     uint32_t reclaimed = reap(c, now, rings);
-    for (int m = 0; m < c->o[G_MEMBER_COUNT]; m++) {
+    for (int m = 0; m < MEMBER_COUNT; m++) {
         long mb = mbase(c, m);
-        if (ld32(c, mb + c->o[M_IN_USE]) > 1) { /* its lock byte is held: reap kept it */
-            st32(c, mb + c->o[M_IN_USE], 1);
+        if (ld32(c, mb + MEMBER_IN_USE) > 1) { /* its lock byte is held: reap kept it */
+            st32(c, mb + MEMBER_IN_USE, 1);
             note_damage(c, "a member row's in_use was written over");
         }
     }
-    std_(c, c->o[H_SWEEP_MONO], now.mono);
+    std_(c, HEADER_SWEEP_MONO, now.mono);
     return reclaimed;
 }
 
 /* Is a sweep due? Lock-free: a racing reader sees the old or the new time. */
 static int sweep_due(Core *c)
 {
-    double last = ldd(c, c->o[H_SWEEP_MONO]);
+    double last = ldd(c, HEADER_SWEEP_MONO);
     double now = deadline_clock();
     return !(now - last < SWEEP_S) || last > now + 1.0; /* garbage ahead: due */
 }
@@ -1020,7 +978,7 @@ static int enter(Core *c, int blocking, double deadline)
         return E_LOST;
     if (c->kind == KIND_ROBUST) {
 #if HAVE_ROBUST
-        pthread_mutex_t *mu = (pthread_mutex_t *)AT(c, c->o[H_MUTEX]);
+        pthread_mutex_t *mu = (pthread_mutex_t *)AT(c, MUTEX_OFFSET);
         if (!mutex_sane(mu))
             return E_DAMAGED_LOCK;
         int rc;
@@ -1083,25 +1041,25 @@ static int enter(Core *c, int blocking, double deadline)
             return -1;
         }
     }
-    uint64_t seq = ld64(c, c->o[H_CHANGE_SEQ]);
-    st64(c, c->o[H_CHANGE_SEQ], seq % 2 == 0 ? seq + 1 : seq + 2); /* odd: readers retry */
-    inc64(c, c->o[H_LOCK_SEQ]);
-    if (ld32(c, c->o[H_DIRTY])) { /* the last holder died mid-section (R-A6) */
+    uint64_t seq = ld64(c, HEADER_CHANGE_SEQ);
+    st64(c, HEADER_CHANGE_SEQ, seq % 2 == 0 ? seq + 1 : seq + 2); /* odd: readers retry */
+    inc64(c, HEADER_LOCK_SEQ);
+    if (ld32(c, HEADER_DIRTY)) { /* the last holder died mid-section (R-A6) */
         repair_all(c);
-        st32(c, c->o[H_REPAIRS], ld32(c, c->o[H_REPAIRS]) + 1);
+        st32(c, HEADER_REPAIRS, ld32(c, HEADER_REPAIRS) + 1);
         c->repaired++;
     }
-    st32(c, c->o[H_DIRTY], 1);
+    st32(c, HEADER_DIRTY, 1);
     return 0;
 }
 
 static void leave_lock(Core *c)
 {
-    st32(c, c->o[H_DIRTY], 0);
-    st64(c, c->o[H_CHANGE_SEQ], ld64(c, c->o[H_CHANGE_SEQ]) + 1);
+    st32(c, HEADER_DIRTY, 0);
+    st64(c, HEADER_CHANGE_SEQ, ld64(c, HEADER_CHANGE_SEQ) + 1);
     if (c->kind == KIND_ROBUST) {
 #if HAVE_ROBUST
-        pthread_mutex_unlock((pthread_mutex_t *)AT(c, c->o[H_MUTEX]));
+        pthread_mutex_unlock((pthread_mutex_t *)AT(c, MUTEX_OFFSET));
 #endif
     } else {
         Target *t = &targets[c->target];
@@ -1145,7 +1103,7 @@ static int bell_owner_ok(Core *c, const char *name)
 
 static void post_member(Core *c, int m)
 {
-    uint64_t bell = ld64(c, mbase(c, m) + c->o[M_BELL]);
+    uint64_t bell = ld64(c, mbase(c, m) + MEMBER_BELL);
     if (bell == 0)
         return; /* no doorbell (not registered any more) */
     pthread_mutex_lock(&c->bell_mu);
@@ -1179,11 +1137,11 @@ static void wake_records(Core *c, Rings *r)
     for (int i = 0; i < r->nfutex; i++)
         futex_op(AT(c, r->futex[i]), FUTEX_WAKE, INT32_MAX, NULL);
     if (r->futex_overflow) /* more than one section's room: wake every futex waiter */
-        for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
-            for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+        for (int p = 0; p < PROVIDER_COUNT; p++)
+            for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
                 long hb = hbase(c, p, h);
-                if (ld32(c, hb + c->o[K_WAKER]) == WAKE_FUTEX)
-                    futex_op(AT(c, hb + c->o[K_STATE]), FUTEX_WAKE, INT32_MAX, NULL);
+                if (ld32(c, hb + HOLDER_WAKER) == WAKE_FUTEX)
+                    futex_op(AT(c, hb + HOLDER_STATE), FUTEX_WAKE, INT32_MAX, NULL);
             }
 #else
     (void)c;
@@ -1335,6 +1293,37 @@ static void Core_dealloc(Core *c)
     Py_DECREF(tp);
 }
 
+/* The layout this core was built for (_layout.h, generated from layout.py). Core() is
+ * handed layout.core_offsets() and refuses a layout that is not this one: a core built
+ * before layout.py changed must be rebuilt, never read the segment at the old offsets. */
+static const struct { const char *key; long value; } LAYOUT[] = {
+#define LAYOUT_ENTRY(key, value) {key, value},
+    LAYOUT_OFFSETS(LAYOUT_ENTRY)
+#undef LAYOUT_ENTRY
+};
+#define NLAYOUT ((int)(sizeof LAYOUT / sizeof LAYOUT[0]))
+
+/* 0 when ``offsets`` (layout.core_offsets()) is the layout compiled in, else -1 with
+ * CoreError naming the first difference. */
+static int check_layout(PyObject *offsets)
+{
+    for (int i = 0; i < NLAYOUT; i++) {
+        PyObject *v = PyDict_GetItemString(offsets, LAYOUT[i].key);
+        long have = v ? PyLong_AsLong(v) : -1;
+        if (have == -1 && PyErr_Occurred())
+            return -1;
+        if (have != LAYOUT[i].value) {
+            PyErr_Format(CoreError,
+                         "the admission core was built for another layout (%s is %ld in the "
+                         "build, %ld in layout.py): reinstall gateway-capacity, or rebuild the "
+                         "core in a checkout",
+                         LAYOUT[i].key, LAYOUT[i].value, have);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
@@ -1376,17 +1365,9 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
     c->flags = flags;
     c->group = group;
     pthread_mutex_init(&c->bell_mu, NULL);
-    for (int i = 0; i < NFIELDS; i++) {
-        PyObject *v = PyDict_GetItemString(offsets, FIELD_NAMES[i]);
-        if (v == NULL) {
-            PyErr_Format(PyExc_ValueError, "offsets lacks %s", FIELD_NAMES[i]);
-            return -1;
-        }
-        c->o[i] = PyLong_AsLong(v);
-        if (c->o[i] == -1 && PyErr_Occurred())
-            return -1;
-    }
-    if (c->o[G_MEMBER_COUNT] > MAX_MEMBERS) {
+    if (check_layout(offsets) < 0)
+        return -1;
+    if (MEMBER_COUNT > MAX_MEMBERS) {
         PyErr_SetString(PyExc_ValueError, "too many members for the core");
         return -1;
     }
@@ -1410,7 +1391,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
         PyErr_Format(CoreError, "lock kind %d is not available on this system", kind);
         return -1;
     }
-    if (kind == KIND_ROBUST && c->o[G_MUTEX_SIZE] < (long)sizeof(pthread_mutex_t)) {
+    if (kind == KIND_ROBUST && MUTEX_SIZE < (long)sizeof(pthread_mutex_t)) {
         PyErr_SetString(PyExc_ValueError, "the header's mutex field is too small");
         return -1;
     }
@@ -1428,7 +1409,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwds)
         Py_DECREF(slot);
     }
     PyErr_Clear();
-    if (c->size < c->o[G_TOTAL_SIZE]) {
+    if (c->size < TOTAL_SIZE) {
         PyErr_SetString(PyExc_ValueError, "the buffer is smaller than the layout");
         return -1;
     }
@@ -1523,7 +1504,7 @@ static double deadline_arg(double timeout)
  * in mode, owner, group and size only (XNU pshm_stat), dev and ino are 0. */
 static int same_creation(Core *c, int fd, off_t size)
 {
-    long fields[] = {c->o[H_CREATED_AT], c->o[H_CREATOR_PID], c->o[H_CREATOR_START]};
+    long fields[] = {HEADER_CREATED_AT, HEADER_CREATOR_PID, HEADER_CREATOR_START};
     long widths[] = {8, 4, 8};
     size_t len = 0;
     for (int i = 0; i < 3; i++)
@@ -1553,7 +1534,7 @@ static int name_leads_here(Core *c)
     if (fstat(fd, &st) == 0) {
         if (c->seg_ino != 0) { /* Linux: the object's device and inode */
             answer = st.st_dev == c->seg_dev && st.st_ino == c->seg_ino;
-            if (answer && st.st_size < c->o[G_TOTAL_SIZE]) { /* ours, truncated in place */
+            if (answer && st.st_size < TOTAL_SIZE) { /* ours, truncated in place */
                 c->lost = 1;
                 c->moved = 1;
                 answer = 0;
@@ -1591,9 +1572,9 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
     for (int attempt = 0; attempt < 2; attempt++) {
         if (counters_damaged(c, b) && recount_provider(c, p))
             note_damage(c, "provider counters were written over");
-        uint32_t running = ld32(c, b + c->o[P_RUNNING]);
-        uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
-        uint32_t bound = (uint32_t)c->o[G_QUEUE_BOUND];
+        uint32_t running = ld32(c, b + PROVIDER_RUNNING);
+        uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
+        uint32_t bound = (uint32_t)QUEUE_BOUND;
         uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
         if (waiting == 0 && running < limit)
             decision = R_ADMIT;
@@ -1603,9 +1584,9 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
             decision = R_WAIT;
         int h = -1;
         if (decision != R_FULL) {
-            for (int i = 0; i < c->o[G_HOLDERS_PER]; i++) {
+            for (int i = 0; i < HOLDERS_PER_PROVIDER; i++) {
                 long ib = hbase(c, p, i);
-                if (ld32(c, ib + c->o[K_STATE]) == FREE) {
+                if (ld32(c, ib + HOLDER_STATE) == FREE) {
                     h = i;
                     break;
                 }
@@ -1620,7 +1601,7 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
             continue;
         }
         if (decision == R_FULL) {
-            inc64(c, b + c->o[P_REJECTED]);
+            inc64(c, b + PROVIDER_REJECTED_TOTAL);
             break;
         }
         if (decision == R_WAIT && !may_wait) {
@@ -1628,22 +1609,22 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
             break;
         }
         long hb = hbase(c, p, h);
-        uint64_t serial = ld64(c, hb + c->o[K_SERIAL]) + 1;
+        uint64_t serial = ld64(c, hb + HOLDER_SERIAL) + 1;
         uint64_t ticket = 0;
         if (decision == R_WAIT) {
-            ticket = ld64(c, b + c->o[P_NEXT_TICKET]);
+            ticket = ld64(c, b + PROVIDER_NEXT_TICKET);
             if (ticket != UINT64_MAX) /* written to the top: it stays there, never wraps */
                 ticket++;
-            st64(c, b + c->o[P_NEXT_TICKET], ticket);
+            st64(c, b + PROVIDER_NEXT_TICKET, ticket);
         }
-        st64(c, hb + c->o[K_SERIAL], serial);
-        st32(c, hb + c->o[K_MEMBER], (uint32_t)c->member);
-        st32(c, hb + c->o[K_PID], pid);
-        st64(c, hb + c->o[K_MEMBER_SERIAL], c->member_serial);
-        st64(c, hb + c->o[K_TICKET], ticket);
-        std_(c, hb + c->o[K_SINCE], now.wall);
-        std_(c, hb + c->o[K_SINCE_MONO], now.mono);
-        st32(c, hb + c->o[K_WAKER], futex ? WAKE_FUTEX : WAKE_DOORBELL);
+        st64(c, hb + HOLDER_SERIAL, serial);
+        st32(c, hb + HOLDER_MEMBER, (uint32_t)c->member);
+        st32(c, hb + HOLDER_PID, pid);
+        st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
+        st64(c, hb + HOLDER_TICKET, ticket);
+        std_(c, hb + HOLDER_SINCE, now.wall);
+        std_(c, hb + HOLDER_SINCE_MONO, now.mono);
+        st32(c, hb + HOLDER_WAKER, futex ? WAKE_FUTEX : WAKE_DOORBELL);
         /* the ticket is ours before the lock is let go: an exception that lands after
          * this call returns still finds it (R-A12) */
         tk->provider = p;
@@ -1654,14 +1635,14 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
         tk->live = 1;
         tk->running = decision == R_ADMIT;
         if (decision == R_ADMIT) {
-            st32(c, hb + c->o[K_STATE], RUNNING); /* state last */
+            st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
             put_counts(c, b, running + 1, waiting);
-            note_peak(c, b, P_PEAK_RUNNING, running + 1);
-            inc64(c, b + c->o[P_ADMITTED]);
+            note_peak(c, b, PROVIDER_PEAK_RUNNING, running + 1);
+            inc64(c, b + PROVIDER_ADMITTED_TOTAL);
         } else {
-            st32(c, hb + c->o[K_STATE], WAITING);
+            st32(c, hb + HOLDER_STATE, WAITING);
             put_counts(c, b, running, waiting + 1);
-            note_peak(c, b, P_PEAK_WAITING, waiting + 1);
+            note_peak(c, b, PROVIDER_PEAK_WAITING, waiting + 1);
         }
         break;
     }
@@ -1685,7 +1666,7 @@ static int do_arrive(Core *c, Ticket *tk, int p, unsigned int pid, double given,
 {
     if (!usable(c))
         return -1;
-    if (p < 0 || p >= c->o[G_PROVIDER_COUNT] || tk->live || tk->busy) {
+    if (p < 0 || p >= PROVIDER_COUNT || tk->live || tk->busy) {
         PyErr_SetString(PyExc_ValueError, "bad provider or a ticket in use");
         return -1;
     }
@@ -1724,15 +1705,28 @@ static int do_arrive(Core *c, Ticket *tk, int p, unsigned int pid, double given,
     return decision;
 }
 
-/* arrive(ticket, provider, pid, now, may_wait, blocking, timeout, futex=False) -> code */
-static PyObject *Core_arrive(Core *c, PyObject *args)
+/* A flag every caller must name (``may_wait=``, ``blocking=``): PyArg_ParseTupleAndKeywords
+ * has no required keyword-only arguments, so it starts at -1 and is checked here. */
+static int named(int flag, const char *call, const char *name)
 {
+    if (flag >= 0)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s() missing required keyword-only argument: '%s'", call, name);
+    return -1;
+}
+
+/* arrive(ticket, provider, pid, now, *, may_wait, blocking, timeout=-1.0, futex=False) -> code */
+static PyObject *Core_arrive(Core *c, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"ticket", "provider", "pid", "now", "may_wait", "blocking", "timeout", "futex", NULL};
     PyObject *tko;
-    int p, may_wait, blocking, futex = 0;
+    int p, may_wait = -1, blocking = -1, futex = 0;
     unsigned int pid;
-    double now, timeout;
-    if (!PyArg_ParseTuple(args, "O!iIdppd|p", TicketType, &tko, &p, &pid, &now, &may_wait, &blocking,
-                          &timeout, &futex))
+    double now, timeout = -1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!iId|$ppdp", kwlist, TicketType, &tko, &p, &pid, &now,
+                                     &may_wait, &blocking, &timeout, &futex))
+        return NULL;
+    if (named(may_wait, "arrive", "may_wait") < 0 || named(blocking, "arrive", "blocking") < 0)
         return NULL;
     int code = do_arrive(c, (Ticket *)tko, p, pid, now, may_wait, blocking, timeout, futex);
     return code < 0 ? NULL : PyLong_FromLong(code);
@@ -1746,27 +1740,27 @@ static int leave_locked(Core *c, Ticket *tk, int outcome, Now now, Rings *rings)
     int p = tk->provider;
     long b = pbase(c, p);
     long hb = hbase(c, p, tk->holder);
-    uint32_t state = ld32(c, hb + c->o[K_STATE]);
-    if (ld64(c, hb + c->o[K_SERIAL]) == tk->serial && (state == RUNNING || state == WAITING) &&
-        ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
-        ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial) {
+    uint32_t state = ld32(c, hb + HOLDER_STATE);
+    if (ld64(c, hb + HOLDER_SERIAL) == tk->serial && (state == RUNNING || state == WAITING) &&
+        ldi32(c, hb + HOLDER_MEMBER) == c->member &&
+        ld64(c, hb + HOLDER_MEMBER_SERIAL) == c->member_serial) {
         if (counters_damaged(c, b) && recount_provider(c, p))
             note_damage(c, "provider counters were written over");
         free_record(c, hb);
-        uint32_t running = ld32(c, b + c->o[P_RUNNING]);
-        uint32_t waiting = ld32(c, b + c->o[P_WAITING]);
+        uint32_t running = ld32(c, b + PROVIDER_RUNNING);
+        uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
         if (state == RUNNING) {
             put_counts(c, b, running ? running - 1 : 0, waiting);
-            note_hold(c, b, now.mono - ldd(c, hb + c->o[K_SINCE_MONO]));
+            note_hold(c, b, now.mono - ldd(c, hb + HOLDER_SINCE_MONO));
             was = 1;
         } else {
             put_counts(c, b, running, waiting ? waiting - 1 : 0);
             was = 2;
         }
         if (outcome == OUT_TIMEOUT)
-            inc64(c, b + c->o[P_TIMEOUTS]);
+            inc64(c, b + PROVIDER_TIMEOUTS_TOTAL);
         else if (outcome == OUT_CANCELLED)
-            inc64(c, b + c->o[P_CANCELLED]);
+            inc64(c, b + PROVIDER_CANCELLED_TOTAL);
         pump(c, p, now, rings, NULL);
     }
     return was;
@@ -1829,13 +1823,17 @@ static int do_leave(Ticket *tk, int outcome, double given, int blocking)
     return was;
 }
 
-/* leave(ticket, outcome, now, blocking) -> -1 busy, 0 stale, 1 was running, 2 was waiting */
-static PyObject *Core_leave(Core *c, PyObject *args)
+/* leave(ticket, outcome, now, *, blocking) -> -1 busy, 0 stale, 1 was running, 2 was waiting */
+static PyObject *Core_leave(Core *c, PyObject *args, PyObject *kwds)
 {
+    static char *kwlist[] = {"ticket", "outcome", "now", "blocking", NULL};
     PyObject *tko;
-    int outcome, blocking;
+    int outcome, blocking = -1;
     double now;
-    if (!PyArg_ParseTuple(args, "O!idp", TicketType, &tko, &outcome, &now, &blocking))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!id|$p", kwlist, TicketType, &tko, &outcome, &now,
+                                     &blocking))
+        return NULL;
+    if (named(blocking, "leave", "blocking") < 0)
         return NULL;
     Ticket *tk = (Ticket *)tko;
     if (tk->core != c || !tk->live)
@@ -1853,8 +1851,8 @@ static uint32_t ticket_state(Core *c, Ticket *tk)
     if (!tk->live || tk->core != c || c->closed)
         return FREE;
     long hb = hbase(c, tk->provider, tk->holder);
-    uint32_t state = ld32(c, hb + c->o[K_STATE]);
-    if (ld64(c, hb + c->o[K_SERIAL]) != tk->serial) /* taken meanwhile by another arrival */
+    uint32_t state = ld32(c, hb + HOLDER_STATE);
+    if (ld64(c, hb + HOLDER_SERIAL) != tk->serial) /* taken meanwhile by another arrival */
         return FREE;
     return state;
 }
@@ -1919,7 +1917,7 @@ static PyObject *Core_wait(Core *c, PyObject *args)
     }
     double deadline = timeout < 0 ? 0.0 : deadline_clock() + timeout;
     long hb = hbase(c, tk->provider, tk->holder);
-    uint32_t *word = (uint32_t *)AT(c, hb + c->o[K_STATE]);
+    uint32_t *word = (uint32_t *)AT(c, hb + HOLDER_STATE);
     int result = 0;
     uint32_t reclaimed = 0;
     int on_main = PyThread_get_thread_ident() == main_thread;
@@ -2090,14 +2088,14 @@ static void wake_own_waiters(Core *c)
 #if HAVE_FUTEX
     if (c->member < 0)
         return;
-    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
-        if (!ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
+        if (!ld32(c, pbase(c, p) + PROVIDER_IN_USE))
             continue;
-        for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
             long hb = hbase(c, p, h);
-            if (ld32(c, hb + c->o[K_STATE]) == WAITING && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
-                ld32(c, hb + c->o[K_WAKER]) == WAKE_FUTEX)
-                futex_op(AT(c, hb + c->o[K_STATE]), FUTEX_WAKE, INT32_MAX, NULL);
+            if (ld32(c, hb + HOLDER_STATE) == WAITING && ldi32(c, hb + HOLDER_MEMBER) == c->member &&
+                ld32(c, hb + HOLDER_WAKER) == WAKE_FUTEX)
+                futex_op(AT(c, hb + HOLDER_STATE), FUTEX_WAKE, INT32_MAX, NULL);
         }
     }
 #else
@@ -2161,13 +2159,14 @@ static PyObject *Core_still_named(Core *c, PyObject *unused)
     return PyLong_FromLong(answer);
 }
 
-/* sweep(now, blocking=True) and reap(now, blocking=True): one step that frees dead
+/* sweep(now, *, blocking=True) and reap(now, *, blocking=True): one step that frees dead
  * holders' records (the sweep also checks for damage), -> reclaimed, -1 busy. */
-static PyObject *reclaim_step(Core *c, PyObject *args, uint32_t (*step)(Core *, Now, Rings *))
+static PyObject *reclaim_step(Core *c, PyObject *args, PyObject *kwds, uint32_t (*step)(Core *, Now, Rings *))
 {
+    static char *kwlist[] = {"now", "blocking", NULL};
     double given;
     int blocking = 1;
-    if (!PyArg_ParseTuple(args, "d|p", &given, &blocking))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "d|$p", kwlist, &given, &blocking))
         return NULL;
     if (!usable(c))
         return NULL;
@@ -2184,8 +2183,8 @@ static PyObject *reclaim_step(Core *c, PyObject *args, uint32_t (*step)(Core *, 
     return PyLong_FromUnsignedLong(reclaimed);
 }
 
-static PyObject *Core_sweep(Core *c, PyObject *args) { return reclaim_step(c, args, sweep); }
-static PyObject *Core_reap(Core *c, PyObject *args) { return reclaim_step(c, args, reap); }
+static PyObject *Core_sweep(Core *c, PyObject *args, PyObject *kwds) { return reclaim_step(c, args, kwds, sweep); }
+static PyObject *Core_reap(Core *c, PyObject *args, PyObject *kwds) { return reclaim_step(c, args, kwds, reap); }
 
 static PyObject *Core_pump_all(Core *c, PyObject *args)
 {
@@ -2199,8 +2198,8 @@ static PyObject *Core_pump_all(Core *c, PyObject *args)
     memset(&rings, 0, sizeof rings);
     LOCKED(c, 1, 0.0, rc, {
         Now now = section_now(given);
-        for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
-            if (ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+        for (int p = 0; p < PROVIDER_COUNT; p++)
+            if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
                 pump(c, p, now, &rings, NULL);
     });
     if (rc < 0 || rc == E_DAMAGED_LOCK)
@@ -2227,8 +2226,8 @@ static PyObject *Core_register(Core *c, PyObject *args)
         PyErr_SetString(CoreError, "already registered");
         return NULL;
     }
-    if (label_len > c->o[G_LABEL_BYTES])
-        label_len = c->o[G_LABEL_BYTES];
+    if (label_len > LABEL_BYTES)
+        label_len = LABEL_BYTES;
     sem_t *own = NULL;
     if (bell) {
         char name[40];
@@ -2244,10 +2243,10 @@ static PyObject *Core_register(Core *c, PyObject *args)
     Target *t = &targets[c->target];
     LOCKED(c, 1, 0.0, rc, {
         Now now = section_now(given);
-        for (int m = 0; m < c->o[G_MEMBER_COUNT] && got < 0; m++) {
+        for (int m = 0; m < MEMBER_COUNT && got < 0; m++) {
             long mb = mbase(c, m);
-            uint64_t old = ld64(c, mb + c->o[M_SERIAL]);
-            if (ld32(c, mb + c->o[M_IN_USE])) {
+            uint64_t old = ld64(c, mb + MEMBER_SERIAL);
+            if (ld32(c, mb + MEMBER_IN_USE)) {
                 if (member_byte_held(c, m, NULL))
                     continue;
                 drop_member_records(c, m, old, now, &rings, NULL); /* its owner died */
@@ -2259,16 +2258,16 @@ static PyObject *Core_register(Core *c, PyObject *args)
             if (byte_lock(t->fd, c->kind, 1 + (off_t)m, F_WRLCK, 0) != 0)
                 continue;
             serial = old + 1;
-            st32(c, mb + c->o[M_PID], pid);
-            std_(c, mb + c->o[M_START], start);
-            st64(c, mb + c->o[M_SERIAL], serial);
-            *(uint16_t *)AT(c, mb + c->o[M_MAJOR]) = (uint16_t)major;
-            *(uint16_t *)AT(c, mb + c->o[M_MINOR]) = (uint16_t)minor;
-            std_(c, mb + c->o[M_ATTACHED_AT], now.wall);
-            memset(AT(c, mb + c->o[M_LABEL]), 0, c->o[G_LABEL_BYTES]);
-            memcpy(AT(c, mb + c->o[M_LABEL]), label, label_len);
-            st64(c, mb + c->o[M_BELL], bell);
-            st32(c, mb + c->o[M_IN_USE], 1); /* last */
+            st32(c, mb + MEMBER_PID, pid);
+            std_(c, mb + MEMBER_START, start);
+            st64(c, mb + MEMBER_SERIAL, serial);
+            *(uint16_t *)AT(c, mb + MEMBER_MAJOR) = (uint16_t)major;
+            *(uint16_t *)AT(c, mb + MEMBER_MINOR) = (uint16_t)minor;
+            std_(c, mb + MEMBER_ATTACHED_AT, now.wall);
+            memset(AT(c, mb + MEMBER_LABEL), 0, LABEL_BYTES);
+            memcpy(AT(c, mb + MEMBER_LABEL), label, label_len);
+            st64(c, mb + MEMBER_BELL, bell);
+            st32(c, mb + MEMBER_IN_USE, 1); /* last */
             t->own[m] = serial;
             got = m;
             c->member = m;
@@ -2313,9 +2312,9 @@ static PyObject *Core_unregister(Core *c, PyObject *args)
         c->member = -1; /* inside the section: an arrival waiting for the lock sees it */
         drop_member_records(c, m, serial, now, &rings, &cut);
         long mb = mbase(c, m);
-        if (ld64(c, mb + c->o[M_SERIAL]) == serial) {
-            st32(c, mb + c->o[M_IN_USE], 0);
-            st64(c, mb + c->o[M_BELL], 0);
+        if (ld64(c, mb + MEMBER_SERIAL) == serial) {
+            st32(c, mb + MEMBER_IN_USE, 0);
+            st64(c, mb + MEMBER_BELL, 0);
         }
         t->own[m] = 0;
         byte_lock(t->fd, c->kind, 1 + (off_t)m, F_UNLCK, 0);
@@ -2340,14 +2339,14 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
         return NULL;
     if (!usable(c))
         return NULL;
-    if (id_len < 1 || id_len > c->o[G_ID_BYTES] || memchr(id, 0, id_len)) {
+    if (id_len < 1 || id_len > ID_BYTES || memchr(id, 0, id_len)) {
         PyErr_SetString(PyExc_ValueError, "a provider id is 1 to ID_BYTES bytes without NUL");
         return NULL;
     }
-    if (reason_len > c->o[G_REASON_BYTES])
-        reason_len = c->o[G_REASON_BYTES];
+    if (reason_len > REASON_BYTES)
+        reason_len = REASON_BYTES;
     char padded[256];
-    if (c->o[G_ID_BYTES] > (long)sizeof padded) {
+    if (ID_BYTES > (long)sizeof padded) {
         PyErr_SetString(PyExc_ValueError, "ID_BYTES too large");
         return NULL;
     }
@@ -2355,26 +2354,26 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
     memcpy(padded, id, id_len);
     int rc, index = -1, created = 0;
     LOCKED(c, 1, 0.0, rc, {
-        for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
+        for (int p = 0; p < PROVIDER_COUNT; p++) {
             long b = pbase(c, p);
-            if (ld32(c, b + c->o[P_IN_USE])) {
-                if (memcmp(AT(c, b + c->o[P_ID]), padded, c->o[G_ID_BYTES]) == 0) {
+            if (ld32(c, b + PROVIDER_IN_USE)) {
+                if (memcmp(AT(c, b + PROVIDER_ID), padded, ID_BYTES) == 0) {
                     index = p;
                     break;
                 }
                 continue;
             }
-            memcpy(AT(c, b + c->o[P_ID]), padded, c->o[G_ID_BYTES]);
-            st32(c, b + c->o[P_QUEUE_BOUND], (uint32_t)bound);
+            memcpy(AT(c, b + PROVIDER_ID), padded, ID_BYTES);
+            st32(c, b + PROVIDER_QUEUE_BOUND, (uint32_t)bound);
             put_counts(c, b, 0, 0);
-            st32(c, b + c->o[P_PUBLISHED], (uint32_t)-1);
-            st32(c, b + c->o[P_DISCOVERED], (uint32_t)-1);
-            st32(c, b + c->o[P_FALLBACK], (uint32_t)fallback);
-            st32(c, b + c->o[P_FALLBACK_SOURCE], (uint32_t)source);
-            st32(c, b + c->o[P_FLAGS], (uint32_t)flags);
-            memset(AT(c, b + c->o[P_REASON]), 0, c->o[G_REASON_BYTES]);
-            memcpy(AT(c, b + c->o[P_REASON]), reason, reason_len);
-            st32(c, b + c->o[P_IN_USE], 1); /* last */
+            st32(c, b + PROVIDER_PUBLISHED_LIMIT, (uint32_t)-1);
+            st32(c, b + PROVIDER_DISCOVERED, (uint32_t)-1);
+            st32(c, b + PROVIDER_FALLBACK_LIMIT, (uint32_t)fallback);
+            st32(c, b + PROVIDER_FALLBACK_SOURCE, (uint32_t)source);
+            st32(c, b + PROVIDER_FLAGS, (uint32_t)flags);
+            memset(AT(c, b + PROVIDER_REASON), 0, REASON_BYTES);
+            memcpy(AT(c, b + PROVIDER_REASON), reason, reason_len);
+            st32(c, b + PROVIDER_IN_USE, 1); /* last */
             index = p;
             created = 1;
             break;
@@ -2408,7 +2407,7 @@ static int parse_patches(Core *c, PyObject *seq, Patch **out, Py_ssize_t *n, PyO
         Py_ssize_t len;
         if (!PyArg_ParseTuple(item, "ly#", &off, &src, &len))
             return -1;
-        if (off < 0 || len < 0 || off + len > c->o[G_TOTAL_SIZE]) {
+        if (off < 0 || len < 0 || off + len > TOTAL_SIZE) {
             PyErr_SetString(PyExc_ValueError, "a patch outside the segment");
             return -1;
         }
@@ -2445,8 +2444,8 @@ static PyObject *Core_transact(Core *c, PyObject *args)
                 if (do_sweep)
                     sweep(c, now, &rings);
                 else if (do_pump)
-                    for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
-                        if (ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+                    for (int p = 0; p < PROVIDER_COUNT; p++)
+                        if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
                             pump(c, p, now, &rings, NULL);
             }
         });
@@ -2469,12 +2468,12 @@ static PyObject *Core_snapshot(Core *c, PyObject *unused)
 {
     if (!usable(c))
         return NULL;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, c->o[G_TOTAL_SIZE]);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, TOTAL_SIZE);
     if (!out)
         return NULL;
     char *dst = PyBytes_AsString(out);
     int rc;
-    LOCKED(c, 1, 0.0, rc, { memcpy(dst, c->base, c->o[G_TOTAL_SIZE]); });
+    LOCKED(c, 1, 0.0, rc, { memcpy(dst, c->base, TOTAL_SIZE); });
     if (rc < 0 || rc == E_DAMAGED_LOCK) {
         Py_DECREF(out);
         return lock_error(c, rc);
@@ -2490,14 +2489,14 @@ static PyObject *Core_own_records(Core *c, PyObject *unused)
         return NULL;
     long running = 0, waiting = 0;
     if (c->member >= 0)
-        for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++) {
-            if (!ld32(c, pbase(c, p) + c->o[P_IN_USE]))
+        for (int p = 0; p < PROVIDER_COUNT; p++) {
+            if (!ld32(c, pbase(c, p) + PROVIDER_IN_USE))
                 continue;
-            for (int h = 0; h < c->o[G_HOLDERS_PER]; h++) {
+            for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
                 long hb = hbase(c, p, h);
-                uint32_t s = ld32(c, hb + c->o[K_STATE]);
-                if (s != FREE && ldi32(c, hb + c->o[K_MEMBER]) == c->member &&
-                    ld64(c, hb + c->o[K_MEMBER_SERIAL]) == c->member_serial) {
+                uint32_t s = ld32(c, hb + HOLDER_STATE);
+                if (s != FREE && ldi32(c, hb + HOLDER_MEMBER) == c->member &&
+                    ld64(c, hb + HOLDER_MEMBER_SERIAL) == c->member_serial) {
                     if (s == RUNNING)
                         running++;
                     else if (s == WAITING)
@@ -2665,11 +2664,14 @@ static PyObject *Ticket_aexit(Ticket *t, PyObject *args)
     return PyObject_CallFunction(c->slow_aexit, "O", (PyObject *)t);
 }
 
-/* leave(outcome, blocking=True) -> as Core.leave, on the ticket's own core. */
-static PyObject *Ticket_leave(Ticket *t, PyObject *args)
+/* leave(outcome, *, blocking) -> as Core.leave, on the ticket's own core. */
+static PyObject *Ticket_leave(Ticket *t, PyObject *args, PyObject *kwds)
 {
-    int outcome, blocking = 1;
-    if (!PyArg_ParseTuple(args, "i|p", &outcome, &blocking))
+    static char *kwlist[] = {"outcome", "blocking", NULL};
+    int outcome, blocking = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|$p", kwlist, &outcome, &blocking))
+        return NULL;
+    if (named(blocking, "leave", "blocking") < 0)
         return NULL;
     int was = do_leave(t, outcome, 0.0, blocking);
     return was == -2 ? NULL : PyLong_FromLong(was);
@@ -2714,7 +2716,10 @@ static PyObject *Ticket_repr(Ticket *t)
 
 /* ===== 9. tests only ======================================================================
  * What a test needs to play a process frozen or killed inside the lock, and a death that
- * drops a registration's lock byte. Nothing in the product calls these. */
+ * drops a registration's lock byte. Nothing in the product calls these: they are compiled
+ * only into a test build (GWCAP_TEST_HOOKS, set by setup.py when
+ * GATEWAY_CAPACITY_TEST_HOOKS=1, as `make test` builds); _core.TEST_HOOKS says which. */
+#ifdef GWCAP_TEST_HOOKS
 
 /* hold_lock(dirty=False): take the lock and never let it go, as a process frozen inside
  * a section would. */
@@ -2732,9 +2737,9 @@ static PyObject *Core_hold_lock(Core *c, PyObject *args)
     if (rc != 0)
         return lock_error(c, rc);
     if (dirty) /* as if killed mid-write: counters that disagree with the records */
-        for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
-            if (ld32(c, pbase(c, p) + c->o[P_IN_USE]))
-                st32(c, pbase(c, p) + c->o[P_RUNNING], 999);
+        for (int p = 0; p < PROVIDER_COUNT; p++)
+            if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
+                st32(c, pbase(c, p) + PROVIDER_RUNNING, 999);
     Py_RETURN_NONE;
 }
 
@@ -2774,12 +2779,12 @@ static PyObject *Core_die_in_section(Core *c, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     rc = enter(c, 1, 0.0);
     if (rc == 0) {
-        for (int p = 0; p < c->o[G_PROVIDER_COUNT]; p++)
-            if (ld32(c, pbase(c, p) + c->o[P_IN_USE]))
-                st32(c, pbase(c, p) + c->o[P_RUNNING], running);
+        for (int p = 0; p < PROVIDER_COUNT; p++)
+            if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
+                st32(c, pbase(c, p) + PROVIDER_RUNNING, running);
         if (c->kind == KIND_ROBUST) {
 #if HAVE_ROBUST
-            pthread_mutex_unlock((pthread_mutex_t *)AT(c, c->o[H_MUTEX]));
+            pthread_mutex_unlock((pthread_mutex_t *)AT(c, MUTEX_OFFSET));
 #endif
         } else {
             byte_lock(targets[c->target].fd, c->kind, 0, F_UNLCK, 0);
@@ -2791,10 +2796,16 @@ static PyObject *Core_die_in_section(Core *c, PyObject *args)
         return lock_error(c, rc);
     Py_RETURN_NONE;
 }
+#define TEST_HOOKS 1
+#else
+#define TEST_HOOKS 0
+#endif /* GWCAP_TEST_HOOKS */
 
 static PyMethodDef Core_methods[] = {
-    {"arrive", (PyCFunction)Core_arrive, METH_VARARGS, "arrive(ticket, provider, pid, now, may_wait, blocking, timeout, futex=False) -> code"},
-    {"leave", (PyCFunction)Core_leave, METH_VARARGS, "leave(ticket, outcome, now, blocking) -> -1 busy, 0 stale, 1 running, 2 waiting"},
+    {"arrive", (PyCFunction)(void (*)(void))Core_arrive, METH_VARARGS | METH_KEYWORDS,
+     "arrive(ticket, provider, pid, now, *, may_wait, blocking, timeout=-1.0, futex=False) -> code"},
+    {"leave", (PyCFunction)(void (*)(void))Core_leave, METH_VARARGS | METH_KEYWORDS,
+     "leave(ticket, outcome, now, *, blocking) -> -1 busy, 0 stale, 1 running, 2 waiting"},
     {"state", (PyCFunction)Core_state, METH_O, "state(ticket) -> record state (lock-free)"},
     {"wait", (PyCFunction)Core_wait, METH_VARARGS, "wait(ticket, timeout) -> (W_*, reclaimed): sleep on the record (Linux)"},
     {"dispatch", (PyCFunction)Core_dispatch, METH_VARARGS, "dispatch(period, watched, always=False) -> (changed, reclaimed, posts)"},
@@ -2802,8 +2813,10 @@ static PyMethodDef Core_methods[] = {
     {"begin_close", (PyCFunction)Core_begin_close, METH_VARARGS, "begin_close(now) -> waiting records freed"},
     {"retire", (PyCFunction)Core_retire, METH_NOARGS, "the name leads elsewhere: waiters move"},
     {"still_named", (PyCFunction)Core_still_named, METH_NOARGS, "1 same object, 0 replaced or gone, -1 unknown"},
-    {"sweep", (PyCFunction)Core_sweep, METH_VARARGS, "sweep(now, blocking=True) -> reclaimed, -1 busy"},
-    {"reap", (PyCFunction)Core_reap, METH_VARARGS, "reap(now, blocking=True) -> reclaimed, -1 busy"},
+    {"sweep", (PyCFunction)(void (*)(void))Core_sweep, METH_VARARGS | METH_KEYWORDS,
+     "sweep(now, *, blocking=True) -> reclaimed, -1 busy"},
+    {"reap", (PyCFunction)(void (*)(void))Core_reap, METH_VARARGS | METH_KEYWORDS,
+     "reap(now, *, blocking=True) -> reclaimed, -1 busy"},
     {"pump_all", (PyCFunction)Core_pump_all, METH_VARARGS, "pump_all(now)"},
     {"register", (PyCFunction)Core_register, METH_VARARGS, "register(pid, start, label, major, minor, now, bell=0) -> (member, serial)"},
     {"unregister", (PyCFunction)Core_unregister, METH_VARARGS, "unregister(now) -> running records cut"},
@@ -2814,9 +2827,11 @@ static PyMethodDef Core_methods[] = {
     {"take_events", (PyCFunction)Core_take_events, METH_NOARGS, "(lock repairs, damage repairs, note) since the last call"},
     {"set_slow_paths", (PyCFunction)Core_set_slow_paths, METH_VARARGS, "set_slow_paths(enter, aenter, aexit)"},
     {"close", (PyCFunction)Core_close, METH_NOARGS, "release the buffer and the lock target"},
+#ifdef GWCAP_TEST_HOOKS
     {"hold_lock", (PyCFunction)Core_hold_lock, METH_VARARGS, "tests only: take the lock and keep it"},
     {"abandon", (PyCFunction)Core_abandon, METH_NOARGS, "tests only: drop the member lock as death does"},
     {"die_in_section", (PyCFunction)Core_die_in_section, METH_VARARGS, "tests only: a holder's death mid-section"},
+#endif
     {NULL}
 };
 
@@ -2848,7 +2863,7 @@ static PyMethodDef Ticket_methods[] = {
     {"__exit__", (PyCFunction)Ticket_exit, METH_VARARGS, "release"},
     {"__aenter__", (PyCFunction)Ticket_aenter, METH_NOARGS, "arrive without blocking the loop"},
     {"__aexit__", (PyCFunction)Ticket_aexit, METH_VARARGS, "release without blocking the loop"},
-    {"leave", (PyCFunction)Ticket_leave, METH_VARARGS, "leave(outcome, blocking=True)"},
+    {"leave", (PyCFunction)(void (*)(void))Ticket_leave, METH_VARARGS | METH_KEYWORDS, "leave(outcome, *, blocking)"},
     {"rebind", (PyCFunction)Ticket_rebind, METH_VARARGS, "rebind(core, provider): move a ticket that is not live"},
     {NULL}
 };
@@ -3005,9 +3020,9 @@ static PyObject *mod_probe(PyObject *self, PyObject *args)
 
 static PyObject *mod_fields(PyObject *self, PyObject *unused)
 {
-    PyObject *t = PyTuple_New(NFIELDS);
-    for (int i = 0; t && i < NFIELDS; i++)
-        PyTuple_SetItem(t, i, PyUnicode_FromString(FIELD_NAMES[i]));
+    PyObject *t = PyTuple_New(NLAYOUT);
+    for (int i = 0; t && i < NLAYOUT; i++)
+        PyTuple_SetItem(t, i, PyUnicode_FromString(LAYOUT[i].key));
     return t;
 }
 
@@ -3113,34 +3128,22 @@ PyMODINIT_FUNC PyInit__core(void)
         Py_DECREF(threading);
     }
     PyErr_Clear();
+    /* The exceptions are the Python classes of shm_layout.errors (the one exception module) */
     PyObject *errors = PyImport_ImportModule("shm_layout.errors");
     if (!errors)
         return NULL;
-    PyObject *root = PyObject_GetAttrString(errors, "GatewayCapacityError");
+    CoreError = PyObject_GetAttrString(errors, "CoreError");
+    DamagedLock = CoreError ? PyObject_GetAttrString(errors, "DamagedLock") : NULL;
     Py_DECREF(errors);
-    if (!root)
+    if (!CoreError || !DamagedLock)
         return NULL;
     CoreType = (PyTypeObject *)PyType_FromSpec(&Core_spec);
     TicketType = (PyTypeObject *)PyType_FromSpec(&Ticket_spec);
     DoneType = (PyTypeObject *)PyType_FromSpec(&Done_spec);
-    if (!CoreType || !TicketType || !DoneType) {
-        Py_DECREF(root);
+    if (!CoreType || !TicketType || !DoneType)
         return NULL;
-    }
     DONE = PyObject_CallNoArgs((PyObject *)DoneType);
-    PyObject *bases = PyTuple_Pack(2, root, PyExc_OSError);
-    Py_DECREF(root);
-    if (!DONE || !bases)
-        return NULL;
-    CoreError = PyErr_NewExceptionWithDoc("shm_layout._core.CoreError",
-                                          "The core could not do a step; str() says what to fix.", bases, NULL);
-    Py_DECREF(bases);
-    if (!CoreError)
-        return NULL;
-    DamagedLock = PyErr_NewExceptionWithDoc("shm_layout._core.DamagedLock",
-                                            "The segment's lock word holds bytes no lock call of ours wrote.",
-                                            CoreError, NULL);
-    if (!DamagedLock)
+    if (!DONE)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m)
@@ -3151,6 +3154,7 @@ PyMODINIT_FUNC PyInit__core(void)
         PyModule_AddObjectRef(m, "DamagedLock", DamagedLock) < 0 ||
         PyModule_AddObjectRef(m, "DONE", DONE) < 0 ||
         add_int(m, "HAVE_ROBUST", HAVE_ROBUST) < 0 || add_int(m, "HAVE_FUTEX", HAVE_FUTEX) < 0 ||
+        add_int(m, "TEST_HOOKS", TEST_HOOKS) < 0 ||
         add_int(m, "KIND_ROBUST", KIND_ROBUST) < 0 || add_int(m, "KIND_FILE", KIND_FILE) < 0 ||
         add_int(m, "BUSY", R_BUSY) < 0 || add_int(m, "ADMIT", R_ADMIT) < 0 || add_int(m, "WAIT", R_WAIT) < 0 ||
         add_int(m, "FULL", R_FULL) < 0 || add_int(m, "WAIT_REFUSED", R_WAIT_REFUSED) < 0 ||

@@ -50,6 +50,10 @@ MEMBER_ROW_SIZE = 128
 ID_BYTES = 64
 REASON_BYTES = 128
 
+SWEEP_S = 0.5  # a sweep for dead holders and damage at least this often (R-A5); the
+# longest a waiter sleeps without looking
+STAMP_AT = 4096  # where a lock file holds its segment's stamp (lock bytes are 0..256)
+
 
 class Field:
     """One field of a table: where it is in its row, and how it is packed."""

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shm_layout import layout
-from shm_layout.errors import GatewayCapacityError
+from shm_layout.errors import ProviderIdError as ProviderIdError
 from shm_layout.layout import (
     HOLDER,
     HOLDER_FREE,
@@ -153,10 +153,6 @@ def decide_arrival(running: int, waiting: int, limit: int, bound: int) -> Decisi
 
 
 # --- providers: ids are matched in full (R-A13) ------------------------------------------
-class ProviderIdError(GatewayCapacityError, ValueError):
-    """A provider id that cannot be stored in the segment without losing part of it."""
-
-
 def encode_provider_id(provider_id: str) -> bytes:
     raw = provider_id.encode("utf-8")
     if not raw or len(raw) > layout.ID_BYTES or b"\x00" in raw:
@@ -277,11 +273,10 @@ class Ledger:
         member: int,
         member_serial: int,
         now: float,
-        may_wait: bool = True,
         *,
+        may_wait: bool = True,
         futex: bool = False,
         registered: bool = True,
-        bell: int = 0,
     ) -> tuple[Decision, Ticket | None, set[int]]:
         """``registered`` False: the registration is gone or closing (R-A14)."""
         if not registered:

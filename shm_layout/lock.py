@@ -38,13 +38,12 @@ import stat
 from collections.abc import Sequence
 
 from shm_layout import _core, layout, platform
+from shm_layout.errors import CoreError as CoreError
 from shm_layout.layout import HEADER
 from shm_layout.owners import ForeignObject, OwnerPolicy, check_directory
 
 FORCE_LOCK_FILE_ENV = platform.FORCE_LOCK_FILE_ENV
 LOCK_DIR_ENV = platform.LOCK_DIR_ENV
-
-CoreError = _core.CoreError
 
 
 class LockSetupError(Exception):
@@ -61,7 +60,7 @@ def lock_file_path(segment: str) -> str:
     return os.path.join(platform.lock_dir(), segment.lstrip("/") + ".lock")
 
 
-STAMP_AT = 4096  # offset of the stamp in the lock file (_core.c reads it there)
+STAMP_AT = layout.STAMP_AT  # offset of the stamp in the lock file
 
 
 def stamp(buf: mmap.mmap | bytes) -> bytes:

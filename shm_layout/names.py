@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from shm_layout.errors import GatewayCapacityError
+from shm_layout.errors import BadSegmentName as BadSegmentName
 
 ENV_VAR = "GATEWAY_CAPACITY_SEGMENT"
 PREFIX = "/gwcap1-"
@@ -28,10 +28,6 @@ _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012
 
 def _valid(name: str) -> bool:
     return len(name) > 1 and name[0] == "/" and all(c in _NAME_CHARS for c in name[1:])
-
-
-class BadSegmentName(GatewayCapacityError, ValueError):
-    """A segment name that cannot be used on every supported OS."""
 
 
 def segment_name_for_config(config_path: str | os.PathLike[str]) -> str:

@@ -24,18 +24,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing import Final
 
-from shm_layout.errors import GatewayCapacityError
+from shm_layout.errors import ForeignObject as ForeignObject
+from shm_layout.errors import OwnerError as OwnerError
 
 OWNER_ENV: Final = "GATEWAY_CAPACITY_OWNER"
 GROUP_ENV: Final = "GATEWAY_CAPACITY_GROUP"
-
-
-class OwnerError(GatewayCapacityError, ValueError):
-    """An owner or group setting that names no user or group."""
-
-
-class ForeignObject(GatewayCapacityError):
-    """An object under one of our names that belongs to someone we do not trust."""
 
 
 def user_name(uid: int) -> str:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing import Final
 
-from shm_layout.errors import GatewayCapacityError
+from shm_layout.errors import NotOnThisPlatform as NotOnThisPlatform
 
 PLATFORM_ENV: Final = "GATEWAY_CAPACITY_PLATFORM"
 FORCE_LOCK_FILE_ENV: Final = "GATEWAY_CAPACITY_LOCK_FILE"
@@ -42,10 +42,6 @@ FORCE_NO_TIMEOUT_ENV: Final = "GATEWAY_CAPACITY_NO_SEM_TIMEOUT"
 LOCK_DIR_ENV: Final = "GATEWAY_CAPACITY_LOCK_DIR"
 
 SHM_DIR: Final = "/dev/shm"  # Linux: where POSIX shared memory and semaphores live
-
-
-class NotOnThisPlatform(GatewayCapacityError):
-    """A call the platform (or the darwin test mode) does not have."""
 
 
 def name() -> str:

@@ -30,7 +30,14 @@ import time
 import posix_ipc
 
 from shm_layout import _core, ipc, layout, lock, names, platform
-from shm_layout.errors import GatewayCapacityError
+from shm_layout.errors import DamagedSegment as DamagedSegment
+from shm_layout.errors import ForeignSegment as ForeignSegment
+from shm_layout.errors import IncompatibleLayout as IncompatibleLayout
+from shm_layout.errors import NotOurSegment as NotOurSegment
+from shm_layout.errors import SegmentError as SegmentError
+from shm_layout.errors import SegmentMissing as SegmentMissing
+from shm_layout.errors import SegmentNotReady as SegmentNotReady
+from shm_layout.errors import UnsafePermissions as UnsafePermissions
 from shm_layout.layout import HEADER, HOLDER, INIT_MARK, MAGIC, MAJOR, MEMBER, MINOR, PROVIDER
 from shm_layout.liveness import is_alive, my_identity
 from shm_layout.owners import OwnerPolicy, group_name, user_name
@@ -39,47 +46,6 @@ log = logging.getLogger("gateway_capacity.segment")
 
 INIT_WAIT_S = 2.0
 CLOSE_WAIT_S = 2.0
-
-
-class SegmentError(GatewayCapacityError):
-    """Base of every segment problem; ``str()`` is one line saying what to do."""
-
-
-class SegmentMissing(SegmentError):
-    pass
-
-
-class NotOurSegment(SegmentError):
-    pass
-
-
-class ForeignSegment(NotOurSegment):
-    """An object under our name owned by a user (or group) this process does not trust."""
-
-
-class IncompatibleLayout(SegmentError):
-    """The segment speaks another major layout version (R-G2)."""
-
-    def __init__(self, name: str, found: tuple[int, int]) -> None:
-        self.found = found
-        super().__init__(
-            f"segment {name} has layout {found[0]}.{found[1]}, this program speaks "
-            f"{MAJOR}.{MINOR}: not compatible (different major version). Stop the other "
-            f"generation, or once nothing uses it remove the segment with 'gateway-capacity "
-            f"inspect --segment {name} --unlink --force'."
-        )
-
-
-class SegmentNotReady(SegmentError):
-    pass
-
-
-class UnsafePermissions(SegmentError):
-    pass
-
-
-class DamagedSegment(NotOurSegment):
-    """Ours by its header, but its tables hold values no writer of ours produces."""
 
 
 class Mapping(mmap.mmap):

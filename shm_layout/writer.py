@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shm_layout import layout, ledger, platform
-from shm_layout.errors import GatewayCapacityError
+from shm_layout.errors import TableFull as TableFull
 from shm_layout.layout import HEADER, PROVIDER, REPLICA, SOURCE_CODES, Field
 from shm_layout.segment import Segment
 from shm_layout.view import ReplicaView
@@ -270,10 +270,6 @@ def _changed(new: list[tuple[int, bytes]], old: list[tuple[int, bytes]]) -> list
         return [w for w, was in zip(new, old, strict=True) if w != was]
     before = dict(old)
     return [(o, b) for o, b in new if before.get(o) != b]
-
-
-class TableFull(GatewayCapacityError):
-    """Every provider row of the segment is taken (R-A13)."""
 
 
 def ensure_provider(

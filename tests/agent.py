@@ -74,7 +74,9 @@ def main() -> int:
     if args.command in ("lock", "scribble"):
         # the test wants a process that stops or dies inside the lock, as if frozen in
         # the middle of a section (scribble: after writing counters that are wrong)
-        adm._core.hold_lock(args.command == "scribble")
+        from gwtest import core_hooks
+
+        core_hooks(adm._core).hold_lock(args.command == "scribble")
         emit("locked")
         time.sleep(3600)
         return 0

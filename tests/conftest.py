@@ -289,17 +289,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"needs Linux: {reason} (skipped {where})"))
 
 
-@pytest.fixture(params=["linux", "macos-path"])
-def sem_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test on Linux's own path (robust mutex in the segment, semaphore timeouts
-    available) and on the path macOS takes, forced here (a lock file beside the segment,
-    no semaphore timeouts: R-A10). Segments created under the test use that lock; every
-    process attaching follows what the segment's header says. On macOS and in the darwin
-    test mode there is only the macOS path: the "linux" run is skipped."""
+@pytest.fixture(params=["robust-mutex", "lock-file"])
+def lock_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on both lock kinds (``layout.LOCK_KINDS``): ``robust-mutex``, Linux's own
+    path (a robust mutex in the segment, semaphore timeouts available), and ``lock-file``,
+    the path macOS takes, forced here (a lock file beside the segment, no semaphore
+    timeouts: R-A10). Segments created under the test use that lock; every process
+    attaching follows what the segment's header says. On macOS and in the darwin test
+    mode there is only the lock file: the "robust-mutex" run is skipped."""
     where = _darwin_where()
-    if request.param == "linux" and where is not None:
+    if request.param == "robust-mutex" and where is not None:
         pytest.skip(f"the Linux path (robust mutex, timed semaphore waits) does not exist {where}")
-    if request.param == "macos-path":
+    if request.param == "lock-file":
         monkeypatch.setenv(NO_TIMEOUT_ENV, "1")
         monkeypatch.setenv(LOCK_FILE_ENV, "1")
     else:

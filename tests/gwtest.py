@@ -146,6 +146,23 @@ class P1Segment:
         return Admission.attach(config=self.config, segment=self.name, generation=generation)
 
 
+_C = TypeVar("_C")
+
+
+def core_hooks(core: _C) -> _C:
+    """``core`` (a ``_core.Core``) for a test that drives its test entry points
+    (``hold_lock``, ``abandon``, ``die_in_section``): only a test build has them."""
+    from shm_layout import _core
+
+    if not _core.TEST_HOOKS:
+        raise RuntimeError(
+            "this test needs the admission core's test entry points (hold_lock, abandon, "
+            "die_in_section), and this core was built without them: rebuild it with "
+            "GATEWAY_CAPACITY_TEST_HOOKS=1 (make test and make check do)"
+        )
+    return core
+
+
 def run_cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = 30
 ) -> subprocess.CompletedProcess[str]:

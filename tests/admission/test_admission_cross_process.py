@@ -43,7 +43,7 @@ def _only_slot_held(p1_segment: MakeP1Segment) -> tuple[P1Segment, Agent]:
 
 
 def test_r_a1_two_generations_never_exceed_the_limit(
-    sem_mode: str, p1_segment: MakeP1Segment
+    lock_kind: str, p1_segment: MakeP1Segment
 ) -> None:
     seg = _segment(p1_segment, 3)
     segment_name = seg.name
@@ -88,7 +88,7 @@ def test_r_a1_two_generations_never_exceed_the_limit(
 
 
 def test_r_a2_thirty_two_wait_and_the_thirty_third_is_rejected_at_once(
-    sem_mode: str, p1_segment: MakeP1Segment
+    lock_kind: str, p1_segment: MakeP1Segment
 ) -> None:
     seg, holder = _only_slot_held(p1_segment)
     segment_name = seg.name
@@ -110,7 +110,7 @@ def test_r_a2_thirty_two_wait_and_the_thirty_third_is_rejected_at_once(
 
 
 def test_r_a3_waiters_are_admitted_in_arrival_order_across_processes(
-    sem_mode: str, p1_segment: MakeP1Segment
+    lock_kind: str, p1_segment: MakeP1Segment
 ) -> None:
     seg, holder = _only_slot_held(p1_segment)
     arrivals = []
@@ -133,7 +133,7 @@ def test_r_a3_waiters_are_admitted_in_arrival_order_across_processes(
 
 
 def test_r_a5_sigkill_of_a_running_holder_lets_a_waiter_in_within_2s(
-    sem_mode: str, p1_segment: MakeP1Segment
+    lock_kind: str, p1_segment: MakeP1Segment
 ) -> None:
     seg, holder = _only_slot_held(p1_segment)
     waiter = seg.handler("hold", "--timeout", "30")
@@ -148,7 +148,7 @@ def test_r_a5_sigkill_of_a_running_holder_lets_a_waiter_in_within_2s(
 
 
 def test_r_a5_a_killed_waiter_leaves_the_queue_within_2s_and_is_never_counted(
-    sem_mode: str, p1_segment: MakeP1Segment
+    lock_kind: str, p1_segment: MakeP1Segment
 ) -> None:
     seg, holder = _only_slot_held(p1_segment)
     segment_name = seg.name
@@ -180,7 +180,7 @@ def _inspect(segment: str) -> dict[str, Any]:
 
 
 def test_r_a5_reuse_of_a_dead_process_registration_never_makes_it_look_alive(
-    sem_mode: str, p1_segment: MakeP1Segment
+    lock_kind: str, p1_segment: MakeP1Segment
 ) -> None:
     """Liveness is the member's kernel-held lock, checked against the row's serial, never
     a pid: when a dead process's member row is taken by a new process, the dead one's

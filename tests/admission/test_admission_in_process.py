@@ -120,15 +120,35 @@ def test_r_a4_a_grant_that_races_with_a_cancel_is_handed_on(
     core, me, now = adm._core, os.getpid(), time.time()
     a, b, first, second = (_core.Ticket() for _ in range(4))
     for t in (a, b, first, second):
-        assert core.arrive(t, 0, me, now, True, True, -1.0) in (_core.ADMIT, _core.WAIT)
+        assert core.arrive(t, 0, me, now, may_wait=True, blocking=True) in (_core.ADMIT, _core.WAIT)
     assert core.state(first) == HOLDER_WAITING
-    assert core.leave(a, _core.RELEASED, now, True) == 1  # grants `first`
+    assert core.leave(a, _core.RELEASED, now, blocking=True) == 1  # grants `first`
     assert core.state(first) == HOLDER_RUNNING
-    assert core.leave(first, _core.CANCELLED, now, True) == 1  # its cancel lands late
+    assert core.leave(first, _core.CANCELLED, now, blocking=True) == 1  # its cancel lands late
     assert core.state(second) == HOLDER_RUNNING  # handed on
-    core.leave(b, _core.RELEASED, now, True)
-    core.leave(second, _core.RELEASED, now, True)
+    core.leave(b, _core.RELEASED, now, blocking=True)
+    core.leave(second, _core.RELEASED, now, blocking=True)
     assert _p1(segment_name) == (0, 0, 0, 0)
+
+
+def test_the_core_steps_take_their_flags_by_name_only(adm: Admission) -> None:
+    """``arrive(t, p, pid, now, True, True, -1.0)`` reads as nothing: the flags of the core's
+    steps are keyword-only, and the two that decide what a step does must be named."""
+    core, me, t = adm._core, os.getpid(), _core.Ticket()
+    with pytest.raises(TypeError):
+        core.arrive(t, 0, me, 0.0, True, True, -1.0)
+    with pytest.raises(TypeError, match="may_wait"):
+        core.arrive(t, 0, me, 0.0, blocking=True)
+    with pytest.raises(TypeError, match="blocking"):
+        core.arrive(t, 0, me, 0.0, may_wait=True)
+    with pytest.raises(TypeError):
+        core.leave(t, _core.RELEASED, 0.0, True)
+    with pytest.raises(TypeError, match="blocking"):
+        t.leave(_core.RELEASED)
+    with pytest.raises(TypeError):
+        core.sweep(0.0, False)
+    assert core.arrive(t, 0, me, 0.0, may_wait=False, blocking=True) == _core.ADMIT
+    assert t.leave(_core.RELEASED, blocking=True) == 1
 
 
 def test_double_release_and_foreign_release_are_harmless(
@@ -137,12 +157,13 @@ def test_double_release_and_foreign_release_are_harmless(
     other = Admission.attach(segment=segment_name, generation="other")
     try:
         t = _core.Ticket()
-        assert adm._core.arrive(t, 0, os.getpid(), time.time(), True, True, -1.0) == _core.ADMIT
+        code = adm._core.arrive(t, 0, os.getpid(), time.time(), may_wait=True, blocking=True)
+        assert code == _core.ADMIT
         # another registration (even in this process) cannot free it
-        assert other._core.leave(t, _core.RELEASED, time.time(), True) == 0
+        assert other._core.leave(t, _core.RELEASED, time.time(), blocking=True) == 0
         assert _p1(segment_name) == (1, 0, 1, 0)
-        assert adm._core.leave(t, _core.RELEASED, time.time(), True) == 1
-        assert adm._core.leave(t, _core.RELEASED, time.time(), True) == 0  # twice: a no-op
+        assert adm._core.leave(t, _core.RELEASED, time.time(), blocking=True) == 1
+        assert adm._core.leave(t, _core.RELEASED, time.time(), blocking=True) == 0  # twice: a no-op
         assert _p1(segment_name) == (0, 0, 0, 0)
     finally:
         other.close()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
-from gwtest import NobodyProcess, as_nobody, run_cli
+from gwtest import NobodyProcess, as_nobody, core_hooks, run_cli
 
 from handler_shim import Admission, SegmentError
 from shm_layout import _core, layout, lock, names, platform
@@ -74,7 +74,7 @@ def test_r_g6_a_squatter_holding_the_lock_inside_its_segment_hangs_nobody(
 
     def squat_and_hold() -> None:
         seg = Segment.open(segment_name)
-        seg.core.hold_lock(False)  # and never let go
+        core_hooks(seg.core).hold_lock(False)  # and never let go
 
     squatter = NobodyProcess(squat_and_hold)
     try:
@@ -205,7 +205,10 @@ def test_r_g6_a_doorbell_another_user_owns_is_never_posted(segment_name: str, co
     try:
         held = [other.acquire_blocking("p1"), other.acquire_blocking("p1")]
         waiting = _core.Ticket()  # a waiter woken by its doorbell (as async waiters are)
-        assert adm._core.arrive(waiting, 0, os.getpid(), 0.0, True, True, -1.0) == _core.WAIT
+        assert (
+            adm._core.arrive(waiting, 0, os.getpid(), 0.0, may_wait=True, blocking=True)
+            == _core.WAIT
+        )
         m = adm._current.member
         MEMBER["bell"].put(adm._buf, int(name.rsplit("-", 1)[1], 16), member_base(m))
         other.release(held.pop())  # the grant goes to our waiting record
@@ -215,7 +218,7 @@ def test_r_g6_a_doorbell_another_user_owns_is_never_posted(segment_name: str, co
             assert sem.value == 0  # nobody's semaphore was not posted
         finally:
             sem.close()
-        waiting.leave(_core.RELEASED, True)
+        waiting.leave(_core.RELEASED, blocking=True)
         with adm.slot_blocking("p1", timeout=2):
             pass
         other.release(held.pop())

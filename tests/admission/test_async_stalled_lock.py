@@ -36,7 +36,7 @@ def _no_records_of_mine(segment: str) -> bool:
 
 
 def test_r_a4_async_timeout_is_kept_while_the_lock_is_stalled(
-    sem_mode: str, p1_segment: Callable[..., P1Segment]
+    lock_kind: str, p1_segment: Callable[..., P1Segment]
 ) -> None:
     seg = p1_segment(2)
     adm, holder = _stalled(seg)
@@ -67,7 +67,7 @@ def test_r_a4_async_timeout_is_kept_while_the_lock_is_stalled(
 
 
 def test_r_a4_a_task_waiting_for_a_stalled_lock_can_be_cancelled(
-    sem_mode: str, p1_segment: Callable[..., P1Segment]
+    lock_kind: str, p1_segment: Callable[..., P1Segment]
 ) -> None:
     seg = p1_segment(2)
     adm, holder = _stalled(seg)

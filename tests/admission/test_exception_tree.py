@@ -1,8 +1,10 @@
-"""The errors a handler can meet form one tree, exported by handler_shim."""
+"""The errors a handler can meet form one tree, defined in shm_layout.errors and
+exported by handler_shim."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -12,6 +14,7 @@ import pytest
 from gwtest import P1Segment
 
 import handler_shim
+import shm_layout.errors
 from handler_shim import Admission
 
 ERRORS = [
@@ -22,12 +25,52 @@ ERRORS = [
 ]
 
 
-def test_every_exported_error_is_under_one_root_and_drawn_in_the_docstring() -> None:
+def _drawn_tree() -> dict[str, str | None]:
+    """Each class drawn in shm_layout.errors' docstring, with the class drawn above it."""
+    doc = shm_layout.errors.__doc__ or ""
+    parents: dict[str, str | None] = {}
+    stack: list[str] = []
+    for line in doc.splitlines():
+        match = re.match(r"^    ([│ ]*(?:[├└]── )?)([A-Z]\w+)", line)
+        if match is None:
+            continue
+        depth = len(match.group(1)) // 4
+        del stack[depth:]
+        parents[match.group(2)] = stack[-1] if stack else None
+        stack.append(match.group(2))
+    return parents
+
+
+def test_every_exported_error_is_under_one_root_and_drawn_in_the_errors_module() -> None:
     assert {"ConfigError", "BadSegmentName", "SegmentError", "AdmissionError"} <= set(ERRORS)
-    doc = handler_shim.__doc__ or ""
+    drawn = _drawn_tree()
     for name in ERRORS:
-        assert issubclass(getattr(handler_shim, name), handler_shim.GatewayCapacityError), name
-        assert f" {name}" in doc, f"{name} is not drawn in handler_shim's docstring"
+        cls = getattr(handler_shim, name)
+        assert issubclass(cls, handler_shim.GatewayCapacityError), name
+        assert cls.__module__ == "shm_layout.errors", f"{name} is defined in {cls.__module__}"
+        assert name in drawn, f"{name} is not drawn in shm_layout.errors' docstring"
+
+
+def test_the_drawn_tree_is_the_class_tree_and_names_every_class_of_the_module() -> None:
+    drawn = _drawn_tree()
+    defined = {
+        name
+        for name, value in vars(shm_layout.errors).items()
+        if isinstance(value, type) and issubclass(value, Exception)
+    }
+    assert set(drawn) == defined
+    for name, parent in drawn.items():
+        cls = getattr(shm_layout.errors, name)
+        ours = [base.__name__ for base in cls.__bases__ if base.__module__ == "shm_layout.errors"]
+        assert ours == ([parent] if parent else []), (name, ours, parent)
+    assert set(ERRORS) == defined, "handler_shim exports every error of shm_layout.errors"
+
+
+def test_the_core_raises_the_classes_of_the_errors_module() -> None:
+    from shm_layout import _core
+
+    assert _core.CoreError is shm_layout.errors.CoreError
+    assert _core.DamagedLock is shm_layout.errors.DamagedLock
 
 
 def test_attach_with_an_unreadable_config_raises_the_exported_config_error(

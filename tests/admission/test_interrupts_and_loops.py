@@ -23,7 +23,7 @@ def _records_of(segment: str, pid: int) -> list[str]:
 
 
 def test_r_a12_a_sigint_storm_leaves_no_record_in_a_process_that_goes_on(
-    sem_mode: str, p1_segment: MakeP1Segment, tmp_path: Path
+    lock_kind: str, p1_segment: MakeP1Segment, tmp_path: Path
 ) -> None:
     """SIGINT every 0.2-5 ms, landing in every part of slot entry and exit, to a handler
     that catches KeyboardInterrupt and keeps serving: no record is left behind (a left
@@ -64,7 +64,7 @@ def test_r_a12_a_sigint_storm_leaves_no_record_in_a_process_that_goes_on(
 
 
 def test_r_a11_a_stopped_lock_holder_never_freezes_the_event_loop(
-    sem_mode: str, p1_segment: MakeP1Segment
+    lock_kind: str, p1_segment: MakeP1Segment
 ) -> None:
     """A lock holder SIGSTOPped for 3 s does not block another process's event loop:
     async slot() never waits for the lock on the loop."""
@@ -104,7 +104,7 @@ def test_r_a11_a_stopped_lock_holder_never_freezes_the_event_loop(
 
 
 def test_r_a12_close_while_other_threads_wait_for_the_lock_leaves_nothing(
-    sem_mode: str, p1_segment: MakeP1Segment
+    lock_kind: str, p1_segment: MakeP1Segment
 ) -> None:
     """A handler shutting down (close(), or the atexit hook) while its threads are still
     inside slot(), waiting for a lock another process holds: close() returns, the

@@ -22,7 +22,7 @@ from shm_layout.view import read_view
 
 
 def test_r_a1_an_expired_publication_is_not_applied_after_a_stalled_lock(
-    sem_mode: str, p1_segment: Callable[..., P1Segment]
+    lock_kind: str, p1_segment: Callable[..., P1Segment]
 ) -> None:
     p1_only = p1_segment(1)
     adm = p1_only.attach("stale")

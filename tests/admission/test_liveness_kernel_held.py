@@ -31,7 +31,7 @@ def _cfg(write_config: Callable[..., Path], limit: int) -> Path:
 
 
 def test_r_a5_a_holder_paused_longer_than_any_timeout_is_alive(
-    sem_mode: str,
+    lock_kind: str,
     segment_name: str,
     write_config: Callable[..., Path],
     agents: Callable[..., Agent],
@@ -63,7 +63,7 @@ UNSHARE = shutil.which("unshare")
 @pytest.mark.skipif(UNSHARE is None, reason="unshare(1) is not installed")
 @pytest.mark.skipif(os.geteuid() != 0, reason="a new PID namespace needs root here")
 def test_r_a5_holders_in_another_pid_namespace_are_alive(
-    sem_mode: str,
+    lock_kind: str,
     segment_name: str,
     write_config: Callable[..., Path],
     tmp_path: Path,

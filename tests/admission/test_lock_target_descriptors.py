@@ -38,7 +38,7 @@ def _first_outcome(agent: Agent, timeout: float = 20.0) -> str:
 
 @pytest.mark.parametrize("reopen", ["second-attach", "reader"])
 def test_r_a1_a_second_attach_or_a_reader_in_a_holding_process_keeps_its_slot(
-    reopen: str, sem_mode: str, p1_segment: Callable[..., P1Segment]
+    reopen: str, lock_kind: str, p1_segment: Callable[..., P1Segment]
 ) -> None:
     """This process holds the only slot; then it attaches a second time, or reads the
     view (either opens the lock target again). Another process must still time out."""

@@ -3,7 +3,7 @@ while others wait, an event loop closed with waiters, the segment removed or wri
 over by hand, a stepped wall clock.
 
 Real processes (tests/agent.py), the real segment, real signals; both lock kinds where
-the lock takes part (``sem_mode``: the Linux path and the macOS path forced on Linux).
+the lock takes part (``lock_kind``: the Linux path and the macOS path forced on Linux).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _mine(segment: str, pid: int) -> int:
 
 # --- 1. close() racing a waiting arrival; close() while bodies run (R-A14) ----------------
 def test_r_a14_an_arrival_waiting_for_the_lock_when_close_runs_is_refused_never_admitted(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """An arrival that gets the lock after close() freed its registration is refused: it
     never writes a record under the freed registration and runs its body uncounted
@@ -87,7 +87,7 @@ def test_r_a14_an_arrival_waiting_for_the_lock_when_close_runs_is_refused_never_
 
 
 def test_r_a14_close_waits_for_running_bodies_then_cuts_with_one_warning(
-    sem_mode: str,
+    lock_kind: str,
     segment_name: str,
     config: Path,
     agents: Callable[..., Agent],
@@ -190,7 +190,7 @@ def test_r_a14_waiters_are_refused_when_close_begins(segment_name: str, config: 
 
 # --- 2. an event loop closed with waiters (R-A14, R-A12) ----------------------------------
 def test_r_a14_waiters_of_a_closed_event_loop_are_freed_within_a_sweep_and_never_granted(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """loop.close() with tasks waiting: their records are freed within a sweep, and no
     grant goes to a dead task (a slot held by nobody)."""
@@ -363,7 +363,7 @@ def _cycle(adm: Admission, stop: threading.Event) -> None:
 
 
 def test_r_a14_running_slots_of_a_closed_event_loop_are_freed_within_a_sweep(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """A process whose only async slots were admitted at once (no waiter) still collects
     a closed loop's tasks within a sweep: a dispatcher that slept until something posted
@@ -399,7 +399,7 @@ def test_r_a14_running_slots_of_a_closed_event_loop_are_freed_within_a_sweep(
 # --- 3. the segment removed or replaced by hand (R-A15) -----------------------------------
 @pytest.mark.parametrize("how", ["rm", "unlink --force"])
 def test_r_a15_a_segment_removed_by_hand_never_splits_the_budget(
-    sem_mode: str,
+    lock_kind: str,
     how: str,
     p1_segment: Callable[..., P1Segment],
     caplog: pytest.LogCaptureFixture,
@@ -466,7 +466,7 @@ MOVER = textwrap.dedent(
 
 
 def test_r_a15_r_a5_the_first_to_arrive_after_a_segment_removed_by_hand_keeps_its_old_slots_alive(
-    sem_mode: str, segment_name: str, config: Path, tmp_path: Path
+    lock_kind: str, segment_name: str, config: Path, tmp_path: Path
 ) -> None:
     """Lock-file kind: the handler that recreates the segment must not take over the old
     lock file (stamp it and close its descriptor): closing it would drop every record
@@ -497,7 +497,7 @@ def test_r_a15_r_a5_the_first_to_arrive_after_a_segment_removed_by_hand_keeps_it
 
 # --- 4. damage (R-A16) ---------------------------------------------------------------------
 def test_r_a16_a_bad_write_to_the_counters_is_never_obeyed(
-    sem_mode: str,
+    lock_kind: str,
     segment_name: str,
     write_config: Callable[..., Path],
     caplog: pytest.LogCaptureFixture,
@@ -534,7 +534,7 @@ def test_r_a16_a_bad_write_to_the_counters_is_never_obeyed(
 
 
 def test_r_a16_a_bad_write_to_an_in_use_word_never_refuses_new_handlers(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """One bad write to a live idle handler's member row (in_use := 2), to a provider
     row's in_use, or to a free record's state does not make new attaches refuse the
@@ -572,7 +572,7 @@ def test_r_a16_a_bad_write_to_an_in_use_word_never_refuses_new_handlers(
 
 
 def test_r_a16_a_published_limit_with_a_deadline_too_far_ahead_is_never_obeyed(
-    sem_mode: str, segment_name: str, config: Path
+    lock_kind: str, segment_name: str, config: Path
 ) -> None:
     """A published limit of 96 with a deadline an hour ahead (no publication sets one
     more than DEADLINE_SLACK_S ahead) is out of range: the fallback (1) applies, the
@@ -598,7 +598,7 @@ def test_r_a16_a_published_limit_with_a_deadline_too_far_ahead_is_never_obeyed(
 
 
 def test_r_a16_random_bytes_over_the_admission_area_raise_only_the_products_errors(
-    sem_mode: str,
+    lock_kind: str,
     segment_name: str,
     write_config: Callable[..., Path],
     agents: Callable[..., Agent],
@@ -668,7 +668,7 @@ def test_r_a16_random_bytes_over_the_admission_area_raise_only_the_products_erro
 
 
 def test_r_a16_a_bad_write_to_a_live_members_serial_frees_none_of_its_slots(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """Adding 1 to a live member's serial does not let the sweep reclaim its slots while
     they run (6 running on a limit of 3)."""
@@ -793,7 +793,7 @@ def _no_leftover(segment_name: str) -> Iterator[None]:
 
 
 def test_r_a4_a_wait_for_a_busy_lock_counts_against_the_timeout(
-    sem_mode: str, segment_name: str, config: Path, agents: Callable[..., Agent]
+    lock_kind: str, segment_name: str, config: Path, agents: Callable[..., Agent]
 ) -> None:
     """The wait for a stopped lock holder and the wait for the grant share one timeout:
     a blocking slot never takes twice its timeout."""

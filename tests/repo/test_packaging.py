@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 from gwtest import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,3 +127,78 @@ def test_license_is_mit_and_the_changelog_has_the_released_version() -> None:
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert "## [Unreleased]" in changelog
     assert f"## [{PYPROJECT['project']['version']}]" in changelog
+
+
+_HOOKS_OF = """
+import importlib.machinery, importlib.util, json, sys
+loader = importlib.machinery.ExtensionFileLoader("shm_layout._core", sys.argv[1])
+spec = importlib.util.spec_from_loader("shm_layout._core", loader)
+core = importlib.util.module_from_spec(spec)
+loader.exec_module(core)
+hooks = [n for n in ("hold_lock", "abandon", "die_in_section") if hasattr(core.Core, n)]
+print(json.dumps({"flag": core.TEST_HOOKS, "hooks": hooks}))
+"""
+
+
+def _core_built(out: Path, hooks: str | None) -> dict[str, object]:
+    env = {k: v for k, v in os.environ.items() if k != "GATEWAY_CAPACITY_TEST_HOOKS"}
+    if hooks is not None:
+        env["GATEWAY_CAPACITY_TEST_HOOKS"] = hooks
+    build = subprocess.run(
+        [
+            sys.executable,
+            "setup.py",
+            "-q",
+            "build_ext",
+            "--build-lib",
+            str(out),
+            "--build-temp",
+            str(out / "tmp"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stdout + build.stderr
+    (so,) = (out / "shm_layout").glob("_core*.so")
+    run = subprocess.run(
+        [sys.executable, "-c", _HOOKS_OF, str(so)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    found: dict[str, object] = json.loads(run.stdout)
+    return found
+
+
+def test_only_a_test_build_of_the_core_has_its_test_entry_points(tmp_path: Path) -> None:
+    """setup.py compiles _core.c section 9 in only when GATEWAY_CAPACITY_TEST_HOOKS=1 (the
+    Makefile's install); what ``pip install .`` and ``make wheel`` build has none of it."""
+    assert _core_built(tmp_path / "plain", None) == {"flag": 0, "hooks": []}
+    assert _core_built(tmp_path / "other", "0") == {"flag": 0, "hooks": []}
+    assert _core_built(tmp_path / "test", "1") == {
+        "flag": 1,
+        "hooks": ["hold_lock", "abandon", "die_in_section"],
+    }
+    makefile = (ROOT / "Makefile").read_text()
+    install = next(
+        line for line in makefile.splitlines() if "pip install --quiet -e '.[test," in line
+    )
+    assert "GATEWAY_CAPACITY_TEST_HOOKS=1" in install
+    assert "env -u GATEWAY_CAPACITY_TEST_HOOKS" in (ROOT / "scripts" / "build-wheel").read_text()
+
+
+def test_a_test_that_needs_the_hooks_says_so_on_a_build_without_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gwtest import core_hooks
+
+    from shm_layout import _core
+
+    monkeypatch.setattr(_core, "TEST_HOOKS", 0)
+    with pytest.raises(RuntimeError, match="GATEWAY_CAPACITY_TEST_HOOKS=1"):
+        core_hooks(object())

@@ -105,7 +105,13 @@ def test_make_wheel_builds_a_manylinux_wheel_from_an_sdist_that_carries_the_core
 
     with tarfile.open(built.sdist) as sdist:
         members = sdist.getnames()
-    for path in ("shm_layout/_core.c", "setup.py", "pyproject.toml", "LICENSE"):
+    for path in (
+        "shm_layout/_core.c",
+        "shm_layout/_layout.h",
+        "setup.py",
+        "pyproject.toml",
+        "LICENSE",
+    ):
         assert f"gateway_capacity-{VERSION}/{path}" in members, path
 
 
@@ -269,7 +275,8 @@ def test_the_wheel_installs_and_admits_with_no_compiler_reachable(
         from handler_shim import Admission
         adm = Admission.attach({str(config)!r}, "wheel-1", segment={segment_name!r})
         with adm.slot_blocking("p1", timeout=5.0):
-            print(json.dumps({{"core": core.__file__, "admitted": True}}))
+            print(json.dumps({{"core": core.__file__, "admitted": True, "hooks": core.TEST_HOOKS,
+                              "hold_lock": hasattr(core.Core, "hold_lock")}}))
         adm.close()
         """
     )
@@ -285,6 +292,7 @@ def test_the_wheel_installs_and_admits_with_no_compiler_reachable(
     assert run.returncode == 0, run.stderr
     done = json.loads(run.stdout)
     assert done["admitted"]
+    assert done["hooks"] == 0 and not done["hold_lock"], "a wheel has no test entry points"
     assert Path(done["core"]).is_relative_to(venv), done["core"]
 
     view = subprocess.run(

@@ -33,6 +33,7 @@ import secrets
 from typing import Any
 
 import pytest
+from gwtest import core_hooks
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -146,9 +147,15 @@ class CoreAgainstModel(RuleBasedStateMachine):
         live = [m for m in self.members if m.alive and not m.retired]
         m = live[who % len(live)]
         ticket = _core.Ticket()
-        code = m.core.arrive(ticket, provider, m.pid, self.now, may_wait, True, -1.0)
+        code = m.core.arrive(ticket, provider, m.pid, self.now, may_wait=may_wait, blocking=True)
         decision, model_ticket, _ = self.model.arrive(
-            provider, m.pid, m.index, m.serial, self.now, may_wait, registered=not m.closing
+            provider,
+            m.pid,
+            m.index,
+            m.serial,
+            self.now,
+            may_wait=may_wait,
+            registered=not m.closing,
         )
         assert CODES[code] == decision
         if decision != "closed":
@@ -186,9 +193,9 @@ class CoreAgainstModel(RuleBasedStateMachine):
             # left already (its loop was torn down): a second leave is a no-op, whatever
             # its old record now says (a bad write may have revived it with its serial);
             # the model's tickets carry no liveness, so it is not asked
-            assert m.core.leave(ticket, OUTCOMES[outcome], self.now, True) == 0
+            assert m.core.leave(ticket, OUTCOMES[outcome], self.now, blocking=True) == 0
             return
-        was = m.core.leave(ticket, OUTCOMES[outcome], self.now, True)
+        was = m.core.leave(ticket, OUTCOMES[outcome], self.now, blocking=True)
         model_was, _ = self.model.leave(model_ticket, m.index, m.serial, outcome, self.now)  # type: ignore[arg-type]
         assert WAS[was] == model_was
         if model_was != "stale":
@@ -288,7 +295,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
             if owner is not m:
                 continue
             self.running = [r for r in self.running if r[1] is not ticket]
-            was = m.core.leave(ticket, _core.CANCELLED, self.now, True)
+            was = m.core.leave(ticket, _core.CANCELLED, self.now, blocking=True)
             model_was, _ = self.model.leave(model_ticket, m.index, m.serial, "cancelled", self.now)
             # freeing one orphan may grant the next one: freed all the same (unless its
             # record was written over)
@@ -314,7 +321,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
                 continue
             assert m.core.still_named() == 0
             m.core.retire()
-            code = m.core.arrive(_core.Ticket(), 0, m.pid, 0.0, True, True, -1.0)
+            code = m.core.arrive(_core.Ticket(), 0, m.pid, 0.0, may_wait=True, blocking=True)
             assert code == (_core.CLOSED if m.closing else _core.MOVED) and m.core.moved
             m.retired = True
         assert self.replacement.core.still_named() == 1
@@ -445,12 +452,12 @@ class CoreAgainstModel(RuleBasedStateMachine):
     def a_process_dies(self, who: int) -> None:
         live = [m for m in self.members if m.alive]
         victim = live[who % len(live)]
-        victim.core.abandon()
+        core_hooks(victim.core).abandon()
         victim.alive = False
 
     @rule(running=st.integers(0, 99))
     def a_lock_holder_dies_mid_section(self, running: int) -> None:
-        self.seg.core.die_in_section(running)
+        core_hooks(self.seg.core).die_in_section(running)
         for p in range(len(PROVIDERS)):
             PROVIDER["running"].put(self.model_buf, running, ledger.provider_base(p))
         self.seg.core.snapshot()  # the next holder repairs before anything else

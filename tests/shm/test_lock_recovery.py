@@ -1,7 +1,7 @@
 """The segment lock: free at once when its holder dies, never taken from a live one (R-A6).
 
 Each test runs on Linux's path (robust mutex) and on the forced macOS path (lock file,
-no semaphore timeouts): ``sem_mode``.
+no semaphore timeouts): ``lock_kind``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ MakeP1Segment = Callable[..., P1Segment]
 
 
 def test_r_a6_lock_of_a_sigkilled_holder_is_free_at_once(
-    sem_mode: str, p1_segment: MakeP1Segment
+    lock_kind: str, p1_segment: MakeP1Segment
 ) -> None:
     seg = p1_segment()
     adm = seg.attach("contender")
@@ -52,7 +52,7 @@ def test_r_a6_lock_of_a_sigkilled_holder_is_free_at_once(
 
 
 def test_r_a6_a_live_holder_is_never_robbed_however_long_it_is_stopped(
-    sem_mode: str, p1_segment: MakeP1Segment
+    lock_kind: str, p1_segment: MakeP1Segment
 ) -> None:
     """A holder SIGSTOPped inside the lock keeps it however long it is stopped (the lock
     has no timeout: 7 s here); readers still read; once it is really gone, the
@@ -82,7 +82,7 @@ def test_r_a6_a_live_holder_is_never_robbed_however_long_it_is_stopped(
 
 
 def test_r_a6_counters_are_repaired_from_holder_records(
-    sem_mode: str, p1_segment: MakeP1Segment
+    lock_kind: str, p1_segment: MakeP1Segment
 ) -> None:
     seg = p1_segment(4)
     holder = seg.handler("hold", "--threads", "2")
@@ -125,7 +125,7 @@ adm.close()
 
 
 def test_r_a11_a_gil_hog_in_a_holders_process_never_breaks_mutual_exclusion(
-    sem_mode: str, p1_segment: MakeP1Segment, tmp_path: Path
+    lock_kind: str, p1_segment: MakeP1Segment, tmp_path: Path
 ) -> None:
     """Thread A loops on slot_blocking while thread B of the same process holds the GIL
     for seconds in one C call. The locked section runs in C without the GIL, so A never

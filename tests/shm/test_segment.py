@@ -114,7 +114,7 @@ def test_r_g2_segment_abandoned_before_init_is_recreated(segment_name: str) -> N
     seg.close()
 
 
-def _modes_made_under(umask: int, segment: str, sem_mode: str, **options: bool) -> dict[Path, int]:
+def _modes_made_under(umask: int, segment: str, lock_kind: str, **options: bool) -> dict[Path, int]:
     """Open (create) the segment with ``options`` and make a doorbell, under ``umask``: the
     permission bits of each object made in /dev/shm (on the macOS path, the lock file too)."""
     old = os.umask(umask)
@@ -126,7 +126,7 @@ def _modes_made_under(umask: int, segment: str, sem_mode: str, **options: bool) 
     seg.close()
     base = segment.lstrip("/")
     paths = [DEV_SHM / base, DEV_SHM / f"sem.{names.doorbell_name(bell).lstrip('/')}"]
-    if sem_mode == "macos-path":
+    if lock_kind == "lock-file":
         paths.append(DEV_SHM / f"{base}.lock")  # the lock file beside the segment
     try:
         return {path: stat.S_IMODE(path.stat().st_mode) for path in paths}
@@ -136,17 +136,17 @@ def _modes_made_under(umask: int, segment: str, sem_mode: str, **options: bool) 
 
 @needs_dev_shm
 def test_r_g6_segment_and_semaphores_are_owner_only_by_default(
-    sem_mode: str, segment_name: str
+    lock_kind: str, segment_name: str
 ) -> None:
-    modes = _modes_made_under(0, segment_name, sem_mode)  # a permissive umask widens nothing
+    modes = _modes_made_under(0, segment_name, lock_kind)  # a permissive umask widens nothing
     assert set(modes.values()) == {0o600}, modes
 
 
 @needs_dev_shm
 def test_r_g6_group_shared_is_0660_even_under_a_strict_umask(
-    sem_mode: str, segment_name: str
+    lock_kind: str, segment_name: str
 ) -> None:
-    modes = _modes_made_under(0o077, segment_name, sem_mode, group_shared=True)
+    modes = _modes_made_under(0o077, segment_name, lock_kind, group_shared=True)
     assert set(modes.values()) == {0o660}, modes
 
 
