@@ -716,6 +716,162 @@ static void note_hold(Core *c, long b, double hold)
     std_(c, b + PROVIDER_HOLD_MEAN_S, mean);
 }
 
+static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache);
+static void free_member_row(Core *c, int m, Rings *rings);
+
+/* The arrival section (ledger.Ledger.arrive). */
+static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, int may_wait, int futex,
+                         Rings *rings)
+{
+    if (c->member < 0 || c->closing)
+        return R_CLOSED; /* unregistered or closing meanwhile: nothing may run (R-A14) */
+    long b = pbase(c, p);
+    int decision = R_FULL;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        if (counters_damaged(c, b) && recount_provider(c, p))
+            note_damage(c, "provider counters were written over");
+        uint32_t running = ld32(c, b + PROVIDER_RUNNING);
+        uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
+        uint32_t bound = (uint32_t)QUEUE_BOUND;
+        uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
+        if (waiting == 0 && running < limit)
+            decision = R_ADMIT;
+        else if (waiting >= bound)
+            decision = R_FULL;
+        else
+            decision = R_WAIT;
+        int h = -1;
+        if (decision != R_FULL) {
+            for (int i = 0; i < HOLDERS_PER_PROVIDER; i++) {
+                long ib = hbase(c, p, i);
+                if (ld32(c, ib + HOLDER_STATE) == FREE) {
+                    h = i;
+                    break;
+                }
+            }
+            if (h < 0)
+                decision = R_FULL;
+        }
+        if (decision == R_FULL && attempt == 0) {
+            /* Before refusing: are the counters true? (Dead places are the sweep's.) */
+            if (recount_provider(c, p))
+                note_damage(c, "provider counters disagreed with the records");
+            continue;
+        }
+        if (decision == R_FULL) {
+            inc64(c, b + PROVIDER_REJECTED_TOTAL);
+            break;
+        }
+        if (decision == R_WAIT && !may_wait) {
+            decision = R_WAIT_REFUSED;
+            break;
+        }
+        long hb = hbase(c, p, h);
+        uint64_t serial = ld64(c, hb + HOLDER_SERIAL) + 1;
+        uint64_t ticket = 0;
+        if (decision == R_WAIT) {
+            ticket = ld64(c, b + PROVIDER_NEXT_TICKET);
+            if (ticket != UINT64_MAX) /* written to the top: it stays there, never wraps */
+                ticket++;
+            st64(c, b + PROVIDER_NEXT_TICKET, ticket);
+        }
+        st64(c, hb + HOLDER_SERIAL, serial);
+        st32(c, hb + HOLDER_MEMBER, (uint32_t)c->member);
+        st32(c, hb + HOLDER_PID, pid);
+        st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
+        st64(c, hb + HOLDER_TICKET, ticket);
+        std_(c, hb + HOLDER_SINCE, now.wall);
+        std_(c, hb + HOLDER_SINCE_MONO, now.mono);
+        st32(c, hb + HOLDER_WAKER, futex ? WAKE_FUTEX : WAKE_DOORBELL);
+        /* the ticket is ours before the lock is let go: an exception that lands after
+         * this call returns still finds it (R-A12) */
+        tk->provider = p;
+        tk->holder = h;
+        tk->serial = serial;
+        tk->fork_gen = c->fork_gen;
+        tk->futex = futex;
+        tk->live = 1;
+        tk->running = decision == R_ADMIT;
+        if (decision == R_ADMIT) {
+            st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
+            put_counts(c, b, running + 1, waiting);
+            note_peak(c, b, PROVIDER_PEAK_RUNNING, running + 1);
+            inc64(c, b + PROVIDER_ADMITTED_TOTAL);
+        } else {
+            st32(c, hb + HOLDER_STATE, WAITING);
+            put_counts(c, b, running, waiting + 1);
+            note_peak(c, b, PROVIDER_PEAK_WAITING, waiting + 1);
+        }
+        break;
+    }
+    (void)rings;
+    return decision;
+}
+
+/* The leave section (ledger.Ledger.leave): free the ticket's record if it is still ours.
+ * 0 stale, 1 was running, 2 was waiting. */
+static int leave_locked(Core *c, Ticket *tk, int outcome, Now now, Rings *rings)
+{
+    int was = 0;
+    int p = tk->provider;
+    long b = pbase(c, p);
+    long hb = hbase(c, p, tk->holder);
+    uint32_t state = ld32(c, hb + HOLDER_STATE);
+    if (ld64(c, hb + HOLDER_SERIAL) == tk->serial && (state == RUNNING || state == WAITING) &&
+        ldi32(c, hb + HOLDER_MEMBER) == c->member &&
+        ld64(c, hb + HOLDER_MEMBER_SERIAL) == c->member_serial) {
+        if (counters_damaged(c, b) && recount_provider(c, p))
+            note_damage(c, "provider counters were written over");
+        free_record(c, hb);
+        uint32_t running = ld32(c, b + PROVIDER_RUNNING);
+        uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
+        if (state == RUNNING) {
+            put_counts(c, b, running ? running - 1 : 0, waiting);
+            note_hold(c, b, now.mono - ldd(c, hb + HOLDER_SINCE_MONO));
+            was = 1;
+        } else {
+            put_counts(c, b, running, waiting ? waiting - 1 : 0);
+            was = 2;
+        }
+        if (outcome == OUT_TIMEOUT)
+            inc64(c, b + PROVIDER_TIMEOUTS_TOTAL);
+        else if (outcome == OUT_CANCELLED)
+            inc64(c, b + PROVIDER_CANCELLED_TOTAL);
+        pump(c, p, now, rings, NULL);
+    }
+    return was;
+}
+
+/* Free this registration's WAITING records, as cancellations (ledger.cancel_waiting):
+ * what close() does first, so that nothing of ours can be granted any more (R-A14). */
+static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
+{
+    uint32_t freed = 0;
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
+        long b = pbase(c, p);
+        if (!ld32(c, b + PROVIDER_IN_USE))
+            continue;
+        uint32_t here = 0;
+        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
+            long hb = hbase(c, p, h);
+            if (ldi32(c, hb + HOLDER_MEMBER) != c->member ||
+                ld64(c, hb + HOLDER_MEMBER_SERIAL) != c->member_serial)
+                continue;
+            if (ld32(c, hb + HOLDER_STATE) == WAITING) {
+                free_record(c, hb);
+                here++;
+            }
+        }
+        if (here) {
+            freed += here;
+            st64(c, b + PROVIDER_CANCELLED_TOTAL, ld64(c, b + PROVIDER_CANCELLED_TOTAL) + here);
+            recount_provider(c, p);
+            pump(c, p, now, rings, NULL);
+        }
+    }
+    return freed;
+}
+
 /* Grant head waiters while there is room; a dead head is reclaimed, never granted. */
 static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
 {
@@ -756,81 +912,6 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
     }
     put_counts(c, b, running, waiting);
     note_peak(c, b, PROVIDER_PEAK_RUNNING, running);
-}
-
-static void repair_all(Core *c)
-{
-    for (int p = 0; p < PROVIDER_COUNT; p++)
-        if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
-            recount_provider(c, p);
-}
-
-/* Free one registration's live records, recount and grant. */
-static void drop_member_records(Core *c, int m, uint64_t serial, Now now, Rings *rings, uint32_t *running_freed)
-{
-    for (int p = 0; p < PROVIDER_COUNT; p++) {
-        long b = pbase(c, p);
-        if (!ld32(c, b + PROVIDER_IN_USE))
-            continue;
-        int freed = 0;
-        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
-            long hb = hbase(c, p, h);
-            uint32_t s = ld32(c, hb + HOLDER_STATE);
-            if ((s == RUNNING || s == WAITING) && ldi32(c, hb + HOLDER_MEMBER) == m &&
-                ld64(c, hb + HOLDER_MEMBER_SERIAL) == serial) {
-                if (s == RUNNING && running_freed)
-                    (*running_freed)++;
-                free_record(c, hb);
-                freed++;
-            }
-        }
-        if (freed) {
-            recount_provider(c, p);
-            pump(c, p, now, rings, NULL);
-        }
-    }
-}
-
-/* Free this registration's WAITING records, as cancellations (ledger.cancel_waiting):
- * what close() does first, so that nothing of ours can be granted any more (R-A14). */
-static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
-{
-    uint32_t freed = 0;
-    for (int p = 0; p < PROVIDER_COUNT; p++) {
-        long b = pbase(c, p);
-        if (!ld32(c, b + PROVIDER_IN_USE))
-            continue;
-        uint32_t here = 0;
-        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
-            long hb = hbase(c, p, h);
-            if (ldi32(c, hb + HOLDER_MEMBER) != c->member ||
-                ld64(c, hb + HOLDER_MEMBER_SERIAL) != c->member_serial)
-                continue;
-            if (ld32(c, hb + HOLDER_STATE) == WAITING) {
-                free_record(c, hb);
-                here++;
-            }
-        }
-        if (here) {
-            freed += here;
-            st64(c, b + PROVIDER_CANCELLED_TOTAL, ld64(c, b + PROVIDER_CANCELLED_TOTAL) + here);
-            recount_provider(c, p);
-            pump(c, p, now, rings, NULL);
-        }
-    }
-    return freed;
-}
-
-/* Free the member row of a process that is gone; its doorbell is removed after the
- * section (sem_unlink is a file system call). */
-static void free_member_row(Core *c, int m, Rings *rings)
-{
-    long mb = mbase(c, m);
-    st32(c, mb + MEMBER_IN_USE, 0);
-    uint64_t bell = ld64(c, mb + MEMBER_BELL);
-    if (bell && rings->nunlink < MAX_MEMBERS)
-        rings->unlink[rings->nunlink++] = bell;
-    st64(c, mb + MEMBER_BELL, 0);
 }
 
 /* Free every record of dead processes (and their member rows); then grant. */
@@ -911,6 +992,51 @@ static int sweep_due(Core *c)
     double last = ldd(c, HEADER_SWEEP_MONO);
     double now = deadline_clock();
     return !(now - last < SWEEP_S) || last > now + 1.0; /* garbage ahead: due */
+}
+
+static void repair_all(Core *c)
+{
+    for (int p = 0; p < PROVIDER_COUNT; p++)
+        if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
+            recount_provider(c, p);
+}
+
+/* Free the member row of a process that is gone; its doorbell is removed after the
+ * section (sem_unlink is a file system call). */
+static void free_member_row(Core *c, int m, Rings *rings)
+{
+    long mb = mbase(c, m);
+    st32(c, mb + MEMBER_IN_USE, 0);
+    uint64_t bell = ld64(c, mb + MEMBER_BELL);
+    if (bell && rings->nunlink < MAX_MEMBERS)
+        rings->unlink[rings->nunlink++] = bell;
+    st64(c, mb + MEMBER_BELL, 0);
+}
+
+/* Free one registration's live records, recount and grant. */
+static void drop_member_records(Core *c, int m, uint64_t serial, Now now, Rings *rings, uint32_t *running_freed)
+{
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
+        long b = pbase(c, p);
+        if (!ld32(c, b + PROVIDER_IN_USE))
+            continue;
+        int freed = 0;
+        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
+            long hb = hbase(c, p, h);
+            uint32_t s = ld32(c, hb + HOLDER_STATE);
+            if ((s == RUNNING || s == WAITING) && ldi32(c, hb + HOLDER_MEMBER) == m &&
+                ld64(c, hb + HOLDER_MEMBER_SERIAL) == serial) {
+                if (s == RUNNING && running_freed)
+                    (*running_freed)++;
+                free_record(c, hb);
+                freed++;
+            }
+        }
+        if (freed) {
+            recount_provider(c, p);
+            pump(c, p, now, rings, NULL);
+        }
+    }
 }
 
 /* ===== 5. the lock ======================================================================
@@ -1561,95 +1687,6 @@ static int name_moved(Core *c)
     return c->moved;
 }
 
-/* The arrival section (ledger.Ledger.arrive). */
-static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, int may_wait, int futex,
-                         Rings *rings)
-{
-    if (c->member < 0 || c->closing)
-        return R_CLOSED; /* unregistered or closing meanwhile: nothing may run (R-A14) */
-    long b = pbase(c, p);
-    int decision = R_FULL;
-    for (int attempt = 0; attempt < 2; attempt++) {
-        if (counters_damaged(c, b) && recount_provider(c, p))
-            note_damage(c, "provider counters were written over");
-        uint32_t running = ld32(c, b + PROVIDER_RUNNING);
-        uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
-        uint32_t bound = (uint32_t)QUEUE_BOUND;
-        uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
-        if (waiting == 0 && running < limit)
-            decision = R_ADMIT;
-        else if (waiting >= bound)
-            decision = R_FULL;
-        else
-            decision = R_WAIT;
-        int h = -1;
-        if (decision != R_FULL) {
-            for (int i = 0; i < HOLDERS_PER_PROVIDER; i++) {
-                long ib = hbase(c, p, i);
-                if (ld32(c, ib + HOLDER_STATE) == FREE) {
-                    h = i;
-                    break;
-                }
-            }
-            if (h < 0)
-                decision = R_FULL;
-        }
-        if (decision == R_FULL && attempt == 0) {
-            /* Before refusing: are the counters true? (Dead places are the sweep's.) */
-            if (recount_provider(c, p))
-                note_damage(c, "provider counters disagreed with the records");
-            continue;
-        }
-        if (decision == R_FULL) {
-            inc64(c, b + PROVIDER_REJECTED_TOTAL);
-            break;
-        }
-        if (decision == R_WAIT && !may_wait) {
-            decision = R_WAIT_REFUSED;
-            break;
-        }
-        long hb = hbase(c, p, h);
-        uint64_t serial = ld64(c, hb + HOLDER_SERIAL) + 1;
-        uint64_t ticket = 0;
-        if (decision == R_WAIT) {
-            ticket = ld64(c, b + PROVIDER_NEXT_TICKET);
-            if (ticket != UINT64_MAX) /* written to the top: it stays there, never wraps */
-                ticket++;
-            st64(c, b + PROVIDER_NEXT_TICKET, ticket);
-        }
-        st64(c, hb + HOLDER_SERIAL, serial);
-        st32(c, hb + HOLDER_MEMBER, (uint32_t)c->member);
-        st32(c, hb + HOLDER_PID, pid);
-        st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
-        st64(c, hb + HOLDER_TICKET, ticket);
-        std_(c, hb + HOLDER_SINCE, now.wall);
-        std_(c, hb + HOLDER_SINCE_MONO, now.mono);
-        st32(c, hb + HOLDER_WAKER, futex ? WAKE_FUTEX : WAKE_DOORBELL);
-        /* the ticket is ours before the lock is let go: an exception that lands after
-         * this call returns still finds it (R-A12) */
-        tk->provider = p;
-        tk->holder = h;
-        tk->serial = serial;
-        tk->fork_gen = c->fork_gen;
-        tk->futex = futex;
-        tk->live = 1;
-        tk->running = decision == R_ADMIT;
-        if (decision == R_ADMIT) {
-            st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
-            put_counts(c, b, running + 1, waiting);
-            note_peak(c, b, PROVIDER_PEAK_RUNNING, running + 1);
-            inc64(c, b + PROVIDER_ADMITTED_TOTAL);
-        } else {
-            st32(c, hb + HOLDER_STATE, WAITING);
-            put_counts(c, b, running, waiting + 1);
-            note_peak(c, b, PROVIDER_PEAK_WAITING, waiting + 1);
-        }
-        break;
-    }
-    (void)rings;
-    return decision;
-}
-
 static void set_core(Ticket *tk, Core *c)
 {
     if (tk->core != c) {
@@ -1730,40 +1767,6 @@ static PyObject *Core_arrive(Core *c, PyObject *args, PyObject *kwds)
         return NULL;
     int code = do_arrive(c, (Ticket *)tko, p, pid, now, may_wait, blocking, timeout, futex);
     return code < 0 ? NULL : PyLong_FromLong(code);
-}
-
-/* The leave section (ledger.Ledger.leave): free the ticket's record if it is still ours.
- * 0 stale, 1 was running, 2 was waiting. */
-static int leave_locked(Core *c, Ticket *tk, int outcome, Now now, Rings *rings)
-{
-    int was = 0;
-    int p = tk->provider;
-    long b = pbase(c, p);
-    long hb = hbase(c, p, tk->holder);
-    uint32_t state = ld32(c, hb + HOLDER_STATE);
-    if (ld64(c, hb + HOLDER_SERIAL) == tk->serial && (state == RUNNING || state == WAITING) &&
-        ldi32(c, hb + HOLDER_MEMBER) == c->member &&
-        ld64(c, hb + HOLDER_MEMBER_SERIAL) == c->member_serial) {
-        if (counters_damaged(c, b) && recount_provider(c, p))
-            note_damage(c, "provider counters were written over");
-        free_record(c, hb);
-        uint32_t running = ld32(c, b + PROVIDER_RUNNING);
-        uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
-        if (state == RUNNING) {
-            put_counts(c, b, running ? running - 1 : 0, waiting);
-            note_hold(c, b, now.mono - ldd(c, hb + HOLDER_SINCE_MONO));
-            was = 1;
-        } else {
-            put_counts(c, b, running, waiting ? waiting - 1 : 0);
-            was = 2;
-        }
-        if (outcome == OUT_TIMEOUT)
-            inc64(c, b + PROVIDER_TIMEOUTS_TOTAL);
-        else if (outcome == OUT_CANCELLED)
-            inc64(c, b + PROVIDER_CANCELLED_TOTAL);
-        pump(c, p, now, rings, NULL);
-    }
-    return was;
 }
 
 /* Bookkeeping after a ticket stopped being live. */
