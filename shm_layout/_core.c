@@ -291,20 +291,21 @@ static int byte_held(int fd, int kind, off_t at)
 /* ===== 1b. guarded mappings: a segment truncated under us ===========================
  * Whoever may write the segment may also shrink it (ftruncate, `truncate -s 0`): a
  * member of its group in group-shared mode, root's own tooling. Every access past the
- * new end is then a SIGBUS, which killed the process. The way libwayland-server's
- * wl_shm survives a client that shrinks its pool: a SIGBUS handler that, when the
- * faulting address lies in a mapping registered here, maps anonymous zero pages over
- * that mapping from the faulting page to its end (mmap MAP_FIXED|MAP_PRIVATE|
+ * new end is then a SIGBUS, which left to itself kills the process. The way
+ * libwayland-server's wl_shm survives a client that shrinks its pool: a SIGBUS handler
+ * that, when the faulting address lies in a mapping registered here, maps anonymous zero
+ * pages over that mapping from the faulting page to its end (mmap MAP_FIXED|MAP_PRIVATE|
  * MAP_ANONYMOUS: one system call, the address stays valid), marks the mapping damaged
  * and returns, so the access is retried and reads zeros. The pages before it are left
  * to the object: what is still there (the header, with the lock word, after a shrink to
  * a page) stays shared, so a lock this process holds is still let go where the others
- * look for it; a later fault below mends from there on. Any other SIGBUS (an address of no registered mapping, or a
- * kill()) goes to the disposition that was there before ours: it is put back and the
- * fault taken again (or the signal sent again), so a process dies of a foreign SIGBUS
- * exactly as it would have. Every mapping of a segment is made by segment.py's
- * ``_Mapping``, which registers it here when it is mapped and unregisters it when it is
- * unmapped; the core reads the damaged flag of the mapping it was given (``lost``). */
+ * look for it; a later fault below mends from there on. Any other SIGBUS (an address of
+ * no registered mapping, or a kill()) goes to the disposition that was there before
+ * ours: it is put back and the fault taken again (or the signal sent again), so a
+ * process dies of a foreign SIGBUS exactly as it would without this handler. Every
+ * mapping of a segment is made by segment.py's ``_Mapping``, which registers it here
+ * when it is mapped and unregisters it when it is unmapped; the core reads the damaged
+ * flag of the mapping it was given (``lost``). */
 #define MAX_GUARDS 256
 typedef struct {
     uintptr_t start; /* 0: a free slot */
@@ -1844,7 +1845,7 @@ static int do_arrive(Core *c, Ticket *tk, int p, unsigned int pid, double given,
     double deadline = deadline_arg(timeout);
     Rings rings;
     memset(&rings, 0, sizeof rings);
-    set_core(tk, c); /* before: a live ticket always knows its core */
+    set_core(tk, c); /* ahead of the section: a live ticket always knows its core */
     tk->busy = 1;
     LOCKED(c, blocking, deadline, rc, {
         Now now = section_now(given);
