@@ -23,10 +23,12 @@
  *   1. targets and liveness   the per-process table of lock files/objects, byte locks
  *   2. the Core object        what one attachment knows; typed access to the mapping
  *   3. clocks                 the deadline clock (monotonic, counts suspend) and wall
- *   4. ledger pieces          limit_value .. sweep: the model's steps, same names
+ *   4. locked steps           every step run under the lock (arrive .. ensure_provider,
+ *                             transact): ledger.py's steps, same names and order
  *   5. the lock               robust mutex or lock file; entry repairs after a death
  *   6. wake-ups               doorbells (named, per registration) and futexes
- *   7. Core methods           one Python call = one locked step, GIL released to wait
+ *   7. bindings               the Core methods: parse, lock, call the step, unlock;
+ *                             the GIL released to wait
  *   8. Ticket                 one holder record's handle; the slot context manager
  *   9. tests only             hold_lock, abandon, die_in_section (a test build only)
  *  10. module                 init_mutex, probe, mutex_state, the types
@@ -289,20 +291,21 @@ static int byte_held(int fd, int kind, off_t at)
 /* ===== 1b. guarded mappings: a segment truncated under us ===========================
  * Whoever may write the segment may also shrink it (ftruncate, `truncate -s 0`): a
  * member of its group in group-shared mode, root's own tooling. Every access past the
- * new end is then a SIGBUS, which killed the process. The way libwayland-server's
- * wl_shm survives a client that shrinks its pool: a SIGBUS handler that, when the
- * faulting address lies in a mapping registered here, maps anonymous zero pages over
- * that mapping from the faulting page to its end (mmap MAP_FIXED|MAP_PRIVATE|
+ * new end is then a SIGBUS, which left to itself kills the process. The way
+ * libwayland-server's wl_shm survives a client that shrinks its pool: a SIGBUS handler
+ * that, when the faulting address lies in a mapping registered here, maps anonymous zero
+ * pages over that mapping from the faulting page to its end (mmap MAP_FIXED|MAP_PRIVATE|
  * MAP_ANONYMOUS: one system call, the address stays valid), marks the mapping damaged
  * and returns, so the access is retried and reads zeros. The pages before it are left
  * to the object: what is still there (the header, with the lock word, after a shrink to
  * a page) stays shared, so a lock this process holds is still let go where the others
- * look for it; a later fault below mends from there on. Any other SIGBUS (an address of no registered mapping, or a
- * kill()) goes to the disposition that was there before ours: it is put back and the
- * fault taken again (or the signal sent again), so a process dies of a foreign SIGBUS
- * exactly as it would have. Every mapping of a segment is made by segment.py's
- * ``_Mapping``, which registers it here when it is mapped and unregisters it when it is
- * unmapped; the core reads the damaged flag of the mapping it was given (``lost``). */
+ * look for it; a later fault below mends from there on. Any other SIGBUS (an address of
+ * no registered mapping, or a kill()) goes to the disposition that was there before
+ * ours: it is put back and the fault taken again (or the signal sent again), so a
+ * process dies of a foreign SIGBUS exactly as it would without this handler. Every
+ * mapping of a segment is made by segment.py's ``_Mapping``, which registers it here
+ * when it is mapped and unregisters it when it is unmapped; the core reads the damaged
+ * flag of the mapping it was given (``lost``). */
 #define MAX_GUARDS 256
 typedef struct {
     uintptr_t start; /* 0: a free slot */
@@ -532,9 +535,14 @@ static void to_timespec(double t, struct timespec *ts)
 }
 #endif
 
-/* ===== 4. ledger pieces (the lock is held) =============================================
- * The same steps as ledger.Ledger, with the same names and the same order of writes:
- * tests/shm/test_core_model.py requires the same bytes after every step. */
+/* ===== 4. locked steps (the lock is held) ==============================================
+ * Every function that runs with the segment lock held and touches the ledger: the steps
+ * of ledger.Ledger, with the same names (arrive_locked, leave_locked, register_locked ..
+ * where the binding of the same name is in section 7; register is a C keyword) and the
+ * same order of writes, in ledger.py's order after the pieces they use:
+ * tests/shm/test_core_model.py requires the same bytes after every step. A step takes
+ * the time of its section (Now) and collects its wake-ups in Rings; it does not enter or
+ * leave the segment lock, wait, or call into Python. */
 
 /* What the wake-ups of one section are: doorbells to post and record words to wake,
  * collected under the lock and delivered after it (section 6). */
@@ -716,6 +724,163 @@ static void note_hold(Core *c, long b, double hold)
     std_(c, b + PROVIDER_HOLD_MEAN_S, mean);
 }
 
+/* --- the steps ------------------------------------------------------------------------ */
+static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache);
+static void free_member_row(Core *c, int m, Rings *rings);
+
+/* The arrival section (ledger.Ledger.arrive). */
+static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, int may_wait, int futex,
+                         Rings *rings)
+{
+    if (c->member < 0 || c->closing)
+        return R_CLOSED; /* unregistered or closing meanwhile: nothing may run (R-A14) */
+    long b = pbase(c, p);
+    int decision = R_FULL;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        if (counters_damaged(c, b) && recount_provider(c, p))
+            note_damage(c, "provider counters were written over");
+        uint32_t running = ld32(c, b + PROVIDER_RUNNING);
+        uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
+        uint32_t bound = (uint32_t)QUEUE_BOUND;
+        uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
+        if (waiting == 0 && running < limit)
+            decision = R_ADMIT;
+        else if (waiting >= bound)
+            decision = R_FULL;
+        else
+            decision = R_WAIT;
+        int h = -1;
+        if (decision != R_FULL) {
+            for (int i = 0; i < HOLDERS_PER_PROVIDER; i++) {
+                long ib = hbase(c, p, i);
+                if (ld32(c, ib + HOLDER_STATE) == FREE) {
+                    h = i;
+                    break;
+                }
+            }
+            if (h < 0)
+                decision = R_FULL;
+        }
+        if (decision == R_FULL && attempt == 0) {
+            /* Before refusing: are the counters true? (Dead places are the sweep's.) */
+            if (recount_provider(c, p))
+                note_damage(c, "provider counters disagreed with the records");
+            continue;
+        }
+        if (decision == R_FULL) {
+            inc64(c, b + PROVIDER_REJECTED_TOTAL);
+            break;
+        }
+        if (decision == R_WAIT && !may_wait) {
+            decision = R_WAIT_REFUSED;
+            break;
+        }
+        long hb = hbase(c, p, h);
+        uint64_t serial = ld64(c, hb + HOLDER_SERIAL) + 1;
+        uint64_t ticket = 0;
+        if (decision == R_WAIT) {
+            ticket = ld64(c, b + PROVIDER_NEXT_TICKET);
+            if (ticket != UINT64_MAX) /* written to the top: it stays there, never wraps */
+                ticket++;
+            st64(c, b + PROVIDER_NEXT_TICKET, ticket);
+        }
+        st64(c, hb + HOLDER_SERIAL, serial);
+        st32(c, hb + HOLDER_MEMBER, (uint32_t)c->member);
+        st32(c, hb + HOLDER_PID, pid);
+        st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
+        st64(c, hb + HOLDER_TICKET, ticket);
+        std_(c, hb + HOLDER_SINCE, now.wall);
+        std_(c, hb + HOLDER_SINCE_MONO, now.mono);
+        st32(c, hb + HOLDER_WAKER, futex ? WAKE_FUTEX : WAKE_DOORBELL);
+        /* the ticket is ours before the lock is let go: an exception that lands after
+         * this call returns still finds it (R-A12) */
+        tk->provider = p;
+        tk->holder = h;
+        tk->serial = serial;
+        tk->fork_gen = c->fork_gen;
+        tk->futex = futex;
+        tk->live = 1;
+        tk->running = decision == R_ADMIT;
+        if (decision == R_ADMIT) {
+            st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
+            put_counts(c, b, running + 1, waiting);
+            note_peak(c, b, PROVIDER_PEAK_RUNNING, running + 1);
+            inc64(c, b + PROVIDER_ADMITTED_TOTAL);
+        } else {
+            st32(c, hb + HOLDER_STATE, WAITING);
+            put_counts(c, b, running, waiting + 1);
+            note_peak(c, b, PROVIDER_PEAK_WAITING, waiting + 1);
+        }
+        break;
+    }
+    (void)rings;
+    return decision;
+}
+
+/* The leave section (ledger.Ledger.leave): free the ticket's record if it is still ours.
+ * 0 stale, 1 was running, 2 was waiting. */
+static int leave_locked(Core *c, Ticket *tk, int outcome, Now now, Rings *rings)
+{
+    int was = 0;
+    int p = tk->provider;
+    long b = pbase(c, p);
+    long hb = hbase(c, p, tk->holder);
+    uint32_t state = ld32(c, hb + HOLDER_STATE);
+    if (ld64(c, hb + HOLDER_SERIAL) == tk->serial && (state == RUNNING || state == WAITING) &&
+        ldi32(c, hb + HOLDER_MEMBER) == c->member &&
+        ld64(c, hb + HOLDER_MEMBER_SERIAL) == c->member_serial) {
+        if (counters_damaged(c, b) && recount_provider(c, p))
+            note_damage(c, "provider counters were written over");
+        free_record(c, hb);
+        uint32_t running = ld32(c, b + PROVIDER_RUNNING);
+        uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
+        if (state == RUNNING) {
+            put_counts(c, b, running ? running - 1 : 0, waiting);
+            note_hold(c, b, now.mono - ldd(c, hb + HOLDER_SINCE_MONO));
+            was = 1;
+        } else {
+            put_counts(c, b, running, waiting ? waiting - 1 : 0);
+            was = 2;
+        }
+        if (outcome == OUT_TIMEOUT)
+            inc64(c, b + PROVIDER_TIMEOUTS_TOTAL);
+        else if (outcome == OUT_CANCELLED)
+            inc64(c, b + PROVIDER_CANCELLED_TOTAL);
+        pump(c, p, now, rings, NULL);
+    }
+    return was;
+}
+
+/* Free this registration's WAITING records, as cancellations (ledger.cancel_waiting):
+ * what close() does first, so that nothing of ours can be granted any more (R-A14). */
+static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
+{
+    uint32_t freed = 0;
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
+        long b = pbase(c, p);
+        if (!ld32(c, b + PROVIDER_IN_USE))
+            continue;
+        uint32_t here = 0;
+        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
+            long hb = hbase(c, p, h);
+            if (ldi32(c, hb + HOLDER_MEMBER) != c->member ||
+                ld64(c, hb + HOLDER_MEMBER_SERIAL) != c->member_serial)
+                continue;
+            if (ld32(c, hb + HOLDER_STATE) == WAITING) {
+                free_record(c, hb);
+                here++;
+            }
+        }
+        if (here) {
+            freed += here;
+            st64(c, b + PROVIDER_CANCELLED_TOTAL, ld64(c, b + PROVIDER_CANCELLED_TOTAL) + here);
+            recount_provider(c, p);
+            pump(c, p, now, rings, NULL);
+        }
+    }
+    return freed;
+}
+
 /* Grant head waiters while there is room; a dead head is reclaimed, never granted. */
 static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
 {
@@ -758,79 +923,12 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
     note_peak(c, b, PROVIDER_PEAK_RUNNING, running);
 }
 
-static void repair_all(Core *c)
+/* Pump every provider in use (ledger.Ledger.pump_all): after limits changed. */
+static void pump_all(Core *c, Now now, Rings *rings)
 {
     for (int p = 0; p < PROVIDER_COUNT; p++)
         if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
-            recount_provider(c, p);
-}
-
-/* Free one registration's live records, recount and grant. */
-static void drop_member_records(Core *c, int m, uint64_t serial, Now now, Rings *rings, uint32_t *running_freed)
-{
-    for (int p = 0; p < PROVIDER_COUNT; p++) {
-        long b = pbase(c, p);
-        if (!ld32(c, b + PROVIDER_IN_USE))
-            continue;
-        int freed = 0;
-        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
-            long hb = hbase(c, p, h);
-            uint32_t s = ld32(c, hb + HOLDER_STATE);
-            if ((s == RUNNING || s == WAITING) && ldi32(c, hb + HOLDER_MEMBER) == m &&
-                ld64(c, hb + HOLDER_MEMBER_SERIAL) == serial) {
-                if (s == RUNNING && running_freed)
-                    (*running_freed)++;
-                free_record(c, hb);
-                freed++;
-            }
-        }
-        if (freed) {
-            recount_provider(c, p);
             pump(c, p, now, rings, NULL);
-        }
-    }
-}
-
-/* Free this registration's WAITING records, as cancellations (ledger.cancel_waiting):
- * what close() does first, so that nothing of ours can be granted any more (R-A14). */
-static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
-{
-    uint32_t freed = 0;
-    for (int p = 0; p < PROVIDER_COUNT; p++) {
-        long b = pbase(c, p);
-        if (!ld32(c, b + PROVIDER_IN_USE))
-            continue;
-        uint32_t here = 0;
-        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
-            long hb = hbase(c, p, h);
-            if (ldi32(c, hb + HOLDER_MEMBER) != c->member ||
-                ld64(c, hb + HOLDER_MEMBER_SERIAL) != c->member_serial)
-                continue;
-            if (ld32(c, hb + HOLDER_STATE) == WAITING) {
-                free_record(c, hb);
-                here++;
-            }
-        }
-        if (here) {
-            freed += here;
-            st64(c, b + PROVIDER_CANCELLED_TOTAL, ld64(c, b + PROVIDER_CANCELLED_TOTAL) + here);
-            recount_provider(c, p);
-            pump(c, p, now, rings, NULL);
-        }
-    }
-    return freed;
-}
-
-/* Free the member row of a process that is gone; its doorbell is removed after the
- * section (sem_unlink is a file system call). */
-static void free_member_row(Core *c, int m, Rings *rings)
-{
-    long mb = mbase(c, m);
-    st32(c, mb + MEMBER_IN_USE, 0);
-    uint64_t bell = ld64(c, mb + MEMBER_BELL);
-    if (bell && rings->nunlink < MAX_MEMBERS)
-        rings->unlink[rings->nunlink++] = bell;
-    st64(c, mb + MEMBER_BELL, 0);
 }
 
 /* Free every record of dead processes (and their member rows); then grant. */
@@ -911,6 +1009,163 @@ static int sweep_due(Core *c)
     double last = ldd(c, HEADER_SWEEP_MONO);
     double now = deadline_clock();
     return !(now - last < SWEEP_S) || last > now + 1.0; /* garbage ahead: due */
+}
+
+static void repair_all(Core *c)
+{
+    for (int p = 0; p < PROVIDER_COUNT; p++)
+        if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
+            recount_provider(c, p);
+}
+
+/* Free the member row of a process that is gone; its doorbell is removed after the
+ * section (sem_unlink is a file system call). */
+static void free_member_row(Core *c, int m, Rings *rings)
+{
+    long mb = mbase(c, m);
+    st32(c, mb + MEMBER_IN_USE, 0);
+    uint64_t bell = ld64(c, mb + MEMBER_BELL);
+    if (bell && rings->nunlink < MAX_MEMBERS)
+        rings->unlink[rings->nunlink++] = bell;
+    st64(c, mb + MEMBER_BELL, 0);
+}
+
+/* Free one registration's live records, recount and grant. */
+static void drop_member_records(Core *c, int m, uint64_t serial, Now now, Rings *rings, uint32_t *running_freed)
+{
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
+        long b = pbase(c, p);
+        if (!ld32(c, b + PROVIDER_IN_USE))
+            continue;
+        int freed = 0;
+        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
+            long hb = hbase(c, p, h);
+            uint32_t s = ld32(c, hb + HOLDER_STATE);
+            if ((s == RUNNING || s == WAITING) && ldi32(c, hb + HOLDER_MEMBER) == m &&
+                ld64(c, hb + HOLDER_MEMBER_SERIAL) == serial) {
+                if (s == RUNNING && running_freed)
+                    (*running_freed)++;
+                free_record(c, hb);
+                freed++;
+            }
+        }
+        if (freed) {
+            recount_provider(c, p);
+            pump(c, p, now, rings, NULL);
+        }
+    }
+}
+
+/* The registration section (ledger.Ledger.register): claim a free member row, or the
+ * row of a process that died (its records freed first), take its lock byte and write
+ * the row, in_use last. Returns the row and sets ``*serial``; -1 when every row is
+ * taken. */
+static int register_locked(Core *c, unsigned int pid, double start, const char *label, Py_ssize_t label_len,
+                           int major, int minor, uint64_t bell, Now now, Rings *rings, uint64_t *serial)
+{
+    Target *t = &targets[c->target];
+    for (int m = 0; m < MEMBER_COUNT; m++) {
+        long mb = mbase(c, m);
+        uint64_t old = ld64(c, mb + MEMBER_SERIAL);
+        if (ld32(c, mb + MEMBER_IN_USE)) {
+            if (member_byte_held(c, m, NULL))
+                continue;
+            drop_member_records(c, m, old, now, rings, NULL); /* its owner died */
+            free_member_row(c, m, rings);
+        }
+        if (t->own[m] != 0)
+            continue;
+        /* a process that inherited a dead owner's descriptor may still hold it */
+        if (byte_lock(t->fd, c->kind, 1 + (off_t)m, F_WRLCK, 0) != 0)
+            continue;
+        *serial = old + 1;
+        st32(c, mb + MEMBER_PID, pid);
+        std_(c, mb + MEMBER_START, start);
+        st64(c, mb + MEMBER_SERIAL, *serial);
+        *(uint16_t *)AT(c, mb + MEMBER_MAJOR) = (uint16_t)major;
+        *(uint16_t *)AT(c, mb + MEMBER_MINOR) = (uint16_t)minor;
+        std_(c, mb + MEMBER_ATTACHED_AT, now.wall);
+        memset(AT(c, mb + MEMBER_LABEL), 0, LABEL_BYTES);
+        memcpy(AT(c, mb + MEMBER_LABEL), label, label_len);
+        st64(c, mb + MEMBER_BELL, bell);
+        st32(c, mb + MEMBER_IN_USE, 1); /* last */
+        t->own[m] = *serial;
+        c->member = m;
+        c->member_serial = *serial;
+        c->pid = pid;
+        c->bell = bell;
+        return m;
+    }
+    return -1;
+}
+
+/* The unregistration section (ledger.Ledger.unregister): every record of registration
+ * (m, serial), the member row and its lock byte go at once. Returns the running records
+ * it freed. */
+static uint32_t unregister_locked(Core *c, int m, uint64_t serial, Now now, Rings *rings)
+{
+    Target *t = &targets[c->target];
+    uint32_t cut = 0;
+    c->member = -1; /* inside the section: an arrival waiting for the lock sees it */
+    drop_member_records(c, m, serial, now, rings, &cut);
+    long mb = mbase(c, m);
+    if (ld64(c, mb + MEMBER_SERIAL) == serial) {
+        st32(c, mb + MEMBER_IN_USE, 0);
+        st64(c, mb + MEMBER_BELL, 0);
+    }
+    t->own[m] = 0;
+    byte_lock(t->fd, c->kind, 1 + (off_t)m, F_UNLCK, 0);
+    return cut;
+}
+
+/* The provider section (ledger.Ledger.ensure_provider): the row whose id is ``padded``
+ * (ID_BYTES, NUL-padded, matched in full), or a free row claimed for it, in_use last
+ * (``*created`` = 1). Returns the row; -1 when the table is full. */
+static int ensure_provider_locked(Core *c, const char *padded, int fallback, int source, int flags, int bound,
+                                  const char *reason, Py_ssize_t reason_len, int *created)
+{
+    for (int p = 0; p < PROVIDER_COUNT; p++) {
+        long b = pbase(c, p);
+        if (ld32(c, b + PROVIDER_IN_USE)) {
+            if (memcmp(AT(c, b + PROVIDER_ID), padded, ID_BYTES) == 0)
+                return p;
+            continue;
+        }
+        memcpy(AT(c, b + PROVIDER_ID), padded, ID_BYTES);
+        st32(c, b + PROVIDER_QUEUE_BOUND, (uint32_t)bound);
+        put_counts(c, b, 0, 0);
+        st32(c, b + PROVIDER_PUBLISHED_LIMIT, (uint32_t)-1);
+        st32(c, b + PROVIDER_DISCOVERED, (uint32_t)-1);
+        st32(c, b + PROVIDER_FALLBACK_LIMIT, (uint32_t)fallback);
+        st32(c, b + PROVIDER_FALLBACK_SOURCE, (uint32_t)source);
+        st32(c, b + PROVIDER_FLAGS, (uint32_t)flags);
+        memset(AT(c, b + PROVIDER_REASON), 0, REASON_BYTES);
+        memcpy(AT(c, b + PROVIDER_REASON), reason, reason_len);
+        st32(c, b + PROVIDER_IN_USE, 1); /* last */
+        *created = 1;
+        return p;
+    }
+    return -1;
+}
+
+/* The transaction section (Core.transact): when every guard's bytes match, apply every
+ * write in order, then sweep (``do_sweep``) or pump every provider (``do_pump``). 1
+ * applied, 0 a guard differed (nothing written). */
+typedef struct { long off; Py_ssize_t len; const char *src; } Patch;
+
+static int transact_locked(Core *c, const Patch *g, Py_ssize_t ng, const Patch *w, Py_ssize_t nw, int do_pump,
+                           int do_sweep, Now now, Rings *rings)
+{
+    for (Py_ssize_t i = 0; i < ng; i++)
+        if (memcmp(AT(c, g[i].off), g[i].src, g[i].len) != 0)
+            return 0;
+    for (Py_ssize_t i = 0; i < nw; i++)
+        memcpy(AT(c, w[i].off), w[i].src, w[i].len);
+    if (do_sweep)
+        sweep(c, now, rings);
+    else if (do_pump)
+        pump_all(c, now, rings);
+    return 1;
 }
 
 /* ===== 5. the lock ======================================================================
@@ -1185,13 +1440,14 @@ static void deliver(Core *c, Rings *r)
         }                                                      \
     } while (0)
 
-/* ===== 7. Core methods ===================================================================
- * One Python call = one locked step. The lock is tried once with the GIL held: an
- * uncontended lock then costs no GIL hand-off, and the section (pure C, microseconds,
- * never waiting) runs while no other thread of this process runs at all. Only when the
- * lock is busy is the GIL released, and then the wait, the section and the unlock all
- * happen before it is taken back: the lock is never held while this thread waits for
- * the GIL (R-A11). */
+/* ===== 7. bindings: the Core methods =====================================================
+ * One Python call = one locked step of section 4: a method parses its arguments, enters
+ * the lock, calls the step, leaves the lock, delivers the wake-ups and builds its result.
+ * The lock is tried once with the GIL held: an uncontended lock then costs no GIL
+ * hand-off, and the section (pure C, microseconds, never waiting) runs while no other
+ * thread of this process runs at all. Only when the lock is busy is the GIL released,
+ * and then the wait, the section and the unlock all happen before it is taken back: the
+ * lock is never held while this thread waits for the GIL (R-A11). */
 
 /* The segment was truncated under us: our mapping was mended by the SIGBUS handler
  * (section 1b), or the name check saw the very object we mapped (same inode) smaller than
@@ -1561,95 +1817,6 @@ static int name_moved(Core *c)
     return c->moved;
 }
 
-/* The arrival section (ledger.Ledger.arrive). */
-static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, int may_wait, int futex,
-                         Rings *rings)
-{
-    if (c->member < 0 || c->closing)
-        return R_CLOSED; /* unregistered or closing meanwhile: nothing may run (R-A14) */
-    long b = pbase(c, p);
-    int decision = R_FULL;
-    for (int attempt = 0; attempt < 2; attempt++) {
-        if (counters_damaged(c, b) && recount_provider(c, p))
-            note_damage(c, "provider counters were written over");
-        uint32_t running = ld32(c, b + PROVIDER_RUNNING);
-        uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
-        uint32_t bound = (uint32_t)QUEUE_BOUND;
-        uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
-        if (waiting == 0 && running < limit)
-            decision = R_ADMIT;
-        else if (waiting >= bound)
-            decision = R_FULL;
-        else
-            decision = R_WAIT;
-        int h = -1;
-        if (decision != R_FULL) {
-            for (int i = 0; i < HOLDERS_PER_PROVIDER; i++) {
-                long ib = hbase(c, p, i);
-                if (ld32(c, ib + HOLDER_STATE) == FREE) {
-                    h = i;
-                    break;
-                }
-            }
-            if (h < 0)
-                decision = R_FULL;
-        }
-        if (decision == R_FULL && attempt == 0) {
-            /* Before refusing: are the counters true? (Dead places are the sweep's.) */
-            if (recount_provider(c, p))
-                note_damage(c, "provider counters disagreed with the records");
-            continue;
-        }
-        if (decision == R_FULL) {
-            inc64(c, b + PROVIDER_REJECTED_TOTAL);
-            break;
-        }
-        if (decision == R_WAIT && !may_wait) {
-            decision = R_WAIT_REFUSED;
-            break;
-        }
-        long hb = hbase(c, p, h);
-        uint64_t serial = ld64(c, hb + HOLDER_SERIAL) + 1;
-        uint64_t ticket = 0;
-        if (decision == R_WAIT) {
-            ticket = ld64(c, b + PROVIDER_NEXT_TICKET);
-            if (ticket != UINT64_MAX) /* written to the top: it stays there, never wraps */
-                ticket++;
-            st64(c, b + PROVIDER_NEXT_TICKET, ticket);
-        }
-        st64(c, hb + HOLDER_SERIAL, serial);
-        st32(c, hb + HOLDER_MEMBER, (uint32_t)c->member);
-        st32(c, hb + HOLDER_PID, pid);
-        st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
-        st64(c, hb + HOLDER_TICKET, ticket);
-        std_(c, hb + HOLDER_SINCE, now.wall);
-        std_(c, hb + HOLDER_SINCE_MONO, now.mono);
-        st32(c, hb + HOLDER_WAKER, futex ? WAKE_FUTEX : WAKE_DOORBELL);
-        /* the ticket is ours before the lock is let go: an exception that lands after
-         * this call returns still finds it (R-A12) */
-        tk->provider = p;
-        tk->holder = h;
-        tk->serial = serial;
-        tk->fork_gen = c->fork_gen;
-        tk->futex = futex;
-        tk->live = 1;
-        tk->running = decision == R_ADMIT;
-        if (decision == R_ADMIT) {
-            st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
-            put_counts(c, b, running + 1, waiting);
-            note_peak(c, b, PROVIDER_PEAK_RUNNING, running + 1);
-            inc64(c, b + PROVIDER_ADMITTED_TOTAL);
-        } else {
-            st32(c, hb + HOLDER_STATE, WAITING);
-            put_counts(c, b, running, waiting + 1);
-            note_peak(c, b, PROVIDER_PEAK_WAITING, waiting + 1);
-        }
-        break;
-    }
-    (void)rings;
-    return decision;
-}
-
 static void set_core(Ticket *tk, Core *c)
 {
     if (tk->core != c) {
@@ -1678,7 +1845,7 @@ static int do_arrive(Core *c, Ticket *tk, int p, unsigned int pid, double given,
     double deadline = deadline_arg(timeout);
     Rings rings;
     memset(&rings, 0, sizeof rings);
-    set_core(tk, c); /* before: a live ticket always knows its core */
+    set_core(tk, c); /* ahead of the section: a live ticket always knows its core */
     tk->busy = 1;
     LOCKED(c, blocking, deadline, rc, {
         Now now = section_now(given);
@@ -1730,40 +1897,6 @@ static PyObject *Core_arrive(Core *c, PyObject *args, PyObject *kwds)
         return NULL;
     int code = do_arrive(c, (Ticket *)tko, p, pid, now, may_wait, blocking, timeout, futex);
     return code < 0 ? NULL : PyLong_FromLong(code);
-}
-
-/* The leave section (ledger.Ledger.leave): free the ticket's record if it is still ours.
- * 0 stale, 1 was running, 2 was waiting. */
-static int leave_locked(Core *c, Ticket *tk, int outcome, Now now, Rings *rings)
-{
-    int was = 0;
-    int p = tk->provider;
-    long b = pbase(c, p);
-    long hb = hbase(c, p, tk->holder);
-    uint32_t state = ld32(c, hb + HOLDER_STATE);
-    if (ld64(c, hb + HOLDER_SERIAL) == tk->serial && (state == RUNNING || state == WAITING) &&
-        ldi32(c, hb + HOLDER_MEMBER) == c->member &&
-        ld64(c, hb + HOLDER_MEMBER_SERIAL) == c->member_serial) {
-        if (counters_damaged(c, b) && recount_provider(c, p))
-            note_damage(c, "provider counters were written over");
-        free_record(c, hb);
-        uint32_t running = ld32(c, b + PROVIDER_RUNNING);
-        uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
-        if (state == RUNNING) {
-            put_counts(c, b, running ? running - 1 : 0, waiting);
-            note_hold(c, b, now.mono - ldd(c, hb + HOLDER_SINCE_MONO));
-            was = 1;
-        } else {
-            put_counts(c, b, running, waiting ? waiting - 1 : 0);
-            was = 2;
-        }
-        if (outcome == OUT_TIMEOUT)
-            inc64(c, b + PROVIDER_TIMEOUTS_TOTAL);
-        else if (outcome == OUT_CANCELLED)
-            inc64(c, b + PROVIDER_CANCELLED_TOTAL);
-        pump(c, p, now, rings, NULL);
-    }
-    return was;
 }
 
 /* Bookkeeping after a ticket stopped being live. */
@@ -2196,12 +2329,7 @@ static PyObject *Core_pump_all(Core *c, PyObject *args)
     int rc;
     Rings rings;
     memset(&rings, 0, sizeof rings);
-    LOCKED(c, 1, 0.0, rc, {
-        Now now = section_now(given);
-        for (int p = 0; p < PROVIDER_COUNT; p++)
-            if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
-                pump(c, p, now, &rings, NULL);
-    });
+    LOCKED(c, 1, 0.0, rc, { pump_all(c, section_now(given), &rings); });
     if (rc < 0 || rc == E_DAMAGED_LOCK)
         return lock_error(c, rc);
     DELIVER(c, &rings);
@@ -2240,41 +2368,9 @@ static PyObject *Core_register(Core *c, PyObject *args)
     uint64_t serial = 0;
     Rings rings;
     memset(&rings, 0, sizeof rings);
-    Target *t = &targets[c->target];
     LOCKED(c, 1, 0.0, rc, {
-        Now now = section_now(given);
-        for (int m = 0; m < MEMBER_COUNT && got < 0; m++) {
-            long mb = mbase(c, m);
-            uint64_t old = ld64(c, mb + MEMBER_SERIAL);
-            if (ld32(c, mb + MEMBER_IN_USE)) {
-                if (member_byte_held(c, m, NULL))
-                    continue;
-                drop_member_records(c, m, old, now, &rings, NULL); /* its owner died */
-                free_member_row(c, m, &rings);
-            }
-            if (t->own[m] != 0)
-                continue;
-            /* a process that inherited a dead owner's descriptor may still hold it */
-            if (byte_lock(t->fd, c->kind, 1 + (off_t)m, F_WRLCK, 0) != 0)
-                continue;
-            serial = old + 1;
-            st32(c, mb + MEMBER_PID, pid);
-            std_(c, mb + MEMBER_START, start);
-            st64(c, mb + MEMBER_SERIAL, serial);
-            *(uint16_t *)AT(c, mb + MEMBER_MAJOR) = (uint16_t)major;
-            *(uint16_t *)AT(c, mb + MEMBER_MINOR) = (uint16_t)minor;
-            std_(c, mb + MEMBER_ATTACHED_AT, now.wall);
-            memset(AT(c, mb + MEMBER_LABEL), 0, LABEL_BYTES);
-            memcpy(AT(c, mb + MEMBER_LABEL), label, label_len);
-            st64(c, mb + MEMBER_BELL, bell);
-            st32(c, mb + MEMBER_IN_USE, 1); /* last */
-            t->own[m] = serial;
-            got = m;
-            c->member = m;
-            c->member_serial = serial;
-            c->pid = pid;
-            c->bell = bell;
-        }
+        got = register_locked(c, pid, start, label, label_len, major, minor, bell, section_now(given), &rings,
+                              &serial);
     });
     if (rc < 0 || rc == E_DAMAGED_LOCK) {
         if (own)
@@ -2306,19 +2402,7 @@ static PyObject *Core_unregister(Core *c, PyObject *args)
     uint32_t cut = 0;
     Rings rings;
     memset(&rings, 0, sizeof rings);
-    Target *t = &targets[c->target];
-    LOCKED(c, 1, 0.0, rc, {
-        Now now = section_now(given);
-        c->member = -1; /* inside the section: an arrival waiting for the lock sees it */
-        drop_member_records(c, m, serial, now, &rings, &cut);
-        long mb = mbase(c, m);
-        if (ld64(c, mb + MEMBER_SERIAL) == serial) {
-            st32(c, mb + MEMBER_IN_USE, 0);
-            st64(c, mb + MEMBER_BELL, 0);
-        }
-        t->own[m] = 0;
-        byte_lock(t->fd, c->kind, 1 + (off_t)m, F_UNLCK, 0);
-    });
+    LOCKED(c, 1, 0.0, rc, { cut = unregister_locked(c, m, serial, section_now(given), &rings); });
     if (rc < 0 || rc == E_DAMAGED_LOCK)
         return lock_error(c, rc);
     c->held = 0;
@@ -2354,30 +2438,7 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
     memcpy(padded, id, id_len);
     int rc, index = -1, created = 0;
     LOCKED(c, 1, 0.0, rc, {
-        for (int p = 0; p < PROVIDER_COUNT; p++) {
-            long b = pbase(c, p);
-            if (ld32(c, b + PROVIDER_IN_USE)) {
-                if (memcmp(AT(c, b + PROVIDER_ID), padded, ID_BYTES) == 0) {
-                    index = p;
-                    break;
-                }
-                continue;
-            }
-            memcpy(AT(c, b + PROVIDER_ID), padded, ID_BYTES);
-            st32(c, b + PROVIDER_QUEUE_BOUND, (uint32_t)bound);
-            put_counts(c, b, 0, 0);
-            st32(c, b + PROVIDER_PUBLISHED_LIMIT, (uint32_t)-1);
-            st32(c, b + PROVIDER_DISCOVERED, (uint32_t)-1);
-            st32(c, b + PROVIDER_FALLBACK_LIMIT, (uint32_t)fallback);
-            st32(c, b + PROVIDER_FALLBACK_SOURCE, (uint32_t)source);
-            st32(c, b + PROVIDER_FLAGS, (uint32_t)flags);
-            memset(AT(c, b + PROVIDER_REASON), 0, REASON_BYTES);
-            memcpy(AT(c, b + PROVIDER_REASON), reason, reason_len);
-            st32(c, b + PROVIDER_IN_USE, 1); /* last */
-            index = p;
-            created = 1;
-            break;
-        }
+        index = ensure_provider_locked(c, padded, fallback, source, flags, bound, reason, reason_len, &created);
     });
     if (rc < 0 || rc == E_DAMAGED_LOCK)
         return lock_error(c, rc);
@@ -2388,8 +2449,6 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
  * (offset, bytes) matches, apply every write (offset, bytes) in order, then grant what
  * the new limits allow. Python's slow paths (the sidecar's publishing) decide on a
  * snapshot and commit here, so Python never holds the lock (R-A11). */
-typedef struct { long off; Py_ssize_t len; const char *src; } Patch;
-
 static int parse_patches(Core *c, PyObject *seq, Patch **out, Py_ssize_t *n, PyObject **keep)
 {
     PyObject *tuple = PySequence_Tuple(seq);
@@ -2435,19 +2494,7 @@ static PyObject *Core_transact(Core *c, PyObject *args)
         Rings rings;
         memset(&rings, 0, sizeof rings);
         LOCKED(c, 1, 0.0, rc, {
-            Now now = section_now(given);
-            for (Py_ssize_t i = 0; i < ng && ok; i++)
-                ok = memcmp(AT(c, g[i].off), g[i].src, g[i].len) == 0;
-            if (ok) {
-                for (Py_ssize_t i = 0; i < nw; i++)
-                    memcpy(AT(c, w[i].off), w[i].src, w[i].len);
-                if (do_sweep)
-                    sweep(c, now, &rings);
-                else if (do_pump)
-                    for (int p = 0; p < PROVIDER_COUNT; p++)
-                        if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
-                            pump(c, p, now, &rings, NULL);
-            }
+            ok = transact_locked(c, g, ng, w, nw, do_pump, do_sweep, section_now(given), &rings);
         });
         if (rc < 0 || rc == E_DAMAGED_LOCK)
             lock_error(c, rc);
