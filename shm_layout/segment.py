@@ -71,6 +71,9 @@ class Mapping(mmap.mmap):
         return self._guard >= 0 and _core.damaged(self._guard)
 
     def close(self) -> None:
+        if self.damaged:
+            _MENDED.append(self)  # never unmapped: see _MENDED
+            return
         super().close()  # BufferError while a view of it lives: it stays mapped, and guarded
         self._unguard()
 
@@ -80,7 +83,18 @@ class Mapping(mmap.mmap):
             self._guard = -1
 
     def __del__(self) -> None:  # before the mapping goes with the object
+        if self.damaged:
+            _MENDED.append(self)  # kept alive, so never unmapped
+            return
         self._unguard()
+
+
+# Mappings the SIGBUS handler mended stay mapped (their zero pages) for the life of the
+# process. A thread that held the segment's robust mutex when its page turned to zeros
+# cannot let it go (glibc sees no owner), so the mutex stays on that thread's robust
+# list, whose next lock links through it: were its page unmapped, that lock would write
+# into nothing (SIGSEGV). A mapping is about 640 KB; a truncation is rare damage.
+_MENDED: list[Mapping] = []
 
 
 def _recovery(name: str) -> str:

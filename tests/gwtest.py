@@ -85,7 +85,10 @@ class Agent:
                 return ev
             if ev["event"] == "eof":
                 err = self.proc.stderr.read() if self.proc.stderr else ""
-                raise AssertionError(f"agent {self.pid} ended before {event!r}: {self.seen} {err}")
+                code = self.proc.wait(timeout=10)
+                raise AssertionError(
+                    f"agent {self.pid} ended (exit {code}) before {event!r}: {self.seen} {err}"
+                )
 
     def has_seen(self, event: str) -> bool:
         """Whether ``event`` has arrived by now (reads what is queued, waits for nothing)."""
