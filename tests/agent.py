@@ -201,11 +201,14 @@ def serve(adm: Admission, provider: str, stop_file: str, mark_file: str, hold_ms
     reasons: list[str] = []
     emit("serving")
     while not os.path.exists(stop_file):
+        # a slot after the mark is one that arrived after it (a slot that was let go
+        # just before the mark, and counted just after it, touched nothing since)
+        marked = bool(mark_file) and os.path.exists(mark_file)
         try:
             with adm.slot_blocking(provider, timeout=5.0):
                 time.sleep(hold_ms / 1000)
             counts["slots"] += 1
-            if mark_file and os.path.exists(mark_file):
+            if marked:
                 counts["slots_after_mark"] += 1
                 if counts["slots_after_mark"] == 1:
                     emit("after_mark")
