@@ -101,6 +101,20 @@ def bearer_key(raw: bytes) -> bytes:
     return key
 
 
+def shown(text: object) -> str:
+    """``text`` as one line a terminal prints as it is: control characters (newlines,
+    ANSI escapes, bidi marks, anything ``str.isprintable`` refuses) and backslashes
+    escaped as Python writes them (``\\n``, ``\\x1b``, ``\\u202e``). For every view and
+    log line that shows what a worker or a router said."""
+    text = str(text)
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(
+        "\\\\" if ch == "\\" else ch if ch.isprintable() else ch.encode("unicode_escape").decode()
+        for ch in text
+    )
+
+
 async def read_capped(chunks: AsyncIterable[bytes], limit: int) -> bytes | None:
     """A body of at most ``limit`` bytes, or ``None`` as soon as it is longer.
 
