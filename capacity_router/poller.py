@@ -33,9 +33,9 @@ from typing import Literal
 
 import httpx
 
-from sidecar.contract import CapacitySnapshot, encode_snapshot
+from sidecar.contract import CapacitySnapshot
 
-from .aggregate import Observation, State, aggregate, is_fenced
+from .aggregate import Observation, State, aggregate, is_fenced, within_contract
 from .keyfile import KeyFile, KeyFileError
 from .registry import RegistryWatcher, Worker
 from .sources import HEALTH_PATHS, JSON_BODY_LIMIT, READERS, Fetch, Unhealthy, Unreadable
@@ -197,6 +197,7 @@ class CapacityObserver:
         self._client: httpx.AsyncClient | None = None
         self._logged: dict[str, tuple[object, ...]] = {}
         self._logged_registry_error: str | None = None
+        self._logged_oversize: str | None = None
         self._keys: dict[str, KeyFile] = {}
         self._key_errors: dict[str, str | None] = {}
 
@@ -305,11 +306,17 @@ class CapacityObserver:
         active = [w for w in registry.workers if not is_fenced(w, admin_fenced)]
         results = await asyncio.gather(*(bounded(w) for w in active))
         observations = {w.id: obs for w, obs in zip(active, results, strict=True)}
-        snapshot = aggregate(registry.workers, admin_fenced, observations, observed_at)
+        snapshot, body, oversize = within_contract(
+            aggregate(registry.workers, admin_fenced, observations, observed_at)
+        )
+        if (oversize is None) != (self._logged_oversize is None):
+            if oversize is not None:
+                log.warning("%s", oversize)
+            self._logged_oversize = oversize
         statuses = tuple(_status(w, admin_fenced, observations.get(w.id)) for w in registry.workers)
         self._log_changes(statuses)
         self._workers = statuses
-        self._published = (snapshot, encode_snapshot(snapshot))
+        self._published = (snapshot, body)
         return snapshot
 
     def _key_path(self, key_file: str) -> str:

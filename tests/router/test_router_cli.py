@@ -313,3 +313,21 @@ def test_simworker_cli_offers_every_shape_the_simulated_worker_has() -> None:
     from gateway_capacity.cmd_router import SIM_SHAPES
 
     assert SIM_SHAPES == SHAPES
+
+
+# -- what a registry, a worker or another spelling of a URL can slip past ----------------
+
+# 128 ids of 253 two-byte characters and a number: each within the id limit (256), and
+# together a snapshot of 70,510 bytes at its longest, over the contract's 64 KiB
+LONG_IDS = ["é" * 253 + f"{i:03d}" for i in range(128)]
+
+
+def test_r_p6_a_registry_whose_snapshot_could_pass_64_kib_is_refused_saying_why(
+    registry_path: Path, key_file: Path
+) -> None:
+    write_registry(registry_path, [worker("w", ["http://127.0.0.1:9"], LONG_IDS, {"fixed": 4})])
+    for result, code in ((cli(*serve_args(registry_path, key_file)), 2),):
+        err = result.stderr.strip()
+        assert result.returncode == code and len(err.splitlines()) == 1, result
+        assert "could reach 70510 bytes, over the contract's 65536" in err, err
+        assert "é" * 24 + "…" + "é" * 9 + "000'" in err and "and 7 more)" in err  # named

@@ -107,3 +107,36 @@ def test_registry_watcher_follows_edits_and_keeps_last_good_on_a_broken_one(
     assert watcher.refresh() is True
     assert [w.id for w in watcher.current.workers] == ["c"]
     assert watcher.last_error is None
+
+
+def test_r_p6_the_registry_bound_is_the_longest_snapshot_to_the_byte() -> None:
+    """Ids that reach 65,536 bytes exactly at their longest snapshot pass, one byte more
+    is refused: UTF-8, JSON escaping, a 4-digit count and the longest float counted."""
+    from sidecar.contract import (
+        MAX_SNAPSHOT_BYTES,
+        CapacitySnapshot,
+        ModelCapacity,
+        encode_snapshot,
+    )
+
+    ids = ['é"\n' * 76 + f"{i:03d}" for i in range(128)]  # 2 + 2 + 2 bytes a triple
+    longest = CapacitySnapshot(
+        object="inference_capacity",
+        version=1,
+        complete=False,
+        observed_at=-2.2250738585072014e-308,
+        models=[ModelCapacity(id=m, max_concurrent_requests=4096) for m in ids],
+    )
+    size = len(encode_snapshot(longest))
+    pad = MAX_SNAPSHOT_BYTES - size  # spread over the ids, a byte or a few each
+    assert 0 < pad < 128 * 16  # each id stays within 256 characters
+    fitting = [m + "x" * (pad // 128 + (i < pad % 128)) for i, m in enumerate(ids)]
+
+    def registry(models: list[str]) -> bytes:
+        w = {"id": "w", "urls": ["http://127.0.0.1:9"], "models": models, "slots": {"fixed": 1}}
+        return json.dumps({"workers": [w]}).encode()
+
+    parse_registry(registry(fitting))
+    over = [fitting[0] + "x", *fitting[1:]]
+    with pytest.raises(RegistryError, match=f"could reach {MAX_SNAPSHOT_BYTES + 1} bytes"):
+        parse_registry(registry(over))
