@@ -364,7 +364,7 @@ def _client(args: argparse.Namespace, action: str) -> int:
 
     from capacity_router import KeyFileError, read_key_file
     from capacity_router.registry import WORKER_ID_PATTERN
-    from sidecar.contract import ContractError, decode_snapshot
+    from sidecar.contract import MAX_SNAPSHOT_BYTES, ContractError, decode_snapshot, shown
 
     base = _loopback_base(args.url)
     if action == "show":
@@ -391,12 +391,19 @@ def _client(args: argparse.Namespace, action: str) -> int:
         body = None
     if response.status_code != 200 or not isinstance(body, dict):
         reason = body.get("error") if isinstance(body, dict) else None
-        fail(f"router refused {action}: {reason or f'HTTP {response.status_code}'}", EXIT_PROBLEM)
+        reason = shown(reason or f"HTTP {response.status_code}")
+        fail(f"router refused {action}: {reason}", EXIT_PROBLEM)
     if action == "show":
         try:  # show doubles as a contract check of what the router serves
             decode_snapshot(response.content)
         except ContractError as exc:
-            fail(f"router answered an {exc}", EXIT_PROBLEM)
+            fail(f"router answered an {shown(exc)}", EXIT_PROBLEM)
+        if len(response.content) > MAX_SNAPSHOT_BYTES:  # every reader refuses it (R-P6)
+            fail(
+                f"router answered a snapshot of {len(response.content)} bytes, over the "
+                f"contract's {MAX_SNAPSHOT_BYTES}: every gateway refuses it as too large",
+                EXIT_PROBLEM,
+            )
     snapshot = body if action == "show" else body.get("snapshot", {})
     workers = _workers(base, key) if action == "show" else None
     if args.json:
@@ -440,28 +447,32 @@ def _workers(base: str, key: bytes) -> list[dict[str, Any]] | None:
 
 
 def _describe_workers(workers: list[dict[str, Any]]) -> str:
+    from sidecar.contract import shown  # every field may carry a worker's own words
+
     fenced = [w for w in workers if w.get("fenced_by")]
     lines = [f"workers: {len(workers)} registered, {len(fenced)} fenced"]
     for w in workers:
         by = w.get("fenced_by")
         state = f"FENCED ({'admin: router unfence' if by == 'admin' else 'in the registry file'})"
-        line = f"  {w.get('id')}: {state if by else 'in service'}"
+        line = f"  {shown(w.get('id'))}: {state if by else 'in service'}"
         seen = w.get("state")
         if not by and seen is not None:
             if seen == "ok":
-                line += f", {w.get('slots')} slots ({w.get('reason')})"
+                line += f", {shown(w.get('slots'))} slots ({shown(w.get('reason'))})"
             else:
-                line += f", {seen} ({w.get('reason')})"
+                line += f", {shown(seen)} ({shown(w.get('reason'))})"
         unserved = w.get("unserved")
         if unserved:
-            line += f"; does not serve {', '.join(map(str, unserved))} (counted 0)"
+            line += f"; does not serve {shown(', '.join(map(str, unserved)))} (counted 0)"
         if w.get("activity"):
-            line += f"; {w.get('activity')}"
+            line += f"; {shown(w.get('activity'))}"
         lines.append(line)
     return "\n".join(lines)
 
 
 def _describe_snapshot(snapshot: dict[str, Any]) -> str:
+    from sidecar.contract import shown
+
     try:
         when = datetime.fromtimestamp(float(snapshot["observed_at"]), UTC).isoformat(
             timespec="milliseconds"
@@ -471,7 +482,7 @@ def _describe_snapshot(snapshot: dict[str, Any]) -> str:
     complete = "complete" if snapshot.get("complete") else "INCOMPLETE"
     lines = [f"snapshot observed {when} ({complete})"]
     for row in snapshot.get("models", []):
-        lines.append(f"  {row.get('id')}: {row.get('max_concurrent_requests')}")
+        lines.append(f"  {shown(row.get('id'))}: {shown(row.get('max_concurrent_requests'))}")
     if len(lines) == 1:
         lines.append("  (no models)")
     return "\n".join(lines)

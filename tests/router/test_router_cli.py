@@ -331,3 +331,62 @@ def test_r_p6_a_registry_whose_snapshot_could_pass_64_kib_is_refused_saying_why(
         assert result.returncode == code and len(err.splitlines()) == 1, result
         assert "could reach 70510 bytes, over the contract's 65536" in err, err
         assert "é" * 24 + "…" + "é" * 9 + "000'" in err and "and 7 more)" in err  # named
+
+
+def test_r_p6_show_refuses_an_answer_over_64_kib(
+    scripted: Callable[[], ScriptedServer], key_file: Path
+) -> None:
+    rows = [{"id": m, "max_concurrent_requests": 4096} for m in LONG_IDS]
+    body = json.dumps(
+        {
+            "object": "inference_capacity",
+            "version": 1,
+            "complete": True,
+            "observed_at": time.time(),
+            "models": rows,
+        },
+        ensure_ascii=False,
+    )
+    impostor = scripted()
+    impostor.route("/v1/capacity", 200, body.encode())
+    result = cli("show", "--url", impostor.url, "--key-file", str(key_file))
+    assert result.returncode == 1
+    assert "over the contract's 65536" in result.stderr, result.stderr
+
+
+FORGED = "x\n  w2: FENCED (in the registry file)\x1b[31m\x1b[2J\u202e"
+GONE = "gone\n2026-12-04T00:00:00.000Z INFO router: worker w2: fenced\x1b[2J"
+
+
+def test_r_k5_show_and_the_log_escape_what_a_worker_says(
+    serve: Callable[..., Served], key_file: Path
+) -> None:
+    """A llama-swap worker's model names reach ``router show`` (its activity), and an id
+    it does not serve the router's log: neither may forge a line or send a terminal
+    escape."""
+    from capacity_router.simworker import SimWorker
+
+    swap = SimWorker(slots=4, shape="llama-swap", model="wh")
+    swap.start()
+    try:
+        swap.set_model_state("wh", "loaded")
+        swap.set_model_state(FORGED, "loaded")
+        router = serve(
+            [
+                worker("w1", [swap.url], ["wh", GONE], {"source": "llama-swap"}),
+                worker("w2", ["http://127.0.0.1:9"], ["wh"], {"fixed": 4}),
+            ]
+        )
+        assert router.capacity() == {"wh": 4, GONE: 0}
+        text = cli("show", "--url", router.url, "--key-file", str(key_file)).stdout
+        _, err = router.terminate()
+    finally:
+        swap.stop()
+    assert "\x1b" not in text + err and "\u202e" not in text + err
+    assert "workers: 2 registered, 0 fenced" in text
+    assert [line for line in text.splitlines() if line.startswith("  w2:")] == [
+        "  w2: in service, unreachable (connection failed)"
+    ]
+    assert "running: wh, x\\n  w2: FENCED (in the registry file)\\x1b[31m\\x1b[2J\\u202e" in text
+    assert "worker w1 does not serve gone\\n2026-12-04T00:00:00.000Z INFO" in err
+    assert not [line for line in err.splitlines() if "w2: fenced" in line and "gone" not in line]
