@@ -7,6 +7,7 @@ options::
     gateway-capacity router fence   WORKER --key-file PATH [--url URL] [--json]
     gateway-capacity router unfence WORKER --key-file PATH [--url URL] [--json]
     gateway-capacity router show    --key-file PATH [--url URL] [--json]
+    gateway-capacity router check   --workers FILE
     gateway-capacity router simworker --slots N [--port P] [--host 127.0.0.1|::1]
                                       [--shape KIND] [--api-key-file PATH]
 
@@ -108,6 +109,14 @@ def register(subparsers: Any) -> None:
     _add_client_options(show)
 
     text = (
+        "check a worker registry as serve would read it, without serving: refusals "
+        "(exit 1), the largest snapshot it can make, and workers that resolve to one "
+        "socket address (a warning)"
+    )
+    check = actions.add_parser("check", help=text, description=text)
+    check.add_argument("--workers", required=True, metavar="FILE", help="worker registry (JSON)")
+
+    text = (
         "serve a simulated inference worker on loopback, in the shape of a real server "
         "(default llama-server: GET /props, GET /health)"
     )
@@ -200,7 +209,29 @@ def run(args: argparse.Namespace) -> int:
         return _serve(args)
     if action == "simworker":
         return _simworker(args)
+    if action == "check":
+        return _check(args)
     return _client(args, action)
+
+
+def _check(args: argparse.Namespace) -> int:
+    from capacity_router.registry import RegistryError, RegistryWatcher
+    from capacity_router.sockets import shared_sockets
+    from sidecar.contract import MAX_SNAPSHOT_BYTES, shown, worst_case_snapshot_bytes
+
+    try:
+        registry = RegistryWatcher(args.workers).current
+    except RegistryError as exc:
+        fail(f"registry refused: {shown(exc)}", EXIT_PROBLEM)
+    models = {m for w in registry.workers for m in w.models}
+    print(
+        f"registry {shown(args.workers)}: {len(registry.workers)} workers, {len(models)} "
+        f"model ids; a snapshot of at most {worst_case_snapshot_bytes(models)} bytes "
+        f"(the contract allows {MAX_SNAPSHOT_BYTES})"
+    )
+    for warning in shared_sockets(registry.workers):
+        print(f"warning: {shown(warning)}")
+    return EXIT_OK
 
 
 # -- serve ------------------------------------------------------------------
@@ -405,11 +436,11 @@ def _client(args: argparse.Namespace, action: str) -> int:
                 EXIT_PROBLEM,
             )
     snapshot = body if action == "show" else body.get("snapshot", {})
-    workers = _workers(base, key) if action == "show" else None
+    workers, warnings = _workers(base, key) if action == "show" else (None, [])
     if args.json:
         doc: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
         if action == "show":
-            doc.update(snapshot=snapshot, workers=workers)
+            doc.update(snapshot=snapshot, workers=workers, warnings=warnings)
         else:
             doc.update(worker=args.worker, fenced=action == "fence", snapshot=snapshot)
         print(json.dumps(doc, indent=2))
@@ -419,13 +450,14 @@ def _client(args: argparse.Namespace, action: str) -> int:
         print(f"worker {args.worker} {state}")
     print(_describe_snapshot(snapshot))
     if workers is not None:
-        print(_describe_workers(workers))
+        print(_describe_workers(workers, warnings))
     return EXIT_OK
 
 
-def _workers(base: str, key: bytes) -> list[dict[str, Any]] | None:
-    """The router's registered workers and their fences; None from a router without
-    the endpoint (an older one): ``show`` then says nothing about fences."""
+def _workers(base: str, key: bytes) -> tuple[list[dict[str, Any]] | None, list[str]]:
+    """The router's registered workers and their fences, and its warnings about them;
+    None from a router without the endpoint (an older one): ``show`` then says nothing
+    about fences."""
     import httpx
 
     try:
@@ -436,17 +468,20 @@ def _workers(base: str, key: bytes) -> list[dict[str, Any]] | None:
                 f"{base}/admin/workers", headers={b"Authorization": b"Bearer " + key}
             )
     except httpx.HTTPError:
-        return None
+        return None, []
     if response.status_code != 200:
-        return None
+        return None, []
     try:
-        listed = response.json()["workers"]
+        doc = response.json()
+        listed = doc["workers"]
     except (ValueError, KeyError, TypeError):
-        return None
-    return listed if isinstance(listed, list) else None
+        return None, []
+    warnings = doc.get("warnings")
+    warnings = [str(w) for w in warnings] if isinstance(warnings, list) else []
+    return (listed, warnings) if isinstance(listed, list) else (None, [])
 
 
-def _describe_workers(workers: list[dict[str, Any]]) -> str:
+def _describe_workers(workers: list[dict[str, Any]], warnings: list[str]) -> str:
     from sidecar.contract import shown  # every field may carry a worker's own words
 
     fenced = [w for w in workers if w.get("fenced_by")]
@@ -467,6 +502,7 @@ def _describe_workers(workers: list[dict[str, Any]]) -> str:
         if w.get("activity"):
             line += f"; {shown(w.get('activity'))}"
         lines.append(line)
+    lines.extend(f"warning: {shown(warning)}" for warning in warnings)
     return "\n".join(lines)
 
 

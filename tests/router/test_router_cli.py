@@ -326,7 +326,10 @@ def test_r_p6_a_registry_whose_snapshot_could_pass_64_kib_is_refused_saying_why(
     registry_path: Path, key_file: Path
 ) -> None:
     write_registry(registry_path, [worker("w", ["http://127.0.0.1:9"], LONG_IDS, {"fixed": 4})])
-    for result, code in ((cli(*serve_args(registry_path, key_file)), 2),):
+    for result, code in (
+        (cli(*serve_args(registry_path, key_file)), 2),
+        (cli("check", "--workers", str(registry_path)), 1),
+    ):
         err = result.stderr.strip()
         assert result.returncode == code and len(err.splitlines()) == 1, result
         assert "could reach 70510 bytes, over the contract's 65536" in err, err
@@ -390,3 +393,33 @@ def test_r_k5_show_and_the_log_escape_what_a_worker_says(
     assert "running: wh, x\\n  w2: FENCED (in the registry file)\\x1b[31m\\x1b[2J\\u202e" in text
     assert "worker w1 does not serve gone\\n2026-12-04T00:00:00.000Z INFO" in err
     assert not [line for line in err.splitlines() if "w2: fenced" in line and "gone" not in line]
+
+
+def test_r_k5_two_workers_on_one_socket_address_are_a_warning_in_check_show_and_the_log(
+    serve: Callable[..., Served], key_file: Path, registry_path: Path, sim: Sim
+) -> None:
+    one = sim(4)
+    port = one.url.rsplit(":", 1)[1]
+    workers = [
+        worker("a", [f"http://127.0.0.1:{port}"], ["wh"], {"source": "props"}),
+        worker("b", [f"http://localhost:{port}/"], ["wh"], {"source": "props"}),
+    ]
+    write_registry(registry_path, workers)
+    check = cli("check", "--workers", str(registry_path))
+    assert check.returncode == 0, check
+    said = f"workers 'a' (http://127.0.0.1:{port}) and 'b' (http://localhost:{port}/) resolve "
+    said += f"to one socket address 127.0.0.1:{port}"
+    assert [x for x in check.stdout.splitlines() if x.startswith("warning:")] == [
+        f"warning: {said}: if they are one server, its slots count twice; list both URLs "
+        "under one id"
+    ]
+    router = serve(workers)
+    assert router.capacity() == {"wh": 8}  # counted twice: a warning, not a refusal
+    for _ in range(50):  # the names are resolved beside the rounds
+        text = cli("show", "--url", router.url, "--key-file", str(key_file)).stdout
+        if "warning:" in text:
+            break
+        time.sleep(0.1)
+    assert check.stdout.splitlines()[1] in text.splitlines()
+    _, err = router.terminate()
+    assert err.count(said) == 1, err

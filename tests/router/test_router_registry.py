@@ -109,6 +109,26 @@ def test_registry_watcher_follows_edits_and_keeps_last_good_on_a_broken_one(
     assert watcher.last_error is None
 
 
+def test_r_k5_shared_sockets_warns_only_for_two_ids_on_one_address_and_path() -> None:
+    from capacity_router.sockets import shared_sockets
+
+    def ids(*entries: tuple[str, list[str]]) -> list[str]:
+        doc = {
+            "workers": [
+                {"id": i, "urls": urls, "models": ["m"], "slots": {"fixed": 1}}
+                for i, urls in entries
+            ]
+        }
+        return shared_sockets(parse_registry(json.dumps(doc).encode()).workers)
+
+    assert len(ids(("a", ["http://127.0.0.1:8080"]), ("b", ["http://localhost:8080"]))) == 1
+    assert ids(("a", ["http://127.0.0.1:8080", "http://localhost:8080"])) == []  # one id
+    assert ids(("a", ["http://127.0.0.1:8080"]), ("b", ["http://127.0.0.1:8081"])) == []
+    swap = "http://127.0.0.1:8080/upstream/"
+    assert ids(("a", [swap + "one"]), ("b", [swap + "two"])) == []  # two paths
+    assert ids(("a", ["http://127.0.0.1:1"]), ("b", ["http://no-such-host.invalid:1"])) == []
+
+
 def test_r_p6_the_registry_bound_is_the_longest_snapshot_to_the_byte() -> None:
     """Ids that reach 65,536 bytes exactly at their longest snapshot pass, one byte more
     is refused: UTF-8, JSON escaping, a 4-digit count and the longest float counted."""
