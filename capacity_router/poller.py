@@ -243,6 +243,8 @@ class CapacityObserver:
             await asyncio.sleep(max(0.0, started + self.interval - loop.time()))
 
     async def aclose(self) -> None:
+        if self._sockets_task is not None:
+            self._sockets_task.cancel()  # its resolver thread ends by itself
         if self._client is not None:
             await self._client.aclose()
             self._client = None
