@@ -27,7 +27,15 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from sidecar.contract import MAX_SLOTS, CapacitySnapshot, ModelCapacity
+import msgspec
+
+from sidecar.contract import (
+    MAX_SLOTS,
+    MAX_SNAPSHOT_BYTES,
+    CapacitySnapshot,
+    ModelCapacity,
+    encode_snapshot,
+)
 
 from .registry import Worker
 
@@ -120,3 +128,36 @@ def aggregate(
         observed_at=observed_at,
         models=rows,
     )
+
+
+def within_contract(snapshot: CapacitySnapshot) -> tuple[CapacitySnapshot, bytes, str | None]:
+    """What to serve for ``snapshot``: itself and its body when the body is within the
+    contract's size bound (R-P6), else the same marked ``complete: false`` without the
+    rows that do not fit (the longest ids; a missing row means "unknown"), and why.
+
+    The registry refuses ids that could pass the bound, so this is the last line only:
+    the router never serves a body every reader would refuse."""
+    body = encode_snapshot(snapshot)
+    if len(body) <= MAX_SNAPSHOT_BYTES:
+        return snapshot, body, None
+    fitted = CapacitySnapshot(
+        object=snapshot.object,
+        version=snapshot.version,
+        complete=False,
+        observed_at=snapshot.observed_at,
+        models=[],
+    )
+    size = len(encode_snapshot(fitted))
+    for row in sorted(snapshot.models, key=lambda r: (len(msgspec.json.encode(r)), r.id)):
+        grown = size + len(msgspec.json.encode(row)) + (1 if fitted.models else 0)
+        if grown > MAX_SNAPSHOT_BYTES:
+            break
+        fitted.models.append(row)
+        size = grown
+    fitted.models.sort(key=lambda r: r.id)
+    why = (
+        f"the snapshot would be {len(body)} bytes, over the contract's {MAX_SNAPSHOT_BYTES}: "
+        f"served complete: false without {len(snapshot.models) - len(fitted.models)} of its "
+        f"{len(snapshot.models)} rows"
+    )
+    return fitted, encode_snapshot(fitted), why

@@ -172,7 +172,7 @@ def build_app(
                     activity=status.activity,
                 )
             listed.append(entry)
-        return _json(200, {"workers": listed})
+        return _json(200, {"workers": listed, "warnings": list(observer.warnings())})
 
     app = Starlette(
         routes=[

@@ -33,11 +33,12 @@ from typing import Literal
 
 import httpx
 
-from sidecar.contract import CapacitySnapshot, encode_snapshot
+from sidecar.contract import CapacitySnapshot
 
-from .aggregate import Observation, State, aggregate, is_fenced
+from .aggregate import Observation, State, aggregate, is_fenced, within_contract
 from .keyfile import KeyFile, KeyFileError
-from .registry import RegistryWatcher, Worker
+from .registry import RegistryFile, RegistryWatcher, Worker
+from .sockets import shared_sockets
 from .sources import HEALTH_PATHS, JSON_BODY_LIMIT, READERS, Fetch, Unhealthy, Unreadable
 
 log = logging.getLogger("capacity_router")
@@ -197,6 +198,10 @@ class CapacityObserver:
         self._client: httpx.AsyncClient | None = None
         self._logged: dict[str, tuple[object, ...]] = {}
         self._logged_registry_error: str | None = None
+        self._logged_oversize: str | None = None
+        self._sockets_of: RegistryFile | None = None
+        self._sockets_task: asyncio.Task[None] | None = None
+        self._socket_warnings: tuple[str, ...] = ()
         self._keys: dict[str, KeyFile] = {}
         self._key_errors: dict[str, str | None] = {}
 
@@ -212,6 +217,10 @@ class CapacityObserver:
 
     def workers(self) -> tuple[WorkerStatus, ...]:
         return self._workers
+
+    def warnings(self) -> tuple[str, ...]:
+        """Registered workers that resolve to one socket address (``sockets.py``)."""
+        return self._socket_warnings
 
     # -- rounds (event loop) -----------------------------------------------
 
@@ -234,6 +243,8 @@ class CapacityObserver:
             await asyncio.sleep(max(0.0, started + self.interval - loop.time()))
 
     async def aclose(self) -> None:
+        if self._sockets_task is not None:
+            self._sockets_task.cancel()  # its resolver thread ends by itself
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -286,6 +297,9 @@ class CapacityObserver:
             self._before_round()
         self._registry_refresh()
         registry = self._registry.current
+        if registry is not self._sockets_of:  # resolved aside: a slow DNS never holds a round
+            self._sockets_of = registry
+            self._sockets_task = asyncio.create_task(self._check_sockets(registry))
         admin_fenced = frozenset(self._admin_fenced)
         if self._client is None:
             self._client = new_client(self.timeout)
@@ -305,12 +319,27 @@ class CapacityObserver:
         active = [w for w in registry.workers if not is_fenced(w, admin_fenced)]
         results = await asyncio.gather(*(bounded(w) for w in active))
         observations = {w.id: obs for w, obs in zip(active, results, strict=True)}
-        snapshot = aggregate(registry.workers, admin_fenced, observations, observed_at)
+        snapshot, body, oversize = within_contract(
+            aggregate(registry.workers, admin_fenced, observations, observed_at)
+        )
+        if (oversize is None) != (self._logged_oversize is None):
+            if oversize is not None:
+                log.warning("%s", oversize)
+            self._logged_oversize = oversize
         statuses = tuple(_status(w, admin_fenced, observations.get(w.id)) for w in registry.workers)
         self._log_changes(statuses)
         self._workers = statuses
-        self._published = (snapshot, encode_snapshot(snapshot))
+        self._published = (snapshot, body)
         return snapshot
+
+    async def _check_sockets(self, registry: RegistryFile) -> None:
+        warnings = tuple(await asyncio.to_thread(shared_sockets, registry.workers))
+        if registry is not self._sockets_of:
+            return  # a newer registry is being checked
+        for warning in warnings:
+            if warning not in self._socket_warnings:
+                log.warning("%s", warning)
+        self._socket_warnings = warnings
 
     def _key_path(self, key_file: str) -> str:
         return os.path.join(os.path.dirname(self._registry.path), key_file)

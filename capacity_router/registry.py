@@ -42,7 +42,13 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from sidecar.contract import MAX_MODELS, MAX_SLOTS
+from sidecar.contract import (
+    MAX_MODELS,
+    MAX_SLOTS,
+    MAX_SNAPSHOT_BYTES,
+    row_bytes,
+    worst_case_snapshot_bytes,
+)
 
 from .watched import FileStamp, open_regular
 
@@ -167,7 +173,29 @@ def parse_registry(body: bytes) -> RegistryFile:
         raise RegistryError(
             f"{len(models)} distinct model ids; a snapshot holds at most {MAX_MODELS}"
         )
+    _check_snapshot_size(models)
     return registry
+
+
+def _check_snapshot_size(models: set[str]) -> None:
+    """Refuse ids whose snapshot could pass the contract's size bound (R-P6): every
+    reader would refuse it as too large and fall back."""
+    size = worst_case_snapshot_bytes(models)
+    if size <= MAX_SNAPSHOT_BYTES:
+        return
+    longest = sorted(models, key=lambda m: (-row_bytes(m), m))
+    over, at_fault = size - MAX_SNAPSHOT_BYTES, []
+    for model in longest:  # the fewest longest ids whose rows take it back under
+        if over <= 0:
+            break
+        at_fault.append(model)
+        over -= row_bytes(model) + 1
+    shown = ", ".join(repr(m if len(m) <= 40 else f"{m[:24]}…{m[-12:]}") for m in at_fault[:3])
+    more = f" and {len(at_fault) - 3} more" if len(at_fault) > 3 else ""
+    raise RegistryError(
+        f"the snapshot of these {len(models)} model ids could reach {size} bytes, over the "
+        f"contract's {MAX_SNAPSHOT_BYTES}: shorten or drop the longest ({shown}{more})"
+    )
 
 
 def _url_identity(worker_id: str, url: str) -> str:

@@ -7,6 +7,7 @@ options::
     gateway-capacity router fence   WORKER --key-file PATH [--url URL] [--json]
     gateway-capacity router unfence WORKER --key-file PATH [--url URL] [--json]
     gateway-capacity router show    --key-file PATH [--url URL] [--json]
+    gateway-capacity router check   --workers FILE
     gateway-capacity router simworker --slots N [--port P] [--host 127.0.0.1|::1]
                                       [--shape KIND] [--api-key-file PATH]
 
@@ -108,6 +109,14 @@ def register(subparsers: Any) -> None:
     _add_client_options(show)
 
     text = (
+        "check a worker registry as serve would read it, without serving: refusals "
+        "(exit 1), the largest snapshot it can make, and workers that resolve to one "
+        "socket address (a warning)"
+    )
+    check = actions.add_parser("check", help=text, description=text)
+    check.add_argument("--workers", required=True, metavar="FILE", help="worker registry (JSON)")
+
+    text = (
         "serve a simulated inference worker on loopback, in the shape of a real server "
         "(default llama-server: GET /props, GET /health)"
     )
@@ -200,7 +209,29 @@ def run(args: argparse.Namespace) -> int:
         return _serve(args)
     if action == "simworker":
         return _simworker(args)
+    if action == "check":
+        return _check(args)
     return _client(args, action)
+
+
+def _check(args: argparse.Namespace) -> int:
+    from capacity_router.registry import RegistryError, RegistryWatcher
+    from capacity_router.sockets import shared_sockets
+    from sidecar.contract import MAX_SNAPSHOT_BYTES, shown, worst_case_snapshot_bytes
+
+    try:
+        registry = RegistryWatcher(args.workers).current
+    except RegistryError as exc:
+        fail(f"registry refused: {shown(exc)}", EXIT_PROBLEM)
+    models = {m for w in registry.workers for m in w.models}
+    print(
+        f"registry {shown(args.workers)}: {len(registry.workers)} workers, {len(models)} "
+        f"model ids; a snapshot of at most {worst_case_snapshot_bytes(models)} bytes "
+        f"(the contract allows {MAX_SNAPSHOT_BYTES})"
+    )
+    for warning in shared_sockets(registry.workers):
+        print(f"warning: {shown(warning)}")
+    return EXIT_OK
 
 
 # -- serve ------------------------------------------------------------------
@@ -364,7 +395,7 @@ def _client(args: argparse.Namespace, action: str) -> int:
 
     from capacity_router import KeyFileError, read_key_file
     from capacity_router.registry import WORKER_ID_PATTERN
-    from sidecar.contract import ContractError, decode_snapshot
+    from sidecar.contract import MAX_SNAPSHOT_BYTES, ContractError, decode_snapshot, shown
 
     base = _loopback_base(args.url)
     if action == "show":
@@ -391,18 +422,25 @@ def _client(args: argparse.Namespace, action: str) -> int:
         body = None
     if response.status_code != 200 or not isinstance(body, dict):
         reason = body.get("error") if isinstance(body, dict) else None
-        fail(f"router refused {action}: {reason or f'HTTP {response.status_code}'}", EXIT_PROBLEM)
+        reason = shown(reason or f"HTTP {response.status_code}")
+        fail(f"router refused {action}: {reason}", EXIT_PROBLEM)
     if action == "show":
         try:  # show doubles as a contract check of what the router serves
             decode_snapshot(response.content)
         except ContractError as exc:
-            fail(f"router answered an {exc}", EXIT_PROBLEM)
+            fail(f"router answered an {shown(exc)}", EXIT_PROBLEM)
+        if len(response.content) > MAX_SNAPSHOT_BYTES:  # every reader refuses it (R-P6)
+            fail(
+                f"router answered a snapshot of {len(response.content)} bytes, over the "
+                f"contract's {MAX_SNAPSHOT_BYTES}: every gateway refuses it as too large",
+                EXIT_PROBLEM,
+            )
     snapshot = body if action == "show" else body.get("snapshot", {})
-    workers = _workers(base, key) if action == "show" else None
+    workers, warnings = _workers(base, key) if action == "show" else (None, [])
     if args.json:
         doc: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
         if action == "show":
-            doc.update(snapshot=snapshot, workers=workers)
+            doc.update(snapshot=snapshot, workers=workers, warnings=warnings)
         else:
             doc.update(worker=args.worker, fenced=action == "fence", snapshot=snapshot)
         print(json.dumps(doc, indent=2))
@@ -412,13 +450,14 @@ def _client(args: argparse.Namespace, action: str) -> int:
         print(f"worker {args.worker} {state}")
     print(_describe_snapshot(snapshot))
     if workers is not None:
-        print(_describe_workers(workers))
+        print(_describe_workers(workers, warnings))
     return EXIT_OK
 
 
-def _workers(base: str, key: bytes) -> list[dict[str, Any]] | None:
-    """The router's registered workers and their fences; None from a router without
-    the endpoint (an older one): ``show`` then says nothing about fences."""
+def _workers(base: str, key: bytes) -> tuple[list[dict[str, Any]] | None, list[str]]:
+    """The router's registered workers and their fences, and its warnings about them;
+    None from a router without the endpoint (an older one): ``show`` then says nothing
+    about fences."""
     import httpx
 
     try:
@@ -429,39 +468,47 @@ def _workers(base: str, key: bytes) -> list[dict[str, Any]] | None:
                 f"{base}/admin/workers", headers={b"Authorization": b"Bearer " + key}
             )
     except httpx.HTTPError:
-        return None
+        return None, []
     if response.status_code != 200:
-        return None
+        return None, []
     try:
-        listed = response.json()["workers"]
+        doc = response.json()
+        listed = doc["workers"]
     except (ValueError, KeyError, TypeError):
-        return None
-    return listed if isinstance(listed, list) else None
+        return None, []
+    warnings = doc.get("warnings")
+    warnings = [str(w) for w in warnings] if isinstance(warnings, list) else []
+    return (listed, warnings) if isinstance(listed, list) else (None, [])
 
 
-def _describe_workers(workers: list[dict[str, Any]]) -> str:
+def _describe_workers(workers: list[dict[str, Any]], warnings: list[str]) -> str:
+    from sidecar.contract import shown  # every field may carry a worker's own words
+
     fenced = [w for w in workers if w.get("fenced_by")]
     lines = [f"workers: {len(workers)} registered, {len(fenced)} fenced"]
     for w in workers:
         by = w.get("fenced_by")
         state = f"FENCED ({'admin: router unfence' if by == 'admin' else 'in the registry file'})"
-        line = f"  {w.get('id')}: {state if by else 'in service'}"
+        line = f"  {shown(w.get('id'))}: {state if by else 'in service'}"
         seen = w.get("state")
         if not by and seen is not None:
             if seen == "ok":
-                line += f", {w.get('slots')} slots ({w.get('reason')})"
+                line += f", {shown(w.get('slots'))} slots ({shown(w.get('reason'))})"
             else:
-                line += f", {seen} ({w.get('reason')})"
+                line += f", {shown(seen)} ({shown(w.get('reason'))})"
         unserved = w.get("unserved")
         if unserved:
-            line += f"; does not serve {', '.join(map(str, unserved))} (counted 0)"
+            line += f"; does not serve {shown(', '.join(map(str, unserved)))} (counted 0)"
         if w.get("activity"):
-            line += f"; {w.get('activity')}"
+            line += f"; {shown(w.get('activity'))}"
         lines.append(line)
+    lines.extend(f"warning: {shown(warning)}" for warning in warnings)
     return "\n".join(lines)
 
 
 def _describe_snapshot(snapshot: dict[str, Any]) -> str:
+    from sidecar.contract import shown
+
     try:
         when = datetime.fromtimestamp(float(snapshot["observed_at"]), UTC).isoformat(
             timespec="milliseconds"
@@ -471,7 +518,7 @@ def _describe_snapshot(snapshot: dict[str, Any]) -> str:
     complete = "complete" if snapshot.get("complete") else "INCOMPLETE"
     lines = [f"snapshot observed {when} ({complete})"]
     for row in snapshot.get("models", []):
-        lines.append(f"  {row.get('id')}: {row.get('max_concurrent_requests')}")
+        lines.append(f"  {shown(row.get('id'))}: {shown(row.get('max_concurrent_requests'))}")
     if len(lines) == 1:
         lines.append("  (no models)")
     return "\n".join(lines)

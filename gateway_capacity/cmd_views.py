@@ -22,6 +22,7 @@ from gateway_capacity.exits import (
     EXIT_WARNING,
 )
 from gateway_capacity.schemas import SCHEMA_VERSION, sidecar_status
+from sidecar.contract import shown
 from sidecar.shares import DEGRADED as SHARE_DEGRADED
 
 if TYPE_CHECKING:
@@ -188,7 +189,7 @@ def availability_text(view: SegmentView) -> str:
             f"waiting {p.waiting}/{p.queue_bound}  fallback {p.fallback_limit} "
             f"({p.fallback_source})"
         )
-        lines.append(f"  reason: {shorten(_as_stored(p.reason, 'provider'))}")
+        lines.append(f"  reason: {shorten(shown(_as_stored(p.reason, 'provider')))}")
         if p.expires_at:
             lines.append(
                 f"  observed {_age(p.observed_at, now)}, expires {_age(p.expires_at, now)}"
@@ -197,7 +198,7 @@ def availability_text(view: SegmentView) -> str:
             value = "-" if r.value is None else str(r.value)
             state = "complete" if r.complete else "incomplete"
             lines.append(
-                f"  replica {r.address}: {shorten(_as_stored(r.reason, 'replica'))} "
+                f"  replica {r.address}: {shorten(shown(_as_stored(r.reason, 'replica')))} "
                 f"{state if r.ok else ''} value {value}".rstrip()
             )
     return "\n".join(lines)

@@ -6,7 +6,9 @@
 record carries (``provider``, ``limit``, ``source``) and ``exception`` for a
 traceback. Timestamps are RFC 3339 in UTC with milliseconds, so lines from
 hosts in different zones sort and join as they are. Both go to stderr
-(journald, a container runtime or the supervisor keeps them).
+(journald, a container runtime or the supervisor keeps them). A text line's message
+has its control characters escaped (``\\n``, ``\\x1b``): a worker's words can forge no
+line and move no cursor; JSON escapes them itself.
 
 No key ever reaches a log: the modules that handle keys never log them, and
 httpx/httpcore, which log URLs and headers, are kept at WARNING (R-P7).
@@ -19,6 +21,8 @@ import logging
 import sys
 from datetime import UTC, datetime
 from typing import Any, Final
+
+from sidecar.contract import shown
 
 FORMATS: Final = ("text", "json")
 LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -38,7 +42,9 @@ class TextFormatter(logging.Formatter):
         self.prefix = prefix
 
     def format(self, record: logging.LogRecord) -> str:
-        line = f"{rfc3339(record.created)} {record.levelname} {self.prefix}{record.getMessage()}"
+        # one record, one line: what a worker or a router said is escaped (sidecar.contract)
+        message = shown(record.getMessage())
+        line = f"{rfc3339(record.created)} {record.levelname} {self.prefix}{message}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line

@@ -586,6 +586,13 @@ class RouterShowDoc(Struct, kw_only=True):
         list[RouterWorker] | None,
         Meta(description="registered workers; null from a router without /admin/workers"),
     ]
+    warnings: Annotated[
+        list[str],
+        Meta(
+            description="the router's warnings about its registry: two workers that "
+            "resolve to one socket address (their slots may count twice)"
+        ),
+    ] = []
 
 
 class RouterFenceDoc(Struct, kw_only=True):

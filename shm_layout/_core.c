@@ -301,8 +301,9 @@ static int byte_held(int fd, int kind, off_t at)
  * a page) stays shared, so a lock this process holds is still let go where the others
  * look for it; a later fault below mends from there on. Any other SIGBUS (an address of
  * no registered mapping, or a kill()) goes to the disposition that was there before
- * ours: it is put back and the fault taken again (or the signal sent again), so a
- * process dies of a foreign SIGBUS exactly as it would without this handler. Every
+ * ours, as the kernel would have given it (bus_chain), and ours stays installed: the
+ * guard is armed for the life of the mapping, whatever came first. SIG_DFL still kills,
+ * SIG_IGN discards a sent signal, a handler is called (docs/DESIGN.md says which). Every
  * mapping of a segment is made by segment.py's ``_Mapping``, which registers it here
  * when it is mapped and unregisters it when it is unmapped; the core reads the damaged
  * flag of the mapping it was given (``lost``). */
@@ -317,12 +318,60 @@ typedef struct {
 static Guard guards[MAX_GUARDS];
 static pthread_mutex_t guards_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct sigaction bus_previous;
+static int bus_previous_reset; /* the previous handler was SA_RESETHAND and has run once */
 static int bus_installed;
 static uintptr_t bus_page = 4096; /* the page size, read before the handler is installed */
 
+/* A SIGBUS that is not ours, given to the disposition that was there before ours as the
+ * kernel would have given it, while this handler stays installed. */
+static void bus_chain(int sig, siginfo_t *info, void *ctx)
+{
+    int sent = info == NULL || info->si_code <= 0; /* kill(), sigqueue(), raise() */
+    struct sigaction prev = bus_previous;
+    if (__atomic_load_n(&bus_previous_reset, __ATOMIC_ACQUIRE)) {
+        prev.sa_handler = SIG_DFL;
+        prev.sa_flags = 0;
+    }
+    if (prev.sa_handler == SIG_IGN && sent)
+        return; /* an ignored signal is discarded */
+    if (prev.sa_handler == SIG_DFL || prev.sa_handler == SIG_IGN) {
+        /* SIG_DFL: the process dies of it (with a core), as without us. SIG_IGN and a
+         * fault: the kernel would not ignore it either (force_sig_fault resets an ignored
+         * synchronous signal to SIG_DFL), so it dies. Uninstalling costs nothing here. */
+        struct sigaction dfl;
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigemptyset(&dfl.sa_mask);
+        sigaction(SIGBUS, &dfl, NULL);
+        if (sent)
+            raise(SIGBUS); /* delivered once this handler returns (SIGBUS is blocked here) */
+        return;            /* a fault: returning retries it, under SIG_DFL */
+    }
+    /* a handler: call it as the kernel would (its sa_mask added, SIGBUS blocked unless
+     * SA_NODEFER, one call only with SA_RESETHAND) and keep ours installed */
+    sigset_t mask, old;
+    memcpy(&mask, &prev.sa_mask, sizeof mask);
+    if (prev.sa_flags & SA_RESETHAND)
+        __atomic_store_n(&bus_previous_reset, 1, __ATOMIC_RELEASE);
+    int saved = errno;
+    pthread_sigmask(SIG_BLOCK, &mask, &old);
+    if (prev.sa_flags & SA_NODEFER) {
+        sigemptyset(&mask);
+        sigaddset(&mask, SIGBUS);
+        pthread_sigmask(SIG_UNBLOCK, &mask, NULL);
+    }
+    errno = saved;
+    if (prev.sa_flags & SA_SIGINFO)
+        prev.sa_sigaction(sig, info, ctx);
+    else
+        prev.sa_handler(sig);
+    saved = errno;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    errno = saved;
+}
+
 static void on_sigbus(int sig, siginfo_t *info, void *ctx)
 {
-    (void)ctx;
     if (info != NULL && info->si_code > 0) { /* a fault (si_code <= 0: sent by a process) */
         uintptr_t at = (uintptr_t)info->si_addr;
         int mended = 0, failed = 0;
@@ -348,10 +397,7 @@ static void on_sigbus(int sig, siginfo_t *info, void *ctx)
         if (mended && !failed)
             return; /* the access is retried, on zero pages */
     }
-    sigaction(SIGBUS, &bus_previous, NULL);
-    if (info == NULL || info->si_code <= 0)
-        raise(SIGBUS); /* delivered once this handler returns (SIGBUS is blocked here) */
-    /* a fault: returning retries it, under the previous disposition */
+    bus_chain(sig, info, ctx);
 }
 
 static int install_bus_handler(void)
@@ -364,7 +410,8 @@ static int install_bus_handler(void)
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_sigaction = on_sigbus;
-    sa.sa_flags = SA_SIGINFO | SA_RESTART;
+    /* SA_ONSTACK: a previous handler that wanted the alternate stack still runs there */
+    sa.sa_flags = SA_SIGINFO | SA_RESTART | SA_ONSTACK;
     sigemptyset(&sa.sa_mask);
     if (sigaction(SIGBUS, &sa, &bus_previous) != 0)
         return -1;

@@ -27,7 +27,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Final
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlparse, urlsplit
 
 import msgspec
 
@@ -89,8 +89,9 @@ class CapacityShare(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
     """``capacityShare``: several gateways share each discovered capacity through Redis
     (docs/share.md). Absent: every gateway admits up to the whole capacity (local mode).
 
-    ``redis`` is a ``redis://`` or ``rediss://`` (TLS) URL without a password; the
-    password, if any, is read from ``credentialFile`` under the provider key's rules.
+    ``redis`` is a ``redis://`` or ``rediss://`` (TLS) URL without a password, in its
+    user part or its query (:data:`REDIS_PLAIN_OPTIONS`); the password, if any, is read
+    from ``credentialFile`` under the provider key's rules.
     """
 
     redis: str
@@ -111,11 +112,61 @@ def check_share(share: CapacityShare) -> str | None:
         return "redis: must be a redis:// or rediss:// URL"
     if not parts.hostname:
         return "redis: the URL names no host"
-    if parts.password is not None or (parts.username and not share.credential_file):
+    names = _redis_query_names(share.redis)
+    lone_user = parts.username or "username" in names
+    if parts.password is not None or (lone_user and not share.credential_file):
         return "redis: put no password in the URL; use credentialFile (kept out of argv and logs)"
+    unknown = sorted(name for name in names if name not in REDIS_PLAIN_OPTIONS)
+    if unknown:
+        return (
+            f"redis: put no password in the URL (?{unknown[0][:40]}= is not a plain "
+            "option); use credentialFile (kept out of argv and logs)"
+        )
     if share.credential_file is not None:
         return check_credential_spec(share.credential_file)
     return None
+
+
+REDIS_PLAIN_OPTIONS: Final = frozenset(
+    {
+        # what redis-py's parse_url reads from a URL's query and types (not secrets) ...
+        "db",
+        "socket_timeout",
+        "socket_connect_timeout",
+        "socket_read_size",
+        "socket_keepalive",
+        "retry_on_timeout",
+        "retry_on_error",
+        "max_connections",
+        "health_check_interval",
+        "ssl_check_hostname",
+        "ssl_validate_ocsp",
+        "ssl_validate_ocsp_stapled",
+        "ssl_include_verify_flags",
+        "ssl_exclude_verify_flags",
+        "ssl_min_version",
+        "timeout",
+        "protocol",
+        "legacy_responses",
+        # ... and the names it passes on as strings that are paths or names, not secrets
+        "ssl_keyfile",
+        "ssl_certfile",
+        "ssl_ca_certs",
+        "ssl_ca_path",
+        "ssl_cert_reqs",
+        "client_name",
+        "username",  # a name; the password goes in credentialFile
+    }
+)
+"""Query names a ``capacityShare.redis`` URL may carry. redis-py's ``parse_url`` hands
+every query name to the connection as a keyword, so ``?password=``, ``?ssl_password=``
+and any name it does not type could carry a secret into a widely read file."""
+
+
+def _redis_query_names(url: str) -> set[str]:
+    # as redis-py reads it: urlparse (``;params`` split off) then parse_qs, which
+    # percent-decodes the names (``?pass%77ord=`` is ``password``)
+    return set(parse_qs(urlparse(url).query, keep_blank_values=True))
 
 
 def redis_url_for_logs(url: str) -> str:

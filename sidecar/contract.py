@@ -14,7 +14,7 @@ checked by :func:`check_freshness`.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Iterable
 from typing import Annotated, Final, Literal
 
 import msgspec
@@ -23,6 +23,7 @@ MAX_MODELS = 128  # R-K2
 MAX_SLOTS = 4096  # R-K3
 STALE_AFTER_S = 30.0  # R-K4
 MAX_FUTURE_S = 5.0  # R-K4
+MAX_SNAPSHOT_BYTES = 64 * 1024  # R-P6: a reader refuses a longer body
 
 SlotCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOTS)]
 
@@ -81,6 +82,30 @@ def encode_snapshot(snap: CapacitySnapshot) -> bytes:
     return msgspec.json.encode(snap)
 
 
+# the longest float msgspec writes (17 significant digits, a sign, a 3-digit exponent)
+_LONGEST_FLOAT: Final = -2.2250738585072014e-308
+
+
+def row_bytes(model_id: str) -> int:
+    """The encoded length of ``model_id``'s row at its longest (a 4-digit count), JSON
+    escaping and UTF-8 included."""
+    return len(msgspec.json.encode(ModelCapacity(id=model_id, max_concurrent_requests=MAX_SLOTS)))
+
+
+def worst_case_snapshot_bytes(model_ids: Iterable[str]) -> int:
+    """The longest snapshot with a row for each of ``model_ids``: ``complete: false``,
+    the longest ``observed_at``, every count at 4096."""
+    envelope = CapacitySnapshot(
+        object="inference_capacity",
+        version=1,
+        complete=False,
+        observed_at=_LONGEST_FLOAT,
+        models=[],
+    )
+    rows = [row_bytes(model_id) for model_id in set(model_ids)]
+    return len(encode_snapshot(envelope)) + sum(rows) + max(len(rows) - 1, 0)
+
+
 # --- what both ends read besides the snapshot ---------------------------------------------
 
 KEY_TRIMMED: Final = b"\r\n "  # R-P7: trailing CR, LF and spaces, nothing else
@@ -99,6 +124,20 @@ def bearer_key(raw: bytes) -> bytes:
     if any(b < 0x21 or b > 0x7E for b in key):
         raise ValueError("contains whitespace, a control character or non-ASCII inside the key")
     return key
+
+
+def shown(text: object) -> str:
+    """``text`` as one line a terminal prints as it is: control characters (newlines,
+    ANSI escapes, bidi marks, anything ``str.isprintable`` refuses) and backslashes
+    escaped as Python writes them (``\\n``, ``\\x1b``, ``\\u202e``). For every view and
+    log line that shows what a worker or a router said."""
+    text = str(text)
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(
+        "\\\\" if ch == "\\" else ch if ch.isprintable() else ch.encode("unicode_escape").decode()
+        for ch in text
+    )
 
 
 async def read_capped(chunks: AsyncIterable[bytes], limit: int) -> bytes | None:

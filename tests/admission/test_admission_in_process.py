@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from gwtest import P1Segment
+from gwtest import P1Segment, run_cli
 
 from handler_shim import Admission, AdmissionTimeout, QueueFull, UnknownProvider
 from shm_layout import _core, writer
@@ -379,3 +379,22 @@ def test_r_a1_closing_one_attachment_leaves_another_in_the_same_process_alone(
                 pass  # and the limit of 1 still holds
     finally:
         b.close()
+
+
+def test_availability_escapes_a_reason_scribbled_with_terminal_escapes(
+    adm: Admission, segment_name: str
+) -> None:
+    """Whoever may write the segment may write a reason: the views print it escaped, so
+    it can forge no line and send no escape to the operator's terminal."""
+    seg = adm._seg
+    epoch = writer.take_epoch(seg, os.getpid(), 0.0, time.time(), 1.0, "test")
+    now = time.time()
+    forged = "ok\nprovider p2 [static]  limit 99\x1b[2J\u202e"
+    publication = writer.Publication(
+        "p1", True, 2, "provider", limit=2, reason=forged, observed_at=now, expires_at=now + 30
+    )
+    writer.publish(seg, epoch, 1, "ok", [publication], now)
+    out = run_cli("availability", "--segment", segment_name)
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout and "\u202e" not in out.stdout
+    assert "  reason: ok\\nprovider p2 [static] limit 99\\x1b[2J\\u202e" in out.stdout

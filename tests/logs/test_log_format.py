@@ -153,3 +153,19 @@ def test_router_serve_takes_log_format_and_timestamps_its_lines(
             assert m and _recent(m.group(1)), line
             assert " router: " in line, line
     assert any("worker w1" in line for line in lines), lines
+
+
+def test_a_text_line_escapes_control_characters_and_a_json_line_keeps_them() -> None:
+    """What a worker or a router said can forge no log line and move no cursor."""
+    import logging
+
+    from gateway_capacity.logs import JsonFormatter, TextFormatter
+
+    said = "x\n2026-12-04T00:00:00.000Z WARNING forged\x1b[2J\u202e \\n"
+    record = logging.LogRecord("router", logging.INFO, __file__, 1, "worker: %s", (said,), None)
+    line = TextFormatter("router: ").format(record)
+    assert line.endswith(
+        "INFO router: worker: x\\n2026-12-04T00:00:00.000Z WARNING forged\\x1b[2J\\u202e \\\\n"
+    )
+    assert line.isprintable()
+    assert json.loads(JsonFormatter().format(record))["msg"] == f"worker: {said}"

@@ -32,6 +32,7 @@ HOME = {
     "router fence": ["docs/router.md"],
     "router unfence": ["docs/router.md"],
     "router show": ["docs/router.md"],
+    "router check": ["docs/router.md"],
     "router simworker": ["docs/router.md"],
     "demo": ["README.md"],
 }

@@ -180,3 +180,31 @@ def test_r_k5_property_each_row_is_the_capped_sum_over_distinct_counted_workers(
         and not any(m in x.models and observations[i].state == "ok" for i, x in counted.items())
     }
     assert set(rows(snap)) == every_model - unknown
+
+
+def test_r_p6_a_snapshot_over_64_kib_is_served_incomplete_without_the_longest_rows() -> None:
+    from capacity_router.aggregate import within_contract
+    from sidecar.contract import (
+        MAX_SNAPSHOT_BYTES,
+        CapacitySnapshot,
+        ModelCapacity,
+        decode_snapshot,
+    )
+
+    rows = [
+        ModelCapacity(id=f"{i:03d}" + "é" * (230 + i % 23), max_concurrent_requests=7)
+        for i in range(128)
+    ]
+    big = CapacitySnapshot(
+        object="inference_capacity", version=1, complete=True, observed_at=1.5, models=rows
+    )
+    served, body, why = within_contract(big)
+    assert len(body) <= MAX_SNAPSHOT_BYTES and why is not None and "over the contract's" in why
+    assert served.complete is False and decode_snapshot(body) == served
+    kept = {r.id for r in served.models}
+    assert 0 < len(kept) < 128 and served.models == sorted(served.models, key=lambda r: r.id)
+    assert max(len(i) for i in kept) <= min(len(r.id) for r in rows if r.id not in kept)
+    small = CapacitySnapshot(
+        object="inference_capacity", version=1, complete=True, observed_at=1.5, models=rows[:3]
+    )
+    assert within_contract(small)[0] is small and within_contract(small)[2] is None

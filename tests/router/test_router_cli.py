@@ -313,3 +313,113 @@ def test_simworker_cli_offers_every_shape_the_simulated_worker_has() -> None:
     from gateway_capacity.cmd_router import SIM_SHAPES
 
     assert SIM_SHAPES == SHAPES
+
+
+# -- what a registry, a worker or another spelling of a URL can slip past ----------------
+
+# 128 ids of 253 two-byte characters and a number: each within the id limit (256), and
+# together a snapshot of 70,510 bytes at its longest, over the contract's 64 KiB
+LONG_IDS = ["é" * 253 + f"{i:03d}" for i in range(128)]
+
+
+def test_r_p6_a_registry_whose_snapshot_could_pass_64_kib_is_refused_saying_why(
+    registry_path: Path, key_file: Path
+) -> None:
+    write_registry(registry_path, [worker("w", ["http://127.0.0.1:9"], LONG_IDS, {"fixed": 4})])
+    for result, code in (
+        (cli(*serve_args(registry_path, key_file)), 2),
+        (cli("check", "--workers", str(registry_path)), 1),
+    ):
+        err = result.stderr.strip()
+        assert result.returncode == code and len(err.splitlines()) == 1, result
+        assert "could reach 70510 bytes, over the contract's 65536" in err, err
+        assert "é" * 24 + "…" + "é" * 9 + "000'" in err and "and 7 more)" in err  # named
+
+
+def test_r_p6_show_refuses_an_answer_over_64_kib(
+    scripted: Callable[[], ScriptedServer], key_file: Path
+) -> None:
+    rows = [{"id": m, "max_concurrent_requests": 4096} for m in LONG_IDS]
+    body = json.dumps(
+        {
+            "object": "inference_capacity",
+            "version": 1,
+            "complete": True,
+            "observed_at": time.time(),
+            "models": rows,
+        },
+        ensure_ascii=False,
+    )
+    impostor = scripted()
+    impostor.route("/v1/capacity", 200, body.encode())
+    result = cli("show", "--url", impostor.url, "--key-file", str(key_file))
+    assert result.returncode == 1
+    assert "over the contract's 65536" in result.stderr, result.stderr
+
+
+FORGED = "x\n  w2: FENCED (in the registry file)\x1b[31m\x1b[2J\u202e"
+GONE = "gone\n2026-12-04T00:00:00.000Z INFO router: worker w2: fenced\x1b[2J"
+
+
+def test_r_k5_show_and_the_log_escape_what_a_worker_says(
+    serve: Callable[..., Served], key_file: Path
+) -> None:
+    """A llama-swap worker's model names reach ``router show`` (its activity), and an id
+    it does not serve the router's log: neither may forge a line or send a terminal
+    escape."""
+    from capacity_router.simworker import SimWorker
+
+    swap = SimWorker(slots=4, shape="llama-swap", model="wh")
+    swap.start()
+    try:
+        swap.set_model_state("wh", "loaded")
+        swap.set_model_state(FORGED, "loaded")
+        router = serve(
+            [
+                worker("w1", [swap.url], ["wh", GONE], {"source": "llama-swap"}),
+                worker("w2", ["http://127.0.0.1:9"], ["wh"], {"fixed": 4}),
+            ]
+        )
+        assert router.capacity() == {"wh": 4, GONE: 0}
+        text = cli("show", "--url", router.url, "--key-file", str(key_file)).stdout
+        _, err = router.terminate()
+    finally:
+        swap.stop()
+    assert "\x1b" not in text + err and "\u202e" not in text + err
+    assert "workers: 2 registered, 0 fenced" in text
+    assert [line for line in text.splitlines() if line.startswith("  w2:")] == [
+        "  w2: in service, unreachable (connection failed)"
+    ]
+    assert "running: wh, x\\n  w2: FENCED (in the registry file)\\x1b[31m\\x1b[2J\\u202e" in text
+    assert "worker w1 does not serve gone\\n2026-12-04T00:00:00.000Z INFO" in err
+    assert not [line for line in err.splitlines() if "w2: fenced" in line and "gone" not in line]
+
+
+def test_r_k5_two_workers_on_one_socket_address_are_a_warning_in_check_show_and_the_log(
+    serve: Callable[..., Served], key_file: Path, registry_path: Path, sim: Sim
+) -> None:
+    one = sim(4)
+    port = one.url.rsplit(":", 1)[1]
+    workers = [
+        worker("a", [f"http://127.0.0.1:{port}"], ["wh"], {"source": "props"}),
+        worker("b", [f"http://localhost:{port}/"], ["wh"], {"source": "props"}),
+    ]
+    write_registry(registry_path, workers)
+    check = cli("check", "--workers", str(registry_path))
+    assert check.returncode == 0, check
+    said = f"workers 'a' (http://127.0.0.1:{port}) and 'b' (http://localhost:{port}/) resolve "
+    said += f"to one socket address 127.0.0.1:{port}"
+    assert [x for x in check.stdout.splitlines() if x.startswith("warning:")] == [
+        f"warning: {said}: if they are one server, its slots count twice; list both URLs "
+        "under one id"
+    ]
+    router = serve(workers)
+    assert router.capacity() == {"wh": 8}  # counted twice: a warning, not a refusal
+    for _ in range(50):  # the names are resolved beside the rounds
+        text = cli("show", "--url", router.url, "--key-file", str(key_file)).stdout
+        if "warning:" in text:
+            break
+        time.sleep(0.1)
+    assert check.stdout.splitlines()[1] in text.splitlines()
+    _, err = router.terminate()
+    assert err.count(said) == 1, err

@@ -107,3 +107,56 @@ def test_registry_watcher_follows_edits_and_keeps_last_good_on_a_broken_one(
     assert watcher.refresh() is True
     assert [w.id for w in watcher.current.workers] == ["c"]
     assert watcher.last_error is None
+
+
+def test_r_k5_shared_sockets_warns_only_for_two_ids_on_one_address_and_path() -> None:
+    from capacity_router.sockets import shared_sockets
+
+    def ids(*entries: tuple[str, list[str]]) -> list[str]:
+        doc = {
+            "workers": [
+                {"id": i, "urls": urls, "models": ["m"], "slots": {"fixed": 1}}
+                for i, urls in entries
+            ]
+        }
+        return shared_sockets(parse_registry(json.dumps(doc).encode()).workers)
+
+    assert len(ids(("a", ["http://127.0.0.1:8080"]), ("b", ["http://localhost:8080"]))) == 1
+    assert ids(("a", ["http://127.0.0.1:8080", "http://localhost:8080"])) == []  # one id
+    assert ids(("a", ["http://127.0.0.1:8080"]), ("b", ["http://127.0.0.1:8081"])) == []
+    swap = "http://127.0.0.1:8080/upstream/"
+    assert ids(("a", [swap + "one"]), ("b", [swap + "two"])) == []  # two paths
+    assert ids(("a", ["http://127.0.0.1:1"]), ("b", ["http://no-such-host.invalid:1"])) == []
+
+
+def test_r_p6_the_registry_bound_is_the_longest_snapshot_to_the_byte() -> None:
+    """Ids that reach 65,536 bytes exactly at their longest snapshot pass, one byte more
+    is refused: UTF-8, JSON escaping, a 4-digit count and the longest float counted."""
+    from sidecar.contract import (
+        MAX_SNAPSHOT_BYTES,
+        CapacitySnapshot,
+        ModelCapacity,
+        encode_snapshot,
+    )
+
+    ids = ['é"\n' * 76 + f"{i:03d}" for i in range(128)]  # 2 + 2 + 2 bytes a triple
+    longest = CapacitySnapshot(
+        object="inference_capacity",
+        version=1,
+        complete=False,
+        observed_at=-2.2250738585072014e-308,
+        models=[ModelCapacity(id=m, max_concurrent_requests=4096) for m in ids],
+    )
+    size = len(encode_snapshot(longest))
+    pad = MAX_SNAPSHOT_BYTES - size  # spread over the ids, a byte or a few each
+    assert 0 < pad < 128 * 16  # each id stays within 256 characters
+    fitting = [m + "x" * (pad // 128 + (i < pad % 128)) for i, m in enumerate(ids)]
+
+    def registry(models: list[str]) -> bytes:
+        w = {"id": "w", "urls": ["http://127.0.0.1:9"], "models": models, "slots": {"fixed": 1}}
+        return json.dumps({"workers": [w]}).encode()
+
+    parse_registry(registry(fitting))
+    over = [fitting[0] + "x", *fitting[1:]]
+    with pytest.raises(RegistryError, match=f"could reach {MAX_SNAPSHOT_BYTES + 1} bytes"):
+        parse_registry(registry(over))

@@ -35,6 +35,27 @@ def test_share_accepts_redis_and_rediss_with_defaults() -> None:
     [
         ({"redis": "redis://:hunter2@h/0", "gateway": "a"}, "no password in the URL"),
         ({"redis": "redis://user@h/0", "gateway": "a"}, "no password in the URL"),
+        ({"redis": "redis://h/0?password=hunter2", "gateway": "a"}, "use credentialFile"),
+        ({"redis": "redis://h/0?pass%77ord=hunter2", "gateway": "a"}, "use credentialFile"),
+        ({"redis": "redis://h/0;p?password=hunter2", "gateway": "a"}, "use credentialFile"),
+        ({"redis": "redis://h/0?username=hunter2", "gateway": "a"}, "use credentialFile"),
+        (
+            {
+                "redis": "redis://h/0?username=u&password=hunter2",
+                "gateway": "a",
+                "credentialFile": "/p",
+            },
+            "use credentialFile",
+        ),
+        (
+            {"redis": "redis://u@h/0?password=hunter2", "gateway": "a", "credentialFile": "/p"},
+            "use credentialFile",
+        ),
+        (
+            {"redis": "rediss://h/0?ssl_password=hunter2", "gateway": "a", "credentialFile": "/p"},
+            "use credentialFile",
+        ),
+        ({"redis": "redis://h/0?Password=hunter2", "gateway": "a"}, "use credentialFile"),
         ({"redis": "http://h/0", "gateway": "a"}, "redis:// or rediss://"),
         ({"redis": "redis:///0", "gateway": "a"}, "names no host"),
         ({"redis": "redis://h:99999/0", "gateway": "a"}, "not a URL"),
@@ -58,6 +79,17 @@ def test_share_a_user_name_goes_with_a_credential_file() -> None:
         config({"redis": "redis://gw@h/0", "gateway": "a", "credentialFile": "/etc/pw"})
     )
     assert got.share is not None and got.share.credential_file == "/etc/pw"
+
+
+def test_share_takes_plain_options_and_a_user_name_in_the_query() -> None:
+    for url, cred in (
+        ("redis://h/0?db=2&protocol=3&socket_keepalive=true", None),
+        ("rediss://h/0?ssl_ca_certs=/etc/ca.pem", None),
+        ("redis://h/0?username=gw", "/etc/pw"),
+    ):
+        share = {"redis": url, "gateway": "a", "credentialFile": cred}
+        got = parse_config(config({k: v for k, v in share.items() if v is not None}))
+        assert got.share is not None and got.share.redis == url
 
 
 def test_share_urls_in_messages_lose_their_user_part() -> None:

@@ -3,7 +3,10 @@ under the provider key's rules, never in argv or the log."""
 
 from __future__ import annotations
 
+import json
 import secrets
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,6 +115,40 @@ def test_share_metrics_say_whether_redis_answers(
             r'gateway_capacity_share_calls_total\{provider="p1",result="ok"\} [1-9]', text
         )
         assert 'gateway_capacity_limit_source{provider="p1",source="share"} 1.0' in text
+    finally:
+        gw.cleanup()
+        farm.stop()
+
+
+def test_share_refuses_a_redis_password_in_the_urls_query(
+    tmp_path: Path, key: str, key_file: Path, locked_redis: RedisServer
+) -> None:
+    """redis-py reads every query name of the URL as a connection keyword, so a password
+    there would authenticate from a file anyone who reads the config can read; the other
+    spellings are in test_share_config.py."""
+    farm = Farm(key, 9, grace=1.0)
+    gw = Gateway("gw-q", tmp_path, farm, locked_redis, key_file)
+    doc = json.loads(gw.config.read_text())
+    doc["capacityShare"]["redis"] = f"{locked_redis.url}?password={PASSWORD}"
+    gw.config.write_text(json.dumps(doc))
+    try:
+        exe = str(Path(sys.executable).with_name("gateway-capacity"))
+        strict = subprocess.run(
+            [exe, "check-config", "--config", str(gw.config), "--strict"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        out = strict.stdout + strict.stderr
+        assert strict.returncode != 0, out
+        assert "credentialFile" in out and PASSWORD not in out and "Traceback" not in out
+        gw.start_sidecar()
+        assert gw.sidecar is not None
+        assert gw.sidecar.wait(30) != 0
+        said = gw.log_text().strip()
+        assert len(said.splitlines()) == 1 and "use credentialFile" in said, said
+        assert PASSWORD not in said
+        assert locked_redis.client().info("clients")["connected_clients"] == 1  # only ours
     finally:
         gw.cleanup()
         farm.stop()
