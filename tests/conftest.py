@@ -212,6 +212,7 @@ LONG: tuple[str, ...] = (
     "tests/shm/test_segment.py::test_r_g5_unlink_force_removes_a_segment_in_use",
     "tests/shm/test_segment.py::test_watch_refreshes_the_availability_view",
     "tests/shm/test_views_operator.py::test_a_segment_name_one_character_off_names_the_segment_that_exists",
+    "tests/shm/test_views_operator.py::test_a_reason_longer_than_the_segment_keeps_is_shown_whole_in_every_view",
     "tests/shm/test_views_operator.py::test_check_is_0_while_the_sidecar_runs_and_1_once_it_was_killed",
     "tests/shm/test_views_operator.py::test_check_is_1_for_a_segment_of_another_user_naming_both_fixes",
     "tests/shm/test_views_operator.py::test_check_is_1_when_a_provider_fell_back_after_failing_discovery",
