@@ -581,6 +581,8 @@ class Sidecar:
         self.config = config
         for reason in config.skipped:
             log.warning("config: skipped a provider entry: %s", reason)
+        for unknown in config.unknown_keys:
+            log.warning("config: %s", unknown)
         wanted = {r.provider_id: r for r in rules_from_config(config)}
         for provider_id in list(self.providers):
             if provider_id not in wanted:
