@@ -26,7 +26,7 @@ import re
 import sys
 import threading
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 from urllib.parse import quote, urlsplit
 
 from gateway_capacity.common import fail, require_router_extra
@@ -439,19 +439,33 @@ def _workers(base: str, key: bytes) -> list[dict[str, Any]] | None:
     return listed if isinstance(listed, list) else None
 
 
+# What a worker that is not fenced but not counted either means for the snapshot
+# (capacity_router.aggregate): an answering worker whose slots cannot be read makes it
+# incomplete; one that is unhealthy or does not answer counts 0.
+_NOT_COUNTED: Final = {
+    "unreadable": "answers but its slots cannot be read, so the snapshot is incomplete",
+    "unhealthy": "unhealthy, its slots count 0",
+    "unreachable": "unreachable, its slots count 0",
+}
+
+
 def _describe_workers(workers: list[dict[str, Any]]) -> str:
     fenced = [w for w in workers if w.get("fenced_by")]
     lines = [f"workers: {len(workers)} registered, {len(fenced)} fenced"]
     for w in workers:
         by = w.get("fenced_by")
         state = f"FENCED ({'admin: router unfence' if by == 'admin' else 'in the registry file'})"
-        line = f"  {w.get('id')}: {state if by else 'in service'}"
         seen = w.get("state")
-        if not by and seen is not None:
+        if by:
+            line = f"  {w.get('id')}: {state}"
+        elif seen is None or seen == "ok":
+            line = f"  {w.get('id')}: in service"
             if seen == "ok":
                 line += f", {w.get('slots')} slots ({w.get('reason')})"
-            else:
-                line += f", {seen} ({w.get('reason')})"
+        else:
+            line = (
+                f"  {w.get('id')}: not fenced, {_NOT_COUNTED.get(seen, seen)} ({w.get('reason')})"
+            )
         unserved = w.get("unserved")
         if unserved:
             line += f"; does not serve {', '.join(map(str, unserved))} (counted 0)"

@@ -313,3 +313,24 @@ def test_simworker_cli_offers_every_shape_the_simulated_worker_has() -> None:
     from gateway_capacity.cmd_router import SIM_SHAPES
 
     assert SIM_SHAPES == SHAPES
+
+
+def test_router_show_says_what_a_worker_that_is_not_fenced_but_not_counted_means() -> None:
+    from gateway_capacity.cmd_router import _describe_workers
+
+    text = _describe_workers(
+        [
+            {"id": "a", "state": "ok", "slots": 4, "reason": "props"},
+            {"id": "b", "state": "unreadable", "reason": "props timed out"},
+            {"id": "c", "state": "unreachable", "reason": "connection refused"},
+            {"id": "d", "fenced_by": "admin", "state": "ok"},
+        ]
+    )
+    assert text.splitlines() == [
+        "workers: 4 registered, 1 fenced",
+        "  a: in service, 4 slots (props)",
+        "  b: not fenced, answers but its slots cannot be read, so the snapshot is incomplete "
+        "(props timed out)",
+        "  c: not fenced, unreachable, its slots count 0 (connection refused)",
+        "  d: FENCED (admin: router unfence)",
+    ]
