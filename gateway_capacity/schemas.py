@@ -584,7 +584,13 @@ class WaitForSlotDoc(Struct, kw_only=True):
     running: Annotated[float | None, Meta(description="running in the last sample")]
     waiting: Annotated[float | None, Meta(description="waiting in the last sample")]
     need: Annotated[int, Meta(description="--need")]
-    limit: Annotated[int | None, Meta(description="the limit of the last sample")]
+    limit: Annotated[
+        int | None,
+        Meta(
+            description="the limit of the last sample; without one, metrics mode's --limit "
+            "(or its default); null when unknown"
+        ),
+    ]
     reason: Annotated[
         str | None, Meta(description="why the last sample had no load to show, in full")
     ]

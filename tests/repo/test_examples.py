@@ -35,6 +35,24 @@ def test_example_gateway_config_loads_with_discovery_active_on_loopback() -> Non
     assert fallback_for(cloud.max_concurrent, config.max_concurrent) == (4, "provider")
 
 
+def test_the_example_gateway_names_the_known_providers_for_a_mistyped_one() -> None:
+    env = {
+        **os.environ,
+        "GATEWAY_CONFIG": str(EXAMPLES / "gateway.json"),
+        "GATEWAY_PROVIDER": "local-inferense",
+    }
+    ran = subprocess.run(
+        [sys.executable, "-c", "import openai_gateway"],
+        cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert ran.returncode != 0
+    assert ran.stderr.strip() == (
+        f"openai_gateway: {EXAMPLES / 'gateway.json'}: no provider 'local-inferense' "
+        "(GATEWAY_PROVIDER); did you mean 'local-inference'? (its providers: "
+        "local-inference, cloud-fallback)"
+    )
+
+
 def test_example_fallback_is_below_the_example_farm_and_no_ceiling_on_discovery() -> None:
     """One failed probe switches a provider to its fallback at once
     (R-L5), so a fallback above what the farm has (two ten-slot workers: 20) would
