@@ -668,10 +668,26 @@ class DemoPhase(Struct, kw_only=True):
     name: Annotated[str, Meta(description="what the phase does")]
     expected_limit: Annotated[int, Meta(description="the limit it should reach")]
     reached_after_s: Annotated[float | None, Meta(description="seconds until it did; null: never")]
-    limits_seen: Annotated[list[int], Meta(description="every limit sampled")]
+    limits_seen: Annotated[
+        list[int], Meta(description="every limit sampled once the expected one was reached")
+    ]
     advertised_seen: Annotated[list[int], Meta(description="every advertised value sampled")]
-    peak_running: Annotated[int, Meta(description="most running in the phase")]
-    peak_waiting: Annotated[int, Meta(description="most waiting in the phase")]
+    peak_running: Annotated[
+        int, Meta(description="most running once the expected limit was reached")
+    ]
+    peak_waiting: Annotated[
+        int, Meta(description="most waiting once the expected limit was reached")
+    ]
+    changeover_limits_seen: Annotated[
+        list[int],
+        Meta(description="limits sampled before the expected one was reached (the last phase's)"),
+    ] = []
+    changeover_peak_running: Annotated[
+        int, Meta(description="most running before the expected limit was reached")
+    ] = 0
+    changeover_peak_waiting: Annotated[
+        int, Meta(description="most waiting before the expected limit was reached")
+    ] = 0
     over_limit_running: Annotated[
         int,
         Meta(
