@@ -24,6 +24,7 @@ its names are re-exported here for the sidecar and the CLI. An entry without a u
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -425,6 +426,7 @@ def _nearest(key: str, known: frozenset[str], cutoff: float) -> str | None:
     return by_normal[near[0]] if near else None
 
 
+@functools.cache
 def _struct_fields(struct: type[msgspec.Struct]) -> dict[str, Any]:
     """A Struct's JSON names and, for those whose value is an object of ours, its Struct
     type (``None`` for any other value)."""

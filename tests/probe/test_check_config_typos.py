@@ -150,3 +150,13 @@ def test_a_known_key_is_never_reported_as_unknown(
 ) -> None:
     cfg = write_config({"providers": [{"id": "p", "capacityDiscovery": value}]})
     assert "unknown key" not in run_cli("check-config", "--config", str(cfg)).stdout
+
+
+def test_r_c1_the_loaded_config_carries_the_typos_for_the_sidecar_to_log() -> None:
+    from sidecar.config import parse_config
+
+    config = parse_config(b'{"providers": [{"id": "a", "credentialfile": "/k"}], "port": 1}')
+    assert [str(u) for u in config.unknown_keys] == [
+        "unknown key 'credentialfile' in providers[0] (a); did you mean credentialFile? (ignored)"
+    ]
+    assert config.provider("a") is not None  # the entry is used as before
