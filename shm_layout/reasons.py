@@ -100,6 +100,10 @@ class ReasonsWriter:
         data = texts.to_json()
         if data == self._last:
             return None
+        if not (texts.config_status or texts.providers or texts.replicas):
+            self.remove()  # nothing was cut: no file at all, not even an earlier sidecar's
+            self._last = data
+            return None
         directory = os.path.dirname(self.path)
         try:
             fd, tmp = tempfile.mkstemp(prefix=os.path.basename(self.path) + ".", dir=directory)

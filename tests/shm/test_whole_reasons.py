@@ -101,7 +101,7 @@ def test_a_reasons_file_another_user_made_first_is_neither_replaced_nor_believed
     Path(path).write_text(planted)  # root's file: a sidecar running as nobody cannot replace it
 
     def write_as_nobody() -> None:
-        problem = ReasonsWriter(published, 0o600).write(texts_of("ok", []))
+        problem = ReasonsWriter(published, 0o600).write(texts_of("bad config " * 20, []))
         assert problem is not None
         assert problem.startswith(f"cannot keep whole reasons in {path} (Operation not permitted)")
         assert "If another user made that file, remove it" in problem
@@ -109,3 +109,13 @@ def test_a_reasons_file_another_user_made_first_is_neither_replaced_nor_believed
     as_nobody(write_as_nobody)
     assert Path(path).read_text() == planted
     assert os.listdir(shared) == [os.path.basename(path)]  # no temporary file left behind
+
+
+def test_a_sidecar_with_nothing_cut_leaves_no_file_and_removes_an_earlier_one(
+    published: str,
+) -> None:
+    path = Path(reasons_path(published))
+    assert path.exists()  # the fixture's sidecar had cut texts
+    writer_ = ReasonsWriter(published, 0o600)
+    assert writer_.write(texts_of("ok", [])) is None
+    assert not path.exists()
