@@ -385,7 +385,10 @@ def _share(value: Any, source: str) -> CapacityShare | None:
     try:
         share = msgspec.convert(value, CapacityShare, strict=True)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"config {source}: capacityShare: {field_message(str(exc))}") from None
+        typos = "".join(f"; {u}" for u in _own_object(value, CapacityShare, "capacityShare"))
+        raise ConfigError(
+            f"config {source}: capacityShare: {field_message(str(exc))}{typos}"
+        ) from None
     problem = check_share(share)
     if problem is not None:
         raise ConfigError(f"config {source}: capacityShare: {problem}")

@@ -160,3 +160,18 @@ def test_r_c1_the_loaded_config_carries_the_typos_for_the_sidecar_to_log() -> No
         "unknown key 'credentialfile' in providers[0] (a); did you mean credentialFile? (ignored)"
     ]
     assert config.provider("a") is not None  # the entry is used as before
+
+
+def test_a_typo_that_leaves_capacity_share_incomplete_is_named_in_the_refusal(
+    write_config: WriteConfig, run_cli: Callable[..., Ran], capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = write_config({"capacityShare": {"redis": "redis://127.0.0.1:6399", "gatway": "a"}})
+    try:
+        main(["check-config", "--config", str(cfg)])
+    except SystemExit as exc:
+        assert exc.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"gateway-capacity: config {cfg}: capacityShare: Object missing required field "
+        "`gateway`; unknown key 'gatway' in capacityShare; did you mean gateway? (ignored)"
+    )
