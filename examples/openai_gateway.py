@@ -45,6 +45,7 @@ runs it as the legacy generation).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import os
 import sys
@@ -123,8 +124,14 @@ def _pick_provider(path: str) -> ProviderConfig:
             if not provider.base_url:
                 raise ConfigError(f"{path}: provider {provider.id!r} has no baseUrl")
             return provider
+    if not wanted:
+        raise ConfigError(f"{path}: no provider has a baseUrl")
+    known = [p.id for p in config.providers]
+    near = difflib.get_close_matches(wanted, known, n=1, cutoff=0.6)
     raise ConfigError(
-        f"{path}: no provider {wanted!r}" if wanted else f"{path}: no provider has a baseUrl"
+        f"{path}: no provider {wanted!r} (GATEWAY_PROVIDER)"
+        + (f"; did you mean {near[0]!r}?" if near else "")
+        + f" (its providers: {', '.join(known) if known else 'none'})"
     )
 
 

@@ -6,11 +6,20 @@ one resolution of the host with every address checked (loopback, Tailscale
 ranges, tailscaled whois where it answers), and a read of the key file. Every
 problem of a provider is reported, not only the first, so one edit can fix them
 all. Nothing is sent to any provider and the key is never shown. It also names
-the segment the config's users will share, and what that name derives from.
+the segment the config's users will share, and what that name derives from, the
+keys of ours that look like typos (``sidecar.config.unknown_keys``), and share mode:
+on or off, whether redis-py imports, whether its credential file is readable.
+
+``--probe`` then sends what the sidecar would: one ``GET {baseUrl}/capacity`` per
+address of each provider that asks for discovery, with the real key and under every
+rule of the probe (``sidecar.probe``: pinned addresses, redirects refused, one 3 s
+deadline, the key never shown), and says what to do about what it got. It is the
+check to run before the sidecar starts; ``verify`` compares with a running one.
 
 Exit 2 with one line when the file cannot be read or parsed; with ``--strict``,
-1 when a provider that asks for discovery cannot have it (or an entry is
-skipped); else 0.
+1 when a provider that asks for discovery cannot have it, an entry is skipped, a
+key looks like a typo or share mode cannot start; with ``--probe``, 1 when a
+provider that asks for discovery got no valid answer; else 0.
 """
 
 from __future__ import annotations
@@ -19,7 +28,8 @@ import argparse
 import asyncio
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from gateway_capacity.common import fail, segment_arg
 from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
@@ -35,10 +45,14 @@ from sidecar.config import (
     parse_base_url,
     provider_problems,
     raw_provider_entries,
+    redis_url_for_logs,
 )
 from sidecar.credential import CredentialError, read_credential
 from sidecar.limits import fallback_for
 from sidecar.probe import listener_refusal
+
+if TYPE_CHECKING:
+    from sidecar.replica import ProviderProbe
 
 CHECK_DEADLINE_S = 3.0  # the probe's own deadline for resolution and checks (R-P5)
 
@@ -65,8 +79,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--strict",
         action="store_true",
-        help="exit 1 when a provider that asks for discovery cannot have it, "
-        "or an entry is skipped",
+        help="exit 1 when a provider that asks for discovery cannot have it, an entry is "
+        "skipped, a key of ours looks like a typo, or share mode cannot start",
+    )
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="also probe each provider that asks for discovery now, as the sidecar would "
+        "(GET {baseUrl}/capacity with its key, never shown; 3 s deadline); exit 1 when one "
+        "gets no valid answer. Run it before starting the sidecar",
     )
     parser.add_argument(
         "--tailscale-socket",
@@ -90,16 +111,155 @@ def run(args: argparse.Namespace) -> int:
         report["segment"], report["segment_from"] = args.segment, "--segment"
     else:
         report["segment"], report["segment_from"] = _segment(path)
+    report["unknown_keys"] = [
+        {"where": u.where, "key": u.key, "suggestion": u.suggestion} for u in config.unknown_keys
+    ]
+    report["share"] = share_check(config)
+    if args.probe:
+        asyncio.run(_probe(config, report, args.tailscale_socket))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(_render(report))
+    if args.probe and any(
+        p["probe"] is not None and not p["probe"]["ok"] for p in report["providers"]
+    ):
+        return EXIT_PROBLEM
     if args.strict and (
         report["skipped"]
+        or report["unknown_keys"]
+        or report["share"]["problems"]
         or any(p["discovery_requested"] and not p["discovery_active"] for p in report["providers"])
     ):
         return EXIT_PROBLEM
     return EXIT_OK
+
+
+def share_check(config: GatewayConfig) -> dict[str, Any]:
+    """Share mode as the sidecar would start it, nothing sent to Redis."""
+    share = config.share
+    redis_py = _redis_py()
+    doc: dict[str, Any] = {
+        "on": share is not None,
+        "redis": None,
+        "gateway": None,
+        "redis_py": redis_py,
+        "credential": None,
+        "problems": [],
+    }
+    if share is None:
+        return doc
+    doc["redis"] = redis_url_for_logs(share.redis)
+    doc["gateway"] = share.gateway
+    if not redis_py.startswith("importable"):
+        doc["problems"].append(f"redis-py {redis_py}")
+    if share.credential_file is not None:
+        try:
+            read_credential(share.credential_file)
+        except CredentialError as exc:
+            doc["credential"] = str(exc)
+            doc["problems"].append(f"capacityShare.credentialFile: {exc}")
+        else:
+            doc["credential"] = "ok"
+    return doc
+
+
+def _redis_py() -> str:
+    """Whether the share mode's Redis client imports, said as check-config shows it."""
+    try:
+        import redis
+    except ImportError as exc:
+        return (
+            f"not importable ({type(exc).__name__}: {exc}): pip install 'gateway-capacity[share]'"
+        )
+    return f"importable ({getattr(redis, '__version__', 'version unknown')})"
+
+
+async def _probe(config: GatewayConfig, report: dict[str, Any], socket_path: str | None) -> None:
+    """Probe every provider that asks for discovery, as the sidecar would (R-P1..R-P8)."""
+    from sidecar.probe import probe_providers
+
+    asked = [p for p in config.providers if config.statuses[p.id].discovery_requested]
+    probes = await probe_providers(asked, tailscale_socket=socket_path)
+    for entry in report["providers"]:
+        probe = probes.get(entry["id"])
+        provider = config.provider(entry["id"])
+        if probe is None or provider is None:
+            continue
+        answered = [r for r in probe.replicas if r.ok]
+        reported = {m for r in answered for m in r.models}
+        missing = sorted(provider.upstream_models - reported) if answered else []
+        entry["probe"] = {
+            "ok": bool(answered),
+            "refused": probe.refused,
+            "replicas": [
+                {
+                    "address": r.address,
+                    "ok": r.ok,
+                    "reason": r.reason,
+                    "detail": r.detail,
+                    "complete": r.complete,
+                    "models": dict(r.models),
+                }
+                for r in probe.replicas
+            ],
+            "missing_models": missing,
+            "hints": probe_hints(provider, probe, missing),
+        }
+
+
+def probe_hints(provider: ProviderConfig, probe: ProviderProbe, missing: list[str]) -> list[str]:
+    """What to do about what a probe got, one line each (pure)."""
+    hints: list[str] = []
+    url = parse_base_url(provider.base_url).url if provider.base_url else "{baseUrl}/capacity"
+    base_path = urlsplit(provider.base_url or "").path.rstrip("/")
+    reasons = {r.reason for r in probe.replicas}
+    if probe.refused is not None:
+        kind = probe.refused.partition(":")[0]
+        hint = {
+            "unreachable": "the host did not resolve: check the host name in baseUrl",
+            "timeout": "resolving the host took over 3 s: check DNS on this host",
+        }.get(kind)
+        if hint is not None:  # every other refusal says its fix itself
+            hints.append(hint)
+    if "no_endpoint" in reasons:
+        if not base_path.endswith("/v1"):
+            hints.append(
+                f"{url} answered 404 and baseUrl {provider.base_url} does not end with /v1: "
+                "check the /v1 suffix (the capacity router answers {baseUrl}/capacity with "
+                "baseUrl http://HOST:PORT/v1)"
+            )
+        else:
+            hints.append(
+                f"{url} answered 404: is baseUrl the capacity router's ('gateway-capacity "
+                "router serve')? A worker or another gateway has no /v1/capacity"
+            )
+    if "auth_failed" in reasons:
+        hints.append(
+            f"the router refused the key: credentialFile ({provider.credential_file}) must "
+            "hold the key the router was started with (router serve --key-file)"
+        )
+    if "unreachable" in reasons:
+        hints.append(
+            f"nothing answered at {url}: start the router, or correct the host and port in baseUrl"
+        )
+    if "timeout" in reasons:
+        hints.append(f"no whole answer from {url} within 3 s: is the router overloaded?")
+    if "redirect_refused" in reasons:
+        hints.append("redirects are refused (R-P4): point baseUrl at the final address")
+    if reasons & {"stale", "future"}:
+        hints.append(
+            "the answer's observed_at is too old or ahead of this host's clock: check both "
+            "clocks (NTP) and that the router polls its workers"
+        )
+    if reasons & {"invalid", "too_large", "http_error"}:
+        hints.append(f"{url} did not give a capacity answer: is baseUrl the capacity router's?")
+    if missing:
+        hints.append(
+            f"models names {', '.join(missing)}, which the router does not report: the limit "
+            "would stay 0; name in models only what the farm serves"
+        )
+    return hints
 
 
 def _config_of_segment(segment: str | None) -> str:
@@ -172,6 +332,7 @@ async def _check_provider(
         "endpoint": None,
         "addresses": [],
         "credential": None,
+        "probe": None,
     }
     if not status.discovery_requested:
         return entry
@@ -250,6 +411,9 @@ def _render(report: dict[str, Any]) -> str:
         f"{gateway if gateway is not None else 'not set'}",
         f"segment {report['segment'] or '(none)'} (from {report['segment_from']})",
     ]
+    for u in report["unknown_keys"]:
+        hint = f"; did you mean {u['suggestion']}?" if u["suggestion"] else ""
+        lines.append(f"unknown key {u['key']!r} in {u['where']}{hint} (ignored)")
     for p in report["providers"]:
         if p["discovery_active"]:
             state = "discovery would be ACTIVE"
@@ -271,8 +435,45 @@ def _render(report: dict[str, Any]) -> str:
             lines.append(f"  address {a['address']}: {verdict}: {a['detail']}")
         if p["credential"] == "ok":
             lines.append("  credential: readable, well-formed (not shown)")
+        if p["probe"] is not None:
+            said = p["probe"]["refused"] in (p["reason"], *p["problems"])
+            lines.extend(_render_probe(p["probe"], said))
     for why in report["skipped"]:
         lines.append(f"skipped {why}")
     if not report["providers"] and not report["skipped"]:
         lines.append("no providers configured")
+    lines.extend(_render_share(report["share"]))
     return "\n".join(lines)
+
+
+def _render_share(share: dict[str, Any]) -> list[str]:
+    if not share["on"]:
+        return [f"share mode: off (no capacityShare); redis-py {share['redis_py']}"]
+    lines = [f"share mode: ON, gateway {share['gateway']!r}, Redis {share['redis']}"]
+    lines.append(f"  redis-py: {share['redis_py']}")
+    if share["credential"] == "ok":
+        lines.append("  credential: readable, well-formed (not shown)")
+    elif share["credential"] is None:
+        lines.append("  credential: none (capacityShare.credentialFile not set)")
+    lines.extend(f"  problem: {why}" for why in share["problems"])
+    return lines
+
+
+def _render_probe(probe: dict[str, Any], said: bool) -> list[str]:
+    if probe["refused"] is not None:
+        why = "for the reason above" if said else probe["refused"]
+        lines = [f"  probe: NOT SENT, {why}"]
+    elif probe["ok"]:
+        lines = ["  probe: ok"]
+    else:
+        lines = ["  probe: FAILED, no valid answer"]
+    for r in probe["replicas"]:
+        if r["ok"]:
+            models = ", ".join(f"{m} {n}" for m, n in sorted(r["models"].items())) or "no models"
+            state = "complete" if r["complete"] else "INCOMPLETE"
+            lines.append(f"    replica {r['address']}: ok, {state}: {models}")
+        else:
+            detail = f": {r['detail']}" if r["detail"] else ""
+            lines.append(f"    replica {r['address']}: {r['reason']}{detail}")
+    lines.extend(f"    do: {hint}" for hint in probe["hints"])
+    return lines

@@ -27,7 +27,7 @@ import re
 import sys
 import threading
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 from urllib.parse import quote, urlsplit
 
 from gateway_capacity.common import fail, require_router_extra
@@ -481,6 +481,16 @@ def _workers(base: str, key: bytes) -> tuple[list[dict[str, Any]] | None, list[s
     return (listed, warnings) if isinstance(listed, list) else (None, [])
 
 
+# What a worker that is not fenced but not counted either means for the snapshot
+# (capacity_router.aggregate): an answering worker whose slots cannot be read makes it
+# incomplete; one that is unhealthy or does not answer counts 0.
+_NOT_COUNTED: Final = {
+    "unreadable": "answers but its slots cannot be read, so the snapshot is incomplete",
+    "unhealthy": "unhealthy, its slots count 0",
+    "unreachable": "unreachable, its slots count 0",
+}
+
+
 def _describe_workers(workers: list[dict[str, Any]], warnings: list[str]) -> str:
     from sidecar.contract import shown  # every field may carry a worker's own words
 
@@ -489,13 +499,17 @@ def _describe_workers(workers: list[dict[str, Any]], warnings: list[str]) -> str
     for w in workers:
         by = w.get("fenced_by")
         state = f"FENCED ({'admin: router unfence' if by == 'admin' else 'in the registry file'})"
-        line = f"  {shown(w.get('id'))}: {state if by else 'in service'}"
         seen = w.get("state")
-        if not by and seen is not None:
+        name = shown(w.get("id"))
+        if by:
+            line = f"  {name}: {state}"
+        elif seen is None or seen == "ok":
+            line = f"  {name}: in service"
             if seen == "ok":
                 line += f", {shown(w.get('slots'))} slots ({shown(w.get('reason'))})"
-            else:
-                line += f", {shown(seen)} ({shown(w.get('reason'))})"
+        else:
+            not_counted = _NOT_COUNTED.get(str(seen), shown(seen))
+            line = f"  {name}: not fenced, {not_counted} ({shown(w.get('reason'))})"
         unserved = w.get("unserved")
         if unserved:
             line += f"; does not serve {shown(', '.join(map(str, unserved)))} (counted 0)"

@@ -18,7 +18,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gateway_capacity.common import add_target_options, fail, segment_from_args, shorten
+from gateway_capacity.common import add_target_options, fail, segment_from_args
 from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from gateway_capacity.schemas import SCHEMA_VERSION
 
@@ -172,7 +172,7 @@ def render_text(rows: Sequence[Mapping[str, Any]]) -> str:
         lines.append(
             f"{_MARKS[row['status']]} {row['id']}: rules {row['rules_limit']} "
             f"({row['rules_source']}), segment {row['segment_limit']} "
-            f"({row['segment_source']}): {shorten(row['rules_reason'])}"
+            f"({row['segment_source']}): {' '.join(row['rules_reason'].split())}"
         )
         if row["status"] == "missing_models":
             lines.append(

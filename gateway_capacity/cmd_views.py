@@ -13,7 +13,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from gateway_capacity.common import add_target_options, fail, segment_from_args, shorten
+from gateway_capacity.common import add_target_options, fail, segment_from_args
 from gateway_capacity.exits import (
     EXIT_NO_SEGMENT,
     EXIT_OK,
@@ -99,12 +99,13 @@ def _positive_seconds(text: str) -> float:
 
 
 def _read(args: argparse.Namespace) -> SegmentView:
+    from shm_layout.reasons import whole
     from shm_layout.segment import SegmentError, SegmentMissing
     from shm_layout.view import read_view
 
     name = segment_from_args(args)
     try:
-        return read_view(name)
+        return whole(read_view(name))
     except SegmentMissing as exc:
         from gateway_capacity.cmd_segments import nearest
 
@@ -140,7 +141,12 @@ def _as_stored(reason: str, field: str) -> str:
 
     table = layout.PROVIDER if field == "provider" else layout.REPLICA
     size = table["reason"].codec.size
-    return reason + "…" if len(reason.encode()) > size - 4 else reason
+    return reason + "…" if size - 4 < len(reason.encode()) <= size else reason
+
+
+def _one_line(text: str) -> str:
+    """A reason whole, on one line (the sidecar's full text when it kept one)."""
+    return " ".join(text.split())
 
 
 def _age(t: float | None, now: float) -> str:
@@ -189,7 +195,7 @@ def availability_text(view: SegmentView) -> str:
             f"waiting {p.waiting}/{p.queue_bound}  fallback {p.fallback_limit} "
             f"({p.fallback_source})"
         )
-        lines.append(f"  reason: {shorten(shown(_as_stored(p.reason, 'provider')))}")
+        lines.append(f"  reason: {_one_line(shown(_as_stored(p.reason, 'provider')))}")
         if p.expires_at:
             lines.append(
                 f"  observed {_age(p.observed_at, now)}, expires {_age(p.expires_at, now)}"
@@ -198,7 +204,7 @@ def availability_text(view: SegmentView) -> str:
             value = "-" if r.value is None else str(r.value)
             state = "complete" if r.complete else "incomplete"
             lines.append(
-                f"  replica {r.address}: {shorten(shown(_as_stored(r.reason, 'replica')))} "
+                f"  replica {r.address}: {_one_line(shown(_as_stored(r.reason, 'replica')))} "
                 f"{state if r.ok else ''} value {value}".rstrip()
             )
     return "\n".join(lines)
@@ -225,21 +231,35 @@ def damage_problems(view: SegmentView) -> list[str]:
     return problems
 
 
+def _start_again(view: SegmentView) -> str:
+    """What to run to have a sidecar write the segment again."""
+    config = view.config_path or "PATH"
+    return (
+        f"start it again ('gateway-capacity sidecar --config {config}', or 'systemctl start' "
+        "its unit); meanwhile handlers admit on their static fallback"
+    )
+
+
 def health_problems(view: SegmentView, max_heartbeat_age: float) -> list[str]:
-    """What ``availability --check`` fails on, one line each with its fix (empty: healthy)."""
+    """What ``availability --check`` fails on, one line each ending with what to do
+    (empty: healthy)."""
     problems = damage_problems(view) + owner_problems(view)
     s = view.sidecar
     if s is None:
-        problems.append(f"no sidecar has ever written segment {view.name}")
+        problems.append(f"no sidecar has ever written segment {view.name}: {_start_again(view)}")
     elif not s.alive:
-        problems.append(f"sidecar pid {s.pid} {sidecar_status(s)}")
+        after = "; its log says why it died" if s.state == "running" else ""
+        problems.append(f"sidecar pid {s.pid} {sidecar_status(s)}: {_start_again(view)}{after}")
     elif s.state != "running":
-        problems.append(f"sidecar pid {s.pid} is stopping")
+        problems.append(
+            f"sidecar pid {s.pid} is stopping: wait for it to exit, then {_start_again(view)}"
+        )
     elif s.heartbeat_age_s is None or s.heartbeat_age_s > max_heartbeat_age:
         age = "never" if s.heartbeat_age_s is None else f"{s.heartbeat_age_s:.1f}s ago"
         problems.append(
             f"sidecar pid {s.pid} is stale: last heartbeat {age} "
-            f"(limit {max_heartbeat_age:g}s; stopped or wedged?)"
+            f"(limit {max_heartbeat_age:g}s; stopped or wedged?): 'kill -CONT {s.pid}' if it "
+            "was stopped; if it stays stale, restart it and read its log"
         )
     lasted = s.legacy_overdue(view.read_mono) if s is not None and s.alive else None
     if s is not None and lasted is not None:
@@ -259,17 +279,29 @@ def health_problems(view: SegmentView, max_heartbeat_age: float) -> list[str]:
         if p.capacity_discovery and p.source in FALLBACK_SOURCES:
             problems.append(
                 f"provider {p.id}: discovery failed, on fallback {p.effective_limit} "
-                f"({p.source}): {p.reason}"
+                f"({p.source}): {shown(p.reason)}{_then_probe(view)}"
             )
         elif p.effective_limit == 0 and MISSING_MODEL in p.reason:
             problems.append(
-                f"provider {p.id}: held at limit 0 ({p.source}): {p.reason}; every request "
-                "waits, then times out. Name in models only what the farm serves "
+                f"provider {p.id}: held at limit 0 ({p.source}): {shown(p.reason)}; "
+                "every request waits, then times out. Name in models only what the farm serves "
                 "('gateway-capacity verify' shows what it reports)"
             )
         if p.source == "share" and p.reason.startswith(SHARE_DEGRADED):
-            problems.append(f"provider {p.id}: limit {p.effective_limit}, {p.reason}")
+            problems.append(
+                f"provider {p.id}: limit {p.effective_limit}, {shown(p.reason)}: "
+                "make Redis reachable from this host (capacityShare.redis; "
+                "'gateway-capacity check-config' shows share mode); the sidecar retries by itself"
+            )
     return problems
+
+
+def _then_probe(view: SegmentView) -> str:
+    """What to run once the reason's fix is made: the probe, now, as the sidecar sends it."""
+    config = view.config_path or "PATH"
+    return (
+        f"; after the fix, 'gateway-capacity check-config --probe --config {config}' tries it now"
+    )
 
 
 # limits.py's words when a configured model is what holds a discovered value at 0 (R-L8)
@@ -280,7 +312,7 @@ def health_warnings(view: SegmentView) -> list[str]:
     """States ``availability --check`` warns of (exit 4 when nothing fails): each may be
     meant (every worker fenced, a static limit of 0) but admits nothing."""
     return [
-        f"provider {p.id}: limit 0 ({p.source}): {shorten(p.reason)}; it admits nothing "
+        f"provider {p.id}: limit 0 ({p.source}): {_one_line(shown(p.reason))}; it admits nothing "
         "(requests wait, then time out) until the limit rises"
         for p in view.providers
         if p.effective_limit == 0
@@ -431,7 +463,7 @@ def _unlink(args: argparse.Namespace) -> int:
 
 def run_watch(args: argparse.Namespace) -> int:
     tty = sys.stdout.isatty()
-    shown = 0
+    frames = 0
     try:
         while True:
             view = _read(args)
@@ -441,8 +473,8 @@ def run_watch(args: argparse.Namespace) -> int:
             else:
                 sys.stdout.write(text + "\n---\n")
             sys.stdout.flush()
-            shown += 1
-            if args.count and shown >= args.count:
+            frames += 1
+            if args.count and frames >= args.count:
                 return EXIT_OK
             time.sleep(max(args.interval, 0.1))
     except KeyboardInterrupt:

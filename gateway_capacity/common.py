@@ -54,16 +54,6 @@ def fail(message: str, code: int) -> NoReturn:
     raise SystemExit(code)
 
 
-# Text views cut a long reason here, always with an ellipsis; --json has it whole.
-TEXT_REASON_MAX = 160
-
-
-def shorten(text: str, limit: int = TEXT_REASON_MAX) -> str:
-    """``text`` on one line, cut to ``limit`` characters with a visible ellipsis."""
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
-
-
 ROUTER_EXTRA = ("starlette", "uvicorn")
 
 

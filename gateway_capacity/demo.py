@@ -30,7 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Final, TextIO
 
 from gateway_capacity.scenario import always_cleaned_up
 from gateway_capacity.schemas import SCHEMA_VERSION
@@ -82,6 +82,14 @@ class Phase:
     seconds: float  # how long the phase holds once its expected limit is reached
     reached_s: float | None = None
     samples: list[Sample] = field(default_factory=list)
+
+    def expect_index(self) -> int:
+        """The first sample at the expected limit (all of them when none was: the phase
+        then shows everything it saw)."""
+        for i, s in enumerate(self.samples):
+            if s.limit == self.expect:
+                return i
+        return 0
 
 
 class Demo:
@@ -357,23 +365,7 @@ class Demo:
         if p.counters["peak_running"] > 20:
             self.problems.append(f"peak running {p.counters['peak_running']} > 20")
         return {
-            "phases": [
-                {
-                    "name": ph.name,
-                    "expected_limit": ph.expect,
-                    "reached_after_s": None if ph.reached_s is None else round(ph.reached_s, 2),
-                    "limits_seen": sorted({s.limit for s in ph.samples}),
-                    "advertised_seen": sorted(
-                        {s.advertised for s in ph.samples if s.advertised is not None}
-                    ),
-                    "peak_running": max((s.running for s in ph.samples), default=0),
-                    "peak_waiting": max((s.waiting for s in ph.samples), default=0),
-                    "over_limit_running": max(
-                        (s.running for s in ph.samples if s.running > s.limit), default=0
-                    ),
-                }
-                for ph in phases
-            ],
+            "phases": [phase_summary(ph) for ph in phases],
             "peak_running": p.counters["peak_running"],
             "peak_waiting": p.counters["peak_waiting"],
             "admitted": p.counters["admitted_total"],
@@ -418,6 +410,28 @@ class Demo:
         return ""
 
 
+def phase_summary(ph: Phase) -> dict[str, Any]:
+    """One phase's row: what held once its limit was reached, and apart from it the
+    changeover before (the previous phase's limit still in force, its queue draining)."""
+    reached = ph.expect_index()
+    after, before = ph.samples[reached:], ph.samples[:reached]
+    return {
+        "name": ph.name,
+        "expected_limit": ph.expect,
+        "reached_after_s": None if ph.reached_s is None else round(ph.reached_s, 2),
+        "limits_seen": sorted({s.limit for s in after}),
+        "advertised_seen": sorted({s.advertised for s in ph.samples if s.advertised is not None}),
+        "peak_running": max((s.running for s in after), default=0),
+        "peak_waiting": max((s.waiting for s in after), default=0),
+        "over_limit_running": max(
+            (s.running for s in ph.samples if s.running > s.limit), default=0
+        ),
+        "changeover_limits_seen": sorted({s.limit for s in before}),
+        "changeover_peak_running": max((s.running for s in before), default=0),
+        "changeover_peak_waiting": max((s.waiting for s in before), default=0),
+    }
+
+
 def draw_picture(phases: list[Phase], png: str | None) -> tuple[str | None, str]:
     """Draw limit, advertised, running and waiting over time: (path or None, a line to say).
 
@@ -441,7 +455,19 @@ def draw_picture(phases: list[Phase], png: str | None) -> tuple[str | None, str]
         os.close(fd)
     t = [s.t for s in samples]
     fig, ax = plt.subplots(figsize=(11, 5.5), dpi=100)
-    ax.step(t, [s.limit for s in samples], where="post", label="limit in force", lw=2.5)
+    # Running sits at the limit whenever the farm is full: the limit is a wide pale band
+    # under the thin running line, so that both show where they meet.
+    ax.step(
+        t,
+        [s.limit for s in samples],
+        where="post",
+        label="limit in force",
+        lw=7,
+        alpha=0.35,
+        color=LIMIT_COLOR,
+        zorder=1,
+        solid_capstyle="butt",
+    )
     ax.step(
         t,
         [s.advertised if s.advertised is not None else float("nan") for s in samples],
@@ -449,9 +475,18 @@ def draw_picture(phases: list[Phase], png: str | None) -> tuple[str | None, str]
         label="advertised by the router",
         ls="--",
         lw=1.5,
+        color="tab:orange",
+        zorder=4,
     )
-    ax.plot(t, [s.running for s in samples], label="running", lw=1.5)
-    ax.plot(t, [s.waiting for s in samples], label="waiting (bound 32)", lw=1.5)
+    ax.plot(t, [s.running for s in samples], label="running", lw=1.5, color=RUNNING_COLOR, zorder=3)
+    ax.plot(
+        t,
+        [s.waiting for s in samples],
+        label="waiting (bound 32)",
+        lw=1.5,
+        color="tab:red",
+        zorder=2,
+    )
     for ph in phases:
         if ph.samples:
             ax.axvline(ph.samples[0].t, color="grey", lw=0.8, ls=":")
@@ -478,6 +513,10 @@ def draw_picture(phases: list[Phase], png: str | None) -> tuple[str | None, str]
     finally:
         plt.close(fig)
     return png, f"picture: {png} (limit, advertised, running and waiting over time)"
+
+
+LIMIT_COLOR: Final = "tab:blue"
+RUNNING_COLOR: Final = "tab:green"
 
 
 class DemoFailed(Exception):
@@ -532,6 +571,12 @@ def _print_summary(summary: dict[str, Any], out: TextIO) -> None:
             f"{ph['peak_running']}, peak waiting {ph['peak_waiting']}",
             file=out,
         )
+        if ph.get("changeover_limits_seen"):
+            print(
+                f"  {'':<22} until then limit {ph['changeover_limits_seen']}: peak running "
+                f"{ph['changeover_peak_running']}, peak waiting {ph['changeover_peak_waiting']}",
+                file=out,
+            )
     if "admitted" in summary:
         print(
             f"  admitted {summary['admitted']}, queue-full {summary['rejected']}, timeouts "

@@ -466,6 +466,61 @@ class CheckedProvider(Struct, kw_only=True):
     credential: Annotated[
         str | None, Meta(description="'ok', why the key file is unusable, or null: not read")
     ]
+    probe: Annotated[
+        ProbeResult | None,
+        Meta(description="with --probe and discovery asked for: what the probe got, else null"),
+    ] = None
+
+
+class ProbedReplica(Struct, kw_only=True):
+    """One address the probe sent to (check-config --probe)."""
+
+    address: Annotated[str, Meta(description="the resolved, checked address")]
+    ok: Annotated[bool, Meta(description="a valid, fresh capacity answer")]
+    reason: Annotated[str, Meta(description="ok, no_endpoint, auth_failed, timeout, ...")]
+    detail: Annotated[str, Meta(description="more about it (never the key)")]
+    complete: Annotated[bool, Meta(description="the answer's complete flag")]
+    models: Annotated[
+        dict[str, int], Meta(description="upstream model id -> max_concurrent_requests")
+    ]
+
+
+class ProbeResult(Struct, kw_only=True):
+    """check-config --probe: one real probe of {baseUrl}/capacity, under the probe's rules."""
+
+    ok: Annotated[bool, Meta(description="some replica gave a valid answer")]
+    refused: Annotated[
+        str | None, Meta(description="why nothing was sent (reason:detail), or null")
+    ]
+    replicas: Annotated[list[ProbedReplica], Meta(description="each address sent to")]
+    missing_models: Annotated[
+        list[str], Meta(description="configured upstream models no answer reports")
+    ]
+    hints: Annotated[list[str], Meta(description="what to do about what it got")]
+
+
+class UnknownConfigKey(Struct, kw_only=True):
+    """A key of the product's objects that is probably a typo (ignored; --strict fails)."""
+
+    where: Annotated[str, Meta(description="the object: the top level, providers[i] (id), ...")]
+    key: Annotated[str, Meta(description="the key as written")]
+    suggestion: Annotated[str | None, Meta(description="the known key it resembles, or null")]
+
+
+class ShareCheck(Struct, kw_only=True):
+    """Share mode (capacityShare) as check-config sees it, nothing sent to Redis."""
+
+    on: Annotated[bool, Meta(description="capacityShare is set: share mode")]
+    redis: Annotated[str | None, Meta(description="the Redis URL without userinfo, or null")]
+    gateway: Annotated[str | None, Meta(description="this gateway's name, or null")]
+    redis_py: Annotated[
+        str, Meta(description="'importable (VERSION)' or why not, with the install command")
+    ]
+    credential: Annotated[
+        str | None,
+        Meta(description="'ok' (readable, not shown), why the file is unusable, or null: none"),
+    ]
+    problems: Annotated[list[str], Meta(description="what stops share mode from starting")]
 
 
 class CheckConfigDoc(Struct, kw_only=True):
@@ -480,6 +535,10 @@ class CheckConfigDoc(Struct, kw_only=True):
     skipped: Annotated[list[str], Meta(description="entries skipped, each with its reason")]
     segment: Annotated[str | None, Meta(description="the segment this config's users share")]
     segment_from: Annotated[str, Meta(description="what the segment name comes from")]
+    unknown_keys: Annotated[
+        list[UnknownConfigKey], Meta(description="keys of ours that are probably typos")
+    ] = []
+    share: Annotated[ShareCheck, Meta(description="share mode: on or off, and can it start")]
 
 
 class VerifiedProvider(Struct, kw_only=True):
@@ -525,7 +584,13 @@ class WaitForSlotDoc(Struct, kw_only=True):
     running: Annotated[float | None, Meta(description="running in the last sample")]
     waiting: Annotated[float | None, Meta(description="waiting in the last sample")]
     need: Annotated[int, Meta(description="--need")]
-    limit: Annotated[int | None, Meta(description="the limit of the last sample")]
+    limit: Annotated[
+        int | None,
+        Meta(
+            description="the limit of the last sample; without one, metrics mode's --limit "
+            "(or its default); null when unknown"
+        ),
+    ]
     reason: Annotated[
         str | None, Meta(description="why the last sample had no load to show, in full")
     ]
@@ -610,10 +675,26 @@ class DemoPhase(Struct, kw_only=True):
     name: Annotated[str, Meta(description="what the phase does")]
     expected_limit: Annotated[int, Meta(description="the limit it should reach")]
     reached_after_s: Annotated[float | None, Meta(description="seconds until it did; null: never")]
-    limits_seen: Annotated[list[int], Meta(description="every limit sampled")]
+    limits_seen: Annotated[
+        list[int], Meta(description="every limit sampled once the expected one was reached")
+    ]
     advertised_seen: Annotated[list[int], Meta(description="every advertised value sampled")]
-    peak_running: Annotated[int, Meta(description="most running in the phase")]
-    peak_waiting: Annotated[int, Meta(description="most waiting in the phase")]
+    peak_running: Annotated[
+        int, Meta(description="most running once the expected limit was reached")
+    ]
+    peak_waiting: Annotated[
+        int, Meta(description="most waiting once the expected limit was reached")
+    ]
+    changeover_limits_seen: Annotated[
+        list[int],
+        Meta(description="limits sampled before the expected one was reached (the last phase's)"),
+    ] = []
+    changeover_peak_running: Annotated[
+        int, Meta(description="most running before the expected limit was reached")
+    ] = 0
+    changeover_peak_waiting: Annotated[
+        int, Meta(description="most waiting before the expected limit was reached")
+    ] = 0
     over_limit_running: Annotated[
         int,
         Meta(

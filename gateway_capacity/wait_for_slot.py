@@ -24,6 +24,7 @@ mistake would otherwise end up in a log.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import os
@@ -77,7 +78,9 @@ class Result:
     samples: int
     waited_s: float
 
-    def as_json(self, need: int) -> dict[str, object]:
+    def as_json(self, need: int, limit: int | None = None) -> dict[str, object]:
+        """The ``--json`` line; ``limit`` is the limit known without a sample (metrics
+        mode's ``--limit``), shown when the last sample has none."""
         load = self.last if isinstance(self.last, Load) else None
         reason = None if isinstance(self.last, Load) else self.last.reason
         from gateway_capacity.schemas import SCHEMA_VERSION
@@ -89,7 +92,7 @@ class Result:
             "running": load.running if load else None,
             "waiting": load.waiting if load else None,
             "need": need,
-            "limit": load.limit if load else None,
+            "limit": load.limit if load else limit,
             "reason": reason,
             "samples": self.samples,
             "waited_s": round(self.waited_s, 3),
@@ -188,7 +191,7 @@ def key_from_file(path: str) -> Secret:
 
     if not path.startswith(SYSTEMD_PREFIX):
         path = os.path.abspath(path)
-    return read_credential(path)
+    return read_credential(path, reader="wait-for-slot")
 
 
 # --------------------------------------------------------------------------- local mode
@@ -206,13 +209,20 @@ def _sample_local(segment: str, provider_id: str, need: int) -> Sample:
     from shm_layout.view import read_view
 
     try:
-        provider = read_view(segment).provider(provider_id)
+        view = read_view(segment)
     except SegmentNotReady as exc:  # another party is creating it right now
         return NoAnswer(one_line(str(exc)))
     except SegmentError as exc:  # missing, not ours, other major version: one line each
         return Fatal(one_line(str(exc)))
+    provider = view.provider(provider_id)
     if provider is None:
-        return Fatal(f"provider {provider_id!r} is not in segment {segment}")
+        known = [p.id for p in view.providers]
+        near = difflib.get_close_matches(provider_id, known, n=1, cutoff=0.6)
+        return Fatal(
+            f"provider {provider_id!r} is not in segment {segment}"
+            + (f"; did you mean {near[0]!r}?" if near else "")
+            + f" (its providers: {', '.join(known) if known else 'none yet'})"
+        )
     ceiling, why = limit_ceiling(
         provider.capacity_discovery, provider.fallback_limit, provider.fallback_source
     )
@@ -437,7 +447,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.finish()
     if args.json:
-        doc = result.as_json(args.need)
+        given = None if args.provider else (DEFAULT_LIMIT if args.limit is None else args.limit)
+        doc = result.as_json(args.need, given)
         if result.code == EXIT_FATAL:
             doc["error"] = describe(result.last, args.need)
         print(json.dumps(doc))

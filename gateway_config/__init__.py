@@ -60,6 +60,7 @@ __all__ = [
     "MAX_LIMIT",
     "MAX_PROVIDER_ID_BYTES",
     "RANGE_ONLY",
+    "TOP_LEVEL_FIELDS",
     "UTF8_BOM",
     "ConfigError",
     "ConfigFile",
@@ -104,6 +105,9 @@ class ProviderConfig(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
 
 
 ENTRY_FIELDS: Final = frozenset(ProviderConfig.__struct_encode_fields__)
+# The keys of the top level that are ours (``parse_config_file`` reads them); every other
+# top-level key is the gateway's.
+TOP_LEVEL_FIELDS: Final = frozenset({"maxConcurrent", "providers", "capacityShare"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +128,8 @@ class ConfigFile:
     # ``capacityShare`` as written, for the sidecar to judge (share mode, docs/share.md);
     # handlers never read it
     capacity_share: Any = None
+    # the whole document as decoded, for the sidecar's check of unknown keys
+    document: Any = None
 
     def provider(self, provider_id: str) -> ProviderConfig | None:
         for p in self.providers:
@@ -227,7 +233,13 @@ def parse_config_file(data: bytes, source: str = "<config>") -> ConfigFile:
         if entry_problem is not None:
             invalid[provider_id] = entry_problem
     return ConfigFile(
-        source, gateway_max, tuple(providers), invalid, tuple(skipped), doc.get("capacityShare")
+        source,
+        gateway_max,
+        tuple(providers),
+        invalid,
+        tuple(skipped),
+        doc.get("capacityShare"),
+        doc,
     )
 
 

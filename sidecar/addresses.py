@@ -129,6 +129,14 @@ def is_localhost_name(host: str) -> bool:
     return host.lower().rstrip(".") == "localhost"
 
 
+# What an operator can do about a refused opt-in (R-P1): said wherever the refusal is.
+OPT_IN_FIX: Final = (
+    "the key goes only to this host or a Tailscale peer: run the router here (baseUrl "
+    "http://127.0.0.1:PORT/v1), or reach it by its Tailscale address or MagicDNS name with "
+    '"tailnet": true; else set "capacityDiscovery": false'
+)
+
+
 def static_opt_in(host: str, tailnet: bool) -> str | None:
     """``None`` when ``host`` may be probed once its addresses pass, else why not (R-P1).
 
@@ -142,13 +150,16 @@ def static_opt_in(host: str, tailnet: bool) -> str | None:
         if kind == "loopback" or (kind == "tailscale" and tailnet):
             return None
         if kind == "tailscale":
-            return f"{host} is a Tailscale address but the provider does not set tailnet: true"
-        return f"{host} is neither loopback nor a Tailscale address"
+            return (
+                f"{host} is a Tailscale address but the provider does not set tailnet: true; "
+                'add "tailnet": true to the provider'
+            )
+        return f"{host} is neither loopback nor a Tailscale address; {OPT_IN_FIX}"
     if is_localhost_name(host) or tailnet:
         return None
     return (
         f"host {host!r} is not localhost or a loopback address and the provider does not "
-        "set tailnet: true"
+        f'set tailnet: true; if it is a MagicDNS name, add "tailnet": true; else {OPT_IN_FIX}'
     )
 
 
@@ -358,7 +369,10 @@ async def check_address(
         )
     if kind == "tailscale":
         return AddressVerdict(address, False, "Tailscale address but tailnet is not true")
-    return AddressVerdict(address, False, "neither loopback nor a Tailscale address")
+    return AddressVerdict(address, False, NOT_ELIGIBLE)
+
+
+NOT_ELIGIBLE: Final = "neither loopback nor a Tailscale address"
 
 
 async def check_provider_addresses(
@@ -392,5 +406,6 @@ async def check_provider_addresses(
     bad = [v for v in verdicts if not v.allowed]
     if bad:
         why = "; ".join(f"{v.address}: {v.detail}" for v in bad)
-        return AddressCheck(verdicts, f"{host} resolves to a refused address ({why})")
+        fix = f"; {OPT_IN_FIX}" if any(v.detail == NOT_ELIGIBLE for v in bad) else ""
+        return AddressCheck(verdicts, f"{host} resolves to a refused address ({why}){fix}")
     return AddressCheck(verdicts, None)

@@ -23,8 +23,10 @@ its names are re-exported here for the sidecar and the CLI. An entry without a u
 
 from __future__ import annotations
 
+import difflib
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Final
 from urllib.parse import parse_qs, urlparse, urlsplit
@@ -36,6 +38,7 @@ from gateway_config import (
     MAX_LIMIT,
     MAX_PROVIDER_ID_BYTES,
     RANGE_ONLY,
+    TOP_LEVEL_FIELDS,
     UTF8_BOM,
     ConfigError,
     ConfigFile,
@@ -66,6 +69,7 @@ __all__ = [
     "ProviderStatus",
     "TailnetCheck",
     "Uid",
+    "UnknownKey",
     "UpstreamModelId",
     "UserName",
     "check_provider",
@@ -77,6 +81,7 @@ __all__ = [
     "provider_problems",
     "raw_provider_entries",
     "redis_url_for_logs",
+    "unknown_keys",
 ]
 
 
@@ -219,6 +224,7 @@ class GatewayConfig:
     statuses: Mapping[str, ProviderStatus]  # by provider id, one per provider
     skipped: tuple[str, ...]  # entries that have no usable id, with the reason
     share: CapacityShare | None = None  # share mode (docs/share.md); None: local mode
+    unknown_keys: tuple[UnknownKey, ...] = ()  # keys of ours that are probably typos
 
     def provider(self, provider_id: str) -> ProviderConfig | None:
         for p in self.providers:
@@ -412,7 +418,13 @@ def judge(file: ConfigFile) -> GatewayConfig:
             )
     share = _share(file.capacity_share, file.source)
     return GatewayConfig(
-        file.source, file.max_concurrent, file.providers, statuses, file.skipped, share
+        file.source,
+        file.max_concurrent,
+        file.providers,
+        statuses,
+        file.skipped,
+        share,
+        tuple(unknown_keys(file.document)),
     )
 
 
@@ -424,8 +436,118 @@ def _share(value: Any, source: str) -> CapacityShare | None:
     try:
         share = msgspec.convert(value, CapacityShare, strict=True)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"config {source}: capacityShare: {field_message(str(exc))}") from None
+        typos = "".join(f"; {u}" for u in _own_object(value, CapacityShare, "capacityShare"))
+        raise ConfigError(
+            f"config {source}: capacityShare: {field_message(str(exc))}{typos}"
+        ) from None
     problem = check_share(share)
     if problem is not None:
         raise ConfigError(f"config {source}: capacityShare: {problem}")
     return share
+
+
+# --- unknown keys ------------------------------------------------------------------------
+#
+# The file is the gateway's: its top level and each provider entry hold the gateway's own
+# keys beside ours (R-C1), so an unknown key there is named only when it is a near miss of
+# one of ours (``capacityDiscovry``, ``base_url``, ``CredentialFile``). ``capacityShare``
+# and any object nested in a key of ours are the product's own: every unknown key there is
+# named. Either way the key is ignored and the sidecar runs; ``check-config`` shows them
+# and ``--strict`` fails on them. The known keys are the Structs' own fields, so a field
+# added to ``ProviderConfig`` or ``CapacityShare`` is known at once.
+
+
+@dataclass(frozen=True, slots=True)
+class UnknownKey:
+    where: str  # "providers[0] (llama-a)", "capacityShare", "the top level"
+    key: str
+    suggestion: str | None  # the known key it most resembles, if any
+
+    def __str__(self) -> str:
+        hint = f"; did you mean {self.suggestion}?" if self.suggestion else ""
+        return f"unknown key {self.key!r} in {self.where}{hint} (ignored)"
+
+
+def _normal(key: str) -> str:
+    return key.lower().replace("_", "").replace("-", "")
+
+
+def _nearest(key: str, known: frozenset[str], cutoff: float) -> str | None:
+    by_normal = {_normal(k): k for k in known}
+    if _normal(key) in by_normal:
+        return by_normal[_normal(key)]
+    near = difflib.get_close_matches(_normal(key), list(by_normal), n=1, cutoff=cutoff)
+    return by_normal[near[0]] if near else None
+
+
+@functools.cache
+def _struct_fields(struct: type[msgspec.Struct]) -> dict[str, Any]:
+    """A Struct's JSON names and, for those whose value is an object of ours, its Struct
+    type (``None`` for any other value)."""
+    info = msgspec.inspect.type_info(struct)
+    assert isinstance(info, msgspec.inspect.StructType)
+    return {f.encode_name: _inner_struct(f.type) for f in info.fields}
+
+
+def _inner_struct(t: msgspec.inspect.Type) -> type[msgspec.Struct] | None:
+    if isinstance(t, msgspec.inspect.StructType):
+        return t.cls
+    if isinstance(t, msgspec.inspect.UnionType):
+        found = [_inner_struct(u) for u in t.types]
+        return next((f for f in found if f is not None), None)
+    return None
+
+
+def _own_object(value: Any, struct: type[msgspec.Struct], where: str) -> Iterator[UnknownKey]:
+    """Every unknown key of an object that is wholly ours, nested objects of ours too."""
+    if not isinstance(value, dict):
+        return
+    fields = _struct_fields(struct)
+    known = frozenset(fields)
+    for key, inner in value.items():
+        if not isinstance(key, str):
+            continue
+        if key not in fields:
+            yield UnknownKey(where, key, _nearest(key, known, 0.75))
+        elif fields[key] is not None:
+            yield from _own_object(inner, fields[key], f"{where}.{key}")
+
+
+def _shared_object(
+    value: Any, struct: type[msgspec.Struct] | None, known: frozenset[str], where: str
+) -> Iterator[UnknownKey]:
+    """The near misses of an object the gateway shares with us; objects of ours in it are
+    checked whole."""
+    if not isinstance(value, dict):
+        return
+    fields = _struct_fields(struct) if struct is not None else {}
+    for key, inner in value.items():
+        if not isinstance(key, str):
+            continue
+        if key in known:
+            if fields.get(key) is not None:
+                yield from _own_object(inner, fields[key], f"{where}.{key}")
+            continue
+        near = (
+            _nearest(key, known, 0.8)
+            if len(key) >= 6 or _normal(key) in map(_normal, known)
+            else None
+        )
+        if near is not None:
+            yield UnknownKey(where, key, near)
+
+
+def unknown_keys(document: Any) -> list[UnknownKey]:
+    """The keys of ``document`` (the decoded config) that are probably typos of ours."""
+    if not isinstance(document, dict):
+        return []
+    found = list(_shared_object(document, None, TOP_LEVEL_FIELDS, "the top level"))
+    share = document.get("capacityShare")
+    found.extend(_own_object(share, CapacityShare, "capacityShare"))
+    entries = document.get("providers")
+    for index, entry in enumerate(entries if isinstance(entries, list) else []):
+        if isinstance(entry, dict):
+            name = entry.get("id")
+            where = f"providers[{index}]" + (f" ({name})" if isinstance(name, str) else "")
+            found.extend(_shared_object(entry, ProviderConfig, ENTRY_FIELDS, where))
+    return found

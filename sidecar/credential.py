@@ -104,8 +104,12 @@ def credential_path(spec: str, credentials_directory: str | None = None) -> str:
     return os.path.join(directory, spec[len(SYSTEMD_PREFIX) :])
 
 
-def read_credential(spec: str, *, credentials_directory: str | None = None) -> Secret:
-    """Read and check the key ``spec`` names; raise :class:`CredentialError` saying why not."""
+def read_credential(
+    spec: str, *, credentials_directory: str | None = None, reader: str = "the sidecar"
+) -> Secret:
+    """Read and check the key ``spec`` names; raise :class:`CredentialError` saying why not.
+
+    ``reader`` names who reads it in the advice for a group-readable file."""
     path = credential_path(spec, credentials_directory)
     systemd_copy = _is_systemd_credential(path, credentials_directory)
     unsafe = path_problem(path)
@@ -141,8 +145,8 @@ def read_credential(spec: str, *, credentials_directory: str | None = None) -> S
         if st.st_mode & 0o077 and not systemd_copy:
             raise CredentialError(
                 f"credential file {path} is readable by its group "
-                f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path} (give the "
-                "sidecar a copy of its own if the gateway's group must read the key)"
+                f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path} (give "
+                f"{reader} a copy of its own if a group must read the key)"
             )
         if st.st_size > MAX_KEY_FILE_BYTES:
             raise CredentialError(

@@ -43,6 +43,7 @@ from shm_layout.errors import GatewayCapacityError
 from shm_layout.liveness import ParentWatch, is_alive, my_identity, process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.owners import OwnerError, OwnerPolicy
+from shm_layout.reasons import ReasonsWriter, texts_of
 from shm_layout.segment import ForeignSegment, Segment
 from shm_layout.view import ReplicaView, parse_view, snapshot_bytes
 from sidecar import sdnotify
@@ -426,6 +427,7 @@ class Sidecar:
         self._status_sent = ""
         self._ready = False  # STATUS= goes out only after READY=1
         self._publish_cache = writer.PublishCache()
+        self._reasons = ReasonsWriter(self.segment_name, self.seg.mode)
         self._publish_pending = False
         self._grid_origin = time.monotonic()  # probe loops start on multiples of refresh_s
         self.clients: ProbeClients | None = None
@@ -579,6 +581,8 @@ class Sidecar:
         self.config = config
         for reason in config.skipped:
             log.warning("config: skipped a provider entry: %s", reason)
+        for unknown in config.unknown_keys:
+            log.warning("config: %s", unknown)
         wanted = {r.provider_id: r for r in rules_from_config(config)}
         for provider_id in list(self.providers):
             if provider_id not in wanted:
@@ -818,7 +822,8 @@ class Sidecar:
         except Exception:
             self._log_unexpected("publication")
             return
-        for w in warnings:
+        problem = self._reasons.write(texts_of(self.config_status, pubs))
+        for w in [*warnings, *([problem] if problem else [])]:
             if w not in self._warned:  # R-P9: once per sidecar run, not every publication
                 self._warned.add(w)
                 log.warning("%s", w)

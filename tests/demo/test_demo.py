@@ -221,3 +221,55 @@ def test_a_segment_that_cannot_be_read_ends_the_demo_with_the_reason_not_silence
         for p in psutil.Process().children(recursive=True)
         if "gateway_capacity" in " ".join(p.cmdline())
     ]
+
+
+def _restored_phase() -> object:
+    from gateway_capacity.demo import Phase, Sample
+
+    ph = Phase("w2 restored", "unfence", 20, 1.0, reached_s=0.4)
+    # the drained phase's limit and queue while the change reaches the segment, then 20
+    for i, (limit, running, waiting) in enumerate(
+        [(10, 10, 26), (10, 10, 25), (20, 20, 12), (20, 20, 4), (20, 20, 0)]
+    ):
+        ph.samples.append(Sample(10 + i * 0.2, ph.name, 20, limit, "discovered", running, waiting))
+    return ph
+
+
+def test_the_restored_row_shows_what_held_once_restored_and_the_changeover_apart() -> None:
+    from gateway_capacity.demo import phase_summary
+
+    row = phase_summary(_restored_phase())  # type: ignore[arg-type]
+    assert (row["limits_seen"], row["peak_running"], row["peak_waiting"]) == ([20], 20, 12)
+    assert row["changeover_limits_seen"] == [10] and row["changeover_peak_waiting"] == 26
+    text = _summary_of([row], [])
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("w2 restored"))
+    assert "-> limit [20] (reached 20 after 0.4s); peak running 20, peak waiting 12" in lines[at]
+    assert lines[at + 1].strip() == "until then limit [10]: peak running 10, peak waiting 26"
+
+
+def test_the_picture_shows_the_limit_where_running_reaches_it(tmp_path: Path) -> None:
+    """Running sits on the limit at 20: the limit's band must still be seen around it."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+
+    from gateway_capacity.demo import LIMIT_COLOR, RUNNING_COLOR, Phase, Sample, draw_picture
+
+    ph = Phase("two workers", None, 20, 1.0)
+    ph.samples.extend(Sample(t / 10, ph.name, None, 20, "discovered", 20, 0) for t in range(100))
+    png, _ = draw_picture([ph], str(tmp_path / "p.png"))
+    assert png is not None
+    image = plt.imread(png)[:, :, :3]
+    column = image[:, image.shape[1] // 2]  # a column through the middle of the plot
+
+    def rows_near(color: tuple[float, ...], tolerance: float = 0.08) -> int:
+        return int(
+            sum(
+                all(abs(a - b) < tolerance for a, b in zip(px, color, strict=True)) for px in column
+            )
+        )
+
+    running = to_rgb(RUNNING_COLOR)
+    band = tuple(0.35 * c + 0.65 * 1.0 for c in to_rgb(LIMIT_COLOR))  # alpha 0.35 on white
+    assert rows_near(running) >= 1  # the running line is drawn
+    assert rows_near(band) >= 2  # and the limit shows beside it, not hidden under it

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -33,6 +35,24 @@ def test_example_gateway_config_loads_with_discovery_active_on_loopback() -> Non
     cloud = config.provider("cloud-fallback")
     assert cloud is not None and not config.statuses["cloud-fallback"].discovery_requested
     assert fallback_for(cloud.max_concurrent, config.max_concurrent) == (4, "provider")
+
+
+def test_the_example_gateway_names_the_known_providers_for_a_mistyped_one() -> None:
+    env = {
+        **os.environ,
+        "GATEWAY_CONFIG": str(EXAMPLES / "gateway.json"),
+        "GATEWAY_PROVIDER": "local-inferense",
+    }
+    ran = subprocess.run(
+        [sys.executable, "-c", "import openai_gateway"],
+        cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert ran.returncode != 0
+    assert ran.stderr.strip() == (
+        f"openai_gateway: {EXAMPLES / 'gateway.json'}: no provider 'local-inferense' "
+        "(GATEWAY_PROVIDER); did you mean 'local-inference'? (its providers: "
+        "local-inference, cloud-fallback)"
+    )
 
 
 def test_example_fallback_is_below_the_example_farm_and_no_ceiling_on_discovery() -> None:
@@ -213,180 +233,99 @@ def test_router_simworker_openai_is_an_upstream_to_try_the_gateway_and_wait_for_
     assert wait_for_slot(1) == 0
 
 
-def test_r_l5_the_openai_walk_through_stays_on_the_static_fallback_and_says_so(
-    tmp_path: Path, processes: list[subprocess.Popen[str]], key_file: Path, segment_name: str
-) -> None:
-    """examples/README.md's second walk-through: the example gateway's provider points at
-    `router simworker --openai`, which serves no /v1/capacity, so the limit is the
-    config's fallback for good. The README prints what `availability` then shows."""
-    import httpx
-
-    from handler_shim import Admission
-
-    _, line = _start(
-        processes, "router", "simworker", "--openai", "--slots", "2", "--delay", "0.1",
-        "--model", "workhorse", "--port", "0",
-    )  # fmt: skip
-    base = line.split()[3]
-    assert httpx.get(f"{base}/v1/capacity", timeout=5).status_code == 404
-    doc = json.loads((EXAMPLES / "gateway.json").read_text())
-    doc["providers"][0].update(baseUrl=f"{base}/v1", credentialFile=str(key_file))
-    config = tmp_path / "my-gateway.json"
-    config.write_text(json.dumps(doc))
-    env = {**os.environ, "GATEWAY_CAPACITY_SEGMENT": segment_name}
-
-    def local_inference() -> dict[str, object]:
-        out = subprocess.run(
-            [*CLI, "availability", "--config", str(config), "--json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
-        (provider,) = [
-            p for p in json.loads(out.stdout)["providers"] if p["id"] == "local-inference"
-        ]
-        return dict(provider)
-
-    # a handler alone (no sidecar): the fallback
-    adm = Admission.attach(config=str(config), generation="walk-through", segment=segment_name)
-    try:
-        alone = local_inference()
-        assert (alone["effective_limit"], alone["source"]) == (8, "gateway"), alone
-        sidecar = subprocess.Popen(
-            [*CLI, "sidecar", "--config", str(config), "--refresh", "1"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        processes.append(sidecar)
-        deadline = time.monotonic() + 20
-        probed = local_inference()
-        while "no_endpoint" not in str(probed["reason"]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-            probed = local_inference()
-    finally:
-        adm.close()
-    assert (probed["effective_limit"], probed["source"]) == (8, "gateway"), probed
-    readme = (EXAMPLES / "README.md").read_text()
-    assert "static fallback" in readme
-    assert "limit 8 (gateway)  running 0  waiting 0/32  fallback 8 (gateway)" in readme
-    assert f"reason: {probed['reason']}" in readme
+# --- examples/README.md's walk-throughs, run as pasted ----------------------------------
+# Each ```sh block after a `<!-- walk-through: NAME -->` line is run by bash exactly as
+# written, in a directory holding a copy of examples/, with this interpreter's bin
+# first on PATH. Only the fixed ports are changed, to free ones (tests bind no fixed
+# port), in the block and in the copied examples; `pip install` lines are checked
+# (the package must import) rather than run.
+WALK = re.compile(r"<!-- walk-through: (?P<name>[\w-]+) -->\n```sh\n(?P<body>.*?)\n```", re.S)
+PORTS = (8000, 8080, 8081, 8082, 8731)
 
 
-def test_r_k5_the_relay_walk_through_reaches_a_discovered_limit_and_sdk_streams(
-    tmp_path: Path, processes: list[subprocess.Popen[str]], key_file: Path, segment_name: str
-) -> None:
-    """examples/README.md's relay walk-through: the provider's baseUrl is `router serve`,
-    which both answers /v1/capacity (2 + 3 slots: limit 5, discovered) and relays the
-    example gateway's completions to the workers; seven streams from the official
-    `openai` SDK then run at most five at a time and all finish."""
-    import threading
+def walk_through(name: str) -> str:
+    blocks = {m["name"]: m["body"] for m in WALK.finditer((EXAMPLES / "README.md").read_text())}
+    return blocks[name]
 
-    import httpx
-    import openai
+
+def run_walk_through(tmp_path: Path, segment_name: str, *names: str) -> str:
+    """The blocks ``names`` (after the setup block) run by one bash; its whole output."""
     from gwtest import free_port
 
-    workers = []
-    for slots in (2, 3):
-        _, line = _start(
-            processes, "router", "simworker", "--openai", "--slots", str(slots), "--delay", "3",
-            "--model", "workhorse", "--port", "0",
+    ports = {str(p): str(free_port()) for p in PORTS}
+    work = tmp_path / "checkout"
+    (work / "examples").mkdir(parents=True)
+    for name in ("gateway.json", "workers.json", "openai_gateway.py"):
+        text = (EXAMPLES / name).read_text()
+        for old, new in ports.items():
+            text = text.replace(f":{old}", f":{new}")
+        (work / "examples" / name).write_text(text)
+    script = "\n".join(walk_through(n) for n in ("setup", *names))
+    for old, new in ports.items():
+        script = re.sub(rf"(?<=[:\s]){old}\b", new, script)
+    lines = []
+    for line in script.splitlines():
+        if line.startswith("pip install "):
+            for package in line.split("#")[0].split()[2:]:
+                pytest.importorskip(package)
+            continue
+        lines.append(line)
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "GATEWAY_CAPACITY_SEGMENT": segment_name,
+    }
+    log = tmp_path / "walk-through.log"
+    with log.open("w") as sink:  # a file, not a pipe: servers left running keep a pipe open
+        proc = subprocess.Popen(
+            ["bash", "-c", "\n".join(lines)],
+            cwd=work, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-        workers.append(line.split()[3])
-    registry = tmp_path / "workers.json"
-    registry.write_text(
-        json.dumps(
-            {
-                "workers": [
-                    {"id": f"w{i}", "urls": [url], "models": ["workhorse"],
-                     "slots": {"source": "props"}}
-                    for i, url in enumerate(workers, 1)
-                ]
-            }
-        )
-    )  # fmt: skip
-    _, line = _start(
-        processes, "router", "serve", "--workers", str(registry), "--key-file", str(key_file),
-        "--listen", "127.0.0.1:0", "--poll", "0.5",
-    )  # fmt: skip
-    router = line.split()[1].removesuffix("/v1/capacity")
-    doc = json.loads((EXAMPLES / "gateway.json").read_text())
-    doc["providers"][0].update(baseUrl=f"{router}/v1", credentialFile=str(key_file))
-    config = tmp_path / "my-gateway.json"
-    config.write_text(json.dumps(doc))
-    env = {**os.environ, "GATEWAY_CAPACITY_SEGMENT": segment_name}
-    processes.append(
-        subprocess.Popen(
-            [*CLI, "sidecar", "--config", str(config), "--refresh", "1"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-    )
-
-    def local_inference() -> dict[str, object]:
-        out = subprocess.run(
-            [*CLI, "availability", "--config", str(config), "--json"],
-            env=env, capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-        if out.returncode != 0:
-            return {}
-        (p,) = [p for p in json.loads(out.stdout)["providers"] if p["id"] == "local-inference"]
-        return dict(p)
-
-    deadline = time.monotonic() + 30
-    seen = local_inference()
-    while seen.get("effective_limit") != 5 and time.monotonic() < deadline:
-        time.sleep(0.3)
-        seen = local_inference()
-    assert (seen.get("effective_limit"), seen.get("source")) == (5, "discovered"), seen
-    port = free_port()
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--app-dir", str(EXAMPLES), "openai_gateway:app",
-         "--host", "127.0.0.1", "--port", str(port)],
-        env={**env, "GATEWAY_CONFIG": str(config)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    processes.append(gateway)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
         try:
-            httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
-            break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
-    )
-    texts: list[str] = []
-    peak = [0]
-    done = threading.Event()
+            proc.wait(timeout=150)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)  # what the blocks left running
+    assert (work / "demo.key").stat().st_mode & 0o777 == 0o600
+    return log.read_text()
 
-    def stream() -> None:
-        chunks = client.chat.completions.create(
-            model="local-workhorse", messages=[{"role": "user", "content": "hi"}], stream=True
-        )
-        texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
 
-    def watch() -> None:
-        while not done.is_set():
-            running = local_inference().get("running")
-            if isinstance(running, int):
-                peak[0] = max(peak[0], running)
-            time.sleep(0.2)
+def test_r_k5_the_farm_walk_through_runs_as_pasted_and_follows_the_drain(
+    tmp_path: Path, segment_name: str
+) -> None:
+    out = run_walk_through(tmp_path, segment_name, "farm")
+    assert "  probe: ok" in out and "ok, complete: workhorse 20" in out, out
+    limits = re.findall(r"local-inference \[discovery\]  limit (\d+) \((\w+)\)", out)
+    assert limits == [("20", "discovered"), ("10", "discovered")], out
+    assert "Traceback" not in out
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    threads = [threading.Thread(target=stream) for _ in range(7)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    done.set()
-    watcher.join()
-    assert len(texts) == 7 and all(texts), texts
-    assert 1 <= peak[0] <= 5, peak
+
+def test_r_l5_the_openai_walk_through_runs_as_pasted_and_stays_on_the_static_fallback(
+    tmp_path: Path, segment_name: str
+) -> None:
+    """examples/README.md's second walk-through: the provider points at `router simworker
+    --openai`, which serves no /v1/capacity, so the limit is the config's fallback for
+    good. The README prints what `availability` then shows."""
+    out = run_walk_through(tmp_path, segment_name, "openai")
+    assert "data: [DONE]" in out, out  # the streamed completion, through the gateway
+    readme = (EXAMPLES / "README.md").read_text()
+    shown = re.search(r"local-inference \[discovery\].*\n  reason: .*", out)
+    assert shown is not None, out
+    assert shown.group(0) in readme  # the README shows exactly what availability printed
+    assert "Traceback" not in out
+
+
+def test_r_k5_the_relay_walk_through_runs_as_pasted_and_streams_five_at_a_time(
+    tmp_path: Path, segment_name: str
+) -> None:
+    """The relay walk-through: `router serve` answers /v1/capacity (2 + 3 slots: limit
+    5, discovered) and relays the example gateway's completions to the workers; seven
+    streams from the official `openai` SDK run five at a time and all finish."""
+    out = run_walk_through(tmp_path, segment_name, "relay")
+    assert re.search(r"local-inference \[discovery\]  limit 5 \(discovered\)", out), out
+    after = [int(s) for s in re.findall(r"completion \d: '.+' after (\d+) s", out)]
+    assert len(after) == 7, out
+    first, second = min(after), max(after)
+    assert after.count(first) == 5 or sorted(after)[4] < sorted(after)[5], out
+    assert second >= first + 1, out  # two waited for a slot: about one more --delay
+    assert "Traceback" not in out

@@ -388,7 +388,7 @@ def test_r_k5_show_and_the_log_escape_what_a_worker_says(
     assert "\x1b" not in text + err and "\u202e" not in text + err
     assert "workers: 2 registered, 0 fenced" in text
     assert [line for line in text.splitlines() if line.startswith("  w2:")] == [
-        "  w2: in service, unreachable (connection failed)"
+        "  w2: not fenced, unreachable, its slots count 0 (connection failed)"
     ]
     assert "running: wh, x\\n  w2: FENCED (in the registry file)\\x1b[31m\\x1b[2J\\u202e" in text
     assert "worker w1 does not serve gone\\n2026-12-04T00:00:00.000Z INFO" in err
@@ -423,3 +423,25 @@ def test_r_k5_two_workers_on_one_socket_address_are_a_warning_in_check_show_and_
     assert check.stdout.splitlines()[1] in text.splitlines()
     _, err = router.terminate()
     assert err.count(said) == 1, err
+
+
+def test_router_show_says_what_a_worker_that_is_not_fenced_but_not_counted_means() -> None:
+    from gateway_capacity.cmd_router import _describe_workers
+
+    text = _describe_workers(
+        [
+            {"id": "a", "state": "ok", "slots": 4, "reason": "props"},
+            {"id": "b", "state": "unreadable", "reason": "props timed out"},
+            {"id": "c", "state": "unreachable", "reason": "connection refused"},
+            {"id": "d", "fenced_by": "admin", "state": "ok"},
+        ],
+        [],
+    )
+    assert text.splitlines() == [
+        "workers: 4 registered, 1 fenced",
+        "  a: in service, 4 slots (props)",
+        "  b: not fenced, answers but its slots cannot be read, so the snapshot is incomplete "
+        "(props timed out)",
+        "  c: not fenced, unreachable, its slots count 0 (connection refused)",
+        "  d: FENCED (admin: router unfence)",
+    ]

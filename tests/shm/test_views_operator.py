@@ -60,7 +60,10 @@ def test_check_is_0_while_the_sidecar_runs_and_1_once_it_was_killed(
     proc.wait(timeout=10)
     out = check(segment_name)
     assert out.returncode == 1
-    assert out.stdout.strip() == f"sidecar pid {proc.pid} died without stopping (crashed or killed)"
+    line = out.stdout.strip()
+    assert line.startswith(f"sidecar pid {proc.pid} died without stopping (crashed or killed): ")
+    assert "start it again ('gateway-capacity sidecar --config " in line  # what to do
+    assert line.endswith("its log says why it died")
     text = run_cli("availability", "--segment", segment_name).stdout
     assert "died without stopping (crashed or killed)" in text
     assert "(dead, running)" not in text
@@ -118,6 +121,46 @@ def test_check_is_1_when_a_provider_fell_back_after_failing_discovery(
     assert doc["ok"] is False
     assert len(doc["problems"]) == 1  # the sidecar is fine; "static" is not a problem
     assert doc["problems"][0].startswith("provider li: discovery failed, on fallback 5 (gateway)")
+
+
+def test_a_reason_longer_than_the_segment_keeps_is_shown_whole_in_every_view(
+    segment_name: str,
+    sidecar: Callable[[dict[str, object]], subprocess.Popen[str]],
+    tmp_path: Path,
+    key: str,
+) -> None:
+    """The segment's field cuts a reason at 128 bytes; the views show the sidecar's whole
+    text (from its reasons file), so the fix it names can be pasted."""
+    deep = tmp_path / ("keys-of-the-local-inference-farm-" * 3) / "provider-credential"
+    deep.mkdir(parents=True)
+    key_path = deep / "local-inference.key"
+    key_path.write_text(key + "\n")
+    key_path.chmod(0o644)  # refused: readable by others; the reason names the chmod
+    sidecar(
+        {
+            "providers": [
+                {
+                    "id": "li",
+                    "baseUrl": "http://127.0.0.1:9/v1",
+                    "credentialFile": str(key_path),
+                    "capacityDiscovery": True,
+                    "models": {"w": "workhorse"},
+                }
+            ]
+        }
+    )
+    fix = f"chmod 600 {key_path}"
+    assert wait_until(lambda: fix in check(segment_name).stdout, timeout=30)
+    line = check(segment_name).stdout.strip()
+    assert line.endswith("tries it now"), line  # the line ends with what to do
+    plain = run_cli("availability", "--segment", segment_name).stdout
+    assert fix in plain
+    doc = json.loads(run_cli("availability", "--segment", segment_name, "--json").stdout)
+    (reason,) = [p["reason"] for p in doc["providers"] if p["id"] == "li"]
+    assert fix in reason and len(reason.encode()) > 128
+    assert json.loads(check(segment_name, "--json").stdout)["problems"][0].count(fix) == 1
+    for out in (line, plain, reason):
+        assert key not in out
 
 
 def test_check_is_1_while_the_config_on_disk_is_broken_and_0_once_fixed(
@@ -182,7 +225,9 @@ def test_check_is_1_without_any_sidecar(segment_name: str) -> None:
     Segment.open(segment_name, create=True).close()
     out = check(segment_name)
     assert out.returncode == 1
-    assert out.stdout.strip() == f"no sidecar has ever written segment {segment_name}"
+    assert out.stdout.strip().startswith(
+        f"no sidecar has ever written segment {segment_name}: start it again "
+    )
 
 
 @pytest.mark.linux("lists /dev/shm; macOS cannot list shared memory")

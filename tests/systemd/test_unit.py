@@ -157,6 +157,15 @@ def test_security_exposure_is_within_the_measured_threshold(
     )
 
 
+def test_docs_systemd_states_the_score_this_suite_pins() -> None:
+    """docs/systemd.md quotes the exposure score: it must be the one measured here."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "systemd.md").read_text()
+    said = re.findall(r"rates the unit\s+\*\*(\d+\.\d) ", page)
+    assert said == [f"{EXPOSURE_THRESHOLD / 10:.1f}"], said
+    without, with_ = re.findall(r"scores the unit\s+(\d+\.\d) without it \((\d+\.\d) with", page)[0]
+    assert without == f"{EXPOSURE_THRESHOLD / 10:.1f}" and float(with_) < float(without)
+
+
 def test_security_every_unmet_check_is_justified_and_the_key_ones_hold(
     systemd_analyze: str, unit_copy: Path
 ) -> None:

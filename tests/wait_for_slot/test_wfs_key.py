@@ -83,7 +83,12 @@ def test_r_w3_group_readable_key_file_is_refused(server, cli_process, gauges, ke
     path.chmod(0o640)
     ran = cli_process(*target(server), "--key-file", str(path), "--quiet")
     assert ran.code == 2, ran.stderr
-    assert "readable by its group" in one_line(ran.stderr)  # even with --quiet
+    line = one_line(ran.stderr)  # even with --quiet
+    assert "readable by its group" in line
+    assert line.endswith(
+        f"run: chmod 600 {path} (give wait-for-slot a copy of its own if a group must read the key)"
+    )
+    assert "sidecar" not in line  # wait-for-slot has none
     assert KEY not in ran.stderr
 
 

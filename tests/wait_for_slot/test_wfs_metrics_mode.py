@@ -221,10 +221,12 @@ def test_check_against_a_port_nothing_listens_on_gives_up_at_once_with_exit_2(cl
     line = one_line(ran.stderr)
     assert line.startswith("gateway-capacity: no answer: cannot connect to http://127.0.0.1:")
     assert "(connection refused)" in line and "no room" not in line
-    as_json = cli("--url", f"http://127.0.0.1:{closed_port}", "--model", "m", "--check", "--json")
+    as_json = cli("--url", f"http://127.0.0.1:{closed_port}", "--model", "m", "--check", "--json",
+                  "--limit", "6")  # fmt: skip
     assert as_json.code == 2
     doc = json.loads(as_json.stdout)
     assert doc["outcome"] == "unreachable" and doc["error"].startswith("no answer: cannot connect")
+    assert doc["limit"] == 6  # the one given, though no sample reported one
 
 
 def test_r_w2_without_check_an_unreachable_server_is_said_as_no_answer_while_it_waits(
