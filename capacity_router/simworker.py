@@ -50,20 +50,13 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Literal, get_args
+from typing import Any, Literal
+
+from .kinds import SHAPES
 
 PropsFault = Literal["garbage", "error", "hang"]
-Shape = Literal[
-    "llama-server",
-    "llama-server-router",
-    "sglang",
-    "tgi",
-    "lmstudio",
-    "vllm",
-    "ollama",
-    "llama-swap",
-]
-SHAPES: tuple[Shape, ...] = get_args(Shape)
+Shape = str
+"""One of :data:`SHAPES` (``capacity_router/kinds.py``: the kinds with a simulated shape)."""
 ModelState = Literal["unloaded", "loading", "loaded", "sleeping"]
 
 # What each real server answers without a key (llama.cpp server-http.cpp public

@@ -26,13 +26,16 @@ import msgspec
 
 from sidecar.contract import MAX_SLOTS, read_capped
 
-from .registry import SlotSource, endpoint
-
 JSON_BODY_LIMIT = 1 << 20  # llama.cpp's /props carries the chat template
 METRICS_BODY_LIMIT = 4 << 20
 _BIG = 1 << 31
 
 _T = TypeVar("_T")
+
+
+def endpoint(url: str, name: str) -> str:
+    """``{url}/{name}`` with exactly one slash (a URL may carry a path prefix)."""
+    return f"{url.rstrip('/')}/{name}"
 
 
 class Unhealthy(Exception):
@@ -198,17 +201,24 @@ def _per_model(models: tuple[str, ...], served: frozenset[str] | None, count: in
 
 # -- readers --------------------------------------------------------------------
 
-Reader = Callable[[Fetch, tuple[str, ...], SlotSource], Awaitable[Reading]]
+Reader = Callable[[Fetch, tuple[str, ...], int | None], Awaitable[Reading]]
+"""``(fetch, registered ids, the registry's fixed count) -> Reading``."""
 
 
-async def read_props(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) -> Reading:
+async def read_fixed(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
+    """A bare ``{"fixed": N}``: N for every id, nothing read."""
+    assert fixed is not None
+    return Reading(fixed)
+
+
+async def read_props(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
     """llama-server: ``GET /props`` ``total_slots`` (its ``--parallel``)."""
     served = await served_ids(fetch)
     props = await fetch.json("props", _props)
     return _per_model(models, served, props.total_slots)
 
 
-async def read_llama_router(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) -> Reading:
+async def read_llama_router(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
     """llama-server ``--models-dir``: ``GET /models`` status per model, then
     ``GET /props?model=ID&autoload=false`` for a loaded or sleeping one (never loads it)."""
     listed = await fetch.json("models", _models)
@@ -236,7 +246,7 @@ async def read_llama_router(fetch: Fetch, models: tuple[str, ...], slots: SlotSo
         elif state in ("loading", "downloading"):
             unknown.add(model)
         elif state in ("unloaded", "downloaded"):
-            per_model[model] = slots.fixed or 0
+            per_model[model] = fixed or 0
         else:  # failed or a state this router does not know: nothing to count on
             per_model[model] = 0
     return Reading(
@@ -248,7 +258,7 @@ async def read_llama_router(fetch: Fetch, models: tuple[str, ...], slots: SlotSo
     )
 
 
-async def read_sglang(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) -> Reading:
+async def read_sglang(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
     """SGLang: ``GET /server_info`` (``/get_server_info`` before it was renamed):
     ``internal_states[i].effective_max_running_requests_per_dp`` times ``dp_size``."""
     served = await served_ids(fetch)
@@ -266,14 +276,14 @@ async def read_sglang(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) 
     return _per_model(models, served, _cap(per_dp * info.dp_size))
 
 
-async def read_tgi(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) -> Reading:
+async def read_tgi(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
     """Text Generation Inference: ``GET /info`` ``max_concurrent_requests``."""
     served = await served_ids(fetch)
     info = await fetch.json("info", _tgi)
     return _per_model(models, served, _cap(info.max_concurrent_requests))
 
 
-async def read_lmstudio(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) -> Reading:
+async def read_lmstudio(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
     """LM Studio (REST v1, 0.4.0+): ``GET /api/v1/models``, the sum of
     ``loaded_instances[].config.parallel`` of the model (or of the one instance
     named); a model with no loaded instance counts 0."""
@@ -302,14 +312,17 @@ async def read_lmstudio(fetch: Fetch, models: tuple[str, ...], slots: SlotSource
     return Reading(sum(per_model.values()), per_model, frozenset(unknown), tuple(unserved))
 
 
-async def read_fixed_checked(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) -> Reading:
-    """vLLM, Ollama, mlx_lm.server, LocalAI: the operator's ``fixed`` count, with
-    the served ids checked (and vLLM's running/waiting gauges for ``router show``)."""
-    assert slots.fixed is not None
+async def read_fixed_checked(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
+    """Ollama, mlx_lm.server, LocalAI: the operator's ``fixed`` count, with the
+    served ids checked."""
+    assert fixed is not None
     served = await served_ids(fetch)
-    reading = _per_model(models, served, slots.fixed)
-    if slots.kind != "vllm":
-        return reading
+    return _per_model(models, served, fixed)
+
+
+async def read_vllm(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
+    """vLLM: ``fixed`` with the served ids checked, and its running/waiting gauges."""
+    reading = await read_fixed_checked(fetch, models, fixed)
     return Reading(
         reading.slots,
         reading.per_model,
@@ -352,7 +365,7 @@ def gauge_sum(text: bytes, name: str) -> float | None:
     return total
 
 
-async def read_llama_swap(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) -> Reading:
+async def read_llama_swap(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
     """llama-swap: ``GET /running``; for a model whose process is ``ready``,
     ``GET /upstream/MODEL/props`` (already running: no load is triggered); a
     model not running counts ``fixed`` (its ``concurrencyLimit``) or 0."""
@@ -373,36 +386,8 @@ async def read_llama_swap(fetch: Fetch, models: tuple[str, ...], slots: SlotSour
             except Unreadable:
                 unknown.add(model)
         else:
-            per_model[model] = slots.fixed or 0
+            per_model[model] = fixed or 0
     activity = "running: " + (", ".join(sorted(ready)) or "none")
     return Reading(
         sum(per_model.values()), per_model, frozenset(unknown), tuple(unserved), activity
     )
-
-
-READERS: dict[str, Reader] = {
-    "props": read_props,
-    "llama-server-router": read_llama_router,
-    "sglang": read_sglang,
-    "tgi": read_tgi,
-    "lmstudio": read_lmstudio,
-    "vllm": read_fixed_checked,
-    "ollama": read_fixed_checked,
-    "mlx": read_fixed_checked,
-    "localai": read_fixed_checked,
-    "llama-swap": read_llama_swap,
-}
-
-HEALTH_PATHS: dict[str, str] = {
-    "fixed": "health",
-    "props": "health",
-    "llama-server-router": "health",
-    "sglang": "health",  # 503 while starting or after a failed health check
-    "tgi": "health",
-    "lmstudio": "api/v1/models",  # no health endpoint: the model list answers when up
-    "vllm": "health",  # 503 when the engine is dead
-    "ollama": "",  # GET / answers "Ollama is running"
-    "mlx": "v1/models",  # mlx_lm.server: the model list is what it surely serves
-    "localai": "readyz",
-    "llama-swap": "health",
-}

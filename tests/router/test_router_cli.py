@@ -306,10 +306,3 @@ def test_r_k5_simworker_shapes_behind_serve_give_a_discovered_limit_and_show_say
     finally:
         sim.send_signal(signal.SIGTERM)
         sim.communicate(timeout=20)
-
-
-def test_simworker_cli_offers_every_shape_the_simulated_worker_has() -> None:
-    from capacity_router.simworker import SHAPES
-    from gateway_capacity.cmd_router import SIM_SHAPES
-
-    assert SIM_SHAPES == SHAPES
