@@ -170,6 +170,7 @@ def build_app(
                     reason=status.reason,
                     unserved=list(status.unserved),
                     activity=status.activity,
+                    unlisted=list(status.unlisted),
                 )
             listed.append(entry)
         return _json(200, {"workers": listed})

@@ -31,7 +31,8 @@ class ServerKind:
     ``source``: the registry name (None for a bare ``{"fixed": N}``);
     ``aliases``: other registry names for it. ``health``: the path GET first
     (``""``: the root); ``health_any_answer``: any answer but a 5xx proves it
-    up (else only 200 does). ``ignores_model``: the server answers every
+    up (else only 200 does); ``health_fallback``: the path to GET when
+    ``health`` answers 404 (an older release). ``ignores_model``: the server answers every
     request with its one model whatever the request's ``model`` says, so a
     registered id it does not list still counts (with a warning); otherwise an
     id it does not list counts 0. ``fixed``: see :data:`FixedRule`;
@@ -50,6 +51,7 @@ class ServerKind:
     fixed_means: str
     ignores_model: bool = False
     health_any_answer: bool = False
+    health_fallback: str = ""
     aliases: tuple[str, ...] = ()
     shape: str | None = None
     sim_serves: str = ""
@@ -99,9 +101,12 @@ KINDS: tuple[ServerKind, ...] = (
         name="sglang",
         source="sglang",
         reader="read_sglang",
-        health="health",  # 503 while starting or after a failed health check
-        fixed="refused",
-        fixed_means="",
+        # /ready (0.5.20+) reads state; /health runs a one-token generation
+        # that takes 1 s and up to 20 s when busy, longer than a poll.
+        health="ready",
+        health_fallback="health",
+        fixed="optional",
+        fixed_means="--max-running-requests, for SGLang before 0.5.8 started without it",
         shape="sglang",
         sim_serves="GET /server_info, GET /get_server_info, GET /health",
     ),
@@ -110,8 +115,9 @@ KINDS: tuple[ServerKind, ...] = (
         source="tgi",
         reader="read_tgi",
         health="health",
-        fixed="refused",
-        fixed_means="",
+        fixed="optional",
+        fixed_means="the running bound (what --max-batch-size or --max-batch-total-tokens "
+        "lets run), when below max_concurrent_requests",
         ignores_model=True,  # one model per launcher: the request's model is not routed
         shape="tgi",
         sim_serves="GET /info, GET /health",
@@ -132,17 +138,17 @@ KINDS: tuple[ServerKind, ...] = (
         reader="read_vllm",
         health="health",  # 503 when the engine is dead
         fixed="required",
-        fixed_means="--max-num-seqs",
+        fixed_means="--max-num-seqs (per data-parallel engine)",
         shape="vllm",
         sim_serves="GET /health, GET /metrics, GET /v1/models",
     ),
     ServerKind(
         name="ollama",
         source="ollama",
-        reader="read_fixed_checked",
+        reader="read_ollama",
         health="",  # GET / answers "Ollama is running"
         fixed="required",
-        fixed_means="OLLAMA_NUM_PARALLEL",
+        fixed_means="OLLAMA_NUM_PARALLEL, 1 unless set (since 0.9.7)",
         shape="ollama",
         sim_serves="GET /, GET /api/tags, GET /v1/models",
     ),
@@ -150,9 +156,9 @@ KINDS: tuple[ServerKind, ...] = (
         name="mlx",
         source="mlx",
         reader="read_fixed_checked",
-        health="v1/models",  # mlx_lm.server: the model list is what it surely serves
+        health="health",
         fixed="required",
-        fixed_means="--decode-concurrency",
+        fixed_means="--decode-concurrency (default 32; 1 for requests it cannot batch)",
     ),
     ServerKind(
         name="localai",
@@ -160,7 +166,15 @@ KINDS: tuple[ServerKind, ...] = (
         reader="read_fixed_checked",
         health="readyz",
         fixed="required",
-        fixed_means="the model config's parallel:",
+        fixed_means="the model config's parallel: (LocalAI picks it by memory otherwise)",
+    ),
+    ServerKind(
+        name="transformers",
+        source="transformers",
+        reader="read_fixed",  # its /v1/models lists the hub cache, not what it serves
+        health="health",
+        fixed="required",
+        fixed_means="1, or what --continuous-batching runs at once",
     ),
     ServerKind(
         name="llama-swap",
@@ -168,9 +182,10 @@ KINDS: tuple[ServerKind, ...] = (
         reader="read_llama_swap",
         health="health",
         fixed="optional",
-        fixed_means="the slots of a model not running now (its concurrencyLimit)",
+        fixed_means="the model's concurrencyLimit (default 10), and its slots where "
+        "/running's cmd has no --parallel",
         shape="llama-swap",
-        sim_serves="GET /running, GET /upstream/MODEL/props, GET /health",
+        sim_serves="GET /running, GET /v1/models, GET /health",
     ),
 )
 

@@ -39,7 +39,7 @@ from sidecar.contract import CapacitySnapshot, encode_snapshot
 from .aggregate import Observation, State, aggregate, is_fenced
 from .keyfile import KeyFile, KeyFileError
 from .registry import RegistryWatcher, Worker
-from .sources import JSON_BODY_LIMIT, Fetch, Unhealthy, Unreadable
+from .sources import JSON_BODY_LIMIT, Fetch, Unhealthy, Unreadable, counted_anyway
 
 log = logging.getLogger("capacity_router")
 
@@ -86,6 +86,8 @@ async def poll_url(
     try:
         async with asyncio.timeout(timeout):
             status = await fetch.status(kind.health)
+            if status == 404 and kind.health_fallback:
+                status = await fetch.status(kind.health_fallback)
             if kind.health_any_answer:
                 if status >= 500 and status != 501:
                     return Observation("unhealthy", reason=f"{fetch.stage} answered {status}")
@@ -98,6 +100,8 @@ async def poll_url(
                 return Observation("unhealthy", reason=f"{fetch.stage} answered {status}")
             health_stage = False
             reading = await kind.read(fetch, worker.models, slots.fixed)
+            if kind.ignores_model:
+                reading = counted_anyway(reading)
     except TimeoutError:
         if health_stage:
             return Observation("unreachable", reason="timed out")
@@ -122,6 +126,7 @@ async def poll_url(
         unknown=reading.unknown,
         unserved=reading.unserved,
         activity=reading.activity,
+        unlisted=reading.unlisted,
     )
 
 
@@ -151,6 +156,7 @@ class WorkerStatus:
     reason: str
     unserved: tuple[str, ...] = ()
     activity: str = ""
+    unlisted: tuple[str, ...] = ()
 
     @property
     def fenced(self) -> bool:
@@ -351,7 +357,7 @@ class CapacityObserver:
     def _log_changes(self, statuses: tuple[WorkerStatus, ...]) -> None:
         current: dict[str, tuple[object, ...]] = {}
         for s in statuses:
-            key = (s.fenced_by, s.state, s.slots, s.reason, s.unserved)
+            key = (s.fenced_by, s.state, s.slots, s.reason, s.unserved, s.unlisted)
             current[s.id] = key
             previous = self._logged.get(s.id)
             if previous == key:
@@ -361,6 +367,13 @@ class CapacityObserver:
                     "worker %s does not serve %s: counted 0 for it",
                     s.id,
                     ", ".join(s.unserved),
+                )
+            if s.unlisted and (previous is None or previous[5] != s.unlisted):
+                log.warning(
+                    "worker %s does not list %s but serves any model: counted all the "
+                    "same (start it with --alias so its id is the one registered)",
+                    s.id,
+                    ", ".join(s.unlisted),
                 )
             if s.fenced_by is not None:
                 log.info("worker %s: fenced (%s)", s.id, s.fenced_by)
@@ -386,4 +399,5 @@ def _status(worker: Worker, admin_fenced: frozenset[str], obs: Observation | Non
         reason="" if obs is None else obs.reason,
         unserved=() if obs is None else obs.unserved,
         activity="" if obs is None else obs.activity,
+        unlisted=() if obs is None else obs.unlisted,
     )

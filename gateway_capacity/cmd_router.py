@@ -435,6 +435,12 @@ def _describe_workers(workers: list[dict[str, Any]]) -> str:
         unserved = w.get("unserved")
         if unserved:
             line += f"; does not serve {', '.join(map(str, unserved))} (counted 0)"
+        unlisted = w.get("unlisted")
+        if unlisted:
+            line += (
+                f"; lists none of {', '.join(map(str, unlisted))} but serves any model "
+                "(counted; --alias names it)"
+            )
         if w.get("activity"):
             line += f"; {w.get('activity')}"
         lines.append(line)

@@ -55,6 +55,7 @@ class ScriptedServer:
 
     def __init__(self) -> None:
         self.routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
+        self.requested: list[str] = []  # every path asked, in order
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -62,6 +63,7 @@ class ScriptedServer:
                 pass
 
             def do_GET(self) -> None:
+                outer.requested.append(self.path)
                 status, headers, body = outer.routes.get(self.path, (404, {}, b"not found"))
                 self.send_response(status)
                 for name, value in headers.items():

@@ -48,5 +48,8 @@ def test_r_k5_router_reads_the_replayed_answers_of_each_server(
     assert snap.complete is expect["complete"]
     status = r.workers()[0]
     assert list(status.unserved) == expect["unserved"]
+    assert list(status.unlisted) == expect.get("unlisted", [])
     if "activity" in expect:
         assert status.activity == expect["activity"]
+    for path in expect.get("never", []):  # e.g. a path that would load or hold a model
+        assert path not in server.requested
