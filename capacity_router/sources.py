@@ -15,6 +15,7 @@ own list), a registered id it does not list counts 0 and is reported in
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 from collections.abc import Awaitable, Callable, Mapping
@@ -27,6 +28,8 @@ import msgspec
 
 from sidecar.contract import MAX_SLOTS, read_capped
 
+OPTIONAL_READ_S = 0.5
+"""The most a read for ``router show`` alone may take, within the poll's deadline."""
 JSON_BODY_LIMIT = 1 << 20  # llama.cpp's /props carries the chat template
 METRICS_BODY_LIMIT = 4 << 20
 _BIG = 1 << 31
@@ -128,7 +131,7 @@ class _SglangState(msgspec.Struct):  # sglang scheduler get_internal_state
 
 
 class _SglangInfo(msgspec.Struct):  # sglang http_server.py get_server_info
-    internal_states: Annotated[list[_SglangState], msgspec.Meta(min_length=1)]
+    internal_states: list[_SglangState] = []
     max_running_requests: Count | None = None  # server_args: --max-running-requests or null
 
 
@@ -171,6 +174,39 @@ _tgi = msgspec.json.Decoder(_TgiInfo, strict=True)
 _lms = msgspec.json.Decoder(_LmsModels, strict=True)
 _swap = msgspec.json.Decoder(_SwapRunning, strict=True)
 _router_props = msgspec.json.Decoder(_RouterProps, strict=True)
+
+
+class _Slot(msgspec.Struct):  # llama.cpp server-context.cpp: GET /slots, one entry per slot
+    is_processing: bool = False
+
+
+class _SglangLoad(msgspec.Struct):  # sglang managers/load_snapshot.py LoadSnapshot
+    num_running_reqs: Count = 0
+    num_waiting_reqs: Count = 0
+    max_running_requests: Count | None = None
+
+
+class _SglangLoads(msgspec.Struct):  # sglang GET /v1/loads (0.5.8+), one entry per DP rank
+    loads: list[_SglangLoad]
+
+
+_slots = msgspec.json.Decoder(list[_Slot], strict=True)
+_sglang_loads = msgspec.json.Decoder(_SglangLoads, strict=True)
+
+
+async def _optional(fetch: Fetch, path: str, limit: int = JSON_BODY_LIMIT) -> bytes | None:
+    """The body of ``GET path`` if it answers 200, else None: a read for
+    ``router show`` only, which never makes a worker unreadable. ``fetch.stage``
+    is left as it was, so a later failure names the read that counts."""
+    stage = fetch.stage
+    try:
+        async with asyncio.timeout(OPTIONAL_READ_S):
+            status, body = await fetch.get(path, limit)
+    except (Unreadable, httpx.HTTPError, TimeoutError):
+        return None
+    finally:
+        fetch.stage = stage
+    return body if status == 200 else None
 
 
 class _OllamaDetails(msgspec.Struct):  # ollama api/types.go ModelDetails
@@ -244,7 +280,15 @@ async def read_props(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -
     """llama-server: ``GET /props`` ``total_slots`` (its ``--parallel``)."""
     served = await served_ids(fetch)
     props = await fetch.json("props", _props)
-    return _per_model(models, served, props.total_slots)
+    reading = _per_model(models, served, props.total_slots)
+    body = await _optional(fetch, "slots")  # on by default; --no-slots answers 501
+    if body is None:
+        return reading
+    try:
+        busy = sum(1 for slot in _slots.decode(body) if slot.is_processing)
+    except msgspec.DecodeError:
+        return reading
+    return replace(reading, activity=f"{busy} of {props.total_slots} slots busy")
 
 
 async def read_llama_router(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
@@ -299,12 +343,26 @@ async def read_llama_router(fetch: Fetch, models: tuple[str, ...], fixed: int | 
 
 
 async def read_sglang(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
-    """SGLang: ``GET /server_info`` (``/get_server_info`` before it was renamed):
+    """SGLang: ``GET /v1/loads`` (0.5.8+): the sum of ``loads[].max_running_requests``
+    (one entry per data-parallel rank) and what they run; else ``GET /server_info``
+    (``/get_server_info`` before it was renamed):
     the sum of ``internal_states[].effective_max_running_requests_per_dp`` (0.5.8+;
     one entry per data-parallel rank, also with ``--enable-dp-attention``).
     Older releases: ``max_running_requests`` if the server was given it, else
     the operator's ``fixed``."""
     served = await served_ids(fetch)
+    loads = await _optional(fetch, "v1/loads")
+    if loads is not None:
+        try:
+            ranks = _sglang_loads.decode(loads).loads
+        except msgspec.DecodeError:
+            ranks = []
+        limits = [r.max_running_requests for r in ranks]
+        if ranks and all(n is not None for n in limits):
+            running = sum(r.num_running_reqs for r in ranks)
+            waiting = sum(r.num_waiting_reqs for r in ranks)
+            reading = _per_model(models, served, _cap(sum(n for n in limits if n is not None)))
+            return replace(reading, activity=f"{running} running, {waiting} waiting")
     status, body = await fetch.get("server_info")
     if status == 404:
         info = await fetch.json("get_server_info", _sglang)
@@ -316,7 +374,7 @@ async def read_sglang(fetch: Fetch, models: tuple[str, ...], fixed: int | None) 
         except msgspec.DecodeError as exc:
             raise Unreadable(f"/server_info: {exc}") from None
     per_rank = [s.effective_max_running_requests_per_dp for s in info.internal_states]
-    if all(n is not None for n in per_rank):
+    if per_rank and all(n is not None for n in per_rank):
         count = sum(n for n in per_rank if n is not None)
     elif info.max_running_requests is not None:
         count = info.max_running_requests
@@ -339,7 +397,15 @@ async def read_tgi(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> 
     count = info.max_concurrent_requests
     if fixed is not None:
         count = min(count, fixed)
-    return _per_model(models, served, _cap(count))
+    reading = _per_model(models, served, _cap(count))
+    body = await _optional(fetch, "metrics", METRICS_BODY_LIMIT)
+    if body is None:
+        return reading
+    batch = gauge_sum(body, "tgi_batch_current_size")
+    queue = gauge_sum(body, "tgi_queue_size")
+    if batch is None or queue is None:
+        return reading
+    return replace(reading, activity=f"{batch:g} running, {queue:g} queued")
 
 
 async def read_lmstudio(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
@@ -442,11 +508,8 @@ async def read_vllm(fetch: Fetch, models: tuple[str, ...], fixed: int | None) ->
 
 async def _vllm_engines(fetch: Fetch) -> tuple[int, str]:
     """(awake engines, what they do) from vLLM's gauges; (1, "") if unread."""
-    try:
-        status, body = await fetch.get("metrics", METRICS_BODY_LIMIT)
-    except Unreadable:
-        return 1, ""
-    if status != 200:
+    body = await _optional(fetch, "metrics", METRICS_BODY_LIMIT)
+    if body is None:
         return 1, ""
     engines = max(1, len(label_values(body, "vllm:num_requests_running", "engine")))
     sleeping = {

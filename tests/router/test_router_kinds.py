@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import msgspec
 import pytest
-from router_support import ScriptedServer
+from router_support import ScriptedServer, rows
 
-from capacity_router import kinds
+from capacity_router import RouterServer, kinds
 from capacity_router.poller import poll_url
 from capacity_router.registry import SlotSource, Worker, parse_registry
 from capacity_router.simworker import SimWorker
@@ -75,3 +76,20 @@ def test_r_k5_a_reader_that_fails_unforeseen_makes_one_worker_unreadable(
         server.stop()
     assert obs.state == "unreadable"
     assert "reader failed (KeyError)" in obs.reason
+
+
+def test_r_k5_a_read_for_router_show_that_hangs_leaves_the_worker_read(
+    router: Callable[..., RouterServer],
+) -> None:
+    server = ScriptedServer()
+    try:
+        server.route("/health", 200, '{"status":"ok"}')
+        server.route("/props", 200, '{"total_slots": 3}')
+        server.hangs.add("/slots")  # what it is doing: asked, never answered
+        entry = {"id": "w", "urls": [server.url], "models": ["m"], "slots": {"source": "props"}}
+        r = router([entry], poll_timeout=2.0)
+        snap = r.observe()
+        assert snap.complete and rows(snap) == {"m": 3}
+        assert "/slots" in server.requested and r.workers()[0].activity == ""
+    finally:
+        server.stop()
