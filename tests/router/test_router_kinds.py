@@ -79,8 +79,11 @@ def test_r_k5_a_reader_that_fails_unforeseen_makes_one_worker_unreadable(
 
 
 def test_r_k5_a_read_for_router_show_that_hangs_leaves_the_worker_read(
-    router: Callable[..., RouterServer],
+    router: Callable[..., RouterServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from capacity_router import sources
+
+    monkeypatch.setattr(sources, "OPTIONAL_READ_S", 0.2)  # its bound, shortened for the test
     server = ScriptedServer()
     try:
         server.route("/health", 200, '{"status":"ok"}')
