@@ -166,7 +166,7 @@ KINDS: tuple[ServerKind, ...] = (
         reader="read_fixed_checked",
         health="readyz",
         fixed="required",
-        fixed_means="the model config's parallel: (LocalAI picks it by memory otherwise)",
+        fixed_means="the model's parallel option (LocalAI picks it by GPU memory otherwise)",
     ),
     ServerKind(
         name="transformers",
