@@ -545,7 +545,7 @@ def samples(text: bytes, name: str) -> list[tuple[dict[str, str], float]]:
             continue  # another metric sharing the prefix
         labels: dict[str, str] = {}
         if rest[:1] == b"{":
-            inside, _, rest = rest[1:].partition(b"}")
+            inside, _, rest = rest[1:].rpartition(b"}")
             for pair in _LABEL.finditer(inside.decode("utf-8", "replace")):
                 labels[pair.group(1)] = pair.group(2)
         try:
@@ -564,21 +564,8 @@ def label_values(text: bytes, name: str, label: str) -> set[str]:
 
 def gauge_sum(text: bytes, name: str) -> float | None:
     """The sum of a Prometheus gauge over its label sets, or None if absent."""
-    total: float | None = None
-    prefix = name.encode()
-    for line in text.splitlines():
-        if not line.startswith(prefix):
-            continue
-        rest = line[len(prefix) :]
-        if rest[:1] not in (b"{", b" "):
-            continue  # another metric sharing the prefix
-        try:
-            value = float(rest.rsplit(b"}", 1)[-1].split()[0])
-        except (ValueError, IndexError):
-            continue
-        if math.isfinite(value):
-            total = (total or 0.0) + value
-    return total
+    found = samples(text, name)
+    return sum(value for _, value in found) if found else None
 
 
 _PARALLEL = re.compile(r"(?:^|\s)(?:--parallel|-np)(?:=|\s+)(\d{1,5})(?=\s|$)")

@@ -209,9 +209,21 @@ class MetricsSampler:
                 return routed
         return first
 
+    def _client(self) -> httpx.AsyncClient:
+        """No redirects, nothing from the environment, the sample's deadline."""
+        import httpx
+
+        return httpx.AsyncClient(
+            follow_redirects=False,
+            trust_env=False,
+            timeout=httpx.Timeout(self.timeout),
+            verify=self._verify,
+        )
+
     def _headers(self, accept: str) -> dict[str, str]:
         headers = {
             "Accept": accept,
+            # compressed bodies would dodge the size cap until decoded
             "Accept-Encoding": "identity",
             "User-Agent": "gateway-capacity-wait-for-slot",
         }
@@ -229,12 +241,7 @@ class MetricsSampler:
         try:
             async with (
                 asyncio.timeout(self.timeout),
-                httpx.AsyncClient(
-                    follow_redirects=False,
-                    trust_env=False,
-                    timeout=httpx.Timeout(self.timeout),
-                    verify=self._verify,
-                ) as client,
+                self._client() as client,
                 client.stream("GET", self._router_load, headers=self._headers("*/*")) as response,
             ):
                 body = await self._read_capped(response)
@@ -276,23 +283,11 @@ class MetricsSampler:
     async def _sample_metrics(self) -> Sample:
         import httpx
 
-        headers = {
-            "Accept": "text/plain",
-            # compressed bodies would dodge the size cap until decoded
-            "Accept-Encoding": "identity",
-            "User-Agent": "gateway-capacity-wait-for-slot",
-        }
-        if self._key is not None:
-            headers["Authorization"] = f"Bearer {self._key.reveal()}"
+        headers = self._headers("text/plain")
         try:
             async with (
                 asyncio.timeout(self.timeout),
-                httpx.AsyncClient(
-                    follow_redirects=False,
-                    trust_env=False,
-                    timeout=httpx.Timeout(self.timeout),
-                    verify=self._verify,
-                ) as client,
+                self._client() as client,
                 client.stream("GET", self.url, headers=headers) as response,
             ):
                 early = self._judge_status(response.status_code)
