@@ -15,16 +15,38 @@ Public API::
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+# Imported now: the function ``aggregate`` shares its name with its module,
+# which a lazy import would leave on the package instead.
 from .aggregate import Observation, aggregate
-from .keyfile import KeyFileError, read_key_file
-from .poller import CapacityObserver, FencedInRegistry, UnknownWorker, WorkerStatus
-from .registry import RegistryError, RegistryFile, RegistryWatcher, Worker, parse_registry
-from .simworker import SimWorker
 
 if TYPE_CHECKING:
     from .app import RouterServer, build_app
+    from .keyfile import KeyFileError, read_key_file
+    from .poller import CapacityObserver, FencedInRegistry, UnknownWorker, WorkerStatus
+    from .registry import RegistryError, RegistryFile, RegistryWatcher, Worker, parse_registry
+    from .simworker import SimWorker
+
+# Loaded on first use, so that ``capacity_router.kinds`` (the CLI's list of
+# server kinds) costs no HTTP client, and the server no starlette until served.
+_HOME = {
+    "RouterServer": "app",
+    "build_app": "app",
+    "KeyFileError": "keyfile",
+    "read_key_file": "keyfile",
+    "CapacityObserver": "poller",
+    "FencedInRegistry": "poller",
+    "UnknownWorker": "poller",
+    "WorkerStatus": "poller",
+    "RegistryError": "registry",
+    "RegistryFile": "registry",
+    "RegistryWatcher": "registry",
+    "Worker": "registry",
+    "parse_registry": "registry",
+    "SimWorker": "simworker",
+}
 
 __all__ = [
     "CapacityObserver",
@@ -47,8 +69,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("RouterServer", "build_app"):
-        from . import app
-
-        return getattr(app, name)
-    raise AttributeError(f"module 'capacity_router' has no attribute {name!r}")
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'capacity_router' has no attribute {name!r}")
+    return getattr(import_module(f".{home}", __name__), name)

@@ -54,7 +54,9 @@ class Observation:
     With ``per_model`` (``ok`` only) each registered id counts its own number
     (absent: 0) instead of ``slots``; ``unknown`` ids are unreadable now;
     ``unserved`` are the registered ids the worker says it does not serve;
-    ``activity`` is what the worker says it is doing (``router show`` only).
+    ``activity`` is what the worker says it is doing (``router show`` only);
+    ``unlisted`` are registered ids it does not list but counts all the same
+    (a server that answers any model with its one).
     """
 
     state: State
@@ -64,6 +66,7 @@ class Observation:
     unknown: frozenset[str] = frozenset()
     unserved: tuple[str, ...] = ()
     activity: str = ""
+    unlisted: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.state == "ok") != (self.slots is not None):

@@ -13,6 +13,10 @@ Endpoints:
   fields (``sidecar.contract``). Nothing else about workers is published: no
   URLs, ids, health, reasons, configuration or keys. 503 before the first
   round (the server only starts listening after it, so this is rare).
+- ``GET /v1/load`` (bearer, read-only): the snapshot's rows, each with the
+  requests this router relays to the workers serving that model now
+  (``running``): what ``wait-for-slot --url ROUTER`` gates on. Model ids and
+  counts only, as on ``/v1/capacity``.
 - ``POST /admin/fence/{worker}`` and ``POST /admin/unfence/{worker}``
   (bearer, loopback peers only): drain or restore a worker, then run a round
   at once and answer with the new snapshot. 404 unknown worker (naming the
@@ -41,7 +45,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from types import TracebackType
 
 import msgspec
@@ -109,6 +113,35 @@ def _is_loopback_peer(request: Request) -> bool:
     return address.is_loopback
 
 
+def farm_load(
+    snapshot: CapacitySnapshot,
+    workers: Iterable[WorkerStatus],
+    in_flight: Mapping[str, int],
+    relays: bool,
+) -> dict[str, object]:
+    """``GET /v1/load``: per model, the farm's capacity and the requests this
+    router has running on the workers that serve it (a worker serving several
+    models counts its requests for each: the room is never overstated)."""
+    running: dict[str, int] = {}
+    for status in workers:
+        for model in status.models:
+            running[model] = running.get(model, 0) + in_flight.get(status.id, 0)
+    return {
+        "object": "inference_load",
+        "complete": snapshot.complete,
+        "observed_at": snapshot.observed_at,
+        "relays": relays,
+        "models": [
+            {
+                "id": row.id,
+                "max_concurrent_requests": row.max_concurrent_requests,
+                "running": running.get(row.id, 0),
+            }
+            for row in snapshot.models
+        ],
+    }
+
+
 def build_app(
     observer: CapacityObserver, key: KeyFile, proxy: FarmProxy | None = None
 ) -> Starlette:
@@ -119,6 +152,17 @@ def build_app(
         if published is None:
             return _json(503, {"error": "no observation yet"}, {"Retry-After": "1"})
         return Response(published[1], media_type="application/json", headers=_NO_STORE)
+
+    async def load(request: Request) -> Response:
+        """The snapshot's rows with what this router relays for each model now
+        (read-only, same bearer as /v1/capacity): what wait-for-slot gates on."""
+        if not _authorized(request, key.key):
+            return _unauthorized()
+        snapshot = observer.snapshot()
+        if snapshot is None:
+            return _json(503, {"error": "no observation yet"}, {"Retry-After": "1"})
+        in_flight = {} if proxy is None else proxy.in_flight()
+        return _json(200, farm_load(snapshot, observer.workers(), in_flight, proxy is not None))
 
     def admin(
         action: Callable[[str], Awaitable[CapacitySnapshot]], fenced: bool
@@ -170,6 +214,7 @@ def build_app(
                     reason=status.reason,
                     unserved=list(status.unserved),
                     activity=status.activity,
+                    unlisted=list(status.unlisted),
                 )
             listed.append(entry)
         return _json(200, {"workers": listed, "warnings": list(observer.warnings())})
@@ -177,6 +222,7 @@ def build_app(
     app = Starlette(
         routes=[
             Route("/v1/capacity", capacity, methods=["GET"]),
+            Route("/v1/load", load, methods=["GET"]),
             Route("/admin/workers", workers, methods=["GET"]),
             Route("/admin/fence/{worker}", admin(observer.fence, True), methods=["POST"]),
             Route("/admin/unfence/{worker}", admin(observer.unfence, False), methods=["POST"]),

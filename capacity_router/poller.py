@@ -8,11 +8,12 @@ into the snapshot that ``GET /v1/capacity`` serves until the next round.
 than the oldest answer in it. Nothing is cached between rounds: a worker's
 changed slot setting shows in the next round.
 
-Per URL: ``GET`` the kind's health path (``sources.HEALTH_PATHS``), which
+Per URL: ``GET`` the kind's health path (its record in ``kinds.py``), which
 must answer 200 (a bare ``{"fixed": N}``: any HTTP answer other than a 5xx;
 501 "not implemented" counts as alive, and a 404 still proves the process is
-up), then the kind's reader (``sources.READERS``) reads the slots and checks
-the served ids. When a worker has several URLs they are polled together and
+up), then the kind's reader reads the slots and checks the served ids. A
+reader that fails in a way nobody foresaw makes that worker unreadable, never
+the round. When a worker has several URLs they are polled together and
 the best answer wins (ok > unreadable > unhealthy > unreachable): it is one
 worker.
 
@@ -39,7 +40,7 @@ from .aggregate import Observation, State, aggregate, is_fenced, within_contract
 from .keyfile import KeyFile, KeyFileError
 from .registry import RegistryFile, RegistryWatcher, Worker
 from .sockets import shared_sockets
-from .sources import HEALTH_PATHS, JSON_BODY_LIMIT, READERS, Fetch, Unhealthy, Unreadable
+from .sources import JSON_BODY_LIMIT, Fetch, Unhealthy, Unreadable, counted_anyway
 
 log = logging.getLogger("capacity_router")
 
@@ -79,19 +80,19 @@ async def poll_url(
 ) -> Observation:
     """Observe one worker through one of its URLs, within ``timeout`` seconds."""
     slots = worker.slots
-    kind = slots.kind
+    kind = slots.server_kind
     headers = {"Authorization": "Bearer " + key.decode("ascii")} if key is not None else {}
     fetch = Fetch(client, url, headers)
     health_stage = True
     try:
         async with asyncio.timeout(timeout):
-            status = await fetch.status(HEALTH_PATHS[kind])
-            if kind == "fixed":
-                assert slots.fixed is not None
+            status = await fetch.status(kind.health)
+            if status == 404 and kind.health_fallback:
+                status = await fetch.status(kind.health_fallback)
+            if kind.health_any_answer:
                 if status >= 500 and status != 501:
                     return Observation("unhealthy", reason=f"{fetch.stage} answered {status}")
-                return Observation("ok", slots.fixed, "fixed")
-            if status != 200:
+            elif status != 200:
                 if status in (401, 403):
                     return Observation(
                         "unreadable",
@@ -99,7 +100,9 @@ async def poll_url(
                     )
                 return Observation("unhealthy", reason=f"{fetch.stage} answered {status}")
             health_stage = False
-            reading = await READERS[kind](fetch, worker.models, slots)
+            reading = await kind.read(fetch, worker.models, slots.fixed)
+            if kind.ignores_model:
+                reading = counted_anyway(reading)
     except TimeoutError:
         if health_stage:
             return Observation("unreachable", reason="timed out")
@@ -112,14 +115,19 @@ async def poll_url(
         if health_stage:
             return Observation("unreachable", reason=_describe(exc))
         return Observation("unreadable", reason=f"{fetch.stage}: {_describe(exc)}")
+    except Exception as exc:  # a reader's bug: this worker unreadable, the round goes on
+        log.exception("reading worker %s at %s failed", worker.id, url)
+        failed = f"{fetch.stage}: reader failed ({type(exc).__name__})"
+        return Observation("unreadable", reason=failed)
     return Observation(
         "ok",
         reading.slots,
-        kind,
+        kind.name,
         per_model=reading.per_model,
         unknown=reading.unknown,
         unserved=reading.unserved,
         activity=reading.activity,
+        unlisted=reading.unlisted,
     )
 
 
@@ -149,6 +157,7 @@ class WorkerStatus:
     reason: str
     unserved: tuple[str, ...] = ()
     activity: str = ""
+    unlisted: tuple[str, ...] = ()
 
     @property
     def fenced(self) -> bool:
@@ -377,7 +386,7 @@ class CapacityObserver:
     def _log_changes(self, statuses: tuple[WorkerStatus, ...]) -> None:
         current: dict[str, tuple[object, ...]] = {}
         for s in statuses:
-            key = (s.fenced_by, s.state, s.slots, s.reason, s.unserved)
+            key = (s.fenced_by, s.state, s.slots, s.reason, s.unserved, s.unlisted)
             current[s.id] = key
             previous = self._logged.get(s.id)
             if previous == key:
@@ -387,6 +396,13 @@ class CapacityObserver:
                     "worker %s does not serve %s: counted 0 for it",
                     s.id,
                     ", ".join(s.unserved),
+                )
+            if s.unlisted and (previous is None or previous[5] != s.unlisted):
+                log.warning(
+                    "worker %s does not list %s but serves any model: counted all the "
+                    "same (start it with --alias so its id is the one registered)",
+                    s.id,
+                    ", ".join(s.unlisted),
                 )
             if s.fenced_by is not None:
                 log.info("worker %s: fenced (%s)", s.id, s.fenced_by)
@@ -412,4 +428,5 @@ def _status(worker: Worker, admin_fenced: frozenset[str], obs: Observation | Non
         reason="" if obs is None else obs.reason,
         unserved=() if obs is None else obs.unserved,
         activity="" if obs is None else obs.activity,
+        unlisted=() if obs is None else obs.unlisted,
     )

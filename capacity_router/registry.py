@@ -17,13 +17,12 @@
 - ``models`` are upstream model ids (what the gateway's ``models`` map points
   to). Several ids on one worker are aliases of one scheduler: the worker's
   slots count once for each id.
-- ``slots`` names how the worker's slots are read: ``{"source": KIND}``, one
-  of :data:`READ_SOURCES` (each server's own endpoint, see
-  ``capacity_router/sources.py``), ``{"source": KIND, "fixed": N}`` for a
-  server that does not expose its parallelism (:data:`FIXED_SOURCES`: health
-  and served ids are still checked) or that may hold a model unloaded
-  (:data:`OPTIONAL_FIXED_SOURCES`: N counts for a model it loads on demand),
-  or ``{"fixed": N}`` alone for any worker (health only, any non-5xx).
+- ``slots`` names how the worker's slots are read: ``{"source": KIND}`` for
+  a server whose own endpoints tell (``capacity_router/kinds.py`` lists the
+  kinds, ``capacity_router/sources.py`` their readers), ``{"source": KIND,
+  "fixed": N}`` where the kind wants or allows the operator's count (health
+  and served ids are still checked), or ``{"fixed": N}`` alone for any worker
+  (health only, any non-5xx).
 - ``keyFile`` (optional) is a file holding the bearer key of a worker started
   with ``--api-key``; same rules as the router's own key file. A relative
   path is relative to the registry file's directory.
@@ -37,7 +36,7 @@ timestamps change; a broken edit keeps the last good registry.
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal
+from typing import Annotated
 from urllib.parse import urlsplit
 
 import msgspec
@@ -50,7 +49,11 @@ from sidecar.contract import (
     worst_case_snapshot_bytes,
 )
 
+from .kinds import ServerKind, fixed_rule_error, kind_of
+from .sources import endpoint
 from .watched import FileStamp, open_regular
+
+__all__ = ["RegistryError", "RegistryFile", "RegistryWatcher", "SlotSource", "Worker", "endpoint"]
 
 MAX_REGISTRY_BYTES = 1 << 20
 MAX_URLS_PER_WORKER = 16
@@ -71,50 +74,28 @@ class RegistryError(ValueError):
     """The registry file cannot be used. ``str()`` is a one-line reason."""
 
 
-SourceKind = Literal[
-    "props",
-    "llama-server",
-    "llama-server-router",
-    "sglang",
-    "tgi",
-    "lmstudio",
-    "vllm",
-    "ollama",
-    "mlx",
-    "localai",
-    "llama-swap",
-]
-READ_SOURCES: frozenset[str] = frozenset({"props", "llama-server", "sglang", "tgi", "lmstudio"})
-"""Sources whose slot count is read from the server; ``fixed`` is refused."""
-FIXED_SOURCES: frozenset[str] = frozenset({"vllm", "ollama", "mlx", "localai"})
-"""Sources whose parallelism is not visible over HTTP: ``fixed`` is required."""
-OPTIONAL_FIXED_SOURCES: frozenset[str] = frozenset({"llama-server-router", "llama-swap"})
-"""Read per loaded model; ``fixed``, if given, counts for a model not loaded now."""
-
-
 class SlotSource(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """``source`` (a server kind), ``fixed`` (a count), or both where the kind allows."""
+    """``source`` (a server kind), ``fixed`` (a count), or both where the kind allows
+    (``capacity_router/kinds.py`` says, per kind, whether ``fixed`` is refused,
+    required or optional)."""
 
-    source: SourceKind | None = None
+    source: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
     fixed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOTS)] | None = None
 
     def __post_init__(self) -> None:
-        if self.source is None:
-            if self.fixed is None:
-                raise ValueError('slots must be {"source": KIND} or {"fixed": N}')
-        elif self.source in READ_SOURCES and self.fixed is not None:
-            raise ValueError(f'source {self.source!r} reads its slots: drop "fixed"')
-        elif self.source in FIXED_SOURCES and self.fixed is None:
-            raise ValueError(
-                f'source {self.source!r} does not expose its parallelism: add "fixed": N'
-            )
+        error = fixed_rule_error(self.source, self.fixed)
+        if error is not None:
+            raise ValueError(error)
 
     @property
     def kind(self) -> str:
-        """The server kind; ``"fixed"`` for a bare ``{"fixed": N}``."""
-        if self.source is None:
-            return "fixed"
-        return "props" if self.source == "llama-server" else self.source
+        """The server kind's name; ``"fixed"`` for a bare ``{"fixed": N}``."""
+        return kind_of(self.source).name
+
+    @property
+    def server_kind(self) -> ServerKind:
+        """The server kind's record."""
+        return kind_of(self.source)
 
 
 class Worker(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -217,11 +198,6 @@ def _url_identity(worker_id: str, url: str) -> str:
     if port is None:
         port = 443 if parts.scheme == "https" else 80
     return f"{parts.scheme}://{parts.hostname.lower()}:{port}{parts.path.rstrip('/')}"
-
-
-def endpoint(url: str, name: str) -> str:
-    """``{url}/{name}`` with exactly one slash (a URL may carry a path prefix)."""
-    return f"{url.rstrip('/')}/{name}"
 
 
 class RegistryWatcher:

@@ -10,8 +10,10 @@ that server, with the field names of its source (docs/router.md):
 without ``total_slots`` unless ``?model=``), ``sglang`` (``/server_info``,
 or only ``/get_server_info`` with ``old_names``), ``tgi`` (``/info``),
 ``lmstudio`` (``/api/v1/models``), ``vllm`` (``/health``, ``/metrics``),
-``ollama`` (``GET /`` "Ollama is running") and ``llama-swap`` (``/running``,
-``/upstream/MODEL/props``). Every shape lists its models on ``/v1/models``
+``ollama`` (``GET /`` "Ollama is running", ``/api/tags``) and ``llama-swap``
+(``/running`` with each model's ``cmd``; ``/upstream/MODEL/props`` only counts
+what would have loaded a model). SGLang answers ``/ready`` (``/health`` with
+``old_names``). Every shape lists its models on ``/v1/models``
 (a ``llama-server`` only when a model name is given). With ``api_key`` every
 path except ``/health`` and ``/`` wants ``Authorization: Bearer KEY`` (401
 otherwise), as ``llama-server --api-key`` does. ``load_triggers`` counts the
@@ -50,26 +52,20 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Literal, get_args
+from typing import Any, Literal
+
+from .kinds import SHAPES
 
 PropsFault = Literal["garbage", "error", "hang"]
-Shape = Literal[
-    "llama-server",
-    "llama-server-router",
-    "sglang",
-    "tgi",
-    "lmstudio",
-    "vllm",
-    "ollama",
-    "llama-swap",
-]
-SHAPES: tuple[Shape, ...] = get_args(Shape)
-ModelState = Literal["unloaded", "loading", "loaded", "sleeping"]
+Shape = str
+"""One of :data:`SHAPES` (``capacity_router/kinds.py``: the kinds with a simulated shape)."""
+ModelState = Literal["unloaded", "loading", "loaded", "sleeping", "failed"]
+"""``failed``: router mode's ``unloaded`` with ``failed: true`` (its load failed)."""
 
 # What each real server answers without a key (llama.cpp server-http.cpp public
 # endpoints; llama-swap's /health has no apiKeyAuth; Ollama's root).
 _PUBLIC = frozenset({"/health", "/v1/health", "/"})
-_HEALTH_PATH: dict[str, str] = {"ollama": "/", "lmstudio": "/api/v1/models"}
+_HEALTH_PATH: dict[str, str] = {"ollama": "/", "lmstudio": "/api/v1/models", "sglang": "/ready"}
 Answer = tuple[int | str, Any]
 
 
@@ -121,7 +117,10 @@ class _Handler(BaseHTTPRequestHandler):
             )
             return
         shape = sim.shape
-        if path == _HEALTH_PATH.get(shape, "/health"):
+        health = _HEALTH_PATH.get(shape, "/health")
+        if shape == "sglang" and sim.old_names:
+            health = "/health"  # before 0.5.20: no /ready
+        if path == health:
             self._health(sim)
             return
         if (sim.openai or shape == "vllm") and (path == "/metrics" or _is_upstream_metrics(path)):
@@ -281,6 +280,7 @@ class SimWorker:
         self.dp_size = dp_size
         self.old_names = old_names  # sglang before /server_info: /get_server_info only
         self._model_states: dict[str, ModelState] = {self.model: "loaded"}
+        self.models_autoload = True  # router mode: False is --no-models-autoload
         self.load_triggers = 0  # requests that would have loaded a model on a real server
         self._room = threading.Condition()
         self._running = 0
@@ -461,6 +461,13 @@ class SimWorker:
                 entry.update(owned_by="llamacpp", aliases=[])
                 if self.shape == "llama-server-router":
                     entry["status"] = {"value": state, "args": []}
+                    if state == "failed":
+                        entry["status"] = {
+                            "value": "unloaded",
+                            "args": [],
+                            "failed": True,
+                            "exit_code": 1,
+                        }
             else:
                 entry["owned_by"] = {"vllm": "vllm", "llama-swap": "llama-swap"}.get(
                     self.shape, "simworker"
@@ -535,7 +542,16 @@ class SimWorker:
             return None
         if shape == "ollama":
             if path == "/api/tags":
-                return (200, {"models": [{"name": m, "model": m} for m in self.model_states()]})
+                listed = [
+                    {
+                        "name": m,
+                        "model": m,
+                        "details": {"format": "gguf", "family": "llama", "families": ["llama"]},
+                        "capabilities": ["completion"],
+                    }
+                    for m in self.model_states()
+                ]
+                return (200, {"models": listed})
             return None
         if shape == "llama-swap":
             return self._swap_answer(path)
@@ -553,7 +569,7 @@ class SimWorker:
                 {
                     "role": "router",
                     "max_instances": 4,
-                    "models_autoload": True,
+                    "models_autoload": self.models_autoload,
                     "model_alias": "llama-server",
                     "model_path": "none",
                     "default_generation_settings": {"params": {}, "n_ctx": 0},
@@ -577,7 +593,15 @@ class SimWorker:
         states = self.model_states()
         if path == "/running":
             running = [
-                {"model": m, "state": "ready", "cmd": "llama-server", "proxy": "", "ttl": 0}
+                {
+                    "model": m,
+                    "state": "ready",
+                    "cmd": f"llama-server --port 5800 -m /models/{m}.gguf --parallel {self.slots}",
+                    "proxy": "http://127.0.0.1:5800",
+                    "ttl": 0,
+                    "name": "",
+                    "description": "",
+                }
                 for m, s in states.items()
                 if s == "loaded"
             ]

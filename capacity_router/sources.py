@@ -15,9 +15,11 @@ own list), a registered id it does not list counts 0 and is reported in
 
 from __future__ import annotations
 
+import asyncio
 import math
+import re
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, TypeVar
 from urllib.parse import quote
 
@@ -26,13 +28,18 @@ import msgspec
 
 from sidecar.contract import MAX_SLOTS, read_capped
 
-from .registry import SlotSource, endpoint
-
+OPTIONAL_READ_S = 0.5
+"""The most a read for ``router show`` alone may take, within the poll's deadline."""
 JSON_BODY_LIMIT = 1 << 20  # llama.cpp's /props carries the chat template
 METRICS_BODY_LIMIT = 4 << 20
 _BIG = 1 << 31
 
 _T = TypeVar("_T")
+
+
+def endpoint(url: str, name: str) -> str:
+    """``{url}/{name}`` with exactly one slash (a URL may carry a path prefix)."""
+    return f"{url.rstrip('/')}/{name}"
 
 
 class Unhealthy(Exception):
@@ -52,6 +59,7 @@ class Reading:
     unknown: frozenset[str] = frozenset()
     unserved: tuple[str, ...] = ()
     activity: str = ""
+    unlisted: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -101,6 +109,11 @@ class _Props(msgspec.Struct):  # llama.cpp tools/server/server-context.cpp get_r
 
 class _Status(msgspec.Struct):  # llama.cpp server-models.cpp get_router_models
     value: str
+    failed: bool = False  # set with exit_code when the model's process failed to load
+
+
+class _RouterProps(msgspec.Struct):  # llama.cpp server-models.cpp get_router_props
+    models_autoload: bool = True
 
 
 class _Model(msgspec.Struct):  # OpenAI list entry; aliases/status are llama.cpp's
@@ -114,12 +127,12 @@ class _ModelList(msgspec.Struct):
 
 
 class _SglangState(msgspec.Struct):  # sglang scheduler get_internal_state
-    effective_max_running_requests_per_dp: Count
+    effective_max_running_requests_per_dp: Count | None = None  # from 0.5.8
 
 
 class _SglangInfo(msgspec.Struct):  # sglang http_server.py get_server_info
-    internal_states: Annotated[list[_SglangState], msgspec.Meta(min_length=1)]
-    dp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    internal_states: list[_SglangState] = []
+    max_running_requests: Count | None = None  # server_args: --max-running-requests or null
 
 
 class _TgiInfo(msgspec.Struct):  # TGI router/src/lib.rs struct Info
@@ -144,9 +157,10 @@ class _LmsModels(msgspec.Struct):
     models: list[_LmsModel]
 
 
-class _SwapProcess(msgspec.Struct):  # llama-swap proxymanager.go listRunningProcessesHandler
+class _SwapProcess(msgspec.Struct):  # llama-swap internal/server/api.go handleRunning
     model: str
     state: str
+    cmd: str = ""
 
 
 class _SwapRunning(msgspec.Struct):
@@ -159,6 +173,58 @@ _sglang = msgspec.json.Decoder(_SglangInfo, strict=True)
 _tgi = msgspec.json.Decoder(_TgiInfo, strict=True)
 _lms = msgspec.json.Decoder(_LmsModels, strict=True)
 _swap = msgspec.json.Decoder(_SwapRunning, strict=True)
+_router_props = msgspec.json.Decoder(_RouterProps, strict=True)
+
+
+class _Slot(msgspec.Struct):  # llama.cpp server-context.cpp: GET /slots, one entry per slot
+    is_processing: bool = False
+
+
+class _SglangLoad(msgspec.Struct):  # sglang managers/load_snapshot.py LoadSnapshot
+    num_running_reqs: Count = 0
+    num_waiting_reqs: Count = 0
+    max_running_requests: Count | None = None
+
+
+class _SglangLoads(msgspec.Struct):  # sglang GET /v1/loads (0.5.8+), one entry per DP rank
+    loads: list[_SglangLoad]
+
+
+_slots = msgspec.json.Decoder(list[_Slot], strict=True)
+_sglang_loads = msgspec.json.Decoder(_SglangLoads, strict=True)
+
+
+async def _optional(fetch: Fetch, path: str, limit: int = JSON_BODY_LIMIT) -> bytes | None:
+    """The body of ``GET path`` if it answers 200, else None: a read for
+    ``router show`` only, which never makes a worker unreadable. ``fetch.stage``
+    is left as it was, so a later failure names the read that counts."""
+    stage = fetch.stage
+    try:
+        async with asyncio.timeout(OPTIONAL_READ_S):
+            status, body = await fetch.get(path, limit)
+    except (Unreadable, httpx.HTTPError, TimeoutError):
+        return None
+    finally:
+        fetch.stage = stage
+    return body if status == 200 else None
+
+
+class _OllamaDetails(msgspec.Struct):  # ollama api/types.go ModelDetails
+    family: str = ""
+
+
+class _OllamaModel(msgspec.Struct):  # ollama api/types.go ListModelResponse
+    name: str
+    model: str = ""
+    details: _OllamaDetails = msgspec.field(default_factory=_OllamaDetails)
+    capabilities: list[str] | None = None
+
+
+class _OllamaTags(msgspec.Struct):
+    models: list[_OllamaModel]
+
+
+_ollama = msgspec.json.Decoder(_OllamaTags, strict=True)
 
 
 def _cap(n: int) -> int:
@@ -181,6 +247,8 @@ async def served_ids(fetch: Fetch) -> frozenset[str] | None:
     status, body = await fetch.get("v1/models")
     if status in (404, 405, 501):
         return None
+    if status == 200 and not body.strip():
+        return None  # mlx_lm.server without a model cache: 200, no body; no list either
     if status != 200:
         raise Unreadable(f"/v1/models answered {status}{_hint(status)}")
     try:
@@ -198,19 +266,39 @@ def _per_model(models: tuple[str, ...], served: frozenset[str] | None, count: in
 
 # -- readers --------------------------------------------------------------------
 
-Reader = Callable[[Fetch, tuple[str, ...], SlotSource], Awaitable[Reading]]
+Reader = Callable[[Fetch, tuple[str, ...], int | None], Awaitable[Reading]]
+"""``(fetch, registered ids, the registry's fixed count) -> Reading``."""
 
 
-async def read_props(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) -> Reading:
+async def read_fixed(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
+    """A bare ``{"fixed": N}``: N for every id, nothing read."""
+    assert fixed is not None
+    return Reading(fixed)
+
+
+async def read_props(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
     """llama-server: ``GET /props`` ``total_slots`` (its ``--parallel``)."""
     served = await served_ids(fetch)
     props = await fetch.json("props", _props)
-    return _per_model(models, served, props.total_slots)
+    reading = _per_model(models, served, props.total_slots)
+    body = await _optional(fetch, "slots")  # on by default; --no-slots answers 501
+    if body is None:
+        return reading
+    try:
+        busy = sum(1 for slot in _slots.decode(body) if slot.is_processing)
+    except msgspec.DecodeError:
+        return reading
+    return replace(reading, activity=f"{busy} of {props.total_slots} slots busy")
 
 
-async def read_llama_router(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) -> Reading:
+async def read_llama_router(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
     """llama-server ``--models-dir``: ``GET /models`` status per model, then
-    ``GET /props?model=ID&autoload=false`` for a loaded or sleeping one (never loads it)."""
+    ``GET /props?model=ID&autoload=false`` for a loaded or sleeping one (never loads it).
+
+    An unloaded model counts ``fixed`` (or 0) only if a request would load it:
+    not after a failed load (``status.failed``), and not when the router runs
+    with ``--no-models-autoload`` (its ``/props`` says ``models_autoload``
+    false, and a request for an unloaded model gets 400)."""
     listed = await fetch.json("models", _models)
     by_name: dict[str, _Model] = {}
     for entry in listed.data:
@@ -220,13 +308,15 @@ async def read_llama_router(fetch: Fetch, models: tuple[str, ...], slots: SlotSo
     unknown: set[str] = set()
     unserved: list[str] = []
     states: list[str] = []
+    autoload: bool | None = None
     for model in dict.fromkeys(models):
         found = by_name.get(model)
         if found is None:
             unserved.append(model)
             continue
         state = found.status.value if found.status is not None else "unknown"
-        states.append(f"{model}: {state}")
+        failed = found.status is not None and found.status.failed
+        states.append(f"{model}: {state}{' (failed)' if failed else ''}")
         if state in ("loaded", "sleeping"):
             query = f"props?model={quote(found.id, safe='')}&autoload=false"
             try:
@@ -235,10 +325,14 @@ async def read_llama_router(fetch: Fetch, models: tuple[str, ...], slots: SlotSo
                 unknown.add(model)
         elif state in ("loading", "downloading"):
             unknown.add(model)
-        elif state in ("unloaded", "downloaded"):
-            per_model[model] = slots.fixed or 0
-        else:  # failed or a state this router does not know: nothing to count on
+        elif state in ("unloaded", "downloaded") and not failed:
+            if autoload is None:
+                autoload = (await fetch.json("props", _router_props)).models_autoload
+            per_model[model] = (fixed or 0) if autoload else 0
+        else:  # failed, or a state this router does not know: nothing to count on
             per_model[model] = 0
+    if autoload is False:
+        states.append("no autoload")
     return Reading(
         sum(per_model.values()),
         per_model,
@@ -248,10 +342,27 @@ async def read_llama_router(fetch: Fetch, models: tuple[str, ...], slots: SlotSo
     )
 
 
-async def read_sglang(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) -> Reading:
-    """SGLang: ``GET /server_info`` (``/get_server_info`` before it was renamed):
-    ``internal_states[i].effective_max_running_requests_per_dp`` times ``dp_size``."""
+async def read_sglang(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
+    """SGLang: ``GET /v1/loads`` (0.5.8+): the sum of ``loads[].max_running_requests``
+    (one entry per data-parallel rank) and what they run; else ``GET /server_info``
+    (``/get_server_info`` before it was renamed):
+    the sum of ``internal_states[].effective_max_running_requests_per_dp`` (0.5.8+;
+    one entry per data-parallel rank, also with ``--enable-dp-attention``).
+    Older releases: ``max_running_requests`` if the server was given it, else
+    the operator's ``fixed``."""
     served = await served_ids(fetch)
+    loads = await _optional(fetch, "v1/loads")
+    if loads is not None:
+        try:
+            ranks = _sglang_loads.decode(loads).loads
+        except msgspec.DecodeError:
+            ranks = []
+        limits = [r.max_running_requests for r in ranks]
+        if ranks and all(n is not None for n in limits):
+            running = sum(r.num_running_reqs for r in ranks)
+            waiting = sum(r.num_waiting_reqs for r in ranks)
+            reading = _per_model(models, served, _cap(sum(n for n in limits if n is not None)))
+            return replace(reading, activity=f"{running} running, {waiting} waiting")
     status, body = await fetch.get("server_info")
     if status == 404:
         info = await fetch.json("get_server_info", _sglang)
@@ -262,18 +373,42 @@ async def read_sglang(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) 
             info = _sglang.decode(body)
         except msgspec.DecodeError as exc:
             raise Unreadable(f"/server_info: {exc}") from None
-    per_dp = min(s.effective_max_running_requests_per_dp for s in info.internal_states)
-    return _per_model(models, served, _cap(per_dp * info.dp_size))
+    per_rank = [s.effective_max_running_requests_per_dp for s in info.internal_states]
+    if per_rank and all(n is not None for n in per_rank):
+        count = sum(n for n in per_rank if n is not None)
+    elif info.max_running_requests is not None:
+        count = info.max_running_requests
+    elif fixed is not None:
+        count = fixed
+    else:
+        raise Unreadable(
+            "/server_info has no effective_max_running_requests_per_dp (SGLang before "
+            '0.5.8) nor max_running_requests: state "fixed": N'
+        )
+    return _per_model(models, served, _cap(count))
 
 
-async def read_tgi(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) -> Reading:
-    """Text Generation Inference: ``GET /info`` ``max_concurrent_requests``."""
+async def read_tgi(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
+    """Text Generation Inference: ``GET /info`` ``max_concurrent_requests``, its
+    admission bound (running plus its own queue); ``fixed``, if stated, is the
+    running bound and counts when smaller."""
     served = await served_ids(fetch)
     info = await fetch.json("info", _tgi)
-    return _per_model(models, served, _cap(info.max_concurrent_requests))
+    count = info.max_concurrent_requests
+    if fixed is not None:
+        count = min(count, fixed)
+    reading = _per_model(models, served, _cap(count))
+    body = await _optional(fetch, "metrics", METRICS_BODY_LIMIT)
+    if body is None:
+        return reading
+    batch = gauge_sum(body, "tgi_batch_current_size")
+    queue = gauge_sum(body, "tgi_queue_size")
+    if batch is None or queue is None:
+        return reading
+    return replace(reading, activity=f"{batch:g} running, {queue:g} queued")
 
 
-async def read_lmstudio(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) -> Reading:
+async def read_lmstudio(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
     """LM Studio (REST v1, 0.4.0+): ``GET /api/v1/models``, the sum of
     ``loaded_instances[].config.parallel`` of the model (or of the one instance
     named); a model with no loaded instance counts 0."""
@@ -302,40 +437,105 @@ async def read_lmstudio(fetch: Fetch, models: tuple[str, ...], slots: SlotSource
     return Reading(sum(per_model.values()), per_model, frozenset(unknown), tuple(unserved))
 
 
-async def read_fixed_checked(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) -> Reading:
-    """vLLM, Ollama, mlx_lm.server, LocalAI: the operator's ``fixed`` count, with
-    the served ids checked (and vLLM's running/waiting gauges for ``router show``)."""
-    assert slots.fixed is not None
+async def read_fixed_checked(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
+    """Ollama, mlx_lm.server, LocalAI: the operator's ``fixed`` count, with the
+    served ids checked."""
+    assert fixed is not None
     served = await served_ids(fetch)
-    reading = _per_model(models, served, slots.fixed)
-    if slots.kind != "vllm":
-        return reading
-    return Reading(
-        reading.slots,
-        reading.per_model,
-        reading.unknown,
-        reading.unserved,
-        activity=await _vllm_activity(fetch),
-    )
+    return _per_model(models, served, fixed)
 
 
-async def _vllm_activity(fetch: Fetch) -> str:
-    try:
-        status, body = await fetch.get("metrics", METRICS_BODY_LIMIT)
-    except Unreadable:
-        return ""
-    if status != 200:
-        return ""
+# Families Ollama loads with one slot whatever OLLAMA_NUM_PARALLEL says
+# (ollama server/sched.go, Scheduler.load).
+OLLAMA_ONE_SLOT_FAMILIES = frozenset(
+    {
+        "mllama",
+        "qwen3vl",
+        "qwen3vlmoe",
+        "qwen35",
+        "qwen35moe",
+        "qwen3next",
+        "lfm2",
+        "lfm2moe",
+        "nemotron_h",
+        "nemotron_h_moe",
+        "nemotron_h_omni",
+    }
+)
+
+
+async def read_ollama(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
+    """Ollama: ``fixed`` (its ``OLLAMA_NUM_PARALLEL``) per model listed on
+    ``GET /api/tags``, but 1 for a model Ollama loads with one slot whatever
+    that says: an embedding model (``capabilities`` without ``completion``) and
+    the families of :data:`OLLAMA_ONE_SLOT_FAMILIES`."""
+    assert fixed is not None
+    tags = await fetch.json("api/tags", _ollama)
+    by_name: dict[str, _OllamaModel] = {}
+    for entry in tags.models:
+        by_name.setdefault(entry.name, entry)
+        if entry.model:
+            by_name.setdefault(entry.model, entry)
+    per_model: dict[str, int] = {}
+    unserved: list[str] = []
+    single: list[str] = []
+    for model in dict.fromkeys(models):
+        found = by_name.get(model) or by_name.get(f"{model}:latest")
+        if found is None:
+            unserved.append(model)
+            continue
+        embedding = found.capabilities is not None and "completion" not in found.capabilities
+        if embedding or found.details.family in OLLAMA_ONE_SLOT_FAMILIES:
+            per_model[model] = min(fixed, 1)
+            single.append(model)
+        else:
+            per_model[model] = fixed
+    activity = f"one slot: {', '.join(single)}" if single else ""
+    return Reading(sum(per_model.values()), per_model, unserved=tuple(unserved), activity=activity)
+
+
+async def read_vllm(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
+    """vLLM: ``fixed`` (its ``--max-num-seqs``) per awake engine, with the
+    served ids checked. ``GET /metrics`` tells the engines (the ``engine``
+    label, one per data-parallel rank), which of them sleep
+    (``vllm:engine_sleep_state``) and what they run; without it, one engine."""
+    assert fixed is not None
+    served = await served_ids(fetch)
+    awake, activity = await _vllm_engines(fetch)
+    reading = _per_model(models, served, _cap(fixed * awake))
+    return replace(reading, activity=activity)
+
+
+async def _vllm_engines(fetch: Fetch) -> tuple[int, str]:
+    """(awake engines, what they do) from vLLM's gauges; (1, "") if unread."""
+    body = await _optional(fetch, "metrics", METRICS_BODY_LIMIT)
+    if body is None:
+        return 1, ""
+    engines = max(1, len(label_values(body, "vllm:num_requests_running", "engine")))
+    sleeping = {
+        labels.get("engine", "")
+        for labels, value in samples(body, "vllm:engine_sleep_state")
+        if labels.get("sleep_state") == "awake" and value == 0
+    }
+    awake = max(0, engines - len(sleeping))
     running = gauge_sum(body, "vllm:num_requests_running")
     waiting = gauge_sum(body, "vllm:num_requests_waiting")
-    if running is None or waiting is None:
-        return ""
-    return f"{running:g} running, {waiting:g} waiting"
+    parts = []
+    if running is not None and waiting is not None:
+        parts.append(f"{running:g} running, {waiting:g} waiting")
+    if engines > 1:
+        parts.append(f"{engines} engines")
+    if sleeping:
+        parts.append("sleeping" if awake == 0 else f"{len(sleeping)} of {engines} sleeping")
+    return awake, ", ".join(parts)
 
 
-def gauge_sum(text: bytes, name: str) -> float | None:
-    """The sum of a Prometheus gauge over its label sets, or None if absent."""
-    total: float | None = None
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def samples(text: bytes, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample of a Prometheus metric: (labels, value), finite values only."""
+    found: list[tuple[dict[str, str], float]] = []
     prefix = name.encode()
     for line in text.splitlines():
         if not line.startswith(prefix):
@@ -343,66 +543,81 @@ def gauge_sum(text: bytes, name: str) -> float | None:
         rest = line[len(prefix) :]
         if rest[:1] not in (b"{", b" "):
             continue  # another metric sharing the prefix
+        labels: dict[str, str] = {}
+        if rest[:1] == b"{":
+            inside, _, rest = rest[1:].rpartition(b"}")
+            for pair in _LABEL.finditer(inside.decode("utf-8", "replace")):
+                labels[pair.group(1)] = pair.group(2)
         try:
-            value = float(rest.rsplit(b"}", 1)[-1].split()[0])
+            value = float(rest.split()[0])
         except (ValueError, IndexError):
             continue
         if math.isfinite(value):
-            total = (total or 0.0) + value
-    return total
+            found.append((labels, value))
+    return found
 
 
-async def read_llama_swap(fetch: Fetch, models: tuple[str, ...], slots: SlotSource) -> Reading:
-    """llama-swap: ``GET /running``; for a model whose process is ``ready``,
-    ``GET /upstream/MODEL/props`` (already running: no load is triggered); a
-    model not running counts ``fixed`` (its ``concurrencyLimit``) or 0."""
+def label_values(text: bytes, name: str, label: str) -> set[str]:
+    """The distinct values of one label over a metric's samples."""
+    return {labels[label] for labels, _ in samples(text, name) if label in labels}
+
+
+def gauge_sum(text: bytes, name: str) -> float | None:
+    """The sum of a Prometheus gauge over its label sets, or None if absent."""
+    found = samples(text, name)
+    return sum(value for _, value in found) if found else None
+
+
+_PARALLEL = re.compile(r"(?:^|\s)(?:--parallel|-np)(?:=|\s+)(\d{1,5})(?=\s|$)")
+SWAP_DEFAULT_CONCURRENCY = 10  # llama-swap internal/router/scheduler/fifo.go
+
+
+def parallel_of(cmd: str) -> int | None:
+    """``--parallel N`` / ``-np N`` in a llama-server command line, or None."""
+    found = _PARALLEL.findall(cmd)
+    return int(found[-1]) if found else None  # the last one given wins
+
+
+async def read_llama_swap(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
+    """llama-swap: ``GET /running`` only, never a path that reaches a model
+    (``/upstream/MODEL/...`` passes its admission and refreshes the model's
+    ``ttl``). A ``ready`` model counts the ``--parallel``/``-np`` of its ``cmd``,
+    at most ``fixed`` (its ``concurrencyLimit``, default 10); a model not
+    running, or whose ``cmd`` does not say, counts ``fixed``; with no ``fixed``
+    a model not running counts 0 and one whose ``cmd`` does not say is unknown."""
     served = await served_ids(fetch)
     running = await fetch.json("running", _swap)
-    ready = {p.model for p in running.running if p.state == "ready"}
+    ready = {p.model: p for p in running.running if p.state == "ready"}
     per_model: dict[str, int] = {}
     unknown: set[str] = set()
     unserved: list[str] = []
+    limit = fixed if fixed is not None else SWAP_DEFAULT_CONCURRENCY
     for model in dict.fromkeys(models):
         if served is not None and model not in served:
             unserved.append(model)
             continue
-        if model in ready:
-            try:
-                props = await fetch.json(f"upstream/{quote(model, safe='')}/props", _props)
-                per_model[model] = props.total_slots
-            except Unreadable:
-                unknown.add(model)
+        process = ready.get(model)
+        parallel = parallel_of(process.cmd) if process is not None else None
+        if parallel is not None:
+            per_model[model] = _cap(min(parallel, limit))
+        elif process is None:
+            per_model[model] = fixed or 0
+        elif fixed is not None:
+            per_model[model] = fixed
         else:
-            per_model[model] = slots.fixed or 0
+            unknown.add(model)  # running, slot count nowhere: the operator states it
     activity = "running: " + (", ".join(sorted(ready)) or "none")
     return Reading(
         sum(per_model.values()), per_model, frozenset(unknown), tuple(unserved), activity
     )
 
 
-READERS: dict[str, Reader] = {
-    "props": read_props,
-    "llama-server-router": read_llama_router,
-    "sglang": read_sglang,
-    "tgi": read_tgi,
-    "lmstudio": read_lmstudio,
-    "vllm": read_fixed_checked,
-    "ollama": read_fixed_checked,
-    "mlx": read_fixed_checked,
-    "localai": read_fixed_checked,
-    "llama-swap": read_llama_swap,
-}
-
-HEALTH_PATHS: dict[str, str] = {
-    "fixed": "health",
-    "props": "health",
-    "llama-server-router": "health",
-    "sglang": "health",  # 503 while starting or after a failed health check
-    "tgi": "health",
-    "lmstudio": "api/v1/models",  # no health endpoint: the model list answers when up
-    "vllm": "health",  # 503 when the engine is dead
-    "ollama": "",  # GET / answers "Ollama is running"
-    "mlx": "v1/models",  # mlx_lm.server: the model list is what it surely serves
-    "localai": "readyz",
-    "llama-swap": "health",
-}
+def counted_anyway(reading: Reading) -> Reading:
+    """For a server that answers any ``model`` with its one model: the ids it
+    does not list count all the same, noted in ``unlisted`` for a warning."""
+    if not reading.unserved or reading.per_model is None:
+        return reading
+    per_model = dict(reading.per_model)
+    for model in reading.unserved:
+        per_model[model] = reading.slots
+    return replace(reading, per_model=per_model, unserved=(), unlisted=reading.unserved)

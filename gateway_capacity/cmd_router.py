@@ -30,6 +30,8 @@ from datetime import UTC, datetime
 from typing import Any, Final
 from urllib.parse import quote, urlsplit
 
+from capacity_router.kinds import SHAPES as SIM_SHAPES
+from capacity_router.kinds import SIM_SERVES as _SIM_SERVES
 from gateway_capacity.common import fail, require_router_extra
 from gateway_capacity.exits import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from gateway_capacity.logs import add_log_options
@@ -340,28 +342,6 @@ def _simworker(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-SIM_SHAPES = (
-    "llama-server",
-    "llama-server-router",
-    "sglang",
-    "tgi",
-    "lmstudio",
-    "vllm",
-    "ollama",
-    "llama-swap",
-)
-_SIM_SERVES = {
-    "llama-server": "GET /props, GET /health",
-    "llama-server-router": "GET /models, GET /props?model=ID, GET /health",
-    "sglang": "GET /server_info, GET /get_server_info, GET /health",
-    "tgi": "GET /info, GET /health",
-    "lmstudio": "GET /api/v1/models",
-    "vllm": "GET /health, GET /metrics, GET /v1/models",
-    "ollama": "GET /, GET /api/tags, GET /v1/models",
-    "llama-swap": "GET /running, GET /upstream/MODEL/props, GET /health",
-}
-
-
 # -- fence / unfence / show ---------------------------------------------------
 
 
@@ -513,6 +493,12 @@ def _describe_workers(workers: list[dict[str, Any]], warnings: list[str]) -> str
         unserved = w.get("unserved")
         if unserved:
             line += f"; does not serve {shown(', '.join(map(str, unserved)))} (counted 0)"
+        unlisted = w.get("unlisted")
+        if unlisted:
+            line += (
+                f"; lists none of {shown(', '.join(map(str, unlisted)))} but serves any model "
+                "(counted; --alias names it)"
+            )
         if w.get("activity"):
             line += f"; {shown(w.get('activity'))}"
         lines.append(line)

@@ -640,6 +640,13 @@ class RouterWorker(Struct, kw_only=True):
         str | None,
         Meta(description="what the worker says it is doing (vLLM gauges, loaded models)"),
     ] = None
+    unlisted: Annotated[
+        list[str] | None,
+        Meta(
+            description="registered model ids this worker does not list but counts: it "
+            "answers any model with its one (llama-server without --alias, TGI)"
+        ),
+    ] = None
 
 
 class RouterShowDoc(Struct, kw_only=True):

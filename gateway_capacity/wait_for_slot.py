@@ -45,6 +45,7 @@ from gateway_capacity.wfs_metrics import (
     NoAnswer,
     Sample,
     Unreachable,
+    is_direct,
     metrics_url,
     one_line,
     secs,
@@ -287,16 +288,27 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="wait until the server has room for NEED more requests (before a fan-out)",
         description=(
             "Exit 0 once running + waiting + NEED <= LIMIT. Metrics mode samples "
-            "URL/upstream/MODEL/metrics (one GET per sample, never an inference request); "
+            "URL/upstream/MODEL/metrics, a /metrics URL as given, or a capacity router's "
+            "/v1/load (one GET per sample, never an inference request); "
             "local mode reads this host's shared segment. Exit 1: no room (--check) or gave "
             "up after --max-wait. Exit 2: 401/403/404/other 4xx, a redirect, an answer "
             "without the gauges, or a usage error. No answer, a timeout, a 5xx or a 429 "
             "count as no room. Advisory only: the gateway's admission stays the hard limit."
         ),
     )
-    metrics = parser.add_argument_group("metrics mode (llama-swap in front of vLLM)")
-    metrics.add_argument("--url", metavar="BASE", help="llama-swap base URL, e.g. http://host:8080")
-    metrics.add_argument("--model", metavar="M", help="model id as llama-swap knows it")
+    metrics = parser.add_argument_group("metrics mode (llama-swap, vLLM, or a capacity router)")
+    metrics.add_argument(
+        "--url",
+        metavar="BASE",
+        help="llama-swap or capacity router base URL (http://host:8080), or vLLM's "
+        "metrics URL itself (http://host:8000/metrics)",
+    )
+    metrics.add_argument(
+        "--model",
+        metavar="M",
+        help="model id as llama-swap or the router knows it (with a /metrics URL: only "
+        "its model_name series)",
+    )
     metrics.add_argument(
         "--limit",
         type=int,
@@ -376,9 +388,11 @@ def _validate_numbers(args: argparse.Namespace) -> None:
 
 
 def _metrics_sampler(args: argparse.Namespace) -> MetricsSampler:
-    if not args.url or not args.model:
+    if not args.url or not (args.model or is_direct(args.url)):
         fail(
-            "give --url BASE and --model M (metrics mode) or --provider ID (local mode)", EXIT_FATAL
+            "give --url BASE and --model M (llama-swap, or a capacity router), --url "
+            "http://HOST:PORT/metrics (vLLM itself) or --provider ID (local mode)",
+            EXIT_FATAL,
         )
     if args.key_env is not None and args.key_file is not None:
         fail("give --key-env or --key-file, not both", code=EXIT_FATAL)
@@ -399,7 +413,16 @@ def _metrics_sampler(args: argparse.Namespace) -> MetricsSampler:
     except CredentialError as exc:
         fail(str(exc), code=EXIT_FATAL)
     limit = DEFAULT_LIMIT if args.limit is None else args.limit
-    return MetricsSampler(url, limit=limit, key=key, timeout=args.timeout, ca_file=args.ca_file)
+    return MetricsSampler(
+        url,
+        limit=limit,
+        key=key,
+        timeout=args.timeout,
+        ca_file=args.ca_file,
+        model=args.model,
+        base=None if is_direct(args.url) else args.url,
+        limit_given=args.limit is not None,
+    )
 
 
 def _local_sampler(args: argparse.Namespace) -> Callable[[], Sample]:

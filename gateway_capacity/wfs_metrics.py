@@ -4,7 +4,10 @@ A sample is a :class:`Load` (gate on it), a :class:`NoAnswer` (counts as no
 room; sampling goes on) or a :class:`Fatal` (exit 2 with its one-line
 reason). :class:`MetricsSampler` takes one from
 ``{url}/upstream/{model}/metrics`` (llama-swap's passthrough of vLLM's
-Prometheus text); ``gateway_capacity.wait_for_slot`` is the loop and the CLI.
+Prometheus text), from a ``/metrics`` URL given whole (vLLM itself), or, when
+``{url}`` turns out to be a capacity router, from its ``GET /v1/load`` (the
+farm's capacity for the model and what the router relays now);
+``gateway_capacity.wait_for_slot`` is the loop and the CLI.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import asyncio
 import math
 import ssl
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Annotated, Final
 from urllib.parse import quote, urlsplit
+
+import msgspec
 
 if TYPE_CHECKING:
     import httpx
@@ -69,8 +74,9 @@ class MetricsError(ValueError):
     """Metrics text that does not give both gauges as finite, non-negative numbers."""
 
 
-def parse_load(text: str) -> tuple[float, float]:
-    """``(running, waiting)`` summed over every label set (one series per vLLM ``engine``).
+def parse_load(text: str, model: str | None = None) -> tuple[float, float]:
+    """``(running, waiting)`` summed over every label set (one series per vLLM ``engine``);
+    with ``model``, only the series whose ``model_name`` is that model.
 
     Parsed with prometheus_client's reference parser. It is a generator that can
     fail on the last line, so the whole walk is inside the ``try``.
@@ -83,6 +89,8 @@ def parse_load(text: str) -> tuple[float, float]:
             for sample in family.samples:
                 if sample.name not in totals:
                     continue
+                if model is not None and sample.labels.get("model_name", model) != model:
+                    continue
                 value = float(sample.value)
                 if not math.isfinite(value) or value < 0:
                     raise MetricsError(f"{sample.name} is {value!r}, not a count")
@@ -93,14 +101,21 @@ def parse_load(text: str) -> tuple[float, float]:
         raise MetricsError(f"malformed metrics text ({one_line(str(exc))})") from None
     missing = [name for name, total in totals.items() if total is None]
     if missing:
-        raise MetricsError(f"the answer has no {' and no '.join(missing)} gauge")
+        served = f" for model_name {model!r}" if model is not None else ""
+        raise MetricsError(f"the answer has no {' and no '.join(missing)} gauge{served}")
     running, waiting = totals[RUNNING], totals[WAITING]
     assert running is not None and waiting is not None
     return running, waiting
 
 
-def metrics_url(base_url: str, model: str) -> str:
-    """``{base}/upstream/{model}/metrics``, or ValueError with a one-line reason."""
+def is_direct(base_url: str) -> bool:
+    """A URL of the metrics themselves (vLLM's ``http://host:8000/metrics``)."""
+    return urlsplit(base_url).path.rstrip("/").endswith("/metrics")
+
+
+def metrics_url(base_url: str, model: str | None) -> str:
+    """``{base}/upstream/{model}/metrics``, or a ``.../metrics`` URL as given;
+    ValueError with a one-line reason."""
     parts = urlsplit(base_url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError("--url must be http://HOST[:PORT][/PATH] or https://...")
@@ -113,12 +128,20 @@ def metrics_url(base_url: str, model: str) -> str:
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError:
         raise ValueError("--url has an invalid port") from None
-    segments = model.split("/")
-    if not model or any(seg in ("", ".", "..") for seg in segments):
-        raise ValueError("--model must be a model id such as 'workhorse' or 'org/model'")
-    # llama-swap routes model ids that contain '/', so the slash stays as it is
-    path = quote(model, safe="/-._~:@+")
-    url = f"{base_url.rstrip('/')}/upstream/{path}/metrics"
+    if is_direct(base_url):
+        url = base_url.rstrip("/")
+    else:
+        if model is None:
+            raise ValueError(
+                "give --model M with a base URL, or the metrics URL itself "
+                "(http://HOST:PORT/metrics)"
+            )
+        segments = model.split("/")
+        if not model or any(seg in ("", ".", "..") for seg in segments):
+            raise ValueError("--model must be a model id such as 'workhorse' or 'org/model'")
+        # llama-swap routes model ids that contain '/', so the slash stays as it is
+        path = quote(model, safe="/-._~:@+")
+        url = f"{base_url.rstrip('/')}/upstream/{path}/metrics"
     import httpx
 
     try:
@@ -144,11 +167,19 @@ class MetricsSampler:
         key: Secret | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
         ca_file: str | None = None,
+        model: str | None = None,
+        base: str | None = None,
+        limit_given: bool = True,
     ) -> None:
         import httpx
 
         self.url = url
         self.limit = limit
+        self.model = model
+        # where a capacity router would answer GET /v1/load (None: not to be tried)
+        self._router_load = None if base is None else router_load_url(base)
+        self._limit_given = limit_given
+        self.router = False  # set once the URL turned out to be a capacity router
         self._key = key
         self.timeout = timeout
         # Built once: loading a CA bundle takes longer than a loopback sample, and
@@ -163,25 +194,100 @@ class MetricsSampler:
         return asyncio.run(self.sample())
 
     async def sample(self) -> Sample:
+        if self.router:
+            return await self._sample_router()
+        first = await self._sample_metrics()
+        if (
+            isinstance(first, Fatal)
+            and first.reason.startswith("not found (HTTP 404)")
+            and self._router_load is not None
+        ):
+            routed = await self._sample_router()
+            if not isinstance(routed, Fatal) or not routed.reason.startswith(_NOT_ROUTER):
+                self.router = True
+                self.url = self._router_load
+                return routed
+        return first
+
+    def _client(self) -> httpx.AsyncClient:
+        """No redirects, nothing from the environment, the sample's deadline."""
         import httpx
 
+        return httpx.AsyncClient(
+            follow_redirects=False,
+            trust_env=False,
+            timeout=httpx.Timeout(self.timeout),
+            verify=self._verify,
+        )
+
+    def _headers(self, accept: str) -> dict[str, str]:
         headers = {
-            "Accept": "text/plain",
+            "Accept": accept,
             # compressed bodies would dodge the size cap until decoded
             "Accept-Encoding": "identity",
             "User-Agent": "gateway-capacity-wait-for-slot",
         }
         if self._key is not None:
             headers["Authorization"] = f"Bearer {self._key.reveal()}"
+        return headers
+
+    async def _sample_router(self) -> Sample:
+        """One GET of a capacity router's ``/v1/load``: the farm's capacity for
+        the model (at most ``--limit`` when given) and what the router runs."""
+        import httpx
+        import msgspec
+
+        assert self._router_load is not None and self.model is not None
         try:
             async with (
                 asyncio.timeout(self.timeout),
-                httpx.AsyncClient(
-                    follow_redirects=False,
-                    trust_env=False,
-                    timeout=httpx.Timeout(self.timeout),
-                    verify=self._verify,
-                ) as client,
+                self._client() as client,
+                client.stream("GET", self._router_load, headers=self._headers("*/*")) as response,
+            ):
+                body = await self._read_capped(response)
+        except (TimeoutError, httpx.TimeoutException):
+            return NoAnswer(f"no answer within {secs(self.timeout)} s")
+        except httpx.HTTPError as exc:
+            return NoAnswer(f"no answer ({one_line(str(exc)) or type(exc).__name__})")
+        if response.status_code in (401, 403):
+            return Fatal(
+                f"the capacity router at {self._router_load} refused the key "
+                f"(HTTP {response.status_code}); give the router's key with --key-file"
+            )
+        if response.status_code == 503:
+            return NoAnswer("the router has no observation yet (HTTP 503)")
+        doc: _LoadDoc | None = None
+        if not isinstance(body, Fatal):
+            try:
+                doc = msgspec.json.decode(body, type=_LoadDoc)
+            except msgspec.DecodeError:  # ValidationError is a DecodeError
+                doc = None
+        if response.status_code != 200 or doc is None or doc.object != "inference_load":
+            return Fatal(
+                f"{_NOT_ROUTER}: {self.url} answered 404, and {self._router_load} "
+                f"(a capacity router's load) answered {response.status_code}; with "
+                "llama-swap give --url BASE --model M, with vLLM its /metrics URL, "
+                "with a router farm the router's URL (a router with GET /v1/load)"
+            )
+        for row in doc.models:
+            if row.id == self.model:
+                limit = row.max_concurrent_requests
+                if self._limit_given:
+                    limit = min(limit, self.limit)
+                return Load(float(row.running), 0.0, limit)
+        if not doc.complete:
+            return NoAnswer(f"the router's snapshot is incomplete: no row for {self.model}")
+        known = ", ".join(row.id for row in doc.models) or "none"
+        return Fatal(f"the router serves no model {self.model!r}; known: {known}")
+
+    async def _sample_metrics(self) -> Sample:
+        import httpx
+
+        headers = self._headers("text/plain")
+        try:
+            async with (
+                asyncio.timeout(self.timeout),
+                self._client() as client,
                 client.stream("GET", self.url, headers=headers) as response,
             ):
                 early = self._judge_status(response.status_code)
@@ -209,7 +315,8 @@ class MetricsSampler:
         if isinstance(body, Fatal):
             return body
         try:
-            running, waiting = parse_load(body.decode("utf-8"))
+            direct = is_direct(self.url) and self._router_load is None
+            running, waiting = parse_load(body.decode("utf-8"), self.model if direct else None)
         except UnicodeDecodeError:
             return Fatal("the metrics answer is not UTF-8 text")
         except MetricsError as exc:
@@ -234,7 +341,11 @@ class MetricsSampler:
         if code == 403:
             return Fatal("forbidden (HTTP 403): the key may not read this model's metrics")
         if code == 404:
-            return Fatal(f"not found (HTTP 404): {self.url}; check --url and --model")
+            return Fatal(
+                f"not found (HTTP 404): {self.url}; check --url and --model (llama-swap: "
+                "its base URL; vLLM: its /metrics URL; a router farm: the router's URL "
+                "and its key)"
+            )
         if code == 429:
             return NoAnswer("busy (HTTP 429)")
         if 400 <= code < 500:
@@ -257,6 +368,29 @@ class MetricsSampler:
 
         body = await read_capped(response.aiter_raw(), MAX_BODY_BYTES)
         return too_large if body is None else body
+
+
+_NOT_ROUTER = "no metrics and no capacity router here"
+
+
+class _LoadRow(msgspec.Struct):
+    id: str
+    max_concurrent_requests: Annotated[int, msgspec.Meta(ge=0)]
+    running: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _LoadDoc(msgspec.Struct):  # capacity_router/app.py farm_load
+    object: str
+    complete: bool
+    models: list[_LoadRow]
+
+
+def router_load_url(base_url: str) -> str:
+    """A router's ``GET /v1/load`` from its base URL (a provider's ``.../v1`` too)."""
+    root = base_url.rstrip("/")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")]
+    return f"{root}/v1/load"
 
 
 def secs(value: float) -> str:

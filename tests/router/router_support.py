@@ -55,6 +55,9 @@ class ScriptedServer:
 
     def __init__(self) -> None:
         self.routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
+        self.requested: list[str] = []  # every path asked, in order
+        self.hangs: set[str] = set()  # paths that never answer (until stop)
+        self._stopping = threading.Event()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -62,6 +65,10 @@ class ScriptedServer:
                 pass
 
             def do_GET(self) -> None:
+                outer.requested.append(self.path)
+                if self.path in outer.hangs:
+                    outer._stopping.wait(60)
+                    return
                 status, headers, body = outer.routes.get(self.path, (404, {}, b"not found"))
                 self.send_response(status)
                 for name, value in headers.items():
@@ -82,6 +89,7 @@ class ScriptedServer:
         self.routes[path] = (status, headers, body.encode() if isinstance(body, str) else body)
 
     def stop(self) -> None:
+        self._stopping.set()
         self._server.shutdown()
         self._server.server_close()
 

@@ -41,12 +41,16 @@ def test_r_k5_router_reads_the_replayed_answers_of_each_server(
         kind = "application/json" if "json" in answer else "text/plain"
         server.route(route, answer["status"], body, **{"Content-Type": kind})
     reg = doc["registry"]
-    r = router([worker("w", [server.url], reg["models"], reg["slots"])])
+    # several reads in one poll: an honest deadline for a loaded machine
+    r = router([worker("w", [server.url], reg["models"], reg["slots"])], poll_timeout=5.0)
     snap = r.observe()
     expect = doc["expect"]
     assert rows(snap) == expect["rows"]
     assert snap.complete is expect["complete"]
     status = r.workers()[0]
     assert list(status.unserved) == expect["unserved"]
+    assert list(status.unlisted) == expect.get("unlisted", [])
     if "activity" in expect:
         assert status.activity == expect["activity"]
+    for path in expect.get("never", []):  # e.g. a path that would load or hold a model
+        assert path not in server.requested

@@ -106,12 +106,30 @@ def test_r_k5_registry_id_a_worker_does_not_serve_counts_zero_and_is_warned_once
     assert len(warned) == 1
 
 
-def test_r_k5_llama_server_with_a_named_model_checks_ids(
+def test_r_k5_llama_server_counts_an_id_it_does_not_list_and_warns(
+    shaped: Callable[..., SimWorker],
+    router: Callable[..., RouterServer],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # llama-server with one model (no --alias: it lists its file path) answers
+    # whatever "model" a request names, so an id mismatch must not zero it.
+    w = shaped("llama-server", model="/models/tiny.gguf")
+    r = router([worker("w", [w.url], ["workhorse"], {"source": "props"})])
+    with caplog.at_level(logging.WARNING, logger="capacity_router"):
+        snap = r.observe()
+    assert snap.complete and rows(snap) == {"workhorse": 6}
+    assert status_of(r, "w").unlisted == ("workhorse",)
+    assert status_of(r, "w").unserved == ()
+    assert "does not list workhorse but serves any model" in caplog.text
+
+
+def test_r_k5_a_server_that_routes_by_model_counts_an_unlisted_id_zero(
     shaped: Callable[..., SimWorker], router: Callable[..., RouterServer]
 ) -> None:
-    w = shaped("llama-server", model="workhorse")
-    r = router([worker("w", [w.url], ["workhorse", "typo"], {"source": "props"})])
-    assert rows(r.observe()) == {"typo": 0, "workhorse": 6}
+    w = shaped("vllm", model="served")
+    r = router([worker("w", [w.url], ["served", "typo"], {"source": "vllm", "fixed": 4})])
+    assert rows(r.observe()) == {"served": 4, "typo": 0}
+    assert status_of(r, "w").unserved == ("typo",)
 
 
 def test_r_k5_vllm_running_and_waiting_gauges_are_shown_as_activity(
@@ -142,6 +160,21 @@ def test_r_k5_router_mode_reads_each_model_by_its_status_without_loading_any(
     assert w.load_triggers == 0
 
 
+def test_r_k5_router_mode_counts_no_failed_load_and_nothing_without_autoload(
+    shaped: Callable[..., SimWorker], router: Callable[..., RouterServer]
+) -> None:
+    w = shaped("llama-server-router", slots=4, model="a")
+    w.set_model_state("c", "unloaded")
+    w.set_model_state("f", "failed")
+    slots = {"source": "llama-server-router", "fixed": 2}
+    r = router([worker("w", [w.url], ["a", "c", "f"], slots)])
+    assert rows(r.observe()) == {"a": 4, "c": 2, "f": 0}  # a failed load is not retried
+    w.models_autoload = False  # --no-models-autoload: a request for "c" gets 400
+    assert rows(r.observe()) == {"a": 4, "c": 0, "f": 0}
+    assert "no autoload" in status_of(r, "w").activity
+    assert w.load_triggers == 0
+
+
 def test_r_k5_router_mode_counts_fixed_for_a_model_it_loads_on_demand(
     shaped: Callable[..., SimWorker], router: Callable[..., RouterServer]
 ) -> None:
@@ -152,15 +185,31 @@ def test_r_k5_router_mode_counts_fixed_for_a_model_it_loads_on_demand(
     assert w.load_triggers == 0
 
 
-def test_r_k5_llama_swap_reads_only_running_models_props(
+def test_r_k5_llama_swap_is_read_from_running_without_touching_a_model(
     shaped: Callable[..., SimWorker], router: Callable[..., RouterServer]
 ) -> None:
+    # /upstream/MODEL/... would pass llama-swap's admission and refresh the
+    # model's ttl: the count comes from /running's cmd (--parallel 4) alone,
+    # at most the concurrencyLimit (default 10, or "fixed").
     w = shaped("llama-swap", slots=4, model="a")
     w.set_model_state("b", "unloaded")
-    r = router([worker("w", [w.url], ["a", "b"], {"source": "llama-swap", "fixed": 1})])
-    assert rows(r.observe()) == {"a": 4, "b": 1}
-    assert w.load_triggers == 0
+    r = router([worker("w", [w.url], ["a", "b"], {"source": "llama-swap"})])
+    assert rows(r.observe()) == {"a": 4, "b": 0}
+    limited = router([worker("w", [w.url], ["a", "b"], {"source": "llama-swap", "fixed": 2})])
+    assert rows(limited.observe()) == {"a": 2, "b": 2}
+    assert w.load_triggers == 0 and w.props_requests == 0
     assert status_of(r, "w").activity == "running: a"
+
+
+def test_r_k5_llama_swap_parallel_is_read_from_the_command_line() -> None:
+    from capacity_router.sources import parallel_of
+
+    assert parallel_of("llama-server --port 5800 -m m.gguf --parallel 4") == 4
+    assert parallel_of("llama-server -np 3 -c 8192") == 3
+    assert parallel_of("llama-server --parallel=6") == 6
+    assert parallel_of("llama-server -np 2 --parallel 5") == 5  # the last one wins
+    assert parallel_of("llama-server --parallelism 4 -m x") is None
+    assert parallel_of("llama-server -m /m/np 4") is None
 
 
 def test_r_k5_lmstudio_model_without_loaded_instance_counts_zero(
