@@ -60,6 +60,7 @@ from sidecar.legacy import (
 )
 from sidecar.limits import (
     DISCOVERED,
+    SHARE,
     LimitDecision,
     ProviderRules,
     decide,
@@ -538,6 +539,10 @@ class Sidecar:
         pubs = []
         for provider_id, state in self.providers.items():
             fallback, fallback_source = _fallback(state.decision, state.rules)
+            if self.sharing is not None and state.rules.discovery_active:
+                # what the handlers run on when no share is in force: 0, for good (no
+                # reservation in Redis outlives a lease; docs/share.md)
+                fallback, fallback_source = 0, SHARE
             status = self.config.statuses.get(provider_id)
             requested = status.discovery_requested if status else state.config.capacity_discovery
             built_from = (state.decision, fallback, fallback_source, requested)

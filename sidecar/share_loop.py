@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING
 
 from shm_layout import layout, ledger, platform
 from sidecar.config import CapacityShare, redis_url_for_logs
-from sidecar.limits import DISCOVERED, SHARE, LimitDecision
-from sidecar.shares import Held, Report, local_limit
+from sidecar.contract import MAX_FUTURE_S
+from sidecar.limits import DISCOVERED, LEGACY_DRAIN, SHARE, LimitDecision
+from sidecar.share import instance_token
+from sidecar.shares import DEGRADED, DUPLICATE, UNKNOWN, Held, Report, local_limit
 
 if TYPE_CHECKING:
     from sidecar.daemon import Sidecar, _ProviderState
@@ -41,6 +43,8 @@ class ProviderShare:
     error: str = ""  # why the last call failed ("" when it answered)
     asked: tuple[int, int, int] | tuple[()] = ()  # what the last call reported
     asked_mono: float = -1e18
+    # what this gateway reports: the discovered capacity, or UNKNOWN without a fresh one
+    capacity: int = UNKNOWN
 
 
 class ShareLoop:
@@ -50,6 +54,10 @@ class ShareLoop:
         self.client: ShareClient | None = None
         self.providers: dict[str, ProviderShare] = {}
         self._down_since: float | None = None  # monotonic; None: Redis answers
+        self.token = instance_token(sidecar.segment_name)
+        self._seq = 0
+        self.refused = ""  # why Redis refused this instance its gateway name, for good
+        self.clock_offset_s: float | None = None  # this host's wall clock minus Redis's
 
     def of(self, provider_id: str) -> ProviderShare:
         return self.providers.setdefault(provider_id, ProviderShare())
@@ -74,9 +82,10 @@ class ShareLoop:
                 return
         self.client = ShareClient(share, password)
         log.info(
-            "capacityShare: gateway %s shares each discovered capacity through %s "
-            "(lease %gs, floor %d)",
+            "capacityShare: gateway %s (instance %s) shares each discovered capacity through "
+            "%s (lease %gs, floor %d)",
             share.gateway,
+            self.token,
             redis_url_for_logs(share.redis),
             share.lease,
             share.floor,
@@ -100,10 +109,10 @@ class ShareLoop:
         changed = False
         for provider_id, state in list(sc.providers.items()):
             d = state.decision
-            if d is None or d.source != SHARE or d.discovered is None:
+            if d is None or d.source != SHARE or self.refused:
                 continue
             mine = self.of(provider_id)
-            capacity = d.discovered
+            capacity = mine.capacity
             p = ledger.find_provider(sc.seg.buf, provider_id)
             if p is None:
                 continue
@@ -124,6 +133,7 @@ class ShareLoop:
             )
             if not due:
                 continue
+            asked_mono = platform.deadline_now()
             report = Report(
                 share.gateway,
                 capacity,
@@ -131,23 +141,29 @@ class ShareLoop:
                 running + waiting,
                 share.floor,
                 int(share.lease * 1000),
+                self.token,
+                self._next_seq(asked_mono),
             )
             from sidecar.share import ShareUnavailable
 
-            asked_mono = platform.deadline_now()
             mine.asked, mine.asked_mono = asked, mono
             try:
                 answer = await self.client.call(provider_id, report)
             except ShareUnavailable as exc:
                 self._failed(str(exc))
                 mine.error = str(exc)
-                sc.metrics.share_call(provider_id, ok=False)
+                sc.metrics.share_call(provider_id, "unavailable")
             else:
                 self._recovered()
-                mine.error = ""
+                self._clock(answer.server_ms, time.time())
                 g = answer.grant
-                mine.held = Held(g.limit, g.gateways, capacity, asked_mono, share.lease)
-                sc.metrics.share_call(provider_id, ok=True)
+                sc.metrics.share_call(provider_id, g.refused or "ok")
+                if g.refused == DUPLICATE:
+                    self._refuse()
+                    return
+                if not g.refused:  # a STALE answer changed nothing: a newer one holds
+                    mine.error = ""
+                    mine.held = Held(g.limit, g.gateways, asked_mono, share.lease)
             if sc.providers.get(provider_id) is state:
                 before = state.decision
                 state.decision = sc._decide(state, time.time())
@@ -182,33 +198,89 @@ class ShareLoop:
     def shared(
         self, state: _ProviderState, decision: LimitDecision, now: float, mono: float
     ) -> LimitDecision:
-        """In share mode, a discovered limit is the farm's capacity; this gateway enforces
-        its share of it (``shares.local_limit``), source ``share``. The share's deadline is
-        its lease's, seen from here: a sidecar that dies leaves no share in force past it."""
-        if decision.source != DISCOVERED or decision.expires_mono is None:
+        """In share mode every provider with discovery enforces its share of the farm
+        (``shares.local_limit``), source ``share``: of the discovered capacity, or, with
+        no fresh answer (a failed probe, a wall clock off the farm's), of an unknown one,
+        at most the floor. Never the static fallback: the others do not leave room for
+        it. The share's deadline is its lease's, seen from here: a sidecar that dies
+        leaves no share in force past it, and the handlers then fall back to 0."""
+        if not state.rules.discovery_active or decision.source == LEGACY_DRAIN:
             return decision
         mine = self.of(state.rules.provider_id)
-        local = local_limit(mine.held, decision.effective_limit, mono, mine.error)
-        expires_mono = decision.expires_mono
-        if local.state in ("granted", "kept") and mine.held is not None:
-            held = mine.held
-            expires_mono = min(expires_mono, held.asked_mono + held.lease_s)
+        known = decision.source == DISCOVERED and decision.expires_mono is not None
+        mine.capacity = decision.effective_limit if known else UNKNOWN
+        local = local_limit(mine.held, mine.capacity, mono, mine.error, refused=self.refused)
+        if known:
+            reason = f"{local.reason}; capacity {decision.reason}"
+        else:  # at most the floor, for want of a capacity: degraded, --check fails
+            reason = (
+                f"{DEGRADED}capacity unknown here{self._clock_note()}: "
+                f"{local.reason.removeprefix(DEGRADED)}; {decision.reason}"
+            )
+        expires_mono = local.deadline
+        if expires_mono is not None and known and decision.expires_mono is not None:
+            expires_mono = min(expires_mono, decision.expires_mono)
         return dataclasses.replace(
             decision,
             effective_limit=local.limit,
             source=SHARE,
-            reason=f"{local.reason}; capacity {decision.reason}",
-            expires_at=now + (expires_mono - mono),
+            reason=reason,
+            expires_at=None if expires_mono is None else now + (expires_mono - mono),
             expires_mono=expires_mono,
         )
+
+    def _next_seq(self, mono: float) -> int:
+        """Increasing across restarts of this instance on one boot: the deadline clock in
+        microseconds (and at least one more than the last)."""
+        self._seq = max(self._seq + 1, int(mono * 1_000_000))
+        return self._seq
+
+    def _clock(self, server_ms: int, local_s: float) -> None:
+        """Compare this host's wall clock with Redis's: snapshots are judged by the
+        former (R-K4), leases by the latter only."""
+        offset = local_s - server_ms / 1000
+        off = abs(offset) > MAX_FUTURE_S
+        was = self.clock_offset_s is not None and abs(self.clock_offset_s) > MAX_FUTURE_S
+        self.clock_offset_s = offset
+        if off and not was:
+            log.warning(
+                "capacityShare: this host's wall clock is %+.0f s off Redis's: the farm's "
+                "snapshots are judged by it, so discovery may fail here; this gateway then "
+                "holds at most the floor. Fix the host's time (NTP)",
+                offset,
+            )
+        elif was and not off:
+            log.info("capacityShare: this host's wall clock agrees with Redis's again")
+
+    def _clock_note(self) -> str:
+        offset = self.clock_offset_s
+        if offset is None or abs(offset) <= MAX_FUTURE_S:
+            return ""
+        return f" (this host's wall clock is {offset:+.0f} s off Redis's)"
+
+    def _refuse(self) -> None:
+        """Another instance holds this gateway's name: hold 0, say so, and exit 2 (a
+        configuration to fix, which systemd does not restart)."""
+        sc = self.sidecar
+        self.refused = (
+            f"refused: gateway name {self.config.gateway!r} is held in Redis by another "
+            f"instance (this one is {self.token}); give each gateway its own "
+            "capacityShare.gateway"
+        )
+        log.error("capacityShare: %s; this sidecar holds no share and exits (2)", self.refused)
+        sc.metrics.share_refused()
+        sc._redecide_all()
+        sc._publish()
+        sc.exit_code = 2
+        sc.stop.set()
 
     def _failed(self, why: str) -> None:
         self.sidecar.metrics.share_reachable(False)
         if self._down_since is None:
             self._down_since = time.monotonic()
             log.warning(
-                "capacityShare: %s: keeping each share until its lease ends (%gs), then a "
-                "safe local limit; availability --check fails until Redis answers",
+                "capacityShare: %s: keeping each share until its lease ends (%gs), then 0; "
+                "availability --check fails until Redis answers",
                 why,
                 self.config.lease,
             )
