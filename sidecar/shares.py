@@ -253,7 +253,7 @@ def local_limit(
         return Local(0, "refused", DEGRADED + refused, None)
     if held is None:
         why = f"no share granted yet ({redis_error})" if redis_error else "no share granted yet"
-        return Local(0, "none", DEGRADED + why, None)
+        return Local(0, "none", (DEGRADED if redis_error else "") + why, None)
     limit = held.limit if capacity < 0 else min(held.limit, capacity)
     of = "an unknown capacity" if capacity < 0 else f"{capacity}"
     if now_mono < held.deadline and not redis_error:

@@ -86,3 +86,16 @@ def test_share_a_handler_that_creates_the_segment_stores_0_as_a_discovery_provid
     )
     got = {e.provider_id: (e.fallback, e.fallback_source) for e in providers_from_config(path)}
     assert got == {"shared": (0, "share"), "static": (3, "provider")}
+
+
+def test_share_a_refused_gateway_name_shows_in_the_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from sidecar.metrics import SidecarMetrics
+
+    metrics = SidecarMetrics()
+    metrics.share_call("p1", "duplicate")
+    metrics.share_refused()
+    text = generate_latest(metrics.registry).decode()
+    assert "gateway_capacity_share_gateway_refused 1.0" in text
+    assert 'gateway_capacity_share_calls_total{provider="p1",result="duplicate"} 1.0' in text
