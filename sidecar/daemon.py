@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from shm_layout import layout, platform, writer
 from shm_layout.errors import GatewayCapacityError
-from shm_layout.liveness import ParentWatch, is_alive, my_identity
+from shm_layout.liveness import ParentWatch, my_identity
 from shm_layout.names import resolve_segment_name
 from shm_layout.owners import OwnerError, OwnerPolicy
 from shm_layout.segment import ForeignSegment, Segment
@@ -53,6 +53,7 @@ from sidecar.config import (
     parse_base_url,
 )
 from sidecar.legacy import (
+    LegacyDrain,
     forbidden_legacy_pids,
     legacy_label,
     parse_legacy,
@@ -150,17 +151,16 @@ class Sidecar:
             named = OwnerPolicy.for_process(options.owner).uids
         except OwnerError as exc:
             raise StartupError(str(exc)) from None
-        self.legacy = parse_legacy(
-            options.await_legacy,
-            options.await_legacy_grace_s,
-            self.proc_hides,
-            forbidden_legacy_pids(options.parent_pid),
-            trusted=[uid for uid in named if uid != os.geteuid()],
+        self.legacy = LegacyDrain(
+            parse_legacy(
+                options.await_legacy,
+                options.await_legacy_grace_s,
+                self.proc_hides,
+                forbidden_legacy_pids(options.parent_pid),
+                trusted=[uid for uid in named if uid != os.geteuid()],
+            ),
+            options.await_legacy_max_s,
         )
-        # R-G3, for --check: on the deadline clock, which a stepped wall clock never moves
-        self.legacy_since = platform.deadline_now() if self.legacy else 0.0
-        self._legacy_began = time.monotonic()
-        self._legacy_overdue_warned = False
         self.parent: ParentWatch | None = None
         if options.parent_pid is not None:
             try:
@@ -233,7 +233,7 @@ class Sidecar:
                 "fenced the running sidecar pid %d (writer epoch %d): it stops writing and exits 0",
                 *before,
             )
-        for legacy in self.legacy:
+        for legacy in self.legacy.processes:
             log.info(
                 "waiting for legacy process %s to exit", legacy_label(legacy.label, legacy.pid)
             )
@@ -630,9 +630,7 @@ class Sidecar:
     def _housekeep(self, last: dict[str, float]) -> bool:
         """One turn of housekeeping; False when the sidecar is to stop."""
         now = time.time()
-        legacy_before = len(self.legacy)
-        self.legacy = [x for x in self.legacy if is_alive(x.pid, x.start)]
-        if legacy_before and not self.legacy:
+        if self.legacy.prune():
             log.info("legacy generation exited: the discovered budget applies now")
             self._redecide_all()
             self._publish()
@@ -642,7 +640,7 @@ class Sidecar:
             last["drain"] = time.monotonic()
             self._redecide_all()
             self._publish()
-        self._check_legacy_overdue()
+        self.legacy.warn_if_overdue()
         if self.seg.core.lost:  # truncated under us: nothing of it can be written or read
             return self._segment_gone()
         try:
@@ -651,9 +649,9 @@ class Sidecar:
                 self.epoch,
                 now,
                 len(self.legacy),
-                legacy_since=self.legacy_since,
-                legacy_max_s=self.opts.await_legacy_max_s,
-                legacy_pid=self.legacy[0].pid if self.legacy else 0,
+                legacy_since=self.legacy.since,
+                legacy_max_s=self.legacy.max_s,
+                legacy_pid=self.legacy.first_pid(),
             )
         except writer.Superseded as exc:
             self._retire(exc)
@@ -674,25 +672,6 @@ class Sidecar:
         self._watchdog.maybe_ping(time.monotonic())
         self.metrics.turned()
         return True
-
-    def _check_legacy_overdue(self) -> None:
-        """A drain that outlasts ``--await-legacy-max`` is a WARNING, once (R-G3);
-        ``availability --check`` fails on it from the segment's header."""
-        if not self.legacy or self._legacy_overdue_warned:
-            return
-        lasted = time.monotonic() - self._legacy_began
-        if lasted <= self.opts.await_legacy_max_s:
-            return
-        self._legacy_overdue_warned = True
-        waiting = ", ".join(legacy_label(x.label, x.pid) for x in self.legacy)
-        log.warning(
-            "legacy drain has lasted %.0f min, over --await-legacy-max %g min: %s still "
-            "runs and opted-in providers admit nothing new; stop it, or restart the sidecar "
-            "without --await-legacy",
-            lasted / 60,
-            self.opts.await_legacy_max_s / 60,
-            waiting,
-        )
 
     def _log_unexpected(self, where: str) -> None:
         """Log an unexpected exception with its traceback, once per distinct message."""

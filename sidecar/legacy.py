@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shm_layout import platform
-from shm_layout.liveness import process_start
+from shm_layout.liveness import is_alive, process_start
 from sidecar.startup import StartupError
 from sidecar.trust import file_owner_problem, path_problem
 
@@ -244,3 +244,52 @@ def _started_after(pid: int, when: float) -> bool:
         return bool(psutil.Process(pid).create_time() > when + 1.0)
     except psutil.Error:
         return False
+
+
+class LegacyDrain:
+    """The legacy processes a sidecar waits for (R-G3), and since when.
+
+    ``since`` is on the deadline clock (a stepped wall clock never moves it), for
+    ``availability --check`` to tell a drain that outlasted ``max_s``.
+    """
+
+    def __init__(self, processes: list[Legacy], max_s: float) -> None:
+        self.processes = processes
+        self.max_s = max_s
+        self.since = platform.deadline_now() if processes else 0.0
+        self._began = time.monotonic()
+        self._overdue_warned = False
+
+    def __bool__(self) -> bool:
+        return bool(self.processes)
+
+    def __len__(self) -> int:
+        return len(self.processes)
+
+    def first_pid(self) -> int:
+        return self.processes[0].pid if self.processes else 0
+
+    def prune(self) -> bool:
+        """Forget the processes that exited; True when the last one just did."""
+        before = len(self.processes)
+        self.processes = [x for x in self.processes if is_alive(x.pid, x.start)]
+        return bool(before) and not self.processes
+
+    def warn_if_overdue(self) -> None:
+        """A drain that outlasts ``--await-legacy-max`` is a WARNING, once (R-G3);
+        ``availability --check`` fails on it from the segment's header."""
+        if not self.processes or self._overdue_warned:
+            return
+        lasted = time.monotonic() - self._began
+        if lasted <= self.max_s:
+            return
+        self._overdue_warned = True
+        waiting = ", ".join(legacy_label(x.label, x.pid) for x in self.processes)
+        log.warning(
+            "legacy drain has lasted %.0f min, over --await-legacy-max %g min: %s still "
+            "runs and opted-in providers admit nothing new; stop it, or restart the sidecar "
+            "without --await-legacy",
+            lasted / 60,
+            self.max_s / 60,
+            waiting,
+        )
