@@ -299,5 +299,5 @@ class ShareFarm(RuleBasedStateMachine):
         self.check()
 
 
-ShareFarm.TestCase.settings = settings(max_examples=300, stateful_step_count=80, deadline=None)
+ShareFarm.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 test_share_model_holds_the_capacity_in_every_fault = ShareFarm.TestCase
