@@ -138,7 +138,13 @@ def providers_from_config(path: str | os.PathLike[str]) -> list[ProviderEntry]:
     out = []
     for provider in cfg.providers:
         limit, source = fallback_for(provider.max_concurrent, cfg.max_concurrent)
-        out.append(ProviderEntry(provider.id, limit, source, provider.capacity_discovery))
+        stored: str = source
+        if cfg.capacity_share is not None and provider.capacity_discovery:
+            # share mode: without a share in force, a provider with discovery runs 0,
+            # never its static limit, which the other gateways leave no room for
+            # (docs/share.md); the sidecar corrects a refused opt-in back to the static
+            limit, stored = 0, "share"
+        out.append(ProviderEntry(provider.id, limit, stored, provider.capacity_discovery))
     return out
 
 

@@ -32,9 +32,10 @@ under the old names (``shm_layout.segment.SegmentError``, ``gateway_config.Confi
         └── UnknownProvider (KeyError) not in the segment, or no row for it (R-A13)
 
 The sidecar's ``StartupError`` (and its ``UntrustedPidfile``) also derive from the root
-but stay in ``sidecar.daemon``: they are how the daemon exits 2, not something a caller
-of the library meets. Private control-flow exceptions (``_Abandoned``, ``Superseded``,
-``_Refusal`` ...) stay private in the modules that raise and catch them.
+but stay in ``sidecar.startup`` and ``sidecar.legacy``: they are how the daemon exits 2,
+not something a caller of the library meets. Private control-flow exceptions
+(``_Abandoned``, ``Superseded``, ``_Refusal`` ...) stay private in the modules that
+raise and catch them.
 """
 
 from __future__ import annotations

@@ -14,12 +14,11 @@ Tasks, all on one asyncio loop:
   they ask for within ``PUBLISH_COALESCE_S`` are one transaction that writes
   only what changed (one publish per refresh, not one per provider, each
   rewriting every provider);
-* in share mode (``capacityShare``, docs/share.md), one loop that keeps this
-  gateway's lease per provider in Redis (``sidecar.share``) and publishes the
-  share it holds (``sidecar.shares``) as the limit, source ``share``;
+* in share mode (``capacityShare``, docs/share.md), the lease loop of
+  ``sidecar.share_loop``, which publishes this gateway's share as the limit;
 * housekeeping every ``TICK_S``: heartbeat and reaping of dead holders
-  (R-A5), legacy processes (R-G3), the parent (``--parent-pid``), the config
-  file (R-C3, R-C4) and the systemd watchdog.
+  (R-A5), legacy processes (R-G3; which ones: ``sidecar.legacy``), the parent
+  (``--parent-pid``), the config file (R-C3, R-C4) and the systemd watchdog.
 """
 
 from __future__ import annotations
@@ -31,16 +30,15 @@ import logging
 import os
 import re
 import signal
-import stat
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shm_layout import layout, ledger, platform, writer
+from shm_layout import layout, platform, writer
 from shm_layout.errors import GatewayCapacityError
-from shm_layout.liveness import ParentWatch, is_alive, my_identity, process_start
+from shm_layout.liveness import ParentWatch, my_identity
 from shm_layout.names import resolve_segment_name
 from shm_layout.owners import OwnerError, OwnerPolicy
 from shm_layout.reasons import ReasonsWriter, texts_of
@@ -54,7 +52,13 @@ from sidecar.config import (
     ProviderConfig,
     load_config,
     parse_base_url,
-    redis_url_for_logs,
+)
+from sidecar.legacy import (
+    LegacyDrain,
+    forbidden_legacy_pids,
+    legacy_label,
+    parse_legacy,
+    proc_hides_other_users,
 )
 from sidecar.limits import (
     DISCOVERED,
@@ -69,14 +73,13 @@ from sidecar.limits import (
 )
 from sidecar.metrics import SidecarMetrics, probe_reasons
 from sidecar.replica import ProviderProbe
-from sidecar.shares import Held, Report, local_limit
-from sidecar.trust import file_owner_problem, path_problem
+from sidecar.share_loop import ShareLoop
+from sidecar.startup import StartupError
 
 if TYPE_CHECKING:
     from prometheus_client.exposition import ThreadingWSGIServer
 
     from sidecar.probe import ProbeClients
-    from sidecar.share import ShareClient
 
 log = logging.getLogger("gateway_capacity.sidecar")
 
@@ -89,10 +92,6 @@ SEGMENT_CHECK_S = 2.0
 # enough that no provider's news waits on another's probe (R-P8)
 PUBLISH_COALESCE_S = 0.05
 AWAIT_LEGACY_MAX_S = 1800.0
-SHARE_POLL_S = 0.05  # how often share mode looks at running and waiting
-SHARE_MIN_CALL_S = 0.1  # at most this often a call per provider when demand changes
-SHARE_RENEWALS = 4  # calls per lease at least: half a lease of silence means an outage
-SHARE_WAITING_CALL_S = 0.25  # how often a provider with waiting requests asks again
 
 
 @dataclass
@@ -112,13 +111,6 @@ class Options:
 
 
 @dataclass
-class _Legacy:
-    label: str
-    pid: int
-    start: float
-
-
-@dataclass
 class _ProviderState:
     rules: ProviderRules
     config: ProviderConfig
@@ -131,229 +123,6 @@ class _ProviderState:
     # the Publication last built for this provider and what it was built from
     publication: writer.Publication | None = None
     built_from: tuple[object, ...] = ()
-    # share mode: the last grant, why the last call failed, what the last call reported
-    share_held: Held | None = None
-    share_error: str = ""
-    share_asked: tuple[int, int, int] | tuple[()] = ()
-    share_asked_mono: float = -1e18
-
-
-class StartupError(GatewayCapacityError):
-    """Exit 2: the sidecar cannot start (config unreadable, bad option)."""
-
-
-def parse_legacy(
-    specs: Sequence[str],
-    grace_s: float = 0.0,
-    proc_hides: str | None = None,
-    forbidden: Mapping[int, str] | None = None,
-    trusted: Sequence[int] = (),
-) -> list[_Legacy]:
-    """``--await-legacy PID|PIDFILE``: the processes to wait for, by pid and start time.
-
-    A pidfile that names a process no longer running, or one started after the
-    file was last written (its pid was reused), means the legacy process has
-    already exited: a sidecar restarted after the upgrade must not wait for an
-    unrelated process. A pidfile *path* that does not exist is a typo until
-    proven otherwise: it must appear within ``grace_s`` seconds, or start-up
-    fails (a drain that silently drains nothing is worse than no start).
-
-    ``proc_hides`` (see :func:`proc_hides_other_users`) says that /proc hides
-    other users' processes: a pid that ``kill(pid, 0)`` finds but /proc does
-    not show is then awaited, never taken for exited.
-
-    A pidfile is trusted only as OpenSSH trusts a key (R-G6): owned
-    by root or this user, not writable by group or others, and in directories
-    nobody else can change (:mod:`sidecar.trust`); else another user could
-    hold every opted-in provider at 0 by writing a pid into it. ``trusted``: the
-    uids the operator named with ``--owner`` (the segment may be theirs), also
-    trusted for the pidfile and its directories: a legacy gateway writes it as its
-    own user in its own ``RuntimeDirectory=``, and that user could hold the
-    providers through the segment anyway. ``forbidden``
-    maps pids that may never be awaited (pid 1, the sidecar, its parent: a
-    drain that only they could end) to a phrase naming them; see
-    :func:`forbidden_legacy_pids`.
-    """
-    forbidden = forbidden if forbidden is not None else forbidden_legacy_pids(None)
-    out = []
-    for spec in specs:
-        written: float | None = None
-        if spec.isdigit():
-            pid = int(spec)
-        else:
-            try:
-                text, written = _read_pidfile(spec, grace_s, trusted)
-            except FileNotFoundError:
-                raise StartupError(
-                    f"--await-legacy {spec}: no such pidfile (waited {grace_s:g}s; a typo? "
-                    "if the legacy process has already exited, remove --await-legacy)"
-                ) from None
-            except (OSError, UnicodeDecodeError) as exc:
-                raise StartupError(f"--await-legacy {spec}: cannot read pidfile: {exc}") from None
-            if not text.isdigit():
-                raise StartupError(f"--await-legacy {spec}: pidfile does not hold a pid")
-            pid = int(text)
-        if pid in forbidden:
-            named = "pidfile names" if written is not None else "names"
-            raise StartupError(
-                f"--await-legacy {spec}: {named} pid {pid}, {forbidden[pid]}: a drain that "
-                "only its exit could end (refused)"
-            )
-        try:
-            start = process_start(pid)
-        except OSError:
-            start = None  # exists, but we may not read it: decided by kill() below
-        if start is None:
-            if not _exists(pid):
-                log.info(
-                    "legacy process %s is not running; not waiting for it",
-                    _legacy_label(spec, pid),
-                )
-                continue
-            # kill() finds it, /proc does not show it (or not its start time): it
-            # runs as another user behind hidepid / ProtectProc=invisible.
-            log.warning(
-                "legacy process %s exists but /proc does not show it%s: waiting for it, "
-                "and taking it for exited only when kill(pid, 0) no longer finds it",
-                _legacy_label(spec, pid),
-                f" ({proc_hides})" if proc_hides else "",
-            )
-            out.append(_Legacy(spec, pid, _UNSEEN_START))
-            continue
-        if written is not None and _started_after(pid, written):
-            log.info(
-                "legacy pidfile %s names pid %d, which started after the file was written "
-                "(a reused pid): not waiting for it",
-                spec,
-                pid,
-            )
-            continue
-        out.append(_Legacy(spec, pid, start))
-    return out
-
-
-# The start time of a legacy process that /proc does not show: is_alive() then
-# answers from kill(pid, 0) alone (it never compares a start it cannot read).
-_UNSEEN_START = -1.0
-
-
-def forbidden_legacy_pids(parent_pid: int | None) -> dict[int, str]:
-    """Pids ``--await-legacy`` may never name: init, the sidecar itself, and its parent
-    (the ``--parent-pid`` process and the real one): the sidecar outlives none of them,
-    so a drain on them would never end while it runs."""
-    forbidden = {os.getppid(): "the sidecar's parent"}
-    if parent_pid is not None:
-        forbidden[parent_pid] = "the --parent-pid process"
-    forbidden[os.getpid()] = "the sidecar itself"
-    forbidden[1] = "init (pid 1)"
-    return forbidden
-
-
-class UntrustedPidfile(StartupError):
-    """An ``--await-legacy`` pidfile that another user could have written."""
-
-
-def _read_pidfile(path: str, grace_s: float, trusted: Sequence[int] = ()) -> tuple[str, float]:
-    """The pidfile's text and mtime, waiting up to ``grace_s`` for it to appear and to
-    hold something.
-
-    Raises :class:`UntrustedPidfile` when another user than root, this one or one of
-    ``trusted`` could have written it (the file or a directory on its path).
-    """
-    deadline = time.monotonic() + grace_s
-    announced = False
-    while True:
-        try:
-            with open(path, encoding="ascii") as f:
-                problem = path_problem(path, trusted=trusted) or _pidfile_problem(
-                    os.fstat(f.fileno()), trusted
-                )
-                if problem is not None:
-                    if " is owned by " in problem and not trusted:
-                        problem += (
-                            "; if that is the legacy gateway's user, name it with --owner USER "
-                            "(the user group-shared mode trusts with the segment)"
-                        )
-                    raise UntrustedPidfile(f"--await-legacy {path}: pidfile not trusted: {problem}")
-                text = f.read().strip()
-                if text or time.monotonic() >= deadline:
-                    return text, os.fstat(f.fileno()).st_mtime
-            # Empty: made, not written yet (`echo $$ > file` and most daemons create it
-            # first, then write). Taken for "no pid" it ended the start with exit 2,
-            # which systemd never restarts (seen in the nspawn test under load).
-            what = "is empty"
-        except FileNotFoundError:
-            if time.monotonic() >= deadline:
-                raise
-            what = "does not exist yet"
-        if not announced:
-            announced = True
-            log.info("legacy pidfile %s %s: waiting up to %gs", path, what, grace_s)
-        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-
-
-def _pidfile_problem(st: os.stat_result, trusted: Sequence[int] = ()) -> str | None:
-    foreign = file_owner_problem(st, trusted=trusted)
-    if foreign is not None:
-        return f"it {foreign}"
-    if st.st_mode & 0o022:
-        return (
-            f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
-            "run: chmod go-w on it"
-        )
-    return None
-
-
-def _exists(pid: int) -> bool:
-    """``kill(pid, 0)``: does any process (of any user) have this pid?"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def proc_hides_other_users() -> str | None:
-    """Why this process may not see other users' processes in /proc, or None (also where
-    there is no /proc: macOS asks psutil, which sees every process).
-
-    systemd's ``ProtectProc=invisible|noaccess|ptraceable`` and a manual
-    ``mount -o hidepid=...`` both show as a ``hidepid=`` super option of the
-    /proc mount. The kernel lets a process see through it with CAP_SYS_PTRACE,
-    or when it is in the mount's ``gid=`` group (0 unless set): being uid 0 is
-    not enough (a unit with ``CapabilityBoundingSet=`` and another group).
-    """
-    try:
-        options = platform.proc_mount_options()
-    except OSError as exc:
-        return f"cannot read /proc/self/mountinfo ({exc.strerror or exc}) to check"
-    if options is None:
-        return None
-    hidden = [
-        o for o in options if o.startswith("hidepid=") and o not in ("hidepid=0", "hidepid=off")
-    ]
-    if not hidden:
-        return None
-    gids = [int(o[4:]) for o in options if o.startswith("gid=") and o[4:].isdigit()]
-    exempt_gid = gids[-1] if gids else 0
-    if exempt_gid == os.getegid() or exempt_gid in os.getgroups() or platform.sees_all_procs():
-        return None
-    return f"/proc is mounted with {hidden[-1]} (ProtectProc=?)"
-
-
-def _legacy_label(spec: str, pid: int) -> str:
-    return f"pid {pid}" if spec == str(pid) else f"{spec} (pid {pid})"
-
-
-def _started_after(pid: int, when: float) -> bool:
-    import psutil
-
-    try:
-        return bool(psutil.Process(pid).create_time() > when + 1.0)
-    except psutil.Error:
-        return False
 
 
 class Sidecar:
@@ -383,17 +152,16 @@ class Sidecar:
             named = OwnerPolicy.for_process(options.owner).uids
         except OwnerError as exc:
             raise StartupError(str(exc)) from None
-        self.legacy = parse_legacy(
-            options.await_legacy,
-            options.await_legacy_grace_s,
-            self.proc_hides,
-            forbidden_legacy_pids(options.parent_pid),
-            trusted=[uid for uid in named if uid != os.geteuid()],
+        self.legacy = LegacyDrain(
+            parse_legacy(
+                options.await_legacy,
+                options.await_legacy_grace_s,
+                self.proc_hides,
+                forbidden_legacy_pids(options.parent_pid),
+                trusted=[uid for uid in named if uid != os.geteuid()],
+            ),
+            options.await_legacy_max_s,
         )
-        # R-G3, for --check: on the deadline clock, which a stepped wall clock never moves
-        self.legacy_since = platform.deadline_now() if self.legacy else 0.0
-        self._legacy_began = time.monotonic()
-        self._legacy_overdue_warned = False
         self.parent: ParentWatch | None = None
         if options.parent_pid is not None:
             try:
@@ -432,10 +200,9 @@ class Sidecar:
         self._grid_origin = time.monotonic()  # probe loops start on multiples of refresh_s
         self.clients: ProbeClients | None = None
         self._retained: asyncio.Task[None] | None = None
-        self.share: ShareClient | None = None
         # read once: a reload that adds, drops or changes capacityShare needs a restart
         self.share_config = self.config.share
-        self._share_down_since: float | None = None  # monotonic; None: Redis answers
+        self.sharing = ShareLoop(self, self.share_config) if self.share_config else None
 
     # --- life cycle ---------------------------------------------------------------------
     async def run(self) -> int:
@@ -468,9 +235,9 @@ class Sidecar:
                 "fenced the running sidecar pid %d (writer epoch %d): it stops writing and exits 0",
                 *before,
             )
-        for legacy in self.legacy:
+        for legacy in self.legacy.processes:
             log.info(
-                "waiting for legacy process %s to exit", _legacy_label(legacy.label, legacy.pid)
+                "waiting for legacy process %s to exit", legacy_label(legacy.label, legacy.pid)
             )
         # Before READY=1: httpx and anyio are loaded here (and the certifi bundle by
         # _apply_config when an https provider needs it), not inside the first probe's
@@ -484,16 +251,16 @@ class Sidecar:
         self._ready = True
         self._send_status()
         housekeeping = asyncio.create_task(self._housekeeping())
-        sharing = asyncio.create_task(self._share_loop()) if self.share_config else None
+        sharing = asyncio.create_task(self.sharing.run()) if self.sharing else None
         await self.stop.wait()
         housekeeping.cancel()
         if sharing is not None:
             sharing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sharing
-        if self.share is not None:
+        if self.sharing is not None:
             with contextlib.suppress(Exception):
-                await self.share.aclose()
+                await self.sharing.aclose()
         for state in self.providers.values():
             if state.task is not None:
                 state.task.cancel()
@@ -726,30 +493,9 @@ class Sidecar:
             # R-L6's base is the last *discovered* limit while unexpired, not the last
             # decision: one failed refresh in between must not reset it to the fallback.
             state.last_discovered = decision
-        return self._shared(state, decision, now, mono)
-
-    def _shared(
-        self, state: _ProviderState, decision: LimitDecision, now: float, mono: float
-    ) -> LimitDecision:
-        """In share mode, a discovered limit is the farm's capacity; this gateway enforces
-        its share of it (``shares.local_limit``), source ``share``. The share's deadline is
-        its lease's, seen from here: a sidecar that dies leaves no share in force past it."""
-        share = self.share_config
-        if share is None or decision.source != DISCOVERED or decision.expires_mono is None:
+        if self.sharing is None:
             return decision
-        local = local_limit(state.share_held, decision.effective_limit, mono, state.share_error)
-        expires_mono = decision.expires_mono
-        if local.state in ("granted", "kept") and state.share_held is not None:
-            held = state.share_held
-            expires_mono = min(expires_mono, held.asked_mono + held.lease_s)
-        return dataclasses.replace(
-            decision,
-            effective_limit=local.limit,
-            source=SHARE,
-            reason=f"{local.reason}; capacity {decision.reason}",
-            expires_at=now + (expires_mono - mono),
-            expires_mono=expires_mono,
-        )
+        return self.sharing.shared(state, decision, now, mono)
 
     def _decide_once(self, state: _ProviderState, now: float) -> LimitDecision:
         """Section 5's decision; until the first probe, a limit inherited from the
@@ -797,6 +543,10 @@ class Sidecar:
         pubs = []
         for provider_id, state in self.providers.items():
             fallback, fallback_source = _fallback(state.decision, state.rules)
+            if self.sharing is not None and state.rules.discovery_active:
+                # what the handlers run on when no share is in force: 0, for good (no
+                # reservation in Redis outlives a lease; docs/share.md)
+                fallback, fallback_source = 0, SHARE
             status = self.config.statuses.get(provider_id)
             requested = status.discovery_requested if status else state.config.capacity_discovery
             built_from = (state.decision, fallback, fallback_source, requested)
@@ -868,148 +618,6 @@ class Sidecar:
             extra={"provider": d.provider_id, "limit": d.effective_limit, "source": d.source},
         )
 
-    # --- share mode ----------------------------------------------------------------------------
-    async def _share_loop(self) -> None:
-        """Keep a lease per provider whose capacity is discovered: a call when what this
-        gateway reports changes (at most every ``SHARE_MIN_CALL_S``), while requests wait
-        (every ``SHARE_WAITING_CALL_S``) and at least ``SHARE_RENEWALS`` times a lease;
-        each answer is published at once."""
-        share = self.share_config
-        assert share is not None
-        from sidecar.share import ShareClient
-
-        password = None
-        if share.credential_file is not None:
-            from sidecar.credential import CredentialError, read_credential
-
-            try:
-                password = read_credential(share.credential_file).reveal()
-            except CredentialError as exc:
-                log.error("capacityShare: %s; share mode holds no share", exc)
-                self._share_failed(f"credential: {exc}")
-                return
-        self.share = ShareClient(share, password)
-        log.info(
-            "capacityShare: gateway %s shares each discovered capacity through %s "
-            "(lease %gs, floor %d)",
-            share.gateway,
-            redis_url_for_logs(share.redis),
-            share.lease,
-            share.floor,
-        )
-        while not self.stop.is_set():
-            try:
-                await self._share_turn()
-            except Exception:
-                self._log_unexpected("share mode")
-            await asyncio.sleep(SHARE_POLL_S)
-
-    async def _share_turn(self) -> None:
-        share = self.share_config
-        if share is None or self.share is None or self.retired:
-            return
-        changed = False
-        for provider_id, state in list(self.providers.items()):
-            d = state.decision
-            if d is None or d.source != SHARE or d.discovered is None:
-                continue
-            capacity = d.discovered
-            p = ledger.find_provider(self.seg.buf, provider_id)
-            if p is None:
-                continue
-            base = ledger.provider_base(p)
-            running = layout.PROVIDER["running"].get(self.seg.buf, base)
-            waiting = layout.PROVIDER["waiting"].get(self.seg.buf, base)
-            in_force = ledger.limit_value(self.seg.buf, p, platform.deadline_now())
-            held = max(in_force, running)
-            asked = (capacity, held, running + waiting)
-            mono = time.monotonic()
-            since = mono - state.share_asked_mono
-            # due: a quarter of a lease passed; what it reports changed; or requests wait
-            # (a share another gateway gives up is granted only on asking again)
-            due = (
-                since >= share.lease / SHARE_RENEWALS
-                or (asked != state.share_asked and since >= SHARE_MIN_CALL_S)
-                or (waiting > 0 and since >= SHARE_WAITING_CALL_S)
-            )
-            if not due:
-                continue
-            report = Report(
-                share.gateway,
-                capacity,
-                held,
-                running + waiting,
-                share.floor,
-                int(share.lease * 1000),
-            )
-            from sidecar.share import ShareUnavailable
-
-            asked_mono = platform.deadline_now()
-            state.share_asked, state.share_asked_mono = asked, mono
-            try:
-                answer = await self.share.call(provider_id, report)
-            except ShareUnavailable as exc:
-                self._share_failed(str(exc))
-                state.share_error = str(exc)
-                self.metrics.share_call(provider_id, ok=False)
-            else:
-                self._share_recovered()
-                state.share_error = ""
-                g = answer.grant
-                state.share_held = Held(g.limit, g.gateways, capacity, asked_mono, share.lease)
-                self.metrics.share_call(provider_id, ok=True)
-            if self.providers.get(provider_id) is state:
-                before = state.decision
-                state.decision = self._decide(state, time.time())
-                self._log_decision(state)
-                changed = (
-                    changed
-                    or before is None
-                    or (
-                        (before.effective_limit, before.reason, before.expires_mono)
-                        != (
-                            state.decision.effective_limit,
-                            state.decision.reason,
-                            state.decision.expires_mono,
-                        )
-                    )
-                )
-        # a lease that lapsed while no call was due (Redis slow) is noticed here too
-        for state in self.providers.values():
-            d = state.decision
-            if (
-                d is not None
-                and d.source == SHARE
-                and d.expires_mono is not None
-                and d.expires_mono <= platform.deadline_now() + SHARE_POLL_S
-            ):
-                state.decision = self._decide(state, time.time())
-                self._log_decision(state)
-                changed = True
-        if changed:
-            self._publish()
-
-    def _share_failed(self, why: str) -> None:
-        self.metrics.share_reachable(False)
-        if self._share_down_since is None:
-            self._share_down_since = time.monotonic()
-            share = self.share_config
-            log.warning(
-                "capacityShare: %s: keeping each share until its lease ends (%gs), then a "
-                "safe local limit; availability --check fails until Redis answers",
-                why,
-                share.lease if share else 0,
-            )
-
-    def _share_recovered(self) -> None:
-        self.metrics.share_reachable(True)
-        if self._share_down_since is not None:
-            log.info(
-                "capacityShare: Redis answers again after %.1fs: shares follow demand",
-                time.monotonic() - self._share_down_since,
-            )
-            self._share_down_since = None
-
     # --- housekeeping ------------------------------------------------------------------------
     async def _housekeeping(self) -> None:
         last = {"config": 0.0, "drain": time.monotonic(), "segment": time.monotonic()}
@@ -1027,9 +635,7 @@ class Sidecar:
     def _housekeep(self, last: dict[str, float]) -> bool:
         """One turn of housekeeping; False when the sidecar is to stop."""
         now = time.time()
-        legacy_before = len(self.legacy)
-        self.legacy = [x for x in self.legacy if is_alive(x.pid, x.start)]
-        if legacy_before and not self.legacy:
+        if self.legacy.prune():
             log.info("legacy generation exited: the discovered budget applies now")
             self._redecide_all()
             self._publish()
@@ -1039,7 +645,7 @@ class Sidecar:
             last["drain"] = time.monotonic()
             self._redecide_all()
             self._publish()
-        self._check_legacy_overdue()
+        self.legacy.warn_if_overdue()
         if self.seg.core.lost:  # truncated under us: nothing of it can be written or read
             return self._segment_gone()
         try:
@@ -1048,9 +654,9 @@ class Sidecar:
                 self.epoch,
                 now,
                 len(self.legacy),
-                legacy_since=self.legacy_since,
-                legacy_max_s=self.opts.await_legacy_max_s,
-                legacy_pid=self.legacy[0].pid if self.legacy else 0,
+                legacy_since=self.legacy.since,
+                legacy_max_s=self.legacy.max_s,
+                legacy_pid=self.legacy.first_pid(),
             )
         except writer.Superseded as exc:
             self._retire(exc)
@@ -1071,25 +677,6 @@ class Sidecar:
         self._watchdog.maybe_ping(time.monotonic())
         self.metrics.turned()
         return True
-
-    def _check_legacy_overdue(self) -> None:
-        """A drain that outlasts ``--await-legacy-max`` is a WARNING, once (R-G3);
-        ``availability --check`` fails on it from the segment's header."""
-        if not self.legacy or self._legacy_overdue_warned:
-            return
-        lasted = time.monotonic() - self._legacy_began
-        if lasted <= self.opts.await_legacy_max_s:
-            return
-        self._legacy_overdue_warned = True
-        waiting = ", ".join(_legacy_label(x.label, x.pid) for x in self.legacy)
-        log.warning(
-            "legacy drain has lasted %.0f min, over --await-legacy-max %g min: %s still "
-            "runs and opted-in providers admit nothing new; stop it, or restart the sidecar "
-            "without --await-legacy",
-            lasted / 60,
-            self.opts.await_legacy_max_s / 60,
-            waiting,
-        )
 
     def _log_unexpected(self, where: str) -> None:
         """Log an unexpected exception with its traceback, once per distinct message."""

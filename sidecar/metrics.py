@@ -99,6 +99,7 @@ class SidecarMetrics:
         # share mode only (capacityShare): absent series otherwise
         self._share_calls: Counter | None = None
         self._share_reachable: Gauge | None = None
+        self._share_refused: Gauge | None = None
         self._known: set[str] = set()
         self._lock = threading.Lock()
         self._last_turn: float | None = None  # monotonic
@@ -153,17 +154,30 @@ class SidecarMetrics:
                 self.probe_results.remove(provider, reason)
             self.probe_duration.remove(provider)
 
-    def share_call(self, provider: str, *, ok: bool) -> None:
-        """One lease call to Redis for ``provider`` (share mode), answered or not."""
+    def share_call(self, provider: str, result: str) -> None:
+        """One lease call to Redis for ``provider`` (share mode): ``ok``, ``unavailable``
+        or why the table changed nothing (``duplicate``, ``stale``)."""
         if self._share_calls is None:
             self._share_calls = Counter(
                 "share_calls",
-                "Lease calls to Redis in share mode, by outcome (ok, unavailable)",
+                "Lease calls to Redis in share mode, by outcome (ok, unavailable, "
+                "duplicate, stale)",
                 ["provider", "result"],
                 namespace=NAMESPACE,
                 registry=self.registry,
             )
-        self._share_calls.labels(provider, "ok" if ok else "unavailable").inc()
+        self._share_calls.labels(provider, result).inc()
+
+    def share_refused(self) -> None:
+        """Redis refused this instance its gateway name: another holds it."""
+        if self._share_refused is None:
+            self._share_refused = Gauge(
+                "share_gateway_refused",
+                "1 when another instance holds this gateway's name in Redis (share mode)",
+                namespace=NAMESPACE,
+                registry=self.registry,
+            )
+        self._share_refused.set(1)
 
     def share_reachable(self, up: bool) -> None:
         """1 while Redis answers this sidecar's lease calls, 0 while it does not."""

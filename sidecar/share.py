@@ -2,8 +2,9 @@
 
 The rules are :func:`sidecar.shares.step`; :data:`STEP_LUA` is the same
 function run inside Redis, atomically, on the server's ``TIME``. One hash per
-provider holds the table: ``~touched`` and ``~rebuild`` (server milliseconds)
-and one field per gateway, ``g:<id>`` = ``"reserved demand expires_ms"``.
+provider holds the table: ``~touched`` and ``~rebuild`` (server milliseconds),
+``~cap`` (the capacity last reported by a gateway that knew it) and one field per
+gateway, ``g:<id>`` = ``"reserved demand expires_ms token seq"``.
 
 Only the sidecar imports this module (and redis-py); handlers never talk to
 Redis. The password comes from ``credentialFile`` (the provider key's rules)
@@ -13,10 +14,12 @@ and is handed to redis-py as a keyword, never in the URL, argv or a log line.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from sidecar.shares import Grant, Report, table_ttl_ms
+from sidecar.shares import DUPLICATE, STALE, Grant, Report, table_ttl_ms
 
 if TYPE_CHECKING:
     from sidecar.config import CapacityShare
@@ -28,34 +31,57 @@ STEP_LUA: Final = r"""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me = 'g:' .. ARGV[1]
-local cap = math.max(0, tonumber(ARGV[2]))
+local cap = tonumber(ARGV[2])
 local held = math.max(0, tonumber(ARGV[3]))
 local demand = math.max(0, tonumber(ARGV[4]))
 local floor = tonumber(ARGV[5])
 local lease = math.max(1, tonumber(ARGV[6]))
 local ttl = tonumber(ARGV[7])
+local token = ARGV[8]
+local seq = tonumber(ARGV[9])
+local keep = lease + math.floor(lease / 2)
 
 local raw = redis.call('HGETALL', KEYS[1])
-local touched, rebuild = nil, 0
+local touched, rebuild, known = nil, 0, nil
 local fields = {}
 for i = 1, #raw, 2 do
   local k, v = raw[i], raw[i + 1]
   if k == '~touched' then touched = tonumber(v)
   elseif k == '~rebuild' then rebuild = tonumber(v)
+  elseif k == '~cap' then known = tonumber(v)
   else fields[k] = v end
+end
+
+-- a lease: "reserved demand expires_ms[ token seq]" (the last two absent: older writer)
+local function parse(v)
+  local r, d, e, rest = string.match(v, '^(%d+) (%d+) (%d+)(.*)$')
+  if r == nil then return nil end
+  local tok, sq = '', 0
+  if rest ~= '' then
+    tok, sq = string.match(rest, '^ (%w+) (%d+)$')
+    if tok == nil then return nil end
+    sq = tonumber(sq)
+  end
+  return {tonumber(r), tonumber(d), tonumber(e), tok, sq}
 end
 
 local leases, ids = {}, {}
 if touched == nil or now - touched > math.floor(lease / 2) then
   redis.call('DEL', KEYS[1])
-  rebuild = now + lease
+  rebuild = now + keep
+  known = nil
 else
+  local mine = fields[me] and parse(fields[me])
+  if mine ~= nil and mine[3] > now then
+    if mine[4] ~= '' and mine[4] ~= token then return {0, 0, 0, 0, 0, now, 1} end
+    if mine[4] == token and mine[5] > seq then return {0, 0, 0, 0, 0, now, 2} end
+  end
   for k, v in pairs(fields) do
-    local r, d, e = string.match(v, '^(%d+) (%d+) (%d+)$')
-    if r == nil or tonumber(e) <= now or k == me then
+    local l = parse(v)
+    if l == nil or l[3] <= now or k == me then
       redis.call('HDEL', KEYS[1], k)
     else
-      leases[k] = {tonumber(r), tonumber(d)}
+      leases[k] = l
       ids[#ids + 1] = k
     end
   end
@@ -63,6 +89,16 @@ end
 ids[#ids + 1] = me
 table.sort(ids)
 local rebuilding = now < rebuild
+
+local ceiling
+if cap < 0 then
+  cap = known or 0
+  ceiling = math.max(0, floor)
+else
+  known = cap
+  ceiling = cap
+end
+demand = math.min(demand, ceiling)
 
 -- targets(): a floor each, the rest max-min fair by demand
 local n = #ids
@@ -91,16 +127,42 @@ end
 
 local others = 0
 for g, l in pairs(leases) do others = others + l[1] end
-local limit = math.max(0, math.min(given[me], cap - others))
+local limit = math.max(0, math.min(given[me], cap - others, ceiling))
 if rebuilding then limit = math.min(limit, held) end
 local reserved = math.max(limit, held)
-redis.call('HSET', KEYS[1], me, reserved .. ' ' .. demand .. ' ' .. (now + lease),
+local ident = ''
+if token ~= '' then ident = ' ' .. token .. ' ' .. seq end
+redis.call('HSET', KEYS[1], me, reserved .. ' ' .. demand .. ' ' .. (now + keep) .. ident,
   '~touched', now, '~rebuild', rebuild)
+if known ~= nil then redis.call('HSET', KEYS[1], '~cap', known) end
 redis.call('PEXPIRE', KEYS[1], ttl)
 local r = 0
 if rebuilding then r = 1 end
-return {limit, reserved, n, r, others, now}
+return {limit, reserved, n, r, others, now, 0}
 """
+
+
+def instance_token(segment: str) -> str:
+    """This sidecar's instance token: one per host and segment, the same across restarts.
+
+    Beside the configured gateway name it tells two instances apart that were given
+    one name by accident (one config copied to two hosts, or two gateways on one host
+    with one name): the table refuses the second while the first's lease lives. It is
+    the host's machine id (or its host name where there is none) and the segment name,
+    hashed: stable across a sidecar restart, so a restarted sidecar is the same instance.
+    """
+    host = ""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path, encoding="ascii") as f:
+                host = f.read().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if host:
+            break
+    if not host:
+        host = "host:" + socket.gethostname()
+    return hashlib.sha256(f"{host}\0{segment}".encode()).hexdigest()[:16]
 
 
 def table_key(provider_id: str) -> str:
@@ -151,6 +213,8 @@ class ShareClient:
             report.floor,
             report.lease_ms,
             table_ttl_ms(report.lease_ms),
+            report.token,
+            report.seq,
         ]
         try:
             out = await asyncio.wait_for(
@@ -158,8 +222,9 @@ class ShareClient:
             )
         except (redis.RedisError, OSError, TimeoutError) as exc:
             raise ShareUnavailable(_describe(exc)) from None
-        limit, reserved, gateways, rebuilding, others, now = (int(x) for x in out)
-        grant = Grant(limit, reserved, gateways, bool(rebuilding), others)
+        limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out)
+        why = {1: DUPLICATE, 2: STALE}.get(refused, "")
+        grant = Grant(limit, reserved, gateways, bool(rebuilding), others, why)
         return Answer(grant, now)
 
     async def aclose(self) -> None:

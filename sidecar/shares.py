@@ -1,25 +1,47 @@
 """Shares of one farm's discovered capacity among several gateways, as pure functions.
 
-Invariant (while the capacity ``C`` stays put and the table is trusted): the
-sum of the ``reserved`` shares of the live leases never exceeds ``C``, and a
-gateway's running requests never exceed its ``reserved`` share. So the sum of
-running across gateways never exceeds ``C``.
+The guarantee: the sum over gateways of what each gateway's handlers may run never
+exceeds the capacity ``C``, whatever stops (a sidecar, Redis, the network, a clock).
+It rests on one rule: **a gateway's handlers only ever run on a lease that the
+table still counts**. Three facts make it hold:
 
-The table holds one lease per gateway: ``reserved`` (what it may have
-running), ``demand`` (its running + waiting) and ``expires_ms`` (server time).
-One :func:`step` is one gateway's call; the Lua script in ``sidecar.share``
-does exactly this inside Redis (the tests run both on the same calls and
-compare). Rules:
+* the handlers' bound when the sidecar publishes nothing fresh is the segment's
+  stored fallback, which lives for ever; so in share mode it is 0 (no reservation
+  lives for ever: a dead gateway cannot renew one, a Redis restart forgets one);
+* a grant is in force at the gateway until ``sent + lease`` on the gateway's own
+  deadline clock (the handlers check it themselves), and the table keeps the lease
+  until ``executed + lease + lease // 2`` on Redis's clock (:func:`held_for_ms`).
+  The call is executed after it was sent, so the gateway's deadline comes first,
+  by half a lease: that covers the rate of two clocks, and a request admitted just
+  before the deadline that runs on for up to half a lease;
+* the table is the only place a share is granted, atomically, on Redis's ``TIME``.
 
+Invariant of the table (while ``C`` stays put and the table is trusted): the sum of
+the ``reserved`` shares of the live leases never exceeds ``C``, and a gateway's
+running requests never exceed its ``reserved`` share.
+
+One :func:`step` is one gateway's call; the Lua script in ``sidecar.share`` does
+exactly this inside Redis (the tests run both on the same calls and compare). Rules:
+
+* **identity**: a lease is held by a gateway *name* and an instance *token* (one per
+  host and segment). A call under a name whose lease is live under another token is
+  refused (``duplicate``) and changes nothing: one config copied to two hosts
+  cannot take one share twice. A call older than the last one applied for the same
+  instance (``seq``) is ignored (``stale``): a call Redis executes late, after a
+  stall, never lowers what a newer one reserved;
 * **expiry**: a lease not renewed by ``expires_ms`` is gone, its share free;
-* **a silent table is not trusted**: when nobody called for longer than half
-  a lease (Redis was stopped, or restarted empty), the leases are dropped and
-  for one lease the table *rebuilds*: a gateway is granted at most what it
-  already ``held``, so every gateway re-registers what it runs before anyone
-  grows;
+* **a silent table is not trusted**: when nobody called for longer than half a
+  lease (Redis was stopped, restarted empty, or its clock stepped), the leases are
+  dropped and until the longest lease could have ended the table *rebuilds*: a
+  gateway is granted at most what it already ``held``, so every gateway
+  re-registers what it runs before anyone grows;
 * **targets**: every live gateway gets a floor (``min(floor, C // n)``), the
   rest goes by demand above the floor, max-min fair (:func:`targets`);
   capacity nobody asks for stays unreserved, so a burst is granted at once;
+* **unknown capacity**: a gateway that has no fresh answer from the farm (its probe
+  fails, or its wall clock disagrees with the farm's) reports capacity ``-1``; it is
+  granted at most the floor, of the capacity the last gateway that knew reported,
+  and its demand counts as at most the floor, so the others may have the rest;
 * **shrink before grow**: the caller's new limit is ``min(target, C - the
   others' reserved)``; its reservation is ``max(limit, held)``, where ``held``
   is what it reports as in force locally (``max(published limit, running)``,
@@ -35,9 +57,13 @@ from dataclasses import dataclass
 from typing import Final
 
 MIN_TABLE_TTL_MS: Final = 1000
-# what a share published while Redis does not answer says first; `availability --check`
-# fails on it
+# what a share published while this gateway holds no fresh grant says first;
+# `availability --check` fails on it
 DEGRADED: Final = "share degraded: "
+UNKNOWN: Final = -1  # a reported capacity: this gateway has no fresh answer from the farm
+# why a call changed nothing
+DUPLICATE: Final = "duplicate"
+STALE: Final = "stale"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +71,8 @@ class Lease:
     reserved: int
     demand: int
     expires_ms: int
+    token: str = ""  # the instance that holds it ("": written by an older version)
+    seq: int = 0  # the instance's sequence number of the call that wrote it
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +80,7 @@ class Table:
     leases: Mapping[str, Lease]
     touched_ms: int
     rebuild_until_ms: int
+    capacity: int | None = None  # the capacity the last gateway that knew it reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +88,13 @@ class Report:
     """One gateway's call: what it sees and holds for this provider."""
 
     gateway: str
-    capacity: int  # the discovered capacity in force at this gateway
+    capacity: int  # the discovered capacity in force at this gateway, or UNKNOWN
     held: int  # max(limit published locally, running), read after that publication
     demand: int  # running + waiting
     floor: int
     lease_ms: int
+    token: str = ""
+    seq: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +104,14 @@ class Grant:
     gateways: int  # live gateways, the caller included
     rebuilding: bool
     others_reserved: int
+    refused: str = ""  # DUPLICATE or STALE: the call changed nothing
+
+
+def held_for_ms(lease_ms: int) -> int:
+    """How long the table keeps a lease after the call that wrote it: a lease and a
+    half. The gateway stops at ``sent + lease``; the half lease between is what lets the
+    others wait out everything its handlers could still run."""
+    return lease_ms + lease_ms // 2
 
 
 def targets(capacity: int, floor: int, demands: Mapping[str, int]) -> dict[str, int]:
@@ -109,34 +148,54 @@ def step(table: Table | None, report: Report, now_ms: int) -> tuple[Table, Grant
     lease_ms = max(1, report.lease_ms)
     if table is None or now_ms - table.touched_ms > silent_after_ms(lease_ms):
         leases: dict[str, Lease] = {}
-        rebuild_until = now_ms + lease_ms
+        rebuild_until = now_ms + held_for_ms(lease_ms)
+        known = None
     else:
+        mine = table.leases.get(report.gateway)
+        if mine is not None and mine.expires_ms > now_ms:
+            if mine.token and mine.token != report.token:
+                return table, Grant(0, 0, 0, False, 0, DUPLICATE)
+            if mine.token == report.token and mine.seq > report.seq:
+                return table, Grant(0, 0, 0, False, 0, STALE)
         leases = {
             g: lease
             for g, lease in table.leases.items()
             if lease.expires_ms > now_ms and g != report.gateway
         }
         rebuild_until = table.rebuild_until_ms
+        known = table.capacity
     rebuilding = now_ms < rebuild_until
     held = max(0, report.held)
+    if report.capacity < 0:
+        capacity = known if known is not None else 0
+        ceiling = max(0, report.floor)
+    else:
+        capacity = known = report.capacity
+        ceiling = capacity
+    demand = min(max(0, report.demand), ceiling)  # what it may be granted, not more
     demands = {g: lease.demand for g, lease in leases.items()}
-    demands[report.gateway] = max(0, report.demand)
-    target = targets(report.capacity, report.floor, demands)[report.gateway]
+    demands[report.gateway] = demand
+    target = targets(capacity, report.floor, demands)[report.gateway]
     others = sum(lease.reserved for lease in leases.values())
-    limit = max(0, min(target, report.capacity - others))
+    limit = max(0, min(target, capacity - others, ceiling))
     if rebuilding:
         limit = min(limit, held)
     reserved = max(limit, held)
-    leases[report.gateway] = Lease(reserved, max(0, report.demand), now_ms + lease_ms)
+    leases[report.gateway] = Lease(
+        reserved,
+        demand,
+        now_ms + held_for_ms(lease_ms),
+        report.token,
+        report.seq if report.token else 0,
+    )
     grant = Grant(limit, reserved, len(leases), rebuilding, others)
-    return Table(leases, now_ms, rebuild_until), grant
+    return Table(leases, now_ms, rebuild_until, known), grant
 
 
 def silent_after_ms(lease_ms: int) -> int:
     """How long without any call makes a table untrusted: half a lease. Live gateways
-    renew every quarter of a lease, so a longer silence means Redis did not answer them;
-    and a gateway falls to its safe local limit only after a whole lease without an
-    answer, so whoever finds its lease expired after an outage finds the table silent."""
+    renew every quarter of a lease, so a longer silence means Redis did not answer them
+    (or its clock jumped ahead, which would end leases early)."""
     return lease_ms // 2
 
 
@@ -155,44 +214,63 @@ class Held:
 
     limit: int
     gateways: int
-    capacity: int
     asked_mono: float  # when the call that granted it was sent
     lease_s: float
+
+    @property
+    def deadline(self) -> float:
+        return self.asked_mono + self.lease_s
 
 
 @dataclass(frozen=True, slots=True)
 class Local:
     limit: int
-    state: str  # "granted", "kept", "safe", "none"
+    state: str  # "granted", "kept", "lapsed", "none", "refused"
     reason: str
+    deadline: float | None  # when the limit stops (deadline clock); None: it is 0 anyway
 
 
-def local_limit(held: Held | None, capacity: int, now_mono: float, redis_error: str) -> Local:
+def local_limit(
+    held: Held | None,
+    capacity: int,
+    now_mono: float,
+    redis_error: str,
+    *,
+    refused: str = "",
+) -> Local:
     """The share this gateway enforces at ``now_mono``.
 
     A grant holds until its lease would end (counted from when the call was sent,
-    so it ends here before Redis frees it). When the last call failed
-    (``redis_error``), the grant is *kept* until then; after it, the gateway
-    falls to a safe local limit: its last share, and never more than the capacity
-    divided by the gateways it last saw. Never the whole capacity unless it was
-    the only gateway; without any grant, 0.
+    so it ends here half a lease before Redis frees it). When the last call failed
+    (``redis_error``), the grant is *kept* until then. After it, and without any
+    grant, the limit is 0: what the handlers also fall back to on their own when the
+    sidecar stops publishing (the segment's fallback in share mode), because no
+    reservation outlives a lease. ``capacity`` may be ``UNKNOWN`` (the grant is
+    then at most the floor already). ``refused``: this instance may hold no share
+    (its gateway name is in use by another), 0 for good.
     """
-    capacity = max(0, capacity)
+    if refused:
+        return Local(0, "refused", DEGRADED + refused, None)
     if held is None:
         why = f"no share granted yet ({redis_error})" if redis_error else "no share granted yet"
-        return Local(0, "none", (DEGRADED if redis_error else "") + why)
-    limit = min(held.limit, capacity)
-    in_lease = now_mono < held.asked_mono + held.lease_s
-    if in_lease and not redis_error:
-        return Local(limit, "granted", f"share {limit} of {capacity}, {held.gateways} gateway(s)")
-    if in_lease:
+        return Local(0, "none", (DEGRADED if redis_error else "") + why, None)
+    limit = held.limit if capacity < 0 else min(held.limit, capacity)
+    of = "an unknown capacity" if capacity < 0 else f"{capacity}"
+    if now_mono < held.deadline and not redis_error:
         return Local(
-            limit, "kept", f"{DEGRADED}share {limit} kept until its lease ends: {redis_error}"
+            limit, "granted", f"share {limit} of {of}, {held.gateways} gateway(s)", held.deadline
         )
-    safe = min(limit, capacity // max(1, held.gateways))
+    if now_mono < held.deadline:
+        return Local(
+            limit,
+            "kept",
+            f"{DEGRADED}share {limit} kept until its lease ends: {redis_error}",
+            held.deadline,
+        )
     return Local(
-        safe,
-        "safe",
-        f"{DEGRADED}safe local limit {safe} (last share {held.limit}, capacity {capacity} / "
-        f"{held.gateways} gateway(s)): {redis_error or 'lease lapsed'}",
+        0,
+        "lapsed",
+        f"{DEGRADED}lease lapsed, holding 0 until Redis grants again (the others may take "
+        f"this gateway's share now): {redis_error or 'no answer within the lease'}",
+        None,
     )

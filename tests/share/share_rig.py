@@ -3,14 +3,17 @@ each, real handler processes (load_worker.py), one redis-server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,7 @@ class Gateway:
         farm: Farm,
         redis: RedisServer,
         key_file: Path,
+        redis_url: str | None = None,
         **share: Any,
     ):
         self.name = name
@@ -46,7 +50,7 @@ class Gateway:
         doc = {
             "maxConcurrent": 4,
             "capacityShare": {
-                "redis": redis.url,
+                "redis": redis_url or redis.url,
                 "gateway": name,
                 "lease": LEASE,
                 "floor": 1,
@@ -68,10 +72,14 @@ class Gateway:
         self.done = 0
         self.log = tmp / f"{name}-sidecar.log"
 
-    def start_sidecar(self, *extra: str) -> None:
+    def start_sidecar(
+        self, *extra: str, prefix: Sequence[str] = (), env: Mapping[str, str] | None = None
+    ) -> None:
+        """Start the sidecar (``prefix``: a wrapper such as faketime; ``env``: added)."""
         with open(self.log, "ab") as err:
             self.sidecar = subprocess.Popen(
                 [
+                    *prefix,
                     EXE,
                     "sidecar",
                     "--config",
@@ -85,7 +93,7 @@ class Gateway:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=err,
-                env=_env(),
+                env={**_env(), **(env or {})},
             )
 
     def kill_sidecar(self) -> None:
@@ -199,3 +207,63 @@ def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 20.0) ->
 
 def sigstop(pid: int) -> None:
     os.kill(pid, signal.SIGSTOP)
+
+
+class Blackhole:
+    """A TCP relay on 127.0.0.1 in front of ``port`` that can be cut: while cut, it
+    forwards nothing either way and answers nothing (a partition, as a client sees one:
+    its calls time out), and new connections wait unanswered."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.open = threading.Event()
+        self.open.set()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def cut(self) -> None:
+        self.open.clear()
+
+    def heal(self) -> None:
+        self.open.set()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self.open.wait()
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                self.open.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (src, dst):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._stop = True
+        self.open.set()
+        self._listener.close()

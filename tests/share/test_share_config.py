@@ -94,3 +94,40 @@ def test_share_takes_plain_options_and_a_user_name_in_the_query() -> None:
 
 def test_share_urls_in_messages_lose_their_user_part() -> None:
     assert redis_url_for_logs("rediss://gw:secret@h:6380/1") == "rediss://h:6380/1"
+
+
+def test_share_a_handler_that_creates_the_segment_stores_0_as_a_discovery_providers_fallback(
+    tmp_path: Any,
+) -> None:
+    """Before any sidecar ran, a handler's own reading of the config: in share mode a
+    provider with discovery runs on 0, never its static limit (docs/share.md)."""
+    from handler_shim.admission import providers_from_config
+
+    path = tmp_path / "gateway.json"
+    path.write_text(
+        json.dumps(
+            {
+                "maxConcurrent": 8,
+                "capacityShare": {"redis": "redis://127.0.0.1:1/0", "gateway": "gw-1"},
+                "providers": [
+                    {"id": "shared", "baseUrl": "http://127.0.0.1:1/v1", "capacityDiscovery": True},
+                    {"id": "static", "baseUrl": "http://127.0.0.1:1/v1", "maxConcurrent": 3},
+                ],
+            }
+        )
+    )
+    got = {e.provider_id: (e.fallback, e.fallback_source) for e in providers_from_config(path)}
+    assert got == {"shared": (0, "share"), "static": (3, "provider")}
+
+
+def test_share_a_refused_gateway_name_shows_in_the_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from sidecar.metrics import SidecarMetrics
+
+    metrics = SidecarMetrics()
+    metrics.share_call("p1", "duplicate")
+    metrics.share_refused()
+    text = generate_latest(metrics.registry).decode()
+    assert "gateway_capacity_share_gateway_refused 1.0" in text
+    assert 'gateway_capacity_share_calls_total{provider="p1",result="duplicate"} 1.0' in text

@@ -3,6 +3,7 @@ redis-server doing exactly what the pure function does."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -10,13 +11,32 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sidecar.share import STEP_LUA, table_key
-from sidecar.shares import Held, Lease, Report, Table, local_limit, step, table_ttl_ms, targets
+from sidecar.shares import (
+    DUPLICATE,
+    STALE,
+    UNKNOWN,
+    Held,
+    Lease,
+    Report,
+    Table,
+    held_for_ms,
+    local_limit,
+    step,
+    table_ttl_ms,
+    targets,
+)
 
 LEASE = 10_000
 
 
-def report(gw: str, cap: int, held: int, demand: int, floor: int = 1) -> Report:
-    return Report(gw, cap, held, demand, floor, LEASE)
+_calls = itertools.count(1)
+
+
+def report(
+    gw: str, cap: int, held: int, demand: int, floor: int = 1, seq: int | None = None
+) -> Report:
+    """One call of gateway ``gw``'s one instance (its calls numbered in order)."""
+    return Report(gw, cap, held, demand, floor, LEASE, f"tok{gw}", seq or next(_calls))
 
 
 @pytest.mark.parametrize(
@@ -59,10 +79,8 @@ def test_shrink_before_grow_a_share_moves_only_as_running_finishes() -> None:
     table, g = step(None, report("a", 10, 0, 0), 0)
     table, g = step(table, report("b", 10, 0, 0), 1)
     assert g.rebuilding  # a new table grants nothing beyond what is held
-    for t in range(LEASE // 4, LEASE, LEASE // 4):  # renewals, as the sidecars do
-        table, _ = step(table, report("a", 10, 0, 0), t)
-        table, _ = step(table, report("b", 10, 0, 0), t)
-    now = LEASE + 10
+    table = warm(table, ["a", "b"], 10)
+    now = held_for_ms(LEASE) + 10
     table, a = step(table, report("a", 10, 0, 20), now)
     assert a.limit == 9 and not a.rebuilding  # b keeps its floor
     table, _ = step(table, report("a", 10, 9, 9), now + 1)  # a runs 9
@@ -104,24 +122,84 @@ def test_capacity_dropping_under_the_running_total_grants_nothing_new() -> None:
     assert b.limit == 0 and b.reserved == 4
 
 
-def test_the_gateway_keeps_its_share_for_a_lease_then_a_safe_local_limit() -> None:
-    held = Held(limit=9, gateways=3, capacity=20, asked_mono=100.0, lease_s=10.0)
-    assert local_limit(held, 20, 105.0, "").state == "granted"
+def test_the_gateway_keeps_its_share_for_a_lease_then_holds_0() -> None:
+    held = Held(limit=9, gateways=3, asked_mono=100.0, lease_s=10.0)
+    granted = local_limit(held, 20, 105.0, "")
+    assert (granted.state, granted.deadline) == ("granted", 110.0)
     kept = local_limit(held, 20, 109.9, "Redis unavailable")
-    assert (kept.limit, kept.state) == (9, "kept")
-    safe = local_limit(held, 20, 110.0, "Redis unavailable")
-    assert (safe.limit, safe.state) == (6, "safe")  # 20 // 3, below the last share
+    assert (kept.limit, kept.state, kept.deadline) == (9, "kept", 110.0)
+    lapsed = local_limit(held, 20, 110.0, "Redis unavailable")
+    assert (lapsed.limit, lapsed.state, lapsed.deadline) == (0, "lapsed", None)
+    assert lapsed.reason.startswith("share degraded: ")
     assert local_limit(None, 20, 0.0, "Redis unavailable").limit == 0
+    assert local_limit(held, 20, 105.0, "", refused="refused: name").limit == 0
+
+
+def warm(table: Table, gws: list[str], cap: int) -> Table:
+    """Renewals every quarter of a lease, as the sidecars call, past the first table's
+    rebuild."""
+    for t in range(LEASE // 4, held_for_ms(LEASE) + 1, LEASE // 4):
+        for gw in gws:
+            table, _ = step(table, report(gw, cap, 0, 0), t)
+    return table
+
+
+def test_a_departed_gateways_share_is_granted_only_half_a_lease_after_its_deadline() -> None:
+    """a's handlers may admit until a's call + lease (its deadline) and a request admitted
+    just before may run on for half a lease: b is granted a's share only after both."""
+    table, _ = step(None, report("a", 10, 0, 0), 0)
+    table = warm(table, ["a", "b"], 10)
+    now = held_for_ms(LEASE) + 10
+    table, a = step(table, report("a", 10, 0, 20), now)
+    assert a.limit == 9  # a stops calling: its sidecar died; its deadline is now + LEASE
+    deadline = now + LEASE
+    t = now
+    while t < deadline + LEASE // 2 - 1:  # b renews, asking for everything
+        t = min(t + LEASE // 4, deadline + LEASE // 2 - 1)
+        table, b = step(table, report("b", 10, 1, 20), t)
+        assert b.limit == 1  # a's 9 are still reserved
+    _, b = step(table, report("b", 10, 1, 20), t + 2)
+    assert b.limit == 10
+
+
+def test_a_second_instance_under_a_live_gateways_name_is_refused() -> None:
+    table, _ = step(None, report("a", 10, 0, 0), 0)
+    twin = Report("a", 10, 0, 20, 1, LEASE, "another-host", 1)
+    after, g = step(table, twin, 100)
+    assert g.refused == DUPLICATE and g.limit == 0 and after == table
+    later = held_for_ms(LEASE) + 1  # the first instance's lease ended: the name is free
+    _, g = step(table, twin, later)
+    assert not g.refused
+
+
+def test_a_call_redis_runs_after_a_newer_one_of_the_same_instance_changes_nothing() -> None:
+    table, _ = step(None, report("a", 10, 5, 5, seq=10**9), 0)
+    after, g = step(table, report("a", 10, 0, 0, seq=10**9 - 1), 10)
+    assert g.refused == STALE and after == table
+
+
+def test_a_gateway_without_a_fresh_capacity_is_granted_at_most_the_floor() -> None:
+    table, _ = step(None, report("a", 10, 0, 0), 0)
+    table = warm(table, ["a"], 10)
+    now = held_for_ms(LEASE) + 10
+    table, b = step(table, report("b", UNKNOWN, 0, 20, floor=2), now)
+    assert b.limit == 2  # of the capacity a reported
+    table, a = step(table, report("a", 10, 0, 20, floor=2), now + 1)
+    assert a.limit == 8  # b's demand counts as no more than it may be granted
+    _, b = step(None, report("b", UNKNOWN, 0, 20), 0)
+    assert b.limit == 0  # nobody knows it
 
 
 # --- the Lua script against the model -------------------------------------------------
 
 call = st.tuples(
     st.sampled_from(["a", "b", "c"]),
-    st.integers(0, 30),  # capacity
+    st.integers(-1, 30),  # capacity (-1: unknown here)
     st.integers(0, 30),  # held
     st.integers(0, 40),  # demand
     st.integers(0, 3),  # floor
+    st.sampled_from(["", "t1", "t2"]),  # instance token
+    st.integers(0, 5),  # its sequence number
 )
 
 
@@ -132,9 +210,11 @@ def _table_in_redis(client: Any, key: str) -> Table | None:
     leases = {}
     for k, v in raw.items():
         if k.startswith("g:"):
-            r, d, e = (int(x) for x in v.split())
-            leases[k[2:]] = Lease(r, d, e)
-    return Table(leases, int(raw["~touched"]), int(raw["~rebuild"]))
+            r, d, e, *ident = v.split()
+            token, seq = ident if ident else ("", "0")
+            leases[k[2:]] = Lease(int(r), int(d), int(e), token, int(seq))
+    cap = int(raw["~cap"]) if "~cap" in raw else None
+    return Table(leases, int(raw["~touched"]), int(raw["~rebuild"]), cap)
 
 
 @settings(
@@ -149,18 +229,20 @@ def test_the_lua_script_is_the_pure_step(redis_server: Any, calls: list[Any]) ->
     key = table_key("lua-vs-model")
     client.delete(key)
     model: Table | None = None
-    for gw, cap, held, demand, floor in calls:
-        rep = Report(gw, cap, held, demand, floor, LEASE)
-        out = script(keys=[key], args=[gw, cap, held, demand, floor, LEASE, table_ttl_ms(LEASE)])
-        limit, reserved, gateways, rebuilding, others, now = (int(x) for x in out)
+    for n, (gw, cap, held, demand, floor, token, seq) in enumerate(calls):
+        rep = Report(gw, cap, held, demand, floor, LEASE, token, seq)
+        args = [gw, cap, held, demand, floor, LEASE, table_ttl_ms(LEASE), token, seq]
+        out = script(keys=[key], args=args)
+        limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out)
         model, grant = step(model, rep, now)
-        assert (limit, reserved, gateways, bool(rebuilding), others) == (
+        assert (limit, reserved, gateways, bool(rebuilding), others, refused) == (
             grant.limit,
             grant.reserved,
             grant.gateways,
             grant.rebuilding,
             grant.others_reserved,
-        )
+            {"": 0, DUPLICATE: 1, STALE: 2}[grant.refused],
+        ), n
         assert _table_in_redis(client, key) == model
 
 
@@ -169,12 +251,12 @@ def test_the_lua_script_drops_a_stale_lease_written_by_hand(redis_server: Any) -
     script = client.register_script(STEP_LUA)
     key = table_key("stale")
     client.delete(key)
-    script(keys=[key], args=["a", 10, 0, 0, 1, LEASE, table_ttl_ms(LEASE)])
+    script(keys=[key], args=["a", 10, 0, 0, 1, LEASE, table_ttl_ms(LEASE), "t", 1])
     touched = int(client.hget(key, "~touched"))
     client.hset(key, mapping={"~rebuild": 0, "g:ghost": f"9 9 {touched - 1}", "g:junk": "x"})
-    limit, *_ = script(keys=[key], args=["a", 10, 0, 10, 1, LEASE, table_ttl_ms(LEASE)])
+    limit, *_ = script(keys=[key], args=["a", 10, 0, 10, 1, LEASE, table_ttl_ms(LEASE), "t", 2])
     assert limit == 10
-    assert set(client.hkeys(key)) == {b"~touched", b"~rebuild", b"g:a"}
+    assert set(client.hkeys(key)) == {b"~touched", b"~rebuild", b"~cap", b"g:a"}
 
 
 # --- the invariant over whole histories ------------------------------------------------
@@ -195,7 +277,7 @@ def test_the_sum_of_running_never_exceeds_the_capacity(
     every quarter of a lease as the sidecar does, the others' calls in any order, Redis
     down for all of them at times: every gateway's running stays within its
     reservation, and the sum of running within the capacity. A gateway without an
-    answer for a lease falls to its safe local limit (``local_limit``)."""
+    answer for a lease holds 0 (``local_limit``)."""
     table: Table | None = None
     now = 0
     up = True
@@ -216,7 +298,8 @@ def test_the_sum_of_running_never_exceeds_the_capacity(
         held = max(in_force(gw), running[gw])
         rep = Report(gw, capacity, held, running[gw] + waiting[gw], floor, LEASE)
         table, grant = step(table, rep, now)
-        held_by[gw] = Held(grant.limit, grant.gateways, capacity, now / 1000, LEASE / 1000)
+        if not grant.refused:
+            held_by[gw] = Held(grant.limit, grant.gateways, now / 1000, LEASE / 1000)
         assert grant.reserved >= running[gw]
 
     for gw, what, gap in events:
@@ -245,11 +328,10 @@ def test_the_sum_of_running_never_exceeds_the_capacity(
         assert sum(running.values()) <= capacity, (running, table)
 
 
-def test_after_an_outage_longer_than_half_a_lease_nobody_grows_into_a_lapsed_share() -> None:
-    """Redis down for everyone: a (last answer at 1 s) falls to its safe limit at 11 s
-    and may still run 5; when Redis answers at 12 s, b must not be granted a's 5."""
-    table = Table({"a": Lease(5, 5, 11_000), "b": Lease(5, 10, 14_000)}, 4_000, 0)
-    safe = local_limit(Held(5, 2, 10, 1.0, LEASE / 1000), 10, 11.0, "down")
-    assert (safe.state, safe.limit) == ("safe", 5)
+def test_after_an_outage_longer_than_half_a_lease_nobody_grows_into_a_share_in_force() -> None:
+    """Redis down for everyone: a (last answer at 1 s) runs its 5 until 11 s, and a
+    request admitted at 10.9 s may run on; when Redis answers at 12 s, b must not be
+    granted a's 5 until the longest lease could have ended."""
+    table = Table({"a": Lease(5, 5, 16_000), "b": Lease(5, 10, 14_000)}, 4_000, 0)
     _, b = step(table, report("b", 10, 5, 10), 12_000)
     assert b.rebuilding and b.limit == 5

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 from sidecar_e2e import EXE, Rig, clean_env, run_sidecar
 
-from sidecar.daemon import StartupError, metrics_exposure, parse_legacy
+from sidecar.daemon import metrics_exposure
+from sidecar.legacy import parse_legacy
+from sidecar.startup import StartupError
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from as_nobody import NOBODY, as_nobody, public_dir

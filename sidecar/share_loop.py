@@ -1,0 +1,295 @@
+"""Share mode's loop in the sidecar: keep this gateway's lease per provider in Redis and
+publish the share it holds as the provider's limit, source ``share`` (docs/share.md).
+
+What a share *is* comes from :mod:`sidecar.shares` (pure); the one Redis call from
+:mod:`sidecar.share`. This module only does the timing: when a call is due, what it
+reports (read from the segment after the last publication), and what the answer
+changes in the daemon's decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shm_layout import layout, ledger, platform
+from sidecar.config import CapacityShare, redis_url_for_logs
+from sidecar.contract import MAX_FUTURE_S
+from sidecar.limits import DISCOVERED, LEGACY_DRAIN, SHARE, LimitDecision
+from sidecar.share import instance_token
+from sidecar.shares import DEGRADED, DUPLICATE, UNKNOWN, Held, Report, local_limit
+
+if TYPE_CHECKING:
+    from sidecar.daemon import Sidecar, _ProviderState
+    from sidecar.share import ShareClient
+
+log = logging.getLogger("gateway_capacity.sidecar")
+
+SHARE_POLL_S = 0.05  # how often share mode looks at running and waiting
+SHARE_MIN_CALL_S = 0.1  # at most this often a call per provider when demand changes
+SHARE_RENEWALS = 4  # calls per lease at least: half a lease of silence means an outage
+SHARE_WAITING_CALL_S = 0.25  # how often a provider with waiting requests asks again
+
+
+@dataclass
+class ProviderShare:
+    """One provider's lease as this gateway last saw it."""
+
+    held: Held | None = None  # the last grant
+    error: str = ""  # why the last call failed ("" when it answered)
+    asked: tuple[int, int, int] | tuple[()] = ()  # what the last call reported
+    asked_mono: float = -1e18
+    # what this gateway reports: the discovered capacity, or UNKNOWN without a fresh one
+    capacity: int = UNKNOWN
+
+
+class ShareLoop:
+    def __init__(self, sidecar: Sidecar, share: CapacityShare) -> None:
+        self.sidecar = sidecar
+        self.config = share  # read once: a change needs a restart
+        self.client: ShareClient | None = None
+        self.providers: dict[str, ProviderShare] = {}
+        self._down_since: float | None = None  # monotonic; None: Redis answers
+        self.token = instance_token(sidecar.segment_name)
+        self._seq = 0
+        self.refused = ""  # why Redis refused this instance its gateway name, for good
+        self.clock_offset_s: float | None = None  # this host's wall clock minus Redis's
+
+    def of(self, provider_id: str) -> ProviderShare:
+        return self.providers.setdefault(provider_id, ProviderShare())
+
+    async def run(self) -> None:
+        """Keep a lease per provider whose capacity is discovered: a call when what this
+        gateway reports changes (at most every ``SHARE_MIN_CALL_S``), while requests wait
+        (every ``SHARE_WAITING_CALL_S``) and at least ``SHARE_RENEWALS`` times a lease;
+        each answer is published at once."""
+        share = self.config
+        from sidecar.share import ShareClient
+
+        password = None
+        if share.credential_file is not None:
+            from sidecar.credential import CredentialError, read_credential
+
+            try:
+                password = read_credential(share.credential_file).reveal()
+            except CredentialError as exc:
+                log.error("capacityShare: %s; share mode holds no share", exc)
+                self._failed(f"credential: {exc}")
+                return
+        self.client = ShareClient(share, password)
+        log.info(
+            "capacityShare: gateway %s (instance %s) shares each discovered capacity through "
+            "%s (lease %gs, floor %d)",
+            share.gateway,
+            self.token,
+            redis_url_for_logs(share.redis),
+            share.lease,
+            share.floor,
+        )
+        while not self.sidecar.stop.is_set():
+            try:
+                await self.turn()
+            except Exception:
+                self.sidecar._log_unexpected("share mode")
+            await asyncio.sleep(SHARE_POLL_S)
+
+    async def aclose(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def turn(self) -> None:
+        sc = self.sidecar
+        share = self.config
+        if self.client is None or sc.retired:
+            return
+        changed = False
+        for provider_id, state in list(sc.providers.items()):
+            d = state.decision
+            if d is None or d.source != SHARE or self.refused:
+                continue
+            mine = self.of(provider_id)
+            capacity = mine.capacity
+            p = ledger.find_provider(sc.seg.buf, provider_id)
+            if p is None:
+                continue
+            base = ledger.provider_base(p)
+            running = layout.PROVIDER["running"].get(sc.seg.buf, base)
+            waiting = layout.PROVIDER["waiting"].get(sc.seg.buf, base)
+            in_force = ledger.limit_value(sc.seg.buf, p, platform.deadline_now())
+            held = max(in_force, running)
+            asked = (capacity, held, running + waiting)
+            mono = time.monotonic()
+            since = mono - mine.asked_mono
+            # due: a quarter of a lease passed; what it reports changed; or requests wait
+            # (a share another gateway gives up is granted only on asking again)
+            due = (
+                since >= share.lease / SHARE_RENEWALS
+                or (asked != mine.asked and since >= SHARE_MIN_CALL_S)
+                or (waiting > 0 and since >= SHARE_WAITING_CALL_S)
+            )
+            if not due:
+                continue
+            asked_mono = platform.deadline_now()
+            report = Report(
+                share.gateway,
+                capacity,
+                held,
+                running + waiting,
+                share.floor,
+                int(share.lease * 1000),
+                self.token,
+                self._next_seq(asked_mono),
+            )
+            from sidecar.share import ShareUnavailable
+
+            mine.asked, mine.asked_mono = asked, mono
+            try:
+                answer = await self.client.call(provider_id, report)
+            except ShareUnavailable as exc:
+                self._failed(str(exc))
+                mine.error = str(exc)
+                sc.metrics.share_call(provider_id, "unavailable")
+            else:
+                self._recovered()
+                self._clock(answer.server_ms, time.time())
+                g = answer.grant
+                sc.metrics.share_call(provider_id, g.refused or "ok")
+                if g.refused == DUPLICATE:
+                    self._refuse()
+                    return
+                if not g.refused:  # a STALE answer changed nothing: a newer one holds
+                    mine.error = ""
+                    mine.held = Held(g.limit, g.gateways, asked_mono, share.lease)
+            if sc.providers.get(provider_id) is state:
+                before = state.decision
+                state.decision = sc._decide(state, time.time())
+                sc._log_decision(state)
+                changed = (
+                    changed
+                    or before is None
+                    or (
+                        (before.effective_limit, before.reason, before.expires_mono)
+                        != (
+                            state.decision.effective_limit,
+                            state.decision.reason,
+                            state.decision.expires_mono,
+                        )
+                    )
+                )
+        # a lease that lapsed while no call was due (Redis slow) is noticed here too
+        for state in sc.providers.values():
+            d = state.decision
+            if (
+                d is not None
+                and d.source == SHARE
+                and d.expires_mono is not None
+                and d.expires_mono <= platform.deadline_now() + SHARE_POLL_S
+            ):
+                state.decision = sc._decide(state, time.time())
+                sc._log_decision(state)
+                changed = True
+        if changed:
+            sc._publish()
+
+    def shared(
+        self, state: _ProviderState, decision: LimitDecision, now: float, mono: float
+    ) -> LimitDecision:
+        """In share mode every provider with discovery enforces its share of the farm
+        (``shares.local_limit``), source ``share``: of the discovered capacity, or, with
+        no fresh answer (a failed probe, a wall clock off the farm's), of an unknown one,
+        at most the floor. Never the static fallback: the others do not leave room for
+        it. The share's deadline is its lease's, seen from here: a sidecar that dies
+        leaves no share in force past it, and the handlers then fall back to 0."""
+        if not state.rules.discovery_active or decision.source == LEGACY_DRAIN:
+            return decision
+        mine = self.of(state.rules.provider_id)
+        known = decision.source == DISCOVERED and decision.expires_mono is not None
+        mine.capacity = decision.effective_limit if known else UNKNOWN
+        local = local_limit(mine.held, mine.capacity, mono, mine.error, refused=self.refused)
+        if known:
+            reason = f"{local.reason}; capacity {decision.reason}"
+        else:  # at most the floor, for want of a capacity: degraded, --check fails
+            reason = (
+                f"{DEGRADED}capacity unknown here{self._clock_note()}: "
+                f"{local.reason.removeprefix(DEGRADED)}; {decision.reason}"
+            )
+        expires_mono = local.deadline
+        if expires_mono is not None and known and decision.expires_mono is not None:
+            expires_mono = min(expires_mono, decision.expires_mono)
+        return dataclasses.replace(
+            decision,
+            effective_limit=local.limit,
+            source=SHARE,
+            reason=reason,
+            expires_at=None if expires_mono is None else now + (expires_mono - mono),
+            expires_mono=expires_mono,
+        )
+
+    def _next_seq(self, mono: float) -> int:
+        """Increasing across restarts of this instance on one boot: the deadline clock in
+        microseconds (and at least one more than the last)."""
+        self._seq = max(self._seq + 1, int(mono * 1_000_000))
+        return self._seq
+
+    def _clock(self, server_ms: int, local_s: float) -> None:
+        """Compare this host's wall clock with Redis's: snapshots are judged by the
+        former (R-K4), leases by the latter only."""
+        offset = local_s - server_ms / 1000
+        off = abs(offset) > MAX_FUTURE_S
+        was = self.clock_offset_s is not None and abs(self.clock_offset_s) > MAX_FUTURE_S
+        self.clock_offset_s = offset
+        if off and not was:
+            log.warning(
+                "capacityShare: this host's wall clock is %+.0f s off Redis's: the farm's "
+                "snapshots are judged by it, so discovery may fail here; this gateway then "
+                "holds at most the floor. Fix the host's time (NTP)",
+                offset,
+            )
+        elif was and not off:
+            log.info("capacityShare: this host's wall clock agrees with Redis's again")
+
+    def _clock_note(self) -> str:
+        offset = self.clock_offset_s
+        if offset is None or abs(offset) <= MAX_FUTURE_S:
+            return ""
+        return f" (this host's wall clock is {offset:+.0f} s off Redis's)"
+
+    def _refuse(self) -> None:
+        """Another instance holds this gateway's name: hold 0, say so, and exit 2 (a
+        configuration to fix, which systemd does not restart)."""
+        sc = self.sidecar
+        self.refused = (
+            f"refused: gateway name {self.config.gateway!r} is held in Redis by another "
+            f"instance (this one is {self.token}); give each gateway its own "
+            "capacityShare.gateway"
+        )
+        log.error("capacityShare: %s; this sidecar holds no share and exits (2)", self.refused)
+        sc.metrics.share_refused()
+        sc._redecide_all()
+        sc._publish()
+        sc.exit_code = 2
+        sc.stop.set()
+
+    def _failed(self, why: str) -> None:
+        self.sidecar.metrics.share_reachable(False)
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            log.warning(
+                "capacityShare: %s: keeping each share until its lease ends (%gs), then 0; "
+                "availability --check fails until Redis answers",
+                why,
+                self.config.lease,
+            )
+
+    def _recovered(self) -> None:
+        self.sidecar.metrics.share_reachable(True)
+        if self._down_since is not None:
+            log.info(
+                "capacityShare: Redis answers again after %.1fs: shares follow demand",
+                time.monotonic() - self._down_since,
+            )
+            self._down_since = None

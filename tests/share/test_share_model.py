@@ -1,0 +1,303 @@
+"""The share rules as one model under every fault at once: the pure table step
+(``sidecar.shares.step``, which the Lua script is checked against), the gateway's rule
+(``local_limit``) and the handlers' own rule (a published limit until its deadline,
+then the segment's fallback, 0 in share mode), driven by hypothesis through histories
+in which sidecars die, are SIGSTOPped past their lease (a call in flight), Redis stalls
+(calls executed late, in any order) or restarts empty, a gateway is cut off from Redis,
+its wall clock is off the farm's (no fresh capacity), and a second instance starts
+under a gateway's name. At every instant: the sum over gateways of what their handlers
+may run (the limit in force, or more while more still run) never exceeds the capacity.
+
+The one assumption about the world: a request ends within half a lease of its
+admission, the margin the table keeps a lease beyond the gateway's deadline
+(``held_for_ms``; docs/share.md says what a longer request at a vanished gateway
+does)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from sidecar.shares import (
+    DUPLICATE,
+    STALE,
+    UNKNOWN,
+    Held,
+    Report,
+    Table,
+    held_for_ms,
+    local_limit,
+    step,
+)
+
+LEASE = 4_000  # ms
+REQUEST_MAX = held_for_ms(LEASE) - LEASE  # a request ends within half a lease
+CLIENT_TIMEOUT = 2_000  # redis-py gives up on an answer after this long (ms)
+
+
+@dataclass
+class Gateway:
+    name: str
+    token: str
+    sidecar: str = "up"  # "up", "stopped", "dead", "refused"
+    partitioned: bool = False
+    skewed: bool = False  # its wall clock is off the farm's: no fresh capacity
+    published: tuple[int, int | None] = (0, None)  # limit, deadline (ms); None: fallback
+    held: Held | None = None
+    error: str = ""
+    refused: str = ""
+    running: list[int] = field(default_factory=list)  # admission times
+    waiting: int = 0
+    last_call: int = -(10**9)
+    seq: int = 0
+    in_flight: list[tuple[Report, int, Table | None, object]] = field(default_factory=list)
+
+
+class ShareFarm(RuleBasedStateMachine):
+    """One provider, capacity ``C``, a few gateways, one Redis; time in ms."""
+
+    @initialize(capacity=st.integers(0, 12), floor=st.integers(0, 3), gateways=st.integers(1, 3))
+    def start(self, capacity: int, floor: int, gateways: int) -> None:
+        self.capacity = capacity
+        self.floor = floor
+        self.now = 0
+        self.table: Table | None = None
+        self.redis_stalled = False
+        self.queued: list[tuple[Gateway, Report, int]] = []  # calls a stalled Redis holds
+        self.tokens = 0
+        self.gws = [self._new(name) for name in "abc"[:gateways]]
+        # warm: every gateway registered and past the first table's rebuild
+        self.advance_to(held_for_ms(LEASE) + LEASE // 4)
+
+    def _new(self, name: str) -> Gateway:
+        self.tokens += 1
+        return Gateway(name, f"t{self.tokens}")
+
+    # --- the handlers' rule, and the gateway's --------------------------------------
+    def in_force(self, g: Gateway) -> int:
+        limit, deadline = g.published
+        return limit if deadline is not None and self.now < deadline else 0
+
+    def publish(self, g: Gateway) -> None:
+        capacity = UNKNOWN if g.skewed else self.capacity
+        local = local_limit(g.held, capacity, self.now / 1000, g.error, refused=g.refused)
+        deadline = None if local.deadline is None else round(local.deadline * 1000)
+        g.published = (local.limit, deadline)
+
+    def answer(self, g: Gateway, report: Report, asked: int, grant: object) -> None:
+        """The sidecar receives a grant for the call it sent at ``asked``."""
+        from sidecar.shares import Grant
+
+        assert isinstance(grant, Grant)
+        if grant.refused == DUPLICATE:
+            g.refused = "refused: name held by another instance"
+            g.sidecar = "refused"  # it publishes 0 and exits
+        elif grant.refused != STALE:
+            g.held = Held(grant.limit, grant.gateways, asked / 1000, LEASE / 1000)
+            g.error = ""
+        self.publish(g)
+
+    def call(self, g: Gateway) -> None:
+        if g.sidecar != "up":
+            return
+        g.last_call = self.now
+        g.seq += 1
+        report = Report(
+            g.name,
+            UNKNOWN if g.skewed else self.capacity,
+            max(self.in_force(g), len(g.running)),
+            len(g.running) + g.waiting,
+            self.floor,
+            LEASE,
+            g.token,
+            g.seq,
+        )
+        if g.partitioned:
+            g.error = "unreachable"
+        elif self.redis_stalled:
+            self.queued.append((g, report, self.now))
+            g.error = "timed out"
+        else:
+            self.table, grant = step(self.table, report, self.now)
+            self.answer(g, report, self.now, grant)
+            return
+        self.publish(g)
+
+    # --- time ------------------------------------------------------------------------
+    def check(self) -> None:
+        total = sum(max(self.in_force(g), len(g.running)) for g in self.gws)
+        assert total <= self.capacity, (self.now, total, self.capacity, self.gws, self.table)
+
+    def advance_to(self, target: int) -> None:
+        """Renewals (every quarter of a lease, as the sidecar calls) and request ends, in
+        time order, the invariant checked after each."""
+        while True:
+            renewals = [
+                (g.last_call + LEASE // 4, 0, i)
+                for i, g in enumerate(self.gws)
+                if g.sidecar == "up"
+            ]
+            ends = [
+                (min(g.running) + REQUEST_MAX, 1, i) for i, g in enumerate(self.gws) if g.running
+            ]
+            due = min(renewals + ends, default=None)
+            if due is None or due[0] > target:
+                break
+            self.now = max(self.now, due[0])
+            g = self.gws[due[2]]
+            if due[1] == 0:
+                self.call(g)
+            else:
+                g.running.remove(min(g.running))
+            self.check()
+        self.now = target
+
+    @rule(ms=st.integers(1, 3_000))
+    def wait_a_while(self, ms: int) -> None:
+        self.advance_to(self.now + ms)
+
+    # --- requests --------------------------------------------------------------------
+    def pick(self, i: int) -> Gateway:
+        return self.gws[i % len(self.gws)]
+
+    @rule(i=st.integers(0, 3))
+    def a_request_arrives(self, i: int) -> None:
+        g = self.pick(i)
+        if g.waiting == 0 and len(g.running) < self.in_force(g):
+            g.running.append(self.now)
+        else:
+            g.waiting += 1
+
+    @rule(i=st.integers(0, 3), n=st.integers(1, 12))
+    def a_burst_arrives(self, i: int, n: int) -> None:
+        g = self.pick(i)
+        g.waiting += n
+        while g.waiting and len(g.running) < self.in_force(g):
+            g.waiting -= 1
+            g.running.append(self.now)
+
+    @rule(i=st.integers(0, 3))
+    def waiters_are_admitted(self, i: int) -> None:
+        g = self.pick(i)
+        while g.waiting and len(g.running) < self.in_force(g):
+            g.waiting -= 1
+            g.running.append(self.now)
+
+    @rule(i=st.integers(0, 3))
+    def a_waiter_is_admitted_or_gives_up(self, i: int) -> None:
+        g = self.pick(i)
+        if g.waiting:
+            g.waiting -= 1
+            if len(g.running) < self.in_force(g):
+                g.running.append(self.now)
+
+    @rule(i=st.integers(0, 3))
+    def a_request_finishes(self, i: int) -> None:
+        g = self.pick(i)
+        if g.running:
+            g.running.remove(min(g.running))
+
+    @rule(i=st.integers(0, 3))
+    def the_sidecar_calls_now(self, i: int) -> None:
+        self.call(self.pick(i))
+
+    # --- faults ----------------------------------------------------------------------
+    @rule(i=st.integers(0, 3))
+    def a_sidecar_dies(self, i: int) -> None:
+        g = self.pick(i)
+        if g.sidecar in ("up", "stopped"):
+            g.sidecar, g.in_flight = "dead", []
+
+    @rule(i=st.integers(0, 3))
+    def a_dead_sidecar_is_restarted(self, i: int) -> None:
+        g = self.pick(i)
+        if g.sidecar == "dead":  # a new process: no grant yet, same instance token
+            g.sidecar, g.held, g.error = "up", None, ""
+            g.seq += 1000
+            self.publish(g)
+
+    @rule(i=st.integers(0, 3), call_in_flight=st.booleans())
+    def a_sidecar_is_sigstopped(self, i: int, call_in_flight: bool) -> None:
+        g = self.pick(i)
+        if g.sidecar != "up":
+            return
+        if call_in_flight and not g.partitioned and not self.redis_stalled:
+            # sent and executed just before the stop; the answer is read after SIGCONT
+            g.seq += 1
+            report = Report(
+                g.name,
+                UNKNOWN if g.skewed else self.capacity,
+                max(self.in_force(g), len(g.running)),
+                len(g.running) + g.waiting,
+                self.floor,
+                LEASE,
+                g.token,
+                g.seq,
+            )
+            self.table, grant = step(self.table, report, self.now)
+            g.in_flight.append((report, self.now, self.table, grant))
+        g.sidecar = "stopped"
+
+    @rule(i=st.integers(0, 3))
+    def a_stopped_sidecar_continues(self, i: int) -> None:
+        g = self.pick(i)
+        if g.sidecar != "stopped":
+            return
+        g.sidecar = "up"
+        for report, asked, _, grant in g.in_flight:
+            self.answer(g, report, asked, grant)
+        g.in_flight = []
+        self.publish(g)  # the lapse is seen at once
+
+    @rule()
+    def redis_stalls(self) -> None:
+        self.redis_stalled = True
+
+    @rule(reverse=st.booleans())
+    def redis_resumes(self, reverse: bool) -> None:
+        """The calls it held run now, in either order (a timed-out client's call on a
+        dropped connection may run after a newer one); an answer reaches a sidecar that
+        is still waiting for it."""
+        if not self.redis_stalled:
+            return
+        self.redis_stalled = False
+        queued, self.queued = self.queued, []
+        for g, report, asked in reversed(queued) if reverse else queued:
+            self.table, grant = step(self.table, report, self.now)
+            if g.sidecar == "up" and self.now - asked <= CLIENT_TIMEOUT:
+                self.answer(g, report, asked, grant)
+
+    @rule()
+    def redis_restarts_empty(self) -> None:
+        self.table = None
+        self.queued = []
+
+    @rule(i=st.integers(0, 3))
+    def a_gateway_is_cut_off_from_redis(self, i: int) -> None:
+        self.pick(i).partitioned = True
+
+    @rule(i=st.integers(0, 3))
+    def a_partition_heals(self, i: int) -> None:
+        self.pick(i).partitioned = False
+
+    @rule(i=st.integers(0, 3), skewed=st.booleans())
+    def a_wall_clock_is_an_hour_off(self, i: int, skewed: bool) -> None:
+        self.pick(i).skewed = skewed
+
+    @rule(i=st.integers(0, 3))
+    def a_second_instance_starts_under_a_gateways_name(self, i: int) -> None:
+        if len(self.gws) < 4:
+            twin = self._new(self.pick(i).name)
+            self.gws.append(twin)
+            self.publish(twin)
+
+    @invariant()
+    def the_farm_never_runs_over_capacity(self) -> None:
+        self.check()
+
+
+ShareFarm.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+test_share_model_holds_the_capacity_in_every_fault = ShareFarm.TestCase
