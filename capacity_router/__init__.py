@@ -3,7 +3,7 @@
 Answers ``GET /v1/capacity`` with the sum, per model id, of the slots of
 distinct healthy, registered, unfenced workers. Shares only the contract
 types (``sidecar.contract``) with the rest of the project. The HTTP server
-(``RouterServer``, ``build_app``) needs the ``router`` extra (starlette, uvicorn) and
+(``RouterServer``) runs on asyncio (uvloop where installed) and
 loads on first use; the rest, a router's client included, needs only the core.
 
 Public API::
@@ -24,7 +24,7 @@ from .registry import RegistryError, RegistryFile, RegistryWatcher, Worker, pars
 from .simworker import SimWorker
 
 if TYPE_CHECKING:
-    from .app import RouterServer, build_app
+    from .app import RouterServer
 
 __all__ = [
     "CapacityObserver",
@@ -40,14 +40,13 @@ __all__ = [
     "Worker",
     "WorkerStatus",
     "aggregate",
-    "build_app",
     "parse_registry",
     "read_key_file",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("RouterServer", "build_app"):
+    if name == "RouterServer":
         from . import app
 
         return getattr(app, name)

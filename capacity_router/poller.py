@@ -24,6 +24,7 @@ bodies are read up to a bound. A worker with a ``keyFile`` gets
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import time
@@ -57,6 +58,25 @@ class FencedInRegistry(ValueError):
 
 
 _PREFERENCE: tuple[State, ...] = ("ok", "unreadable", "unhealthy", "unreachable")
+
+
+# The router's own shortage, not the worker's: a round that meets one cannot read the
+# worker, so the worker is unreadable (the snapshot incomplete), never "unreachable".
+_LOCAL_SHORTAGE = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL}
+)
+
+
+def local_shortage(exc: BaseException) -> OSError | None:
+    """The router's own lack of a descriptor, socket or buffer behind ``exc``, if any."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, OSError) and seen.errno in _LOCAL_SHORTAGE:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _describe(exc: BaseException) -> str:
@@ -107,7 +127,13 @@ async def poll_url(
         return Observation("unhealthy", reason=str(exc))
     except Unreadable as exc:
         return Observation("unreadable", reason=str(exc))
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, OSError) as exc:
+        shortage = local_shortage(exc)
+        if shortage is not None:
+            return Observation(
+                "unreadable",
+                reason=f"the router itself is out of {os.strerror(shortage.errno or 0)}",
+            )
         if health_stage:
             return Observation("unreachable", reason=_describe(exc))
         return Observation("unreadable", reason=f"{fetch.stage}: {_describe(exc)}")
@@ -191,6 +217,7 @@ class CapacityObserver:
         self._max_concurrency = max_concurrency
         self._before_round = before_round
         self._admin_fenced: set[str] = set()
+        self._admin_fenced_view: frozenset[str] = frozenset()
         self._published: tuple[CapacitySnapshot, bytes] | None = None
         self._workers: tuple[WorkerStatus, ...] = ()
         self._lock: asyncio.Lock | None = None
@@ -212,6 +239,10 @@ class CapacityObserver:
 
     def workers(self) -> tuple[WorkerStatus, ...]:
         return self._workers
+
+    def admin_fenced(self) -> frozenset[str]:
+        """The ids fenced by the admin endpoint now (from the moment it is asked)."""
+        return self._admin_fenced_view
 
     # -- rounds (event loop) -----------------------------------------------
 
@@ -256,6 +287,7 @@ class CapacityObserver:
             raise UnknownWorker(worker_id)
         if worker_id not in self._admin_fenced:
             self._admin_fenced.add(worker_id)
+            self._admin_fenced_view = frozenset(self._admin_fenced)
             log.info("worker %s fenced by the admin endpoint", worker_id)
         return await self.observe()
 
@@ -269,6 +301,7 @@ class CapacityObserver:
             raise FencedInRegistry(worker_id)
         if worker_id in self._admin_fenced:
             self._admin_fenced.discard(worker_id)
+            self._admin_fenced_view = frozenset(self._admin_fenced)
             log.info("worker %s unfenced by the admin endpoint", worker_id)
         return await self.observe()
 
@@ -299,7 +332,11 @@ class CapacityObserver:
                 if key is None:
                     return Observation("unreadable", reason=f"keyFile: {error}")
             async with semaphore:
-                return await poll_worker(client, worker, self.timeout, key)
+                try:
+                    return await poll_worker(client, worker, self.timeout, key)
+                except Exception as exc:  # a round must publish, whatever one worker did
+                    log.debug("worker %s: poll failed", worker.id, exc_info=True)
+                    return Observation("unreadable", reason=f"poll failed: {_describe(exc)}")
 
         observed_at = time.time()
         active = [w for w in registry.workers if not is_fenced(w, admin_fenced)]

@@ -64,7 +64,7 @@ def shorten(text: str, limit: int = TEXT_REASON_MAX) -> str:
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
-ROUTER_EXTRA = ("starlette", "uvicorn")
+ROUTER_EXTRA = ("uvloop",)
 
 
 def require_router_extra(what: str) -> None:

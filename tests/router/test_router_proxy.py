@@ -219,7 +219,7 @@ def test_r_k5_a_fenced_worker_finishes_its_stream_and_gets_no_new_request(
     r.fence("a")
     for _ in range(3):
         client.chat.completions.create(model="wh", messages=MESSAGES, max_tokens=2)
-    assert b.completions == 3
+    wait_for(lambda: b.completions == 3, what="b's three completions")
     rest = list(chunks)
     text = "".join(c.choices[0].delta.content or "" for c in [first, *rest])
     assert text == "t0 t1 t2 t3 t4 t5 "
