@@ -320,12 +320,18 @@ class CapacityObserver:
         self._registry_refresh()
         registry = self._registry.current
         admin_fenced = frozenset(self._admin_fenced)
+        shortage = ""
         if self._client is None:
-            self._client = new_client(self.timeout)
+            try:
+                self._client = new_client(self.timeout)
+            except OSError as exc:  # no descriptor even for the CA file: nothing is read
+                shortage = f"the router itself is out of {os.strerror(exc.errno or 0)}"
         client = self._client
         semaphore = asyncio.Semaphore(self._max_concurrency)
 
         async def bounded(worker: Worker) -> Observation:
+            if client is None:
+                return Observation("unreadable", reason=shortage)
             key: bytes | None = None
             if worker.key_file is not None:
                 key, error = self._worker_key(self._key_path(worker.key_file))
