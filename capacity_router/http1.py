@@ -95,6 +95,7 @@ class Connections:
         self.handler = handler
         self.max_connections = max_connections
         self.max_unauthenticated = max_unauthenticated
+        self.loop = asyncio.get_running_loop()  # made on it; saves a getpid() a timer
         self.open: set[Connection] = set()
         self.unauthenticated: dict[Connection, None] = {}  # oldest first
         self._ids = f"{os.getpid():x}{int(time.time() * 1000) & 0xFFFFFF:06x}"
@@ -173,10 +174,11 @@ class Connection(asyncio.Protocol):
             if len(self._buf) > MAX_HEAD_BYTES:
                 self._pause_reading()
             return
-        if self._state == _HEAD and not self._buf and self.authenticated:
-            self._arm(HEAD_TIMEOUT_S, self._head_timeout)  # idle ends: the head's deadline
+        idle = self._state == _HEAD and not self._buf and self.authenticated
         self._buf += data
         self._advance()
+        if idle and self._state == _HEAD and self._buf:  # idle ends: the head's deadline
+            self._arm(HEAD_TIMEOUT_S, self._head_timeout)
 
     def eof_received(self) -> bool:
         return False  # a client that closes its side has left: close ours (frees its worker)
@@ -203,7 +205,7 @@ class Connection(asyncio.Protocol):
     def _advance(self) -> None:
         while self._state in (_HEAD, _BODY):
             if self._state == _HEAD:
-                end = self._buf.find(b"\r\n\r\n")
+                end = self._buf.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4)
                 if end < 0:
                     if len(self._buf) > MAX_HEAD_BYTES:
                         self._refuse(BadMessage("a request head over 64 KiB", 431))
@@ -227,7 +229,8 @@ class Connection(asyncio.Protocol):
                 if head.get(b"expect") == b"100-continue" and head.length:
                     self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 self._state = _BODY
-                self._arm(BODY_TIMEOUT_S, self._body_timeout)
+                if len(self._buf) < head.length:
+                    self._arm(BODY_TIMEOUT_S, self._body_timeout)
             if self._head is None or len(self._buf) < self._head.length:
                 return
             current = self._head
@@ -247,8 +250,7 @@ class Connection(asyncio.Protocol):
 
     def _arm(self, seconds: float, then: Callable[[], None]) -> None:
         self._disarm()
-        assert self.transport is not None
-        self._timer = asyncio.get_running_loop().call_later(seconds, then)
+        self._timer = self._owner.loop.call_later(seconds, then)
 
     def _disarm(self) -> None:
         if self._timer is not None:

@@ -539,7 +539,7 @@ class FarmProxy:
             return None
         exchange = Exchange(self, client, head, body, model)
         client.exchange = exchange
-        return asyncio.ensure_future(exchange.run())
+        return exchange.start()
 
 
 _RETRY, _DONE, _NO_CONNECTION = "retry", "done", "no connection"
@@ -567,7 +567,10 @@ class Exchange:
         self._worker_id = ""
         self._conn: _Upstream | None = None
         self._target: Target | None = None
-        self._outcome: asyncio.Future[str] | None = None
+        self._waiter: asyncio.Future[str] | None = None
+        self._pending = False
+        self._fast_worker: Worker | None = None
+        self._tried: set[str] = set()
         self._buf = b""
         self._response: ResponseHead | None = None
         self._got_bytes = False
@@ -575,41 +578,64 @@ class Exchange:
         self._scanner: ChunkedScanner | None = None
         self._gone = False
         self._close_client = False
+        self._pending_head = b""
 
     # -- the choice and the attempts ----------------------------------------
 
-    async def run(self) -> None:
-        proxy, client = self._proxy, self._client
-        tried: set[str] = set()
+    def start(self) -> asyncio.Task[None] | None:
+        """Send the request now when a kept-alive connection to the chosen worker is
+        pooled (no task: the answer's callbacks end the exchange); else a task that
+        connects, and tries the next URL or worker when one refuses."""
+        worker = self._pick()
+        if worker is None:
+            self._detach()
+            return None
+        target = target_of(worker.urls[0])
+        conn = self._proxy.pool.take(target)
+        if conn is None:
+            return asyncio.ensure_future(self._run(worker))
+        self._fast_worker = worker
+        headers = upstream_headers(self._head.headers, self._proxy._worker_key(worker))
+        self._send_now(conn, target, self._request_bytes(target, headers))
+        return None
+
+    def _pick(self) -> Worker | None:
+        proxy = self._proxy
+        chosen = choose(proxy.candidates(self._model, exclude=self._tried))
+        if chosen is None:
+            self._client.respond(
+                bad_gateway("no worker for this model took the connection")
+                if self._tried
+                else proxy.no_worker(self._model)
+            )
+            return None
+        worker = chosen.worker
+        self._tried.add(worker.id)
+        self._worker_id = worker.id
+        proxy.acquire(worker.id)
+        return worker
+
+    async def _run(self, worker: Worker | None, fresh: bool = False) -> None:
         try:
-            while not self._gone:
-                chosen = choose(proxy.candidates(self._model, exclude=tried))
-                if chosen is None:
-                    client.respond(
-                        bad_gateway("no worker for this model took the connection")
-                        if tried
-                        else proxy.no_worker(self._model)
-                    )
-                    return
-                worker = chosen.worker
-                tried.add(worker.id)
-                self._worker_id = worker.id
-                proxy.acquire(worker.id)
+            while worker is not None and not self._gone:
                 try:
-                    if await self._to_worker(worker) != _NO_CONNECTION:
+                    if await self._to_worker(worker, fresh) != _NO_CONNECTION:
                         return
                 finally:
-                    proxy.release(worker.id)
+                    self._proxy.release(worker.id)
+                fresh = False
+                worker = self._pick()
         finally:
-            client.exchange = None
+            self._detach()
 
-    async def _to_worker(self, worker: Worker) -> str:
+    async def _to_worker(self, worker: Worker, fresh: bool) -> str:
         key = self._proxy._worker_key(worker)
         headers = upstream_headers(self._head.headers, key)
         for url in worker.urls:
             target = target_of(url)
             request = self._request_bytes(target, headers)
-            conn = self._proxy.pool.take(target)
+            conn = None if fresh else self._proxy.pool.take(target)
+            fresh = False
             while True:
                 if conn is None:
                     try:
@@ -644,22 +670,47 @@ class Exchange:
         lines.append(self._body)
         return b"".join(lines)
 
-    async def _send(self, conn: _Upstream, target: Target, request: bytes) -> str:
+    def _send_now(self, conn: _Upstream, target: Target, request: bytes) -> None:
         self._conn, self._target = conn, target
         self._buf, self._response, self._got_bytes = b"", None, False
-        self._outcome = asyncio.get_running_loop().create_future()
+        self._pending = True
         conn.sink = self
         assert conn.transport is not None
         conn.transport.write(request)
+
+    async def _send(self, conn: _Upstream, target: Target, request: bytes) -> str:
+        self._waiter = asyncio.get_running_loop().create_future()
+        self._send_now(conn, target, request)
         try:
-            return await self._outcome
+            return await self._waiter
         except asyncio.CancelledError:
             self._drop_upstream()
             raise
+        finally:
+            self._waiter = None
 
     def _finish(self, outcome: str) -> None:
-        if self._outcome is not None and not self._outcome.done():
-            self._outcome.set_result(outcome)
+        """The attempt in flight has ended with ``outcome``."""
+        if not self._pending:
+            return
+        self._pending = False
+        waiter = self._waiter
+        if waiter is not None:
+            if not waiter.done():
+                waiter.set_result(outcome)
+            return
+        worker, self._fast_worker = self._fast_worker, None  # the task-free attempt
+        if worker is None:
+            return
+        if outcome == _RETRY and not self._gone:
+            asyncio.ensure_future(self._run(worker, fresh=True))
+            return
+        self._proxy.release(worker.id)
+        self._detach()
+
+    def _detach(self) -> None:
+        if self._client.exchange is self:
+            self._client.exchange = None
 
     def _drop_upstream(self) -> None:
         conn, self._conn = self._conn, None
@@ -698,7 +749,7 @@ class Exchange:
     def _read_head(self, data: bytes) -> bytes:
         buf = self._buf + data
         while True:
-            end = buf.find(b"\r\n\r\n")
+            end = buf.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4)
             if end < 0:
                 if len(buf) > MAX_HEAD_BYTES:
                     raise BadMessage("a head over 64 KiB")
@@ -737,28 +788,29 @@ class Exchange:
             lines.append(b"connection: close\r\n")
         lines.append(REQUEST_ID_HEADER + b": " + client.request_id.encode() + b"\r\n\r\n")
         self._close_client = close
-        client.write(b"".join(lines))
+        self._pending_head = b"".join(lines)  # written with the first body bytes: one send
         return buf
 
     def _body_bytes(self, data: bytes) -> None:
+        head, self._pending_head = self._pending_head, b""
         scanner, client = self._scanner, self._client
         if scanner is not None:
             if client.http10:
                 used = scanner.feed(data, keep_data=True)
-                client.write(scanner.data())
+                client.write(head + scanner.data())
             else:
                 used = scanner.feed(data)
-                client.write(data if used == len(data) else data[:used])
+                client.write(head + (data if used == len(data) else data[:used]))
             if scanner.done:
                 self._complete(reuse=used == len(data) and self._response_keeps())
             return
         if self._left < 0:  # until the worker closes
-            if data:
-                client.write(data)
+            if data or head:
+                client.write(head + data)
             return
         take = data if len(data) <= self._left else data[: self._left]
-        if take:
-            client.write(take)
+        if take or head:
+            client.write(head + take)
         self._left -= len(take)
         if self._left == 0:
             self._complete(reuse=len(take) == len(data) and self._response_keeps())
@@ -775,11 +827,11 @@ class Exchange:
                 self._proxy.pool.give_back(target, conn)
             else:
                 conn.close()
-        self._client.answer_done(keep_alive=not self._close_client)
         self._finish(_DONE)
+        self._client.answer_done(keep_alive=not self._close_client)
 
     def upstream_lost(self) -> None:
-        if self._outcome is None or self._outcome.done():
+        if not self._pending:
             return
         conn = self._conn
         self._conn = None
