@@ -579,6 +579,7 @@ class Exchange:
         self._gone = False
         self._close_client = False
         self._pending_head = b""
+        self._retry: asyncio.Task[None] | None = None
 
     # -- the choice and the attempts ----------------------------------------
 
@@ -703,7 +704,7 @@ class Exchange:
         if worker is None:
             return
         if outcome == _RETRY and not self._gone:
-            asyncio.ensure_future(self._run(worker, fresh=True))
+            self._retry = asyncio.ensure_future(self._run(worker, fresh=True))
             return
         self._proxy.release(worker.id)
         self._detach()
