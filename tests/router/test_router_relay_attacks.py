@@ -229,7 +229,7 @@ def test_r_k5_idle_sockets_of_nobody_do_not_stop_the_key_holder(
                     s.connect(("127.0.0.1", port))
                 sockets.append(s)
             os.write(signal_w, b"x")
-            time.sleep(6)
+            time.sleep(4)
 
         signal_r, signal_w = os.pipe()
         attacker = threading.Thread(target=as_nobody, args=(attack,))
