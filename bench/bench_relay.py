@@ -23,12 +23,14 @@ Run alone: ``python bench/bench_relay.py [--quick]``.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -268,6 +270,8 @@ class Rung:
     late: list[float] = field(default_factory=list)
     cpu_ns: int = 0
     wall_s: float = 0.0
+    capacity_reads: int = 0
+    capacity_wrong: int = 0  # failed, incomplete, or not the worker's 1024 slots
 
 
 async def _client(target: Target, stream: bool, until: float, rung: Rung) -> None:
@@ -337,8 +341,31 @@ def _cpu(target: Target) -> int:
     return sum(proc_cpu_ns(pid) for pid in target.pids())
 
 
+def _watch_capacity(target: Target, rung: Rung, stop: threading.Event) -> None:
+    """The router's /v1/capacity every 0.5 s while its relay is loaded: the number the
+    gateways admit against must stay the worker's."""
+    while not stop.wait(0.5):
+        rung.capacity_reads += 1
+        try:
+            conn = http.client.HTTPConnection(*target.url, timeout=5)
+            conn.request("GET", "/v1/capacity", headers={"Authorization": target.auth.decode()})
+            answer = json.loads(conn.getresponse().read())
+            conn.close()
+            ok = answer["complete"] and answer["models"] == [
+                {"id": MODEL, "max_concurrent_requests": 1024}
+            ]
+        except (OSError, ValueError, KeyError):
+            ok = False
+        rung.capacity_wrong += not ok
+
+
 def run_rung(target: Target, clients: int, stream: bool, seconds: float) -> Rung:
     rung = Rung()
+    stop = threading.Event()
+    watch = None
+    if target.name == "router":
+        watch = threading.Thread(target=_watch_capacity, args=(target, rung, stop))
+        watch.start()
 
     async def main() -> None:
         until = asyncio.get_running_loop().time() + seconds
@@ -351,6 +378,9 @@ def run_rung(target: Target, clients: int, stream: bool, seconds: float) -> Rung
     finally:
         loop.close()
     rung.cpu_ns, rung.wall_s = _cpu(target) - before, time.monotonic() - started
+    stop.set()
+    if watch is not None:
+        watch.join()
     return rung
 
 
@@ -389,6 +419,8 @@ def run_relay(cleanup: Cleanup, log: Callable[[str], None], quick: bool = False)
             )
             log(
                 f"relay: {target.name} c={clients}: {rung.requests} streams, "
+                f"capacity right {rung.capacity_reads - rung.capacity_wrong}"
+                f" of {rung.capacity_reads}, "
                 f"{rung.errors} errors, first p99 {percentile(rung.first, 99) * 1000:.0f} ms, "
                 f"late p99 {percentile(rung.late, 99) * 1000:.1f} ms"
             )
@@ -407,8 +439,9 @@ def carried(rung: Rung) -> bool:
 def relay_tables(r: RelayBench) -> str:
     names = list(r.ladder)
     columns = [f"{n}: streams, errors, first p99 ms, late p99 ms, CPU us/token" for n in names]
+    columns.append("router's /v1/capacity reads the worker's 1024, complete")
     lines = ["| streams at 40 tok/s | " + " | ".join(columns) + " |"]
-    lines.append("|---" * (len(names) + 1) + "|")
+    lines.append("|---" * (len(names) + 2) + "|")
     for clients in next(iter(r.ladder.values())):
         cells = []
         for name in names:
@@ -419,6 +452,10 @@ def relay_tables(r: RelayBench) -> str:
                 f"{r.per_token_ns[name][clients] / 1000:.1f}"
                 + ("" if carried(rung) else " (not carried)")
             )
+        watched = r.ladder["router"][clients]
+        cells.append(
+            f"{watched.capacity_reads - watched.capacity_wrong} of {watched.capacity_reads}"
+        )
         lines.append(f"| {clients} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(
