@@ -258,3 +258,72 @@ def test_r_k5_idle_sockets_of_nobody_do_not_stop_the_key_holder(
         sim.stop()
     assert len(err) < 20_000, f"{len(err)} bytes of logs"
     assert "Traceback" not in err
+
+
+class OneAnswerPerConnection:
+    """A keep-alive HTTP/1.1 worker that answers the first request of each connection and
+    closes the connection at the second one unanswered, as a server whose keep-alive
+    timer fired just as the request arrived."""
+
+    def __init__(self) -> None:
+        self.answered = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            served = 0
+            while True:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+                end = data.find(b"\r\n\r\n")
+                if end < 0:
+                    continue
+                if served == 1 or not data.startswith(b"POST"):
+                    if not data.startswith(b"POST"):  # the poll's GET /health
+                        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        data = b""
+                        continue
+                    return  # the second request of a connection: closed unanswered
+                head = data[:end].lower()
+                length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+                if len(data) < end + 4 + length:
+                    continue
+                data = data[end + 4 + length :]
+                served += 1
+                self.answered += 1
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+
+    def stop(self) -> None:
+        self._listener.close()
+
+
+def test_r_k5_a_kept_alive_connection_the_worker_closed_is_retried_not_a_502(
+    router: Router,
+) -> None:
+    w = OneAnswerPerConnection()
+    try:
+        r = router([worker("a", [w.url], ["wh"], slots={"fixed": 4})], poll_interval=30)
+        with httpx.Client(trust_env=False, timeout=10) as client:
+            statuses = [
+                client.post(
+                    f"{r.url}/v1/chat/completions", json={"model": "wh"}, headers=AUTH
+                ).status_code
+                for _ in range(3)
+            ]
+        assert statuses == [200, 200, 200]
+        assert w.answered == 3
+    finally:
+        w.stop()
