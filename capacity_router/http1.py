@@ -144,6 +144,11 @@ class Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._paused = False
 
+    @property
+    def keep_alive(self) -> bool:
+        """Whether the client keeps this connection for another request."""
+        return self._keep_alive
+
     # -- asyncio callbacks -----------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

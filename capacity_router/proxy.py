@@ -410,6 +410,9 @@ class ClientSide(Protocol):
     http10: bool
     exchange: Exchange | None
 
+    @property
+    def keep_alive(self) -> bool: ...
+
     def write(self, data: bytes) -> None: ...
     def respond(self, answer: Answer) -> None: ...
     def answer_done(self, keep_alive: bool) -> None: ...
@@ -774,7 +777,7 @@ class Exchange:
         client = self._client
         headers = response_headers(head)
         close = not head.keep_alive and not head.chunked and head.length is None
-        if client.http10:
+        if client.http10 or not client.keep_alive:
             close = True
         lines = [b"HTTP/1.1 %d %s\r\n" % (head.status, head.reason)]
         lines.extend(n + b": " + v + b"\r\n" for n, v in headers)

@@ -7,6 +7,7 @@ import socket
 import pytest
 from router_support import KEY, Router, Sim, worker
 
+from capacity_router import SimWorker
 from capacity_router.wire import BadMessage, ChunkedScanner, parse_response_head
 
 CHUNKED = b"5\r\nhello\r\n1;ext=1\r\n \r\n0\r\nx-trailer: 1\r\n\r\n"
@@ -77,3 +78,22 @@ def test_r_k5_a_request_framed_two_ways_is_refused_and_the_connection_closed(
     answer = _exchange(r.url, head.encode() + raw)
     assert answer.split(b" ", 2)[1] == status
     assert b"x-router-request-id: " in answer
+
+
+def test_r_k5_a_client_that_asks_to_close_is_told_so_and_the_connection_closes(
+    router: Router,
+) -> None:
+    sim = SimWorker(slots=2, openai=True, delay=0.01, model="wh")
+    sim.start()
+    try:
+        r = router([worker("a", [sim.url], ["wh"])], poll_interval=30)
+        body = b'{"model": "wh", "max_tokens": 2}'
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        answer = _exchange(r.url, head.encode() + body)  # returns at the router's close
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        assert b"\r\nconnection: close\r\n" in answer.split(b"\r\n\r\n", 1)[0] + b"\r\n"
+    finally:
+        sim.stop()
