@@ -180,18 +180,20 @@ class RouterApp(Handler):
         elif path in RELAYED_PATHS:
             task = self._proxy.relay(conn, head, body)
             if task is not None:
-                self._keep(task)
+                self._keep(task, conn.request_id)
         else:
-            self._keep(asyncio.ensure_future(self._admin(conn, path, head_only)))
+            self._keep(asyncio.ensure_future(self._admin(conn, path, head_only)), conn.request_id)
 
-    def _keep(self, task: asyncio.Task[None]) -> None:
+    def _keep(self, task: asyncio.Task[None], request_id: str) -> None:
         self._tasks.add(task)
-        task.add_done_callback(self._done)
 
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("request failed: %r", task.exception(), exc_info=task.exception())
+        def done(task: asyncio.Task[None]) -> None:
+            self._tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                error = task.exception()
+                log.error("request %s failed: %r", request_id, error, exc_info=error)
+
+        task.add_done_callback(done)
 
     async def in_flight_done(self, timeout: float) -> None:
         if self._tasks:
