@@ -64,6 +64,7 @@ SECTIONS = (
     "asgi",
     "retry",
     "proxy",
+    "relay",
     "share",
 )
 PLOT_DATA: dict[str, object] = {}  # what the plots draw, filled by the sections
@@ -775,6 +776,20 @@ def section_proxy(cleanup: Cleanup, plan: Plan) -> str:
     return "\n".join([head, "", table])
 
 
+def section_relay(cleanup: Cleanup, plan: Plan) -> str:
+    from bench_relay import relay_tables, run_relay
+
+    log("relay: router serve and nginx side by side, the stream ladder at 40 tok/s")
+    result = run_relay(cleanup, log, quick=plan is QUICK)
+    head = (
+        "9b. The relay at a farm's load, beside nginx (bench/bench_relay.py): one keep-alive "
+        "HTTP/1.1 upstream, streamed tokens 25 ms apart, router serve and nginx (one worker, "
+        "upstream keepalive, proxy_buffering off) in front of it, rungs interleaved; proxy "
+        "CPU from schedstat of every thread of every process"
+    )
+    return "\n".join([head, "", relay_tables(result)])
+
+
 def section_share(cleanup: Cleanup, plan: Plan) -> str:
     from bench_redis import RedisUnavailable
     from bench_share import LEASE_S, THEIR_TTL_S, run_share
@@ -896,6 +911,7 @@ RUNNERS: dict[str, Callable[[Cleanup, Plan], str]] = {
     "asgi": section_asgi,
     "retry": section_retry,
     "proxy": section_proxy,
+    "relay": section_relay,
     "share": section_share,
 }
 

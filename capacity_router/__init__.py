@@ -3,7 +3,7 @@
 Answers ``GET /v1/capacity`` with the sum, per model id, of the slots of
 distinct healthy, registered, unfenced workers. Shares only the contract
 types (``sidecar.contract``) with the rest of the project. The HTTP server
-(``RouterServer``, ``build_app``) needs the ``router`` extra (starlette, uvicorn) and
+(``RouterServer``) runs on asyncio (uvloop where installed) and
 loads on first use; the rest, a router's client included, needs only the core.
 
 Public API::
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .aggregate import Observation, aggregate
 
 if TYPE_CHECKING:
-    from .app import RouterServer, build_app
+    from .app import RouterServer
     from .keyfile import KeyFileError, read_key_file
     from .poller import CapacityObserver, FencedInRegistry, UnknownWorker, WorkerStatus
     from .registry import RegistryError, RegistryFile, RegistryWatcher, Worker, parse_registry
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 # server kinds) costs no HTTP client, and the server no starlette until served.
 _HOME = {
     "RouterServer": "app",
-    "build_app": "app",
     "KeyFileError": "keyfile",
     "read_key_file": "keyfile",
     "CapacityObserver": "poller",
@@ -62,7 +61,6 @@ __all__ = [
     "Worker",
     "WorkerStatus",
     "aggregate",
-    "build_app",
     "parse_registry",
     "read_key_file",
 ]

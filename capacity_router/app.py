@@ -1,11 +1,11 @@
 """The router's HTTP face: ``GET /v1/capacity`` and the loopback admin (R-K5).
 
-Why starlette + uvicorn rather than the standard library: both are already
-dependencies of the package, they are well kept, and they give us a
-maintained HTTP/1.1 parser (h11) with request limits, keep-alive handling and
-graceful shutdown, which ``http.server`` (documented as not for production)
-would leave to us. The poller is asyncio (httpx) anyway, so handlers and
-rounds share one event loop and need no locks between them.
+Two threads, two event loops. The poller (``CapacityObserver``, httpx) has its own
+thread and loop, so no amount of relayed traffic can delay a round or time out a
+healthy worker's poll: the snapshot is the farm's, not the relay's. The server
+(``http1``: asyncio protocols, uvloop where installed) serves the endpoints below
+and relays (``proxy``) on the other; it reads the poller's results as immutable
+values swapped whole, and asks the poller's loop to fence, unfence or list.
 
 Endpoints:
 
@@ -38,25 +38,23 @@ missing or wrong; the compare is constant-time.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import hmac
 import ipaddress
 import logging
 import os
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from types import TracebackType
+from typing import Any, Protocol, TypeVar
 
 import msgspec
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from sidecar.contract import CapacitySnapshot
 
+from . import proxy as proxy_module
+from .http1 import Connection, Connections, Handler, Throttled, connection_bounds
 from .keyfile import KeyFile
 from .poller import (
     DEFAULT_INTERVAL_S,
@@ -66,46 +64,38 @@ from .poller import (
     UnknownWorker,
     WorkerStatus,
 )
-from .proxy import FarmProxy, WorkerKey
-from .proxy import routes as proxy_routes
+from .proxy import RELAYED_PATHS, Answer, FarmProxy, WorkerKey, unauthorized
 from .registry import RegistryWatcher
+from .wire import RequestHead
 
 log = logging.getLogger("capacity_router")
 
-_NO_STORE = {"Cache-Control": "no-store"}
-# Connections and tasks at once: every relayed request holds one for its whole answer.
-MAX_CONCURRENCY = 1024
+T = TypeVar("T")
 
 
-def _json(status: int, body: object, headers: dict[str, str] | None = None) -> Response:
-    return Response(
-        msgspec.json.encode(body),
-        status_code=status,
-        media_type="application/json",
-        headers={**_NO_STORE, **(headers or {})},
-    )
+def _json(status: int, body: object, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Answer:
+    return Answer(status, msgspec.json.encode(body), headers)
 
 
-def _unauthorized() -> Response:
-    return _json(401, {"error": "unauthorized"}, {"WWW-Authenticate": "Bearer"})
+def _unauthorized_plain() -> Answer:
+    return _json(401, {"error": "unauthorized"}, ((b"www-authenticate", b"Bearer"),))
 
 
-def _authorized(request: Request, key: bytes) -> bool:
-    value = request.headers.get("authorization")
+def authorized(value: bytes | None, key: bytes) -> bool:
+    """``Authorization: Bearer KEY`` (scheme in any case), compared in constant time."""
     if value is None:
         return False
-    scheme, _, token = value.partition(" ")
-    if scheme.lower() != "bearer":
+    scheme, _, token = value.partition(b" ")
+    if scheme.lower() != b"bearer":
         return False
-    # Starlette decodes header bytes as latin-1, so this round-trips exactly.
-    return hmac.compare_digest(token.strip(" \t").encode("latin-1"), key)
+    return hmac.compare_digest(token.strip(b" \t"), key)
 
 
-def _is_loopback_peer(request: Request) -> bool:
-    if request.client is None:
+def is_loopback(host: str | None) -> bool:
+    if host is None:
         return False
     try:
-        address = ipaddress.ip_address(request.client.host)
+        address = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
         return False
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
@@ -142,96 +132,185 @@ def farm_load(
     }
 
 
-def build_app(
-    observer: CapacityObserver, key: KeyFile, proxy: FarmProxy | None = None
-) -> Starlette:
-    async def capacity(request: Request) -> Response:
-        if not _authorized(request, key.key):
-            return _unauthorized()
-        published = observer.published()
-        if published is None:
-            return _json(503, {"error": "no observation yet"}, {"Retry-After": "1"})
-        return Response(published[1], media_type="application/json", headers=_NO_STORE)
+_GET = ("GET", "HEAD")
+_ROUTES: dict[str, tuple[str, ...]] = {
+    "/v1/capacity": _GET,
+    "/v1/load": _GET,
+    "/admin/workers": _GET,
+    "/v1/models": _GET,
+    **{path: ("POST",) for path in RELAYED_PATHS},
+}
+_ADMIN_ACTIONS = ("/admin/fence/", "/admin/unfence/")
 
-    async def load(request: Request) -> Response:
-        """The snapshot's rows with what this router relays for each model now
-        (read-only, same bearer as /v1/capacity): what wait-for-slot gates on."""
-        if not _authorized(request, key.key):
-            return _unauthorized()
-        snapshot = observer.snapshot()
-        if snapshot is None:
-            return _json(503, {"error": "no observation yet"}, {"Retry-After": "1"})
-        in_flight = {} if proxy is None else proxy.in_flight()
-        return _json(200, farm_load(snapshot, observer.workers(), in_flight, proxy is not None))
 
-    def admin(
-        action: Callable[[str], Awaitable[CapacitySnapshot]], fenced: bool
-    ) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            if not _is_loopback_peer(request):
-                return _json(403, {"error": "the admin endpoint answers loopback clients only"})
-            if not _authorized(request, key.key):
-                return _unauthorized()
-            worker = request.path_params["worker"]
-            try:
-                snapshot = await action(worker)
-            except UnknownWorker:
-                known = [worker_id for worker_id, _ in observer.fences()]
-                return _json(
+class OnPoller(Protocol):
+    """Runs a coroutine on the poller's loop; awaited on the server's."""
+
+    def __call__(self, coro: Coroutine[Any, Any, T], /) -> Awaitable[T]: ...
+
+
+class RouterApp(Handler):
+    """The endpoints, on the server's loop; the poller's work goes to the poller's loop."""
+
+    def __init__(
+        self,
+        observer: CapacityObserver,
+        key: KeyFile,
+        proxy: FarmProxy,
+        poller: OnPoller,
+    ) -> None:
+        self._observer = observer
+        self._key = key
+        self._proxy = proxy
+        self._on_poller = poller
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _methods(self, path: str) -> tuple[str, ...] | None:
+        if path in _ROUTES:
+            return _ROUTES[path]
+        if path.startswith("/v1/models/") and len(path) > len("/v1/models/"):
+            return _GET
+        for prefix in _ADMIN_ACTIONS:
+            if path.startswith(prefix):
+                rest = path[len(prefix) :]
+                return ("POST",) if rest and "/" not in rest else None
+        return None
+
+    def on_head(self, conn: Connection, head: RequestHead) -> Answer | None:
+        path = head.target.partition("?")[0]
+        methods = self._methods(path)
+        relayed = path in RELAYED_PATHS or path.startswith("/v1/models")
+        if methods is None:
+            return _json(404, {"error": "not found"})
+        if head.method not in methods:
+            return _json(
+                405, {"error": "method not allowed"}, ((b"allow", ", ".join(methods).encode()),)
+            )
+        if path.startswith("/admin/") and not is_loopback(conn.peer):
+            return _json(403, {"error": "the admin endpoint answers loopback clients only"})
+        if not authorized(head.get(b"authorization"), self._key.key):
+            return unauthorized() if relayed else _unauthorized_plain()
+        conn.mark_authenticated()
+        if head.length > proxy_module.MAX_REQUEST_BYTES:
+            return proxy_module.too_large()
+        return None
+
+    def on_request(self, conn: Connection, head: RequestHead, body: bytes) -> None:
+        path = head.target.partition("?")[0]
+        head_only = head.method == "HEAD"
+        if path == "/v1/capacity":
+            published = self._observer.published()
+            if published is None:
+                conn.respond(
+                    _json(503, {"error": "no observation yet"}, ((b"retry-after", b"1"),)),
+                    head_only,
+                )
+            else:
+                conn.respond(Answer(200, published[1]), head_only)
+        elif path == "/v1/load":
+            snapshot = self._observer.snapshot()
+            if snapshot is None:
+                conn.respond(
+                    _json(503, {"error": "no observation yet"}, ((b"retry-after", b"1"),)),
+                    head_only,
+                )
+            else:
+                load = farm_load(snapshot, self._observer.workers(), self._proxy.in_flight(), True)
+                conn.respond(_json(200, load), head_only)
+        elif path == "/v1/models":
+            conn.respond(self._proxy.models(), head_only)
+        elif path.startswith("/v1/models/"):
+            conn.respond(self._proxy.model(_unquote(path[len("/v1/models/") :])), head_only)
+        elif path in RELAYED_PATHS:
+            task = self._proxy.relay(conn, head, body)
+            if task is not None:
+                self._keep(task, conn.request_id)
+        else:
+            self._keep(asyncio.ensure_future(self._admin(conn, path, head_only)), conn.request_id)
+
+    def _keep(self, task: asyncio.Task[None], request_id: str) -> None:
+        self._tasks.add(task)
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                error = task.exception()
+                log.error("request %s failed: %r", request_id, error, exc_info=error)
+
+        task.add_done_callback(done)
+
+    async def in_flight_done(self, timeout: float) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+
+    async def _admin(self, conn: Connection, path: str, head_only: bool) -> None:
+        observer = self._observer
+        if path == "/admin/workers":
+            listed, warnings = await self._on_poller(_listed(observer))
+            conn.respond(_json(200, {"workers": listed, "warnings": warnings}), head_only)
+            return
+        fence = path.startswith("/admin/fence/")
+        worker = _unquote(path.rsplit("/", 1)[1])
+        try:
+            if fence:
+                snapshot = await self._on_poller(observer.fence(worker))
+            else:
+                snapshot = await self._on_poller(observer.unfence(worker))
+        except UnknownWorker:
+            known = [worker_id for worker_id, _ in await self._on_poller(_fences(observer))]
+            conn.respond(
+                _json(
                     404,
                     {
                         "error": f"unknown worker {worker!r}; known: {', '.join(known) or 'none'}",
                         "known_workers": known,
                     },
                 )
-            except FencedInRegistry:
-                return _json(
+            )
+            return
+        except FencedInRegistry:
+            conn.respond(
+                _json(
                     409,
                     {
                         "error": f"worker {worker!r} is fenced in the registry file; "
                         "edit the file to restore it"
                     },
                 )
-            return _json(200, {"worker": worker, "fenced": fenced, "snapshot": snapshot})
+            )
+            return
+        conn.respond(_json(200, {"worker": worker, "fenced": fence, "snapshot": snapshot}))
 
-        return endpoint
 
-    async def workers(request: Request) -> Response:
-        """Registered ids and their fences, for ``router show`` on this host only."""
-        if not _is_loopback_peer(request):
-            return _json(403, {"error": "the admin endpoint answers loopback clients only"})
-        if not _authorized(request, key.key):
-            return _unauthorized()
-        seen = {s.id: s for s in observer.workers()}
-        listed: list[dict[str, object]] = []
-        for worker_id, by in observer.fences():
-            entry: dict[str, object] = {"id": worker_id, "fenced_by": by}
-            status = seen.get(worker_id)
-            if status is not None and status.state is not None:
-                entry.update(
-                    state=status.state,
-                    slots=status.slots,
-                    reason=status.reason,
-                    unserved=list(status.unserved),
-                    activity=status.activity,
-                    unlisted=list(status.unlisted),
-                )
-            listed.append(entry)
-        return _json(200, {"workers": listed, "warnings": list(observer.warnings())})
+def _unquote(text: str) -> str:
+    from urllib.parse import unquote
 
-    app = Starlette(
-        routes=[
-            Route("/v1/capacity", capacity, methods=["GET"]),
-            Route("/v1/load", load, methods=["GET"]),
-            Route("/admin/workers", workers, methods=["GET"]),
-            Route("/admin/fence/{worker}", admin(observer.fence, True), methods=["POST"]),
-            Route("/admin/unfence/{worker}", admin(observer.unfence, False), methods=["POST"]),
-            *(() if proxy is None else proxy_routes(proxy, lambda r: _authorized(r, key.key))),
-        ]
-    )
-    # Exact paths only: a redirect for "/v1/capacity/" would be a 3xx the probe refuses anyway.
-    app.router.redirect_slashes = False
-    return app
+    return unquote(text)
+
+
+async def _fences(observer: CapacityObserver) -> list[tuple[str, Any]]:
+    return observer.fences()
+
+
+async def _listed(observer: CapacityObserver) -> tuple[list[dict[str, object]], list[str]]:
+    """Registered ids and their fences, and the registry's warnings, for ``router show``
+    on this host only."""
+    seen = {s.id: s for s in observer.workers()}
+    listed: list[dict[str, object]] = []
+    for worker_id, by in observer.fences():
+        entry: dict[str, object] = {"id": worker_id, "fenced_by": by}
+        status = seen.get(worker_id)
+        if status is not None and status.state is not None:
+            entry.update(
+                state=status.state,
+                slots=status.slots,
+                reason=status.reason,
+                unserved=list(status.unserved),
+                activity=status.activity,
+                unlisted=list(status.unlisted),
+            )
+        listed.append(entry)
+    return listed, list(observer.warnings())
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -244,24 +323,89 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind(address)
         # Listen now: clients that connect during the first round wait in the
         # backlog instead of being refused.
-        sock.listen(128)
+        sock.listen(1024)
     except BaseException:
         sock.close()
         raise
     return sock
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop where installed (about half the relay's CPU a request), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def _quiet_loop_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """Each kind of loop error logged once, then counted (an accept() that fails for
+    want of a descriptor would otherwise write a traceback a second)."""
+    seen: dict[str, Throttled] = {}
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        message = str(context.get("message", "event loop error"))
+        exc = context.get("exception")
+        text = message if exc is None else f"{message}: {exc!r}"
+        if message not in seen:
+            seen[message] = Throttled(text)
+        seen[message]()
+
+    loop.set_exception_handler(handler)
+
+
+class _LoopThread:
+    """A thread running one event loop until :meth:`stop`."""
+
+    def __init__(self, name: str, loop_factory: Callable[[], asyncio.AbstractEventLoop]) -> None:
+        self.loop = loop_factory()
+        _quiet_loop_errors(self.loop)
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 15) -> None:
+        if self._thread.is_alive():
+            with _suppress():
+                self.call(_cancel_the_rest()).result(timeout=timeout)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=timeout)
+
+
+async def _cancel_the_rest() -> None:
+    """Every other task of this loop cancelled and awaited: a clean stop, no warnings."""
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
+
+
 class RouterServer:
-    """The whole router in a background thread: registry, poller, HTTP server.
+    """The whole router in two background threads: the poller, and the server.
 
     ``start()`` loads the registry and the key (raising
     :class:`~capacity_router.registry.RegistryError` or
-    :class:`~capacity_router.keyfile.KeyFileError`), binds, runs the first
-    round, starts serving and returns the bound port. ``fence``/``unfence``
-    act like the admin endpoint and return the snapshot of the round they
-    trigger. ``worker_key`` gives the key sent to a worker with a relayed
-    request (by default the worker's registry ``keyFile``, else none). Usable as
-    a context manager.
+    :class:`~capacity_router.keyfile.KeyFileError`), runs the first round, binds,
+    starts serving and returns the bound port. ``fence``/``unfence`` act like the admin
+    endpoint and return the snapshot of the round they trigger. ``worker_key`` gives
+    the key sent to a worker with a relayed request (by default the worker's registry
+    ``keyFile``, else none). Usable as a context manager.
     """
 
     def __init__(
@@ -283,12 +427,13 @@ class RouterServer:
         self._worker_key = worker_key
         self._observer: CapacityObserver | None = None
         self._proxy: FarmProxy | None = None
-        self._server: uvicorn.Server | None = None
+        self._app: RouterApp | None = None
         self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
+        self._poller: _LoopThread | None = None
+        self._server: _LoopThread | None = None
+        self._poll_task: concurrent.futures.Future[None] | None = None
+        self._listener: asyncio.AbstractServer | None = None
+        self._connections: Connections | None = None
 
     def __repr__(self) -> str:
         return f"RouterServer(registry={self.registry_path!r}, url={self.url!r})"
@@ -300,10 +445,15 @@ class RouterServer:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return (
+            self._server is not None
+            and self._server.alive
+            and self._poller is not None
+            and self._poller.alive
+        )
 
     def start(self) -> int:
-        if self._thread is not None:
+        if self._poller is not None:
             raise RuntimeError("RouterServer already started")
         registry = RegistryWatcher(self.registry_path)
         key = KeyFile(self.key_file)
@@ -318,42 +468,38 @@ class RouterServer:
                     log.warning("key file not re-read, keeping the current key: %s", key.last_error)
                 logged_key_error = key.last_error
 
-        self._observer = CapacityObserver(
+        observer = self._observer = CapacityObserver(
             registry,
             interval=self.poll_interval,
             timeout=self.poll_timeout,
             before_round=refresh_key,
         )
-        self._proxy = FarmProxy(
-            self._observer,
+        proxy = self._proxy = FarmProxy(
+            observer,
             registry,
-            worker_key=self._worker_key or self._observer.key_for,
+            worker_key=self._worker_key or observer.key_for,
             connect_timeout=self.poll_timeout,
             retry_after_s=self.poll_interval,
         )
-        self._sock = _bind(self.host, self.port)
-        self.port = self._sock.getsockname()[1]
-        config = uvicorn.Config(
-            build_app(self._observer, key, self._proxy),
-            lifespan="off",
-            log_config=None,
-            log_level="warning",
-            access_log=False,
-            server_header=False,
-            http="h11",
-            loop="asyncio",
-            limit_concurrency=MAX_CONCURRENCY,
-            timeout_graceful_shutdown=2,
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._thread_main, name="capacity-router", daemon=True
-        )
-        self._thread.start()
-        self._ready.wait()
-        if self._error is not None:
+        self._poller = _LoopThread("capacity-router-poller", asyncio.new_event_loop)
+        self._poller.start()
+        self._server = _LoopThread("capacity-router-server", _new_loop)
+        self._server.start()
+        poller = self._poller
+
+        async def on_poller(coro: Coroutine[Any, Any, T]) -> T:
+            return await asyncio.wrap_future(poller.call(coro))
+
+        self._app = RouterApp(observer, key, proxy, on_poller)
+        try:
+            poller.call(observer.observe()).result(timeout=self.poll_timeout * 2 + 10)
+            self._poll_task = poller.call(observer.run())
+            self._sock = _bind(self.host, self.port)
+            self.port = self._sock.getsockname()[1]
+            self._server.call(self._listen()).result(timeout=10)
+        except BaseException as exc:
             self.stop()
-            raise RuntimeError(f"router failed to start: {self._error!r}") from self._error
+            raise RuntimeError(f"router failed to start: {exc!r}") from exc
         log.info(
             "serving %s/v1/capacity and the OpenAI-compatible paths (%d workers)",
             self.url,
@@ -361,11 +507,40 @@ class RouterServer:
         )
         return self.port
 
+    async def _listen(self) -> None:
+        assert self._app is not None and self._sock is not None
+        total, unauthenticated = connection_bounds()
+        self._connections = Connections(self._app, total, unauthenticated)
+        self._listener = await asyncio.get_running_loop().create_server(
+            self._connections.factory, sock=self._sock, backlog=1024
+        )
+
+    async def _shutdown(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        if self._app is not None:
+            await self._app.in_flight_done(timeout=2)
+        if self._connections is not None:
+            self._connections.close_all()
+        if self._proxy is not None:
+            self._proxy.close()
+        await asyncio.sleep(0)
+
+    async def _stop_polling(self) -> None:
+        if self._observer is not None:
+            await self._observer.aclose()
+
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=15)
+        if self._server is not None and self._server.alive:
+            with _suppress():
+                self._server.call(self._shutdown()).result(timeout=10)
+            self._server.stop()
+        if self._poller is not None and self._poller.alive:
+            if self._poll_task is not None:
+                self._poll_task.cancel()
+            with _suppress():
+                self._poller.call(self._stop_polling()).result(timeout=10)
+            self._poller.stop()
         if self._sock is not None:
             self._sock.close()
 
@@ -408,48 +583,19 @@ class RouterServer:
         return self._call(lambda o: o.unfence(worker_id))
 
     def _call(
-        self, action: Callable[[CapacityObserver], Awaitable[CapacitySnapshot]]
+        self, action: Callable[[CapacityObserver], Coroutine[Any, Any, CapacitySnapshot]]
     ) -> CapacitySnapshot:
-        observer, loop = self._observer, self._loop
-        if observer is None or loop is None or not self.running:
+        observer, poller = self._observer, self._poller
+        if observer is None or poller is None or not self.running:
             raise RuntimeError("RouterServer is not running")
+        return poller.call(action(observer)).result(timeout=self.poll_timeout * 2 + 10)
 
-        async def call() -> CapacitySnapshot:
-            return await action(observer)
 
-        future = asyncio.run_coroutine_threadsafe(call(), loop)
-        return future.result(timeout=self.poll_timeout * 2 + 10)
+class _suppress:
+    """Stopping goes on whatever a step raised."""
 
-    # -- the background thread ----------------------------------------------
+    def __enter__(self) -> None:
+        return None
 
-    def _thread_main(self) -> None:
-        try:
-            asyncio.run(self._serve())
-        except BaseException as exc:  # reported by start(); the thread must not die silently
-            self._error = exc
-            log.error("router stopped: %r", exc)
-        finally:
-            self._ready.set()
-
-    async def _serve(self) -> None:
-        observer, server, sock, proxy = self._observer, self._server, self._sock, self._proxy
-        assert observer is not None and server is not None and sock is not None
-        assert proxy is not None
-        self._loop = asyncio.get_running_loop()
-        poll: asyncio.Task[None] | None = None
-        try:
-            await observer.observe()
-            poll = asyncio.create_task(observer.run())
-            serve = asyncio.create_task(server.serve(sockets=[sock]))
-            while not server.started and not serve.done():
-                await asyncio.sleep(0.01)
-            if not serve.done():
-                self._ready.set()
-            await serve
-        finally:
-            if poll is not None:
-                poll.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await poll
-            await proxy.aclose()
-            await observer.aclose()
+    def __exit__(self, *exc: object) -> bool:
+        return True

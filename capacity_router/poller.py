@@ -25,6 +25,7 @@ bodies are read up to a bound. A worker with a ``keyFile`` gets
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import time
@@ -59,6 +60,25 @@ class FencedInRegistry(ValueError):
 
 
 _PREFERENCE: tuple[State, ...] = ("ok", "unreadable", "unhealthy", "unreachable")
+
+
+# The router's own shortage, not the worker's: a round that meets one cannot read the
+# worker, so the worker is unreadable (the snapshot incomplete), never "unreachable".
+_LOCAL_SHORTAGE = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL}
+)
+
+
+def local_shortage(exc: BaseException) -> OSError | None:
+    """The router's own lack of a descriptor, socket or buffer behind ``exc``, if any."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, OSError) and seen.errno in _LOCAL_SHORTAGE:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _describe(exc: BaseException) -> str:
@@ -111,7 +131,13 @@ async def poll_url(
         return Observation("unhealthy", reason=str(exc))
     except Unreadable as exc:
         return Observation("unreadable", reason=str(exc))
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, OSError) as exc:
+        shortage = local_shortage(exc)
+        if shortage is not None:
+            return Observation(
+                "unreadable",
+                reason=f"the router itself is out of {os.strerror(shortage.errno or 0)}",
+            )
         if health_stage:
             return Observation("unreachable", reason=_describe(exc))
         return Observation("unreadable", reason=f"{fetch.stage}: {_describe(exc)}")
@@ -201,6 +227,7 @@ class CapacityObserver:
         self._max_concurrency = max_concurrency
         self._before_round = before_round
         self._admin_fenced: set[str] = set()
+        self._admin_fenced_view: frozenset[str] = frozenset()
         self._published: tuple[CapacitySnapshot, bytes] | None = None
         self._workers: tuple[WorkerStatus, ...] = ()
         self._lock: asyncio.Lock | None = None
@@ -230,6 +257,10 @@ class CapacityObserver:
     def warnings(self) -> tuple[str, ...]:
         """Registered workers that resolve to one socket address (``sockets.py``)."""
         return self._socket_warnings
+
+    def admin_fenced(self) -> frozenset[str]:
+        """The ids fenced by the admin endpoint now (from the moment it is asked)."""
+        return self._admin_fenced_view
 
     # -- rounds (event loop) -----------------------------------------------
 
@@ -276,6 +307,7 @@ class CapacityObserver:
             raise UnknownWorker(worker_id)
         if worker_id not in self._admin_fenced:
             self._admin_fenced.add(worker_id)
+            self._admin_fenced_view = frozenset(self._admin_fenced)
             log.info("worker %s fenced by the admin endpoint", worker_id)
         return await self.observe()
 
@@ -289,6 +321,7 @@ class CapacityObserver:
             raise FencedInRegistry(worker_id)
         if worker_id in self._admin_fenced:
             self._admin_fenced.discard(worker_id)
+            self._admin_fenced_view = frozenset(self._admin_fenced)
             log.info("worker %s unfenced by the admin endpoint", worker_id)
         return await self.observe()
 
@@ -310,19 +343,29 @@ class CapacityObserver:
             self._sockets_of = registry
             self._sockets_task = asyncio.create_task(self._check_sockets(registry))
         admin_fenced = frozenset(self._admin_fenced)
+        shortage = ""
         if self._client is None:
-            self._client = new_client(self.timeout)
+            try:
+                self._client = new_client(self.timeout)
+            except OSError as exc:  # no descriptor even for the CA file: nothing is read
+                shortage = f"the router itself is out of {os.strerror(exc.errno or 0)}"
         client = self._client
         semaphore = asyncio.Semaphore(self._max_concurrency)
 
         async def bounded(worker: Worker) -> Observation:
+            if client is None:
+                return Observation("unreadable", reason=shortage)
             key: bytes | None = None
             if worker.key_file is not None:
                 key, error = self._worker_key(self._key_path(worker.key_file))
                 if key is None:
                     return Observation("unreadable", reason=f"keyFile: {error}")
             async with semaphore:
-                return await poll_worker(client, worker, self.timeout, key)
+                try:
+                    return await poll_worker(client, worker, self.timeout, key)
+                except Exception as exc:  # a round must publish, whatever one worker did
+                    log.debug("worker %s: poll failed", worker.id, exc_info=True)
+                    return Observation("unreadable", reason=f"poll failed: {_describe(exc)}")
 
         observed_at = time.time()
         active = [w for w in registry.workers if not is_fenced(w, admin_fenced)]

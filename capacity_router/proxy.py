@@ -39,21 +39,29 @@ and ``Date`` are not passed on. Bodies are relayed byte for byte
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
-from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+import ssl
+import time
+import urllib.parse
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Protocol, cast
 
-import httpx
 import msgspec
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
-from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
 
 from .poller import CapacityObserver, WorkerStatus
-from .registry import RegistryFile, RegistryWatcher, Worker, endpoint
+from .registry import RegistryFile, RegistryWatcher, Worker
+from .wire import (
+    MAX_HEAD_BYTES,
+    BadMessage,
+    ChunkedScanner,
+    Header,
+    RequestHead,
+    ResponseHead,
+    parse_response_head,
+)
 
 log = logging.getLogger("capacity_router")
 
@@ -65,35 +73,68 @@ OWNED_BY = "gateway-capacity-router"
 # RFC 9110 7.6.1, plus what this hop sets itself or must never pass on.
 _DROPPED_REQUEST = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-        "expect",
-        "authorization",
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"expect",
+        b"authorization",
     }
 )
 _DROPPED_RESPONSE = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "proxy-authenticate",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "server",
-        "date",
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"server",
+        b"date",
     }
 )
+# Fields HTTP defines for every recipient (RFC 9110, 9111): a sender must never list
+# them in ``Connection`` (RFC 9110 7.6.1), so one listed there is a sender's mistake and
+# still goes on. Only the other names listed there are dropped.
+END_TO_END = frozenset(
+    {
+        b"accept",
+        b"accept-charset",
+        b"accept-encoding",
+        b"accept-language",
+        b"accept-ranges",
+        b"age",
+        b"allow",
+        b"cache-control",
+        b"content-encoding",
+        b"content-language",
+        b"content-length",
+        b"content-location",
+        b"content-range",
+        b"content-type",
+        b"etag",
+        b"expires",
+        b"from",
+        b"last-modified",
+        b"location",
+        b"pragma",
+        b"range",
+        b"referer",
+        b"retry-after",
+        b"user-agent",
+        b"vary",
+    }
+)
+REQUEST_ID_HEADER = b"x-router-request-id"
 
 WorkerKey = Callable[[Worker], bytes | None]
 
@@ -147,31 +188,49 @@ def choose(candidates: Sequence[Candidate]) -> Candidate | None:
 # -- errors ------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A whole answer of the router's own (an error, a model list)."""
+
+    status: int
+    body: bytes
+    headers: tuple[Header, ...] = ()
+    content_type: bytes = b"application/json"
+
+
 def openai_error(
     status: int,
     message: str,
     kind: str,
     code: str,
     param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> Response:
+    headers: tuple[Header, ...] = (),
+) -> Answer:
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return Response(
-        msgspec.json.encode(body),
-        status_code=status,
-        media_type="application/json",
-        headers={"Cache-Control": "no-store", **(headers or {})},
-    )
+    return Answer(status, msgspec.json.encode(body), headers)
 
 
-def unauthorized() -> Response:
+def unauthorized() -> Answer:
     return openai_error(
         401,
         "missing or wrong bearer key for this router",
         "invalid_request_error",
         "invalid_api_key",
-        headers={"WWW-Authenticate": "Bearer"},
+        headers=((b"www-authenticate", b"Bearer"),),
     )
+
+
+def too_large() -> Answer:
+    return openai_error(
+        413,
+        f"request body over {MAX_REQUEST_BYTES} bytes",
+        "invalid_request_error",
+        "request_too_large",
+    )
+
+
+def bad_gateway(message: str) -> Answer:
+    return openai_error(502, message, "server_error", "upstream_error")
 
 
 class _ModelField(msgspec.Struct):
@@ -181,61 +240,191 @@ class _ModelField(msgspec.Struct):
 _model_decoder = msgspec.json.Decoder(_ModelField)
 
 
-class _TooLarge(Exception):
-    pass
+# -- what goes upstream and back ---------------------------------------------
 
 
-async def _read_body(request: Request) -> bytes:
-    chunks: list[bytes] = []
-    total = 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > MAX_REQUEST_BYTES:
-            raise _TooLarge
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _upstream_headers(request: Request, key: bytes | None) -> list[tuple[bytes, bytes]]:
-    named = {
+def _named(headers: Iterable[Header]) -> frozenset[bytes]:
+    """The hop-by-hop names a sender listed in ``Connection``, less the end-to-end ones."""
+    return frozenset(
         token.strip().lower()
-        for token in request.headers.get("connection", "").split(",")
-        if token.strip()
-    }
-    headers = [
-        (name, value)
-        for name, value in request.headers.raw
-        if name.decode("latin-1").lower() not in _DROPPED_REQUEST
-        and name.decode("latin-1").lower() not in named
-    ]
-    if "accept-encoding" not in request.headers:  # or httpx would ask for gzip on its behalf
-        headers.append((b"accept-encoding", b"identity"))
+        for name, value in headers
+        if name == b"connection"
+        for token in value.split(b",")
+        if token.strip() and token.strip().lower() not in END_TO_END
+    )
+
+
+def upstream_headers(headers: list[Header], key: bytes | None) -> list[Header]:
+    """The client's headers as the worker gets them (less ``Host`` and the framing)."""
+    named = _named(headers)
+    kept = [(n, v) for n, v in headers if n not in _DROPPED_REQUEST and n not in named]
+    if not any(n == b"accept-encoding" for n, _ in kept):  # no compression on its behalf
+        kept.append((b"accept-encoding", b"identity"))
     if key is not None:
-        headers.append((b"authorization", b"Bearer " + key))
-    return headers
+        kept.append((b"authorization", b"Bearer " + key))
+    return kept
 
 
-def _response_headers(upstream: httpx.Response) -> list[tuple[bytes, bytes]]:
-    named = {
-        token.strip().lower()
-        for token in upstream.headers.get("connection", "").split(",")
-        if token.strip()
-    }
+def response_headers(head: ResponseHead) -> list[Header]:
+    """The worker's headers as the client gets them (less the framing)."""
+    named = _named(head.headers)
     return [
-        (name.lower(), value)
-        for name, value in upstream.headers.raw
-        if name.decode("latin-1").lower() not in _DROPPED_RESPONSE
-        and name.decode("latin-1").lower() not in named
+        (n, v)
+        for n, v in head.headers
+        if n not in _DROPPED_RESPONSE
+        and n not in named
+        and not (head.chunked and n == b"content-length")
+        and n != REQUEST_ID_HEADER
     ]
 
 
-# -- the proxy ---------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One worker URL, as the relay connects to it."""
+
+    scheme: str
+    host: str
+    port: int
+    prefix: str  # the URL's path, without its trailing slash
+    host_header: bytes
+
+    @property
+    def pool_key(self) -> tuple[str, str, int]:
+        return (self.scheme, self.host, self.port)
+
+
+@lru_cache(maxsize=1024)
+def target_of(url: str) -> Target:
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return Target(parts.scheme, host, port, parts.path.rstrip("/"), parts.netloc.encode("idna"))
+
+
+# -- connections to the workers ------------------------------------------------
+
+
+POOL_IDLE_S = 4.0  # under uvicorn's 5 s keep-alive (vLLM, SGLang): we close first
+POOL_MAX_IDLE = 256  # per worker URL
+
+
+class _Sink(Protocol):
+    def upstream_data(self, data: bytes) -> None: ...
+    def upstream_lost(self) -> None: ...
+
+
+class _Upstream(asyncio.Protocol):
+    """One connection to a worker; carries one exchange at a time."""
+
+    __slots__ = ("closed", "idle_since", "reused", "sink", "transport")
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.sink: _Sink | None = None
+        self.closed = False
+        self.reused = False
+        self.idle_since = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.sink is not None:
+            self.sink.upstream_data(data)
+        else:  # bytes nobody asked for: this connection's framing cannot be trusted
+            self.close()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.upstream_lost()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class UpstreamPool:
+    """Kept-alive connections to the workers, per URL; lives on the relay's loop."""
+
+    def __init__(self, connect_timeout: float) -> None:
+        self._idle: dict[tuple[str, str, int], list[_Upstream]] = {}
+        self._connect_timeout = connect_timeout
+        self._tls: ssl.SSLContext | None = None
+
+    def take(self, target: Target) -> _Upstream | None:
+        idle = self._idle.get(target.pool_key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < POOL_IDLE_S:
+                conn.reused = True
+                return conn
+            conn.close()
+        return None
+
+    async def connect(self, target: Target) -> _Upstream:
+        loop = asyncio.get_running_loop()
+        tls: ssl.SSLContext | None = None
+        if target.scheme == "https":
+            if self._tls is None:
+                self._tls = ssl.create_default_context()
+            tls = self._tls
+        async with asyncio.timeout(self._connect_timeout):
+            _, conn = await loop.create_connection(
+                _Upstream,
+                target.host,
+                target.port,
+                ssl=tls,
+                server_hostname=target.host if tls else None,
+            )
+        return conn
+
+    def give_back(self, target: Target, conn: _Upstream) -> None:
+        idle = self._idle.setdefault(target.pool_key, [])
+        if conn.closed or len(idle) >= POOL_MAX_IDLE:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
+
+
+# -- the relay -----------------------------------------------------------------
+
+
+class ClientSide(Protocol):
+    """What an exchange needs of the client's connection (``capacity_router.http1``)."""
+
+    request_id: str
+    http10: bool
+    exchange: Exchange | None
+
+    @property
+    def keep_alive(self) -> bool: ...
+
+    def write(self, data: bytes) -> None: ...
+    def respond(self, answer: Answer) -> None: ...
+    def answer_done(self, keep_alive: bool) -> None: ...
+    def cut(self) -> None: ...
 
 
 class FarmProxy:
-    """Relays requests to the farm; lives on the router's event loop.
+    """Chooses a worker for each relayed request and counts what runs where.
 
-    ``in_flight()`` may be read from any thread (a copy of one dict).
+    Lives on the relay's event loop; ``in_flight()`` may be read from any thread (a copy
+    of one dict). What it reads of the poller (the last round's statuses, the admin
+    fences, the registry) are immutable values swapped whole by the poller's thread.
     """
 
     def __init__(
@@ -250,37 +439,33 @@ class FarmProxy:
         self._observer = observer
         self._registry = registry
         self._worker_key = worker_key
-        self._connect_timeout = connect_timeout
-        self._retry_after = str(max(1, math.ceil(retry_after_s)))
+        self.retry_after = str(max(1, math.ceil(retry_after_s))).encode()
         self._in_flight: dict[str, int] = {}
-        self._client: httpx.AsyncClient | None = None
+        self.pool = UpstreamPool(connect_timeout)
+        self._seen: tuple[object, object, object] | None = None
+        self._eligible_now: list[tuple[Worker, int]] = []
 
     def in_flight(self) -> dict[str, int]:
         """Requests this router has running on each worker now (absent: none)."""
         return dict(self._in_flight)
 
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = httpx.AsyncClient(
-                follow_redirects=False,
-                trust_env=False,  # never through an environment proxy
-                # No read deadline: a long prompt may take minutes to its first
-                # token. The client's own timeout, when it leaves, frees it.
-                timeout=httpx.Timeout(
-                    connect=self._connect_timeout, read=None, write=60.0, pool=None
-                ),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-            )
-        return self._client
+    def close(self) -> None:
+        self.pool.close()
 
     def _eligible(self) -> list[tuple[Worker, int]]:
-        fenced_now = {worker_id for worker_id, by in self._observer.fences() if by is not None}
-        return eligible(self._registry.current, self._observer.workers(), fenced_now)
+        registry = self._registry.current
+        statuses = self._observer.workers()
+        fenced = self._observer.admin_fenced()
+        seen = self._seen
+        if (
+            seen is None
+            or seen[0] is not registry
+            or seen[1] is not statuses
+            or seen[2] is not fenced
+        ):
+            self._eligible_now = eligible(registry, statuses, fenced)
+            self._seen = (registry, statuses, fenced)
+        return self._eligible_now
 
     def serving(self) -> list[str]:
         """The models some eligible worker serves now, sorted."""
@@ -296,7 +481,7 @@ class FarmProxy:
     def _known(self, model: str) -> bool:
         return any(model in worker.models for worker in self._registry.current.workers)
 
-    def _no_worker(self, model: str) -> Response:
+    def no_worker(self, model: str) -> Answer:
         shown = repr(model if len(model) <= 256 else model[:256] + "...")  # the client's text
         if not self._known(model):
             return openai_error(
@@ -311,13 +496,13 @@ class FarmProxy:
             f"no healthy worker serves the model {shown} now",
             "server_error",
             "no_healthy_worker",
-            headers={"Retry-After": self._retry_after},
+            headers=((b"retry-after", self.retry_after),),
         )
 
-    def _acquire(self, worker_id: str) -> None:
+    def acquire(self, worker_id: str) -> None:
         self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) + 1
 
-    def _release(self, worker_id: str) -> None:
+    def release(self, worker_id: str) -> None:
         left = self._in_flight.get(worker_id, 0) - 1
         if left > 0:
             self._in_flight[worker_id] = left
@@ -326,184 +511,362 @@ class FarmProxy:
 
     # -- endpoints -----------------------------------------------------------
 
-    async def models(self, request: Request) -> Response:
+    def models(self) -> Answer:
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": OWNED_BY} for m in self.serving()
         ]
-        return Response(
-            msgspec.json.encode({"object": "list", "data": data}),
-            media_type="application/json",
-            headers={"Cache-Control": "no-store"},
-        )
+        return Answer(200, msgspec.json.encode({"object": "list", "data": data}))
 
-    async def model(self, request: Request) -> Response:
-        name = request.path_params["model"]
+    def model(self, name: str) -> Answer:
         if name not in self.serving():
-            return self._no_worker(name)
+            return self.no_worker(name)
         body = {"id": name, "object": "model", "created": 0, "owned_by": OWNED_BY}
-        return Response(
-            msgspec.json.encode(body),
-            media_type="application/json",
-            headers={"Cache-Control": "no-store"},
-        )
+        return Answer(200, msgspec.json.encode(body))
 
-    async def relay(self, request: Request) -> Response:
-        try:
-            body = await _read_body(request)
-        except _TooLarge:
-            return openai_error(
-                413,
-                f"request body over {MAX_REQUEST_BYTES} bytes",
-                "invalid_request_error",
-                "request_too_large",
-            )
-        except ClientDisconnect:
-            return Response(status_code=400)  # nobody is left to read it
+    def relay(
+        self, client: ClientSide, head: RequestHead, body: bytes
+    ) -> asyncio.Task[None] | None:
+        """Relay one request; answers at once (400) or returns the exchange's task."""
         try:
             model = _model_decoder.decode(body).model
         except msgspec.DecodeError:
-            return openai_error(
-                400,
-                "the body must be a JSON object with a string 'model'",
-                "invalid_request_error",
-                "invalid_request",
-                param="model",
+            client.respond(
+                openai_error(
+                    400,
+                    "the body must be a JSON object with a string 'model'",
+                    "invalid_request_error",
+                    "invalid_request",
+                    param="model",
+                )
             )
-        return _Relay(self, request, model, body)  # 404 and 503 come from its first choice
+            return None
+        exchange = Exchange(self, client, head, body, model)
+        client.exchange = exchange
+        return exchange.start()
 
 
-class _UpstreamFailed(Exception):
-    """The worker took the request but gave no answer (the request may have run)."""
+_RETRY, _DONE, _NO_CONNECTION = "retry", "done", "no connection"
 
 
-class _Relay(Response):
-    """The ASGI answer of one relayed request: pick, send upstream, relay back.
+class Exchange:
+    """One relayed request: pick, send upstream, pass the answer back as it came.
 
-    The whole exchange runs beside a watch on the client's connection: when
-    the client goes away the exchange is cancelled, which closes the
-    upstream response (and so the worker's request) and releases the
-    worker's count.
+    The worker's bytes are written to the client from the upstream connection's
+    callback, with no task between (``upstream_data``): only the head is parsed, and
+    the body scanned for its end. A client that goes away (``client_lost``) closes the
+    upstream connection at once, which frees the worker's slot, and releases the
+    worker's count. A worker's redirect is never passed on (502): the client would
+    follow it into the router itself.
     """
 
-    def __init__(self, proxy: FarmProxy, request: Request, model: str, body: bytes) -> None:
-        super().__init__()
+    def __init__(
+        self, proxy: FarmProxy, client: ClientSide, head: RequestHead, body: bytes, model: str
+    ) -> None:
         self._proxy = proxy
-        self._request = request
-        self._model = model
+        self._client = client
+        self._head = head
         self._body = body
+        self._model = model
+        self._worker_id = ""
+        self._conn: _Upstream | None = None
+        self._target: Target | None = None
+        self._waiter: asyncio.Future[str] | None = None
+        self._pending = False
+        self._fast_worker: Worker | None = None
+        self._tried: set[str] = set()
+        self._buf = b""
+        self._response: ResponseHead | None = None
+        self._got_bytes = False
+        self._left = 0
+        self._scanner: ChunkedScanner | None = None
+        self._gone = False
+        self._close_client = False
+        self._pending_head = b""
+        self._retry: asyncio.Task[None] | None = None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        exchange = asyncio.ensure_future(self._exchange(scope, send))
-        watch = asyncio.ensure_future(_disconnected(receive))
-        try:
-            await asyncio.wait((exchange, watch), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (exchange, watch):
-                task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
-            with contextlib.suppress(asyncio.CancelledError):
-                await exchange  # an exchange's own failure is raised here
+    # -- the choice and the attempts ----------------------------------------
 
-    async def _exchange(self, scope: Scope, send: Send) -> None:
-        proxy = self._proxy
-        tried: set[str] = set()
-        while True:
-            chosen = choose(proxy.candidates(self._model, exclude=tried))
-            if chosen is None:
-                answer = (
-                    _bad_gateway("no worker for this model took the connection")
-                    if tried
-                    else proxy._no_worker(self._model)
-                )
-                await answer(scope, _no_receive, send)
-                return
-            worker = chosen.worker
-            tried.add(worker.id)
-            proxy._acquire(worker.id)
-            try:
-                try:
-                    upstream = await self._open(worker)
-                except _UpstreamFailed as exc:
-                    await _bad_gateway(str(exc))(scope, _no_receive, send)
-                    return
-                if upstream is not None:
-                    await _relay_response(upstream, send, worker.id)
-                    return
-            finally:
-                proxy._release(worker.id)
-
-    async def _open(self, worker: Worker) -> httpx.Response | None:
-        """The worker's answer (headers read), or None when no URL of it took the
-        connection (so the request never left and another worker may take it)."""
-        proxy = self._proxy
-        client = proxy._http()
-        headers = _upstream_headers(self._request, proxy._worker_key(worker))
-        query = self._request.url.query
-        path = self._request.url.path.lstrip("/") + (f"?{query}" if query else "")
-        for url in worker.urls:
-            upstream_request = client.build_request(
-                self._request.method, endpoint(url, path), headers=headers, content=self._body
-            )
-            try:
-                return await client.send(upstream_request, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                log.debug("worker %s: %s: no connection (%s)", worker.id, url, exc)
-            except httpx.HTTPError as exc:
-                log.warning("worker %s: %s: no answer (%s)", worker.id, url, type(exc).__name__)
-                raise _UpstreamFailed(f"the worker gave no answer ({type(exc).__name__})") from None
+    def start(self) -> asyncio.Task[None] | None:
+        """Send the request now when a kept-alive connection to the chosen worker is
+        pooled (no task: the answer's callbacks end the exchange); else a task that
+        connects, and tries the next URL or worker when one refuses."""
+        worker = self._pick()
+        if worker is None:
+            self._detach()
+            return None
+        target = target_of(worker.urls[0])
+        conn = self._proxy.pool.take(target)
+        if conn is None:
+            return asyncio.ensure_future(self._run(worker))
+        self._fast_worker = worker
+        headers = upstream_headers(self._head.headers, self._proxy._worker_key(worker))
+        self._send_now(conn, target, self._request_bytes(target, headers))
         return None
 
+    def _pick(self) -> Worker | None:
+        proxy = self._proxy
+        chosen = choose(proxy.candidates(self._model, exclude=self._tried))
+        if chosen is None:
+            self._client.respond(
+                bad_gateway("no worker for this model took the connection")
+                if self._tried
+                else proxy.no_worker(self._model)
+            )
+            return None
+        worker = chosen.worker
+        self._tried.add(worker.id)
+        self._worker_id = worker.id
+        proxy.acquire(worker.id)
+        return worker
 
-def _bad_gateway(message: str) -> Response:
-    return openai_error(502, message, "server_error", "upstream_error")
-
-
-async def _relay_response(upstream: httpx.Response, send: Send, worker_id: str) -> None:
-    try:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": upstream.status_code,
-                "headers": _response_headers(upstream),
-            }
-        )
+    async def _run(self, worker: Worker | None, fresh: bool = False) -> None:
         try:
-            async for chunk in upstream.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as exc:
-            # The answer has started: the client must see it cut, not complete.
-            log.warning("worker %s: answer cut: %s", worker_id, type(exc).__name__)
+            while worker is not None and not self._gone:
+                try:
+                    if await self._to_worker(worker, fresh) != _NO_CONNECTION:
+                        return
+                finally:
+                    self._proxy.release(worker.id)
+                fresh = False
+                worker = self._pick()
+        finally:
+            self._detach()
+
+    async def _to_worker(self, worker: Worker, fresh: bool) -> str:
+        key = self._proxy._worker_key(worker)
+        headers = upstream_headers(self._head.headers, key)
+        for url in worker.urls:
+            target = target_of(url)
+            request = self._request_bytes(target, headers)
+            conn = None if fresh else self._proxy.pool.take(target)
+            fresh = False
+            while True:
+                if conn is None:
+                    try:
+                        conn = await self._proxy.pool.connect(target)
+                    except (OSError, TimeoutError) as exc:
+                        log.debug(
+                            "request %s: worker %s: %s: no connection (%s)",
+                            self._client.request_id,
+                            worker.id,
+                            url,
+                            exc,
+                        )
+                        break
+                    if self._gone:
+                        conn.close()
+                        return _DONE
+                outcome = await self._send(conn, target, request)
+                if outcome != _RETRY:
+                    return outcome
+                conn = None  # a kept-alive connection the worker had closed: a new one
+        return _NO_CONNECTION
+
+    def _request_bytes(self, target: Target, headers: list[Header]) -> bytes:
+        head = self._head
+        lines = [
+            f"{head.method} {target.prefix}{head.target} HTTP/1.1\r\n".encode("latin-1"),
+            b"host: " + target.host_header + b"\r\n",
+            b"content-length: " + str(len(self._body)).encode() + b"\r\n",
+        ]
+        lines.extend(n + b": " + v + b"\r\n" for n, v in headers)
+        lines.append(b"\r\n")
+        lines.append(self._body)
+        return b"".join(lines)
+
+    def _send_now(self, conn: _Upstream, target: Target, request: bytes) -> None:
+        self._conn, self._target = conn, target
+        self._buf, self._response, self._got_bytes = b"", None, False
+        self._pending = True
+        conn.sink = self
+        assert conn.transport is not None
+        conn.transport.write(request)
+
+    async def _send(self, conn: _Upstream, target: Target, request: bytes) -> str:
+        self._waiter = asyncio.get_running_loop().create_future()
+        self._send_now(conn, target, request)
+        try:
+            return await self._waiter
+        except asyncio.CancelledError:
+            self._drop_upstream()
+            raise
+        finally:
+            self._waiter = None
+
+    def _finish(self, outcome: str) -> None:
+        """The attempt in flight has ended with ``outcome``."""
+        if not self._pending:
             return
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-    finally:
-        await upstream.aclose()
+        self._pending = False
+        waiter = self._waiter
+        if waiter is not None:
+            if not waiter.done():
+                waiter.set_result(outcome)
+            return
+        worker, self._fast_worker = self._fast_worker, None  # the task-free attempt
+        if worker is None:
+            return
+        if outcome == _RETRY and not self._gone:
+            self._retry = asyncio.ensure_future(self._run(worker, fresh=True))
+            return
+        self._proxy.release(worker.id)
+        self._detach()
 
+    def _detach(self) -> None:
+        if self._client.exchange is self:
+            self._client.exchange = None
 
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    def _drop_upstream(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.sink = None
+            conn.close()
 
+    # -- callbacks from the client's connection ------------------------------
 
-async def _no_receive() -> Message:
-    return {"type": "http.disconnect"}
+    def client_lost(self) -> None:
+        self._gone = True
+        self._drop_upstream()
+        self._finish(_DONE)
 
+    def client_paused(self, paused: bool) -> None:
+        conn = self._conn
+        if conn is not None and conn.transport is not None and not conn.closed:
+            if paused:
+                conn.transport.pause_reading()
+            else:
+                conn.transport.resume_reading()
 
-def routes(proxy: FarmProxy, authorized: Callable[[Request], bool]) -> list[Route]:
-    """The OpenAI-compatible routes, each behind the router's bearer."""
+    # -- callbacks from the worker's connection ------------------------------
 
-    def guarded(
-        endpoint: Callable[[Request], Awaitable[Response]],
-    ) -> Callable[[Request], Awaitable[Response]]:
-        async def checked(request: Request) -> Response:
-            if not authorized(request):
-                return unauthorized()
-            return await endpoint(request)
+    def upstream_data(self, data: bytes) -> None:
+        self._got_bytes = True
+        try:
+            if self._response is None:
+                data = self._read_head(data)
+                if self._response is None:
+                    return
+            self._body_bytes(data)
+        except BadMessage as exc:
+            self._fail(f"the worker's answer is not HTTP/1.1: {exc}")
 
-        return checked
+    def _read_head(self, data: bytes) -> bytes:
+        buf = self._buf + data
+        while True:
+            end = buf.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4)
+            if end < 0:
+                if len(buf) > MAX_HEAD_BYTES:
+                    raise BadMessage("a head over 64 KiB")
+                self._buf = buf
+                return b""
+            head = parse_response_head(buf[:end])
+            buf = buf[end + 4 :]
+            if not 100 <= head.status < 200:
+                break
+        self._buf = b""
+        if 300 <= head.status < 400:
+            log.warning(
+                "request %s: worker %s answered a redirect (%d): refused with 502",
+                self._client.request_id,
+                self._worker_id,
+                head.status,
+            )
+            self._fail(f"the worker answered a redirect ({head.status}), which is not passed on")
+            return b""
+        self._response = head
+        client = self._client
+        headers = response_headers(head)
+        close = not head.keep_alive and not head.chunked and head.length is None
+        if client.http10 or not client.keep_alive:
+            close = True
+        lines = [b"HTTP/1.1 %d %s\r\n" % (head.status, head.reason)]
+        lines.extend(n + b": " + v + b"\r\n" for n, v in headers)
+        if head.chunked:
+            self._scanner = ChunkedScanner()
+            if not client.http10:
+                lines.append(b"transfer-encoding: chunked\r\n")
+        else:
+            self._scanner = None
+            self._left = -1 if head.length is None else head.length
+        if close:
+            lines.append(b"connection: close\r\n")
+        lines.append(REQUEST_ID_HEADER + b": " + client.request_id.encode() + b"\r\n\r\n")
+        self._close_client = close
+        self._pending_head = b"".join(lines)  # written with the first body bytes: one send
+        return buf
 
-    return [
-        Route("/v1/models", guarded(proxy.models), methods=["GET"]),
-        Route("/v1/models/{model:path}", guarded(proxy.model), methods=["GET"]),
-        *(Route(path, guarded(proxy.relay), methods=["POST"]) for path in RELAYED_PATHS),
-    ]
+    def _body_bytes(self, data: bytes) -> None:
+        head, self._pending_head = self._pending_head, b""
+        scanner, client = self._scanner, self._client
+        if scanner is not None:
+            if client.http10:
+                used = scanner.feed(data, keep_data=True)
+                client.write(head + scanner.data())
+            else:
+                used = scanner.feed(data)
+                client.write(head + (data if used == len(data) else data[:used]))
+            if scanner.done:
+                self._complete(reuse=used == len(data) and self._response_keeps())
+            return
+        if self._left < 0:  # until the worker closes
+            if data or head:
+                client.write(head + data)
+            return
+        take = data if len(data) <= self._left else data[: self._left]
+        if take or head:
+            client.write(head + take)
+        self._left -= len(take)
+        if self._left == 0:
+            self._complete(reuse=len(take) == len(data) and self._response_keeps())
+
+    def _response_keeps(self) -> bool:
+        return self._response is not None and self._response.keep_alive
+
+    def _complete(self, reuse: bool) -> None:
+        conn, target = self._conn, self._target
+        self._conn = None
+        if conn is not None:
+            conn.sink = None
+            if reuse and target is not None:
+                self._proxy.pool.give_back(target, conn)
+            else:
+                conn.close()
+        self._finish(_DONE)
+        self._client.answer_done(keep_alive=not self._close_client)
+
+    def upstream_lost(self) -> None:
+        if not self._pending:
+            return
+        conn = self._conn
+        self._conn = None
+        if self._response is None:
+            if conn is not None and conn.reused and not self._got_bytes:
+                self._finish(_RETRY)  # the worker closed a kept-alive connection: not taken
+                return
+            self._fail("the worker gave no answer (it closed the connection)", conn_gone=True)
+            return
+        if self._scanner is None and self._left < 0:  # the close ends this body
+            self._client.answer_done(keep_alive=False)
+            self._finish(_DONE)
+            return
+        # The answer has started: the client must see it cut, not complete.
+        log.warning(
+            "request %s: worker %s: answer cut (the worker closed the connection)",
+            self._client.request_id,
+            self._worker_id,
+        )
+        self._client.cut()
+        self._finish(_DONE)
+
+    def _fail(self, message: str, conn_gone: bool = False) -> None:
+        if not conn_gone:
+            self._drop_upstream()
+        if self._response is None:
+            if conn_gone:
+                log.warning(
+                    "request %s: worker %s: %s", self._client.request_id, self._worker_id, message
+                )
+            self._client.respond(bad_gateway(message))
+        else:
+            self._client.cut()
+        self._finish(_DONE)

@@ -219,7 +219,7 @@ def test_r_k5_a_fenced_worker_finishes_its_stream_and_gets_no_new_request(
     r.fence("a")
     for _ in range(3):
         client.chat.completions.create(model="wh", messages=MESSAGES, max_tokens=2)
-    assert b.completions == 3
+    wait_for(lambda: b.completions == 3, what="b's three completions")
     rest = list(chunks)
     text = "".join(c.choices[0].delta.content or "" for c in [first, *rest])
     assert text == "t0 t1 t2 t3 t4 t5 "
@@ -452,3 +452,25 @@ def test_r_k5_router_serve_relays_a_stream_from_a_simworker_process(
         for proc in procs:
             proc.terminate()
             proc.communicate(timeout=20)
+
+
+def test_r_k5_connection_drops_only_hop_by_hop_names_never_the_clients_accept_encoding(
+    router: Router, recording: RecordingWorker
+) -> None:
+    r = router([worker("a", [recording.url], ["wh"])])
+    response = httpx.post(
+        f"{r.url}/v1/chat/completions",
+        json={"model": "wh", "messages": MESSAGES},
+        headers={
+            **AUTH,
+            "Connection": "accept-encoding, x-hop",
+            "Accept-Encoding": "identity",
+            "X-Hop": "1",
+        },
+        trust_env=False,
+    )
+    assert response.status_code == 200
+    (_, headers, _) = recording.seen[-1]
+    assert headers["accept-encoding"] == "identity"
+    assert "x-hop" not in headers
+    assert "connection" not in headers or "x-hop" not in headers["connection"]

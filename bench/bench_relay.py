@@ -1,0 +1,491 @@
+"""The relay at a farm's load, beside nginx, in one run (``make bench``, section ``relay``).
+
+One upstream process speaks keep-alive HTTP/1.1 as an inference server does: a
+streamed completion is one chunk per token, tokens ``GAP_MS`` apart (40 tok/s), and
+a non-streamed one answers at once. In front of it, side by side: ``router serve``
+(registry: that upstream, its slots read from ``/props``) and nginx (one worker,
+upstream keepalive, ``proxy_buffering off``: how nginx is set up for SSE). The
+client is this process (asyncio, uvloop where installed, one kept-alive connection
+per concurrent stream).
+
+- **per request**: 16 clients send non-streamed completions back to back for a while;
+  the proxy's CPU (schedstat of every thread of every process of it) over the
+  requests it relayed.
+- **the stream ladder**: ``c`` = 16..256 clients each run 40-token streams back to
+  back; per rung: streams done, errors, first-token p99 (from the request's start),
+  token lateness p99 (a gap between two tokens beyond ``GAP_MS``), and the proxy's
+  CPU per token (its CPU less the per-request cost of the streams, over the tokens).
+  A rung is carried with no error, lateness p99 < 50 ms and first token p99 < 500 ms.
+
+Run alone: ``python bench/bench_relay.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from bench_common import Cleanup, percentile, proc_cpu_ns, wait_until  # noqa: E402
+
+KEY = "bench-relay-key"
+MODEL = "bench-model"
+GAP_MS = 25
+TOKENS = 40
+LADDER = (16, 32, 64, 128, 256)
+
+
+# -- the upstream: keep-alive HTTP/1.1, tokens spaced as an LLM emits them ----------
+
+
+class _Upstream(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.buf = b""
+        self.transport: asyncio.Transport | None = None
+        self.busy = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self._next()
+
+    def _next(self) -> None:
+        while not self.busy:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].split(b"\r\n")
+            length = 0
+            for line in head[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            if len(self.buf) < end + 4 + length:
+                return
+            body = self.buf[end + 4 : end + 4 + length]
+            self.buf = self.buf[end + 4 + length :]
+            method, path = head[0].split(b" ")[:2]
+            self._answer(method, path, body)
+
+    def _send(self, status: bytes, body: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(
+            b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body) + body
+        )
+
+    def _answer(self, method: bytes, path: bytes, body: bytes) -> None:
+        if method == b"GET":
+            if path == b"/props":
+                self._send(b"200 OK", b'{"total_slots": 1024}')
+            elif path == b"/health":
+                self._send(b"200 OK", b'{"status": "ok"}')
+            else:
+                self._send(b"404 Not Found", b"{}")
+            return
+        request = json.loads(body)
+        if not request.get("stream"):
+            self._send(b"200 OK", b'{"choices": [{"message": {"content": "t0"}}]}')
+            return
+        assert self.transport is not None
+        self.transport.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        self.busy = True
+        self._token(0, int(request.get("max_tokens", TOKENS)))
+
+    def _token(self, i: int, n: int) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if i == n:
+            event = b"data: [DONE]\n\n"
+            transport.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
+            self.busy = False
+            self._next()
+            return
+        event = b'data: {"choices": [{"delta": {"content": "t%d "}}]}\n\n' % i
+        transport.write(b"%x\r\n%s\r\n" % (len(event), event))
+        asyncio.get_running_loop().call_later(GAP_MS / 1000, self._token, i + 1, n)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def serve_upstream() -> None:
+    loop = _new_loop()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4096)
+    loop.run_until_complete(loop.create_server(_Upstream, sock=sock))
+    print(sock.getsockname()[1], flush=True)
+    loop.run_forever()
+
+
+# -- the targets -------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    name: str
+    url: tuple[str, int]
+    pids: Callable[[], list[int]]
+    auth: bytes = b""
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _start_upstream(cleanup: Cleanup) -> int:
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "upstream"], stdout=subprocess.PIPE, cwd=ROOT
+    )
+    cleanup.popen(proc)
+    assert proc.stdout is not None
+    return int(proc.stdout.readline())
+
+
+def _start_router(cleanup: Cleanup, upstream: int) -> Target:
+    directory = cleanup.tempdir()
+    key_file = os.path.join(directory, "router.key")
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, KEY.encode())
+    os.close(fd)
+    registry = os.path.join(directory, "workers.json")
+    worker = {
+        "id": "w",
+        "urls": [f"http://127.0.0.1:{upstream}"],
+        "models": [MODEL],
+        "slots": {"source": "props"},
+    }
+    with open(registry, "w", encoding="utf-8") as f:
+        json.dump({"workers": [worker]}, f)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway_capacity", "router", "serve", "--workers", registry,
+         "--key-file", key_file, "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    cleanup.popen(proc)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    port = int(line.strip().removesuffix("/v1/capacity").rsplit(":", 1)[1])
+    return Target("router", ("127.0.0.1", port), lambda: [proc.pid], b"Bearer " + KEY.encode())
+
+
+NGINX_CONF = """
+worker_processes 1;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  keepalive_requests 1000000;
+  client_body_temp_path {dir}/body;
+  proxy_temp_path {dir}/proxy;
+  fastcgi_temp_path {dir}/fastcgi;
+  uwsgi_temp_path {dir}/uwsgi;
+  scgi_temp_path {dir}/scgi;
+  upstream worker {{ server 127.0.0.1:{upstream}; keepalive 512; keepalive_requests 1000000; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://worker;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+def _start_nginx(cleanup: Cleanup, upstream: int) -> Target | None:
+    nginx = shutil.which("nginx") or (
+        "/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None
+    )
+    if nginx is None:
+        return None
+    directory = cleanup.tempdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conf = os.path.join(directory, "nginx.conf")
+    with open(conf, "w") as f:
+        f.write(NGINX_CONF.format(dir=directory, upstream=upstream, port=port))
+    proc = subprocess.Popen(
+        [nginx, "-p", directory, "-c", conf, "-g", "daemon off;"], stderr=subprocess.DEVNULL
+    )
+    cleanup.popen(proc)
+
+    def ready() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_until(ready, 10, "nginx to listen")
+    return Target("nginx", ("127.0.0.1", port), lambda: [proc.pid, *_children(proc.pid)])
+
+
+# -- the client ----------------------------------------------------------------------
+
+
+@dataclass
+class Rung:
+    requests: int = 0
+    tokens: int = 0
+    errors: int = 0
+    first: list[float] = field(default_factory=list)
+    late: list[float] = field(default_factory=list)
+    cpu_ns: int = 0
+    wall_s: float = 0.0
+    capacity_reads: int = 0
+    capacity_wrong: int = 0  # failed, incomplete, or not the worker's 1024 slots
+
+
+async def _client(target: Target, stream: bool, until: float, rung: Rung) -> None:
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+         "max_tokens": TOKENS, "stream": stream}
+    ).encode()  # fmt: skip
+    auth = b"authorization: " + target.auth + b"\r\n" if target.auth else b""
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+        + auth
+        + b"content-length: %d\r\n\r\n" % len(body)
+        + body
+    )
+    reader: asyncio.StreamReader | None = None
+    writer: asyncio.StreamWriter | None = None
+    loop = asyncio.get_running_loop()
+    while loop.time() < until:
+        try:
+            if writer is None:
+                reader, writer = await asyncio.open_connection(*target.url)
+            assert reader is not None
+            started = loop.time()
+            writer.write(request)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            if not head.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(head[:40])
+            if not stream:
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                rung.requests += 1
+                continue
+            last = None
+            tokens = 0
+            done = False
+            tail = b""
+            while True:
+                data = await asyncio.wait_for(reader.read(65536), 10)
+                if not data:
+                    raise RuntimeError("closed mid-stream")
+                now = loop.time()
+                n = data.count(b'data: {"')
+                if n:
+                    if last is None:
+                        rung.first.append(now - started)
+                    else:
+                        rung.late.append(max(0.0, now - last - GAP_MS / 1000))
+                    last = now
+                    tokens += n
+                tail = (tail + data)[-64:]
+                done = done or b"[DONE]" in tail
+                if done and tail.endswith(b"\r\n0\r\n\r\n"):  # the last chunk, read
+                    break
+            rung.tokens += tokens
+            rung.requests += 1
+        except Exception:
+            rung.errors += 1
+            if writer is not None:
+                writer.close()
+            reader = writer = None
+            await asyncio.sleep(0.05)
+    if writer is not None:
+        writer.close()
+
+
+def _cpu(target: Target) -> int:
+    return sum(proc_cpu_ns(pid) for pid in target.pids())
+
+
+def _watch_capacity(target: Target, rung: Rung, stop: threading.Event) -> None:
+    """The router's /v1/capacity every 0.5 s while its relay is loaded: the number the
+    gateways admit against must stay the worker's."""
+    while not stop.wait(0.5):
+        rung.capacity_reads += 1
+        try:
+            conn = http.client.HTTPConnection(*target.url, timeout=5)
+            conn.request("GET", "/v1/capacity", headers={"Authorization": target.auth.decode()})
+            answer = json.loads(conn.getresponse().read())
+            conn.close()
+            ok = answer["complete"] and answer["models"] == [
+                {"id": MODEL, "max_concurrent_requests": 1024}
+            ]
+        except (OSError, ValueError, KeyError):
+            ok = False
+        rung.capacity_wrong += not ok
+
+
+def run_rung(target: Target, clients: int, stream: bool, seconds: float) -> Rung:
+    rung = Rung()
+    stop = threading.Event()
+    watch = None
+    if target.name == "router":
+        watch = threading.Thread(target=_watch_capacity, args=(target, rung, stop))
+        watch.start()
+
+    async def main() -> None:
+        until = asyncio.get_running_loop().time() + seconds
+        await asyncio.gather(*(_client(target, stream, until, rung) for _ in range(clients)))
+
+    before, started = _cpu(target), time.monotonic()
+    loop = _new_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    rung.cpu_ns, rung.wall_s = _cpu(target) - before, time.monotonic() - started
+    stop.set()
+    if watch is not None:
+        watch.join()
+    return rung
+
+
+@dataclass
+class RelayBench:
+    per_request_ns: dict[str, float] = field(default_factory=dict)
+    ladder: dict[str, dict[int, Rung]] = field(default_factory=dict)
+    per_token_ns: dict[str, dict[int, float]] = field(default_factory=dict)
+
+
+def run_relay(cleanup: Cleanup, log: Callable[[str], None], quick: bool = False) -> RelayBench:
+    upstream = _start_upstream(cleanup)
+    targets = [_start_router(cleanup, upstream)]
+    nginx = _start_nginx(cleanup, upstream)
+    if nginx is not None:
+        targets.append(nginx)
+    else:
+        log("relay: nginx is not installed (scripts/ensure-tools --bench): router alone")
+    time.sleep(2.5)  # the router's first rounds see the upstream
+    result = RelayBench()
+    seconds = 2.0 if quick else 6.0
+    for target in targets:
+        run_rung(target, 4, False, 0.5)  # warm
+        rung = run_rung(target, 16, False, seconds / 2)
+        result.per_request_ns[target.name] = rung.cpu_ns / max(1, rung.requests)
+        log(f"relay: {target.name}: {rung.requests} requests, {rung.errors} errors")
+    ladder = LADDER[:3] if quick else LADDER
+    for i, clients in enumerate(ladder):
+        order = targets if i % 2 == 0 else targets[::-1]
+        for target in order:
+            rung = run_rung(target, clients, True, seconds)
+            result.ladder.setdefault(target.name, {})[clients] = rung
+            request_cost = rung.requests * result.per_request_ns[target.name]
+            result.per_token_ns.setdefault(target.name, {})[clients] = max(
+                0.0, (rung.cpu_ns - request_cost) / max(1, rung.tokens)
+            )
+            log(
+                f"relay: {target.name} c={clients}: {rung.requests} streams, "
+                f"capacity right {rung.capacity_reads - rung.capacity_wrong}"
+                f" of {rung.capacity_reads}, "
+                f"{rung.errors} errors, first p99 {percentile(rung.first, 99) * 1000:.0f} ms, "
+                f"late p99 {percentile(rung.late, 99) * 1000:.1f} ms"
+            )
+    return result
+
+
+def carried(rung: Rung) -> bool:
+    return (
+        rung.errors == 0
+        and rung.requests > 0
+        and percentile(rung.late, 99) < 0.050
+        and percentile(rung.first, 99) < 0.500
+    )
+
+
+def relay_tables(r: RelayBench) -> str:
+    names = list(r.ladder)
+    columns = [f"{n}: streams, errors, first p99 ms, late p99 ms, CPU us/token" for n in names]
+    columns.append("router's /v1/capacity reads the worker's 1024, complete")
+    lines = ["| streams at 40 tok/s | " + " | ".join(columns) + " |"]
+    lines.append("|---" * (len(names) + 2) + "|")
+    for clients in next(iter(r.ladder.values())):
+        cells = []
+        for name in names:
+            rung = r.ladder[name][clients]
+            cells.append(
+                f"{rung.requests}, {rung.errors}, {percentile(rung.first, 99) * 1000:.0f}, "
+                f"{percentile(rung.late, 99) * 1000:.1f}, "
+                f"{r.per_token_ns[name][clients] / 1000:.1f}"
+                + ("" if carried(rung) else " (not carried)")
+            )
+        watched = r.ladder["router"][clients]
+        cells.append(
+            f"{watched.capacity_reads - watched.capacity_wrong} of {watched.capacity_reads}"
+        )
+        lines.append(f"| {clients} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(
+        "| proxy CPU | " + " | ".join(names) + (" | router / nginx |" if "nginx" in names else " |")
+    )
+    lines.append("|---" * (len(names) + 1 + ("nginx" in names)) + "|")
+    row = [f"{r.per_request_ns[n] / 1000:.0f} us" for n in names]
+    if "nginx" in names:
+        row.append(f"{r.per_request_ns['router'] / r.per_request_ns['nginx']:.1f}x")
+    lines.append("| per request (16 clients, not streamed) | " + " | ".join(row) + " |")
+    for clients in next(iter(r.ladder.values())):
+        row = [f"{r.per_token_ns[n][clients] / 1000:.1f} us" for n in names]
+        if "nginx" in names and r.per_token_ns["nginx"][clients] > 0:
+            row.append(
+                f"{r.per_token_ns['router'][clients] / r.per_token_ns['nginx'][clients]:.1f}x"
+            )
+        elif "nginx" in names:
+            row.append("-")
+        lines.append(f"| per token, {clients} streams | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["upstream"]:
+        serve_upstream()
+        return
+    with Cleanup().scope() as cleanup:
+        result = run_relay(cleanup, lambda m: print(m, file=sys.stderr), "--quick" in sys.argv)
+        print(relay_tables(result))
+
+
+if __name__ == "__main__":
+    main()
