@@ -883,7 +883,14 @@ class Sidecar:
                 log.error("capacityShare: %s; share mode holds no share", exc)
                 self._share_failed(f"credential: {exc}")
                 return
-        self.share = ShareClient(share, password)
+        try:
+            self.share = ShareClient(share, password)
+        except Exception as exc:  # check_share builds the same client: only a redis-py surprise
+            log.error(
+                "capacityShare: redis-py refused the URL (%s); share mode holds no share", exc
+            )
+            self._share_failed(f"redis-py refused the URL: {type(exc).__name__}")
+            return
         log.info(
             "capacityShare: gateway %s shares each discovered capacity through %s "
             "(lease %gs, floor %d)",
