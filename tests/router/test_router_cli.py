@@ -423,3 +423,25 @@ def test_r_k5_two_workers_on_one_socket_address_are_a_warning_in_check_show_and_
     assert check.stdout.splitlines()[1] in text.splitlines()
     _, err = router.terminate()
     assert err.count(said) == 1, err
+
+
+def test_r_k5_an_ipv4_mapped_ipv6_spelling_of_one_socket_is_a_warning_too(
+    registry_path: Path, sim: Sim
+) -> None:
+    """``[::ffff:127.0.0.1]`` reaches a server listening on 127.0.0.1 (a dual-stack
+    socket connects to it): two ids over the two spellings count one server twice."""
+    import httpx
+
+    one = sim(4)
+    port = one.url.rsplit(":", 1)[1]
+    mapped = f"http://[::ffff:127.0.0.1]:{port}"
+    assert httpx.get(f"{mapped}/health", timeout=10).status_code == 200  # one server
+    workers = [
+        worker("a", [f"http://127.0.0.1:{port}"], ["wh"], {"source": "props"}),
+        worker("b", [mapped], ["wh"], {"source": "props"}),
+    ]
+    write_registry(registry_path, workers)
+    check = cli("check", "--workers", str(registry_path))
+    assert check.returncode == 0, check
+    warned = [x for x in check.stdout.splitlines() if x.startswith("warning:")]
+    assert len(warned) == 1 and f"one socket address 127.0.0.1:{port}" in warned[0], check
