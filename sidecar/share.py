@@ -140,7 +140,7 @@ def url_problem(url: str) -> str | None:
     except ImportError:
         return "share mode needs the Python package redis (pip install 'gateway-capacity[share]')"
     try:
-        pool = aioredis.ConnectionPool.from_url(url, password="-", **CLIENT_OPTIONS)
+        pool: Any = aioredis.ConnectionPool.from_url(url, password="-", **CLIENT_OPTIONS)
         pool.make_connection()
     except Exception as exc:  # redis-py says ValueError, TypeError or ConnectionError
         return f"{type(exc).__name__}: {exc}"
