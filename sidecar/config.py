@@ -131,9 +131,13 @@ def check_share(share: CapacityShare) -> str | None:
         )
     unknown = sorted(name for name in names if name not in REDIS_PLAIN_OPTIONS)
     if unknown:
+        # named only when it is a name redis-py takes a secret by: a bare ``?hunter2``
+        # is itself the secret, and this line goes to the log
+        secret = [name for name in unknown if name in ("password", "ssl_password")]
+        what = f"?{secret[0]}=" if secret else "a query name that is not a plain option"
         return (
-            f"redis: put no password in the URL (?{unknown[0][:40]}= is not a plain "
-            "option); use credentialFile (kept out of argv and logs)"
+            f"redis: put no password in the URL ({what}; docs/share.md lists the plain "
+            "options); use credentialFile (kept out of argv and logs)"
         )
     tls = sorted(name for name in names if name.startswith("ssl_"))
     if tls and parts.scheme != "rediss":

@@ -64,6 +64,8 @@ def test_share_accepts_redis_and_rediss_with_defaults() -> None:
             {"redis": "redis://h/0?username=u:hunter2", "gateway": "a", "credentialFile": "/p"},
             "no password in the URL",
         ),
+        ({"redis": "redis://h/0?hunter2", "gateway": "a"}, "use credentialFile"),
+        ({"redis": "redis://h/0?db=0&hunter2=1", "gateway": "a"}, "use credentialFile"),
         ({"redis": "redis://h/0?socket_connect_timeout=60", "gateway": "a"}, "own Redis"),
         ({"redis": "redis://h/0?retry_on_timeout=yes", "gateway": "a"}, "own Redis"),
         ({"redis": "redis://h/0?timeout=3", "gateway": "a"}, "own Redis"),
