@@ -9,6 +9,7 @@ say so, and the router logs it once, so an operator can list both URLs under one
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
@@ -24,7 +25,17 @@ def resolve(host: str, port: int) -> list[tuple[str, int]]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):
         return []
-    return [(str(info[4][0]), int(info[4][1])) for info in infos]
+    return [(_plain(str(info[4][0])), int(info[4][1])) for info in infos]
+
+
+def _plain(ip: str) -> str:
+    """An IPv4-mapped IPv6 address (``::ffff:127.0.0.1``) as the IPv4 address it
+    reaches: a dual-stack socket connects to the IPv4 listener."""
+    try:
+        mapped = ipaddress.IPv6Address(ip.split("%", 1)[0]).ipv4_mapped
+    except ValueError:
+        return ip
+    return str(mapped) if mapped is not None else ip
 
 
 def _address(ip: str, port: int) -> str:

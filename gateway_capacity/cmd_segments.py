@@ -28,6 +28,7 @@ from gateway_capacity.schemas import (
     SegmentsDoc,
     sidecar_status,
 )
+from sidecar.contract import shown as escaped  # a path the segment holds
 
 if TYPE_CHECKING:
     from shm_layout.owners import OwnerPolicy
@@ -98,7 +99,7 @@ def describe(segment: ListedSegment) -> str:
     """One segment on one line: its name, config and sidecar."""
     if segment.error is not None:
         return f"{segment.name}  unreadable: {segment.error}"
-    config = segment.config_path or "unknown (no sidecar has written it)"
+    config = escaped(segment.config_path or "unknown (no sidecar has written it)")
     s = segment.sidecar
     sidecar = "no sidecar has run" if s is None else f"sidecar pid {s.pid} {s.status}"
     return f"{segment.name}  config {config}  {sidecar}  handlers {segment.handlers}"
@@ -130,7 +131,7 @@ def nearest(missing: str) -> str:
 def _brief(segment: ListedSegment) -> str:
     if segment.error is not None:
         return f"{segment.name} (unreadable)"
-    parts = [f"config {segment.config_path}" if segment.config_path else "config unknown"]
+    parts = [f"config {escaped(segment.config_path)}" if segment.config_path else "config unknown"]
     s = segment.sidecar
     parts.append("no sidecar" if s is None else f"sidecar pid {s.pid} {s.status}")
     return f"{segment.name} ({', '.join(parts)})"

@@ -161,14 +161,14 @@ def availability_text(view: SegmentView) -> str:
     lines = [
         f"segment {view.name}  layout {view.major}.{view.minor}  "
         + (
-            f"config path {view.config_path}"
+            f"config path {shown(view.config_path)}"
             if view.config_path
             else "config path unknown (no sidecar has written this segment)"
         )
     ]
     if not view.consistent:
         lines.append("  (a writer was mid-update; figures may be torn)")
-    lines.extend(f"  DAMAGE: {problem}" for problem in damage_problems(view))
+    lines.extend(f"  DAMAGE: {shown(problem)}" for problem in damage_problems(view))
     s = view.sidecar
     if s is None:
         lines.append("sidecar: none has run (handlers use their static limits)")
@@ -178,14 +178,17 @@ def availability_text(view: SegmentView) -> str:
             f"sidecar: pid {s.pid} {sidecar_status(s)}, heartbeat {beat}, epoch {s.writer_epoch}"
         )
     if view.config_status:
-        lines.append(f"config: {view.config_status}")
+        lines.append(f"config: {shown(view.config_status)}")
     gens: dict[str, int] = {}
     for m in view.members:
         if m.alive:
             gens[m.generation] = gens.get(m.generation, 0) + 1
     lines.append(
         "generations: "
-        + (", ".join(f"{g} ({n} process{'es' if n > 1 else ''})" for g, n in gens.items()) or "-")
+        + (
+            ", ".join(f"{shown(g)} ({n} process{'es' if n > 1 else ''})" for g, n in gens.items())
+            or "-"
+        )
     )
     for p in view.providers:
         lines.append("")
@@ -363,7 +366,8 @@ def run_availability(args: argparse.Namespace) -> int:
             }
             print(json.dumps(doc, indent=2))
         elif problems or warnings:
-            print("\n".join(problems + [f"warning: {w}" for w in warnings]))
+            # each quotes what the segment holds (reasons, paths): one line, escaped
+            print("\n".join(shown(line) for line in problems + [f"warning: {w}" for w in warnings]))
         else:
             assert view.sidecar is not None  # health_problems reports a missing one
             print(f"ok: segment {view.name}, sidecar pid {view.sidecar.pid} running")
@@ -386,7 +390,11 @@ def run_inspect(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"ok": not problems, "problems": problems}, indent=2))
         else:
-            print("\n".join(problems) if problems else f"ok: segment {view.name} is undamaged")
+            print(
+                "\n".join(map(shown, problems))
+                if problems
+                else f"ok: segment {view.name} is undamaged"
+            )
         return EXIT_PROBLEM if problems else EXIT_OK
     if args.json:
         print(json.dumps(inspect_doc(view), indent=2))
@@ -396,7 +404,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     for h in view.holders:
         print(
             f"  {h.provider}#{h.index} {h.state} pid {h.pid} "
-            f"{'alive' if h.alive else 'DEAD'} ticket {h.ticket} gen {h.generation or '-'}"
+            f"{'alive' if h.alive else 'DEAD'} ticket {h.ticket} gen {shown(h.generation or '-')}"
         )
     if not view.holders:
         print("  (none)")

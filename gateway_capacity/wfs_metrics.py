@@ -363,7 +363,9 @@ class MetricsSampler:
         if coding not in ("", "identity"):
             # we asked for identity; a compressed body would only be measured after
             # inflating it, so the cap would mean nothing
-            return Fatal(f"the metrics answer is compressed ({coding}); asked for identity")
+            return Fatal(
+                f"the metrics answer is compressed ({one_line(coding, 40)}); asked for identity"
+            )
         from sidecar.contract import read_capped
 
         body = await read_capped(response.aiter_raw(), MAX_BODY_BYTES)
@@ -398,7 +400,11 @@ def secs(value: float) -> str:
 
 
 def one_line(text: str, limit: int = 160) -> str:
-    flat = " ".join(text.split())
+    """``text`` on one line with its control characters escaped (it may quote the
+    server's own words), cut to ``limit``."""
+    from sidecar.contract import shown
+
+    flat = shown(" ".join(text.split()))
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 

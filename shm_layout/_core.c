@@ -3187,8 +3187,19 @@ static PyObject *mod_damaged(PyObject *self, PyObject *arg)
     return PyBool_FromLong(guard_damaged((int)i));
 }
 
+/* guard_armed() -> bool: the core's SIGBUS handler is the process's disposition now (a
+ * disposition set after the first mapping replaces it: the guard is gone, section 1b). */
+static PyObject *mod_guard_armed(PyObject *self, PyObject *noargs)
+{
+    struct sigaction cur;
+    if (sigaction(SIGBUS, NULL, &cur) != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    return PyBool_FromLong((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_sigbus);
+}
+
 static PyMethodDef module_methods[] = {
     {"guard", mod_guard, METH_VARARGS, "guard(buffer, writable) -> slot: survive a truncation of it"},
+    {"guard_armed", mod_guard_armed, METH_NOARGS, "guard_armed() -> bool: ours handles SIGBUS now"},
     {"unguard", mod_unguard, METH_O, "unguard(slot): before the mapping goes"},
     {"damaged", mod_damaged, METH_O, "damaged(slot) -> bool: its pages were replaced by zeros"},
     {"init_mutex", mod_init_mutex, METH_VARARGS, "init_mutex(buffer, offset): a process-shared robust mutex"},

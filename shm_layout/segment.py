@@ -48,6 +48,9 @@ INIT_WAIT_S = 2.0
 CLOSE_WAIT_S = 2.0
 
 
+_warned_disarmed = False  # the guard was found replaced (once per process)
+
+
 class Mapping(mmap.mmap):
     """A mapping of a segment that a truncation cannot turn into death by SIGBUS.
 
@@ -63,6 +66,14 @@ class Mapping(mmap.mmap):
     def __new__(cls, fd: int, length: int, *, access: int = mmap.ACCESS_WRITE) -> Mapping:
         self = super().__new__(cls, fd, length, access=access)
         self._guard = _core.guard(self, access != mmap.ACCESS_READ)
+        global _warned_disarmed
+        if self._guard >= 0 and not _warned_disarmed and not _core.guard_armed():
+            _warned_disarmed = True
+            log.warning(
+                "SIGBUS handling was replaced after this process's first attach (signal.signal "
+                "or sigaction): a truncated segment may now kill or hang it; set your own "
+                "SIGBUS handling before the first attach (docs/DESIGN.md, the SIGBUS guard)"
+            )
         return self
 
     @property

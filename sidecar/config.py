@@ -29,7 +29,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Final
-from urllib.parse import parse_qs, urlparse, urlsplit
+from urllib.parse import parse_qs, unquote, urlparse, urlsplit
 
 import msgspec
 
@@ -53,6 +53,7 @@ from gateway_config import (
     read_config_file,
 )
 from sidecar.addresses import classify, is_localhost_name, parse_ip, static_opt_in
+from sidecar.contract import shown
 from sidecar.credential import check_credential_spec
 
 __all__ = [
@@ -119,18 +120,54 @@ def check_share(share: CapacityShare) -> str | None:
         return "redis: the URL names no host"
     names = _redis_query_names(share.redis)
     lone_user = parts.username or "username" in names
+    users = [
+        unquote(parts.username or ""),
+        *parse_qs(urlparse(share.redis).query).get("username", []),
+    ]
+    if any(":" in user for user in users):  # redis-py sends ``u%3Apw`` as one user name
+        return "redis: put no password in the URL; use credentialFile (kept out of argv and logs)"
     if parts.password is not None or (lone_user and not share.credential_file):
         return "redis: put no password in the URL; use credentialFile (kept out of argv and logs)"
+    own = sorted(name for name in names if name in REDIS_SIDECAR_OPTIONS)
+    if own:
+        return (
+            f"redis: drop ?{own[0]}= from the URL; the sidecar sets its own Redis "
+            "deadlines (the query would override them)"
+        )
     unknown = sorted(name for name in names if name not in REDIS_PLAIN_OPTIONS)
     if unknown:
+        # named only when it is a name redis-py takes a secret by: a bare ``?hunter2``
+        # is itself the secret, and this line goes to the log
+        secret = [name for name in unknown if name in ("password", "ssl_password")]
+        what = f"?{secret[0]}=" if secret else "a query name that is not a plain option"
         return (
-            f"redis: put no password in the URL (?{unknown[0][:40]}= is not a plain "
-            "option); use credentialFile (kept out of argv and logs)"
+            f"redis: put no password in the URL ({what}; docs/share.md lists the plain "
+            "options); use credentialFile (kept out of argv and logs)"
         )
+    tls = sorted(name for name in names if name.startswith("ssl_"))
+    if tls and parts.scheme != "rediss":
+        return f"redis: ?{tls[0]}= needs a rediss:// URL (TLS)"
+    from sidecar.share import url_problem
+
+    problem = url_problem(share.redis)
+    if problem is not None:
+        return f"redis: {shown(problem)}"
     if share.credential_file is not None:
         return check_credential_spec(share.credential_file)
     return None
 
+
+REDIS_SIDECAR_OPTIONS: Final = frozenset(
+    {
+        "socket_timeout",
+        "socket_connect_timeout",
+        "retry_on_timeout",
+        "retry_on_error",
+        "health_check_interval",
+        "timeout",
+    }
+)
+"""Query names redis-py would let override the sidecar's own deadlines (refused)."""
 
 REDIS_PLAIN_OPTIONS: Final = frozenset(
     {

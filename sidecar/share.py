@@ -183,18 +183,39 @@ class ShareUnavailable(Exception):
     """Redis did not answer the call (down, unreachable, slow, refused the password)."""
 
 
+CLIENT_OPTIONS: Final = {
+    "socket_timeout": CALL_TIMEOUT_S,
+    "socket_connect_timeout": CALL_TIMEOUT_S,
+    "retry_on_timeout": False,
+    "health_check_interval": 0,
+}
+"""The sidecar's own Redis deadlines; a URL's query would override them (redis-py lets
+the query win), so ``check_share`` refuses those names."""
+
+
+def url_problem(url: str) -> str | None:
+    """Why redis-py would not build a connection from ``url`` as :class:`ShareClient`
+    does (a value it cannot parse, an option the connection class does not take), or
+    ``None``. Builds objects only: no file is read and nothing connects."""
+    try:
+        import redis.asyncio as aioredis
+    except ImportError:
+        return "share mode needs the Python package redis (pip install 'gateway-capacity[share]')"
+    try:
+        pool: Any = aioredis.ConnectionPool.from_url(url, password="-", **CLIENT_OPTIONS)
+        pool.make_connection()
+    except Exception as exc:  # redis-py says ValueError, TypeError or ConnectionError
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 class ShareClient:
     """One redis-py asyncio client and the script's SHA; ``call`` is one EVALSHA."""
 
     def __init__(self, share: CapacityShare, password: str | None) -> None:
         import redis.asyncio as aioredis
 
-        kwargs: dict[str, Any] = {
-            "socket_timeout": CALL_TIMEOUT_S,
-            "socket_connect_timeout": CALL_TIMEOUT_S,
-            "retry_on_timeout": False,
-            "health_check_interval": 0,
-        }
+        kwargs: dict[str, Any] = dict(CLIENT_OPTIONS)
         if password is not None:
             kwargs["password"] = password
         self._redis: Any = aioredis.Redis.from_url(share.redis, **kwargs)

@@ -80,7 +80,14 @@ class ShareLoop:
                 log.error("capacityShare: %s; share mode holds no share", exc)
                 self._failed(f"credential: {exc}")
                 return
-        self.client = ShareClient(share, password)
+        try:
+            self.client = ShareClient(share, password)
+        except Exception as exc:  # check_share builds the same client: only a redis-py surprise
+            log.error(
+                "capacityShare: redis-py refused the URL (%s); share mode holds no share", exc
+            )
+            self._failed(f"redis-py refused the URL: {type(exc).__name__}")
+            return
         log.info(
             "capacityShare: gateway %s (instance %s) shares each discovered capacity through "
             "%s (lease %gs, floor %d)",

@@ -203,6 +203,7 @@ LONG: tuple[str, ...] = (
     "tests/router/test_router_relay_attacks.py::test_r_k5_a_round_without_a_descriptor_publishes_no_count_for_the_worker",
     "tests/share/test_share_credential.py::test_share_metrics_say_whether_redis_answers",
     "tests/share/test_share_credential.py::test_share_refuses_a_redis_password_in_the_urls_query",
+    "tests/share/test_share_credential.py::test_share_refuses_a_redis_url_that_redis_py_would_not_build_or_that_sets_its_timeouts",
     "tests/share/test_share_credential.py::test_share_reads_the_redis_password_from_its_file_and_never_shows_it",
     "tests/share/test_share_credential.py::test_share_with_a_wrong_password_holds_no_share_and_fails_the_check",
     "tests/shm/test_cli_args.py::test_a_max_heartbeat_age_or_watch_interval_of_zero_is_refused",

@@ -398,3 +398,24 @@ def test_availability_escapes_a_reason_scribbled_with_terminal_escapes(
     assert out.returncode == 0, out.stderr
     assert "\x1b" not in out.stdout and "\u202e" not in out.stdout
     assert "  reason: ok\\nprovider p2 [static] limit 99\\x1b[2J\\u202e" in out.stdout
+
+
+def test_availability_check_escapes_a_scribbled_reason_in_its_problems_and_warnings(
+    adm: Admission, segment_name: str
+) -> None:
+    """``availability --check`` quotes a provider's reason in each problem and warning
+    it prints: escaped there too, whether the reason names a missing model or not."""
+    seg = adm._seg
+    epoch = writer.take_epoch(seg, os.getpid(), 0.0, time.time(), 1.0, "test")
+    for seq, forged in enumerate(
+        ("x missing from y\nprovider p2: ok\x1b[2J\u202e", "held\nprovider p2: ok\x1b[2J"), 1
+    ):
+        now = time.time()
+        publication = writer.Publication(
+            "p1", True, 0, "provider", limit=0, reason=forged, observed_at=now, expires_at=now + 30
+        )
+        writer.publish(seg, epoch, seq, "ok", [publication], now)
+        out = run_cli("availability", "--check", "--segment", segment_name)
+        said = out.stdout + out.stderr
+        assert "p1" in said and "\x1b" not in said and "\u202e" not in said, said
+        assert not any(line.startswith("provider p2") for line in said.splitlines()), said

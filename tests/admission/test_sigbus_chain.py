@@ -197,3 +197,35 @@ def test_r_a15_a_sigbus_sent_under_the_default_disposition_still_kills(
 ) -> None:
     code, out = _run("default", segment_name, app_handlers, tmp_path, True)
     assert code == -signal.SIGBUS, out
+
+
+def test_r_a15_a_sigbus_handler_set_between_two_attaches_is_a_warning(
+    segment_name: str,
+) -> None:
+    """A disposition set after the first attach replaces the guard (docs/DESIGN.md): a
+    truncation would then hang this process in its fault. The next attach says so."""
+    second = segment_name + "-b"
+    child = textwrap.dedent(
+        """
+        import signal, sys
+        from shm_layout.segment import Segment
+        first = Segment.open(sys.argv[1])
+        second = Segment.open(sys.argv[2])  # the guard is ours: no word
+        signal.signal(signal.SIGBUS, lambda signum, frame: None)
+        third = Segment.open(sys.argv[1])
+        """
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", child, segment_name, second],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        from shm_layout.segment import unlink_segment
+
+        unlink_segment(second)
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "SIGBUS" in line]
+    assert len(said) == 1 and "before the first attach" in said[0], done.stderr

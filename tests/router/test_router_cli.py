@@ -446,3 +446,25 @@ def test_router_show_says_what_a_worker_that_is_not_fenced_but_not_counted_means
         "  c: not fenced, unreachable, its slots count 0 (connection refused)",
         "  d: FENCED (admin: router unfence)",
     ]
+
+
+def test_r_k5_an_ipv4_mapped_ipv6_spelling_of_one_socket_is_a_warning_too(
+    registry_path: Path, sim: Sim
+) -> None:
+    """``[::ffff:127.0.0.1]`` reaches a server listening on 127.0.0.1 (a dual-stack
+    socket connects to it): two ids over the two spellings count one server twice."""
+    import httpx
+
+    one = sim(4)
+    port = one.url.rsplit(":", 1)[1]
+    mapped = f"http://[::ffff:127.0.0.1]:{port}"
+    assert httpx.get(f"{mapped}/health", timeout=10).status_code == 200  # one server
+    workers = [
+        worker("a", [f"http://127.0.0.1:{port}"], ["wh"], {"source": "props"}),
+        worker("b", [mapped], ["wh"], {"source": "props"}),
+    ]
+    write_registry(registry_path, workers)
+    check = cli("check", "--workers", str(registry_path))
+    assert check.returncode == 0, check
+    warned = [x for x in check.stdout.splitlines() if x.startswith("warning:")]
+    assert len(warned) == 1 and f"one socket address 127.0.0.1:{port}" in warned[0], check

@@ -152,3 +152,41 @@ def test_share_refuses_a_redis_password_in_the_urls_query(
     finally:
         gw.cleanup()
         farm.stop()
+
+
+def test_share_refuses_a_redis_url_that_redis_py_would_not_build_or_that_sets_its_timeouts(
+    tmp_path: Path, key: str, key_file: Path, locked_redis: RedisServer
+) -> None:
+    """Query options redis-py refuses only when it builds a connection (a bad value, an
+    option the connection class does not take) or that override the sidecar's own Redis
+    deadlines are refused by check-config and at start, in one line: never a share task
+    that dies or fails every turn while the gateway sits at limit 0."""
+    farm = Farm(key, 9, grace=1.0)
+    gw = Gateway("gw-u", tmp_path, farm, locked_redis, key_file)
+    doc = json.loads(gw.config.read_text())
+    exe = str(Path(sys.executable).with_name("gateway-capacity"))
+    try:
+        for query, said in (
+            ("?db=x", "'db'"),
+            ("?ssl_keyfile=/etc/k.pem", "rediss://"),
+            ("?socket_timeout=0", "socket_timeout"),
+        ):
+            doc["capacityShare"]["redis"] = locked_redis.url + query
+            gw.config.write_text(json.dumps(doc))
+            strict = subprocess.run(
+                [exe, "check-config", "--config", str(gw.config), "--strict"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            out = strict.stdout + strict.stderr
+            assert strict.returncode != 0 and said in out, out
+            assert "Traceback" not in out
+        gw.start_sidecar()  # with the last URL: the sidecar says so and stops
+        assert gw.sidecar is not None
+        assert gw.sidecar.wait(30) != 0
+        logged = gw.log_text().strip()
+        assert len(logged.splitlines()) == 1 and "socket_timeout" in logged, logged
+    finally:
+        gw.cleanup()
+        farm.stop()

@@ -447,3 +447,21 @@ def test_r_w2_an_unusable_url_is_a_usage_error(cli, url):
     ran = cli("--url", url, "--model", "m", "--check")
     assert ran.code == 2
     assert "--url is not a valid URL" in one_line(ran.stderr)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"body": 'vllm:num_requests_running{engine="0"} 1\n\x1b[2Jforged line \u202e\n'},
+        {"body": "x 1\n", "headers": {"Content-Encoding": "gz\x9b[2J"}},
+    ],
+    ids=["body", "content_encoding"],
+)
+def test_r_w2_what_the_server_says_is_shown_escaped(server, cli, answer, bad):
+    """A metrics body or header quoted in an error reaches the terminal escaped: no
+    ESC, no C1 CSI (U+009B), no bidi mark."""
+    server.serve(answer(**bad))
+    ran = cli(*target(server), *FAST)
+    assert ran.code == 2
+    said = ran.stdout + ran.stderr
+    assert not any(ch in said for ch in "\x1b\x9b\u202e"), repr(said)
