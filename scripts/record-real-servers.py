@@ -104,28 +104,27 @@ def record_vllm(out: Path, work: Path) -> None:
             answers=answers(server, ["/health", "/v1/models"]),
             expect={"rows": {}, "complete": False, "unserved": []},
         )
-        # the gauges while six streams run: 3 in the batch, 3 waiting
+        # the gauges while six streams run: 3 in the batch, 3 waiting (the streams are
+        # cut when the server stops: only the gauges matter here)
         busy = threading.Thread(
             target=drive_streams,
             args=(f"{server.url}/v1", key, "tiny", 6),
-            kwargs={"max_tokens": 1500},
+            kwargs={"max_tokens": 1900},
+            daemon=True,
         )
         busy.start()
         metrics: dict[str, Any] = {}
-        try:
-            for _ in range(600):
-                got = answers(server, ["/metrics"])["/metrics"]
-                text = got.get("text", "").encode()
-                if (
-                    gauge_sum(text, "vllm:num_requests_running") == 3
-                    and gauge_sum(text, "vllm:num_requests_waiting") == 3
-                ):
-                    metrics = got
-                    break
-            assert metrics, "never saw 3 running and 3 waiting"
-            listed = answers(server, ["/health", "/v1/models"], {"Authorization": f"Bearer {key}"})
-        finally:
-            busy.join(600)
+        for _ in range(600):
+            got = answers(server, ["/metrics"])["/metrics"]
+            text = got.get("text", "").encode()
+            if (
+                gauge_sum(text, "vllm:num_requests_running") == 3
+                and gauge_sum(text, "vllm:num_requests_waiting") == 3
+            ):
+                metrics = got
+                break
+        assert metrics, "never saw 3 running and 3 waiting"
+        listed = answers(server, ["/health", "/v1/models"], {"Authorization": f"Bearer {key}"})
         write(
             out,
             "vllm-recorded",

@@ -171,7 +171,7 @@ def test_r_k5_vllm_runs_max_num_seqs_at_once_as_the_router_reports(
     names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
     with gauge_watch(f"{chain.server.url}/metrics", names, {}) as top:
         watcher.start()
-        streams = drive_streams(f"{router.url}/v1", ROUTER_KEY, "tiny", 6, max_tokens=1500)
+        streams = drive_streams(f"{router.url}/v1", ROUTER_KEY, "tiny", 6, max_tokens=600)
         watcher.join(130)
     assert not streams.errors, streams.errors
     assert streams.finish == ["length"] * 6
