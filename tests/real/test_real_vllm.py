@@ -96,7 +96,7 @@ def test_r_k5_vllm_is_unreachable_while_starting_then_read(
     assert entry["unserved"] == ["typo-model"]  # listed by /v1/models: "tiny" only
     figures.append(
         f"vLLM {version(chain)}: healthy {chain.startup_s:.0f} s after start; router states "
-        f"while starting: {' -> '.join(states)}"
+        f"while starting: {' -> '.join(dict.fromkeys(states))}"
     )
 
 
