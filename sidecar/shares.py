@@ -31,8 +31,9 @@ exactly this inside Redis (the tests run both on the same calls and compare). Ru
   stall, never lowers what a newer one reserved;
 * **expiry**: a lease not renewed by ``expires_ms`` is gone, its share free;
 * **a silent table is not trusted**: when nobody called for longer than half a
-  lease (Redis was stopped, restarted empty, or its clock stepped), the leases are
-  dropped and until the longest lease could have ended the table *rebuilds*: a
+  lease (Redis was stopped, restarted empty, or its clock stepped; the shortest
+  lease in the table, when gateways run on different ones), the leases are dropped
+  and until the longest lease could have ended the table *rebuilds*: a
   gateway is granted at most what it already ``held``, so every gateway
   re-registers what it runs before anyone grows;
 * **targets**: every live gateway gets a floor (``min(floor, C // n)``), the
@@ -73,6 +74,7 @@ class Lease:
     expires_ms: int
     token: str = ""  # the instance that holds it ("": written by an older version)
     seq: int = 0  # the instance's sequence number of the call that wrote it
+    lease_ms: int = 0  # the lease its gateway runs on (0: written by an older version)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +148,13 @@ def targets(capacity: int, floor: int, demands: Mapping[str, int]) -> dict[str, 
 def step(table: Table | None, report: Report, now_ms: int) -> tuple[Table, Grant]:
     """One gateway's call at server time ``now_ms``: the new table and its grant."""
     lease_ms = max(1, report.lease_ms)
-    if table is None or now_ms - table.touched_ms > silent_after_ms(lease_ms):
+    # gateways may run on different leases (one config edited, not the others): a
+    # silence is judged on the shortest one in the table, a rebuild waits out the longest
+    others_leases = table.leases.values() if table is not None else ()
+    lengths = [lease_ms] + [x.lease_ms for x in others_leases if x.lease_ms]
+    if table is None or now_ms - table.touched_ms > silent_after_ms(min(lengths)):
         leases: dict[str, Lease] = {}
-        rebuild_until = now_ms + held_for_ms(lease_ms)
+        rebuild_until = now_ms + held_for_ms(max(lengths))
         known = None
     else:
         mine = table.leases.get(report.gateway)
@@ -187,6 +193,7 @@ def step(table: Table | None, report: Report, now_ms: int) -> tuple[Table, Grant
         now_ms + held_for_ms(lease_ms),
         report.token,
         report.seq if report.token else 0,
+        lease_ms if report.token else 0,
     )
     grant = Grant(limit, reserved, len(leases), rebuilding, others)
     return Table(leases, now_ms, rebuild_until, known), grant
