@@ -43,6 +43,9 @@ exactly this inside Redis (the tests run both on the same calls and compare). Ru
   fails, or its wall clock disagrees with the farm's) reports capacity ``-1``; it is
   granted at most the floor, of the capacity the last gateway that knew reported,
   and its demand counts as at most the floor, so the others may have the rest;
+* **lowest capacity**: a call grants from the lowest capacity any live gateway
+  reported (each lease records it), so one reading a stale, higher figure from a
+  router replica is held to the others';
 * **shrink before grow**: the caller's new limit is ``min(target, C - the
   others' reserved)``; its reservation is ``max(limit, held)``, where ``held``
   is what it reports as in force locally (``max(published limit, running)``,
@@ -75,6 +78,7 @@ class Lease:
     token: str = ""  # the instance that holds it ("": written by an older version)
     seq: int = 0  # the instance's sequence number of the call that wrote it
     lease_ms: int = 0  # the lease its gateway runs on (0: written by an older version)
+    capacity: int = UNKNOWN  # the capacity its gateway reported (UNKNOWN: none, or older)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +180,10 @@ def step(table: Table | None, report: Report, now_ms: int) -> tuple[Table, Grant
         capacity = known if known is not None else 0
         ceiling = max(0, report.floor)
     else:
-        capacity = known = report.capacity
+        # a gateway reading a stale (higher) capacity is held to the lowest a live one
+        # reported: the sum of grants never exceeds any capacity in force here
+        capacity = min([report.capacity] + [x.capacity for x in leases.values() if x.capacity >= 0])
+        known = report.capacity
         ceiling = capacity
     demand = min(max(0, report.demand), ceiling)  # what it may be granted, not more
     demands = {g: lease.demand for g, lease in leases.items()}
@@ -194,6 +201,7 @@ def step(table: Table | None, report: Report, now_ms: int) -> tuple[Table, Grant
         report.token,
         report.seq if report.token else 0,
         lease_ms if report.token else 0,
+        report.capacity if report.token else UNKNOWN,
     )
     grant = Grant(limit, reserved, len(leases), rebuilding, others)
     return Table(leases, now_ms, rebuild_until, known), grant

@@ -212,8 +212,8 @@ def _table_in_redis(client: Any, key: str) -> Table | None:
     for k, v in raw.items():
         if k.startswith("g:"):
             r, d, e, *ident = v.split()
-            token, seq, lease = ident if ident else ("", "0", "0")
-            leases[k[2:]] = Lease(int(r), int(d), int(e), token, int(seq), int(lease))
+            token, seq, lease, cap_ = ident if ident else ("", "0", "0", "-1")
+            leases[k[2:]] = Lease(int(r), int(d), int(e), token, int(seq), int(lease), int(cap_))
     cap = int(raw["~cap"]) if "~cap" in raw else None
     return Table(leases, int(raw["~touched"]), int(raw["~rebuild"]), cap)
 
@@ -381,3 +381,14 @@ def test_a_redis_clock_jump_never_ends_a_shorter_lease_before_its_gateway_stops(
         t += short // 4
         table, a = step(table, report("a", 4, 2, 4), t + jump)
         assert a.limit + 2 <= 4, (t, a)
+
+
+def test_a_gateway_reading_a_stale_higher_capacity_is_held_to_the_lowest_live_report() -> None:
+    """a reads the farm's 4; b reads 8 from a router replica that has not caught up. b's
+    grant counts against the smallest capacity a live gateway reported: never 4 + more."""
+    table, _ = step(None, report("a", 4, 0, 0), 0)
+    table = warm(table, ["a", "b"], 4)
+    now = held_for_ms(LEASE) + 10
+    table, a = step(table, report("a", 4, 0, 4), now)
+    table, b = step(table, report("b", 8, 0, 8), now + 1)
+    assert a.limit + b.limit <= 4, (a, b)
