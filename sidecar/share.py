@@ -4,7 +4,7 @@ The rules are :func:`sidecar.shares.step`; :data:`STEP_LUA` is the same
 function run inside Redis, atomically, on the server's ``TIME``. One hash per
 provider holds the table: ``~touched`` and ``~rebuild`` (server milliseconds),
 ``~cap`` (the capacity last reported by a gateway that knew it) and one field per
-gateway, ``g:<id>`` = ``"reserved demand expires_ms token seq"``.
+gateway, ``g:<id>`` = ``"reserved demand expires_ms token seq lease_ms capacity"``.
 
 Only the sidecar imports this module (and redis-py); handlers never talk to
 Redis. The password comes from ``credentialFile`` (the provider key's rules)
@@ -52,23 +52,41 @@ for i = 1, #raw, 2 do
   else fields[k] = v end
 end
 
--- a lease: "reserved demand expires_ms[ token seq]" (the last two absent: older writer)
+-- a lease: "reserved demand expires_ms[ token seq[ lease_ms capacity]]" (absent: older
+-- writer; capacity -1: unknown at that gateway)
 local function parse(v)
   local r, d, e, rest = string.match(v, '^(%d+) (%d+) (%d+)(.*)$')
   if r == nil then return nil end
-  local tok, sq = '', 0
+  local tok, sq, ls, c = '', 0, 0, -1
   if rest ~= '' then
-    tok, sq = string.match(rest, '^ (%w+) (%d+)$')
+    tok, sq, ls = string.match(rest, '^ (%w+) (%d+)(.*)$')
     if tok == nil then return nil end
-    sq = tonumber(sq)
+    if ls ~= '' then
+      ls, c = string.match(ls, '^ (%d+) (%-?%d+)$')
+      if ls == nil then return nil end
+    end
+    sq, ls, c = tonumber(sq), tonumber(ls) or 0, tonumber(c)
   end
-  return {tonumber(r), tonumber(d), tonumber(e), tok, sq}
+  return {tonumber(r), tonumber(d), tonumber(e), tok, sq, ls, c}
 end
 
+-- gateways may run on different leases: a silence is judged on the shortest one in
+-- the table, a rebuild waits out the longest (see step())
+local shortest, longest = lease, lease
+for _, v in pairs(fields) do
+  local l = parse(v)
+  if l ~= nil and l[6] > 0 then
+    shortest = math.min(shortest, l[6])
+    longest = math.max(longest, l[6])
+  end
+end
+if touched == nil then shortest, longest = lease, lease end
+ttl = math.max(ttl, 3 * longest)
+
 local leases, ids = {}, {}
-if touched == nil or now - touched > math.floor(lease / 2) then
+if touched == nil or now - touched > math.floor(shortest / 2) then
   redis.call('DEL', KEYS[1])
-  rebuild = now + keep
+  rebuild = now + longest + math.floor(longest / 2)
   known = nil
 else
   local mine = fields[me] and parse(fields[me])
@@ -95,7 +113,11 @@ if cap < 0 then
   cap = known or 0
   ceiling = math.max(0, floor)
 else
+  -- a gateway reading a stale (higher) capacity is held to the lowest a live one reported
   known = cap
+  for _, l in pairs(leases) do
+    if l[7] >= 0 then cap = math.min(cap, l[7]) end
+  end
   ceiling = cap
 end
 demand = math.min(demand, ceiling)
@@ -131,7 +153,7 @@ local limit = math.max(0, math.min(given[me], cap - others, ceiling))
 if rebuilding then limit = math.min(limit, held) end
 local reserved = math.max(limit, held)
 local ident = ''
-if token ~= '' then ident = ' ' .. token .. ' ' .. seq end
+if token ~= '' then ident = ' ' .. token .. ' ' .. seq .. ' ' .. lease .. ' ' .. ARGV[2] end
 redis.call('HSET', KEYS[1], me, reserved .. ' ' .. demand .. ' ' .. (now + keep) .. ident,
   '~touched', now, '~rebuild', rebuild)
 if known ~= nil then redis.call('HSET', KEYS[1], '~cap', known) end

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shm_layout import layout, ledger, platform
+from shm_layout import layout, ledger, platform, writer
 from sidecar.config import CapacityShare, redis_url_for_logs
 from sidecar.contract import MAX_FUTURE_S
 from sidecar.limits import DISCOVERED, LEGACY_DRAIN, SHARE, LimitDecision
@@ -153,6 +153,15 @@ class ShareLoop:
             )
             from sidecar.share import ShareUnavailable
 
+            # a sidecar fenced by a newer one on this segment (same gateway name and
+            # token) must not call: its report, read before the newer one published a
+            # larger grant, would lower the reservation under that grant. After this
+            # check the newer one's calls carry higher sequence numbers, so a call of
+            # this one that Redis runs later is refused as stale.
+            current = layout.HEADER["writer_epoch"].get(sc.seg.buf)
+            if current != sc.epoch:
+                sc._retire(writer.Superseded(sc.epoch, current))
+                return
             mine.asked, mine.asked_mono = asked, mono
             try:
                 answer = await self.client.call(provider_id, report)

@@ -31,8 +31,9 @@ exactly this inside Redis (the tests run both on the same calls and compare). Ru
   stall, never lowers what a newer one reserved;
 * **expiry**: a lease not renewed by ``expires_ms`` is gone, its share free;
 * **a silent table is not trusted**: when nobody called for longer than half a
-  lease (Redis was stopped, restarted empty, or its clock stepped), the leases are
-  dropped and until the longest lease could have ended the table *rebuilds*: a
+  lease (Redis was stopped, restarted empty, or its clock stepped; the shortest
+  lease in the table, when gateways run on different ones), the leases are dropped
+  and until the longest lease could have ended the table *rebuilds*: a
   gateway is granted at most what it already ``held``, so every gateway
   re-registers what it runs before anyone grows;
 * **targets**: every live gateway gets a floor (``min(floor, C // n)``), the
@@ -42,6 +43,9 @@ exactly this inside Redis (the tests run both on the same calls and compare). Ru
   fails, or its wall clock disagrees with the farm's) reports capacity ``-1``; it is
   granted at most the floor, of the capacity the last gateway that knew reported,
   and its demand counts as at most the floor, so the others may have the rest;
+* **lowest capacity**: a call grants from the lowest capacity any live gateway
+  reported (each lease records it), so one reading a stale, higher figure from a
+  router replica is held to the others';
 * **shrink before grow**: the caller's new limit is ``min(target, C - the
   others' reserved)``; its reservation is ``max(limit, held)``, where ``held``
   is what it reports as in force locally (``max(published limit, running)``,
@@ -73,6 +77,8 @@ class Lease:
     expires_ms: int
     token: str = ""  # the instance that holds it ("": written by an older version)
     seq: int = 0  # the instance's sequence number of the call that wrote it
+    lease_ms: int = 0  # the lease its gateway runs on (0: written by an older version)
+    capacity: int = UNKNOWN  # the capacity its gateway reported (UNKNOWN: none, or older)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +152,13 @@ def targets(capacity: int, floor: int, demands: Mapping[str, int]) -> dict[str, 
 def step(table: Table | None, report: Report, now_ms: int) -> tuple[Table, Grant]:
     """One gateway's call at server time ``now_ms``: the new table and its grant."""
     lease_ms = max(1, report.lease_ms)
-    if table is None or now_ms - table.touched_ms > silent_after_ms(lease_ms):
+    # gateways may run on different leases (one config edited, not the others): a
+    # silence is judged on the shortest one in the table, a rebuild waits out the longest
+    others_leases = table.leases.values() if table is not None else ()
+    lengths = [lease_ms] + [x.lease_ms for x in others_leases if x.lease_ms]
+    if table is None or now_ms - table.touched_ms > silent_after_ms(min(lengths)):
         leases: dict[str, Lease] = {}
-        rebuild_until = now_ms + held_for_ms(lease_ms)
+        rebuild_until = now_ms + held_for_ms(max(lengths))
         known = None
     else:
         mine = table.leases.get(report.gateway)
@@ -170,7 +180,10 @@ def step(table: Table | None, report: Report, now_ms: int) -> tuple[Table, Grant
         capacity = known if known is not None else 0
         ceiling = max(0, report.floor)
     else:
-        capacity = known = report.capacity
+        # a gateway reading a stale (higher) capacity is held to the lowest a live one
+        # reported: the sum of grants never exceeds any capacity in force here
+        capacity = min([report.capacity] + [x.capacity for x in leases.values() if x.capacity >= 0])
+        known = report.capacity
         ceiling = capacity
     demand = min(max(0, report.demand), ceiling)  # what it may be granted, not more
     demands = {g: lease.demand for g, lease in leases.items()}
@@ -187,6 +200,8 @@ def step(table: Table | None, report: Report, now_ms: int) -> tuple[Table, Grant
         now_ms + held_for_ms(lease_ms),
         report.token,
         report.seq if report.token else 0,
+        lease_ms if report.token else 0,
+        report.capacity if report.token else UNKNOWN,
     )
     grant = Grant(limit, reserved, len(leases), rebuilding, others)
     return Table(leases, now_ms, rebuild_until, known), grant

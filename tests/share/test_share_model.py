@@ -4,9 +4,11 @@
 then the segment's fallback, 0 in share mode), driven by hypothesis through histories
 in which sidecars die, are SIGSTOPped past their lease (a call in flight), Redis stalls
 (calls executed late, in any order) or restarts empty, a gateway is cut off from Redis,
-its wall clock is off the farm's (no fresh capacity), and a second instance starts
-under a gateway's name. At every instant: the sum over gateways of what their handlers
-may run (the limit in force, or more while more still run) never exceeds the capacity.
+its wall clock is off the farm's (no fresh capacity), a second instance starts
+under a gateway's name, gateways run on different leases (a sidecar may come back with
+its lease edited), and Redis's clock steps ahead by more than half a lease. At every
+instant: the sum over gateways of what their handlers may run (the limit in force, or
+more while more still run) never exceeds the capacity.
 
 The one assumption about the world: a request ends within half a lease of its
 admission, the margin the table keeps a lease beyond the gateway's deadline
@@ -42,6 +44,7 @@ CLIENT_TIMEOUT = 2_000  # redis-py gives up on an answer after this long (ms)
 class Gateway:
     name: str
     token: str
+    lease: int = LEASE  # ms; gateways may be configured with different leases
     sidecar: str = "up"  # "up", "stopped", "dead", "refused"
     partitioned: bool = False
     skewed: bool = False  # its wall clock is off the farm's: no fresh capacity
@@ -59,22 +62,29 @@ class Gateway:
 class ShareFarm(RuleBasedStateMachine):
     """One provider, capacity ``C``, a few gateways, one Redis; time in ms."""
 
-    @initialize(capacity=st.integers(0, 12), floor=st.integers(0, 3), gateways=st.integers(1, 3))
-    def start(self, capacity: int, floor: int, gateways: int) -> None:
+    @initialize(
+        capacity=st.integers(0, 12),
+        floor=st.integers(0, 3),
+        gateways=st.integers(1, 3),
+        leases=st.lists(st.sampled_from([LEASE, 4 * LEASE]), min_size=3, max_size=3),
+    )
+    def start(self, capacity: int, floor: int, gateways: int, leases: list[int]) -> None:
         self.capacity = capacity
         self.floor = floor
         self.now = 0
         self.table: Table | None = None
         self.redis_stalled = False
+        self.redis_ahead = 0  # how far Redis's clock has stepped ahead of the gateways' (ms)
         self.queued: list[tuple[Gateway, Report, int]] = []  # calls a stalled Redis holds
         self.tokens = 0
-        self.gws = [self._new(name) for name in "abc"[:gateways]]
+        names = "abc"[:gateways]
+        self.gws = [self._new(name, lease) for name, lease in zip(names, leases, strict=False)]
         # warm: every gateway registered and past the first table's rebuild
         self.advance_to(held_for_ms(LEASE) + LEASE // 4)
 
-    def _new(self, name: str) -> Gateway:
+    def _new(self, name: str, lease: int) -> Gateway:
         self.tokens += 1
-        return Gateway(name, f"t{self.tokens}")
+        return Gateway(name, f"t{self.tokens}", lease)
 
     # --- the handlers' rule, and the gateway's --------------------------------------
     def in_force(self, g: Gateway) -> int:
@@ -96,7 +106,7 @@ class ShareFarm(RuleBasedStateMachine):
             g.refused = "refused: name held by another instance"
             g.sidecar = "refused"  # it publishes 0 and exits
         elif grant.refused != STALE:
-            g.held = Held(grant.limit, grant.gateways, asked / 1000, LEASE / 1000)
+            g.held = Held(grant.limit, grant.gateways, asked / 1000, g.lease / 1000)
             g.error = ""
         self.publish(g)
 
@@ -111,7 +121,7 @@ class ShareFarm(RuleBasedStateMachine):
             max(self.in_force(g), len(g.running)),
             len(g.running) + g.waiting,
             self.floor,
-            LEASE,
+            g.lease,
             g.token,
             g.seq,
         )
@@ -121,7 +131,7 @@ class ShareFarm(RuleBasedStateMachine):
             self.queued.append((g, report, self.now))
             g.error = "timed out"
         else:
-            self.table, grant = step(self.table, report, self.now)
+            self.table, grant = step(self.table, report, self.now + self.redis_ahead)
             self.answer(g, report, self.now, grant)
             return
         self.publish(g)
@@ -136,7 +146,7 @@ class ShareFarm(RuleBasedStateMachine):
         time order, the invariant checked after each."""
         while True:
             renewals = [
-                (g.last_call + LEASE // 4, 0, i)
+                (g.last_call + g.lease // 4, 0, i)
                 for i, g in enumerate(self.gws)
                 if g.sidecar == "up"
             ]
@@ -211,11 +221,12 @@ class ShareFarm(RuleBasedStateMachine):
         if g.sidecar in ("up", "stopped"):
             g.sidecar, g.in_flight = "dead", []
 
-    @rule(i=st.integers(0, 3))
-    def a_dead_sidecar_is_restarted(self, i: int) -> None:
+    @rule(i=st.integers(0, 3), lease=st.sampled_from([LEASE, 4 * LEASE]))
+    def a_dead_sidecar_is_restarted(self, i: int, lease: int) -> None:
         g = self.pick(i)
         if g.sidecar == "dead":  # a new process: no grant yet, same instance token
             g.sidecar, g.held, g.error = "up", None, ""
+            g.lease = lease  # perhaps with its config's lease edited meanwhile
             g.seq += 1000
             self.publish(g)
 
@@ -233,11 +244,11 @@ class ShareFarm(RuleBasedStateMachine):
                 max(self.in_force(g), len(g.running)),
                 len(g.running) + g.waiting,
                 self.floor,
-                LEASE,
+                g.lease,
                 g.token,
                 g.seq,
             )
-            self.table, grant = step(self.table, report, self.now)
+            self.table, grant = step(self.table, report, self.now + self.redis_ahead)
             g.in_flight.append((report, self.now, self.table, grant))
         g.sidecar = "stopped"
 
@@ -266,9 +277,15 @@ class ShareFarm(RuleBasedStateMachine):
         self.redis_stalled = False
         queued, self.queued = self.queued, []
         for g, report, asked in reversed(queued) if reverse else queued:
-            self.table, grant = step(self.table, report, self.now)
+            self.table, grant = step(self.table, report, self.now + self.redis_ahead)
             if g.sidecar == "up" and self.now - asked <= CLIENT_TIMEOUT:
                 self.answer(g, report, asked, grant)
+
+    @rule(ms=st.integers(LEASE // 2 + 1, 4 * LEASE))
+    def redis_clock_steps_ahead(self, ms: int) -> None:
+        """More than half the shortest lease (a smaller step eats into the margin a
+        request admitted just before its gateway's deadline runs in: docs/share.md)."""
+        self.redis_ahead += ms
 
     @rule()
     def redis_restarts_empty(self) -> None:
@@ -290,7 +307,7 @@ class ShareFarm(RuleBasedStateMachine):
     @rule(i=st.integers(0, 3))
     def a_second_instance_starts_under_a_gateways_name(self, i: int) -> None:
         if len(self.gws) < 4:
-            twin = self._new(self.pick(i).name)
+            twin = self._new(self.pick(i).name, self.pick(i).lease)
             self.gws.append(twin)
             self.publish(twin)
 

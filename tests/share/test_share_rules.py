@@ -200,6 +200,7 @@ call = st.tuples(
     st.integers(0, 3),  # floor
     st.sampled_from(["", "t1", "t2"]),  # instance token
     st.integers(0, 5),  # its sequence number
+    st.sampled_from([LEASE, LEASE // 4]),  # its lease (one gateway's config edited)
 )
 
 
@@ -211,8 +212,8 @@ def _table_in_redis(client: Any, key: str) -> Table | None:
     for k, v in raw.items():
         if k.startswith("g:"):
             r, d, e, *ident = v.split()
-            token, seq = ident if ident else ("", "0")
-            leases[k[2:]] = Lease(int(r), int(d), int(e), token, int(seq))
+            token, seq, lease, cap_ = ident if ident else ("", "0", "0", "-1")
+            leases[k[2:]] = Lease(int(r), int(d), int(e), token, int(seq), int(lease), int(cap_))
     cap = int(raw["~cap"]) if "~cap" in raw else None
     return Table(leases, int(raw["~touched"]), int(raw["~rebuild"]), cap)
 
@@ -229,9 +230,9 @@ def test_the_lua_script_is_the_pure_step(redis_server: Any, calls: list[Any]) ->
     key = table_key("lua-vs-model")
     client.delete(key)
     model: Table | None = None
-    for n, (gw, cap, held, demand, floor, token, seq) in enumerate(calls):
-        rep = Report(gw, cap, held, demand, floor, LEASE, token, seq)
-        args = [gw, cap, held, demand, floor, LEASE, table_ttl_ms(LEASE), token, seq]
+    for n, (gw, cap, held, demand, floor, token, seq, lease) in enumerate(calls):
+        rep = Report(gw, cap, held, demand, floor, lease, token, seq)
+        args = [gw, cap, held, demand, floor, lease, table_ttl_ms(lease), token, seq]
         out = script(keys=[key], args=args)
         limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out)
         model, grant = step(model, rep, now)
@@ -335,3 +336,59 @@ def test_after_an_outage_longer_than_half_a_lease_nobody_grows_into_a_share_in_f
     table = Table({"a": Lease(5, 5, 16_000), "b": Lease(5, 10, 14_000)}, 4_000, 0)
     _, b = step(table, report("b", 10, 5, 10), 12_000)
     assert b.rebuilding and b.limit == 5
+
+
+def test_a_shorter_lease_on_one_gateway_never_frees_a_longer_ones_share_early() -> None:
+    """a runs with a lease of 10 s, b with 2 s (one config edited, not the other). a is
+    cut off right after a grant: its handlers may admit until 10 s after that call. b's
+    sidecar pauses a little over half of b's lease; neither b's silence rule nor b's
+    rebuild may hand b a's share before a's deadline and half of a's lease."""
+    short = 2_000
+
+    def b_report(held: int) -> Report:
+        return Report("b", 4, held, 4, 1, short, "tokb", next(_calls))
+
+    table, _ = step(None, report("a", 4, 0, 4), 0)
+    table = warm(table, ["a"], 4)
+    now = held_for_ms(LEASE) + 10
+    table, a = step(table, report("a", 4, 4, 4), now)  # a's last call: 4 until now + LEASE
+    assert a.limit == 4
+    t = now + short // 2 + 100  # b's first call after its pause
+    while t < now + LEASE:
+        table, b = step(table, b_report(0), t)
+        assert b.limit + a.limit <= 4, (t, b)
+        t += short // 4
+
+
+def test_a_redis_clock_jump_never_ends_a_shorter_lease_before_its_gateway_stops() -> None:
+    """b runs on a lease of 2 s, a on 10 s. Redis's clock steps 1.5 s ahead just after
+    b's last call (b is cut off): the table must not drop b's lease before b's own
+    deadline, even when a, whose half lease is longer than the step, calls first."""
+    short, jump = 2_000, 1_500
+
+    def b_report(held: int) -> Report:
+        return Report("b", 4, held, 4, 1, short, "tokb", next(_calls))
+
+    table, _ = step(None, report("a", 4, 0, 4), 0)
+    t = 0
+    while t < held_for_ms(LEASE) + 10:  # both registered, past the rebuild
+        t += short // 4
+        table, _ = step(table, report("a", 4, 2, 4), t)
+        table, b = step(table, b_report(2), t)
+    assert b.limit == 2
+    deadline = t + short  # b is cut off now: its handlers run 2 until then
+    while t < deadline:
+        t += short // 4
+        table, a = step(table, report("a", 4, 2, 4), t + jump)
+        assert a.limit + 2 <= 4, (t, a)
+
+
+def test_a_gateway_reading_a_stale_higher_capacity_is_held_to_the_lowest_live_report() -> None:
+    """a reads the farm's 4; b reads 8 from a router replica that has not caught up. b's
+    grant counts against the smallest capacity a live gateway reported: never 4 + more."""
+    table, _ = step(None, report("a", 4, 0, 0), 0)
+    table = warm(table, ["a", "b"], 4)
+    now = held_for_ms(LEASE) + 10
+    table, a = step(table, report("a", 4, 0, 4), now)
+    table, b = step(table, report("b", 8, 0, 8), now + 1)
+    assert a.limit + b.limit <= 4, (a, b)
