@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from gateway_capacity.scenario import always_cleaned_up
 from gateway_capacity.schemas import SCHEMA_VERSION
+from shm_layout.layout import Source
 
 if TYPE_CHECKING:
     from capacity_router import RouterServer
@@ -239,7 +240,7 @@ class Demo:
         return 0
 
     def _sample(self, phase: str) -> Sample | None:
-        from shm_layout.segment import SegmentError, SegmentMissing
+        from shm_layout.errors import SegmentError, SegmentMissing
         from shm_layout.view import read_view
 
         try:
@@ -280,7 +281,7 @@ class Demo:
         while time.monotonic() < deadline:
             self._still_working()
             s = self._sample("start")
-            if s is not None and s.limit == expect and s.source == "discovered":
+            if s is not None and s.limit == expect and s.source == Source.DISCOVERED:
                 return True
             time.sleep(0.1)
         return False
@@ -328,7 +329,7 @@ class Demo:
 
     # --- checking -----------------------------------------------------------------------
     def check(self, phases: list[Phase]) -> dict[str, Any]:
-        from shm_layout.segment import SegmentError
+        from shm_layout.errors import SegmentError
         from shm_layout.view import read_view
 
         samples = [s for ph in phases for s in ph.samples]

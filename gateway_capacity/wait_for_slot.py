@@ -48,6 +48,7 @@ from gateway_capacity.wfs_metrics import (
     one_line,
     secs,
 )
+from shm_layout.layout import Source
 
 if TYPE_CHECKING:
     from sidecar.credential import Secret
@@ -231,7 +232,7 @@ def limit_ceiling(discovery: bool, fallback: int, fallback_source: str) -> tuple
 
     if not discovery:
         ceiling, why = fallback, "its static limit"
-    elif fallback_source == "provider":
+    elif fallback_source == Source.PROVIDER:
         ceiling, why = fallback, "its maxConcurrent caps discovery"
     else:
         ceiling, why = DISCOVERED_CAP, f"discovery is capped at {DISCOVERED_CAP}"

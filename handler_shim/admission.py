@@ -60,10 +60,10 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
-from shm_layout import _core, layout, platform
+from shm_layout import _core, layout, platform, rows
 from shm_layout.errors import AdmissionError as AdmissionError
 from shm_layout.errors import AdmissionTimeout as AdmissionTimeout
-from shm_layout.errors import GatewayCapacityError
+from shm_layout.errors import GatewayCapacityError, ProviderIdError, TableFull
 from shm_layout.errors import QueueFull as QueueFull
 from shm_layout.errors import UnknownProvider as UnknownProvider
 from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING, PROVIDER
@@ -116,7 +116,9 @@ class ProviderEntry:
 
     __slots__ = ("discovery", "fallback", "fallback_source", "provider_id")
 
-    def __init__(self, provider_id: str, fallback: int, fallback_source: str, discovery: bool):
+    def __init__(
+        self, provider_id: str, fallback: int, fallback_source: layout.Source, discovery: bool
+    ):
         self.provider_id = provider_id
         self.fallback = fallback
         self.fallback_source = fallback_source
@@ -249,7 +251,7 @@ class _Attachment:
                 _, created = writer.ensure_provider(
                     self.seg, e.provider_id, e.fallback, e.fallback_source, e.discovery
                 )
-            except writer.TableFull as exc:
+            except TableFull as exc:
                 self.overflow[e.provider_id] = str(exc)
                 continue
             if created and e.fallback > layout.RUNNING_ROOM:
@@ -271,9 +273,7 @@ class _Attachment:
     def provider(self, provider_id: str) -> int:
         p = self.index.get(provider_id)
         if p is None:
-            from shm_layout import ledger
-
-            p = ledger.find_provider(self.buf, provider_id)
+            p = rows.find_provider(self.buf, provider_id)
             if p is None:
                 raise UnknownProvider(self.adm._unknown_reason(self, provider_id))
             self.index[provider_id] = p
@@ -576,15 +576,9 @@ class Admission:
         """Seconds a refused client should wait before trying again: the provider's mean
         slot hold time x the queue ahead / the limit, clamped to [1, 60] (1 while no slot
         has been held yet). Lock-free; never raises for a known provider."""
-        from shm_layout import ledger
-
         att = self._usable()
-        p = att.provider(provider)
-        base = ledger.provider_base(p)
-        mean = float(layout.PROVIDER["hold_mean_s"].get(att.buf, base))
-        waiting = int(layout.PROVIDER["waiting"].get(att.buf, base))
-        limit = ledger.limit_value(att.buf, p, platform.deadline_now())
-        return retry_after_seconds(mean, waiting, limit)
+        load = rows.provider_load(att.buf, att.provider(provider), platform.deadline_now())
+        return retry_after_seconds(load.hold_mean_s, load.waiting, load.limit)
 
     def close(self, grace: float = CLOSE_GRACE_S) -> None:
         """Deregister, safely (R-A14): new arrivals are refused from now on; waiting
@@ -662,15 +656,13 @@ class Admission:
         return att, att.provider(provider_id)
 
     def _unknown_reason(self, att: _Attachment, provider_id: str) -> str:
-        from shm_layout import ledger
-
         if provider_id in att.overflow:
             return f"provider {provider_id!r} has no budget: {att.overflow[provider_id]}"
         try:
-            ledger.encode_provider_id(provider_id)
-        except ledger.ProviderIdError as exc:
+            rows.encode_provider_id(provider_id)
+        except ProviderIdError as exc:
             return str(exc)
-        known = ledger.provider_ids(att.buf)
+        known = rows.provider_ids(att.buf)
         return (
             f"provider {provider_id!r} is not in segment {self._name} (its providers: "
             f"{', '.join(known) if known else 'none yet'}): is it in the gateway config the "
@@ -703,8 +695,6 @@ class Admission:
     def _timed_out(self, ticket: CoreTicket) -> str:
         """What an :class:`AdmissionTimeout` says: the provider, the timeout, and what was
         ahead of the request when it ran out (a lock-free look at the provider's row)."""
-        from shm_layout import ledger
-
         try:
             att = self._attachment_of(_core_of(ticket))
             name = att.provider_name(ticket.provider)
@@ -713,9 +703,9 @@ class Admission:
         text = f"provider {name}: no slot was granted within {_seconds(ticket.timeout)}"
         p = ticket.provider
         try:
-            limit = ledger.effective_limit(att.buf, p, platform.deadline_now())
-            running = PROVIDER["running"].get(att.buf, ledger.provider_base(p))
-            ahead = ledger.waiting_ahead(att.buf, p, ticket.holder) if ticket.live else None
+            limit = rows.effective_limit(att.buf, p, platform.deadline_now())
+            running = PROVIDER["running"].get(att.buf, rows.provider_base(p))
+            ahead = rows.waiting_ahead(att.buf, p, ticket.holder) if ticket.live else None
         except (ValueError, IndexError):  # a segment written over: the plain words
             return text
         text += f": {running} running on a limit of {limit.value} ({limit.source})"

@@ -33,6 +33,7 @@ from shm_layout import _core, ipc, layout, lock, names, platform
 from shm_layout.errors import DamagedSegment as DamagedSegment
 from shm_layout.errors import ForeignSegment as ForeignSegment
 from shm_layout.errors import IncompatibleLayout as IncompatibleLayout
+from shm_layout.errors import NotOnThisPlatform
 from shm_layout.errors import NotOurSegment as NotOurSegment
 from shm_layout.errors import SegmentError as SegmentError
 from shm_layout.errors import SegmentMissing as SegmentMissing
@@ -346,7 +347,7 @@ def _try_create(
     except SegmentError:
         _unlink_shm(name)
         raise
-    except platform.NotOnThisPlatform as exc:
+    except NotOnThisPlatform as exc:
         _unlink_shm(name)
         raise SegmentError(f"segment {name}: cannot create it: {exc}") from None
     except OSError as exc:
@@ -604,7 +605,7 @@ def damage(
         sane, _, _, _ = _core.mutex_state(buf, layout.MUTEX_OFFSET)
         if not sane:
             return "its lock word holds bytes no lock call of ours wrote"
-    from shm_layout.ledger import holder_base, member_base, provider_base
+    from shm_layout.rows import holder_base, member_base, provider_base
 
     ended = False
     for p in range(layout.PROVIDER_COUNT):
@@ -697,7 +698,7 @@ def _doorbells_in(name: str) -> list[int]:
     except (SegmentError, _Abandoned, OSError, ValueError):
         return []
     try:
-        from shm_layout.ledger import member_base
+        from shm_layout.rows import member_base
 
         return [
             MEMBER["bell"].get(buf, member_base(m))

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from shm_layout import layout, ledger, platform, writer
 from shm_layout.errors import GatewayCapacityError
+from shm_layout.layout import Source
 from shm_layout.liveness import ParentWatch, is_alive, my_identity, process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.owners import OwnerError, OwnerPolicy
@@ -57,6 +58,7 @@ from sidecar.config import (
 )
 from sidecar.limits import (
     DISCOVERED,
+    LEGACY_DRAIN,
     SHARE,
     LimitDecision,
     ProviderRules,
@@ -1156,7 +1158,7 @@ def parse_listen(listen: str) -> tuple[str, int]:
         ) from None
 
 
-def _fallback(decision: LimitDecision | None, rules: ProviderRules) -> tuple[int, str]:
+def _fallback(decision: LimitDecision | None, rules: ProviderRules) -> tuple[int, Source]:
     if decision is not None:
         return decision.fallback_limit, decision.fallback_source
     return fallback_for(rules.provider_max, rules.gateway_max)
@@ -1166,7 +1168,7 @@ def _publication(
     provider_id: str,
     state: _ProviderState,
     fallback: int,
-    fallback_source: str,
+    fallback_source: Source,
     requested: bool,
 ) -> writer.Publication:
     d = state.decision
@@ -1184,7 +1186,7 @@ def _publication(
         )
         for r in d.replicas
     ]
-    enforced = d.source in ("discovered", "legacy_drain", "share") and d.expires_at is not None
+    enforced = d.source in (DISCOVERED, LEGACY_DRAIN, SHARE) and d.expires_at is not None
     return writer.Publication(
         provider_id=provider_id,
         discovery=discovery,

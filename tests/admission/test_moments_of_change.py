@@ -27,7 +27,7 @@ from gwtest import AGENT, Agent, P1Segment, run_cli, wait_until
 from handler_shim import Admission, AdmissionError, AdmissionTimeout
 from shm_layout import _core, layout, platform, writer
 from shm_layout.layout import HOLDER, MEMBER, PROVIDER
-from shm_layout.ledger import holder_base, member_base, provider_base
+from shm_layout.rows import holder_base, member_base, provider_base
 from shm_layout.segment import Segment, unlink_segment
 from shm_layout.view import read_view
 
@@ -622,9 +622,9 @@ def test_r_a16_random_bytes_over_the_admission_area_raise_only_the_products_erro
 ) -> None:
     """Accidental damage (R-A16): random bytes written again and again over the provider,
     record and member tables while handlers cycle slots and another process holds one,
-    until a sweep has found damage. Every call ends (a bounded wait: nothing hangs), only GatewayCapacityError comes out
-    of the product, close() returns, and both check views then fail naming damage and
-    the recovery."""
+    until a sweep has found damage. Every call ends (a bounded wait: nothing hangs), only
+    GatewayCapacityError comes out of the product, close() returns, and both check views
+    then fail naming damage and the recovery."""
     from handler_shim import GatewayCapacityError
 
     config = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
