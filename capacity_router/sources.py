@@ -24,6 +24,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
+from shm_layout.errors import GatewayCapacityError
 from sidecar.contract import MAX_SLOTS, read_capped
 
 from .registry import SlotSource, endpoint
@@ -39,7 +40,7 @@ class Unhealthy(Exception):
     """The server answered that it cannot serve now (e.g. 503 while loading)."""
 
 
-class Unreadable(Exception):
+class Unreadable(GatewayCapacityError):
     """The server answers, but its slot count cannot be read. ``str()``: the reason."""
 
 

@@ -291,7 +291,7 @@ class Drill:
     def provider_doc(self) -> tuple[dict[str, Any], Any] | None:
         """The provider's ``availability --json`` entry (built in process) and the view."""
         from gateway_capacity.cmd_views import availability_doc
-        from shm_layout.segment import SegmentError
+        from shm_layout.errors import SegmentError
         from shm_layout.view import read_view
 
         try:

@@ -24,7 +24,8 @@ from typing import Any
 from gateway_capacity.common import fail, segment_arg
 from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from gateway_capacity.schemas import SCHEMA_VERSION
-from shm_layout.names import ENV_VAR, BadSegmentName, check_segment_name, resolve_segment_name
+from shm_layout.errors import BadSegmentName
+from shm_layout.names import ENV_VAR, check_segment_name, resolve_segment_name
 from sidecar.addresses import ResolveError, check_provider_addresses
 from sidecar.config import (
     RANGE_ONLY,
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _config_of_segment(segment: str | None) -> str:
     """The config path a sidecar recorded in ``segment``, or exit 2 saying what to give."""
-    from shm_layout.segment import SegmentError, SegmentMissing
+    from shm_layout.errors import SegmentError, SegmentMissing
     from shm_layout.view import read_view
 
     if not segment:

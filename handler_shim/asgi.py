@@ -64,8 +64,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, NamedTuple
 
-from handler_shim.admission import Admission, AdmissionError, AdmissionTimeout, QueueFull, Ticket
+from handler_shim.admission import Admission, Ticket
 from handler_shim.model_choice import ByModel, Message, ModelMap, Receive, Refusal, Scope, by_model
+from shm_layout.errors import AdmissionError, AdmissionTimeout, QueueFull
 
 __all__ = [
     "GRANT_HEADER",

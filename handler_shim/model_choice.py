@@ -284,7 +284,8 @@ class ModelMap:
         return self._map.get(model)
 
     def _refresh(self) -> None:
-        from gateway_config import ConfigError, read_config_file
+        from gateway_config import read_config_file
+        from shm_layout.errors import ConfigError
 
         try:
             st = os.stat(self.path)

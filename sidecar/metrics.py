@@ -48,7 +48,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from shm_layout import layout
-from shm_layout.segment import SegmentError
+from shm_layout.errors import SegmentError
 from shm_layout.view import SegmentView, read_view
 from sidecar.limits import SOURCES
 from sidecar.replica import REASONS
