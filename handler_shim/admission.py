@@ -66,7 +66,7 @@ from shm_layout.errors import AdmissionTimeout as AdmissionTimeout
 from shm_layout.errors import GatewayCapacityError, ProviderIdError, TableFull
 from shm_layout.errors import QueueFull as QueueFull
 from shm_layout.errors import UnknownProvider as UnknownProvider
-from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING, PROVIDER
+from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING
 from shm_layout.liveness import process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.owners import OwnerPolicy
@@ -200,6 +200,24 @@ class _Attachment:
     """This process's registration in one segment instance: the mapping, the core, the
     doorbell, the provider rows it found, and its dispatcher thread."""
 
+    def __repr__(self) -> str:
+        """The live state, read without a lock (a debugger or a signal handler may ask):
+        ``<_Attachment /gwcap-x member 3 [current, waiting 2, wakeups 17] p1 2/4 +1>``,
+        each provider as running/limit and +waiting."""
+        state = "retired" if self.retired else "stopping" if self.stopping else "current"
+        return (
+            f"<_Attachment {self.seg.name} member {getattr(self, 'member', '-')} [{state}, "
+            f"waiting {len(self.waiters)}, wakeups {self.wakeups}]{self._loads()}>"
+        )
+
+    def _loads(self) -> str:
+        try:
+            now = platform.deadline_now()
+            loads = [(n, rows.provider_load(self.buf, p, now)) for n, p in self.index.items()]
+        except (ValueError, IndexError):  # unmapped (closed) or written over
+            return ""
+        return "".join(f" {n} {x.running}/{x.limit} +{x.waiting}" for n, x in loads)
+
     def __init__(self, adm: Admission, seg: Segment) -> None:
         self.adm = adm
         self.seg = seg
@@ -275,7 +293,9 @@ class _Attachment:
         if p is None:
             p = rows.find_provider(self.buf, provider_id)
             if p is None:
-                raise UnknownProvider(self.adm._unknown_reason(self, provider_id))
+                raise UnknownProvider(
+                    self.adm._unknown_reason(self, provider_id), provider=provider_id
+                )
             self.index[provider_id] = p
         return p
 
@@ -451,6 +471,14 @@ class Admission:
             raise
         self._current = att
         atexit.register(self._close_at_exit)
+
+    def __repr__(self) -> str:
+        """``<Admission generation='gw-2' open <_Attachment ...>, 1 retired>``: the state and
+        the live attachment's (read without a lock)."""
+        state = "closed" if self._closed else "closing" if self._closing else "open"
+        current = getattr(self, "_current", None)
+        retired = f", {len(self._retired)} retired" if self._retired else ""
+        return f"<Admission generation={self.generation!r} {state} {current!r}{retired}>"
 
     @classmethod
     def attach(
@@ -678,38 +706,54 @@ class Admission:
 
     def _refusal(self, ticket: CoreTicket, code: int) -> AdmissionError:
         att = self._attachment_of(_core_of(ticket))
+        name = att.provider_name(ticket.provider)
         if code == _core.FULL:
             return QueueFull(
-                f"provider {att.provider_name(ticket.provider)}: {layout.QUEUE_BOUND} requests "
-                "are already waiting"
+                f"provider {name}: {layout.QUEUE_BOUND} requests are already waiting",
+                provider=name,
+                waiting=layout.QUEUE_BOUND,
+                timeout=ticket.timeout,
             )
         if code == _core.BUSY:  # the lock stayed busy for the whole timeout
             return AdmissionTimeout(
-                f"provider {att.provider_name(ticket.provider)}: the segment lock stayed busy "
-                f"for the whole timeout ({_seconds(ticket.timeout)})"
+                f"provider {name}: the segment lock stayed busy for the whole timeout "
+                f"({_seconds(ticket.timeout)})",
+                provider=name,
+                timeout=ticket.timeout,
             )
         if code == _core.CLOSED:
             return AdmissionError("this Admission was closed")
         return AdmissionError(f"admission refused (code {code})")
 
-    def _timed_out(self, ticket: CoreTicket) -> str:
-        """What an :class:`AdmissionTimeout` says: the provider, the timeout, and what was
-        ahead of the request when it ran out (a lock-free look at the provider's row)."""
+    def _timed_out(self, ticket: CoreTicket) -> AdmissionTimeout:
+        """The provider, the timeout, and what was ahead of the request when it ran out (a
+        lock-free look at the provider's row), in words and attributes."""
+        timeout = ticket.timeout
         try:
             att = self._attachment_of(_core_of(ticket))
             name = att.provider_name(ticket.provider)
         except AdmissionError:
-            return f"no slot was granted within the timeout ({_seconds(ticket.timeout)})"
-        text = f"provider {name}: no slot was granted within {_seconds(ticket.timeout)}"
+            text = f"no slot was granted within the timeout ({_seconds(timeout)})"
+            return AdmissionTimeout(text, timeout=timeout)
+        text = f"provider {name}: no slot was granted within {_seconds(timeout)}"
         p = ticket.provider
         try:
             limit = rows.effective_limit(att.buf, p, platform.deadline_now())
-            running = PROVIDER["running"].get(att.buf, rows.provider_base(p))
+            load = rows.provider_load(att.buf, p, platform.deadline_now())
             ahead = rows.waiting_ahead(att.buf, p, ticket.holder) if ticket.live else None
         except (ValueError, IndexError):  # a segment written over: the plain words
-            return text
-        text += f": {running} running on a limit of {limit.value} ({limit.source})"
-        return text if ahead is None else f"{text}, {ahead} waiting ahead of it in the queue"
+            return AdmissionTimeout(text, provider=name, timeout=timeout)
+        text += f": {load.running} running on a limit of {limit.value} ({limit.source})"
+        if ahead is not None:
+            text += f", {ahead} waiting ahead of it in the queue"
+        return AdmissionTimeout(
+            text,
+            provider=name,
+            limit=limit.value,
+            running=load.running,
+            waiting=load.waiting,
+            timeout=timeout,
+        )
 
     def _moved_ticket(self, ticket: CoreTicket) -> CoreTicket:
         """The name leads elsewhere: move, and point ``ticket`` (not live) at the
@@ -744,9 +788,9 @@ class Admission:
                     code = _core.MOVED
                     continue
                 if result == _core.W_TIMEOUT:
-                    why = self._timed_out(ticket)  # while the record still holds its ticket
+                    timed_out = self._timed_out(ticket)  # while the record holds its ticket
                     ticket.leave(_core.TIMEOUT, blocking=True)  # a grant that raced is handed on
-                    raise AdmissionTimeout(why)
+                    raise timed_out
                 if result == _core.W_CLOSED or self._closing:
                     raise AdmissionError("this Admission was closed while waiting")
                 raise AdmissionError("the admission record was removed while waiting")
@@ -820,9 +864,9 @@ class Admission:
             async with asyncio.timeout(ticket.timeout):
                 await self._acquire(ticket, code)
         except TimeoutError:
-            why = self._timed_out(ticket)  # while the record still holds its ticket
+            timed_out = self._timed_out(ticket)  # while the record still holds its ticket
             await self._leave_async(ticket, _core.TIMEOUT)
-            raise AdmissionTimeout(why) from None
+            raise timed_out from None
         except BaseException:  # CancelledError, QueueFull and friends (R-A4, R-A12)
             await self._leave_async(ticket, _core.CANCELLED)
             raise

@@ -129,7 +129,28 @@ class DamagedSegment(NotOurSegment):
 
 
 class AdmissionError(GatewayCapacityError):
-    """Base of the errors of admitting a request (the segment's are :class:`SegmentError`)."""
+    """Base of the errors of admitting a request (the segment's are :class:`SegmentError`).
+
+    Besides ``str()``, the context is in attributes, None where it does not apply or
+    could not be read: ``provider`` (its id), ``limit`` (the limit in force), ``running``
+    (its slots in use), ``waiting`` (requests queued for it, a timed-out one included),
+    ``timeout`` (seconds)."""
+
+    def __init__(
+        self,
+        *args: object,
+        provider: str | None = None,
+        limit: int | None = None,
+        running: int | None = None,
+        waiting: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__(*args)
+        self.provider = provider
+        self.limit = limit
+        self.running = running
+        self.waiting = waiting
+        self.timeout = timeout
 
 
 class QueueFull(AdmissionError):
