@@ -121,7 +121,7 @@ def build_app(
         return Response(published[1], media_type="application/json", headers=_NO_STORE)
 
     def admin(
-        action: Callable[[str], Awaitable[CapacitySnapshot]], fenced: bool
+        action: Callable[[str], Awaitable[CapacitySnapshot]], *, fenced: bool
     ) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             if not _is_loopback_peer(request):
@@ -178,8 +178,10 @@ def build_app(
         routes=[
             Route("/v1/capacity", capacity, methods=["GET"]),
             Route("/admin/workers", workers, methods=["GET"]),
-            Route("/admin/fence/{worker}", admin(observer.fence, True), methods=["POST"]),
-            Route("/admin/unfence/{worker}", admin(observer.unfence, False), methods=["POST"]),
+            Route("/admin/fence/{worker}", admin(observer.fence, fenced=True), methods=["POST"]),
+            Route(
+                "/admin/unfence/{worker}", admin(observer.unfence, fenced=False), methods=["POST"]
+            ),
             *(() if proxy is None else proxy_routes(proxy, lambda r: _authorized(r, key.key))),
         ]
     )

@@ -188,8 +188,8 @@ async def _check_provider(
             entry,
             endpoint.host,
             endpoint.port,
-            provider.tailnet,
-            socket_path,
+            tailnet=provider.tailnet,
+            socket_path=socket_path,
             range_only=provider.tailnet_check == RANGE_ONLY,
         )
         allowed = [a["address"] for a in entry["addresses"] if a["allowed"]]
@@ -220,16 +220,16 @@ async def _check_addresses(
     entry: dict[str, Any],
     host: str,
     port: int,
+    *,
     tailnet: bool,
     socket_path: str | None,
-    *,
     range_only: bool,
 ) -> None:
     problems: list[str] = entry["problems"]
     try:
         async with asyncio.timeout(CHECK_DEADLINE_S):
             check = await check_provider_addresses(
-                host, port, tailnet, socket_path, range_only=range_only
+                host, port, tailnet=tailnet, socket_path=socket_path, range_only=range_only
             )
     except TimeoutError:
         problems.append(f"timeout:resolving and checking {host} took over {CHECK_DEADLINE_S:g} s")

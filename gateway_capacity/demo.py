@@ -86,7 +86,7 @@ class Phase:
 
 
 class Demo:
-    def __init__(self, fast: bool, out: TextIO) -> None:
+    def __init__(self, *, fast: bool, out: TextIO) -> None:
         self.fast = fast
         self.out = out
         self.tmp = Path(tempfile.mkdtemp(prefix="gwcap-demo-"))
@@ -490,7 +490,7 @@ def run(args: argparse.Namespace) -> int:
 
     require_router_extra("the demo (it runs the reference router)")
     out = sys.stderr if args.json else sys.stdout
-    demo = Demo(args.fast, out)
+    demo = Demo(fast=args.fast, out=out)
     summary: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
     phases: list[Phase] = []
     with always_cleaned_up(demo.cleanup, demo.problems) as ending:

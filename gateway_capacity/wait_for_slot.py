@@ -215,7 +215,9 @@ def _sample_local(segment: str, provider_id: str, need: int) -> Sample:
     if provider is None:
         return Fatal(f"provider {provider_id!r} is not in segment {segment}")
     ceiling, why = limit_ceiling(
-        provider.capacity_discovery, provider.fallback_limit, provider.fallback_source
+        discovery=provider.capacity_discovery,
+        fallback=provider.fallback_limit,
+        fallback_source=provider.fallback_source,
     )
     if need > ceiling:
         return Fatal(
@@ -225,7 +227,7 @@ def _sample_local(segment: str, provider_id: str, need: int) -> Sample:
     return Load(float(provider.running), float(provider.waiting), provider.effective_limit)
 
 
-def limit_ceiling(discovery: bool, fallback: int, fallback_source: str) -> tuple[int, str]:
+def limit_ceiling(*, discovery: bool, fallback: int, fallback_source: str) -> tuple[int, str]:
     """The highest effective limit a provider can get without a config edit, and why."""
     from shm_layout.layout import RUNNING_ROOM
     from sidecar.limits import DISCOVERED_CAP

@@ -117,7 +117,7 @@ class ProviderEntry:
     __slots__ = ("discovery", "fallback", "fallback_source", "provider_id")
 
     def __init__(
-        self, provider_id: str, fallback: int, fallback_source: layout.Source, discovery: bool
+        self, provider_id: str, fallback: int, fallback_source: layout.Source, *, discovery: bool
     ):
         self.provider_id = provider_id
         self.fallback = fallback
@@ -140,7 +140,7 @@ def providers_from_config(path: str | os.PathLike[str]) -> list[ProviderEntry]:
     out = []
     for provider in cfg.providers:
         limit, source = fallback_for(provider.max_concurrent, cfg.max_concurrent)
-        out.append(ProviderEntry(provider.id, limit, source, provider.capacity_discovery))
+        out.append(ProviderEntry(provider.id, limit, source, discovery=provider.capacity_discovery))
     return out
 
 
@@ -267,7 +267,7 @@ class _Attachment:
 
             try:
                 _, created = writer.ensure_provider(
-                    self.seg, e.provider_id, e.fallback, e.fallback_source, e.discovery
+                    self.seg, e.provider_id, e.fallback, e.fallback_source, discovery=e.discovery
                 )
             except TableFull as exc:
                 self.overflow[e.provider_id] = str(exc)
@@ -432,6 +432,7 @@ class Admission:
         generation: str,
         entries: list[ProviderEntry],
         policy: OwnerPolicy,
+        *,
         group_shared: bool,
     ) -> None:
         self.generation = generation
@@ -504,7 +505,7 @@ class Admission:
         name = resolve_segment_name(segment, config)
         entries = providers_from_config(config) if config is not None else []
         policy = OwnerPolicy.for_process(owner, group_shared=group_shared, group=group)
-        return cls(name, generation, entries, policy, group_shared)
+        return cls(name, generation, entries, policy, group_shared=group_shared)
 
     # --- what the tests and tools look at ---------------------------------------------
     @property

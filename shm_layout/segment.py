@@ -110,6 +110,7 @@ class Segment:
         self,
         name: str,
         buf: mmap.mmap,
+        *,
         created: bool,
         identity: Identity,
         policy: OwnerPolicy,
@@ -170,12 +171,12 @@ class Segment:
         policy = policy or OwnerPolicy.for_process(owner, group_shared=group_shared, group=group)
         for _attempt in range(5):
             if create:
-                made = _try_create(name, group_shared, policy)
+                made = _try_create(name, group_shared=group_shared, policy=policy)
                 if made is not None:
-                    return cls(name, made[0], True, made[1], policy)
+                    return cls(name, made[0], created=True, identity=made[1], policy=policy)
             try:
                 buf, identity = _attach(name, policy=policy)
-                return cls(name, buf, False, identity, policy)
+                return cls(name, buf, created=False, identity=identity, policy=policy)
             except SegmentMissing:
                 if not create:
                     raise
@@ -323,7 +324,7 @@ def _remove_abandoned(name: str, identity: Identity) -> None:
 
 
 def _try_create(
-    name: str, group_shared: bool, policy: OwnerPolicy
+    name: str, *, group_shared: bool, policy: OwnerPolicy
 ) -> tuple[mmap.mmap, Identity] | None:
     mode = ipc.GROUP_SHARED if group_shared else ipc.OWNER_ONLY
     try:

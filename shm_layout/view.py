@@ -193,7 +193,7 @@ def read_view(
             raise truncated(name)
     finally:
         buf.close()
-    return parse_view(name, data, consistent, now=now, owner=describe_owner(name))
+    return parse_view(name, data, consistent=consistent, now=now, owner=describe_owner(name))
 
 
 def lock_problem(name: str, data: bytes) -> str | None:
@@ -213,8 +213,8 @@ def lock_problem(name: str, data: bytes) -> str | None:
 def parse_view(
     name: str,
     data: bytes,
-    consistent: bool = True,
     *,
+    consistent: bool = True,
     now: float | None = None,
     mono: float | None = None,
     owner: str | None = None,
@@ -373,7 +373,7 @@ class _AliveByRow:
     def __init__(self, held: dict[tuple[int, int], bool]) -> None:
         self._held = {m: ok for (m, _), ok in held.items()}
 
-    def get(self, key: tuple[int, int], default: bool = False) -> bool:
+    def get(self, key: tuple[int, int], default: bool = False) -> bool:  # noqa: FBT001, FBT002 (dict.get's)
         return self._held.get(key[0], default)
 
 

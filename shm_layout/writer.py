@@ -210,7 +210,7 @@ def publish(
         if p is None:
             try:
                 p, _ = ensure_provider(
-                    seg, pub.provider_id, pub.fallback, pub.fallback_source, pub.discovery
+                    seg, pub.provider_id, pub.fallback, pub.fallback_source, discovery=pub.discovery
                 )
             except (TableFull, ProviderIdError) as exc:
                 warnings.append(f"provider {pub.provider_id}: not published: {exc}")
@@ -222,7 +222,9 @@ def publish(
             clamped = before.clamped
         else:
             row = Patch()
-            clamped = _set_fallback(row, buf, p, pub.fallback, pub.fallback_source, pub.discovery)
+            clamped = _set_fallback(
+                row, buf, p, pub.fallback, pub.fallback_source, discovery=pub.discovery
+            )
             _write_publication(row, p, pub, epoch, now)
             patch.writes.extend(_changed(row.writes, before.writes if before else []))
             staged[p] = _Written(pub, row.writes, clamped)
@@ -275,7 +277,7 @@ def _changed(new: list[tuple[int, bytes]], old: list[tuple[int, bytes]]) -> list
 
 
 def ensure_provider(
-    seg: Segment, provider_id: str, fallback: int, fallback_source: Source, discovery: bool
+    seg: Segment, provider_id: str, fallback: int, fallback_source: Source, *, discovery: bool
 ) -> tuple[int, bool]:
     """The row of ``provider_id``, claimed if new (R-A8). Returns (index, created).
 
@@ -304,7 +306,7 @@ def ensure_provider(
 
 
 def _set_fallback(
-    patch: Patch, buf: Buffer | object, p: int, fallback: int, source: Source, discovery: bool
+    patch: Patch, buf: Buffer | object, p: int, fallback: int, source: Source, *, discovery: bool
 ) -> bool:
     """Store the configured fallback (R-L7). True when it had to be clamped."""
     base = provider_base(p)

@@ -129,7 +129,7 @@ def is_localhost_name(host: str) -> bool:
     return host.lower().rstrip(".") == "localhost"
 
 
-def static_opt_in(host: str, tailnet: bool) -> str | None:
+def static_opt_in(host: str, *, tailnet: bool) -> str | None:
     """``None`` when ``host`` may be probed once its addresses pass, else why not (R-P1).
 
     Only ``localhost`` and loopback literals qualify without ``tailnet: true``: any other
@@ -330,10 +330,10 @@ RANGE_ONLY_NOTE: Final = "range-checked only (tailnetCheck: range-only)"
 
 async def check_address(
     address: str,
+    *,
     tailnet: bool,
     socket_path: str,
     port: int = 0,
-    *,
     range_only: bool = False,
     localapi: Any | None = None,
 ) -> AddressVerdict:
@@ -364,9 +364,9 @@ async def check_address(
 async def check_provider_addresses(
     host: str,
     port: int,
+    *,
     tailnet: bool,
     socket_path: str | None = None,
-    *,
     range_only: bool = False,
     localapi: Any | None = None,
 ) -> AddressCheck:
@@ -376,7 +376,7 @@ async def check_provider_addresses(
     gateway's own requests could go to any of them. Raises :class:`ResolveError`;
     the caller's ``asyncio.timeout`` bounds the whole call.
     """
-    static = static_opt_in(host, tailnet)
+    static = static_opt_in(host, tailnet=tailnet)
     if static is not None:
         return AddressCheck((), static)
     path = socket_path if socket_path is not None else default_tailscale_socket()
@@ -384,7 +384,14 @@ async def check_provider_addresses(
     verdicts = tuple(
         await asyncio.gather(
             *(
-                check_address(a, tailnet, path, port, range_only=range_only, localapi=localapi)
+                check_address(
+                    a,
+                    tailnet=tailnet,
+                    socket_path=path,
+                    port=port,
+                    range_only=range_only,
+                    localapi=localapi,
+                )
                 for a in addresses
             )
         )

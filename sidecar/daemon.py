@@ -800,7 +800,7 @@ class Sidecar:
             built_from = (state.decision, fallback, fallback_source, requested)
             if state.publication is None or not _same(state.built_from, built_from):
                 state.publication = _publication(
-                    provider_id, state, fallback, fallback_source, requested
+                    provider_id, state, fallback, fallback_source, requested=requested
                 )
                 state.built_from = built_from
             pubs.append(state.publication)
@@ -1169,6 +1169,7 @@ def _publication(
     state: _ProviderState,
     fallback: int,
     fallback_source: Source,
+    *,
     requested: bool,
 ) -> writer.Publication:
     d = state.decision

@@ -165,7 +165,7 @@ class SidecarMetrics:
             )
         self._share_calls.labels(provider, "ok" if ok else "unavailable").inc()
 
-    def share_reachable(self, up: bool) -> None:
+    def share_reachable(self, up: bool) -> None:  # noqa: FBT001 (a setter of one flag)
         """1 while Redis answers this sidecar's lease calls, 0 while it does not."""
         if self._share_reachable is None:
             self._share_reachable = Gauge(

@@ -45,7 +45,7 @@ def _squat_segment(name: str, limit: int) -> int:
     seg = Segment.open(name)
     from shm_layout import writer
 
-    writer.ensure_provider(seg, "p1", limit, "provider", False)
+    writer.ensure_provider(seg, "p1", limit, layout.Source.PROVIDER, discovery=False)
     seg.close()
     return 0
 

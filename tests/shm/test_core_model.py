@@ -108,7 +108,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
         for i, pid in enumerate(PROVIDERS):
-            p, _ = writer.ensure_provider(self.seg, pid, 2, "provider", False)
+            p, _ = writer.ensure_provider(self.seg, pid, 2, layout.Source.PROVIDER, discovery=False)
             assert p == i
         for pid in (101, 102, 103):
             self.members.append(Member(self.seg, pid, self.now))

@@ -805,7 +805,7 @@ class Soak:
     def observe(self, buf: Any) -> None:
         data, consistent = snapshot_bytes(buf)
         now = time.time()
-        view = parse_view(self.segment, data, consistent, now=now)
+        view = parse_view(self.segment, data, consistent=consistent, now=now)
         self.report.observations += 1
         present = {h.pid for h in view.holders}
         for pid, (t, what) in list(self.killed_at.items()):
