@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import os
 import re
@@ -381,21 +382,15 @@ async def check_provider_addresses(
         return AddressCheck((), static)
     path = socket_path if socket_path is not None else default_tailscale_socket()
     addresses = await resolve(host, port)
-    verdicts = tuple(
-        await asyncio.gather(
-            *(
-                check_address(
-                    a,
-                    tailnet=tailnet,
-                    socket_path=path,
-                    port=port,
-                    range_only=range_only,
-                    localapi=localapi,
-                )
-                for a in addresses
-            )
-        )
+    check = functools.partial(
+        check_address,
+        tailnet=tailnet,
+        socket_path=path,
+        port=port,
+        range_only=range_only,
+        localapi=localapi,
     )
+    verdicts = tuple(await asyncio.gather(*(check(a) for a in addresses)))
     bad = [v for v in verdicts if not v.allowed]
     if bad:
         why = "; ".join(f"{v.address}: {v.detail}" for v in bad)
