@@ -185,6 +185,7 @@ LONG: tuple[str, ...] = (
     "tests/repo/test_examples.py::test_r_l5_the_openai_walk_through_stays_on_the_static_fallback_and_says_so",
     "tests/repo/test_examples.py::test_router_simworker_from_the_shell_serves_what_the_router_sums",
     "tests/repo/test_examples.py::test_router_simworker_openai_is_an_upstream_to_try_the_gateway_and_wait_for_slot",
+    "tests/repo/test_packaging.py::test_only_a_test_build_of_the_core_has_its_test_entry_points",
     "tests/router/test_router_cli.py::test_r_k5_cli_refusals_exit_1_with_a_reason",
     "tests/router/test_router_cli.py::test_r_k5_fence_and_unfence_through_the_cli_drain_and_restore_a_worker",
     "tests/router/test_router_cli.py::test_r_k5_simworker_shapes_behind_serve_give_a_discovered_limit_and_show_says_which",
