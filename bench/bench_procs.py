@@ -325,15 +325,15 @@ def throughput_worker(specs: dict[str, tuple[str, ...]], commands: Any, q: Any) 
 
 def shim_counters(segment: str, provider: str) -> tuple[int, int]:
     """(slots admitted, arrivals that queued) so far: ``admitted_total`` and ``next_ticket``."""
-    from shm_layout import ledger
+    from shm_layout import rows
     from shm_layout.layout import PROVIDER
     from shm_layout.segment import map_readonly
 
     buf = map_readonly(segment)
     try:
-        p = ledger.find_provider(buf, provider)
+        p = rows.find_provider(buf, provider)
         assert p is not None
-        base = ledger.provider_base(p)
+        base = rows.provider_base(p)
         return PROVIDER["admitted_total"].get(buf, base), PROVIDER["next_ticket"].get(buf, base)
     finally:
         buf.close()

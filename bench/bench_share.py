@@ -63,7 +63,7 @@ class ShareFigures:
 
 
 def _limit(segment: str) -> int:
-    from shm_layout.segment import SegmentError
+    from shm_layout.errors import SegmentError
     from shm_layout.view import read_view
 
     try:

@@ -50,7 +50,7 @@ def _worker(config: str, segment: str, stop_at: float, bodies: Any) -> None:
 def _scribble(kind: str, buf: object) -> None:
     from shm_layout import layout, platform
     from shm_layout.layout import HOLDER, MEMBER, PROVIDER
-    from shm_layout.ledger import holder_base, member_base, provider_base
+    from shm_layout.rows import holder_base, member_base, provider_base
 
     base = provider_base(0)
     if kind == "running := 0":

@@ -26,7 +26,7 @@ WORKER = r"""
 import json, os, sys, time
 sys.path.insert(0, {root!r})
 from handler_shim import Admission, AdmissionError
-from shm_layout import ledger
+from shm_layout import rows
 from shm_layout.layout import HEADER, PROVIDER
 
 adm = Admission.attach(config=sys.argv[1], segment=sys.argv[2], generation="stress")
@@ -40,7 +40,7 @@ while time.monotonic() < end and not seen:
     except AdmissionError as exc:
         seen.append({{
             "error": str(exc), "me": os.getpid(),
-            "reclaimed": PROVIDER["reclaimed_total"].get(adm._buf, ledger.provider_base(0)),
+            "reclaimed": PROVIDER["reclaimed_total"].get(adm._buf, rows.provider_base(0)),
             "lock_repairs": HEADER["repairs"].get(adm._buf),
         }})
 adm.close()

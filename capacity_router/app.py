@@ -107,6 +107,7 @@ def farm_load(
     snapshot: CapacitySnapshot,
     workers: Iterable[WorkerStatus],
     in_flight: Mapping[str, int],
+    *,
     relays: bool,
 ) -> dict[str, object]:
     """``GET /v1/load``: per model, the farm's capacity and the requests this
@@ -203,30 +204,36 @@ class RouterApp(Handler):
             if published is None:
                 conn.respond(
                     _json(503, {"error": "no observation yet"}, ((b"retry-after", b"1"),)),
-                    head_only,
+                    head_only=head_only,
                 )
             else:
-                conn.respond(Answer(200, published[1]), head_only)
+                conn.respond(Answer(200, published[1]), head_only=head_only)
         elif path == "/v1/load":
             snapshot = self._observer.snapshot()
             if snapshot is None:
                 conn.respond(
                     _json(503, {"error": "no observation yet"}, ((b"retry-after", b"1"),)),
-                    head_only,
+                    head_only=head_only,
                 )
             else:
-                load = farm_load(snapshot, self._observer.workers(), self._proxy.in_flight(), True)
-                conn.respond(_json(200, load), head_only)
+                load = farm_load(
+                    snapshot, self._observer.workers(), self._proxy.in_flight(), relays=True
+                )
+                conn.respond(_json(200, load), head_only=head_only)
         elif path == "/v1/models":
-            conn.respond(self._proxy.models(), head_only)
+            conn.respond(self._proxy.models(), head_only=head_only)
         elif path.startswith("/v1/models/"):
-            conn.respond(self._proxy.model(_unquote(path[len("/v1/models/") :])), head_only)
+            conn.respond(
+                self._proxy.model(_unquote(path[len("/v1/models/") :])), head_only=head_only
+            )
         elif path in RELAYED_PATHS:
             task = self._proxy.relay(conn, head, body)
             if task is not None:
                 self._keep(task, conn.request_id)
         else:
-            self._keep(asyncio.ensure_future(self._admin(conn, path, head_only)), conn.request_id)
+            self._keep(
+                asyncio.ensure_future(self._admin(conn, path, head_only=head_only)), conn.request_id
+            )
 
     def _keep(self, task: asyncio.Task[None], request_id: str) -> None:
         self._tasks.add(task)
@@ -243,11 +250,11 @@ class RouterApp(Handler):
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout)
 
-    async def _admin(self, conn: Connection, path: str, head_only: bool) -> None:
+    async def _admin(self, conn: Connection, path: str, *, head_only: bool) -> None:
         observer = self._observer
         if path == "/admin/workers":
             listed, warnings = await self._on_poller(_listed(observer))
-            conn.respond(_json(200, {"workers": listed, "warnings": warnings}), head_only)
+            conn.respond(_json(200, {"workers": listed, "warnings": warnings}), head_only=head_only)
             return
         fence = path.startswith("/admin/fence/")
         worker = _unquote(path.rsplit("/", 1)[1])

@@ -199,11 +199,11 @@ class Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self.exchange is not None:
-            self.exchange.client_paused(True)
+            self.exchange.client_paused(paused=True)
 
     def resume_writing(self) -> None:
         if self.exchange is not None:
-            self.exchange.client_paused(False)
+            self.exchange.client_paused(paused=False)
 
     # -- reading ---------------------------------------------------------------
 
@@ -296,7 +296,7 @@ class Connection(asyncio.Protocol):
 
     _write = write
 
-    def respond(self, answer: Answer, head_only: bool = False) -> None:
+    def respond(self, answer: Answer, *, head_only: bool = False) -> None:
         """A whole answer of the router's own, then the next request."""
         headers = [
             b"HTTP/1.1 %d %s\r\n" % (answer.status, _REASONS.get(answer.status, b"Status")),
@@ -314,7 +314,7 @@ class Connection(asyncio.Protocol):
         self._write(b"".join(headers))
         self.answer_done(keep_alive=True)
 
-    def answer_done(self, keep_alive: bool) -> None:
+    def answer_done(self, *, keep_alive: bool) -> None:
         """The answer is written: read the next request, or close."""
         if self._state == _CLOSED:
             return

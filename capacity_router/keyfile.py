@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import stat
 
+from shm_layout.errors import GatewayCapacityError
 from sidecar.contract import bearer_key
 
 from .watched import FileStamp, open_regular
@@ -24,7 +25,7 @@ from .watched import FileStamp, open_regular
 MAX_KEY_BYTES = 4096
 
 
-class KeyFileError(ValueError):
+class KeyFileError(GatewayCapacityError, ValueError):
     """The key file cannot be used. ``str()`` names the file, never the key."""
 
 

@@ -35,6 +35,7 @@ from typing import Literal
 
 import httpx
 
+from shm_layout.errors import GatewayCapacityError
 from sidecar.contract import CapacitySnapshot
 
 from .aggregate import Observation, State, aggregate, is_fenced, within_contract
@@ -51,11 +52,11 @@ DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_MAX_CONCURRENCY = 32
 
 
-class UnknownWorker(LookupError):
+class UnknownWorker(GatewayCapacityError, LookupError):
     """No registered worker has this id."""
 
 
-class FencedInRegistry(ValueError):
+class FencedInRegistry(GatewayCapacityError, ValueError):
     """The worker is fenced by the registry file; only an edit of the file restores it."""
 
 

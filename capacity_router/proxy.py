@@ -415,7 +415,7 @@ class ClientSide(Protocol):
 
     def write(self, data: bytes) -> None: ...
     def respond(self, answer: Answer) -> None: ...
-    def answer_done(self, keep_alive: bool) -> None: ...
+    def answer_done(self, *, keep_alive: bool) -> None: ...
     def cut(self) -> None: ...
 
 
@@ -619,11 +619,11 @@ class Exchange:
         proxy.acquire(worker.id)
         return worker
 
-    async def _run(self, worker: Worker | None, fresh: bool = False) -> None:
+    async def _run(self, worker: Worker | None, *, fresh: bool = False) -> None:
         try:
             while worker is not None and not self._gone:
                 try:
-                    if await self._to_worker(worker, fresh) != _NO_CONNECTION:
+                    if await self._to_worker(worker, fresh=fresh) != _NO_CONNECTION:
                         return
                 finally:
                     self._proxy.release(worker.id)
@@ -632,7 +632,7 @@ class Exchange:
         finally:
             self._detach()
 
-    async def _to_worker(self, worker: Worker, fresh: bool) -> str:
+    async def _to_worker(self, worker: Worker, *, fresh: bool) -> str:
         key = self._proxy._worker_key(worker)
         headers = upstream_headers(self._head.headers, key)
         for url in worker.urls:
@@ -729,7 +729,7 @@ class Exchange:
         self._drop_upstream()
         self._finish(_DONE)
 
-    def client_paused(self, paused: bool) -> None:
+    def client_paused(self, *, paused: bool) -> None:
         conn = self._conn
         if conn is not None and conn.transport is not None and not conn.closed:
             if paused:
@@ -822,7 +822,7 @@ class Exchange:
     def _response_keeps(self) -> bool:
         return self._response is not None and self._response.keep_alive
 
-    def _complete(self, reuse: bool) -> None:
+    def _complete(self, *, reuse: bool) -> None:
         conn, target = self._conn, self._target
         self._conn = None
         if conn is not None:
@@ -858,7 +858,7 @@ class Exchange:
         self._client.cut()
         self._finish(_DONE)
 
-    def _fail(self, message: str, conn_gone: bool = False) -> None:
+    def _fail(self, message: str, *, conn_gone: bool = False) -> None:
         if not conn_gone:
             self._drop_upstream()
         if self._response is None:

@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from shm_layout.errors import GatewayCapacityError
 from sidecar.contract import (
     MAX_MODELS,
     MAX_SLOTS,
@@ -70,7 +71,7 @@ ModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 WorkerUrl = Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
 
 
-class RegistryError(ValueError):
+class RegistryError(GatewayCapacityError, ValueError):
     """The registry file cannot be used. ``str()`` is a one-line reason."""
 
 

@@ -344,7 +344,7 @@ class SimWorker:
         with self._lock:
             return dict(self._model_states)
 
-    def set_healthy(self, healthy: bool) -> None:
+    def set_healthy(self, healthy: bool) -> None:  # noqa: FBT001 (a setter of one flag)
         with self._lock:
             self._healthy = healthy
 

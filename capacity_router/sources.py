@@ -26,6 +26,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
+from shm_layout.errors import GatewayCapacityError
 from sidecar.contract import MAX_SLOTS, read_capped
 
 OPTIONAL_READ_S = 0.5
@@ -46,7 +47,7 @@ class Unhealthy(Exception):
     """The server answered that it cannot serve now (e.g. 503 while loading)."""
 
 
-class Unreadable(Exception):
+class Unreadable(GatewayCapacityError):
     """The server answers, but its slot count cannot be read. ``str()``: the reason."""
 
 

@@ -173,7 +173,7 @@ class ChunkedScanner:
         self._data.clear()
         return out
 
-    def feed(self, buf: bytes, keep_data: bool = False) -> int:
+    def feed(self, buf: bytes, *, keep_data: bool = False) -> int:
         i, n = 0, len(buf)
         while i < n and not self.done:
             state = self._state

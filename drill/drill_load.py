@@ -71,7 +71,7 @@ def burst(drill: Drill, url: str, count: int) -> None:
 
     outcomes = asyncio.run(all_at_once())
     for outcome in outcomes:
-        _tally(drill, outcome, False)
+        _tally(drill, outcome, legacy=False)
     drill.figures["burst"] = dict(Counter(outcomes))
 
 
@@ -94,7 +94,7 @@ async def _client_loop(
             if prefix == "legacy":
                 drill.legacy_sent += 1
             outcome = await _one(drill, c, url, f"{prefix}-{seed}-{n}", rng.randint(lo, hi))
-            _tally(drill, outcome, prefix == "legacy")
+            _tally(drill, outcome, legacy=prefix == "legacy")
             if outcome == "429":
                 await asyncio.sleep(1.0)  # Retry-After: 1
 
@@ -126,7 +126,7 @@ async def _one(drill: Drill, client: httpx.AsyncClient, url: str, rid: str, chun
         return type(exc).__name__
 
 
-def _tally(drill: Drill, outcome: str, legacy: bool) -> None:
+def _tally(drill: Drill, outcome: str, *, legacy: bool) -> None:
     o = drill.outcomes
     if outcome == "ok":
         if legacy:

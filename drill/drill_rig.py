@@ -68,7 +68,7 @@ class Timing:
     burst: int
 
     @classmethod
-    def of(cls, short: bool) -> Timing:
+    def of(cls, *, short: bool) -> Timing:
         if short:
             return cls(3, 4, 4, 4, 5, 4, 6, clients=36, legacy_clients=4, burst=30)
         return cls(8, 10, 15, 12, 20, 15, 25, clients=40, legacy_clients=6, burst=40)
@@ -86,8 +86,8 @@ def listening_socket() -> socket.socket:
 
 
 class Drill:
-    def __init__(self, short: bool, out: TextIO) -> None:
-        self.timing = Timing.of(short)
+    def __init__(self, *, short: bool, out: TextIO) -> None:
+        self.timing = Timing.of(short=short)
         self.short = short
         self.provider = PROVIDER  # the config's one provider, opted in to discovery
         self.model_alias = MODEL_ALIAS  # what the load asks for
@@ -291,7 +291,7 @@ class Drill:
     def provider_doc(self) -> tuple[dict[str, Any], Any] | None:
         """The provider's ``availability --json`` entry (built in process) and the view."""
         from gateway_capacity.cmd_views import availability_doc
-        from shm_layout.segment import SegmentError
+        from shm_layout.errors import SegmentError
         from shm_layout.view import read_view
 
         try:

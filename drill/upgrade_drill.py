@@ -167,7 +167,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     out = sys.stderr if args.json else sys.stdout
-    drill = Drill(args.short, out)
+    drill = Drill(short=args.short, out=out)
     with always_cleaned_up(drill.cleanup, drill.problems) as ending:
         try:
             upgrade(drill)

@@ -34,7 +34,8 @@ from urllib.parse import urlsplit
 from gateway_capacity.common import fail, segment_arg
 from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from gateway_capacity.schemas import SCHEMA_VERSION
-from shm_layout.names import ENV_VAR, BadSegmentName, check_segment_name, resolve_segment_name
+from shm_layout.errors import BadSegmentName
+from shm_layout.names import ENV_VAR, check_segment_name, resolve_segment_name
 from sidecar.addresses import ResolveError, check_provider_addresses
 from sidecar.config import (
     RANGE_ONLY,
@@ -264,7 +265,7 @@ def probe_hints(provider: ProviderConfig, probe: ProviderProbe, missing: list[st
 
 def _config_of_segment(segment: str | None) -> str:
     """The config path a sidecar recorded in ``segment``, or exit 2 saying what to give."""
-    from shm_layout.segment import SegmentError, SegmentMissing
+    from shm_layout.errors import SegmentError, SegmentMissing
     from shm_layout.view import read_view
 
     if not segment:
@@ -348,8 +349,8 @@ async def _check_provider(
             entry,
             endpoint.host,
             endpoint.port,
-            provider.tailnet,
-            socket_path,
+            tailnet=provider.tailnet,
+            socket_path=socket_path,
             range_only=provider.tailnet_check == RANGE_ONLY,
         )
         allowed = [a["address"] for a in entry["addresses"] if a["allowed"]]
@@ -380,16 +381,16 @@ async def _check_addresses(
     entry: dict[str, Any],
     host: str,
     port: int,
+    *,
     tailnet: bool,
     socket_path: str | None,
-    *,
     range_only: bool,
 ) -> None:
     problems: list[str] = entry["problems"]
     try:
         async with asyncio.timeout(CHECK_DEADLINE_S):
             check = await check_provider_addresses(
-                host, port, tailnet, socket_path, range_only=range_only
+                host, port, tailnet=tailnet, socket_path=socket_path, range_only=range_only
             )
     except TimeoutError:
         problems.append(f"timeout:resolving and checking {host} took over {CHECK_DEADLINE_S:g} s")
@@ -437,7 +438,7 @@ def _render(report: dict[str, Any]) -> str:
             lines.append("  credential: readable, well-formed (not shown)")
         if p["probe"] is not None:
             said = p["probe"]["refused"] in (p["reason"], *p["problems"])
-            lines.extend(_render_probe(p["probe"], said))
+            lines.extend(_render_probe(p["probe"], said=said))
     for why in report["skipped"]:
         lines.append(f"skipped {why}")
     if not report["providers"] and not report["skipped"]:
@@ -459,7 +460,7 @@ def _render_share(share: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _render_probe(probe: dict[str, Any], said: bool) -> list[str]:
+def _render_probe(probe: dict[str, Any], *, said: bool) -> list[str]:
     if probe["refused"] is not None:
         why = "for the reason above" if said else probe["refused"]
         lines = [f"  probe: NOT SENT, {why}"]

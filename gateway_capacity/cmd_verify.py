@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import time
 
-    from shm_layout.segment import SegmentError, SegmentMissing
+    from shm_layout.errors import SegmentError, SegmentMissing
     from shm_layout.view import read_view
     from sidecar.config import ConfigError, load_config
     from sidecar.limits import rules_from_config

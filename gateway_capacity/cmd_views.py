@@ -22,6 +22,7 @@ from gateway_capacity.exits import (
     EXIT_WARNING,
 )
 from gateway_capacity.schemas import SCHEMA_VERSION, sidecar_status
+from shm_layout.layout import FALLBACK_SOURCES, Source
 from sidecar.contract import shown
 from sidecar.shares import DEGRADED as SHARE_DEGRADED
 
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
 # The sidecar beats every 0.5 s; ten missed beats is no scheduling hiccup but a stopped
 # or wedged sidecar (systemd's watchdog, at 20 s, is the slower backstop).
 STALE_HEARTBEAT_S = 5.0
-FALLBACK_SOURCES = ("provider", "gateway", "default")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -99,8 +99,8 @@ def _positive_seconds(text: str) -> float:
 
 
 def _read(args: argparse.Namespace) -> SegmentView:
+    from shm_layout.errors import SegmentError, SegmentMissing
     from shm_layout.reasons import whole
-    from shm_layout.segment import SegmentError, SegmentMissing
     from shm_layout.view import read_view
 
     name = segment_from_args(args)
@@ -290,7 +290,7 @@ def health_problems(view: SegmentView, max_heartbeat_age: float) -> list[str]:
                 "every request waits, then times out. Name in models only what the farm serves "
                 "('gateway-capacity verify' shows what it reports)"
             )
-        if p.source == "share" and p.reason.startswith(SHARE_DEGRADED):
+        if p.source == Source.SHARE and p.reason.startswith(SHARE_DEGRADED):
             problems.append(
                 f"provider {p.id}: limit {p.effective_limit}, {shown(p.reason)}: "
                 "make Redis reachable from this host (capacityShare.redis; "
@@ -319,7 +319,7 @@ def health_warnings(view: SegmentView) -> list[str]:
         "(requests wait, then time out) until the limit rises"
         for p in view.providers
         if p.effective_limit == 0
-        and p.source != "legacy_drain"  # the drain's 0 is R-G3's; an overdue one fails
+        and p.source != Source.LEGACY_DRAIN  # the drain's 0 is R-G3's; an overdue one fails
         and MISSING_MODEL not in p.reason
         and not (p.capacity_discovery and p.source in FALLBACK_SOURCES)
     ]
@@ -329,7 +329,8 @@ def owner_problems(view: SegmentView) -> list[str]:
     """A segment of a user this process does not trust: a handler of this user refuses
     it (``ForeignSegment``, R-G6). Linux only: macOS shows no owner without opening."""
     from shm_layout import platform
-    from shm_layout.owners import OwnerError, OwnerPolicy, user_name
+    from shm_layout.errors import OwnerError
+    from shm_layout.owners import OwnerPolicy, user_name
 
     info = platform.shared_memory_stat(view.name)
     if info is None:
@@ -421,7 +422,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def _unlink(args: argparse.Namespace) -> int:
-    from shm_layout.segment import SegmentError, SegmentMissing, unlink_segment
+    from shm_layout.errors import SegmentError, SegmentMissing
+    from shm_layout.segment import unlink_segment
     from shm_layout.view import read_view
 
     name = segment_from_args(args)

@@ -9,7 +9,8 @@ import sys
 from typing import NoReturn
 
 from gateway_capacity.exits import EXIT_USAGE
-from shm_layout.names import BadSegmentName, resolve_segment_name
+from shm_layout.errors import BadSegmentName
+from shm_layout.names import resolve_segment_name
 
 
 def add_target_options(parser: argparse.ArgumentParser) -> None:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Final, TextIO
 
 from gateway_capacity.scenario import always_cleaned_up
 from gateway_capacity.schemas import SCHEMA_VERSION
+from shm_layout.layout import Source
 
 if TYPE_CHECKING:
     from capacity_router import RouterServer
@@ -93,7 +94,7 @@ class Phase:
 
 
 class Demo:
-    def __init__(self, fast: bool, out: TextIO) -> None:
+    def __init__(self, *, fast: bool, out: TextIO) -> None:
         self.fast = fast
         self.out = out
         self.tmp = Path(tempfile.mkdtemp(prefix="gwcap-demo-"))
@@ -247,7 +248,7 @@ class Demo:
         return 0
 
     def _sample(self, phase: str) -> Sample | None:
-        from shm_layout.segment import SegmentError, SegmentMissing
+        from shm_layout.errors import SegmentError, SegmentMissing
         from shm_layout.view import read_view
 
         try:
@@ -288,7 +289,7 @@ class Demo:
         while time.monotonic() < deadline:
             self._still_working()
             s = self._sample("start")
-            if s is not None and s.limit == expect and s.source == "discovered":
+            if s is not None and s.limit == expect and s.source == Source.DISCOVERED:
                 return True
             time.sleep(0.1)
         return False
@@ -336,7 +337,7 @@ class Demo:
 
     # --- checking -----------------------------------------------------------------------
     def check(self, phases: list[Phase]) -> dict[str, Any]:
-        from shm_layout.segment import SegmentError
+        from shm_layout.errors import SegmentError
         from shm_layout.view import read_view
 
         samples = [s for ph in phases for s in ph.samples]
@@ -528,7 +529,7 @@ def run(args: argparse.Namespace) -> int:
 
     require_router_extra("the demo (it runs the reference router)")
     out = sys.stderr if args.json else sys.stdout
-    demo = Demo(args.fast, out)
+    demo = Demo(fast=args.fast, out=out)
     summary: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
     phases: list[Phase] = []
     with always_cleaned_up(demo.cleanup, demo.problems) as ending:

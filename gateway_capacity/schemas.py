@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, cast
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, cast, get_args
 
 import msgspec
 from msgspec import Meta, Struct
 
 from gateway_capacity.exits import EXIT_OK, EXIT_USAGE
+from shm_layout import layout
 
 if TYPE_CHECKING:
     from shm_layout.view import ProviderView, SegmentView, SidecarView
@@ -42,6 +43,10 @@ FallbackSource = Annotated[
     Literal["provider", "gateway", "default"],
     Meta(description="which maxConcurrent the fallback is: the provider's, the gateway's, or 4"),
 ]
+# The documents spell layout.Source's values out (a schema names them, not a $ref); they
+# are checked against it here, when the module loads.
+assert get_args(get_args(Source)[0]) == tuple(layout.Source), "schemas.Source != layout.Source"
+assert get_args(get_args(FallbackSource)[0]) == layout.FALLBACK_SOURCES
 Count = Annotated[int, Meta(ge=0)]
 UnixTime = Annotated[float, Meta(description="Unix seconds")]
 Version = Annotated[

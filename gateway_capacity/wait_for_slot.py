@@ -50,6 +50,7 @@ from gateway_capacity.wfs_metrics import (
     one_line,
     secs,
 )
+from shm_layout.layout import Source
 
 if TYPE_CHECKING:
     from sidecar.credential import Secret
@@ -225,7 +226,9 @@ def _sample_local(segment: str, provider_id: str, need: int) -> Sample:
             + f" (its providers: {', '.join(known) if known else 'none yet'})"
         )
     ceiling, why = limit_ceiling(
-        provider.capacity_discovery, provider.fallback_limit, provider.fallback_source
+        discovery=provider.capacity_discovery,
+        fallback=provider.fallback_limit,
+        fallback_source=provider.fallback_source,
     )
     if need > ceiling:
         return Fatal(
@@ -235,14 +238,14 @@ def _sample_local(segment: str, provider_id: str, need: int) -> Sample:
     return Load(float(provider.running), float(provider.waiting), provider.effective_limit)
 
 
-def limit_ceiling(discovery: bool, fallback: int, fallback_source: str) -> tuple[int, str]:
+def limit_ceiling(*, discovery: bool, fallback: int, fallback_source: str) -> tuple[int, str]:
     """The highest effective limit a provider can get without a config edit, and why."""
     from shm_layout.layout import RUNNING_ROOM
     from sidecar.limits import DISCOVERED_CAP
 
     if not discovery:
         ceiling, why = fallback, "its static limit"
-    elif fallback_source == "provider":
+    elif fallback_source == Source.PROVIDER:
         ceiling, why = fallback, "its maxConcurrent caps discovery"
     else:
         ceiling, why = DISCOVERED_CAP, f"discovery is capped at {DISCOVERED_CAP}"

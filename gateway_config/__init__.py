@@ -33,6 +33,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 
 from shm_layout.errors import ConfigError as ConfigError
+from shm_layout.layout import Source
 
 MAX_PROVIDER_ID_BYTES: Final = 64
 MAX_LIMIT: Final = 2**31 - 1  # fits any 32-bit counter in the segment
@@ -48,7 +49,7 @@ UserName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 TailnetCheck = Literal["peer", "range-only"]
 RANGE_ONLY: Final = "range-only"
 UpstreamModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-FallbackSource = Literal["provider", "gateway", "default"]
+FallbackSource = Source  # one of layout.FALLBACK_SOURCES
 
 # Editors on Windows (and PowerShell's Out-File) start UTF-8 files with a BOM; JSON
 # forbids it (RFC 8259 section 8.1) but allows a parser to ignore it, as we do.
@@ -145,10 +146,10 @@ def fallback_for(provider_max: int | None, gateway_max: int | None) -> tuple[int
     sidecar ran) and ``check-config`` all ask here. 0 is a real setting, not "unset".
     """
     if provider_max is not None:
-        return provider_max, "provider"
+        return provider_max, Source.PROVIDER
     if gateway_max is not None:
-        return gateway_max, "gateway"
-    return DEFAULT_FALLBACK, "default"
+        return gateway_max, Source.GATEWAY
+    return DEFAULT_FALLBACK, Source.DEFAULT
 
 
 def read_config_file(path: str | os.PathLike[str]) -> ConfigFile:

@@ -60,13 +60,13 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
-from shm_layout import _core, layout, platform
+from shm_layout import _core, layout, platform, rows
 from shm_layout.errors import AdmissionError as AdmissionError
 from shm_layout.errors import AdmissionTimeout as AdmissionTimeout
-from shm_layout.errors import GatewayCapacityError
+from shm_layout.errors import GatewayCapacityError, ProviderIdError, TableFull
 from shm_layout.errors import QueueFull as QueueFull
 from shm_layout.errors import UnknownProvider as UnknownProvider
-from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING, PROVIDER
+from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING
 from shm_layout.liveness import process_start
 from shm_layout.names import resolve_segment_name
 from shm_layout.owners import OwnerPolicy
@@ -116,7 +116,9 @@ class ProviderEntry:
 
     __slots__ = ("discovery", "fallback", "fallback_source", "provider_id")
 
-    def __init__(self, provider_id: str, fallback: int, fallback_source: str, discovery: bool):
+    def __init__(
+        self, provider_id: str, fallback: int, fallback_source: layout.Source, *, discovery: bool
+    ):
         self.provider_id = provider_id
         self.fallback = fallback
         self.fallback_source = fallback_source
@@ -138,13 +140,13 @@ def providers_from_config(path: str | os.PathLike[str]) -> list[ProviderEntry]:
     out = []
     for provider in cfg.providers:
         limit, source = fallback_for(provider.max_concurrent, cfg.max_concurrent)
-        stored: str = source
+        stored = layout.Source(source)
         if cfg.capacity_share is not None and provider.capacity_discovery:
             # share mode: without a share in force, a provider with discovery runs 0,
             # never its static limit, which the other gateways leave no room for
             # (docs/share.md); the sidecar corrects a refused opt-in back to the static
-            limit, stored = 0, "share"
-        out.append(ProviderEntry(provider.id, limit, stored, provider.capacity_discovery))
+            limit, stored = 0, layout.Source.SHARE
+        out.append(ProviderEntry(provider.id, limit, stored, discovery=provider.capacity_discovery))
     return out
 
 
@@ -204,6 +206,24 @@ class _Attachment:
     """This process's registration in one segment instance: the mapping, the core, the
     doorbell, the provider rows it found, and its dispatcher thread."""
 
+    def __repr__(self) -> str:
+        """The live state, read without a lock (a debugger or a signal handler may ask):
+        ``<_Attachment /gwcap-x member 3 [current, waiting 2, wakeups 17] p1 2/4 +1>``,
+        each provider as running/limit and +waiting."""
+        state = "retired" if self.retired else "stopping" if self.stopping else "current"
+        return (
+            f"<_Attachment {self.seg.name} member {getattr(self, 'member', '-')} [{state}, "
+            f"waiting {len(self.waiters)}, wakeups {self.wakeups}]{self._loads()}>"
+        )
+
+    def _loads(self) -> str:
+        try:
+            now = platform.deadline_now()
+            loads = [(n, rows.provider_load(self.buf, p, now)) for n, p in self.index.items()]
+        except (ValueError, IndexError):  # unmapped (closed) or written over
+            return ""
+        return "".join(f" {n} {x.running}/{x.limit} +{x.waiting}" for n, x in loads)
+
     def __init__(self, adm: Admission, seg: Segment) -> None:
         self.adm = adm
         self.seg = seg
@@ -253,9 +273,9 @@ class _Attachment:
 
             try:
                 _, created = writer.ensure_provider(
-                    self.seg, e.provider_id, e.fallback, e.fallback_source, e.discovery
+                    self.seg, e.provider_id, e.fallback, e.fallback_source, discovery=e.discovery
                 )
-            except writer.TableFull as exc:
+            except TableFull as exc:
                 self.overflow[e.provider_id] = str(exc)
                 continue
             if created and e.fallback > layout.RUNNING_ROOM:
@@ -277,11 +297,11 @@ class _Attachment:
     def provider(self, provider_id: str) -> int:
         p = self.index.get(provider_id)
         if p is None:
-            from shm_layout import ledger
-
-            p = ledger.find_provider(self.buf, provider_id)
+            p = rows.find_provider(self.buf, provider_id)
             if p is None:
-                raise UnknownProvider(self.adm._unknown_reason(self, provider_id))
+                raise UnknownProvider(
+                    self.adm._unknown_reason(self, provider_id), provider=provider_id
+                )
             self.index[provider_id] = p
         return p
 
@@ -418,6 +438,7 @@ class Admission:
         generation: str,
         entries: list[ProviderEntry],
         policy: OwnerPolicy,
+        *,
         group_shared: bool,
     ) -> None:
         self.generation = generation
@@ -458,6 +479,14 @@ class Admission:
         self._current = att
         atexit.register(self._close_at_exit)
 
+    def __repr__(self) -> str:
+        """``<Admission generation='gw-2' open <_Attachment ...>, 1 retired>``: the state and
+        the live attachment's (read without a lock)."""
+        state = "closed" if self._closed else "closing" if self._closing else "open"
+        current = getattr(self, "_current", None)
+        retired = f", {len(self._retired)} retired" if self._retired else ""
+        return f"<Admission generation={self.generation!r} {state} {current!r}{retired}>"
+
     @classmethod
     def attach(
         cls,
@@ -482,7 +511,7 @@ class Admission:
         name = resolve_segment_name(segment, config)
         entries = providers_from_config(config) if config is not None else []
         policy = OwnerPolicy.for_process(owner, group_shared=group_shared, group=group)
-        return cls(name, generation, entries, policy, group_shared)
+        return cls(name, generation, entries, policy, group_shared=group_shared)
 
     # --- what the tests and tools look at ---------------------------------------------
     @property
@@ -582,15 +611,9 @@ class Admission:
         """Seconds a refused client should wait before trying again: the provider's mean
         slot hold time x the queue ahead / the limit, clamped to [1, 60] (1 while no slot
         has been held yet). Lock-free; never raises for a known provider."""
-        from shm_layout import ledger
-
         att = self._usable()
-        p = att.provider(provider)
-        base = ledger.provider_base(p)
-        mean = float(layout.PROVIDER["hold_mean_s"].get(att.buf, base))
-        waiting = int(layout.PROVIDER["waiting"].get(att.buf, base))
-        limit = ledger.limit_value(att.buf, p, platform.deadline_now())
-        return retry_after_seconds(mean, waiting, limit)
+        load = rows.provider_load(att.buf, att.provider(provider), platform.deadline_now())
+        return retry_after_seconds(load.hold_mean_s, load.waiting, load.limit)
 
     def close(self, grace: float = CLOSE_GRACE_S) -> None:
         """Deregister, safely (R-A14): new arrivals are refused from now on; waiting
@@ -668,15 +691,13 @@ class Admission:
         return att, att.provider(provider_id)
 
     def _unknown_reason(self, att: _Attachment, provider_id: str) -> str:
-        from shm_layout import ledger
-
         if provider_id in att.overflow:
             return f"provider {provider_id!r} has no budget: {att.overflow[provider_id]}"
         try:
-            ledger.encode_provider_id(provider_id)
-        except ledger.ProviderIdError as exc:
+            rows.encode_provider_id(provider_id)
+        except ProviderIdError as exc:
             return str(exc)
-        known = ledger.provider_ids(att.buf)
+        known = rows.provider_ids(att.buf)
         return (
             f"provider {provider_id!r} is not in segment {self._name} (its providers: "
             f"{', '.join(known) if known else 'none yet'}): is it in the gateway config the "
@@ -692,40 +713,54 @@ class Admission:
 
     def _refusal(self, ticket: CoreTicket, code: int) -> AdmissionError:
         att = self._attachment_of(_core_of(ticket))
+        name = att.provider_name(ticket.provider)
         if code == _core.FULL:
             return QueueFull(
-                f"provider {att.provider_name(ticket.provider)}: {layout.QUEUE_BOUND} requests "
-                "are already waiting"
+                f"provider {name}: {layout.QUEUE_BOUND} requests are already waiting",
+                provider=name,
+                waiting=layout.QUEUE_BOUND,
+                timeout=ticket.timeout,
             )
         if code == _core.BUSY:  # the lock stayed busy for the whole timeout
             return AdmissionTimeout(
-                f"provider {att.provider_name(ticket.provider)}: the segment lock stayed busy "
-                f"for the whole timeout ({_seconds(ticket.timeout)})"
+                f"provider {name}: the segment lock stayed busy for the whole timeout "
+                f"({_seconds(ticket.timeout)})",
+                provider=name,
+                timeout=ticket.timeout,
             )
         if code == _core.CLOSED:
             return AdmissionError("this Admission was closed")
         return AdmissionError(f"admission refused (code {code})")
 
-    def _timed_out(self, ticket: CoreTicket) -> str:
-        """What an :class:`AdmissionTimeout` says: the provider, the timeout, and what was
-        ahead of the request when it ran out (a lock-free look at the provider's row)."""
-        from shm_layout import ledger
-
+    def _timed_out(self, ticket: CoreTicket) -> AdmissionTimeout:
+        """The provider, the timeout, and what was ahead of the request when it ran out (a
+        lock-free look at the provider's row), in words and attributes."""
+        timeout = ticket.timeout
         try:
             att = self._attachment_of(_core_of(ticket))
             name = att.provider_name(ticket.provider)
         except AdmissionError:
-            return f"no slot was granted within the timeout ({_seconds(ticket.timeout)})"
-        text = f"provider {name}: no slot was granted within {_seconds(ticket.timeout)}"
+            text = f"no slot was granted within the timeout ({_seconds(timeout)})"
+            return AdmissionTimeout(text, timeout=timeout)
+        text = f"provider {name}: no slot was granted within {_seconds(timeout)}"
         p = ticket.provider
         try:
-            limit = ledger.effective_limit(att.buf, p, platform.deadline_now())
-            running = PROVIDER["running"].get(att.buf, ledger.provider_base(p))
-            ahead = ledger.waiting_ahead(att.buf, p, ticket.holder) if ticket.live else None
+            limit = rows.effective_limit(att.buf, p, platform.deadline_now())
+            load = rows.provider_load(att.buf, p, platform.deadline_now())
+            ahead = rows.waiting_ahead(att.buf, p, ticket.holder) if ticket.live else None
         except (ValueError, IndexError):  # a segment written over: the plain words
-            return text
-        text += f": {running} running on a limit of {limit.value} ({limit.source})"
-        return text if ahead is None else f"{text}, {ahead} waiting ahead of it in the queue"
+            return AdmissionTimeout(text, provider=name, timeout=timeout)
+        text += f": {load.running} running on a limit of {limit.value} ({limit.source})"
+        if ahead is not None:
+            text += f", {ahead} waiting ahead of it in the queue"
+        return AdmissionTimeout(
+            text,
+            provider=name,
+            limit=limit.value,
+            running=load.running,
+            waiting=load.waiting,
+            timeout=timeout,
+        )
 
     def _moved_ticket(self, ticket: CoreTicket) -> CoreTicket:
         """The name leads elsewhere: move, and point ``ticket`` (not live) at the
@@ -760,9 +795,9 @@ class Admission:
                     code = _core.MOVED
                     continue
                 if result == _core.W_TIMEOUT:
-                    why = self._timed_out(ticket)  # while the record still holds its ticket
+                    timed_out = self._timed_out(ticket)  # while the record holds its ticket
                     ticket.leave(_core.TIMEOUT, blocking=True)  # a grant that raced is handed on
-                    raise AdmissionTimeout(why)
+                    raise timed_out
                 if result == _core.W_CLOSED or self._closing:
                     raise AdmissionError("this Admission was closed while waiting")
                 raise AdmissionError("the admission record was removed while waiting")
@@ -836,9 +871,9 @@ class Admission:
             async with asyncio.timeout(ticket.timeout):
                 await self._acquire(ticket, code)
         except TimeoutError:
-            why = self._timed_out(ticket)  # while the record still holds its ticket
+            timed_out = self._timed_out(ticket)  # while the record still holds its ticket
             await self._leave_async(ticket, _core.TIMEOUT)
-            raise AdmissionTimeout(why) from None
+            raise timed_out from None
         except BaseException:  # CancelledError, QueueFull and friends (R-A4, R-A12)
             await self._leave_async(ticket, _core.CANCELLED)
             raise

@@ -129,7 +129,7 @@
 #define WAKE_FUTEX 1                             /* layout.WAKE_FUTEX */
 #define SWEEP_S 0.5                              /* layout.SWEEP_S: a sweep at least this often (R-A5) */
 #define HOLD_MEAN_WEIGHT 0.2                     /* layout.HOLD_MEAN_WEIGHT */
-#define DEADLINE_SLACK_S 60.0                    /* ledger.DEADLINE_SLACK_S */
+#define DEADLINE_SLACK_S 60.0                    /* rows.DEADLINE_SLACK_S */
 #define DOORBELL_PREFIX "/gwcb-"                 /* names.DOORBELL_PREFIX */
 #define STAMP_AT 4096                            /* layout.STAMP_AT: the stamp's offset in a lock file */
 #define CORE_NO_FUTEX 1                          /* platform.CORE_NO_FUTEX: core flags */

@@ -1,4 +1,4 @@
-"""Every error gateway-capacity raises on purpose, in one module.
+"""The root of every error gateway-capacity raises on purpose, and every error a handler meets.
 
 Imports nothing of ours, so everything can stand on it: the admission core
 (``_core.c`` raises :class:`CoreError` and :class:`DamagedLock` from here), the
@@ -31,11 +31,16 @@ under the old names (``shm_layout.segment.SegmentError``, ``gateway_config.Confi
         ├── AdmissionTimeout (TimeoutError)  no slot within the timeout (R-A4)
         └── UnknownProvider (KeyError) not in the segment, or no row for it (R-A13)
 
-The sidecar's ``StartupError`` (and its ``UntrustedPidfile``) also derive from the root
-but stay in ``sidecar.startup`` and ``sidecar.legacy``: they are how the daemon exits 2,
-not something a caller of the library meets. Private control-flow exceptions
-(``_Abandoned``, ``Superseded``, ``_Refusal`` ...) stay private in the modules that
-raise and catch them.
+The sidecar's and the router's own errors also derive from the root but stay beside
+what raises them, since no handler meets them: ``StartupError`` and ``UntrustedPidfile``
+(``sidecar.startup``, ``sidecar.legacy``: how the daemon exits 2), ``ContractError``
+(``sidecar.contract``: an answer that is not the capacity contract), ``CredentialError``
+(``sidecar.credential``: a key file that cannot be used), ``ShareUnavailable``
+(``sidecar.share``: Redis did not answer), ``RegistryError`` and ``Unreadable``
+(``capacity_router``: the worker registry, a worker's slot count).
+``tests/repo/test_layering.py`` holds every public exception class of ours under the
+root. Private control-flow exceptions (``_Abandoned``, ``Superseded``,
+``Refusal`` ...) stay private in the modules that raise and catch them.
 """
 
 from __future__ import annotations
@@ -125,7 +130,28 @@ class DamagedSegment(NotOurSegment):
 
 
 class AdmissionError(GatewayCapacityError):
-    """Base of the errors of admitting a request (the segment's are :class:`SegmentError`)."""
+    """Base of the errors of admitting a request (the segment's are :class:`SegmentError`).
+
+    Besides ``str()``, the context is in attributes, None where it does not apply or
+    could not be read: ``provider`` (its id), ``limit`` (the limit in force), ``running``
+    (its slots in use), ``waiting`` (requests queued for it, a timed-out one included),
+    ``timeout`` (seconds)."""
+
+    def __init__(
+        self,
+        *args: object,
+        provider: str | None = None,
+        limit: int | None = None,
+        running: int | None = None,
+        waiting: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__(*args)
+        self.provider = provider
+        self.limit = limit
+        self.running = running
+        self.waiting = waiting
+        self.timeout = timeout
 
 
 class QueueFull(AdmissionError):

@@ -56,7 +56,7 @@ def _c(value: object) -> str:
 
 def _constants() -> list[tuple[str, object, str]]:
     """The constants the core shares with Python, each defined once in Python."""
-    from shm_layout import ledger, names, platform  # none of them needs the built core
+    from shm_layout import names, platform, rows  # none of them needs the built core
 
     out: list[tuple[str, object, str]] = [
         ("LAYOUT_MAJOR", layout.MAJOR, "layout.MAJOR"),
@@ -71,7 +71,7 @@ def _constants() -> list[tuple[str, object, str]]:
         ("WAKE_FUTEX", layout.WAKE_FUTEX, "layout.WAKE_FUTEX"),
         ("SWEEP_S", layout.SWEEP_S, "layout.SWEEP_S: a sweep at least this often (R-A5)"),
         ("HOLD_MEAN_WEIGHT", layout.HOLD_MEAN_WEIGHT, "layout.HOLD_MEAN_WEIGHT"),
-        ("DEADLINE_SLACK_S", ledger.DEADLINE_SLACK_S, "ledger.DEADLINE_SLACK_S"),
+        ("DEADLINE_SLACK_S", rows.DEADLINE_SLACK_S, "rows.DEADLINE_SLACK_S"),
         ("DOORBELL_PREFIX", names.DOORBELL_PREFIX, "names.DOORBELL_PREFIX"),
         ("STAMP_AT", layout.STAMP_AT, "layout.STAMP_AT: the stamp's offset in a lock file"),
         ("CORE_NO_FUTEX", platform.CORE_NO_FUTEX, "platform.CORE_NO_FUTEX: core flags"),

@@ -22,8 +22,9 @@ docs/DESIGN.md is this file as a byte table.
 
 from __future__ import annotations
 
+import enum
 import struct
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:  # a handler's import stays light: no typing or dataclasses at run time
     from typing import Any
@@ -238,16 +239,29 @@ REPLICA = _fields(
 assert max(f.offset + f.codec.size for f in PROVIDER.values()) <= REPLICA_BASE
 assert REPLICA_BASE + REPLICA_COUNT * REPLICA_ROW_SIZE <= PROVIDER_ROW_SIZE
 
+
+class Source(enum.StrEnum):
+    """Where a limit comes from (R-L9): the one spelling of each, everywhere."""
+
+    DISCOVERED = "discovered"
+    PROVIDER = "provider"  # the fallback: the provider's maxConcurrent
+    GATEWAY = "gateway"  # the fallback: the gateway's maxConcurrent
+    DEFAULT = "default"  # the fallback: neither is set
+    LEGACY_DRAIN = "legacy_drain"
+    SHARE = "share"  # this gateway's share of the discovered capacity (docs/share.md)
+
+
+FALLBACK_SOURCES: Final = (Source.PROVIDER, Source.GATEWAY, Source.DEFAULT)
 SOURCE_NONE = 0
-SOURCES = {
-    1: "discovered",
-    2: "provider",
-    3: "gateway",
-    4: "default",
-    5: "legacy_drain",
-    6: "share",  # this gateway's share of the discovered capacity (docs/share.md)
+SOURCES: Final = {
+    1: Source.DISCOVERED,
+    2: Source.PROVIDER,
+    3: Source.GATEWAY,
+    4: Source.DEFAULT,
+    5: Source.LEGACY_DRAIN,
+    6: Source.SHARE,
 }
-SOURCE_CODES = {name: code for code, name in SOURCES.items()}
+SOURCE_CODES: Final[dict[str, int]] = {source: code for code, source in SOURCES.items()}
 
 # --- holder rows --------------------------------------------------------------------------
 HOLDER = _fields(

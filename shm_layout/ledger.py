@@ -3,8 +3,8 @@
 Production runs the same operations in the compiled core (``_core.c``), under
 the segment lock with the GIL released. This module is the protocol written
 for people and for the tests: ``tests/shm/test_core_model.py`` drives both
-with the same steps and requires the same bytes. Readers also use its lock-free
-helpers (``effective_limit``, ``find_provider``).
+with the same steps and requires the same bytes. It reads the rows as production
+does, through ``rows.py`` (which readers use; nothing of production imports this model).
 
 Invariants, per provider, whenever the segment lock is free (the segment is written
 only by this protocol's steps; what a bad write can and cannot do is bounded below):
@@ -53,7 +53,6 @@ Record transitions (all under the lock):
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -63,84 +62,21 @@ from shm_layout.errors import ProviderIdError as ProviderIdError
 from shm_layout.layout import (
     HOLDER,
     HOLDER_FREE,
-    HOLDER_ROW_SIZE,
     HOLDER_RUNNING,
     HOLDER_WAITING,
-    HOLDERS_BASE,
     HOLDERS_PER_PROVIDER,
     MEMBER,
-    MEMBER_ROW_SIZE,
-    MEMBERS_BASE,
     PROVIDER,
     PROVIDER_COUNT,
-    PROVIDER_ROW_SIZE,
-    PROVIDERS_BASE,
-    RUNNING_ROOM,
 )
-
-Buffer = bytes | bytearray | memoryview | mmap.mmap  # what readers and the model work on
-
-
-def provider_base(p: int) -> int:
-    return PROVIDERS_BASE + p * PROVIDER_ROW_SIZE
-
-
-def holder_base(p: int, h: int) -> int:
-    return HOLDERS_BASE + (p * HOLDERS_PER_PROVIDER + h) * HOLDER_ROW_SIZE
-
-
-def member_base(m: int) -> int:
-    return MEMBERS_BASE + m * MEMBER_ROW_SIZE
-
-
-# --- the effective limit (R-L7, R-A9): readable without the lock ------------------------
-@dataclass(frozen=True, slots=True)
-class Limit:
-    value: int
-    source: str
-    reason: str
-
-
-DEADLINE_SLACK_S = 60.0  # a published deadline further ahead than this is damage (_core.c)
-
-
-def published_in_force(buf: Buffer, p: int, now: float) -> bool:
-    """Is the published limit in force at ``now`` (the deadline clock)? Its deadline
-    lies ahead, and no further ahead than a publication can set it (R-L7, R-A16)."""
-    base = provider_base(p)
-    if PROVIDER["published_limit"].get(buf, base) < 0:
-        return False
-    expires = PROVIDER["expires_mono"].get(buf, base)
-    return bool(now < expires and expires - now <= DEADLINE_SLACK_S)
-
-
-def effective_limit(buf: Buffer, p: int, now: float) -> Limit:
-    """The limit admission applies at ``now`` (the deadline clock): the published one
-    until its deadline, else the fallback."""
-    base = provider_base(p)
-    published = PROVIDER["published_limit"].get(buf, base)
-    reason = layout.decode_text(PROVIDER["reason"].get(buf, base))
-    if published_in_force(buf, p, now):
-        source = layout.SOURCES.get(PROVIDER["published_source"].get(buf, base), "discovered")
-        return Limit(min(published, RUNNING_ROOM), source, reason)
-    if published >= 0:
-        expired = now - PROVIDER["expires_mono"].get(buf, base)
-        if expired >= 0:
-            reason = f"published limit expired {expired:.0f}s ago; using the fallback"
-        else:
-            reason = "published limit has an impossible deadline (damage); using the fallback"
-    fallback = PROVIDER["fallback_limit"].get(buf, base)
-    source = layout.SOURCES.get(PROVIDER["fallback_source"].get(buf, base), "default")
-    return Limit(min(max(fallback, 0), RUNNING_ROOM), source, reason)
-
-
-def limit_value(buf: Buffer, p: int, now: float) -> int:
-    base = provider_base(p)
-    if published_in_force(buf, p, now):
-        value = PROVIDER["published_limit"].get(buf, base)
-    else:
-        value = PROVIDER["fallback_limit"].get(buf, base)
-    return int(min(max(value, 0), RUNNING_ROOM))
+from shm_layout.rows import (
+    DEADLINE_SLACK_S,
+    encode_provider_id,
+    holder_base,
+    limit_value,
+    member_base,
+    provider_base,
+)
 
 
 def decide_arrival(running: int, waiting: int, limit: int, bound: int) -> Decision:
@@ -150,55 +86,6 @@ def decide_arrival(running: int, waiting: int, limit: int, bound: int) -> Decisi
     if waiting >= bound:
         return "full"
     return "wait"
-
-
-# --- providers: ids are matched in full (R-A13) ------------------------------------------
-def encode_provider_id(provider_id: str) -> bytes:
-    raw = provider_id.encode("utf-8")
-    if not raw or len(raw) > layout.ID_BYTES or b"\x00" in raw:
-        raise ProviderIdError(
-            f"provider id {provider_id!r} is {len(raw)} bytes of UTF-8; ids must be 1 to "
-            f"{layout.ID_BYTES} bytes without NUL to fit the segment: shorten it"
-        )
-    return raw
-
-
-def find_provider(buf: Buffer, provider_id: str) -> int | None:
-    """The row of ``provider_id``, or None. Lock-free: rows are claimed in order, never moved."""
-    try:
-        wanted = encode_provider_id(provider_id).ljust(layout.ID_BYTES, b"\x00")
-    except ProviderIdError:
-        return None
-    for p in range(PROVIDER_COUNT):
-        base = provider_base(p)
-        if not PROVIDER["in_use"].get(buf, base):
-            return None
-        if PROVIDER["id"].get(buf, base) == wanted:
-            return p
-    return None
-
-
-def provider_ids(buf: Buffer) -> list[str]:
-    """The ids of the segment's provider rows, in row order (lock-free, as ``find_provider``)."""
-    ids = []
-    for p in range(PROVIDER_COUNT):
-        base = provider_base(p)
-        if not PROVIDER["in_use"].get(buf, base):
-            break
-        ids.append(layout.decode_text(PROVIDER["id"].get(buf, base)))
-    return ids
-
-
-def waiting_ahead(buf: Buffer, p: int, h: int) -> int:
-    """How many waiting records of provider ``p`` hold an earlier ticket than record ``h``
-    (FIFO order, R-A3): the requests a waiter at ``h`` would be granted after."""
-    mine = HOLDER["ticket"].get(buf, holder_base(p, h))
-    ahead = 0
-    for other in range(HOLDERS_PER_PROVIDER):
-        base = holder_base(p, other)
-        if other != h and HOLDER["state"].get(buf, base) == HOLDER_WAITING:
-            ahead += HOLDER["ticket"].get(buf, base) < mine
-    return ahead
 
 
 # --- the model ------------------------------------------------------------------------

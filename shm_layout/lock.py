@@ -39,8 +39,9 @@ from collections.abc import Sequence
 
 from shm_layout import _core, layout, platform
 from shm_layout.errors import CoreError as CoreError
+from shm_layout.errors import ForeignObject
 from shm_layout.layout import HEADER
-from shm_layout.owners import ForeignObject, OwnerPolicy, check_directory
+from shm_layout.owners import OwnerPolicy, check_directory
 
 FORCE_LOCK_FILE_ENV = platform.FORCE_LOCK_FILE_ENV
 LOCK_DIR_ENV = platform.LOCK_DIR_ENV

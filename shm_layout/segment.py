@@ -33,6 +33,7 @@ from shm_layout import _core, ipc, layout, lock, names, platform
 from shm_layout.errors import DamagedSegment as DamagedSegment
 from shm_layout.errors import ForeignSegment as ForeignSegment
 from shm_layout.errors import IncompatibleLayout as IncompatibleLayout
+from shm_layout.errors import NotOnThisPlatform
 from shm_layout.errors import NotOurSegment as NotOurSegment
 from shm_layout.errors import SegmentError as SegmentError
 from shm_layout.errors import SegmentMissing as SegmentMissing
@@ -120,6 +121,7 @@ class Segment:
         self,
         name: str,
         buf: mmap.mmap,
+        *,
         created: bool,
         identity: Identity,
         policy: OwnerPolicy,
@@ -180,12 +182,12 @@ class Segment:
         policy = policy or OwnerPolicy.for_process(owner, group_shared=group_shared, group=group)
         for _attempt in range(5):
             if create:
-                made = _try_create(name, group_shared, policy)
+                made = _try_create(name, group_shared=group_shared, policy=policy)
                 if made is not None:
-                    return cls(name, made[0], True, made[1], policy)
+                    return cls(name, made[0], created=True, identity=made[1], policy=policy)
             try:
                 buf, identity = _attach(name, policy=policy)
-                return cls(name, buf, False, identity, policy)
+                return cls(name, buf, created=False, identity=identity, policy=policy)
             except SegmentMissing:
                 if not create:
                     raise
@@ -333,7 +335,7 @@ def _remove_abandoned(name: str, identity: Identity) -> None:
 
 
 def _try_create(
-    name: str, group_shared: bool, policy: OwnerPolicy
+    name: str, *, group_shared: bool, policy: OwnerPolicy
 ) -> tuple[mmap.mmap, Identity] | None:
     mode = ipc.GROUP_SHARED if group_shared else ipc.OWNER_ONLY
     try:
@@ -357,7 +359,7 @@ def _try_create(
     except SegmentError:
         _unlink_shm(name)
         raise
-    except platform.NotOnThisPlatform as exc:
+    except NotOnThisPlatform as exc:
         _unlink_shm(name)
         raise SegmentError(f"segment {name}: cannot create it: {exc}") from None
     except OSError as exc:
@@ -615,7 +617,7 @@ def damage(
         sane, _, _, _ = _core.mutex_state(buf, layout.MUTEX_OFFSET)
         if not sane:
             return "its lock word holds bytes no lock call of ours wrote"
-    from shm_layout.ledger import holder_base, member_base, provider_base
+    from shm_layout.rows import holder_base, member_base, provider_base
 
     ended = False
     for p in range(layout.PROVIDER_COUNT):
@@ -708,7 +710,7 @@ def _doorbells_in(name: str) -> list[int]:
     except (SegmentError, _Abandoned, OSError, ValueError):
         return []
     try:
-        from shm_layout.ledger import member_base
+        from shm_layout.rows import member_base
 
         return [
             MEMBER["bell"].get(buf, member_base(m))

@@ -29,10 +29,10 @@ from shm_layout.layout import (
     PROVIDER,
     REPLICA,
 )
-from shm_layout.ledger import effective_limit, holder_base, member_base, provider_base
 from shm_layout.liveness import is_alive
 from shm_layout.lock import kind_name, members_alive, stamp
 from shm_layout.owners import OwnerPolicy
+from shm_layout.rows import effective_limit, holder_base, member_base, provider_base
 from shm_layout.segment import describe_owner, map_readonly, truncated
 
 READ_RETRIES = 200
@@ -57,13 +57,13 @@ class ProviderView:
     configured: bool
     clamped: bool
     effective_limit: int
-    source: str
+    source: layout.Source
     reason: str
     running: int
     waiting: int
     queue_bound: int
     fallback_limit: int
-    fallback_source: str
+    fallback_source: layout.Source
     published_limit: int | None
     discovered: int | None
     observed_at: float | None
@@ -193,7 +193,7 @@ def read_view(
             raise truncated(name)
     finally:
         buf.close()
-    return parse_view(name, data, consistent, now=now, owner=describe_owner(name))
+    return parse_view(name, data, consistent=consistent, now=now, owner=describe_owner(name))
 
 
 def lock_problem(name: str, data: bytes) -> str | None:
@@ -213,8 +213,8 @@ def lock_problem(name: str, data: bytes) -> str | None:
 def parse_view(
     name: str,
     data: bytes,
-    consistent: bool = True,
     *,
+    consistent: bool = True,
     now: float | None = None,
     mono: float | None = None,
     owner: str | None = None,
@@ -336,7 +336,9 @@ def _provider(
         waiting=waiting,
         queue_bound=PROVIDER["queue_bound"].get(data, base),
         fallback_limit=PROVIDER["fallback_limit"].get(data, base),
-        fallback_source=layout.SOURCES.get(PROVIDER["fallback_source"].get(data, base), "default"),
+        fallback_source=layout.SOURCES.get(
+            PROVIDER["fallback_source"].get(data, base), layout.Source.DEFAULT
+        ),
         published_limit=published if published >= 0 else None,
         discovered=discovered if discovered >= 0 else None,
         observed_at=observed or None,
@@ -371,7 +373,7 @@ class _AliveByRow:
     def __init__(self, held: dict[tuple[int, int], bool]) -> None:
         self._held = {m: ok for (m, _), ok in held.items()}
 
-    def get(self, key: tuple[int, int], default: bool = False) -> bool:
+    def get(self, key: tuple[int, int], default: bool = False) -> bool:  # noqa: FBT001, FBT002 (dict.get's)
         return self._held.get(key[0], default)
 
 

@@ -26,9 +26,11 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shm_layout import layout, ledger, platform
+from shm_layout import layout, platform
+from shm_layout.errors import ProviderIdError
 from shm_layout.errors import TableFull as TableFull
-from shm_layout.layout import HEADER, PROVIDER, REPLICA, SOURCE_CODES, Field
+from shm_layout.layout import HEADER, PROVIDER, REPLICA, SOURCE_CODES, Field, Source
+from shm_layout.rows import Buffer, encode_provider_id, provider_base
 from shm_layout.segment import Segment
 from shm_layout.view import ReplicaView
 
@@ -84,9 +86,9 @@ class Publication:
     provider_id: str
     discovery: bool
     fallback: int
-    fallback_source: str
+    fallback_source: Source
     limit: int | None = None
-    source: str = "discovered"
+    source: Source = Source.DISCOVERED
     reason: str = ""
     discovered: int | None = None
     observed_at: float | None = None
@@ -208,9 +210,9 @@ def publish(
         if p is None:
             try:
                 p, _ = ensure_provider(
-                    seg, pub.provider_id, pub.fallback, pub.fallback_source, pub.discovery
+                    seg, pub.provider_id, pub.fallback, pub.fallback_source, discovery=pub.discovery
                 )
-            except (TableFull, ledger.ProviderIdError) as exc:
+            except (TableFull, ProviderIdError) as exc:
                 warnings.append(f"provider {pub.provider_id}: not published: {exc}")
                 continue
         seen.add(p)
@@ -220,7 +222,9 @@ def publish(
             clamped = before.clamped
         else:
             row = Patch()
-            clamped = _set_fallback(row, buf, p, pub.fallback, pub.fallback_source, pub.discovery)
+            clamped = _set_fallback(
+                row, buf, p, pub.fallback, pub.fallback_source, discovery=pub.discovery
+            )
             _write_publication(row, p, pub, epoch, now)
             patch.writes.extend(_changed(row.writes, before.writes if before else []))
             staged[p] = _Written(pub, row.writes, clamped)
@@ -231,7 +235,7 @@ def publish(
             )
     newly_unconfigured: list[int] = []
     for p in range(layout.PROVIDER_COUNT):
-        base = ledger.provider_base(p)
+        base = provider_base(p)
         if not PROVIDER["in_use"].get(buf, base):
             break
         if p not in seen and p not in fresh.unconfigured:
@@ -273,14 +277,14 @@ def _changed(new: list[tuple[int, bytes]], old: list[tuple[int, bytes]]) -> list
 
 
 def ensure_provider(
-    seg: Segment, provider_id: str, fallback: int, fallback_source: str, discovery: bool
+    seg: Segment, provider_id: str, fallback: int, fallback_source: Source, *, discovery: bool
 ) -> tuple[int, bool]:
     """The row of ``provider_id``, claimed if new (R-A8). Returns (index, created).
 
-    Raises :class:`TableFull` when all rows are taken, ``ledger.ProviderIdError``
+    Raises :class:`TableFull` when all rows are taken, ``ProviderIdError``
     when the id cannot be stored whole (R-A13).
     """
-    raw = ledger.encode_provider_id(provider_id)
+    raw = encode_provider_id(provider_id)
     clamped = fallback > layout.RUNNING_ROOM
     flags = layout.PFLAG_CONFIGURED | (layout.PFLAG_DISCOVERY if discovery else 0)
     flags |= layout.PFLAG_CLAMPED if clamped else 0
@@ -288,7 +292,7 @@ def ensure_provider(
     p, created = seg.core.ensure_provider(
         raw,
         min(max(fallback, 0), layout.RUNNING_ROOM),
-        SOURCE_CODES[fallback_source],
+        _source_code(fallback_source),
         flags,
         layout.QUEUE_BOUND,
         layout.encode_text(reason, layout.REASON_BYTES),
@@ -302,13 +306,13 @@ def ensure_provider(
 
 
 def _set_fallback(
-    patch: Patch, buf: ledger.Buffer | object, p: int, fallback: int, source: str, discovery: bool
+    patch: Patch, buf: Buffer | object, p: int, fallback: int, source: Source, *, discovery: bool
 ) -> bool:
     """Store the configured fallback (R-L7). True when it had to be clamped."""
-    base = ledger.provider_base(p)
+    base = provider_base(p)
     clamped = fallback > layout.RUNNING_ROOM
     patch.put(PROVIDER["fallback_limit"], min(max(fallback, 0), layout.RUNNING_ROOM), base)
-    patch.put(PROVIDER["fallback_source"], layout.SOURCE_CODES[source], base)
+    patch.put(PROVIDER["fallback_source"], _source_code(source), base)
     flags = PROVIDER["flags"].get(buf, base) & ~(layout.PFLAG_DISCOVERY | layout.PFLAG_CLAMPED)
     flags |= layout.PFLAG_CONFIGURED
     if discovery:
@@ -329,11 +333,9 @@ def _deadline(pub: Publication, now: float) -> float:
 
 
 def _write_publication(patch: Patch, p: int, pub: Publication, epoch: int, now: float) -> None:
-    base = ledger.provider_base(p)
+    base = provider_base(p)
     # Fields first, the limit last (the core applies writes in order).
-    patch.put(
-        PROVIDER["published_source"], SOURCE_CODES.get(pub.source, SOURCE_CODES["discovered"]), base
-    )
+    patch.put(PROVIDER["published_source"], _source_code(pub.source), base)
     patch.put(PROVIDER["published_at"], now, base)
     patch.put(PROVIDER["observed_at"], pub.observed_at or 0.0, base)
     patch.put(PROVIDER["expires_at"], pub.expires_at or 0.0, base)
@@ -357,3 +359,13 @@ def _write_publication(patch: Patch, p: int, pub: Publication, epoch: int, now: 
     patch.put(PROVIDER["replica_count"], len(replicas), base)
     limit = -1 if pub.limit is None or pub.expires_at is None else max(pub.limit, 0)
     patch.put(PROVIDER["published_limit"], limit, base)
+
+
+def _source_code(source: str) -> int:
+    """The segment's code of a limit source; ValueError for a name that is none (a
+    misspelt source is a bug to see, not a "discovered" limit to publish)."""
+    code = SOURCE_CODES.get(source)
+    if code is None:
+        known = ", ".join(SOURCE_CODES)
+        raise ValueError(f"unknown limit source {source!r}: one of {known}")
+    return code

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import os
 import re
@@ -137,7 +138,7 @@ OPT_IN_FIX: Final = (
 )
 
 
-def static_opt_in(host: str, tailnet: bool) -> str | None:
+def static_opt_in(host: str, *, tailnet: bool) -> str | None:
     """``None`` when ``host`` may be probed once its addresses pass, else why not (R-P1).
 
     Only ``localhost`` and loopback literals qualify without ``tailnet: true``: any other
@@ -341,10 +342,10 @@ RANGE_ONLY_NOTE: Final = "range-checked only (tailnetCheck: range-only)"
 
 async def check_address(
     address: str,
+    *,
     tailnet: bool,
     socket_path: str,
     port: int = 0,
-    *,
     range_only: bool = False,
     localapi: Any | None = None,
 ) -> AddressVerdict:
@@ -378,9 +379,9 @@ NOT_ELIGIBLE: Final = "neither loopback nor a Tailscale address"
 async def check_provider_addresses(
     host: str,
     port: int,
+    *,
     tailnet: bool,
     socket_path: str | None = None,
-    *,
     range_only: bool = False,
     localapi: Any | None = None,
 ) -> AddressCheck:
@@ -390,19 +391,20 @@ async def check_provider_addresses(
     gateway's own requests could go to any of them. Raises :class:`ResolveError`;
     the caller's ``asyncio.timeout`` bounds the whole call.
     """
-    static = static_opt_in(host, tailnet)
+    static = static_opt_in(host, tailnet=tailnet)
     if static is not None:
         return AddressCheck((), static)
     path = socket_path if socket_path is not None else default_tailscale_socket()
     addresses = await resolve(host, port)
-    verdicts = tuple(
-        await asyncio.gather(
-            *(
-                check_address(a, tailnet, path, port, range_only=range_only, localapi=localapi)
-                for a in addresses
-            )
-        )
+    check = functools.partial(
+        check_address,
+        tailnet=tailnet,
+        socket_path=path,
+        port=port,
+        range_only=range_only,
+        localapi=localapi,
     )
+    verdicts = tuple(await asyncio.gather(*(check(a) for a in addresses)))
     bad = [v for v in verdicts if not v.allowed]
     if bad:
         why = "; ".join(f"{v.address}: {v.detail}" for v in bad)

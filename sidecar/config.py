@@ -27,7 +27,7 @@ import difflib
 import functools
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Annotated, Any, Final
 from urllib.parse import parse_qs, unquote, urlparse, urlsplit
 
@@ -227,6 +227,7 @@ class ProviderStatus:
     """
 
     id: str
+    _: KW_ONLY
     discovery_requested: bool
     discovery_active: bool
     reason: str
@@ -309,10 +310,14 @@ def check_provider(provider: ProviderConfig) -> ProviderStatus:
     """The static verdict for a well-typed entry (no I/O)."""
 
     def refused(kind: str, why: str) -> ProviderStatus:
-        return ProviderStatus(provider.id, True, False, f"{kind}:{why}")
+        return ProviderStatus(
+            provider.id, discovery_requested=True, discovery_active=False, reason=f"{kind}:{why}"
+        )
 
     if not provider.capacity_discovery:
-        return ProviderStatus(provider.id, False, False, "not_requested")
+        return ProviderStatus(
+            provider.id, discovery_requested=False, discovery_active=False, reason="not_requested"
+        )
     if provider.base_url is None:
         return refused("config_invalid", "baseUrl is required for capacityDiscovery")
     try:
@@ -328,17 +333,29 @@ def check_provider(provider: ProviderConfig) -> ProviderStatus:
         return refused(
             "config_invalid", "models is empty: no upstream model id to match capacity rows"
         )
-    problem = static_opt_in(endpoint.host, provider.tailnet)
+    problem = static_opt_in(endpoint.host, tailnet=provider.tailnet)
     if problem is not None:
         return refused("opt_in_refused", problem)
     loopback = _is_loopback_host(endpoint.host)
     if provider.listener_owner is not None and not loopback:
         return refused("config_invalid", LISTENER_OWNER_LOOPBACK_ONLY)
     if loopback:
-        return ProviderStatus(provider.id, True, True, "opt_in_ok:loopback")
+        return ProviderStatus(
+            provider.id,
+            discovery_requested=True,
+            discovery_active=True,
+            reason="opt_in_ok:loopback",
+        )
     if provider.tailnet_check == RANGE_ONLY:
-        return ProviderStatus(provider.id, True, True, "opt_in_ok:tailnet-range-only")
-    return ProviderStatus(provider.id, True, True, "opt_in_ok:tailnet")
+        return ProviderStatus(
+            provider.id,
+            discovery_requested=True,
+            discovery_active=True,
+            reason="opt_in_ok:tailnet-range-only",
+        )
+    return ProviderStatus(
+        provider.id, discovery_requested=True, discovery_active=True, reason="opt_in_ok:tailnet"
+    )
 
 
 LISTENER_OWNER_LOOPBACK_ONLY: Final = (
@@ -398,7 +415,7 @@ def provider_problems(entry: Mapping[str, Any]) -> tuple[ProviderConfig, list[st
     if not provider.models:
         missing("models", "models is empty: no upstream model id to match capacity rows")
     if endpoint is not None and "tailnet" not in bad:
-        problem = static_opt_in(endpoint.host, provider.tailnet)
+        problem = static_opt_in(endpoint.host, tailnet=provider.tailnet)
         if problem is not None:
             problems.append(f"opt_in_refused:{problem}")
     if (
@@ -449,9 +466,9 @@ def judge(file: ConfigFile) -> GatewayConfig:
         else:
             statuses[provider.id] = ProviderStatus(
                 provider.id,
-                problem.discovery_requested,
-                False,
-                f"config_invalid:{problem.reason}",
+                discovery_requested=problem.discovery_requested,
+                discovery_active=False,
+                reason=f"config_invalid:{problem.reason}",
             )
     share = _share(file.capacity_share, file.source)
     return GatewayConfig(

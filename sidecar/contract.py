@@ -19,6 +19,8 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
+from shm_layout.errors import GatewayCapacityError
+
 MAX_MODELS = 128  # R-K2
 MAX_SLOTS = 4096  # R-K3
 STALE_AFTER_S = 30.0  # R-K4
@@ -41,7 +43,7 @@ class CapacitySnapshot(msgspec.Struct, forbid_unknown_fields=False):
     models: Annotated[list[ModelCapacity], msgspec.Meta(max_length=MAX_MODELS)]
 
 
-class ContractError(ValueError):
+class ContractError(GatewayCapacityError, ValueError):
     """The body is not a valid capacity snapshot. ``str()`` is a short reason."""
 
 

@@ -32,6 +32,7 @@ import os
 import stat
 from typing import Final
 
+from shm_layout.errors import GatewayCapacityError
 from sidecar.contract import bearer_key
 from sidecar.trust import file_owner_problem, path_problem
 
@@ -41,7 +42,7 @@ MAX_KEY_FILE_BYTES: Final = 4096
 SYSTEMD_PREFIX: Final = "systemd-credential:"
 
 
-class CredentialError(Exception):
+class CredentialError(GatewayCapacityError):
     """The key cannot be used. ``str()`` names the file and the problem, never the key."""
 
 

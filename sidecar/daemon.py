@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from shm_layout import layout, platform, writer
 from shm_layout.errors import GatewayCapacityError
+from shm_layout.layout import Source
 from shm_layout.liveness import ParentWatch, my_identity
 from shm_layout.names import resolve_segment_name
 from shm_layout.owners import OwnerError, OwnerPolicy
@@ -62,6 +63,7 @@ from sidecar.legacy import (
 )
 from sidecar.limits import (
     DISCOVERED,
+    LEGACY_DRAIN,
     SHARE,
     LimitDecision,
     ProviderRules,
@@ -552,7 +554,7 @@ class Sidecar:
             built_from = (state.decision, fallback, fallback_source, requested)
             if state.publication is None or not _same(state.built_from, built_from):
                 state.publication = _publication(
-                    provider_id, state, fallback, fallback_source, requested
+                    provider_id, state, fallback, fallback_source, requested=requested
                 )
                 state.built_from = built_from
             pubs.append(state.publication)
@@ -748,7 +750,7 @@ def parse_listen(listen: str) -> tuple[str, int]:
         ) from None
 
 
-def _fallback(decision: LimitDecision | None, rules: ProviderRules) -> tuple[int, str]:
+def _fallback(decision: LimitDecision | None, rules: ProviderRules) -> tuple[int, Source]:
     if decision is not None:
         return decision.fallback_limit, decision.fallback_source
     return fallback_for(rules.provider_max, rules.gateway_max)
@@ -758,7 +760,8 @@ def _publication(
     provider_id: str,
     state: _ProviderState,
     fallback: int,
-    fallback_source: str,
+    fallback_source: Source,
+    *,
     requested: bool,
 ) -> writer.Publication:
     d = state.decision
@@ -776,7 +779,7 @@ def _publication(
         )
         for r in d.replicas
     ]
-    enforced = d.source in ("discovered", "legacy_drain", "share") and d.expires_at is not None
+    enforced = d.source in (DISCOVERED, LEGACY_DRAIN, SHARE) and d.expires_at is not None
     return writer.Publication(
         provider_id=provider_id,
         discovery=discovery,

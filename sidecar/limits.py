@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Final
 from gateway_config import DEFAULT_FALLBACK as DEFAULT_FALLBACK
 from gateway_config import FallbackSource as FallbackSource
 from gateway_config import fallback_for as fallback_for
+from shm_layout.layout import Source
 from sidecar.contract import MAX_FUTURE_S, STALE_AFTER_S
 from sidecar.replica import OK, ProviderProbe, ReplicaResult
 
@@ -56,10 +57,12 @@ if TYPE_CHECKING:  # attribute access only: importing limits pulls in no config 
 DISCOVERED_CAP: Final = 64  # R-L4
 SNAPSHOT_TTL_S: Final = STALE_AFTER_S  # R-L7: a discovered limit lives 30 s past its snapshot
 
-DISCOVERED: Final = "discovered"
-LEGACY_DRAIN: Final = "legacy_drain"
-SHARE: Final = "share"  # set by the daemon in share mode (sidecar.shares), never by decide
-SOURCES: Final = frozenset({DISCOVERED, "provider", "gateway", "default", LEGACY_DRAIN, SHARE})
+# Short names of shm_layout.layout.Source's members. SHARE is set by the daemon in share
+# mode (sidecar.shares), never by decide.
+DISCOVERED: Final = Source.DISCOVERED
+LEGACY_DRAIN: Final = Source.LEGACY_DRAIN
+SHARE: Final = Source.SHARE
+SOURCES: Final = frozenset(Source)
 
 _DETAIL_MAX = 80  # keep reasons short; a detail is a phrase, never a body
 # probe refusals that mean "not opted in" (R-L1), as opposed to an opted-in provider
@@ -107,13 +110,13 @@ class JudgedReplica:
 class LimitDecision:
     provider_id: str
     effective_limit: int
-    source: str  # one of SOURCES
+    source: Source
     reason: str
     discovered: int | None
     observed_at: float | None
     expires_at: float | None
     fallback_limit: int
-    fallback_source: str  # "provider", "gateway" or "default"
+    fallback_source: Source  # one of layout.FALLBACK_SOURCES
     replicas: tuple[JudgedReplica, ...] = ()
     # configured upstream models a complete answer did not report: a typo in ``models``
     # or a model the farm no longer serves; the limit is 0 (R-L3) and worth a WARNING
@@ -304,7 +307,7 @@ def inherited_from_view(seen: ProviderView, now: float) -> LimitDecision | None:
     return _recorded(seen, DISCOVERED, reason, seen.effective_limit)
 
 
-def _recorded(seen: ProviderView, source: str, reason: str, discovered: int) -> LimitDecision:
+def _recorded(seen: ProviderView, source: Source, reason: str, discovered: int) -> LimitDecision:
     """The decision a provider row records: its limit, times and fallback, as they are."""
     return LimitDecision(
         provider_id=seen.id,
@@ -421,7 +424,7 @@ def _drain(
     found: _Found | str,
     now: float,
     fallback: int,
-    fallback_source: str,
+    fallback_source: Source,
     views: tuple[JudgedReplica, ...],
 ) -> LimitDecision:
     reason = "legacy handler generation draining: new admissions wait"

@@ -48,7 +48,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from shm_layout import layout
-from shm_layout.segment import SegmentError
+from shm_layout.errors import SegmentError
 from shm_layout.view import SegmentView, read_view
 from sidecar.limits import SOURCES
 from sidecar.replica import REASONS
@@ -179,7 +179,7 @@ class SidecarMetrics:
             )
         self._share_refused.set(1)
 
-    def share_reachable(self, up: bool) -> None:
+    def share_reachable(self, up: bool) -> None:  # noqa: FBT001 (a setter of one flag)
         """1 while Redis answers this sidecar's lease calls, 0 while it does not."""
         if self._share_reachable is None:
             self._share_reachable = Gauge(

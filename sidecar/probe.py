@@ -259,8 +259,8 @@ async def probe_provider(
             check = await check_provider_addresses(
                 endpoint.host,
                 endpoint.port,
-                provider.tailnet,
-                socket_path,
+                tailnet=provider.tailnet,
+                socket_path=socket_path,
                 range_only=provider.tailnet_check == RANGE_ONLY,
                 localapi=clients.localapi(socket_path) if provider.tailnet else None,
             )

@@ -19,6 +19,7 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+from shm_layout.errors import GatewayCapacityError
 from sidecar.shares import DUPLICATE, STALE, Grant, Report, table_ttl_ms
 
 if TYPE_CHECKING:
@@ -201,7 +202,7 @@ class Answer:
     server_ms: int
 
 
-class ShareUnavailable(Exception):
+class ShareUnavailable(GatewayCapacityError):
     """Redis did not answer the call (down, unreachable, slow, refused the password)."""
 
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shm_layout import layout, ledger, platform, writer
+from shm_layout import layout, platform, rows, writer
 from sidecar.config import CapacityShare, redis_url_for_logs
 from sidecar.contract import MAX_FUTURE_S
 from sidecar.limits import DISCOVERED, LEGACY_DRAIN, SHARE, LimitDecision
@@ -120,13 +120,11 @@ class ShareLoop:
                 continue
             mine = self.of(provider_id)
             capacity = mine.capacity
-            p = ledger.find_provider(sc.seg.buf, provider_id)
+            p = rows.find_provider(sc.seg.buf, provider_id)
             if p is None:
                 continue
-            base = ledger.provider_base(p)
-            running = layout.PROVIDER["running"].get(sc.seg.buf, base)
-            waiting = layout.PROVIDER["waiting"].get(sc.seg.buf, base)
-            in_force = ledger.limit_value(sc.seg.buf, p, platform.deadline_now())
+            load = rows.provider_load(sc.seg.buf, p, platform.deadline_now())
+            running, waiting, in_force = load.running, load.waiting, load.limit
             held = max(in_force, running)
             asked = (capacity, held, running + waiting)
             mono = time.monotonic()

@@ -190,6 +190,7 @@ LONG: tuple[str, ...] = (
     "tests/repo/test_examples.py::test_router_simworker_from_the_shell_serves_what_the_router_sums",
     "tests/repo/test_examples.py::test_router_simworker_openai_is_an_upstream_to_try_the_gateway_and_wait_for_slot",
     "tests/router/test_check_config_probe.py::test_probe_reads_the_real_router_and_says_what_to_do_about_each_mistake",
+    "tests/repo/test_packaging.py::test_only_a_test_build_of_the_core_has_its_test_entry_points",
     "tests/router/test_router_cli.py::test_r_k5_cli_refusals_exit_1_with_a_reason",
     "tests/router/test_router_cli.py::test_r_k5_fence_and_unfence_through_the_cli_drain_and_restore_a_worker",
     "tests/router/test_router_cli.py::test_r_k5_show_and_the_log_escape_what_a_worker_says",

@@ -330,6 +330,18 @@ def as_nobody(fn: Callable[[], int]) -> tuple[int, str]:
     return os.waitstatus_to_exitcode(status), output
 
 
+def segment_made_by_nobody(name: str) -> None:
+    """Segment ``name``, created by the user nobody (owner-only): another user's segment."""
+    from shm_layout.segment import Segment
+
+    def make() -> int:
+        Segment.open(name).close()
+        return 0
+
+    code, output = as_nobody(make)
+    assert code == 0, output
+
+
 class NobodyProcess:
     """A process of the user nobody that runs ``fn`` and then stays alive until stopped
     (a squatter that keeps a lock, or a live pid, for as long as a test needs it)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from handler_shim import Admission, AdmissionTimeout, QueueFull, Ticket
+from handler_shim import Admission, AdmissionTimeout, QueueFull, Ticket, UnknownProvider
 from handler_shim.admission import retry_after_seconds
 from shm_layout.view import read_view
 
@@ -56,16 +56,24 @@ def test_release_is_idempotent_and_thread_safe(adm: Admission, segment_name: str
     assert _running_waiting(segment_name) == (0, 0)
 
 
-def test_acquire_has_the_same_errors_as_slot(adm: Admission) -> None:
+def test_acquire_has_the_same_errors_as_slot_with_their_context_as_attributes(
+    adm: Admission,
+) -> None:
     a, b = adm.acquire_blocking("p1"), adm.acquire_blocking("p1")
-    with pytest.raises(AdmissionTimeout):
+    with pytest.raises(AdmissionTimeout) as timed_out:
         adm.acquire_blocking("p1", timeout=0.2)
+    e = timed_out.value
+    assert (e.provider, e.limit, e.running, e.waiting, e.timeout) == ("p1", 2, 2, 1, 0.2)
+    with pytest.raises(UnknownProvider) as unknown:
+        adm.acquire_blocking("nope")
+    assert unknown.value.provider == "nope"
 
     async def full() -> None:
         waiting = [asyncio.create_task(adm.acquire("p1")) for _ in range(32)]
         await asyncio.sleep(0.3)
-        with pytest.raises(QueueFull):
+        with pytest.raises(QueueFull) as refused:
             await adm.acquire("p1")
+        assert (refused.value.provider, refused.value.waiting) == ("p1", 32)
         for task in waiting:
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
@@ -145,3 +153,19 @@ def test_try_acquire_takes_a_free_slot_and_never_queues(adm: Admission, segment_
     asyncio.run(scenario())
     adm.release(b)
     assert _running_waiting(segment_name) == (0, 0)
+
+
+def test_the_repr_of_an_admission_shows_its_live_state(
+    segment_name: str, write_config: Callable[..., Path]
+) -> None:
+    """As asyncio's locks do: open or closed, and each provider's running/limit +waiting."""
+    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
+    a = Admission.attach(config=cfg, generation="gw-2", segment=segment_name)
+    ticket = a.acquire_blocking("p1")
+    text = repr(a)
+    assert text.startswith("<Admission generation='gw-2' open <_Attachment "), text
+    assert segment_name in text and "[current, waiting 0," in text and " p1 1/2 +0>" in text
+    a.release(ticket)
+    assert " p1 0/2 +0>" in repr(a)
+    a.close()
+    assert repr(a).startswith("<Admission generation='gw-2' closed "), repr(a)

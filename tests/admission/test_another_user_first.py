@@ -25,8 +25,8 @@ from gwtest import NobodyProcess, as_nobody, core_hooks, run_cli
 from handler_shim import Admission, SegmentError
 from shm_layout import _core, layout, lock, names, platform
 from shm_layout.layout import HEADER, MEMBER
-from shm_layout.ledger import member_base
 from shm_layout.owners import OwnerPolicy
+from shm_layout.rows import member_base
 from shm_layout.segment import ForeignSegment, Segment, unlink_segment
 
 # Another user is a forked child that drops to nobody's uid (gwtest.as_nobody): that works
@@ -45,7 +45,7 @@ def _squat_segment(name: str, limit: int) -> int:
     seg = Segment.open(name)
     from shm_layout import writer
 
-    writer.ensure_provider(seg, "p1", limit, "provider", False)
+    writer.ensure_provider(seg, "p1", limit, layout.Source.PROVIDER, discovery=False)
     seg.close()
     return 0
 

@@ -119,15 +119,11 @@ def test_a_segment_this_user_may_not_open_names_the_options_that_share_it(
     segment_name: str,
 ) -> None:
     """The refusal names what to set on each side: ``--group-shared`` and ``owner=``."""
-    from gwtest import as_nobody
+    from gwtest import segment_made_by_nobody
 
-    from shm_layout.segment import Segment, SegmentError, unlink_segment
+    from shm_layout.segment import SegmentError, unlink_segment
 
-    def make() -> int:
-        Segment.open(segment_name).close()
-        return 0
-
-    assert as_nobody(make)[0] == 0
+    segment_made_by_nobody(segment_name)
     try:
         with pytest.raises(handler_shim.ForeignSegment) as info:
             Admission.attach(segment=segment_name, generation="tree-test")

@@ -27,7 +27,7 @@ from gwtest import AGENT, Agent, P1Segment, run_cli, wait_until
 from handler_shim import Admission, AdmissionError, AdmissionTimeout
 from shm_layout import _core, layout, platform, writer
 from shm_layout.layout import HOLDER, MEMBER, PROVIDER
-from shm_layout.ledger import holder_base, member_base, provider_base
+from shm_layout.rows import holder_base, member_base, provider_base
 from shm_layout.segment import Segment, unlink_segment
 from shm_layout.view import read_view
 
@@ -621,10 +621,10 @@ def test_r_a16_random_bytes_over_the_admission_area_raise_only_the_products_erro
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Accidental damage (R-A16): random bytes written again and again over the provider,
-    record and member tables while handlers cycle slots and another process holds one.
-    Every call ends (a bounded wait: nothing hangs), only GatewayCapacityError comes out
-    of the product, close() returns, and both check views then fail naming damage and
-    the recovery."""
+    record and member tables while handlers cycle slots and another process holds one,
+    until a sweep has found damage. Every call ends (a bounded wait: nothing hangs), only
+    GatewayCapacityError comes out of the product, close() returns, and both check views
+    then fail naming damage and the recovery."""
     from handler_shim import GatewayCapacityError
 
     config = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
@@ -663,7 +663,12 @@ def test_r_a16_random_bytes_over_the_admission_area_raise_only_the_products_erro
     try:
         for t in [*workers, scribbler]:
             t.start()
-        time.sleep(2.0)
+        # Scribble until a sweep has found damage (and at least a second): under load
+        # the threads may get few turns in any fixed time.
+        start = time.monotonic()
+        while time.monotonic() < start + 1.0 or not layout.HEADER["damage_repairs"].get(seg.buf):
+            assert time.monotonic() < start + 60.0, "no sweep found the damage in 60 s"
+            time.sleep(0.05)
         stop.set()
         for t in [*workers, scribbler]:
             t.join(20)  # each slot wait is bounded by its timeout plus one section

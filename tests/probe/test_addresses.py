@@ -74,7 +74,9 @@ def test_r_p1_address_ranges(address: str, kind: str) -> None:
 
 def test_r_p1_scoped_link_local_is_never_loopback(tmp_path: Path) -> None:
     assert parse_ip("::1%lo") is None  # a zone names a link, not a host
-    verdict = asyncio.run(check_address("::1%lo", True, str(tmp_path / "none.sock")))
+    verdict = asyncio.run(
+        check_address("::1%lo", tailnet=True, socket_path=str(tmp_path / "none.sock"))
+    )
     assert not verdict.allowed
 
 
@@ -96,7 +98,7 @@ def test_r_p1_scoped_link_local_is_never_loopback(tmp_path: Path) -> None:
     ],
 )
 def test_r_p1_static_opt_in(host: str, tailnet: bool, allowed: bool) -> None:
-    assert (static_opt_in(host, tailnet) is None) is allowed
+    assert (static_opt_in(host, tailnet=tailnet) is None) is allowed
 
 
 def test_r_p3_localhost_resolves_only_to_loopback_addresses() -> None:
@@ -159,7 +161,9 @@ def test_r_p1_a_daemon_that_answers_but_cannot_confirm_a_peer_refuses(
 
     async def scenario() -> AddressCheck:
         async with FakeLocalAPI(socket_path, {"100.101.102.103": "router"}, status=status):
-            return await check_provider_addresses("100.101.102.103", 443, True, str(socket_path))
+            return await check_provider_addresses(
+                "100.101.102.103", 443, tailnet=True, socket_path=str(socket_path)
+            )
 
     check = asyncio.run(scenario())
     assert check.refused is not None
@@ -184,7 +188,9 @@ def test_r_p1_an_address_with_a_zone_id_is_never_accepted() -> None:
 def test_r_p1_tailnet_address_of_a_peer_is_allowed(socket_path: Path) -> None:
     async def scenario() -> AddressCheck:
         async with FakeLocalAPI(socket_path, {"100.101.102.103": "router"}):
-            return await check_provider_addresses("100.101.102.103", 443, True, str(socket_path))
+            return await check_provider_addresses(
+                "100.101.102.103", 443, tailnet=True, socket_path=str(socket_path)
+            )
 
     check = asyncio.run(scenario())
     assert check.refused is None
@@ -196,7 +202,9 @@ def test_r_p1_tailnet_address_without_daemon_is_refused_fail_closed(tmp_path: Pa
     """No tailscaled to vouch for the peer: the CGNAT range alone proves nothing (an ISP
     uses it too), so the address is refused and the refusal says how to proceed."""
     check = asyncio.run(
-        check_provider_addresses("100.101.102.103", 443, True, str(tmp_path / "none.sock"))
+        check_provider_addresses(
+            "100.101.102.103", 443, tailnet=True, socket_path=str(tmp_path / "none.sock")
+        )
     )
     assert check.refused is not None
     (verdict,) = check.verdicts
@@ -211,7 +219,7 @@ def test_r_p1_range_only_tailnet_check_accepts_on_the_range_and_never_asks_the_d
     async def scenario() -> tuple[AddressCheck, list[tuple[str, str]]]:
         async with FakeLocalAPI(socket_path, {}) as api:  # would say "not a peer"
             check = await check_provider_addresses(
-                "100.101.102.103", 443, True, str(socket_path), range_only=True
+                "100.101.102.103", 443, tailnet=True, socket_path=str(socket_path), range_only=True
             )
         return check, api.requests
 
@@ -225,7 +233,9 @@ def test_r_p1_range_only_still_refuses_an_address_outside_the_tailscale_ranges(
     tmp_path: Path,
 ) -> None:
     verdict = asyncio.run(
-        check_address("192.0.2.10", True, str(tmp_path / "none.sock"), range_only=True)
+        check_address(
+            "192.0.2.10", tailnet=True, socket_path=str(tmp_path / "none.sock"), range_only=True
+        )
     )
     assert not verdict.allowed
 
@@ -241,12 +251,16 @@ def test_r_p1_probe_of_a_tailnet_provider_without_daemon_sends_nothing(
 
 
 def test_r_p1_loopback_address_needs_no_daemon(tmp_path: Path) -> None:
-    verdict = asyncio.run(check_address("127.0.0.1", True, str(tmp_path / "none.sock")))
+    verdict = asyncio.run(
+        check_address("127.0.0.1", tailnet=True, socket_path=str(tmp_path / "none.sock"))
+    )
     assert verdict.allowed and verdict.detail == "loopback"
 
 
 def test_r_p1_public_address_is_refused_even_for_a_tailnet_provider(tmp_path: Path) -> None:
-    verdict = asyncio.run(check_address("192.0.2.10", True, str(tmp_path / "none.sock")))
+    verdict = asyncio.run(
+        check_address("192.0.2.10", tailnet=True, socket_path=str(tmp_path / "none.sock"))
+    )
     assert not verdict.allowed
 
 

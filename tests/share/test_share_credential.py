@@ -33,18 +33,19 @@ def _password_file(tmp: Path, text: str, mode: int = 0o600) -> Path:
     return path
 
 
+def _gateway(
+    name: str, tmp: Path, farm: Farm, redis: RedisServer, key_file: Path, password: str
+) -> Gateway:
+    """A gateway in share mode that reads ``password`` from its file (mode 600)."""
+    credential = str(_password_file(tmp, password))
+    return Gateway(name, tmp, farm, redis, key_file, credentialFile=credential)
+
+
 def test_share_reads_the_redis_password_from_its_file_and_never_shows_it(
     tmp_path: Path, key: str, key_file: Path, locked_redis: RedisServer
 ) -> None:
     farm = Farm(key, 9, grace=1.0)
-    gw = Gateway(
-        "gw-a",
-        tmp_path,
-        farm,
-        locked_redis,
-        key_file,
-        credentialFile=str(_password_file(tmp_path, PASSWORD)),
-    )
+    gw = _gateway("gw-a", tmp_path, farm, locked_redis, key_file, PASSWORD)
     try:
         gw.start_sidecar()
         wait_for(
@@ -65,14 +66,7 @@ def test_share_with_a_wrong_password_holds_no_share_and_fails_the_check(
 ) -> None:
     farm = Farm(key, 9, grace=1.0)
     wrong = "not-" + PASSWORD
-    gw = Gateway(
-        "gw-b",
-        tmp_path,
-        farm,
-        locked_redis,
-        key_file,
-        credentialFile=str(_password_file(tmp_path, wrong)),
-    )
+    gw = _gateway("gw-b", tmp_path, farm, locked_redis, key_file, wrong)
     try:
         gw.start_sidecar()
         wait_for("no share", lambda: "share degraded" in str((gw.provider() or {}).get("reason")))
@@ -92,14 +86,7 @@ def test_share_metrics_say_whether_redis_answers(
     import urllib.request
 
     farm = Farm(key, 9, grace=1.0)
-    gw = Gateway(
-        "gw-m",
-        tmp_path,
-        farm,
-        locked_redis,
-        key_file,
-        credentialFile=str(_password_file(tmp_path, PASSWORD)),
-    )
+    gw = _gateway("gw-m", tmp_path, farm, locked_redis, key_file, PASSWORD)
     try:
         gw.start_sidecar("--metrics-listen", "127.0.0.1:0")
         wait_for(

@@ -48,7 +48,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from shm_layout import _core, layout, ledger, lock, writer
+from shm_layout import _core, layout, ledger, lock, rows, writer
 from shm_layout.layout import (
     HOLDER,
     HOLDER_FREE,
@@ -108,7 +108,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
         for i, pid in enumerate(PROVIDERS):
-            p, _ = writer.ensure_provider(self.seg, pid, 2, "provider", False)
+            p, _ = writer.ensure_provider(self.seg, pid, 2, layout.Source.PROVIDER, discovery=False)
             assert p == i
         for pid in (101, 102, 103):
             self.members.append(Member(self.seg, pid, self.now))
@@ -169,9 +169,9 @@ class CoreAgainstModel(RuleBasedStateMachine):
             )
         if decision == "admit":
             # R-A1: an admission never raises running above the limit in force
-            base = ledger.provider_base(provider)
+            base = rows.provider_base(provider)
             running = PROVIDER["running"].get(self.seg.buf, base)
-            assert running <= ledger.limit_value(self.seg.buf, provider, self.now)
+            assert running <= rows.limit_value(self.seg.buf, provider, self.now)
             self.running.append((m, ticket, model_ticket))
         return (m, ticket, model_ticket)
 
@@ -207,7 +207,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         ttl=st.integers(1, 40),
     )
     def publish(self, provider: int, limit: int, ttl: int) -> None:
-        base = ledger.provider_base(provider)
+        base = rows.provider_base(provider)
         writes = [
             (
                 base + PROVIDER["expires_mono"].offset,
@@ -271,7 +271,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
             1
             for p in range(len(PROVIDERS))
             for h in range(layout.HOLDERS_PER_PROVIDER)
-            if self._ours_running(ledger.holder_base(p, h), m)
+            if self._ours_running(rows.holder_base(p, h), m)
         )
         cut = m.core.unregister(self.now)
         self.model.unregister(m.index, m.serial, self.now)
@@ -359,7 +359,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         value=st.sampled_from([0, 1, 33, 999, 0xFFFFFFFF]),
     )
     def a_bad_write_to_a_counter(self, provider: int, field: str, value: int) -> None:
-        base = ledger.provider_base(provider)
+        base = rows.provider_base(provider)
         value &= (1 << (8 * PROVIDER[field].codec.size)) - 1
         for buf in (self.seg.buf, self.model_buf):
             PROVIDER[field].put(buf, value, base)
@@ -370,7 +370,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
     def a_bad_write_to_a_member_serial(self, who: int) -> None:
         live = [m for m in self.members if m.alive]
         m = live[who % len(live)]
-        mb = ledger.member_base(m.index)
+        mb = rows.member_base(m.index)
         for buf in (self.seg.buf, self.model_buf):
             MEMBER["serial"].put(buf, MEMBER["serial"].get(buf, mb) + 1, mb)
 
@@ -384,9 +384,9 @@ class CoreAgainstModel(RuleBasedStateMachine):
         """Neither 0 nor 1 in a claimed row's in_use: the sweep puts it back (R-A16)."""
         if table == "member":
             live = [m for m in self.members if m.alive]
-            field, base = MEMBER["in_use"], ledger.member_base(live[who % len(live)].index)
+            field, base = MEMBER["in_use"], rows.member_base(live[who % len(live)].index)
         else:
-            field, base = PROVIDER["in_use"], ledger.provider_base(who % len(PROVIDERS))
+            field, base = PROVIDER["in_use"], rows.provider_base(who % len(PROVIDERS))
         for buf in (self.seg.buf, self.model_buf):
             field.put(buf, value, base)
 
@@ -398,7 +398,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
     def a_lie_revives_a_free_record(self, provider: int, h: int, state: int) -> None:
         """A free record written back to life (out of scope): it names its last owner and
         counts as that owner's while the owner lives; the sweep's recount counts it."""
-        hb = ledger.holder_base(provider, h)
+        hb = rows.holder_base(provider, h)
         if HOLDER["state"].get(self.model_buf, hb) != HOLDER_FREE:
             return
         for buf in (self.seg.buf, self.model_buf):
@@ -415,7 +415,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         """state := garbage (7) on a record whose request runs or waits: no writer wrote
         it, so the next recount frees it and counts it as damage. state := FREE or the
         other live state is a lie (out of scope): believed as written."""
-        hb = ledger.holder_base(provider, h)
+        hb = rows.holder_base(provider, h)
         if HOLDER["state"].get(self.model_buf, hb) not in (HOLDER_RUNNING, HOLDER_WAITING):
             return
         for buf in (self.seg.buf, self.model_buf):
@@ -431,7 +431,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
     def a_lie_to_a_live_records_member_serial(self, provider: int, h: int, value: int) -> None:
         """A live record's member serial written over (out of scope): the record is no
         longer its owner's to leave; it counts while its member row's holder lives."""
-        hb = ledger.holder_base(provider, h)
+        hb = rows.holder_base(provider, h)
         if HOLDER["state"].get(self.model_buf, hb) not in (HOLDER_RUNNING, HOLDER_WAITING):
             return
         for buf in (self.seg.buf, self.model_buf):
@@ -441,7 +441,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
     @rule(provider=st.sampled_from(range(len(PROVIDERS))), limit=st.integers(0, 5))
     def a_deadline_too_far_ahead(self, provider: int, limit: int) -> None:
         """A published limit whose deadline no publication can set: never obeyed."""
-        base = ledger.provider_base(provider)
+        base = rows.provider_base(provider)
         for buf in (self.seg.buf, self.model_buf):
             PROVIDER["expires_mono"].put(buf, self.now + 3600.0, base)
             PROVIDER["published_limit"].put(buf, limit, base)
@@ -459,7 +459,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
     def a_lock_holder_dies_mid_section(self, running: int) -> None:
         core_hooks(self.seg.core).die_in_section(running)
         for p in range(len(PROVIDERS)):
-            PROVIDER["running"].put(self.model_buf, running, ledger.provider_base(p))
+            PROVIDER["running"].put(self.model_buf, running, rows.provider_base(p))
         self.seg.core.snapshot()  # the next holder repairs before anything else
         self.model.repair()
 
@@ -498,7 +498,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         if not hasattr(self, "model"):
             return
         for m, _ticket, model_ticket in self.running:
-            hb = ledger.holder_base(model_ticket.provider, model_ticket.holder)
+            hb = rows.holder_base(model_ticket.provider, model_ticket.holder)
             key = (model_ticket.provider, model_ticket.holder, model_ticket.serial)
             if not m.alive or key in self.overwritten:
                 continue
@@ -513,9 +513,9 @@ class CoreAgainstModel(RuleBasedStateMachine):
         for p in range(len(PROVIDERS)):
             if p in self.damaged or p in self.uncounted:
                 continue  # written over; the next step that looks (or the sweep) recounts
-            base = ledger.provider_base(p)
+            base = rows.provider_base(p)
             states = [
-                HOLDER["state"].get(buf, ledger.holder_base(p, h))
+                HOLDER["state"].get(buf, rows.holder_base(p, h))
                 for h in range(layout.HOLDERS_PER_PROVIDER)
             ]
             running, waiting = states.count(HOLDER_RUNNING), states.count(HOLDER_WAITING)
@@ -525,7 +525,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
                 waiting,
             )
             assert waiting <= layout.QUEUE_BOUND  # R-A2
-            limit = ledger.limit_value(buf, p, self.now)
+            limit = rows.limit_value(buf, p, self.now)
             if waiting and not self.unpumped:  # R-A1/R-A3: nobody waits while there is room
                 assert running >= limit, (p, running, waiting, limit)
 

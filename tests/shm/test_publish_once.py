@@ -5,7 +5,10 @@ Counted by the segment's own ``lock_seq`` (+1 per lock acquisition), not by time
 
 from __future__ import annotations
 
+import dataclasses
 import time
+
+import pytest
 
 from shm_layout import writer
 from shm_layout.layout import HEADER
@@ -86,5 +89,25 @@ def test_a_cached_publish_leaves_the_segment_as_an_uncached_one_would(segment_na
         assert cached == fresh
         assert cached[3][1:3] == (5, "provider")
         assert cached[50][3] == "not in the config any more"
+    finally:
+        seg.close()
+
+
+def test_r_l9_a_publication_of_an_unknown_limit_source_is_refused_not_published(
+    segment_name: str,
+) -> None:
+    """A source that is none of layout.Source's (a misspelling) raises, naming the known
+    ones; the row keeps what it had instead of a limit labelled "discovered"."""
+    seg = Segment.open(segment_name, create=True)
+    try:
+        now = time.time()
+        epoch = writer.take_epoch(seg, 1, 1.0, now, 1.0, "/c.json")
+        good = _publications(now - 1)[:1]
+        writer.publish(seg, epoch, 1, "ok", good, now, writer.PublishCache())
+        bad = dataclasses.replace(good[0], limit=3, source="discoverd")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="unknown limit source 'discoverd': one of discov"):
+            writer.publish(seg, epoch, 1, "ok", [bad], now, writer.PublishCache())
+        (row,) = read_view(segment_name).providers
+        assert (row.effective_limit, row.source) == (20, "discovered")
     finally:
         seg.close()

@@ -262,7 +262,7 @@ def test_unlink_segment_removes_every_semaphore(p1_segment: Callable[..., P1Segm
 
 
 def _member_bells(segment: str) -> list[int]:
-    from shm_layout.ledger import member_base
+    from shm_layout.rows import member_base
     from shm_layout.segment import map_readonly
 
     buf = map_readonly(segment)

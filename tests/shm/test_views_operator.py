@@ -201,13 +201,9 @@ def test_check_is_1_for_a_segment_of_another_user_naming_both_fixes(
     segment_name: str,
 ) -> None:
     """A handler of this user would refuse it (ForeignSegment, R-G6)."""
-    from gwtest import as_nobody
+    from gwtest import segment_made_by_nobody
 
-    def make() -> int:
-        Segment.open(segment_name).close()
-        return 0
-
-    assert as_nobody(make)[0] == 0
+    segment_made_by_nobody(segment_name)
     out = check(segment_name, "--json")
     assert out.returncode == 1, out.stdout + out.stderr
     (foreign,) = [p for p in json.loads(out.stdout)["problems"] if "ForeignSegment" in p]

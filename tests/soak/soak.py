@@ -76,7 +76,7 @@ from soak_sampler import record_format  # noqa: E402
 from soak_worker import ARRIVING, RUNNING, STATE_SIZE, read_state  # noqa: E402
 
 from handler_shim import Admission  # noqa: E402
-from shm_layout import ledger  # noqa: E402
+from shm_layout import rows  # noqa: E402
 from shm_layout.layout import (  # noqa: E402
     HEADER,
     HOLDER,
@@ -805,7 +805,7 @@ class Soak:
     def observe(self, buf: Any) -> None:
         data, consistent = snapshot_bytes(buf)
         now = time.time()
-        view = parse_view(self.segment, data, consistent, now=now)
+        view = parse_view(self.segment, data, consistent=consistent, now=now)
         self.report.observations += 1
         present = {h.pid for h in view.holders}
         for pid, (t, what) in list(self.killed_at.items()):
@@ -840,16 +840,16 @@ class Soak:
                 )
             if consistent and not HEADER["dirty"].get(data):
                 self.report.checks["counters vs records"] += 1
-                base = ledger.provider_base(p.index)
+                base = rows.provider_base(p.index)
                 n_run = sum(
                     1
                     for h in range(128)
-                    if HOLDER["state"].get(data, ledger.holder_base(p.index, h)) == HOLDER_RUNNING
+                    if HOLDER["state"].get(data, rows.holder_base(p.index, h)) == HOLDER_RUNNING
                 )
                 n_wait = sum(
                     1
                     for h in range(128)
-                    if HOLDER["state"].get(data, ledger.holder_base(p.index, h)) == HOLDER_WAITING
+                    if HOLDER["state"].get(data, rows.holder_base(p.index, h)) == HOLDER_WAITING
                 )
                 stored = (PROVIDER["running"].get(data, base), PROVIDER["waiting"].get(data, base))
                 if stored != (n_run, n_wait):
@@ -874,7 +874,7 @@ class Soak:
     def run(self) -> Report:
         Admission.attach(config=self.config, segment=self.segment, generation="soak-setup").close()
         buf = map_readonly(self.segment)
-        indexes = {name: ledger.find_provider(buf, name) for name in PROVIDERS}
+        indexes = {name: rows.find_provider(buf, name) for name in PROVIDERS}
         repairs_before = HEADER["repairs"].get(buf)
         buf.close()
         self.timeline = LimitTimeline(
@@ -1000,7 +1000,7 @@ class Soak:
         buf = map_readonly(self.segment)
         rep.repairs = HEADER["repairs"].get(buf) - repairs_before
         self.counters = {
-            name: {k: PROVIDER[k].get(buf, ledger.provider_base(p)) for k in PROVIDER_COUNTERS}
+            name: {k: PROVIDER[k].get(buf, rows.provider_base(p)) for k in PROVIDER_COUNTERS}
             for name, p in self.timeline.indexes.items()
         }
         buf.close()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from shm_layout import ledger
+from shm_layout import rows
 from shm_layout.layout import HEADER, PROVIDER, RUNNING_ROOM
 from shm_layout.segment import map_readonly
 
@@ -48,7 +48,7 @@ def main() -> int:
         if before % 2 == 0:
             values = []
             for p in indexes:
-                base = ledger.provider_base(p)
+                base = rows.provider_base(p)
                 fallback = min(max(PROVIDER["fallback_limit"].get(buf, base), 0), RUNNING_ROOM)
                 published = min(PROVIDER["published_limit"].get(buf, base), RUNNING_ROOM)
                 values.append(max(fallback, published) - understate)

@@ -1,0 +1,127 @@
+"""The layering docs/ARCHITECTURE.md promises, read from the source: every import of ours
+(at the top of a module or inside a function) points down the "stands on" column, a
+handler never reaches the probe, the daemon or httpx, and every public exception class
+of ours derives from ``GatewayCapacityError``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+OURS = ("shm_layout", "handler_shim", "gateway_config", "sidecar", "capacity_router")
+SHELL = "gateway_capacity"
+# what each package may import of ours besides itself (module prefixes)
+STANDS_ON: dict[str, tuple[str, ...]] = {
+    "shm_layout": (),
+    "gateway_config": ("shm_layout.errors", "shm_layout.layout"),
+    "handler_shim": ("shm_layout", "gateway_config"),
+    "sidecar": ("shm_layout", "gateway_config"),
+    "capacity_router": ("sidecar.contract", "shm_layout.errors"),
+    SHELL: OURS,
+}
+NEVER_FROM_HANDLERS = ("httpx", "sidecar.probe", "sidecar.daemon")
+# Exception classes that never leave the code that raises them (caught there and said as
+# a reason, an answer or an exit code), so nobody outside has to catch them by the root.
+INTERNAL_ERRORS = {
+    "GatewayCapacityError": "the root itself",
+    "Superseded": "shm_layout.writer: control flow, the daemon stops writing",
+    "LockSetupError": "shm_layout.lock: segment.py turns it into a SegmentError",
+    "Refusal": "handler_shim.model_choice: answered as a 413 or 400",
+    "ResolveError": "sidecar.addresses: becomes the probe's reason",
+    "Unhealthy": "capacity_router.sources: becomes the worker's reason",
+    "DemoFailed": "gateway_capacity.demo: becomes the demo's exit status",
+    "MetricsError": "gateway_capacity.wfs_metrics: becomes wait-for-slot's reason",
+}
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules ``path`` imports anywhere in it, absolute names."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            found.add(module)
+            found |= {f"{module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def _modules(package: str) -> dict[str, set[str]]:
+    return {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts): _imports(p)
+        for p in sorted((ROOT / package).rglob("*.py"))
+    }
+
+
+def _is_under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_every_import_of_ours_points_down_the_stands_on_column() -> None:
+    wrong = []
+    for package, allowed in STANDS_ON.items():
+        for module, imported in _modules(package).items():
+            for name in sorted(imported):
+                top = name.split(".")[0]
+                if top in (*OURS, SHELL) and top != package and not _is_under(name, allowed):
+                    wrong.append(f"{module} imports {name}")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_no_installed_package_imports_drill_bench_examples_or_tests() -> None:
+    wrong = [
+        f"{module} imports {name}"
+        for package in STANDS_ON
+        for module, imported in _modules(package).items()
+        for name in imported
+        if name.split(".")[0] in ("drill", "bench", "examples", "tests", "gwtest")
+    ]
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_a_handler_reaches_neither_httpx_nor_the_probe_nor_the_daemon() -> None:
+    """Followed through every module handler_shim can import, at any depth."""
+    graph: dict[str, set[str]] = {}
+    for package in STANDS_ON:
+        graph |= _modules(package)
+    seen: set[str] = set()
+    todo = [m for m in graph if m.startswith("handler_shim")]
+    path: dict[str, str] = {}
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        for name in graph.get(module, set()):
+            assert not _is_under(name, NEVER_FROM_HANDLERS), (
+                f"{name} reached from handler_shim: {module} <- {path.get(module, '')}"
+            )
+            for candidate in (name, name.rsplit(".", 1)[0], f"{name}.__init__"):
+                if candidate in graph and candidate not in seen:
+                    path[candidate] = module
+                    todo.append(candidate)
+    assert "handler_shim.asgi" in seen and "shm_layout.segment" in seen  # the walk walked
+
+
+def test_every_public_exception_class_of_ours_derives_from_the_root() -> None:
+    """Read from the source, so that no module needs importing (nor its extras)."""
+    wrong = []
+    for package in (*OURS, SHELL):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(node, ast.ClassDef) or node.name.startswith("_"):
+                    continue
+                if node.name in INTERNAL_ERRORS:
+                    continue
+                bases = {b.id if isinstance(b, ast.Name) else ast.unparse(b) for b in node.bases}
+                builtin = {"Exception", "ValueError", "OSError", "LookupError", "TimeoutError"}
+                if bases & builtin and not bases - builtin:
+                    wrong.append(f"{path.relative_to(ROOT)}: {node.name}({', '.join(bases)})")
+    assert wrong == [], "not under GatewayCapacityError:\n" + "\n".join(wrong)
