@@ -2,15 +2,10 @@
  * The admission core: the segment lock, liveness, and every admission step, on the
  * mapped segment, with the GIL released while waiting (R-A1..R-A7, R-A11, R-A12,
  * R-A14..R-A16). shm_layout/ledger.py is the same protocol in plain Python, the test
- * oracle; its docstring is the state table, repeated here:
- *
- *     FREE -> RUNNING     arrive(): admitted at once (nobody waits, running < limit)
- *     FREE -> WAITING     arrive(): queued with the next ticket (FIFO, R-A3)
- *     WAITING -> RUNNING  pump(): the head of the queue, while running < limit
- *     WAITING -> FREE     leave(): a timeout or cancel before the grant
- *     RUNNING -> FREE     leave(): a release, or a cancel that lost to a grant (the
- *                         slot is handed on by the pump that follows, R-A4)
- *     any -> FREE         sweep()/register(): the owner is dead (R-A5)
+ * oracle; its docstring holds the state table (every transition and the step that makes
+ * it, cancel_waiting() and unregister() included), and docs/DESIGN.md section 6 says the
+ * same for people: the table is kept there once, not copied here. Every step below has
+ * the name of the model's step it mirrors.
  *
  * Invariants whenever the lock is free: running/waiting equal the RUNNING/WAITING
  * records (derived; recounted from the records when in doubt, R-A6, R-A16);
@@ -21,6 +16,7 @@
  *
  * Sections of this file, each owning one thing:
  *   1. targets and liveness   the per-process table of lock files/objects, byte locks
+ *   1b. guarded mappings      a segment truncated under us: the SIGBUS guard
  *   2. the Core object        what one attachment knows; typed access to the mapping
  *   3. clocks                 the deadline clock (monotonic, counts suspend) and wall
  *   4. locked steps           every step run under the lock (arrive .. ensure_provider,
