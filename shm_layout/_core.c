@@ -852,12 +852,21 @@ static void claim_record(Core *c, Ticket *tk, int p, int h, int k, unsigned int 
     tk->running = decision == R_ADMIT;
 }
 
+/* The first free record; one that holds a displacement note (its owner may not have read
+ * it yet) only when no other is free (ledger.Ledger._free_place). */
 static int first_free(Core *c, int p)
 {
-    for (int i = 0; i < HOLDERS_PER_PROVIDER; i++)
-        if (ld32(c, hbase(c, p, i) + HOLDER_STATE) == FREE)
-            return i;
-    return -1;
+    int noted = -1;
+    for (int i = 0; i < HOLDERS_PER_PROVIDER; i++) {
+        long ib = hbase(c, p, i);
+        if (ld32(c, ib + HOLDER_STATE) == FREE) {
+            if (!ld8(c, ib + HOLDER_DISPLACED))
+                return i;
+            if (noted < 0)
+                noted = i;
+        }
+    }
+    return noted;
 }
 
 static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, int may_wait, int futex,

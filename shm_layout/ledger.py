@@ -546,10 +546,17 @@ class Ledger:
         return best
 
     def _free_place(self, p: int) -> int | None:
+        """The first free record; one that holds a displacement note (its owner may not
+        have read it yet) only when no other is free."""
+        noted = None
         for h in range(HOLDERS_PER_PROVIDER):
-            if HOLDER["state"].get(self.buf, holder_base(p, h)) == HOLDER_FREE:
-                return h
-        return None
+            hb = holder_base(p, h)
+            if HOLDER["state"].get(self.buf, hb) == HOLDER_FREE:
+                if not HOLDER["displaced"].get(self.buf, hb):
+                    return h
+                if noted is None:
+                    noted = h
+        return noted
 
     # --- leaving --------------------------------------------------------------------
     def leave(
