@@ -220,6 +220,8 @@ PROVIDER_COUNTERS = (
     "reclaimed_total",
     "peak_running",
     "peak_waiting",
+    "promoted_total",
+    "displaced_total",
 )
 
 
