@@ -142,7 +142,7 @@ class ProviderConfig(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
     @property
     def default_class_index(self) -> int:
         names = [c.name for c in self.classes]
-        if self.default_class is None:
+        if self.default_class is None or not names:
             return max(len(names) - 1, 0)
         return names.index(self.default_class)
 

@@ -136,6 +136,9 @@ class Publication:
     expires_mono: float | None = None
     # a replica is written with the fields it is read with
     replicas: Sequence[ReplicaView] = field(default=())
+    # admission classes, highest first (DESIGN.md section 6b); none: one FIFO
+    classes: tuple[ClassSpec, ...] = ()
+    default_class: int = 0
 
 
 def take_epoch(
@@ -394,5 +397,6 @@ def _write_publication(patch: Patch, p: int, pub: Publication, epoch: int, now: 
             layout.encode_text(rep.reason, 64),
         )
     patch.put(PROVIDER["replica_count"], len(replicas), base)
+    patch.writes.extend(class_writes(p, pub.classes, pub.default_class))
     limit = -1 if pub.limit is None or pub.expires_at is None else max(pub.limit, 0)
     patch.put(PROVIDER["published_limit"], limit, base)

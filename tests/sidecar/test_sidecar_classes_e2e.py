@@ -1,0 +1,38 @@
+"""The sidecar writes each provider's admission classes from the gateway config into the
+segment and follows edits of them live (R-A17, R-A21, R-C4); with share mode or discovery
+they apply to whatever limit is published (R-A23)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sidecar_e2e import StartSidecar, wait_provider
+
+
+def _names(p: dict[str, Any]) -> list[tuple[str, int, bool]]:
+    return [(c["name"], c["reserve"], c["default"]) for c in p["classes"]]
+
+
+def test_r_a17_r_c4_the_sidecar_writes_the_classes_and_follows_their_edits(
+    segment_name: str, write_config: Callable[..., Path], start_sidecar: StartSidecar
+) -> None:
+    classes = [{"name": "interactive", "reserve": 2}, {"name": "batch", "cap": 3, "maxWait": 30}]
+    doc: dict[str, Any] = {"providers": [{"id": "p1", "maxConcurrent": 6, "classes": classes}]}
+    config = write_config(doc)
+    start_sidecar(config, segment_name)
+    p = wait_provider(segment_name, "p1", lambda p: bool(p["classes"]), what="classes written")
+    assert _names(p) == [("interactive", 2, False), ("batch", 0, True)]
+    assert p["classes"][1]["cap"] == 3 and p["classes"][1]["max_wait_s"] == 30.0
+    doc["providers"][0]["defaultClass"] = "interactive"
+    doc["providers"][0]["classes"] = classes[:1]
+    config.write_text(json.dumps(doc))
+    p = wait_provider(
+        segment_name, "p1", lambda p: len(p["classes"]) == 1, timeout=10, what="edit followed"
+    )
+    assert _names(p) == [("interactive", 2, True)]
+    del doc["providers"][0]["classes"]
+    config.write_text(json.dumps(doc))
+    wait_provider(segment_name, "p1", lambda p: p["classes"] == [], what="back to one FIFO")
