@@ -34,7 +34,7 @@ under the old names (``shm_layout.segment.SegmentError``, ``gateway_config.Confi
 The sidecar's ``StartupError`` (and its ``UntrustedPidfile``) also derive from the root
 but stay in ``sidecar.daemon``: they are how the daemon exits 2, not something a caller
 of the library meets. Private control-flow exceptions (``_Abandoned``, ``Superseded``,
-``_Refusal`` ...) stay private in the modules that raise and catch them.
+``Refusal`` ...) stay private in the modules that raise and catch them.
 """
 
 from __future__ import annotations
