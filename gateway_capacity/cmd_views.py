@@ -190,9 +190,8 @@ def availability_text(view: SegmentView) -> str:
         )
         lines.append(f"  reason: {shorten(_as_stored(p.reason, 'provider'))}")
         if p.classes:
-            lines.append(
-                f"  classes{' SUSPENDED (a layout 3.0 handler is registered: one FIFO)' if p.classes_suspended else ''}:"
-            )
+            suspended = " SUSPENDED (a layout 3.0 handler is registered: one FIFO)"
+            lines.append(f"  classes{suspended if p.classes_suspended else ''}:")
         for c in p.classes:
             rules = [f"reserve {c.reserve}"] if c.reserve else []
             rules += [f"cap {c.cap}"] if c.cap else []

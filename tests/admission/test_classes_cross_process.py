@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gwtest import Agent
+from gwtest import Agent, run_cli
 
 from shm_layout import layout
 from shm_layout.errors import SegmentMissing
@@ -116,3 +116,16 @@ def test_r_a5_r_a18_a_sigkilled_holder_of_a_reserved_slot_gives_it_to_its_class(
     waiter.expect("admitted", timeout=5.0)  # reclaimed within the sweep (R-A5)
     time.sleep(0.6)  # another sweep: the freed reserved slot stays the interactive class's
     assert _classes(segment_name) == {"interactive": (1, 0), "batch": (2, 2)}
+
+
+def test_r_a22_wait_for_slot_computes_room_as_the_class_sees_it(
+    segment_name: str, classed: Callable[..., Agent]
+) -> None:
+    classed("old", "batch", 2)
+    assert _until(lambda: _classes(segment_name).get("batch") == (2, 0))
+    local = ("wait-for-slot", "--segment", segment_name, "--provider", "p1", "--quiet")
+    assert run_cli(*local, "--check", "--class", "batch").returncode == 1  # 2 of 4 reserved
+    assert run_cli(*local, "--check", "--class", "interactive", "--need", "2").returncode == 0
+    assert run_cli(*local, "--check").returncode == 0  # the provider as a whole has room
+    unknown = run_cli(*local, "--check", "--class", "bulk")
+    assert unknown.returncode == 2 and "no admission class 'bulk'" in unknown.stderr
