@@ -36,3 +36,28 @@ def test_r_a17_r_c4_the_sidecar_writes_the_classes_and_follows_their_edits(
     del doc["providers"][0]["classes"]
     config.write_text(json.dumps(doc))
     wait_provider(segment_name, "p1", lambda p: p["classes"] == [], what="back to one FIFO")
+
+
+def test_r_a17_metrics_count_running_and_waiting_per_class(
+    segment_name: str, write_config: Callable[..., Path]
+) -> None:
+    from prometheus_client import generate_latest
+
+    from handler_shim import Admission
+    from sidecar.metrics import SidecarMetrics, build_registry
+
+    classes = [{"name": "interactive", "reserve": 1}, {"name": "batch"}]
+    config = write_config({"providers": [{"id": "p1", "maxConcurrent": 2, "classes": classes}]})
+    adm = Admission.attach(config=config, segment=segment_name, generation="t")
+    try:
+        held = [adm.try_acquire("p1", cls="batch"), adm.try_acquire("p1", cls="interactive")]
+        assert all(held) and adm.try_acquire("p1", cls="batch") is None  # the reserve
+        text = generate_latest(build_registry(segment_name, SidecarMetrics())).decode()
+        assert 'gateway_capacity_class_running{class="batch",provider="p1"} 1.0' in text
+        assert 'gateway_capacity_class_running{class="interactive",provider="p1"} 1.0' in text
+        assert 'gateway_capacity_requests_displaced_total{provider="p1"} 0.0' in text
+        for ticket in held:
+            assert ticket is not None
+            adm.release(ticket)
+    finally:
+        adm.close()
