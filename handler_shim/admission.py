@@ -168,6 +168,13 @@ def providers_from_config(path: str | os.PathLike[str]) -> list[ProviderEntry]:
     return out
 
 
+CLASS_BASE = layout.CLASS_BASE
+CLASS_ROW_SIZE = layout.CLASS_ROW_SIZE
+CLASS_NAME_BYTES = layout.CLASS_NAME_BYTES
+PROVIDERS_BASE = layout.PROVIDERS_BASE
+PROVIDER_ROW_SIZE = layout.PROVIDER_ROW_SIZE
+
+
 # --- waiters that the dispatcher wakes ---------------------------------------------------
 class _Waiter:
     """A waiter woken by the dispatcher: an async task's future, or (macOS) a thread.
@@ -231,6 +238,8 @@ class _Attachment:
         self.buf = seg.buf
         self.index: dict[str, int] = {}
         self.overflow: dict[str, str] = {}
+        # (provider row, class name) -> (the name as its row holds it, the row)
+        self.classes: dict[tuple[int, str], tuple[bytes, int]] = {}
         self.waiters: dict[CoreTicket, _Waiter] = {}
         self.guard = threading.Lock()  # protects waiters
         self.stopping = False
@@ -564,10 +573,19 @@ class Admission:
     def _class_index(self, att: _Attachment, p: int, cls: str) -> int:
         """The row of class ``cls`` of provider row ``p`` (lock-free: a class table being
         rewritten may be read half old; the core then counts the request in the default
-        class), -1 when the provider has no such class (said once)."""
+        class), -1 when the provider has no such class (said once). A row found is
+        remembered while its name is still there: one 16-byte compare."""
+        known = att.classes.get((p, cls))
+        if known is not None:
+            start = PROVIDERS_BASE + p * PROVIDER_ROW_SIZE + CLASS_BASE + known[1] * CLASS_ROW_SIZE
+            if att.buf[start : start + CLASS_NAME_BYTES] == known[0]:
+                return known[1]
         from shm_layout import view
 
         index = view.class_index(att.buf, p, cls)
+        if index >= 0:
+            name = layout.encode_text(cls, CLASS_NAME_BYTES).ljust(CLASS_NAME_BYTES, b"\0")
+            att.classes[(p, cls)] = (name, index)
         if index < 0:
             self._log_once(
                 f"class:{p}:{cls}",
