@@ -212,3 +212,25 @@ def test_r_a17_no_classes_writes_what_one_fifo_writes(twin: Twin) -> None:
     for _, ticket, _ in held:
         hb = ledger.holder_base(0, ticket.holder)
         assert layout.HOLDER["cls"].get(twin.seg.buf, hb) == 0
+
+
+def test_r_a23_reserves_apply_to_the_published_share(twin: Twin) -> None:
+    """In share mode the sidecar publishes this gateway's share (source ``share``) as the
+    limit: the classes divide that share, as any limit in force."""
+    twin.classes([("interactive", 1, 0, 0), ("batch", 0, 0, 0)], 1)
+    base = ledger.provider_base(0)
+    writes = [
+        (base + PROVIDER[f].offset, PROVIDER[f].codec.pack(v))
+        for f, v in (
+            ("published_source", layout.SOURCE_CODES["share"]),
+            ("expires_mono", twin.now + 20.0),
+            ("published_limit", 2),
+        )
+    ]
+    assert twin.seg.core.transact([], writes, True, twin.now)
+    for off, data in writes:
+        twin.buf[off : off + len(data)] = data
+    twin.model.pump_all(twin.now)
+    assert ledger.effective_limit(twin.seg.buf, 0, twin.now).source == "share"
+    assert [twin.arrive(BATCH)[0] for _ in range(2)] == ["admit", "wait"]  # 2 - 1 reserved
+    assert twin.arrive(INTERACTIVE)[0] == "admit"
