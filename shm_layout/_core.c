@@ -750,20 +750,29 @@ static void class_running(Core *c, int p, uint32_t *run)
     for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
         long hb = hbase(c, p, h);
         if (ld32(c, hb + HOLDER_STATE) == RUNNING)
-            run[resolve_class(c, p, (int)ld8(c, hb + HOLDER_CLS))]++;
+            run[resolve_class(c, p, (int)ld8(c, hb + HOLDER_CLS) - 1)]++;
     }
 }
 
 /* A waiting record's class, and its rank: the top class once it waited maxWait. */
 static int record_rank(Core *c, int p, long hb, const Rules *r, double now, int *k, int *promoted)
 {
-    *k = resolve_class(c, p, (int)ld8(c, hb + HOLDER_CLS));
+    *k = resolve_class(c, p, (int)ld8(c, hb + HOLDER_CLS) - 1);
     double wait = r->max_wait[*k];
     *promoted = *k > 0 && wait > 0 && now - ldd(c, hb + HOLDER_SINCE_MONO) >= wait;
     return *promoted ? 0 : *k;
 }
 
 static inline void bump_class(Core *c, int p, int k) { inc64(c, cbase(c, p, k) + CLASS_ADMITTED_TOTAL); }
+
+/* What a record's cls byte holds (ledger.stored_class): 1 + the class asked for when
+ * the provider has it, else 0, the default class (resolved when read: a record made
+ * before the classes were written counts in the default class, never the top one). */
+static uint32_t stored_class(Core *c, int p, int cls)
+{
+    uint32_t count = ld32(c, pbase(c, p) + PROVIDER_CLASS_COUNT);
+    return cls >= 0 && (uint32_t)cls < count && cls < CLASS_COUNT ? (uint32_t)cls + 1 : 0;
+}
 
 /* --- liveness ------------------------------------------------------------------------ */
 typedef struct { signed char held[MAX_MEMBERS]; } AliveCache;
@@ -839,7 +848,8 @@ static void claim_record(Core *c, Ticket *tk, int p, int h, int k, unsigned int 
     std_(c, hb + HOLDER_SINCE, now.wall);
     std_(c, hb + HOLDER_SINCE_MONO, now.mono);
     st32(c, hb + HOLDER_WAKER, futex ? WAKE_FUTEX : WAKE_DOORBELL);
-    st8(c, hb + HOLDER_CLS, (uint32_t)k);
+    st8(c, hb + HOLDER_CLS, stored_class(c, p, tk->cls));
+    (void)k;
     st8(c, hb + HOLDER_DISPLACED, 0);
     /* the ticket is ours before the lock is let go: an exception that lands after
      * this call returns still finds it (R-A12) */

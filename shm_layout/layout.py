@@ -291,7 +291,8 @@ HOLDER = _fields(
         ("since", "d"),  # when it started waiting, or was admitted (wall clock, for people)
         ("since_mono", "d"),  # the same on the deadline clock (hold times, Retry-After)
         ("waker", "I"),  # WAKE_* below: how the owner is told of its grant
-        # layout 3.1: the record's admission class (0 without classes), and 1 once it was
+        # layout 3.1: 1 + the record's admission class (0: the default class, resolved when
+        # read; always 0 without classes), and 1 once it was
         # displaced from a full queue by a higher class (its owner's wait ends QueueFull)
         ("cls", "B"),
         ("displaced", "B"),

@@ -205,6 +205,14 @@ def resolve_class(buf: Buffer, p: int, cls: int) -> int:
     return default if default < count else count - 1
 
 
+def stored_class(buf: Buffer, p: int, cls: int) -> int:
+    """What a record's ``cls`` byte holds: 1 + the class asked for when the provider has
+    it, else 0, the default class, resolved when read (a record made before the classes
+    were written counts in the default class, never the top one)."""
+    count: int = PROVIDER["class_count"].get(buf, provider_base(p))
+    return cls + 1 if 0 <= cls < min(count, layout.CLASS_COUNT) else 0
+
+
 def may_run(
     c: int, promoted: bool, running: int, run: list[int], limit: int, rules: list[ClassRule]
 ) -> bool:
@@ -362,8 +370,11 @@ class Ledger:
         if not registered:
             return "closed", None, set()
         c = resolve_class(self.buf, p, cls)
+        stored = stored_class(self.buf, p, cls)
         if classes_in_force(self.buf, p):
-            return self._arrive_classed(p, c, pid, member, member_serial, now, may_wait, futex)
+            return self._arrive_classed(
+                p, c, stored, pid, member, member_serial, now, may_wait, futex
+            )
         buf, base, rings = self.buf, provider_base(p), set[int]()
         for attempt in range(2):
             if self._counters_damaged(base) and self.recount_provider(p):
@@ -404,7 +415,7 @@ class Ledger:
                 now,
                 now,
                 waker,
-                c,
+                stored,
                 0,
             )
             if decision == "admit":
@@ -423,6 +434,7 @@ class Ledger:
         self,
         p: int,
         c: int,
+        stored: int,
         pid: int,
         member: int,
         member_serial: int,
@@ -493,7 +505,7 @@ class Ledger:
                 now,
                 now,
                 waker,
-                c,
+                stored,
                 0,
             )
             if decision == "admit":
@@ -518,13 +530,13 @@ class Ledger:
         for h in range(HOLDERS_PER_PROVIDER):
             hb = holder_base(p, h)
             if HOLDER["state"].get(self.buf, hb) == HOLDER_RUNNING:
-                run[resolve_class(self.buf, p, HOLDER["cls"].get(self.buf, hb))] += 1
+                run[resolve_class(self.buf, p, HOLDER["cls"].get(self.buf, hb) - 1)] += 1
         return run
 
     def _rank(self, p: int, hb: int, rules: list[ClassRule], now: float) -> tuple[int, int, bool]:
         """A waiting record's (class, rank, promoted): promoted after its class's maxWait
         ranks as the top class."""
-        k = resolve_class(self.buf, p, HOLDER["cls"].get(self.buf, hb))
+        k = resolve_class(self.buf, p, HOLDER["cls"].get(self.buf, hb) - 1)
         wait = rules[k].max_wait_s
         promoted = k > 0 and wait > 0 and now - HOLDER["since_mono"].get(self.buf, hb) >= wait
         return k, 0 if promoted else k, promoted

@@ -277,7 +277,7 @@ def parse_view(
             pid = HOLDER["pid"].get(data, hb)
             member = HOLDER["member"].get(data, hb)
             holder_alive = alive.get((member, HOLDER["member_serial"].get(data, hb)), False)
-            k = resolve_class(data, p, HOLDER["cls"].get(data, hb))
+            k = resolve_class(data, p, HOLDER["cls"].get(data, hb) - 1)
             if holder_alive and state == HOLDER_RUNNING:
                 running += 1
                 by_class[k][0] += 1

@@ -591,12 +591,12 @@ class CoreAgainstModel(RuleBasedStateMachine):
             for h, state in enumerate(states):
                 if state == HOLDER_RUNNING:
                     cls = HOLDER["cls"].get(buf, ledger.holder_base(p, h))
-                    run[ledger.resolve_class(buf, p, cls)] += 1
+                    run[ledger.resolve_class(buf, p, cls - 1)] += 1
             for h, state in enumerate(states):
                 if state != HOLDER_WAITING:
                     continue
                 hb = ledger.holder_base(p, h)
-                k = ledger.resolve_class(buf, p, HOLDER["cls"].get(buf, hb))
+                k = ledger.resolve_class(buf, p, HOLDER["cls"].get(buf, hb) - 1)
                 wait = rules[k].max_wait_s
                 promoted = (
                     k > 0 and wait > 0 and self.now - HOLDER["since_mono"].get(buf, hb) >= wait
