@@ -666,6 +666,12 @@ class DemoLoad(Struct, kw_only=True):
     admitted: Annotated[int, Meta(description="requests admitted")]
     queue_full: Annotated[int, Meta(description="requests refused with QueueFull")]
     timeouts: Annotated[int, Meta(description="requests that timed out waiting")]
+    wait_p50_ms: Annotated[
+        int | None, Meta(description="the interactive load: median wait for admission")
+    ] = None
+    wait_max_ms: Annotated[
+        int | None, Meta(description="the interactive load: longest wait for admission")
+    ] = None
 
 
 class DemoDoc(Struct, kw_only=True):
