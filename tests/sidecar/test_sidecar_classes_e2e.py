@@ -61,3 +61,16 @@ def test_r_a17_metrics_count_running_and_waiting_per_class(
             adm.release(ticket)
     finally:
         adm.close()
+
+
+def test_r_a17_check_config_names_a_bad_class_entry_in_one_line() -> None:
+    """Each class field may be right alone and wrong together (a defaultClass that is none
+    of the classes): said as the entry's problem, never a traceback."""
+    from sidecar.config import provider_problems
+
+    entry = {"id": "p1", "classes": [{"name": "a"}, {"name": "b"}], "defaultClass": "c"}
+    provider, problems = provider_problems(entry)
+    assert problems == ["config_invalid:defaultClass 'c' is not one of the classes"]
+    assert [c.name for c in provider.classes] == ["a", "b"] and provider.default_class is None
+    _, problems = provider_problems({"id": "p2", "classes": [{"name": "a"}, {"name": "a"}]})
+    assert problems == ["config_invalid:classes: every class needs a name of its own"]
