@@ -821,7 +821,7 @@ static void note_hold(Core *c, long b, double hold)
 /* --- the steps ------------------------------------------------------------------------ */
 static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache);
 static void free_member_row(Core *c, int m, Rings *rings);
-static void count_older_members(Core *c);
+static int count_older_members(Core *c);
 
 /* The arrival section (ledger.Ledger.arrive). */
 static int arrive_classed(Core *c, Ticket *tk, int p, int k, unsigned int pid, Now now, int may_wait,
@@ -1258,7 +1258,8 @@ static uint32_t reap(Core *c, Now now, Rings *rings)
         if (ld32(c, mb + MEMBER_IN_USE) && !member_byte_held(c, m, &cache))
             free_member_row(c, m, rings);
     }
-    count_older_members(c);
+    if (count_older_members(c)) /* a 3.0 handler registered by its own core: one FIFO */
+        pump_all(c, now, rings);
     return reclaimed;
 }
 
@@ -1318,8 +1319,9 @@ static void repair_all(Core *c)
 
 /* Registered handlers that speak an older minor of this major
  * (ledger.Ledger._count_older_members): while any is, the classes are suspended. */
-static void count_older_members(Core *c)
+static int count_older_members(Core *c)
 {
+    uint32_t before = ld32(c, HEADER_OLDER_MEMBERS);
     uint32_t older = 0;
     for (int m = 0; m < MEMBER_COUNT; m++) {
         long mb = mbase(c, m);
@@ -1330,6 +1332,7 @@ static void count_older_members(Core *c)
             older++;
     }
     st32(c, HEADER_OLDER_MEMBERS, older);
+    return before == 0 && older > 0; /* the classes were just suspended */
 }
 
 /* Free the member row of a process that is gone; its doorbell is removed after the
@@ -1408,10 +1411,12 @@ static int register_locked(Core *c, unsigned int pid, double start, const char *
         c->member_serial = *serial;
         c->pid = pid;
         c->bell = bell;
-        count_older_members(c);
+        if (count_older_members(c))
+            pump_all(c, now, rings); /* one FIFO from now on: grant what it allows */
         return m;
     }
-    count_older_members(c);
+    if (count_older_members(c))
+        pump_all(c, now, rings);
     return -1;
 }
 

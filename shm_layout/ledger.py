@@ -772,12 +772,14 @@ class Ledger:
         for m in range(layout.MEMBER_COUNT):
             if MEMBER["in_use"].get(buf, member_base(m)) and not self.held(m):
                 self._free_member_row(m)
-        self._count_older_members()
+        if self._count_older_members():  # a 3.0 handler registered by its own core
+            rings |= self.pump_all(now)
         return reclaimed, rings
 
-    def _count_older_members(self) -> None:
+    def _count_older_members(self) -> bool:
         """Registered handlers that speak an older minor of this major: while any is, the
-        classes are suspended (DESIGN.md section 6b)."""
+        classes are suspended (DESIGN.md section 6b). True when they just were."""
+        before = layout.HEADER["older_members"].get(self.buf, 0)
         older = 0
         for m in range(layout.MEMBER_COUNT):
             mb = member_base(m)
@@ -787,6 +789,7 @@ class Ledger:
             ) < (layout.MAJOR, layout.MINOR):
                 older += 1
         layout.HEADER["older_members"].put(self.buf, older, 0)
+        return bool(before == 0 and older > 0)
 
     def sweep(self, now: float) -> tuple[int, set[int]]:
         """What the host's sweep does (R-A5, R-A16): every provider's counters checked
@@ -906,9 +909,11 @@ class Ledger:
             MEMBER["label"].put(buf, label[: layout.ID_BYTES], mb)
             MEMBER["bell"].put(buf, bell, mb)
             MEMBER["in_use"].put(buf, 1, mb)
-            self._count_older_members()
+            if self._count_older_members():
+                rings |= self.pump_all(now)  # one FIFO from now on: grant what it allows
             return m, serial, rings
-        self._count_older_members()
+        if self._count_older_members():
+            rings |= self.pump_all(now)
         return -1, 0, rings
 
     def unregister(self, m: int, serial: int, now: float) -> set[int]:
