@@ -66,6 +66,7 @@ SECTIONS = (
     "proxy",
     "relay",
     "share",
+    "classes",
 )
 PLOT_DATA: dict[str, object] = {}  # what the plots draw, filled by the sections
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -830,6 +831,40 @@ def section_share(cleanup: Cleanup, plan: Plan) -> str:
     return "\n".join([head, "", table])
 
 
+def section_classes(cleanup: Cleanup, plan: Plan) -> str:
+    from bench_classes import BATCH_BODY_S, BATCH_PROCESSES, LIMIT, run_classes, summary
+
+    seconds = 1.5 if plan is QUICK else 6.0
+    result = run_classes(cleanup, plan.micro_rounds, seconds, log)
+    labels = {
+        "fifo": "slot_blocking, no classes",
+        "classes": "slot_blocking, two classes",
+        "redis": "per-request Redis Lua semaphore",
+    }
+    base = median(result.cost_ns["fifo"])
+    rows = [
+        [labels[k], fmt_us(median(v)), fmt_us(min(v)), fmt_ratio(median(v) / base)]
+        for k, v in result.cost_ns.items()
+        if v
+    ]
+    cost = render_table(["acquire+release, uncontended", "median us", "best us", "/no classes"],
+                        rows, right={1, 2, 3})  # fmt: skip
+    waits = [
+        [{"classes": "ours, interactive reserve 1", "fifo": "ours, one FIFO",
+          "redis": "per-request Redis semaphore"}[k],
+         str(len(v)), *(f"{x:.1f}" for x in summary(v))]
+        for k, v in result.waits_ms.items()
+    ]  # fmt: skip
+    wait = render_table(["interactive request", "samples", "p50 ms", "p99 ms", "max ms"],
+                        waits, right={1, 2, 3, 4})  # fmt: skip
+    head = (
+        f"14. Admission classes: the slot's cost (median of {plan.micro_rounds} rounds), and the "
+        f"wait of an interactive request while {BATCH_PROCESSES} processes flood batch slots "
+        f"({BATCH_BODY_S * 1000:g} ms bodies) on a limit of {LIMIT}"
+    )
+    return "\n".join([head, "", cost, "", wait])
+
+
 def compare_report(cleanup: Cleanup, plan: Plan) -> str:
     """``--compare REF``: REF(s) and this checkout side by side (bench_compare.py)."""
     from bench_common import percentile
@@ -913,6 +948,7 @@ RUNNERS: dict[str, Callable[[Cleanup, Plan], str]] = {
     "proxy": section_proxy,
     "relay": section_relay,
     "share": section_share,
+    "classes": section_classes,
 }
 
 

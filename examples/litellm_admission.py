@@ -11,6 +11,8 @@ The other way in (docs/litellm.md): instead of wrapping LiteLLM's ASGI app in
 ``models`` map in the gateway config names the request's ``model`` (a LiteLLM
 ``model_name``, matched as ``by_model`` matches it); LiteLLM's success and failure
 events, and its post-call failure hook, give it back (``Admission.release``, idempotent).
+The admission class (docs/classes.md) is the ``admission_class`` of the virtual key's
+metadata, else of its team's metadata, else the provider's default class.
 A queue of 32 already waiting is answered 429 and a wait past the timeout 503, both with
 ``Retry-After`` (the provider's drain estimate). Models no provider names are not
 admitted.
@@ -99,7 +101,9 @@ class GatewayCapacityAdmission(CustomLogger):
         adm = await self._admission()
         self._give_back_stale(adm)
         try:
-            ticket = await adm.acquire(provider, timeout=self.timeout)
+            ticket = await adm.acquire(
+                provider, timeout=self.timeout, cls=admission_class(user_api_key_dict)
+            )
         except QueueFull as exc:
             raise _refusal(429, str(exc), adm.retry_after(provider)) from None
         except AdmissionTimeout:
@@ -146,6 +150,23 @@ class GatewayCapacityAdmission(CustomLogger):
                 len(stale),
                 self.max_hold_s,
             )
+
+
+CLASS_METADATA_KEY = "admission_class"
+
+
+def admission_class(user_api_key_dict: Any) -> str | None:
+    """The admission class a request's key names: ``admission_class`` in the key's
+    metadata, else in its team's (LiteLLM's ``UserAPIKeyAuth.metadata`` and
+    ``.team_metadata``, set with ``/key/generate`` and ``/team/new``); None: the
+    provider's default class."""
+    for metadata in (
+        getattr(user_api_key_dict, "metadata", None),
+        getattr(user_api_key_dict, "team_metadata", None),
+    ):
+        if isinstance(metadata, dict) and isinstance(metadata.get(CLASS_METADATA_KEY), str):
+            return str(metadata[CLASS_METADATA_KEY])
+    return None
 
 
 def _refusal(status: int, message: str, retry_after: int) -> HTTPException:

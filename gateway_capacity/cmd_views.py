@@ -199,6 +199,17 @@ def availability_text(view: SegmentView) -> str:
             f"({p.fallback_source})"
         )
         lines.append(f"  reason: {_one_line(shown(_as_stored(p.reason, 'provider')))}")
+        if p.classes:
+            suspended = " SUSPENDED (a layout 3.0 handler is registered: one FIFO)"
+            lines.append(f"  classes{suspended if p.classes_suspended else ''}:")
+        for c in p.classes:
+            rules = [f"reserve {c.reserve}"] if c.reserve else []
+            rules += [f"cap {c.cap}"] if c.cap else []
+            rules += [f"maxWait {c.max_wait_s:g}s"] if c.max_wait_s else []
+            lines.append(
+                f"    {c.name}{' (default)' if c.default else ''}: running {c.running}  "
+                f"waiting {c.waiting}" + (f"  [{', '.join(rules)}]" if rules else "")
+            )
         if p.expires_at:
             lines.append(
                 f"  observed {_age(p.observed_at, now)}, expires {_age(p.expires_at, now)}"

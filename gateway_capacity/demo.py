@@ -73,12 +73,13 @@ class Sample:
     source: str
     running: int
     waiting: int
+    interactive: int = 0  # running requests of the interactive class (the classes phase)
 
 
 @dataclass
 class Phase:
     name: str
-    action: str | None  # "fence" / "unfence" worker w2, or nothing
+    action: str | None  # "fence" / "unfence" worker w2, "classes" (see below), or nothing
     expect: int
     seconds: float  # how long the phase holds once its expected limit is reached
     reached_s: float | None = None
@@ -272,6 +273,7 @@ class Demo:
             p.source,
             p.running,
             p.waiting,
+            next((c.running for c in p.classes if c.name == "interactive"), 0),
         )
 
     def _still_working(self) -> None:
@@ -294,8 +296,51 @@ class Demo:
             time.sleep(0.1)
         return False
 
-    def run_phase(self, phase: Phase) -> None:
-        if phase.action is not None:
+    def enable_classes(self, config: Path) -> None:
+        """The classes phase: the config gains an interactive class reserving 4 slots
+        (batch, the default, is everything the load generations send); once the sidecar
+        has written it, a third handler process sends interactive requests into the
+        batch flood (docs/classes.md)."""
+        doc = json.loads(config.read_text())
+        doc["providers"][0]["classes"] = [
+            {"name": "interactive", "reserve": INTERACTIVE_RESERVE},
+            {"name": "batch"},
+        ]
+        doc["providers"][0]["defaultClass"] = "batch"
+        config.write_text(json.dumps(doc, indent=2))
+        from shm_layout.view import read_view
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            self._still_working()
+            p = read_view(self.segment).provider(PROVIDER)
+            if p is not None and p.classes:
+                break
+            time.sleep(0.1)
+        else:
+            raise DemoFailed("the sidecar did not write the admission classes within 10 s")
+        self._say(
+            f"classes: interactive reserves {INTERACTIVE_RESERVE} slots; the load above is "
+            "batch; a third process sends 2 interactive clients"
+        )
+        self.loads.append(
+            self._spawn(
+                [
+                    "-m", "gateway_capacity.demo_load", "--config", str(config),
+                    "--segment", self.segment, "--generation", "interactive",
+                    "--provider", PROVIDER, "--clients", "2", "--cls", "interactive",
+                    "--body", "0.2", "0.5", "--stop-file", str(self.tmp / "stop"),
+                    "--parent-pid", str(os.getpid()), "--seed", "7",
+                ],
+                "interactive.log",
+            )
+        )  # fmt: skip
+
+    def run_phase(self, phase: Phase, config: Path | None = None) -> None:
+        if phase.action == "classes":
+            assert config is not None
+            self.enable_classes(config)
+        elif phase.action is not None:
             getattr(self.router, phase.action)("w2")
         self._say(f"--- {phase.name} (expect {phase.expect}) ---")
         began = time.monotonic()
@@ -316,6 +361,11 @@ class Demo:
                         f"advertised {s.advertised if s.advertised is not None else '-':>2}  "
                         f"limit {s.limit:>2} ({s.source})  running {s.running:>2}  "
                         f"waiting {s.waiting:>2}/32"
+                        + (
+                            f"  interactive running {s.interactive}"
+                            if phase.action == "classes"
+                            else ""
+                        )
                     )
             if now >= until:
                 break
@@ -336,7 +386,7 @@ class Demo:
         return totals
 
     # --- checking -----------------------------------------------------------------------
-    def check(self, phases: list[Phase]) -> dict[str, Any]:
+    def check(self, phases: list[Phase], totals: list[dict[str, Any]]) -> dict[str, Any]:
         from shm_layout.errors import SegmentError
         from shm_layout.view import read_view
 
@@ -365,6 +415,15 @@ class Demo:
             )
         if p.counters["peak_running"] > 20:
             self.problems.append(f"peak running {p.counters['peak_running']} > 20")
+        for load in totals:
+            if load.get("generation") == "interactive":
+                if not load.get("admitted"):
+                    self.problems.append("no interactive request was admitted")
+                elif load.get("wait_p50_ms", 0) > INTERACTIVE_P50_MS:
+                    self.problems.append(
+                        f"interactive requests waited {load['wait_p50_ms']} ms (median) in the "
+                        f"batch flood: more than {INTERACTIVE_P50_MS} ms"
+                    )
         return {
             "phases": [phase_summary(ph) for ph in phases],
             "peak_running": p.counters["peak_running"],
@@ -488,6 +547,14 @@ def draw_picture(phases: list[Phase], png: str | None) -> tuple[str | None, str]
         color="tab:red",
         zorder=2,
     )
+    ax.plot(
+        t,
+        [s.interactive for s in samples],
+        label=f"interactive running (reserve {INTERACTIVE_RESERVE})",
+        lw=1.5,
+        color="tab:green",
+        zorder=3,
+    )
     for ph in phases:
         if ph.samples:
             ax.axvline(ph.samples[0].t, color="grey", lw=0.8, ls=":")
@@ -503,9 +570,12 @@ def draw_picture(phases: list[Phase], png: str | None) -> tuple[str | None, str]
     ax.set_xlabel("seconds since the demo started")
     ax.set_ylabel("requests")
     ax.set_ylim(bottom=0, top=max(34, *(s.waiting + 2 for s in samples)))
-    ax.set_title("gateway-capacity demo: two 10-slot workers, w2 drained and restored")
+    ax.set_title(
+        "gateway-capacity demo: two 10-slot workers, w2 drained and restored, then "
+        "interactive requests in a batch flood"
+    )
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right", fontsize=9)
+    ax.legend(loc="lower center", fontsize=9)
     fig.tight_layout()
     try:
         fig.savefig(png)
@@ -524,6 +594,10 @@ class DemoFailed(Exception):
     pass
 
 
+INTERACTIVE_RESERVE = 4  # slots the classes phase reserves for interactive requests
+INTERACTIVE_P50_MS = 500  # "admitted at once": their median wait in the batch flood, at most
+
+
 def run(args: argparse.Namespace) -> int:
     from gateway_capacity.common import require_router_extra
 
@@ -540,11 +614,12 @@ def run(args: argparse.Namespace) -> int:
                 Phase("two workers", None, 20, demo.hold),
                 Phase("w2 drained (fenced)", "fence", 10, demo.hold),
                 Phase("w2 restored", "unfence", 20, demo.hold),
+                Phase("batch flood + interactive", "classes", 20, demo.hold),
             ]
             for phase in phases:
-                demo.run_phase(phase)
+                demo.run_phase(phase, config)
             summary["load"] = demo.finish_load()
-            summary.update(demo.check(phases))
+            summary.update(demo.check(phases, summary["load"]))
         except DemoFailed as exc:
             demo.problems.append(str(exc))
             log = demo.sidecar_log().strip().splitlines()
@@ -596,7 +671,13 @@ def _print_summary(summary: dict[str, Any], out: TextIO) -> None:
                     file=out,
                 )
         for load in summary.get("load", []):
-            print(f"  {load['generation']}: {load['admitted']} requests admitted", file=out)
+            waited = (
+                f", median wait {load['wait_p50_ms']} ms (longest {load['wait_max_ms']} ms) "
+                "beside the batch flood"
+                if "wait_p50_ms" in load
+                else ""
+            )
+            print(f"  {load['generation']}: {load['admitted']} requests admitted{waited}", file=out)
         print(
             f"  at the end: running {summary['final_running']}, waiting "
             f"{summary['final_waiting']}, holder records {summary['holder_records_left']}",

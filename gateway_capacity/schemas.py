@@ -125,6 +125,29 @@ class Provider(Struct, kw_only=True):
         UnixTime | None, Meta(description="when the published limit lapses (R-L7); null: none")
     ]
     replicas: Annotated[list[Replica], Meta(description="each resolved address, last probed")]
+    classes: Annotated[
+        list[AdmissionClass],
+        Meta(description="admission classes, highest first (docs/classes.md); []: one FIFO"),
+    ] = []
+    classes_suspended: Annotated[
+        bool,
+        Meta(description="classes configured, but a layout 3.0 handler is registered: one FIFO"),
+    ] = False
+
+
+class AdmissionClass(Struct, kw_only=True):
+    """One admission class of a provider (R-A17..R-A20)."""
+
+    name: Annotated[str, Meta(description="the class name from the gateway config")]
+    default: Annotated[bool, Meta(description="requests that name no class count here")]
+    reserve: Annotated[Count, Meta(description="slots no lower class may take")]
+    cap: Annotated[Count | None, Meta(description="most this class runs at once; null: none")]
+    max_wait_s: Annotated[
+        float | None, Meta(description="a waiter is promoted after this long; null: never")
+    ]
+    running: Annotated[Count, Meta(description="live processes' running requests of it")]
+    waiting: Annotated[Count, Meta(description="live processes' waiting requests of it")]
+    admitted_total: Annotated[Count, Meta(description="requests of it admitted to a slot")]
 
 
 class Damage(Struct, kw_only=True):
@@ -201,6 +224,12 @@ class Counters(Struct, kw_only=True):
     reclaimed_total: Annotated[Count, Meta(description="records of dead processes reclaimed")]
     peak_running: Annotated[Count, Meta(description="most requests running at once")]
     peak_waiting: Annotated[Count, Meta(description="most requests waiting at once")]
+    promoted_total: Annotated[
+        Count, Meta(description="grants only a waiter's promotion after maxWait allowed")
+    ] = 0
+    displaced_total: Annotated[
+        Count, Meta(description="waiters displaced from a full queue by a higher class")
+    ] = 0
 
 
 class InspectProvider(Provider, kw_only=True):
@@ -263,6 +292,20 @@ def _provider_fields(p: ProviderView) -> dict[str, Any]:
         "queue_bound": p.queue_bound,
         "fallback_limit": p.fallback_limit,
         "fallback_source": p.fallback_source,
+        "classes": [
+            AdmissionClass(
+                name=c.name,
+                default=c.default,
+                reserve=c.reserve,
+                cap=c.cap,
+                max_wait_s=c.max_wait_s,
+                running=c.running,
+                waiting=c.waiting,
+                admitted_total=c.admitted_total,
+            )
+            for c in p.classes
+        ],
+        "classes_suspended": p.classes_suspended,
         "discovered": p.discovered,
         "observed_at": p.observed_at,
         "expires_at": p.expires_at,
@@ -723,6 +766,12 @@ class DemoLoad(Struct, kw_only=True):
     admitted: Annotated[int, Meta(description="requests admitted")]
     queue_full: Annotated[int, Meta(description="requests refused with QueueFull")]
     timeouts: Annotated[int, Meta(description="requests that timed out waiting")]
+    wait_p50_ms: Annotated[
+        int | None, Meta(description="the interactive load: median wait for admission")
+    ] = None
+    wait_max_ms: Annotated[
+        int | None, Meta(description="the interactive load: longest wait for admission")
+    ] = None
 
 
 class DemoDoc(Struct, kw_only=True):

@@ -53,6 +53,7 @@ from gateway_capacity.wfs_metrics import (
 from shm_layout.layout import Source
 
 if TYPE_CHECKING:
+    from shm_layout.view import ProviderView
     from sidecar.credential import Secret
 
 DEFAULT_LIMIT: Final = 6  # a policy choice (leave slots for latency-sensitive consumers)
@@ -199,7 +200,32 @@ def key_from_file(path: str) -> Secret:
 # --------------------------------------------------------------------------- local mode
 
 
-def _sample_local(segment: str, provider_id: str, need: int) -> Sample:
+def class_load(provider: ProviderView, cls: str) -> Load | str:
+    """The provider's load as requests of class ``cls`` see it (docs/classes.md): the
+    unused reserves of the higher classes and the class's own cap lower the limit, and
+    only the waiters of this class or a higher one are ahead. A string: why not (the
+    provider has no such class)."""
+    names = [c.name for c in provider.classes]
+    if cls not in names:
+        return (
+            f"provider {provider.id} has no admission class {cls!r} (it has: "
+            + (", ".join(names) or "none")
+            + ")"
+        )
+    running, limit = provider.running, provider.effective_limit
+    if provider.classes_suspended:
+        return Load(float(running), float(provider.waiting), limit)
+    k = names.index(cls)
+    higher = provider.classes[:k]
+    limit -= sum(max(c.reserve - c.running, 0) for c in higher)
+    own = provider.classes[k]
+    if own.cap is not None:
+        limit = min(limit, running + own.cap - own.running)
+    ahead = sum(c.waiting for c in provider.classes[: k + 1])
+    return Load(float(running), float(ahead), max(limit, 0))
+
+
+def _sample_local(segment: str, provider_id: str, need: int, cls: str | None = None) -> Sample:
     """One reading of this host's segment (R-W4): gate on the provider's effective limit.
 
     A ``need`` above the highest limit the provider can reach without a config edit
@@ -235,6 +261,9 @@ def _sample_local(segment: str, provider_id: str, need: int) -> Sample:
             f"--need {need} can never fit: provider {provider_id}'s limit can be at most "
             f"{ceiling} ({why})"
         )
+    if cls is not None:
+        load = class_load(provider, cls)
+        return Fatal(load) if isinstance(load, str) else load
     return Load(float(provider.running), float(provider.waiting), provider.effective_limit)
 
 
@@ -343,6 +372,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     local = parser.add_argument_group("local mode (this host's shared segment)")
     local.add_argument("--provider", metavar="ID", help="gate on this provider's effective limit")
+    local.add_argument(
+        "--class", dest="cls", metavar="NAME",
+        help="gate on the room this admission class of the provider sees (docs/classes.md)",
+    )  # fmt: skip
     add_target_options(parser)  # --config / --segment, for local mode
     parser.add_argument(
         "--need", type=int, default=DEFAULT_NEED, metavar="N",
@@ -391,6 +424,10 @@ def _validate_numbers(args: argparse.Namespace) -> None:
 
 
 def _metrics_sampler(args: argparse.Namespace) -> MetricsSampler:
+    if args.cls is not None:
+        fail(
+            "--class is for local mode (--provider): a server's metrics know no classes", EXIT_FATAL
+        )
     if not args.url or not (args.model or is_direct(args.url)):
         fail(
             "give --url BASE and --model M (llama-swap, or a capacity router), --url "
@@ -446,7 +483,8 @@ def _local_sampler(args: argparse.Namespace) -> Callable[[], Sample]:
     segment = segment_from_args(args)
     provider_id: str = args.provider
     need: int = args.need
-    return lambda: _sample_local(segment, provider_id, need)
+    cls: str | None = args.cls
+    return lambda: _sample_local(segment, provider_id, need, cls)
 
 
 def run(args: argparse.Namespace) -> int:

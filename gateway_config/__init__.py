@@ -63,6 +63,7 @@ __all__ = [
     "RANGE_ONLY",
     "TOP_LEVEL_FIELDS",
     "UTF8_BOM",
+    "AdmissionClass",
     "ConfigError",
     "ConfigFile",
     "EntryProblem",
@@ -78,6 +79,27 @@ __all__ = [
     "parse_config_file",
     "read_config_file",
 ]
+
+
+ClassName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{1,16}$")]
+MAX_CLASSES: Final = 4  # the segment's class rows per provider (shm_layout.layout.CLASS_COUNT)
+MAX_CLASS_SLOTS: Final = 96  # a reserve or cap beyond the segment's running room means nothing
+
+
+class AdmissionClass(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
+    """One admission class of a provider (docs/classes.md): ``reserve`` slots no lower
+    class may take, at most ``cap`` running at once, promoted after ``maxWait`` seconds."""
+
+    name: ClassName
+    reserve: Annotated[int, msgspec.Meta(ge=0, le=MAX_CLASS_SLOTS)] = 0
+    cap: Annotated[int, msgspec.Meta(ge=1, le=MAX_CLASS_SLOTS)] | None = None
+    max_wait: Annotated[float, msgspec.Meta(gt=0, le=86400)] | None = None
+
+    @property
+    def spec(self) -> tuple[str, int, int, int]:
+        """(name, reserve, cap or 0, maxWait in ms or 0): the segment's class row."""
+        wait_ms = 0 if self.max_wait is None else max(round(self.max_wait * 1000), 1)
+        return (self.name, self.reserve, self.cap or 0, wait_ms)
 
 
 class ProviderConfig(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
@@ -99,10 +121,32 @@ class ProviderConfig(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
     # loopback only: who must own the socket listening on the router's port before the
     # key is sent there (R-P7; sidecar/listeners.py)
     listener_owner: Uid | UserName | None = None
+    # admission classes, highest first (docs/classes.md); none: one FIFO
+    classes: Annotated[tuple[AdmissionClass, ...], msgspec.Meta(max_length=MAX_CLASSES)] = ()
+    default_class: ClassName | None = None  # absent: the last (lowest) class
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.classes]
+        if len(set(names)) != len(names):
+            raise ValueError("classes: every class needs a name of its own")
+        if self.classes and self.default_class is not None and self.default_class not in names:
+            raise ValueError(f"defaultClass {self.default_class!r} is not one of the classes")
 
     @property
     def upstream_models(self) -> frozenset[str]:
         return frozenset(self.models.values())
+
+    @property
+    def class_specs(self) -> tuple[tuple[str, int, int, int], ...]:
+        """The classes as the segment's class rows hold them, highest first."""
+        return tuple(c.spec for c in self.classes)
+
+    @property
+    def default_class_index(self) -> int:
+        names = [c.name for c in self.classes]
+        if self.default_class is None or not names:
+            return max(len(names) - 1, 0)
+        return names.index(self.default_class)
 
 
 ENTRY_FIELDS: Final = frozenset(ProviderConfig.__struct_encode_fields__)

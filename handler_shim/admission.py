@@ -114,15 +114,31 @@ def _seconds(timeout: float | None) -> str:
 class ProviderEntry:
     """What a shim that creates provider rows writes from its own reading of the config."""
 
-    __slots__ = ("discovery", "fallback", "fallback_source", "provider_id")
+    __slots__ = (
+        "classes",
+        "default_class",
+        "discovery",
+        "fallback",
+        "fallback_source",
+        "provider_id",
+    )
 
     def __init__(
-        self, provider_id: str, fallback: int, fallback_source: layout.Source, *, discovery: bool
+        self,
+        provider_id: str,
+        fallback: int,
+        fallback_source: layout.Source,
+        *,
+        discovery: bool,
+        classes: tuple[tuple[str, int, int, int], ...] = (),
+        default_class: int = 0,
     ):
         self.provider_id = provider_id
         self.fallback = fallback
         self.fallback_source = fallback_source
         self.discovery = discovery
+        self.classes = classes  # admission classes as the segment holds them (writer.ClassSpec)
+        self.default_class = default_class
 
     def __repr__(self) -> str:
         return (
@@ -146,8 +162,24 @@ def providers_from_config(path: str | os.PathLike[str]) -> list[ProviderEntry]:
             # never its static limit, which the other gateways leave no room for
             # (docs/share.md); the sidecar corrects a refused opt-in back to the static
             limit, stored = 0, layout.Source.SHARE
-        out.append(ProviderEntry(provider.id, limit, stored, discovery=provider.capacity_discovery))
+        out.append(
+            ProviderEntry(
+                provider.id,
+                limit,
+                stored,
+                discovery=provider.capacity_discovery,
+                classes=provider.class_specs,
+                default_class=provider.default_class_index,
+            )
+        )
     return out
+
+
+CLASS_BASE = layout.CLASS_BASE
+CLASS_ROW_SIZE = layout.CLASS_ROW_SIZE
+CLASS_NAME_BYTES = layout.CLASS_NAME_BYTES
+PROVIDERS_BASE = layout.PROVIDERS_BASE
+PROVIDER_ROW_SIZE = layout.PROVIDER_ROW_SIZE
 
 
 # --- waiters that the dispatcher wakes ---------------------------------------------------
@@ -231,6 +263,8 @@ class _Attachment:
         self.buf = seg.buf
         self.index: dict[str, int] = {}
         self.overflow: dict[str, str] = {}
+        # (provider row, class name) -> (the name as its row holds it, the row)
+        self.classes: dict[tuple[int, str], tuple[bytes, int]] = {}
         self.waiters: dict[CoreTicket, _Waiter] = {}
         self.guard = threading.Lock()  # protects waiters
         self.stopping = False
@@ -272,12 +306,15 @@ class _Attachment:
             from shm_layout import writer
 
             try:
-                _, created = writer.ensure_provider(
+                p, created = writer.ensure_provider(
                     self.seg, e.provider_id, e.fallback, e.fallback_source, discovery=e.discovery
                 )
             except TableFull as exc:
                 self.overflow[e.provider_id] = str(exc)
                 continue
+            if created and e.classes:  # the creating shim writes what a sidecar would (R-A21)
+                writes = writer.class_writes(p, e.classes, e.default_class)
+                self.seg.core.transact([], writes, True, 0.0)
             if created and e.fallback > layout.RUNNING_ROOM:
                 log.warning(
                     "provider %s: maxConcurrent %d is above what the segment can hold; "
@@ -536,15 +573,23 @@ class Admission:
         return self._current.wakeups + sum(a.wakeups for a in self._retired)
 
     # --- the public API -----------------------------------------------------------------
-    def slot_blocking(self, provider: str, timeout: float | None = None) -> CoreTicket:
-        """``with adm.slot_blocking(provider, timeout):`` one running slot for the body."""
+    def slot_blocking(
+        self, provider: str, timeout: float | None = None, *, cls: str | None = None
+    ) -> CoreTicket:
+        """``with adm.slot_blocking(provider, timeout):`` one running slot for the body.
+        ``cls``: the admission class (docs/classes.md); None or a name the provider does
+        not have: its default class (R-A22)."""
         att = self._usable()
         p = att.index.get(provider)
         if p is None:
             att, p = self._look_up(att, provider)
-        return _core.Ticket(att.core, p, timeout)
+        if cls is None:
+            return _core.Ticket(att.core, p, timeout)
+        return _core.Ticket(att.core, p, timeout, cls=self._class_index(att, p, cls))
 
-    def slot(self, provider: str, timeout: float | None = None) -> CoreTicket:
+    def slot(
+        self, provider: str, timeout: float | None = None, *, cls: str | None = None
+    ) -> CoreTicket:
         """``async with adm.slot(provider, timeout):`` the same; never blocks the event loop
         on a wait (R-A11)."""
         att = self._usable()
@@ -555,22 +600,50 @@ class Admission:
         p = att.index.get(provider)
         if p is None:
             att, p = self._look_up(att, provider)
-        return _core.Ticket(att.core, p, timeout)
+        if cls is None:
+            return _core.Ticket(att.core, p, timeout)
+        return _core.Ticket(att.core, p, timeout, cls=self._class_index(att, p, cls))
 
-    async def acquire(self, provider: str, timeout: float | None = None) -> Ticket:
+    def _class_index(self, att: _Attachment, p: int, cls: str) -> int:
+        """The row of class ``cls`` of provider row ``p`` (lock-free: a class table being
+        rewritten may be read half old; the core then counts the request in the default
+        class), -1 when the provider has no such class (said once). A row found is
+        remembered while its name is still there: one 16-byte compare."""
+        known = att.classes.get((p, cls))
+        if known is not None:
+            start = PROVIDERS_BASE + p * PROVIDER_ROW_SIZE + CLASS_BASE + known[1] * CLASS_ROW_SIZE
+            if att.buf[start : start + CLASS_NAME_BYTES] == known[0]:
+                return known[1]
+        from shm_layout import view
+
+        index = view.class_index(att.buf, p, cls)
+        if index >= 0:
+            name = layout.encode_text(cls, CLASS_NAME_BYTES).ljust(CLASS_NAME_BYTES, b"\0")
+            att.classes[(p, cls)] = (name, index)
+        if index < 0:
+            self._log_once(
+                f"class:{p}:{cls}",
+                f"provider {att.provider_name(p)} has no admission class {cls!r}: its requests "
+                "count in the provider's default class",
+            )
+        return index
+
+    async def acquire(
+        self, provider: str, timeout: float | None = None, *, cls: str | None = None
+    ) -> Ticket:
         """Take one running slot of ``provider`` and return its :class:`Ticket`, for code
         that takes and gives back the slot in different callbacks (a LiteLLM hook, say).
         The same waiting and errors as :meth:`slot`; give it back with :meth:`release`."""
-        ticket = self.slot(provider, timeout)
+        ticket = self.slot(provider, timeout, cls=cls)
         await ticket.__aenter__()
         return Ticket(provider, ticket)
 
-    def try_acquire(self, provider: str) -> Ticket | None:
+    def try_acquire(self, provider: str, *, cls: str | None = None) -> Ticket | None:
         """A slot of ``provider`` only if one is free at once: one try-lock step, never
         queued, never waiting, safe on an event loop. None when the request would have to
         wait (or the lock is busy): then call :meth:`acquire`, which queues it. Raises
         ``QueueFull`` as :meth:`acquire` does. Give the ticket back with :meth:`release`."""
-        ticket = self.slot(provider)
+        ticket = self.slot(provider, cls=cls)
         core = _core_of(ticket)
         code = core.arrive(
             ticket, ticket.provider, os.getpid(), IN_CORE, may_wait=False, blocking=False
@@ -583,9 +656,11 @@ class Admission:
             self._moved_ticket(ticket)  # the name leads elsewhere: arrivals go there now
         return None  # would wait (nothing recorded), the lock is busy, or it just moved
 
-    def acquire_blocking(self, provider: str, timeout: float | None = None) -> Ticket:
+    def acquire_blocking(
+        self, provider: str, timeout: float | None = None, *, cls: str | None = None
+    ) -> Ticket:
         """The blocking form of :meth:`acquire`."""
-        ticket = self.slot_blocking(provider, timeout)
+        ticket = self.slot_blocking(provider, timeout, cls=cls)
         ticket.__enter__()
         return Ticket(provider, ticket)
 
@@ -732,6 +807,20 @@ class Admission:
             return AdmissionError("this Admission was closed")
         return AdmissionError(f"admission refused (code {code})")
 
+    def _displaced(self, ticket: CoreTicket) -> QueueFull:
+        """A waiter displaced from a full queue by a higher class (R-A20): the refusal a
+        request arriving to a full queue gets."""
+        try:
+            name = self._attachment_of(_core_of(ticket)).provider_name(ticket.provider)
+        except AdmissionError:
+            name = "?"
+        return QueueFull(
+            f"provider {name}: {layout.QUEUE_BOUND} requests were waiting and one of a higher "
+            "admission class took this request's place",
+            provider=name,
+            waiting=layout.QUEUE_BOUND,
+        )
+
     def _timed_out(self, ticket: CoreTicket) -> AdmissionTimeout:
         """The provider, the timeout, and what was ahead of the request when it ran out (a
         lock-free look at the provider's row), in words and attributes."""
@@ -798,6 +887,8 @@ class Admission:
                     timed_out = self._timed_out(ticket)  # while the record holds its ticket
                     ticket.leave(_core.TIMEOUT, blocking=True)  # a grant that raced is handed on
                     raise timed_out
+                if result == _core.W_DISPLACED:
+                    raise self._displaced(ticket)
                 if result == _core.W_CLOSED or self._closing:
                     raise AdmissionError("this Admission was closed while waiting")
                 raise AdmissionError("the admission record was removed while waiting")
@@ -843,6 +934,8 @@ class Admission:
                 if state == HOLDER_RUNNING:
                     return _core.W_GRANTED
                 if state != HOLDER_WAITING:
+                    if att.core.displaced(ticket):
+                        return _core.W_DISPLACED
                     return _core.W_CLOSED if att.core.closing else _core.W_GONE
                 if att.core.closing:
                     return _core.W_CLOSED
@@ -902,8 +995,11 @@ class Admission:
                 return
             if code != _core.WAIT:
                 raise self._refusal(ticket, code)
-            if await self._wait_async(ticket) == _core.W_GRANTED:
+            result = await self._wait_async(ticket)
+            if result == _core.W_GRANTED:
                 return
+            if result == _core.W_DISPLACED:
+                raise self._displaced(ticket)
             if _core_of(ticket).moved and not _core_of(ticket).closing:
                 await self._leave_async(ticket, _core.CANCELLED)
                 code = _core.MOVED
@@ -927,6 +1023,8 @@ class Admission:
                 state = att.core.state(ticket) if not att.core.closing else 0
                 if state == HOLDER_RUNNING:
                     return _core.W_GRANTED
+                if state != HOLDER_WAITING and att.core.displaced(ticket):
+                    return _core.W_DISPLACED
                 if state != HOLDER_WAITING or att.core.closing:
                     return _core.W_GONE
                 if att.core.moved:

@@ -47,6 +47,9 @@ gunicorn with uvicorn workers, with or without ``--preload``.
   ``{"error": {"message", "type", "param", "code"}}``. ``Retry-After`` is the
   provider's drain estimate (``Admission.retry_after``: mean hold time x queue
   ahead / limit, clamped to 1..60 s) unless ``retry_after=`` fixes it.
+* **Which class.** ``admission_class=`` (docs/classes.md) is a class name, a function
+  of the scope, or a :class:`ClassMap` (from a header, a path prefix or the caller's
+  key); None, or a name the provider lacks, is the provider's default class.
 * **Pass-through.** Requests for which the provider is None (health checks,
   model lists, models no provider names), websocket and other scopes go to the
   app untouched.
@@ -73,6 +76,7 @@ __all__ = [
     "GRANT_KEY",
     "AdmissionMiddleware",
     "ByModel",
+    "ClassMap",
     "Grant",
     "ModelMap",
     "ProviderChoice",
@@ -116,6 +120,50 @@ class Grant(NamedTuple):
 ProviderChoice = str | Callable[[Scope], str | None] | ByModel | None
 
 
+class ClassMap:
+    """A request's admission class (docs/classes.md) from, in this order: the value of
+    ``header`` (only behind a proxy that sets or strips it: a client could claim any
+    class), the longest of ``paths`` that prefixes the request path, the caller's key
+    (``Authorization: Bearer KEY`` or ``x-api-key``) in ``keys``; else None (the
+    provider's default class). Keys are compared whole and never logged."""
+
+    __slots__ = ("_header", "_keys", "_paths")
+
+    def __init__(
+        self,
+        *,
+        header: str | None = None,
+        paths: dict[str, str] | None = None,
+        keys: dict[str, str] | None = None,
+    ) -> None:
+        self._header = header.lower().encode("latin-1") if header else None
+        self._paths = sorted((paths or {}).items(), key=lambda item: -len(item[0]))
+        self._keys = dict(keys or {})
+
+    def __repr__(self) -> str:
+        return (
+            f"ClassMap(header={self._header!r}, paths={len(self._paths)}, keys={len(self._keys)})"
+        )
+
+    def __call__(self, scope: Scope) -> str | None:
+        key = None
+        for name, value in scope.get("headers", ()):
+            if self._header is not None and name == self._header:
+                return str(value.decode("latin-1").strip())
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                key = value[7:].decode("latin-1").strip()
+            elif name == b"x-api-key" and key is None:
+                key = value.decode("latin-1").strip()
+        path = scope.get("path", "")
+        for prefix, cls in self._paths:
+            if path.startswith(prefix):
+                return cls
+        return self._keys.get(key) if key is not None else None
+
+
+ClassChoice = str | Callable[[Scope], str | None] | None
+
+
 class _StartupFailed(Exception):
     """Raised into the wrapped app's lifespan after startup failure was reported."""
 
@@ -133,6 +181,7 @@ class AdmissionMiddleware:
         provider: ProviderChoice,
         timeout: float | None = 30.0,
         retry_after: int | None = None,
+        admission_class: ClassChoice = None,
     ) -> None:
         if config is None and segment is None and not os.environ.get("GATEWAY_CAPACITY_SEGMENT"):
             raise ValueError("AdmissionMiddleware needs config= or segment=")
@@ -145,6 +194,7 @@ class AdmissionMiddleware:
         self.provider = provider
         self.timeout = timeout
         self.retry_after = retry_after
+        self.admission_class = admission_class
         self._models: ModelMap | None = None
         if isinstance(provider, ByModel):
             source = provider.config if provider.config is not None else config
@@ -279,12 +329,14 @@ class AdmissionMiddleware:
                 await _answer(send, 503, "admission_unavailable", _attach_error(exc), self._hint())
                 return
         waiting: _Waiting | None = None
+        chooser = self.admission_class
+        cls = chooser if chooser is None or isinstance(chooser, str) else chooser(scope)
         try:
             try:
-                ticket = adm.try_acquire(provider)  # the fast path: one try-lock step
+                ticket = adm.try_acquire(provider, cls=cls)  # the fast path: one try-lock step
                 if ticket is None:  # it must wait: read the request meanwhile (R-A4)
                     waiting = _Waiting(receive)
-                    ticket = await waiting.acquire(adm, provider, self.timeout)
+                    ticket = await waiting.acquire(adm, provider, self.timeout, cls)
                     if ticket is None:
                         return  # the client went away while waiting: it left the queue
                     receive = waiting.receive
@@ -390,10 +442,12 @@ class _Waiting:
                     self._gone.set_result(None)
                 return
 
-    async def acquire(self, adm: Admission, provider: str, timeout: float | None) -> Ticket | None:
+    async def acquire(
+        self, adm: Admission, provider: str, timeout: float | None, cls: str | None = None
+    ) -> Ticket | None:
         """Queue for a slot unless the client goes away first: the ticket, or None when it
         went away (its place freed, R-A4). Raises what ``acquire`` raises."""
-        acquiring = asyncio.ensure_future(adm.acquire(provider, timeout))
+        acquiring = asyncio.ensure_future(adm.acquire(provider, timeout, cls=cls))
         race: set[asyncio.Future[Any]] = {acquiring, self._gone}
         try:
             await asyncio.wait(race, return_when=asyncio.FIRST_COMPLETED)

@@ -1,26 +1,23 @@
 /*
  * The admission core: the segment lock, liveness, and every admission step, on the
  * mapped segment, with the GIL released while waiting (R-A1..R-A7, R-A11, R-A12,
- * R-A14..R-A16). shm_layout/ledger.py is the same protocol in plain Python, the test
- * oracle; its docstring is the state table, repeated here:
- *
- *     FREE -> RUNNING     arrive(): admitted at once (nobody waits, running < limit)
- *     FREE -> WAITING     arrive(): queued with the next ticket (FIFO, R-A3)
- *     WAITING -> RUNNING  pump(): the head of the queue, while running < limit
- *     WAITING -> FREE     leave(): a timeout or cancel before the grant
- *     RUNNING -> FREE     leave(): a release, or a cancel that lost to a grant (the
- *                         slot is handed on by the pump that follows, R-A4)
- *     any -> FREE         sweep()/register(): the owner is dead (R-A5)
+ * R-A14..R-A21). shm_layout/ledger.py is the same protocol in plain Python, the test
+ * oracle; its docstring holds the state table (every transition and the step that makes
+ * it, cancel_waiting() and unregister() included) and the rules of admission classes,
+ * and docs/DESIGN.md sections 6 and 6b say the same for people: the table is kept there
+ * once, not copied here. Every step below has the name of the model's step it mirrors.
  *
  * Invariants whenever the lock is free: running/waiting equal the RUNNING/WAITING
  * records (derived; recounted from the records when in doubt, R-A6, R-A16);
- * waiting <= 32; nobody waits while running < limit; a record is alive exactly while
+ * waiting <= 32; nobody waits while running < limit (with classes: no waiter waits that
+ * may run, DESIGN.md 6b); a record is alive exactly while
  * its member row's lock byte is held. Damage (R-A16): values no writer produces are
  * checked and put right (ledger.py's docstring lists them); a consistent lie by a
  * process that may write the segment is out of scope (docs/SECURITY.md).
  *
  * Sections of this file, each owning one thing:
  *   1. targets and liveness   the per-process table of lock files/objects, byte locks
+ *   1b. guarded mappings      a segment truncated under us: the SIGBUS guard
  *   2. the Core object        what one attachment knows; typed access to the mapping
  *   3. clocks                 the deadline clock (monotonic, counts suspend) and wall
  *   4. locked steps           every step run under the lock (arrive .. ensure_provider,
@@ -93,7 +90,7 @@ enum { FREE = HOLDER_FREE, WAITING = HOLDER_WAITING, RUNNING = HOLDER_RUNNING };
 enum { R_BUSY = 0, R_ADMIT = 1, R_WAIT = 2, R_FULL = 3, R_WAIT_REFUSED = 4, R_CLOSED = 5, R_MOVED = 6 };
 enum { OUT_RELEASED = 0, OUT_TIMEOUT = 1, OUT_CANCELLED = 2 };
 /* wait() results */
-enum { W_GRANTED = 1, W_GONE = 2, W_TIMEOUT = 3, W_CLOSED = 4, W_MOVED = 5 };
+enum { W_GRANTED = 1, W_GONE = 2, W_TIMEOUT = 3, W_CLOSED = 4, W_MOVED = 5, W_DISPLACED = 6 };
 /* platform flags (platform.core_flags) */
 enum { F_NO_FUTEX = CORE_NO_FUTEX, F_NO_SEM_TIMEOUT = CORE_NO_SEM_TIMEOUT, F_NO_SEM_OWNER = CORE_NO_SEM_OWNER };
 
@@ -496,6 +493,7 @@ typedef struct {
     int running;                /* ... and running */
     int busy;                   /* an operation on it is in flight (GIL released) */
     int futex;                  /* its owner thread waits on the record itself */
+    int cls;                    /* the admission class asked for; -1 the default */
     double timeout;             /* for the context managers: < 0 none */
     double started;             /* deadline clock when __enter__ began: the timeout counts
                                  * from here, waits for the lock included */
@@ -520,6 +518,9 @@ static inline void st64(Core *c, long off, uint64_t v) { __atomic_store_n((uint6
 static inline double ldd(Core *c, long off) { double d; uint64_t u = ld64(c, off); memcpy(&d, &u, 8); return d; }
 static inline void std_(Core *c, long off, double d) { uint64_t u; memcpy(&u, &d, 8); st64(c, off, u); }
 static inline void inc64(Core *c, long off) { st64(c, off, ld64(c, off) + 1); }
+static inline uint32_t ld16(Core *c, long off) { return __atomic_load_n((uint16_t *)AT(c, off), __ATOMIC_ACQUIRE); }
+static inline uint32_t ld8(Core *c, long off) { return __atomic_load_n((uint8_t *)AT(c, off), __ATOMIC_ACQUIRE); }
+static inline void st8(Core *c, long off, uint32_t v) { __atomic_store_n((uint8_t *)AT(c, off), (uint8_t)v, __ATOMIC_RELEASE); }
 
 #define BUSY_ADD(c, n) __atomic_add_fetch(&(c)->busy, (n), __ATOMIC_RELAXED)
 
@@ -727,6 +728,99 @@ static int head_waiter(Core *c, int p)
     return best;
 }
 
+/* --- admission classes (ledger.py: classes_in_force .. may_run; DESIGN.md 6b) ------ */
+typedef struct {
+    int count;                  /* classes in force; 0: one FIFO */
+    uint32_t reserve[CLASS_COUNT];
+    uint32_t cap[CLASS_COUNT];  /* 0 none */
+    double max_wait[CLASS_COUNT]; /* seconds; 0 never promoted */
+} Rules;
+
+static inline long cbase(Core *c, int p, int k) { return pbase(c, p) + CLASS_BASE + (long)k * CLASS_ROW_SIZE; }
+
+/* The number of classes the steps apply: 0 without classes, or while a handler of an
+ * older minor is registered (it knows nothing of them); never more than the rows. */
+static int classes_in_force(Core *c, int p)
+{
+    uint32_t count = ld32(c, pbase(c, p) + PROVIDER_CLASS_COUNT);
+    if (count == 0 || ld32(c, HEADER_OLDER_MEMBERS))
+        return 0;
+    return count < CLASS_COUNT ? (int)count : CLASS_COUNT;
+}
+
+static void class_rules(Core *c, int p, int count, Rules *r)
+{
+    r->count = count;
+    for (int k = 0; k < count; k++) {
+        long cb = cbase(c, p, k);
+        r->reserve[k] = ld16(c, cb + CLASS_RESERVE);
+        r->cap[k] = ld16(c, cb + CLASS_CAP);
+        r->max_wait[k] = ld32(c, cb + CLASS_MAX_WAIT_MS) / 1000.0;
+    }
+}
+
+/* The class an arrival or a record counts in: its own when the provider has it, else the
+ * default class (the last one when that is out of range too); 0 without classes. */
+static int resolve_class(Core *c, int p, int cls)
+{
+    uint32_t count = ld32(c, pbase(c, p) + PROVIDER_CLASS_COUNT);
+    if (count > CLASS_COUNT)
+        count = CLASS_COUNT;
+    if (count == 0)
+        return 0;
+    if (cls >= 0 && (uint32_t)cls < count)
+        return cls;
+    uint32_t def = ld32(c, pbase(c, p) + PROVIDER_DEFAULT_CLASS);
+    return def < count ? (int)def : (int)count - 1;
+}
+
+/* May a request of class k take a slot? The total below the limit, the class below its
+ * cap and (unless promoted) the total plus every higher class's unused reserve below
+ * the limit: strict order when the reserves exceed the limit. */
+static int may_run(const Rules *r, int k, int promoted, uint32_t running, const uint32_t *run, uint32_t limit)
+{
+    if (running >= limit)
+        return 0;
+    if (r->cap[k] && run[k] >= r->cap[k])
+        return 0;
+    if (promoted)
+        return 1;
+    uint32_t withheld = 0;
+    for (int j = 0; j < k; j++)
+        withheld += r->reserve[j] > run[j] ? r->reserve[j] - run[j] : 0;
+    return running + withheld < limit;
+}
+
+static void class_running(Core *c, int p, uint32_t *run)
+{
+    memset(run, 0, CLASS_COUNT * sizeof *run);
+    for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
+        long hb = hbase(c, p, h);
+        if (ld32(c, hb + HOLDER_STATE) == RUNNING)
+            run[resolve_class(c, p, (int)ld8(c, hb + HOLDER_CLS) - 1)]++;
+    }
+}
+
+/* A waiting record's class, and its rank: the top class once it waited maxWait. */
+static int record_rank(Core *c, int p, long hb, const Rules *r, double now, int *k, int *promoted)
+{
+    *k = resolve_class(c, p, (int)ld8(c, hb + HOLDER_CLS) - 1);
+    double wait = r->max_wait[*k];
+    *promoted = *k > 0 && wait > 0 && now - ldd(c, hb + HOLDER_SINCE_MONO) >= wait;
+    return *promoted ? 0 : *k;
+}
+
+static inline void bump_class(Core *c, int p, int k) { inc64(c, cbase(c, p, k) + CLASS_ADMITTED_TOTAL); }
+
+/* What a record's cls byte holds (ledger.stored_class): 1 + the class asked for when
+ * the provider has it, else 0, the default class (resolved when read: a record made
+ * before the classes were written counts in the default class, never the top one). */
+static uint32_t stored_class(Core *c, int p, int cls)
+{
+    uint32_t count = ld32(c, pbase(c, p) + PROVIDER_CLASS_COUNT);
+    return cls >= 0 && (uint32_t)cls < count && cls < CLASS_COUNT ? (uint32_t)cls + 1 : 0;
+}
+
 /* --- liveness ------------------------------------------------------------------------ */
 typedef struct { signed char held[MAX_MEMBERS]; } AliveCache;
 
@@ -774,13 +868,72 @@ static void note_hold(Core *c, long b, double hold)
 /* --- the steps ------------------------------------------------------------------------ */
 static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache);
 static void free_member_row(Core *c, int m, Rings *rings);
+static int count_older_members(Core *c);
 
 /* The arrival section (ledger.Ledger.arrive). */
+static int arrive_classed(Core *c, Ticket *tk, int p, int k, unsigned int pid, Now now, int may_wait,
+                          int futex, Rings *rings);
+
+static void claim_record(Core *c, Ticket *tk, int p, int h, int k, unsigned int pid, Now now, int futex,
+                         int decision)
+{
+    long b = pbase(c, p);
+    long hb = hbase(c, p, h);
+    uint64_t serial = ld64(c, hb + HOLDER_SERIAL) + 1;
+    uint64_t ticket = 0;
+    if (decision == R_WAIT) {
+        ticket = ld64(c, b + PROVIDER_NEXT_TICKET);
+        if (ticket != UINT64_MAX) /* written to the top: it stays there, never wraps */
+            ticket++;
+        st64(c, b + PROVIDER_NEXT_TICKET, ticket);
+    }
+    st64(c, hb + HOLDER_SERIAL, serial);
+    st32(c, hb + HOLDER_MEMBER, (uint32_t)c->member);
+    st32(c, hb + HOLDER_PID, pid);
+    st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
+    st64(c, hb + HOLDER_TICKET, ticket);
+    std_(c, hb + HOLDER_SINCE, now.wall);
+    std_(c, hb + HOLDER_SINCE_MONO, now.mono);
+    st32(c, hb + HOLDER_WAKER, futex ? WAKE_FUTEX : WAKE_DOORBELL);
+    st8(c, hb + HOLDER_CLS, stored_class(c, p, tk->cls));
+    (void)k;
+    st8(c, hb + HOLDER_DISPLACED, 0);
+    /* the ticket is ours before the lock is let go: an exception that lands after
+     * this call returns still finds it (R-A12) */
+    tk->provider = p;
+    tk->holder = h;
+    tk->serial = serial;
+    tk->fork_gen = c->fork_gen;
+    tk->futex = futex;
+    tk->live = 1;
+    tk->running = decision == R_ADMIT;
+}
+
+/* The first free record; one that holds a displacement note (its owner may not have read
+ * it yet) only when no other is free (ledger.Ledger._free_place). */
+static int first_free(Core *c, int p)
+{
+    int noted = -1;
+    for (int i = 0; i < HOLDERS_PER_PROVIDER; i++) {
+        long ib = hbase(c, p, i);
+        if (ld32(c, ib + HOLDER_STATE) == FREE) {
+            if (!ld8(c, ib + HOLDER_DISPLACED))
+                return i;
+            if (noted < 0)
+                noted = i;
+        }
+    }
+    return noted;
+}
+
 static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, int may_wait, int futex,
                          Rings *rings)
 {
     if (c->member < 0 || c->closing)
         return R_CLOSED; /* unregistered or closing meanwhile: nothing may run (R-A14) */
+    int k = resolve_class(c, p, tk->cls);
+    if (classes_in_force(c, p))
+        return arrive_classed(c, tk, p, k, pid, now, may_wait, futex, rings);
     long b = pbase(c, p);
     int decision = R_FULL;
     for (int attempt = 0; attempt < 2; attempt++) {
@@ -798,13 +951,7 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
             decision = R_WAIT;
         int h = -1;
         if (decision != R_FULL) {
-            for (int i = 0; i < HOLDERS_PER_PROVIDER; i++) {
-                long ib = hbase(c, p, i);
-                if (ld32(c, ib + HOLDER_STATE) == FREE) {
-                    h = i;
-                    break;
-                }
-            }
+            h = first_free(c, p);
             if (h < 0)
                 decision = R_FULL;
         }
@@ -822,32 +969,8 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
             decision = R_WAIT_REFUSED;
             break;
         }
+        claim_record(c, tk, p, h, k, pid, now, futex, decision);
         long hb = hbase(c, p, h);
-        uint64_t serial = ld64(c, hb + HOLDER_SERIAL) + 1;
-        uint64_t ticket = 0;
-        if (decision == R_WAIT) {
-            ticket = ld64(c, b + PROVIDER_NEXT_TICKET);
-            if (ticket != UINT64_MAX) /* written to the top: it stays there, never wraps */
-                ticket++;
-            st64(c, b + PROVIDER_NEXT_TICKET, ticket);
-        }
-        st64(c, hb + HOLDER_SERIAL, serial);
-        st32(c, hb + HOLDER_MEMBER, (uint32_t)c->member);
-        st32(c, hb + HOLDER_PID, pid);
-        st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
-        st64(c, hb + HOLDER_TICKET, ticket);
-        std_(c, hb + HOLDER_SINCE, now.wall);
-        std_(c, hb + HOLDER_SINCE_MONO, now.mono);
-        st32(c, hb + HOLDER_WAKER, futex ? WAKE_FUTEX : WAKE_DOORBELL);
-        /* the ticket is ours before the lock is let go: an exception that lands after
-         * this call returns still finds it (R-A12) */
-        tk->provider = p;
-        tk->holder = h;
-        tk->serial = serial;
-        tk->fork_gen = c->fork_gen;
-        tk->futex = futex;
-        tk->live = 1;
-        tk->running = decision == R_ADMIT;
         if (decision == R_ADMIT) {
             st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
             put_counts(c, b, running + 1, waiting);
@@ -861,6 +984,102 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
         break;
     }
     (void)rings;
+    return decision;
+}
+
+/* The newest waiter of the lowest rank below class k (ledger.Ledger._displaceable), -1
+ * none: promoted waiters rank as the top class and are never displaced. */
+static int displaceable(Core *c, int p, int k, const Rules *r, double now)
+{
+    int best = -1, best_rank = 0;
+    uint64_t best_ticket = 0;
+    for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
+        long hb = hbase(c, p, h);
+        if (ld32(c, hb + HOLDER_STATE) != WAITING)
+            continue;
+        int rk, promoted;
+        int rank = record_rank(c, p, hb, r, now, &rk, &promoted);
+        uint64_t t = ld64(c, hb + HOLDER_TICKET);
+        if (rank > k && (best < 0 || rank > best_rank || (rank == best_rank && t > best_ticket))) {
+            best = h;
+            best_rank = rank;
+            best_ticket = t;
+        }
+    }
+    return best;
+}
+
+/* An arrival of class k with classes in force (ledger.Ledger._arrive_classed): pump first
+ * (a waiter may have been promoted meanwhile), run at once when the class may, else
+ * queue, displacing the newest waiter of the lowest rank below k from a full queue. */
+static int arrive_classed(Core *c, Ticket *tk, int p, int k, unsigned int pid, Now now, int may_wait,
+                          int futex, Rings *rings)
+{
+    long b = pbase(c, p);
+    if (counters_damaged(c, b) && recount_provider(c, p))
+        note_damage(c, "provider counters were written over");
+    pump(c, p, now, rings, NULL);
+    Rules r;
+    class_rules(c, p, classes_in_force(c, p), &r);
+    int decision = R_FULL;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        uint32_t running = ld32(c, b + PROVIDER_RUNNING);
+        uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
+        uint32_t run[CLASS_COUNT];
+        class_running(c, p, run);
+        uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
+        int victim = -1;
+        decision = R_WAIT;
+        if (may_run(&r, k, 0, running, run, limit))
+            decision = R_ADMIT;
+        else if (waiting >= (uint32_t)QUEUE_BOUND) {
+            victim = displaceable(c, p, k, &r, now.mono);
+            if (victim < 0)
+                decision = R_FULL;
+        }
+        int h = decision != R_FULL ? first_free(c, p) : -1;
+        if (h < 0 && victim >= 0)
+            h = victim;
+        if (h < 0)
+            decision = R_FULL;
+        if (decision == R_FULL && attempt == 0) {
+            if (recount_provider(c, p))
+                note_damage(c, "provider counters disagreed with the records");
+            continue;
+        }
+        if (decision == R_FULL) {
+            inc64(c, b + PROVIDER_REJECTED_TOTAL);
+            break;
+        }
+        if (decision == R_WAIT && !may_wait) {
+            decision = R_WAIT_REFUSED;
+            break;
+        }
+        if (victim >= 0) {
+            long vb = hbase(c, p, victim);
+            free_record(c, vb);
+            st8(c, vb + HOLDER_DISPLACED, 1);
+            waiting--;
+            put_counts(c, b, running, waiting);
+            inc64(c, b + PROVIDER_DISPLACED_TOTAL);
+            inc64(c, b + PROVIDER_REJECTED_TOTAL);
+            ring_record(c, rings, vb);
+        }
+        claim_record(c, tk, p, h, k, pid, now, futex, decision);
+        long hb = hbase(c, p, h);
+        if (decision == R_ADMIT) {
+            st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
+            put_counts(c, b, running + 1, waiting);
+            note_peak(c, b, PROVIDER_PEAK_RUNNING, running + 1);
+            inc64(c, b + PROVIDER_ADMITTED_TOTAL);
+            bump_class(c, p, k);
+        } else {
+            st32(c, hb + HOLDER_STATE, WAITING);
+            put_counts(c, b, running, waiting + 1);
+            note_peak(c, b, PROVIDER_PEAK_WAITING, waiting + 1);
+        }
+        break;
+    }
     return decision;
 }
 
@@ -928,6 +1147,80 @@ static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
     return freed;
 }
 
+/* The waiter that may run with the highest rank and the oldest ticket
+ * (ledger.Ledger._best_waiter): -1 none; *anyone: some record waits at all. */
+static int best_waiter(Core *c, int p, uint32_t running, const uint32_t *run, uint32_t limit, const Rules *r,
+                       double now, int *cls, int *promoted_only, int *anyone)
+{
+    int best = -1, best_rank = 0;
+    uint64_t best_ticket = 0;
+    *anyone = 0;
+    for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
+        long hb = hbase(c, p, h);
+        if (ld32(c, hb + HOLDER_STATE) != WAITING)
+            continue;
+        *anyone = 1;
+        int k, promoted;
+        int rank = record_rank(c, p, hb, r, now, &k, &promoted);
+        if (!may_run(r, k, promoted, running, run, limit))
+            continue;
+        uint64_t t = ld64(c, hb + HOLDER_TICKET);
+        if (best < 0 || rank < best_rank || (rank == best_rank && t < best_ticket)) {
+            best = h;
+            best_rank = rank;
+            best_ticket = t;
+            *cls = k;
+            *promoted_only = promoted && !may_run(r, k, 0, running, run, limit);
+        }
+    }
+    return best;
+}
+
+/* Grant, while some waiter may run, the one of the highest rank, oldest first
+ * (ledger.Ledger._pump_classed); a dead one is reclaimed, never granted. */
+static void pump_classed(Core *c, int p, uint32_t running, uint32_t waiting, uint32_t limit, Now now,
+                         Rings *rings, AliveCache *cache)
+{
+    long b = pbase(c, p);
+    Rules r;
+    class_rules(c, p, classes_in_force(c, p), &r);
+    uint32_t run[CLASS_COUNT];
+    class_running(c, p, run);
+    int recounted = 0;
+    while (running < limit && waiting > 0) {
+        int k = 0, promoted_only = 0, anyone = 0;
+        int h = best_waiter(c, p, running, run, limit, &r, now.mono, &k, &promoted_only, &anyone);
+        if (h < 0) {
+            if (anyone || recounted)
+                break; /* nobody who waits may run */
+            recounted = 1; /* somebody waits by the counters and no record does */
+            recount_provider(c, p);
+            running = ld32(c, b + PROVIDER_RUNNING);
+            waiting = ld32(c, b + PROVIDER_WAITING);
+            continue;
+        }
+        long hb = hbase(c, p, h);
+        waiting--;
+        if (!holder_alive(c, hb, cache)) {
+            free_record(c, hb);
+            inc64(c, b + PROVIDER_RECLAIMED_TOTAL);
+            continue;
+        }
+        std_(c, hb + HOLDER_SINCE, now.wall);
+        std_(c, hb + HOLDER_SINCE_MONO, now.mono);
+        st32(c, hb + HOLDER_STATE, RUNNING);
+        running++;
+        run[k]++;
+        ring_record(c, rings, hb);
+        inc64(c, b + PROVIDER_ADMITTED_TOTAL);
+        bump_class(c, p, k);
+        if (promoted_only)
+            inc64(c, b + PROVIDER_PROMOTED_TOTAL);
+    }
+    put_counts(c, b, running, waiting);
+    note_peak(c, b, PROVIDER_PEAK_RUNNING, running);
+}
+
 /* Grant head waiters while there is room; a dead head is reclaimed, never granted. */
 static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
 {
@@ -939,6 +1232,10 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
     if (waiting == 0)
         return;
     uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
+    if (classes_in_force(c, p)) {
+        pump_classed(c, p, running, waiting, limit, now, rings, cache);
+        return;
+    }
     int recounted = 0;
     while (running < limit && waiting > 0) {
         /* somebody waits by the counters and no record does: the records decide, once */
@@ -1008,6 +1305,8 @@ static uint32_t reap(Core *c, Now now, Rings *rings)
         if (ld32(c, mb + MEMBER_IN_USE) && !member_byte_held(c, m, &cache))
             free_member_row(c, m, rings);
     }
+    if (count_older_members(c)) /* a 3.0 handler registered by its own core: one FIFO */
+        pump_all(c, now, rings);
     return reclaimed;
 }
 
@@ -1063,6 +1362,24 @@ static void repair_all(Core *c)
     for (int p = 0; p < PROVIDER_COUNT; p++)
         if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
             recount_provider(c, p);
+}
+
+/* Registered handlers that speak an older minor of this major
+ * (ledger.Ledger._count_older_members): while any is, the classes are suspended. */
+static int count_older_members(Core *c)
+{
+    uint32_t before = ld32(c, HEADER_OLDER_MEMBERS);
+    uint32_t older = 0;
+    for (int m = 0; m < MEMBER_COUNT; m++) {
+        long mb = mbase(c, m);
+        if (!ld32(c, mb + MEMBER_IN_USE))
+            continue;
+        uint32_t major = *(uint16_t *)AT(c, mb + MEMBER_MAJOR), minor = *(uint16_t *)AT(c, mb + MEMBER_MINOR);
+        if (major < LAYOUT_MAJOR || (major == LAYOUT_MAJOR && minor < LAYOUT_MINOR))
+            older++;
+    }
+    st32(c, HEADER_OLDER_MEMBERS, older);
+    return before == 0 && older > 0; /* the classes were just suspended */
 }
 
 /* Free the member row of a process that is gone; its doorbell is removed after the
@@ -1141,8 +1458,12 @@ static int register_locked(Core *c, unsigned int pid, double start, const char *
         c->member_serial = *serial;
         c->pid = pid;
         c->bell = bell;
+        if (count_older_members(c))
+            pump_all(c, now, rings); /* one FIFO from now on: grant what it allows */
         return m;
     }
+    if (count_older_members(c))
+        pump_all(c, now, rings);
     return -1;
 }
 
@@ -1160,6 +1481,7 @@ static uint32_t unregister_locked(Core *c, int m, uint64_t serial, Now now, Ring
         st32(c, mb + MEMBER_IN_USE, 0);
         st64(c, mb + MEMBER_BELL, 0);
     }
+    count_older_members(c);
     t->own[m] = 0;
     byte_lock(t->fd, c->kind, 1 + (off_t)m, F_UNLCK, 0);
     return cut;
@@ -1929,19 +2251,26 @@ static int named(int flag, const char *call, const char *name)
     return -1;
 }
 
-/* arrive(ticket, provider, pid, now, *, may_wait, blocking, timeout=-1.0, futex=False) -> code */
+/* arrive(ticket, provider, pid, now, *, may_wait, blocking, timeout=-1.0, futex=False,
+ * cls=None) -> code; ``cls`` (a class index, -1 the default) replaces the ticket's */
 static PyObject *Core_arrive(Core *c, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"ticket", "provider", "pid", "now", "may_wait", "blocking", "timeout", "futex", NULL};
-    PyObject *tko;
+    static char *kwlist[] = {"ticket", "provider", "pid", "now", "may_wait", "blocking", "timeout", "futex", "cls", NULL};
+    PyObject *tko, *cls = Py_None;
     int p, may_wait = -1, blocking = -1, futex = 0;
     unsigned int pid;
     double now, timeout = -1.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!iId|$ppdp", kwlist, TicketType, &tko, &p, &pid, &now,
-                                     &may_wait, &blocking, &timeout, &futex))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!iId|$ppdpO", kwlist, TicketType, &tko, &p, &pid, &now,
+                                     &may_wait, &blocking, &timeout, &futex, &cls))
         return NULL;
     if (named(may_wait, "arrive", "may_wait") < 0 || named(blocking, "arrive", "blocking") < 0)
         return NULL;
+    if (cls != Py_None && !((Ticket *)tko)->live) {
+        long k = PyLong_AsLong(cls);
+        if (k == -1 && PyErr_Occurred())
+            return NULL;
+        ((Ticket *)tko)->cls = k < 0 || k >= CLASS_COUNT ? -1 : (int)k;
+    }
     int code = do_arrive(c, (Ticket *)tko, p, pid, now, may_wait, blocking, timeout, futex);
     return code < 0 ? NULL : PyLong_FromLong(code);
 }
@@ -2037,6 +2366,28 @@ static uint32_t ticket_state(Core *c, Ticket *tk)
     return state;
 }
 
+/* Was the ticket's record displaced from a full queue by a higher class (R-A20)? Its
+ * record is free with its serial and its displaced byte set. */
+static int ticket_displaced(Core *c, Ticket *tk)
+{
+    if (!tk->live || tk->core != c || c->closed || tk->provider < 0 || tk->holder < 0)
+        return 0;
+    long hb = hbase(c, tk->provider, tk->holder);
+    return ld64(c, hb + HOLDER_SERIAL) == tk->serial && ld32(c, hb + HOLDER_STATE) == FREE &&
+           ld8(c, hb + HOLDER_DISPLACED) == 1;
+}
+
+static PyObject *Core_displaced(Core *c, PyObject *arg)
+{
+    if (!PyObject_TypeCheck(arg, TicketType)) {
+        PyErr_SetString(PyExc_TypeError, "a Ticket");
+        return NULL;
+    }
+    if (!usable(c))
+        return NULL;
+    return PyBool_FromLong(ticket_displaced(c, (Ticket *)arg));
+}
+
 static PyObject *Core_state(Core *c, PyObject *arg)
 {
     if (!PyObject_TypeCheck(arg, TicketType)) {
@@ -2117,7 +2468,7 @@ static PyObject *Core_wait(Core *c, PyObject *args)
                 break;
             }
             if (state != WAITING) {
-                result = W_GONE;
+                result = ticket_displaced(c, tk) ? W_DISPLACED : W_GONE;
                 break;
             }
             if (c->closing) {
@@ -2637,18 +2988,19 @@ static PyObject *Ticket_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (t) {
         t->provider = -1;
         t->holder = -1;
+        t->cls = -1;
         t->timeout = -1.0;
     }
     return (PyObject *)t;
 }
 
-/* Ticket(core=None, provider=-1, timeout=None) */
+/* Ticket(core=None, provider=-1, timeout=None, *, cls=-1) */
 static int Ticket_init(Ticket *t, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"core", "provider", "timeout", NULL};
+    static char *kwlist[] = {"core", "provider", "timeout", "cls", NULL};
     PyObject *core = Py_None, *timeout = Py_None;
-    int provider = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OiO", kwlist, &core, &provider, &timeout))
+    int provider = -1, cls = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OiO$i", kwlist, &core, &provider, &timeout, &cls))
         return -1;
     if (t->live) {
         PyErr_SetString(PyExc_ValueError, "a live ticket");
@@ -2662,6 +3014,7 @@ static int Ticket_init(Ticket *t, PyObject *args, PyObject *kwds)
         set_core(t, (Core *)core);
     }
     t->provider = provider;
+    t->cls = cls;
     if (timeout == Py_None)
         t->timeout = -1.0;
     else {
@@ -2789,6 +3142,7 @@ static PyObject *Ticket_rebind(Ticket *t, PyObject *args)
 }
 
 static PyObject *Ticket_get_provider(Ticket *t, void *x) { return PyLong_FromLong(t->provider); }
+static PyObject *Ticket_get_cls(Ticket *t, void *x) { return PyLong_FromLong(t->cls); }
 static PyObject *Ticket_get_holder(Ticket *t, void *x) { return PyLong_FromLong(t->holder); }
 static PyObject *Ticket_get_serial(Ticket *t, void *x) { return PyLong_FromUnsignedLongLong(t->serial); }
 static PyObject *Ticket_get_live(Ticket *t, void *x) { return PyBool_FromLong(t->live); }
@@ -2901,6 +3255,8 @@ static PyMethodDef Core_methods[] = {
     {"leave", (PyCFunction)(void (*)(void))Core_leave, METH_VARARGS | METH_KEYWORDS,
      "leave(ticket, outcome, now, *, blocking) -> -1 busy, 0 stale, 1 running, 2 waiting"},
     {"state", (PyCFunction)Core_state, METH_O, "state(ticket) -> record state (lock-free)"},
+    {"displaced", (PyCFunction)Core_displaced, METH_O,
+     "displaced(ticket) -> its record was displaced from a full queue (lock-free)"},
     {"wait", (PyCFunction)Core_wait, METH_VARARGS, "wait(ticket, timeout) -> (W_*, reclaimed): sleep on the record (Linux)"},
     {"dispatch", (PyCFunction)Core_dispatch, METH_VARARGS, "dispatch(period, watched, always=False) -> (changed, reclaimed, posts)"},
     {"post_own", (PyCFunction)Core_post_own, METH_NOARGS, "wake this process's dispatcher"},
@@ -2964,6 +3320,7 @@ static PyMethodDef Ticket_methods[] = {
 
 static PyGetSetDef Ticket_getset[] = {
     {"provider", (getter)Ticket_get_provider, NULL, NULL, NULL},
+    {"cls", (getter)Ticket_get_cls, NULL, NULL, NULL},
     {"holder", (getter)Ticket_get_holder, NULL, NULL, NULL},
     {"serial", (getter)Ticket_get_serial, NULL, NULL, NULL},
     {"live", (getter)Ticket_get_live, NULL, NULL, NULL},
@@ -3266,6 +3623,7 @@ PyMODINIT_FUNC PyInit__core(void)
         add_int(m, "CLOSED", R_CLOSED) < 0 || add_int(m, "MOVED", R_MOVED) < 0 || add_int(m, "RELEASED", OUT_RELEASED) < 0 ||
         add_int(m, "TIMEOUT", OUT_TIMEOUT) < 0 || add_int(m, "CANCELLED", OUT_CANCELLED) < 0 ||
         add_int(m, "W_GRANTED", W_GRANTED) < 0 || add_int(m, "W_GONE", W_GONE) < 0 ||
+        add_int(m, "W_DISPLACED", W_DISPLACED) < 0 ||
         add_int(m, "W_TIMEOUT", W_TIMEOUT) < 0 || add_int(m, "W_CLOSED", W_CLOSED) < 0 ||
         add_int(m, "W_MOVED", W_MOVED) < 0 || add_int(m, "WAKE_DOORBELL", WAKE_DOORBELL) < 0 ||
         add_int(m, "WAKE_FUTEX", WAKE_FUTEX) < 0 ||

@@ -26,6 +26,7 @@ W_GONE: int
 W_TIMEOUT: int
 W_CLOSED: int
 W_MOVED: int
+W_DISPLACED: int
 WAKE_DOORBELL: int
 WAKE_FUTEX: int
 MUTEX_SIZE: int
@@ -37,10 +38,17 @@ DONE: Done
 
 class Ticket:
     def __init__(
-        self, core: Core | None = None, provider: int = -1, timeout: float | None = None
+        self,
+        core: Core | None = None,
+        provider: int = -1,
+        timeout: float | None = None,
+        *,
+        cls: int = -1,
     ) -> None: ...
     @property
     def provider(self) -> int: ...
+    @property
+    def cls(self) -> int: ...
     @property
     def holder(self) -> int: ...
     @property
@@ -102,9 +110,11 @@ class Core:
         blocking: bool,
         timeout: float = ...,
         futex: bool = ...,
+        cls: int | None = ...,
     ) -> int: ...
     def leave(self, ticket: Ticket, outcome: int, now: float, *, blocking: bool) -> int: ...
     def state(self, ticket: Ticket) -> int: ...
+    def displaced(self, ticket: Ticket) -> bool: ...
     def wait(self, ticket: Ticket, timeout: float) -> tuple[int, int]: ...
     def dispatch(
         self, period: float, watched: Sequence[Ticket], always: bool = ...

@@ -44,6 +44,7 @@
 #define HEADER_LEGACY_SINCE 640                  /* d */
 #define HEADER_LEGACY_MAX_S 648                  /* d */
 #define HEADER_LEGACY_PID 656                    /* I */
+#define HEADER_OLDER_MEMBERS 660                 /* I */
 
 /* provider row fields: offsets inside a row (layout.PROVIDER) */
 #define PROVIDER_IN_USE 0                        /* I */
@@ -74,6 +75,10 @@
 #define PROVIDER_HOLD_MEAN_S 328                 /* d */
 #define PROVIDER_EXPIRES_MONO 336                /* d */
 #define PROVIDER_COUNTS_CHECK 344                /* Q */
+#define PROVIDER_CLASS_COUNT 352                 /* I */
+#define PROVIDER_DEFAULT_CLASS 356               /* I */
+#define PROVIDER_PROMOTED_TOTAL 360              /* Q */
+#define PROVIDER_DISPLACED_TOTAL 368             /* Q */
 
 /* holder record fields: offsets inside a record (layout.HOLDER) */
 #define HOLDER_STATE 0                           /* I */
@@ -85,6 +90,8 @@
 #define HOLDER_SINCE 40                          /* d */
 #define HOLDER_SINCE_MONO 48                     /* d */
 #define HOLDER_WAKER 56                          /* I */
+#define HOLDER_CLS 60                            /* B */
+#define HOLDER_DISPLACED 61                      /* B */
 
 /* member row fields: offsets inside a row (layout.MEMBER) */
 #define MEMBER_IN_USE 0                          /* I */
@@ -96,6 +103,13 @@
 #define MEMBER_ATTACHED_AT 32                    /* d */
 #define MEMBER_LABEL 40                          /* 64s */
 #define MEMBER_BELL 104                          /* Q */
+
+/* class row fields: offsets inside a class row (layout.CLASS) */
+#define CLASS_NAME 0                             /* 16s */
+#define CLASS_RESERVE 16                         /* H */
+#define CLASS_CAP 18                             /* H */
+#define CLASS_MAX_WAIT_MS 20                     /* I */
+#define CLASS_ADMITTED_TOTAL 24                  /* Q */
 
 /* geometry (layout.py) */
 #define PROVIDERS_BASE 1024
@@ -115,10 +129,13 @@
 #define TOTAL_SIZE 640000
 #define MUTEX_OFFSET 896
 #define MUTEX_SIZE 128
+#define CLASS_BASE 384
+#define CLASS_COUNT 4
+#define CLASS_ROW_SIZE 32
 
 /* constants shared with Python, each defined there once */
 #define LAYOUT_MAJOR 3                           /* layout.MAJOR */
-#define LAYOUT_MINOR 0                           /* layout.MINOR */
+#define LAYOUT_MINOR 1                           /* layout.MINOR */
 #define LABEL_BYTES 64                           /* layout.MEMBER["label"] */
 #define LOCK_ROBUST 1                            /* layout.LOCK_ROBUST: the lock kinds */
 #define LOCK_FILE 2                              /* layout.LOCK_FILE */
@@ -185,6 +202,7 @@
     X("h.legacy_since", HEADER_LEGACY_SINCE) \
     X("h.legacy_max_s", HEADER_LEGACY_MAX_S) \
     X("h.legacy_pid", HEADER_LEGACY_PID) \
+    X("h.older_members", HEADER_OLDER_MEMBERS) \
     X("h.mutex", MUTEX_OFFSET) \
     X("p.in_use", PROVIDER_IN_USE) \
     X("p.flags", PROVIDER_FLAGS) \
@@ -214,6 +232,10 @@
     X("p.hold_mean_s", PROVIDER_HOLD_MEAN_S) \
     X("p.expires_mono", PROVIDER_EXPIRES_MONO) \
     X("p.counts_check", PROVIDER_COUNTS_CHECK) \
+    X("p.class_count", PROVIDER_CLASS_COUNT) \
+    X("p.default_class", PROVIDER_DEFAULT_CLASS) \
+    X("p.promoted_total", PROVIDER_PROMOTED_TOTAL) \
+    X("p.displaced_total", PROVIDER_DISPLACED_TOTAL) \
     X("k.state", HOLDER_STATE) \
     X("k.pid", HOLDER_PID) \
     X("k.member_serial", HOLDER_MEMBER_SERIAL) \
@@ -223,6 +245,8 @@
     X("k.since", HOLDER_SINCE) \
     X("k.since_mono", HOLDER_SINCE_MONO) \
     X("k.waker", HOLDER_WAKER) \
+    X("k.cls", HOLDER_CLS) \
+    X("k.displaced", HOLDER_DISPLACED) \
     X("m.in_use", MEMBER_IN_USE) \
     X("m.pid", MEMBER_PID) \
     X("m.start", MEMBER_START) \
@@ -232,6 +256,11 @@
     X("m.attached_at", MEMBER_ATTACHED_AT) \
     X("m.label", MEMBER_LABEL) \
     X("m.bell", MEMBER_BELL) \
+    X("c.name", CLASS_NAME) \
+    X("c.reserve", CLASS_RESERVE) \
+    X("c.cap", CLASS_CAP) \
+    X("c.max_wait_ms", CLASS_MAX_WAIT_MS) \
+    X("c.admitted_total", CLASS_ADMITTED_TOTAL) \
     X("g.providers_base", PROVIDERS_BASE) \
     X("g.provider_row_size", PROVIDER_ROW_SIZE) \
     X("g.provider_count", PROVIDER_COUNT) \
@@ -249,5 +278,8 @@
     X("g.label_bytes", LABEL_BYTES) \
     X("g.total_size", TOTAL_SIZE) \
     X("g.mutex_size", MUTEX_SIZE) \
+    X("g.class_base", CLASS_BASE) \
+    X("g.class_count", CLASS_COUNT) \
+    X("g.class_row_size", CLASS_ROW_SIZE) \
 
 #endif

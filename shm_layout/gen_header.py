@@ -9,7 +9,8 @@ the record states ...) in the Python module named beside it below; the header is
 generated from them and committed, so that building the core needs nothing but a C
 compiler. ``tests/shm/test_layout_header.py`` fails when the committed header is not
 what this writes now. Names: ``HEADER_<FIELD>`` (offset from the segment's start),
-``PROVIDER_<FIELD>``, ``HOLDER_<FIELD>``, ``MEMBER_<FIELD>`` (offsets inside their row),
+``PROVIDER_<FIELD>``, ``HOLDER_<FIELD>``, ``MEMBER_<FIELD>``, ``CLASS_<FIELD>`` (offsets
+inside their row),
 and the geometry by its ``layout`` name (``PROVIDERS_BASE``, ``HOLDER_ROW_SIZE`` ...).
 """
 
@@ -41,6 +42,9 @@ _GEOMETRY = (
     "TOTAL_SIZE",
     "MUTEX_OFFSET",
     "MUTEX_SIZE",
+    "CLASS_BASE",
+    "CLASS_COUNT",
+    "CLASS_ROW_SIZE",
 )
 
 
@@ -88,7 +92,14 @@ def _constants() -> list[tuple[str, object, str]]:
 
 def _offset_names() -> list[tuple[str, str]]:
     """(the key in ``layout.core_offsets()``, its C name), in the dict's order."""
-    prefixes = {"h": "HEADER_", "p": "PROVIDER_", "k": "HOLDER_", "m": "MEMBER_", "g": ""}
+    prefixes = {
+        "h": "HEADER_",
+        "p": "PROVIDER_",
+        "k": "HOLDER_",
+        "m": "MEMBER_",
+        "c": "CLASS_",
+        "g": "",
+    }
     out = []
     for key in layout.core_offsets():
         table, field = key.split(".", 1)
@@ -127,6 +138,7 @@ def render() -> str:
         ("provider row fields: offsets inside a row", layout.PROVIDER, "PROVIDER_"),
         ("holder record fields: offsets inside a record", layout.HOLDER, "HOLDER_"),
         ("member row fields: offsets inside a row", layout.MEMBER, "MEMBER_"),
+        ("class row fields: offsets inside a class row", layout.CLASS, "CLASS_"),
     ):
         lines.append(f"/* {title} (layout.{prefix.rstrip('_')}) */")
         for field_name, field in table.items():

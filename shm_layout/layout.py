@@ -34,7 +34,9 @@ MAGIC = b"GWCAPSG\x00"
 #    monotonic clock, records woken by futex, a kernel-held lock and liveness (_core.c);
 #    a segment of another major is refused, never read
 MAJOR = 3
-MINOR = 0
+# 3.1: admission classes (docs/DESIGN.md section 6b) in reserved tails; a 3.0 handler still
+#      attaches, and the classes are suspended while one is registered (older_members)
+MINOR = 1
 
 PROVIDER_COUNT = 64
 HOLDERS_PER_PROVIDER = 128
@@ -139,6 +141,9 @@ HEADER = _fields(
         ("legacy_since", "d"),  # when the drain began (deadline clock), 0 while none
         ("legacy_max_s", "d"),  # --await-legacy-max
         ("legacy_pid", "I"),  # one legacy process still awaited (the first), 0 none
+        # layout 3.1: registered handlers that speak an older minor (no classes): while
+        # any is, every provider admits as one FIFO (DESIGN.md section 6b)
+        ("older_members", "I"),
     ],
 )
 # The robust mutex of LOCK_ROBUST lives at a fixed, 64-byte aligned place at the end of
@@ -198,6 +203,11 @@ PROVIDER = _fields(
         # ~(waiting << 32 | running), written with them: a single bad write to either
         # counter is seen at the next step and the counters recounted, never obeyed (R-A16)
         ("counts_check", "Q"),
+        # layout 3.1: admission classes (DESIGN.md section 6b); 0 classes: one FIFO
+        ("class_count", "I"),  # class rows in use, at most CLASS_COUNT
+        ("default_class", "I"),  # the class of a request that names none
+        ("promoted_total", "Q"),  # grants that only a waiter's promotion (maxWait) allowed
+        ("displaced_total", "Q"),  # waiters displaced from a full queue by a higher class
     ],
 )
 
@@ -211,6 +221,8 @@ PROVIDER_COUNTERS = (
     "reclaimed_total",
     "peak_running",
     "peak_waiting",
+    "promoted_total",
+    "displaced_total",
 )
 
 
@@ -222,6 +234,23 @@ def counts_check(running: int, waiting: int) -> int:
 PFLAG_DISCOVERY = 1  # capacityDiscovery requested in the config
 PFLAG_CONFIGURED = 2  # present in the config the writer last read
 PFLAG_CLAMPED = 4  # configured static limit was above RUNNING_ROOM
+
+# --- class rows (layout 3.1), inside a provider row, highest class first ---------------
+CLASS_BASE = 384
+CLASS_COUNT = 4
+CLASS_ROW_SIZE = 32
+CLASS_NAME_BYTES = 16
+CLASS = _fields(
+    CLASS_ROW_SIZE,
+    [
+        ("name", f"{CLASS_NAME_BYTES}s"),
+        ("reserve", "H"),  # slots no lower class may take
+        ("cap", "H"),  # the most this class runs at once; 0 none
+        ("max_wait_ms", "I"),  # a waiter of this class is promoted after this; 0 never
+        ("admitted_total", "Q"),  # admissions of this class
+    ],
+)
+assert max(f.offset + f.codec.size for f in PROVIDER.values()) <= CLASS_BASE
 
 REPLICA_BASE = 512  # replica rows start here inside a provider row
 REPLICA_ROW_SIZE = 128
@@ -236,7 +265,7 @@ REPLICA = _fields(
         ("reason", "64s"),
     ],
 )
-assert max(f.offset + f.codec.size for f in PROVIDER.values()) <= REPLICA_BASE
+assert CLASS_BASE + CLASS_COUNT * CLASS_ROW_SIZE <= REPLICA_BASE
 assert REPLICA_BASE + REPLICA_COUNT * REPLICA_ROW_SIZE <= PROVIDER_ROW_SIZE
 
 
@@ -276,6 +305,11 @@ HOLDER = _fields(
         ("since", "d"),  # when it started waiting, or was admitted (wall clock, for people)
         ("since_mono", "d"),  # the same on the deadline clock (hold times, Retry-After)
         ("waker", "I"),  # WAKE_* below: how the owner is told of its grant
+        # layout 3.1: 1 + the record's admission class (0: the default class, resolved when
+        # read; always 0 without classes), and 1 once it was
+        # displaced from a full queue by a higher class (its owner's wait ends QueueFull)
+        ("cls", "B"),
+        ("displaced", "B"),
     ],
 )
 WAKE_DOORBELL = 0  # post the owner's doorbell; its dispatcher looks (async waiters, macOS)
@@ -311,7 +345,7 @@ ADMISSION_BLOCK_OFFSET = PROVIDER["fallback_limit"].offset
 HOLD_MEAN_WEIGHT = 0.2  # of the newest hold time in hold_mean_s (the core uses the same)
 COUNTS = struct.Struct("<II")  # running, waiting
 COUNTS_OFFSET = PROVIDER["running"].offset
-HOLDER_BODY = struct.Struct("<IQQQi4xddI")  # pid .. waker
+HOLDER_BODY = struct.Struct("<IQQQi4xddIBB")  # pid .. displaced
 HOLDER_BODY_OFFSET = HOLDER["pid"].offset
 
 
@@ -340,7 +374,7 @@ _check_block(
     HOLDER_BODY,
     HOLDER_BODY_OFFSET,
     HOLDER,
-    "pid member_serial ticket serial member since since_mono waker",
+    "pid member_serial ticket serial member since since_mono waker cls displaced",
 )
 
 PROVIDERS_BASE = HEADER_SIZE
@@ -368,6 +402,7 @@ def core_offsets() -> dict[str, int]:
     out.update({f"p.{n}": f.offset for n, f in PROVIDER.items()})
     out.update({f"k.{n}": f.offset for n, f in HOLDER.items()})
     out.update({f"m.{n}": f.offset for n, f in MEMBER.items()})
+    out.update({f"c.{n}": f.offset for n, f in CLASS.items()})
     out.update(
         {
             "g.providers_base": PROVIDERS_BASE,
@@ -387,6 +422,9 @@ def core_offsets() -> dict[str, int]:
             "g.label_bytes": ID_BYTES,
             "g.total_size": TOTAL_SIZE,
             "g.mutex_size": MUTEX_SIZE,
+            "g.class_base": CLASS_BASE,
+            "g.class_count": CLASS_COUNT,
+            "g.class_row_size": CLASS_ROW_SIZE,
         }
     )
     return out

@@ -15,7 +15,8 @@ only by this protocol's steps; what a bad write can and cannot do is bounded bel
   does: a mismatch is damage, counted, R-A16).
 * ``waiting <= queue_bound`` (32): an arrival that would exceed it is refused.
 * a new arrival is admitted at once only when nobody waits and
-  ``running < limit``; otherwise it queues with the next ticket (FIFO).
+  ``running < limit``; otherwise it queues with the next ticket (FIFO). (With
+  admission classes, below: when its class may run; no waiter that may run waits.)
 * whenever ``running < limit`` and someone waits, the WAITING record with the
   smallest ticket is made RUNNING (:meth:`Ledger.pump`), unless its owner is
   dead: then it is freed instead. Its owner is woken after unlock (its waiting
@@ -49,6 +50,17 @@ Record transitions (all under the lock):
                         (the slot is handed on by the pump that follows)
     any -> FREE         sweep()/reap() or register(): the owner is dead;
                         unregister(): close() cut what its grace did not see end
+    WAITING -> FREE     arrive() with classes: displaced from a full queue by a higher
+                        class (its ``displaced`` byte set: its owner's wait ends QueueFull)
+
+Admission classes (docs/DESIGN.md section 6b): with ``class_count`` 0, or while a
+handler of an older minor is registered (``older_members``), every step is the FIFO
+above, byte for byte. With classes in force only ``arrive`` and ``pump`` differ: a
+record may run when the total is below the limit, its class below its cap, and (unless
+it waited its class's ``maxWait``: promoted) the total plus every higher class's unused
+reserve below the limit (:func:`may_run`); the pump grants the waiter of the highest rank
+that may run, oldest first; an arrival pumps, then runs at once when it may; a full
+queue displaces the newest waiter of the lowest rank below the arrival's.
 """
 
 from __future__ import annotations
@@ -71,12 +83,34 @@ from shm_layout.layout import (
 )
 from shm_layout.rows import (
     DEADLINE_SLACK_S,
+    ClassRule,
+    class_base,
+    class_rules,
+    classes_in_force,
     encode_provider_id,
     holder_base,
     limit_value,
     member_base,
     provider_base,
+    resolve_class,
+    stored_class,
 )
+
+
+def may_run(
+    c: int, running: int, run: list[int], limit: int, rules: list[ClassRule], *, promoted: bool
+) -> bool:
+    """May a request of class ``c`` take a slot now? The total below the limit, the class
+    below its cap, and (unless promoted) the total plus every higher class's unused
+    reserve below the limit: strict order when the reserves exceed the limit."""
+    if running >= limit:
+        return False
+    if rules[c].cap and run[c] >= rules[c].cap:
+        return False
+    if promoted:
+        return True
+    withheld = sum(max(rules[k].reserve - run[k], 0) for k in range(c))
+    return running + withheld < limit
 
 
 def decide_arrival(running: int, waiting: int, limit: int, bound: int) -> Decision:
@@ -164,10 +198,18 @@ class Ledger:
         may_wait: bool = True,
         futex: bool = False,
         registered: bool = True,
+        cls: int = -1,
     ) -> tuple[Decision, Ticket | None, set[int]]:
-        """``registered`` False: the registration is gone or closing (R-A14)."""
+        """``registered`` False: the registration is gone or closing (R-A14). ``cls``: the
+        class index asked for (-1 or unknown: the provider's default class)."""
         if not registered:
             return "closed", None, set()
+        c = resolve_class(self.buf, p, cls)
+        stored = stored_class(self.buf, p, cls)
+        if classes_in_force(self.buf, p):
+            return self._arrive_classed(
+                p, c, stored, pid, member, member_serial, now, may_wait=may_wait, futex=futex
+            )
         buf, base, rings = self.buf, provider_base(p), set[int]()
         for attempt in range(2):
             if self._counters_damaged(base) and self.recount_provider(p):
@@ -208,6 +250,8 @@ class Ledger:
                 now,
                 now,
                 waker,
+                stored,
+                0,
             )
             if decision == "admit":
                 HOLDER["state"].put(buf, HOLDER_RUNNING, hb)  # state last
@@ -221,11 +265,146 @@ class Ledger:
             return decision, Ticket(p, h, serial), rings
         raise AssertionError("unreachable")
 
-    def _free_place(self, p: int) -> int | None:
+    def _arrive_classed(
+        self,
+        p: int,
+        c: int,
+        stored: int,
+        pid: int,
+        member: int,
+        member_serial: int,
+        now: float,
+        *,
+        may_wait: bool,
+        futex: bool,
+    ) -> tuple[Decision, Ticket | None, set[int]]:
+        """An arrival of class ``c`` with classes in force: pump first (a waiter may have
+        been promoted meanwhile), then run at once when the class may; else queue,
+        displacing the newest waiter of the lowest rank below ``c`` from a full queue."""
+        buf, base = self.buf, provider_base(p)
+        if self._counters_damaged(base) and self.recount_provider(p):
+            self.damage += 1
+        rings = self.pump(p, now)
+        count = classes_in_force(buf, p)
+        rules = class_rules(buf, p, count)
+        for attempt in range(2):
+            running, waiting = self._get("running", base), self._get("waiting", base)
+            run = self._class_running(p, count)
+            limit = limit_value(buf, p, now)
+            victim: int | None = None
+            decision: Decision = "wait"
+            if may_run(c, running, run, limit, rules, promoted=False):
+                decision = "admit"
+            elif waiting >= layout.QUEUE_BOUND:
+                victim = self._displaceable(p, c, count, rules, now)
+                if victim is None:
+                    decision = "full"
+            h = self._free_place(p) if decision != "full" else None
+            if h is None and victim is not None:
+                h = victim
+            if h is None:
+                decision = "full"
+            if decision == "full" and attempt == 0:
+                if self.recount_provider(p):  # before refusing: are the counters true?
+                    self.damage += 1
+                continue
+            if decision == "full":
+                self._bump("rejected_total", base)
+                return decision, None, rings
+            if decision == "wait" and not may_wait:
+                return "wait_refused", None, rings
+            assert h is not None
+            if victim is not None:
+                vb = holder_base(p, victim)
+                self._free_record(vb)
+                HOLDER["displaced"].put(buf, 1, vb)
+                waiting -= 1
+                self._put_counts(base, running, waiting)
+                self._bump("displaced_total", base)
+                self._bump("rejected_total", base)
+                rings.add(HOLDER["member"].get(buf, vb))
+            hb = holder_base(p, h)
+            serial = HOLDER["serial"].get(buf, hb) + 1
+            ticket = 0
+            if decision == "wait":
+                ticket = min(self._get("next_ticket", base) + 1, 2**64 - 1)
+                PROVIDER["next_ticket"].put(buf, ticket, base)
+            waker = layout.WAKE_FUTEX if futex else layout.WAKE_DOORBELL
+            layout.HOLDER_BODY.pack_into(
+                buf,
+                hb + layout.HOLDER_BODY_OFFSET,
+                pid,
+                member_serial,
+                ticket,
+                serial,
+                member,
+                now,
+                now,
+                waker,
+                stored,
+                0,
+            )
+            if decision == "admit":
+                HOLDER["state"].put(buf, HOLDER_RUNNING, hb)  # state last
+                self._put_counts(base, running + 1, waiting)
+                self._peak("peak_running", base, running + 1)
+                self._bump("admitted_total", base)
+                self._bump_class(p, c)
+            else:
+                HOLDER["state"].put(buf, HOLDER_WAITING, hb)
+                self._put_counts(base, running, waiting + 1)
+                self._peak("peak_waiting", base, waiting + 1)
+            return decision, Ticket(p, h, serial), rings
+        raise AssertionError("unreachable")
+
+    def _bump_class(self, p: int, c: int) -> None:
+        field, cb = layout.CLASS["admitted_total"], class_base(p, c)
+        field.put(self.buf, field.get(self.buf, cb) + 1, cb)
+
+    def _class_running(self, p: int, count: int) -> list[int]:
+        run = [0] * max(count, 1)
         for h in range(HOLDERS_PER_PROVIDER):
-            if HOLDER["state"].get(self.buf, holder_base(p, h)) == HOLDER_FREE:
-                return h
-        return None
+            hb = holder_base(p, h)
+            if HOLDER["state"].get(self.buf, hb) == HOLDER_RUNNING:
+                run[resolve_class(self.buf, p, HOLDER["cls"].get(self.buf, hb) - 1)] += 1
+        return run
+
+    def _rank(self, p: int, hb: int, rules: list[ClassRule], now: float) -> tuple[int, int, bool]:
+        """A waiting record's (class, rank, promoted): promoted after its class's maxWait
+        ranks as the top class."""
+        k = resolve_class(self.buf, p, HOLDER["cls"].get(self.buf, hb) - 1)
+        wait = rules[k].max_wait_s
+        promoted = k > 0 and wait > 0 and now - HOLDER["since_mono"].get(self.buf, hb) >= wait
+        return k, 0 if promoted else k, promoted
+
+    def _displaceable(
+        self, p: int, c: int, count: int, rules: list[ClassRule], now: float
+    ) -> int | None:
+        """The newest waiter of the lowest rank below class ``c``, or None."""
+        best: int | None = None
+        best_key = (0, 0)
+        for h in range(HOLDERS_PER_PROVIDER):
+            hb = holder_base(p, h)
+            if HOLDER["state"].get(self.buf, hb) != HOLDER_WAITING:
+                continue
+            _, rank, _ = self._rank(p, hb, rules, now)
+            key = (rank, HOLDER["ticket"].get(self.buf, hb))
+            if rank > c and (best is None or key > best_key):
+                best, best_key = h, key
+        return best
+
+    def _free_place(self, p: int) -> int | None:
+        """The first free record; one that holds a displacement note (its owner may not
+        have read it yet) only when no other is free."""
+        noted = None
+        for h in range(HOLDERS_PER_PROVIDER):
+            hb = holder_base(p, h)
+            if HOLDER["state"].get(self.buf, hb) == HOLDER_FREE:
+                if not HOLDER["displaced"].get(self.buf, hb):
+                    return h
+                if noted is None:
+                    noted = h
+        return noted
 
     # --- leaving --------------------------------------------------------------------
     def leave(
@@ -301,6 +480,8 @@ class Ledger:
         if waiting == 0:
             return rings
         limit = limit_value(buf, p, now)
+        if classes_in_force(buf, p):
+            return self._pump_classed(p, running, waiting, limit, now)
         recounted = False
         while running < limit and waiting > 0:
             # somebody waits by the counters and no record does: the records decide, once
@@ -327,6 +508,66 @@ class Ledger:
         self._put_counts(base, running, waiting)
         self._peak("peak_running", base, running)
         return rings
+
+    def _pump_classed(self, p: int, running: int, waiting: int, limit: int, now: float) -> set[int]:
+        """Grant, while some waiter may run, the one of the highest rank, oldest first."""
+        buf, base, rings = self.buf, provider_base(p), set[int]()
+        count = classes_in_force(buf, p)
+        rules = class_rules(buf, p, count)
+        run = self._class_running(p, count)
+        recounted = False
+        while running < limit and waiting > 0:
+            h, k, promoted_only, anyone = self._best_waiter(p, running, run, limit, rules, now)
+            if h is None:
+                if anyone or recounted:
+                    break  # nobody who waits may run
+                recounted = True  # somebody waits by the counters and no record does
+                self.recount_provider(p)
+                running, waiting = self._get("running", base), self._get("waiting", base)
+                continue
+            hb = holder_base(p, h)
+            waiting -= 1
+            if not self._holder_alive(hb):
+                self._free_record(hb)
+                self._bump("reclaimed_total", base)
+                continue
+            HOLDER["since"].put(buf, now, hb)
+            HOLDER["since_mono"].put(buf, now, hb)
+            HOLDER["state"].put(buf, HOLDER_RUNNING, hb)
+            running += 1
+            run[k] += 1
+            rings.add(HOLDER["member"].get(buf, hb))
+            self._bump("admitted_total", base)
+            self._bump_class(p, k)
+            if promoted_only:
+                self._bump("promoted_total", base)
+        self._put_counts(base, running, waiting)
+        self._peak("peak_running", base, running)
+        return rings
+
+    def _best_waiter(
+        self, p: int, running: int, run: list[int], limit: int, rules: list[ClassRule], now: float
+    ) -> tuple[int | None, int, bool, bool]:
+        """(record, its class, only promotion lets it run, anybody waits) of the waiter
+        that may run with the highest rank and the oldest ticket."""
+        best: int | None = None
+        best_key = (0, 0)
+        best_class, best_promoted_only, anyone = 0, False, False
+        for h in range(HOLDERS_PER_PROVIDER):
+            hb = holder_base(p, h)
+            if HOLDER["state"].get(self.buf, hb) != HOLDER_WAITING:
+                continue
+            anyone = True
+            k, rank, promoted = self._rank(p, hb, rules, now)
+            if not may_run(k, running, run, limit, rules, promoted=promoted):
+                continue
+            key = (rank, HOLDER["ticket"].get(self.buf, hb))
+            if best is None or key < best_key:
+                best, best_key, best_class = h, key, k
+                best_promoted_only = promoted and not may_run(
+                    k, running, run, limit, rules, promoted=False
+                )
+        return best, best_class, best_promoted_only, anyone
 
     def _head_waiter(self, p: int) -> int | None:
         best: int | None = None
@@ -369,7 +610,24 @@ class Ledger:
         for m in range(layout.MEMBER_COUNT):
             if MEMBER["in_use"].get(buf, member_base(m)) and not self.held(m):
                 self._free_member_row(m)
+        if self._count_older_members():  # a 3.0 handler registered by its own core
+            rings |= self.pump_all(now)
         return reclaimed, rings
+
+    def _count_older_members(self) -> bool:
+        """Registered handlers that speak an older minor of this major: while any is, the
+        classes are suspended (DESIGN.md section 6b). True when they just were."""
+        before = layout.HEADER["older_members"].get(self.buf, 0)
+        older = 0
+        for m in range(layout.MEMBER_COUNT):
+            mb = member_base(m)
+            if MEMBER["in_use"].get(self.buf, mb) and (
+                MEMBER["major"].get(self.buf, mb),
+                MEMBER["minor"].get(self.buf, mb),
+            ) < (layout.MAJOR, layout.MINOR):
+                older += 1
+        layout.HEADER["older_members"].put(self.buf, older, 0)
+        return bool(before == 0 and older > 0)
 
     def sweep(self, now: float) -> tuple[int, set[int]]:
         """What the host's sweep does (R-A5, R-A16): every provider's counters checked
@@ -461,6 +719,7 @@ class Ledger:
         now: float,
         taken: Callable[[int], bool],
         bell: int = 0,
+        minor: int = layout.MINOR,
     ) -> tuple[int, int, set[int]]:
         """Claim a member row: (member, serial, rings), member -1 when full.
 
@@ -483,12 +742,16 @@ class Ledger:
             MEMBER["start"].put(buf, start, mb)
             MEMBER["serial"].put(buf, serial, mb)
             MEMBER["major"].put(buf, layout.MAJOR, mb)
-            MEMBER["minor"].put(buf, layout.MINOR, mb)
+            MEMBER["minor"].put(buf, minor, mb)
             MEMBER["attached_at"].put(buf, now, mb)
             MEMBER["label"].put(buf, label[: layout.ID_BYTES], mb)
             MEMBER["bell"].put(buf, bell, mb)
             MEMBER["in_use"].put(buf, 1, mb)
+            if self._count_older_members():
+                rings |= self.pump_all(now)  # one FIFO from now on: grant what it allows
             return m, serial, rings
+        if self._count_older_members():
+            rings |= self.pump_all(now)
         return -1, 0, rings
 
     def unregister(self, m: int, serial: int, now: float) -> set[int]:
@@ -497,6 +760,7 @@ class Ledger:
         if MEMBER["serial"].get(self.buf, mb) == serial:
             MEMBER["in_use"].put(self.buf, 0, mb)
             MEMBER["bell"].put(self.buf, 0, mb)
+        self._count_older_members()
         return rings
 
     def ensure_provider(

@@ -3,7 +3,9 @@
 Where a row is (``provider_base``, ``holder_base``, ``member_base``), the limit in force
 (R-L7, R-A9: ``limit_value``, and ``effective_limit`` with its source and reason), a
 provider's load (``provider_load``), its row by id (R-A13: ``find_provider``) and the
-queue ahead of a record (R-A3: ``waiting_ahead``). The admission steps themselves run in
+queue ahead of a record (R-A3: ``waiting_ahead``), and a provider's admission classes
+(R-A17..R-A23: ``class_base``, ``classes_in_force``, ``class_rules``, ``resolve_class``,
+``stored_class``). The admission steps themselves run in
 the compiled core (``_core.c``) and are modelled in ``ledger.py``, which reads the rows
 through this module too.
 """
@@ -163,3 +165,61 @@ def provider_load(buf: Buffer, p: int, now: float) -> Load:
         limit=limit_value(buf, p, now),
         hold_mean_s=float(PROVIDER["hold_mean_s"].get(buf, base)),
     )
+
+
+# --- admission classes (DESIGN.md section 6b) ---------------------------------------
+def class_base(p: int, k: int) -> int:
+    return provider_base(p) + layout.CLASS_BASE + k * layout.CLASS_ROW_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class ClassRule:
+    """One class row as the steps read it."""
+
+    reserve: int
+    cap: int  # 0: none
+    max_wait_s: float  # 0: never promoted
+
+
+def classes_in_force(buf: Buffer, p: int) -> int:
+    """How many classes the steps apply to provider ``p``: 0 (one FIFO) without classes,
+    or while a handler of an older minor is registered; never more than the rows."""
+    count: int = PROVIDER["class_count"].get(buf, provider_base(p))
+    if count == 0 or layout.HEADER["older_members"].get(buf, 0):
+        return 0
+    return min(count, layout.CLASS_COUNT)
+
+
+def class_rules(buf: Buffer, p: int, count: int) -> list[ClassRule]:
+    out = []
+    for k in range(count):
+        cb = class_base(p, k)
+        out.append(
+            ClassRule(
+                layout.CLASS["reserve"].get(buf, cb),
+                layout.CLASS["cap"].get(buf, cb),
+                layout.CLASS["max_wait_ms"].get(buf, cb) / 1000.0,
+            )
+        )
+    return out
+
+
+def resolve_class(buf: Buffer, p: int, cls: int) -> int:
+    """The class an arrival (or a record) counts in: ``cls`` when it is a class of the
+    provider, else the default class (the last one when that is out of range too); 0
+    without classes."""
+    count = min(PROVIDER["class_count"].get(buf, provider_base(p)), layout.CLASS_COUNT)
+    if count == 0:
+        return 0
+    if 0 <= cls < count:
+        return cls
+    default: int = PROVIDER["default_class"].get(buf, provider_base(p))
+    return default if default < count else count - 1
+
+
+def stored_class(buf: Buffer, p: int, cls: int) -> int:
+    """What a record's ``cls`` byte holds: 1 + the class asked for when the provider has
+    it, else 0, the default class, resolved when read (a record made before the classes
+    were written counts in the default class, never the top one)."""
+    count: int = PROVIDER["class_count"].get(buf, provider_base(p))
+    return cls + 1 if 0 <= cls < min(count, layout.CLASS_COUNT) else 0

@@ -19,6 +19,7 @@ from typing import Any
 
 from shm_layout import _core, layout, platform
 from shm_layout.layout import (
+    CLASS,
     HEADER,
     HOLDER,
     HOLDER_FREE,
@@ -32,7 +33,14 @@ from shm_layout.layout import (
 from shm_layout.liveness import is_alive
 from shm_layout.lock import kind_name, members_alive, stamp
 from shm_layout.owners import OwnerPolicy
-from shm_layout.rows import effective_limit, holder_base, member_base, provider_base
+from shm_layout.rows import (
+    class_base,
+    effective_limit,
+    holder_base,
+    member_base,
+    provider_base,
+    resolve_class,
+)
 from shm_layout.segment import describe_owner, map_readonly, truncated
 
 READ_RETRIES = 200
@@ -47,6 +55,20 @@ class ReplicaView:
     value: int | None
     reason: str
     observed_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ClassView:
+    """One admission class of a provider (DESIGN.md section 6b), highest first."""
+
+    name: str
+    reserve: int
+    cap: int | None
+    max_wait_s: float | None
+    running: int  # from the records of live processes, like the provider's
+    waiting: int
+    admitted_total: int
+    default: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +95,11 @@ class ProviderView:
     counters: dict[str, int]
     stored_running: int
     stored_waiting: int
+    classes: tuple[ClassView, ...] = ()
+    # classes configured, but a handler of an older layout minor is registered: one FIFO
+    classes_suspended: bool = False
+    promoted_total: int = 0
+    displaced_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +268,7 @@ def parse_view(
             break
         pid_text = layout.decode_text(PROVIDER["id"].get(data, base))
         running = waiting = 0
+        by_class = [[0, 0] for _ in range(layout.CLASS_COUNT)]
         for h in range(layout.HOLDERS_PER_PROVIDER):
             hb = holder_base(p, h)
             state = HOLDER["state"].get(data, hb)
@@ -249,10 +277,13 @@ def parse_view(
             pid = HOLDER["pid"].get(data, hb)
             member = HOLDER["member"].get(data, hb)
             holder_alive = alive.get((member, HOLDER["member_serial"].get(data, hb)), False)
+            k = resolve_class(data, p, HOLDER["cls"].get(data, hb) - 1)
             if holder_alive and state == HOLDER_RUNNING:
                 running += 1
+                by_class[k][0] += 1
             elif holder_alive and state == HOLDER_WAITING:
                 waiting += 1
+                by_class[k][1] += 1
             holders.append(
                 HolderView(
                     provider=pid_text,
@@ -267,7 +298,7 @@ def parse_view(
                     since=HOLDER["since"].get(data, hb),
                 )
             )
-        providers.append(_provider(data, p, running, waiting, now, mono))
+        providers.append(_provider(data, p, running, waiting, now, mono, by_class))
     return SegmentView(
         name=name,
         major=HEADER["major"].get(data),
@@ -297,8 +328,47 @@ def parse_view(
     )
 
 
+def class_index(buf: Any, p: int, name: str) -> int:
+    """The row of provider ``p``'s class called ``name``; -1 none (lock-free)."""
+    count = min(PROVIDER["class_count"].get(buf, provider_base(p)), layout.CLASS_COUNT)
+    wanted = layout.encode_text(name, layout.CLASS_NAME_BYTES).ljust(layout.CLASS_NAME_BYTES, b"\0")
+    for k in range(count):
+        if CLASS["name"].get(buf, class_base(p, k)) == wanted:
+            return k
+    return -1
+
+
+def _classes(data: bytes, p: int, by_class: list[list[int]]) -> tuple[ClassView, ...]:
+    count = min(PROVIDER["class_count"].get(data, provider_base(p)), layout.CLASS_COUNT)
+    default = resolve_class(data, p, -1)
+    out = []
+    for k in range(count):
+        cb = class_base(p, k)
+        cap = CLASS["cap"].get(data, cb)
+        wait_ms = CLASS["max_wait_ms"].get(data, cb)
+        out.append(
+            ClassView(
+                name=layout.decode_text(CLASS["name"].get(data, cb)),
+                reserve=CLASS["reserve"].get(data, cb),
+                cap=cap or None,
+                max_wait_s=wait_ms / 1000.0 if wait_ms else None,
+                running=by_class[k][0],
+                waiting=by_class[k][1],
+                admitted_total=CLASS["admitted_total"].get(data, cb),
+                default=k == default,
+            )
+        )
+    return tuple(out)
+
+
 def _provider(
-    data: bytes, p: int, running: int, waiting: int, now: float, mono: float
+    data: bytes,
+    p: int,
+    running: int,
+    waiting: int,
+    now: float,
+    mono: float,
+    by_class: list[list[int]] | None = None,
 ) -> ProviderView:
     base = provider_base(p)
     limit = effective_limit(data, p, mono)
@@ -348,6 +418,12 @@ def _provider(
         counters=counters,
         stored_running=PROVIDER["running"].get(data, base),
         stored_waiting=PROVIDER["waiting"].get(data, base),
+        classes=_classes(data, p, by_class or [[0, 0]] * layout.CLASS_COUNT),
+        classes_suspended=bool(
+            PROVIDER["class_count"].get(data, base) and HEADER["older_members"].get(data)
+        ),
+        promoted_total=PROVIDER["promoted_total"].get(data, base),
+        displaced_total=PROVIDER["displaced_total"].get(data, base),
     )
 
 

@@ -66,6 +66,45 @@ layout._check_block(
 )
 
 
+# One admission class as written: (name, reserve, cap (0 none), maxWait in ms (0 never)).
+ClassSpec = tuple[str, int, int, int]
+CLASS_ROW = struct.Struct(f"<{layout.CLASS_NAME_BYTES}sHHI")
+layout._check_block(CLASS_ROW, 0, layout.CLASS, "name reserve cap max_wait_ms")
+
+
+def class_writes(p: int, classes: Sequence[ClassSpec], default: int) -> list[tuple[int, bytes]]:
+    """Provider ``p``'s class table (DESIGN.md section 6b), highest class first: every
+    row, then ``default_class``, then ``class_count`` (none: one FIFO). Each class's
+    admission counter is kept. More than ``CLASS_COUNT`` classes are cut (the config
+    refuses them first); values are clamped to their fields."""
+    base = provider_base(p)
+    writes = []
+    rows = list(classes)[: layout.CLASS_COUNT]
+    for k in range(layout.CLASS_COUNT):
+        name, reserve, cap, wait_ms = rows[k] if k < len(rows) else ("", 0, 0, 0)
+        writes.append(
+            (
+                base + layout.CLASS_BASE + k * layout.CLASS_ROW_SIZE,
+                CLASS_ROW.pack(
+                    layout.encode_text(name, layout.CLASS_NAME_BYTES),
+                    min(max(reserve, 0), layout.RUNNING_ROOM),
+                    min(max(cap, 0), layout.RUNNING_ROOM),
+                    min(max(wait_ms, 0), 0xFFFFFFFF),
+                ),
+            )
+        )
+    writes.append(
+        (
+            base + PROVIDER["default_class"].offset,
+            PROVIDER["default_class"].codec.pack(min(max(default, 0), max(len(rows) - 1, 0))),
+        )
+    )
+    writes.append(
+        (base + PROVIDER["class_count"].offset, PROVIDER["class_count"].codec.pack(len(rows)))
+    )
+    return writes
+
+
 def _epoch_guard(epoch: int) -> list[tuple[int, bytes]]:
     return [(HEADER["writer_epoch"].offset, HEADER["writer_epoch"].codec.pack(epoch))]
 
@@ -99,6 +138,9 @@ class Publication:
     expires_mono: float | None = None
     # a replica is written with the fields it is read with
     replicas: Sequence[ReplicaView] = field(default=())
+    # admission classes, highest first (DESIGN.md section 6b); none: one FIFO
+    classes: tuple[ClassSpec, ...] = ()
+    default_class: int = 0
 
 
 def take_epoch(
@@ -357,6 +399,7 @@ def _write_publication(patch: Patch, p: int, pub: Publication, epoch: int, now: 
             layout.encode_text(rep.reason, 64),
         )
     patch.put(PROVIDER["replica_count"], len(replicas), base)
+    patch.writes.extend(class_writes(p, pub.classes, pub.default_class))
     limit = -1 if pub.limit is None or pub.expires_at is None else max(pub.limit, 0)
     patch.put(PROVIDER["published_limit"], limit, base)
 

@@ -390,7 +390,12 @@ def provider_problems(entry: Mapping[str, Any]) -> tuple[ProviderConfig, list[st
             bad.add(name)
         else:
             usable[name] = value
-    provider = msgspec.convert(usable, ProviderConfig, strict=True)
+    try:
+        provider = msgspec.convert(usable, ProviderConfig, strict=True)
+    except msgspec.ValidationError as exc:  # fields fine alone, not together (classes)
+        problems.append(f"config_invalid:{field_message(str(exc))}")
+        usable.pop("defaultClass", None)
+        provider = msgspec.convert(usable, ProviderConfig, strict=True)
     if entry.get("capacityDiscovery") is not True:
         return provider, problems
 

@@ -551,7 +551,14 @@ class Sidecar:
                 fallback, fallback_source = 0, SHARE
             status = self.config.statuses.get(provider_id)
             requested = status.discovery_requested if status else state.config.capacity_discovery
-            built_from = (state.decision, fallback, fallback_source, requested)
+            built_from = (
+                state.decision,
+                fallback,
+                fallback_source,
+                requested,
+                state.config.classes,
+                state.config.default_class,
+            )
             if state.publication is None or not _same(state.built_from, built_from):
                 state.publication = _publication(
                     provider_id, state, fallback, fallback_source, requested=requested
@@ -766,8 +773,17 @@ def _publication(
 ) -> writer.Publication:
     d = state.decision
     discovery = requested  # "capacity_discovery" = requested in the file, active or not
+    classes = state.config.class_specs  # admission classes (docs/classes.md)
+    default_class = state.config.default_class_index
     if d is None:
-        return writer.Publication(provider_id, discovery, fallback, fallback_source)
+        return writer.Publication(
+            provider_id,
+            discovery,
+            fallback,
+            fallback_source,
+            classes=classes,
+            default_class=default_class,
+        )
     replicas = [
         ReplicaView(
             address=r.address,
@@ -793,6 +809,8 @@ def _publication(
         expires_at=d.expires_at if enforced else None,
         expires_mono=d.expires_mono if enforced else None,
         replicas=replicas,
+        classes=classes,
+        default_class=default_class,
     )
 
 

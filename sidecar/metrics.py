@@ -248,6 +248,16 @@ _SEGMENT_COUNTERS: Final = (
         "reclaimed_total",
         "Running slots and waiting places of dead processes that were reclaimed",
     ),
+    (
+        "requests_promoted",
+        "promoted_total",
+        "Grants that only a waiter's promotion after its class's maxWait allowed",
+    ),
+    (
+        "requests_displaced",
+        "displaced_total",
+        "Waiters displaced from a full queue by a request of a higher admission class",
+    ),
 )
 
 
@@ -286,8 +296,20 @@ def _segment_metrics(view: SegmentView) -> Iterator[Metric]:
         )
         for name, _, doc in _SEGMENT_COUNTERS
     ]
+    class_labels = ("provider", "class")
+    class_running = _gauge("class_running", "Requests running, by admission class", class_labels)
+    class_waiting = _gauge("class_waiting", "Requests waiting, by admission class", class_labels)
+    class_admitted = CounterMetricFamily(
+        f"{NAMESPACE}_class_requests_admitted",
+        "Requests admitted to a slot, by admission class, since the classes were written",
+        labels=list(class_labels),
+    )
     for p in view.providers:
         labels = [p.id]
+        for c in p.classes:
+            class_running.add_metric([p.id, c.name], c.running)
+            class_waiting.add_metric([p.id, c.name], c.waiting)
+            class_admitted.add_metric([p.id, c.name], c.admitted_total)
         limit.add_metric(labels, p.effective_limit)
         for name in sorted(SOURCES):
             source.add_metric([p.id, name], 1.0 if name == p.source else 0.0)
@@ -307,6 +329,7 @@ def _segment_metrics(view: SegmentView) -> Iterator[Metric]:
     yield from (limit, source, running, waiting, queue, fallback, discovered)
     yield from (observed, age, expiry)
     yield from counters
+    yield from (class_running, class_waiting, class_admitted)
 
     handlers = _gauge(
         "handler_processes", "Live handler processes attached, by generation", ("generation",)

@@ -21,6 +21,7 @@ It prints one JSON object per line (flushed) for each event, with
                                      the slots taken, and those taken once M existed
 
   --group-shared attaches in group-shared mode (the segment mode 0660).
+  --cls NAME asks for that admission class in every slot (docs/classes.md).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def main() -> int:
     ap.add_argument("--stop-file", default="")
     ap.add_argument("--mark-file", default="")
     ap.add_argument("--group-shared", action="store_true")
+    ap.add_argument("--cls", default=None, help="the admission class of every slot")
     args = ap.parse_args()
 
     adm = Admission.attach(
@@ -89,7 +91,7 @@ def main() -> int:
 
     if args.command == "cycle":
         for _ in range(args.count):
-            with adm.slot_blocking(args.provider, timeout=args.timeout):
+            with adm.slot_blocking(args.provider, timeout=args.timeout, cls=args.cls):
                 if args.hold_ms:
                     time.sleep(args.hold_ms / 1000)
         emit("done")
@@ -100,7 +102,7 @@ def main() -> int:
 
     def one(i: int) -> None:
         try:
-            with adm.slot_blocking(args.provider, timeout=args.timeout):
+            with adm.slot_blocking(args.provider, timeout=args.timeout, cls=args.cls):
                 emit("admitted", i=i)
                 release.wait()
             emit("released", i=i)
@@ -118,7 +120,7 @@ def main() -> int:
 
         async def go() -> None:
             try:
-                async with adm.slot(args.provider, timeout=args.timeout):
+                async with adm.slot(args.provider, timeout=args.timeout, cls=args.cls):
                     emit("admitted", i=0)
                     await asyncio.get_running_loop().run_in_executor(None, release.wait)
                 emit("released", i=0)

@@ -128,6 +128,10 @@ SLOW: dict[str, str] = {
 LONG: tuple[str, ...] = (
     "tests/admission/test_acquire_release.py::test_release_after_close_is_a_no_op",
     "tests/admission/test_admission_cross_process.py::test_r_a1_stress_many_short_slots_from_8_processes_leave_nothing_behind",
+    "tests/admission/test_classes_cross_process.py::test_r_a18_r_a21_a_batch_flood_from_8_processes_of_two_generations_leaves_the_reserve",
+    "tests/admission/test_classes_cross_process.py::test_r_a5_r_a18_a_sigkilled_holder_of_a_reserved_slot_gives_it_to_its_class",
+    "tests/admission/test_classes_cross_process.py::test_r_a22_wait_for_slot_computes_room_as_the_class_sees_it",
+    "tests/sidecar/test_sidecar_classes_e2e.py::test_r_a17_r_c4_the_sidecar_writes_the_classes_and_follows_their_edits",
     "tests/admission/test_admission_cross_process.py::test_r_a1_two_generations_never_exceed_the_limit",
     "tests/admission/test_admission_cross_process.py::test_r_a2_thirty_two_wait_and_the_thirty_third_is_rejected_at_once",
     "tests/admission/test_admission_cross_process.py::test_r_a3_waiters_are_admitted_in_arrival_order_across_processes",

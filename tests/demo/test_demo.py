@@ -65,8 +65,12 @@ def test_demo_shows_20_then_10_then_20_and_leaves_nothing_behind_twice_in_a_row(
         assert summary["ok"] is True, summary["problems"]
         phases = summary["phases"]
         assert isinstance(phases, list)
-        assert [p["expected_limit"] for p in phases] == [20, 10, 20]
-        assert [p["advertised_seen"] for p in phases] == [[20], [10], [20]]
+        assert [p["expected_limit"] for p in phases] == [20, 10, 20, 20]
+        assert [p["advertised_seen"] for p in phases] == [[20], [10], [20], [20]]
+        # the classes phase: interactive requests admitted beside the batch flood (R-A18)
+        loads = {load["generation"]: load for load in summary["load"]}  # type: ignore[union-attr]
+        assert loads["interactive"]["admitted"] > 0
+        assert loads["interactive"]["wait_p50_ms"] <= 500
         assert all(p["reached_after_s"] is not None for p in phases)
         assert phases[1]["limits_seen"][0] == 10  # drained to 10
         assert summary["peak_running"] == 20  # reached, never above
@@ -78,6 +82,7 @@ def test_demo_shows_20_then_10_then_20_and_leaves_nothing_behind_twice_in_a_row(
         assert isinstance(load, list) and {g["generation"] for g in load} == {
             "handler-1.0",
             "handler-2.0",
+            "interactive",
         }
         assert all(g["admitted"] > 0 for g in load)  # both generations drew on one budget
         segment = str(summary["segment"]).lstrip("/")

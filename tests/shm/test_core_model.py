@@ -9,6 +9,9 @@ refused) and ends with slots still running, an event loop torn down with waiters
 segment removed and made again under its name (arrivals told MOVED, running slots
 finish), and damage (a bad write to a counter, its check word, a member's serial, an
 in_use word, a published deadline, the lock word, a record's state word with garbage),
+admission classes written, changed and removed under traffic (reserves, caps, promotion
+after maxWait, displacement from a full queue, R-A17..R-A21) and handlers of the older
+minor registering (the classes suspended while they are),
 on a real segment through the compiled core (``shm_layout/_core.c``), and the same
 steps on a plain bytearray through the Python model (``shm_layout/ledger.py``). Lies a
 trusted writer could tell (a free record written back to life, a live record's state
@@ -76,11 +79,11 @@ class Member:
     """One registered 'process': its own core in this process (members of one process are
     alive to each other through the core's own table; a death drops the lock byte)."""
 
-    def __init__(self, seg: Segment, pid: int, now: float) -> None:
+    def __init__(self, seg: Segment, pid: int, now: float, minor: int = layout.MINOR) -> None:
         self.core = lock.open_core(seg.name, seg.buf, seg.lock_kind)
         self.pid = pid
         self.index, self.serial = self.core.register(
-            pid, float(pid), b"gen", layout.MAJOR, layout.MINOR, now
+            pid, float(pid), b"gen", layout.MAJOR, minor, now
         )
         assert self.index >= 0
         self.alive = True
@@ -101,6 +104,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.damaged: set[int] = set()  # providers written over since a step looked at them
         self.uncounted: set[int] = set()  # providers with a record's state written, unswept
         self.overwritten: set[tuple[int, int, int]] = set()  # (p, h, serial) written over
+        self.revived: dict[int, int] = {}  # provider -> free records a lie brought to life
         self.running: list[Any] = []  # tickets whose bodies run: (member, ticket, model)
         self.issued: list[Any] = []  # every ticket that got a record: (member, ticket, model)
         self.replacement: Segment | None = None  # what the name leads to after a replace
@@ -138,16 +142,33 @@ class CoreAgainstModel(RuleBasedStateMachine):
         provider=st.sampled_from(range(len(PROVIDERS))),
         may_wait=st.booleans(),
         count=st.integers(1, 4),
+        cls=st.integers(-1, 3),
     )
-    def arrive(self, who: int, provider: int, may_wait: bool, count: int) -> Any:
+    def arrive(self, who: int, provider: int, may_wait: bool, count: int, cls: int) -> Any:
         """Up to 4 arrivals in one step, so that queues form often."""
-        return multiple(*(self._arrive(who + i, provider, may_wait) for i in range(count)))
+        return multiple(*(self._arrive(who + i, provider, may_wait, cls) for i in range(count)))
 
-    def _arrive(self, who: int, provider: int, may_wait: bool) -> Any:
+    @precondition(lambda self: any(m.alive and not m.retired for m in self.members))
+    @rule(
+        target=tickets,
+        who=st.integers(0, 5),
+        provider=st.sampled_from(range(len(PROVIDERS))),
+        low=st.integers(-1, 3),
+        high=st.integers(-1, 3),
+    )
+    def a_flood(self, who: int, provider: int, low: int, high: int) -> Any:
+        """33 arrivals of one class, then 3 of another: the 32-bound reached, and a higher
+        class displacing a lower one's waiters (R-A20)."""
+        classes = [low] * 33 + [high] * 3
+        return multiple(*(self._arrive(who + i, provider, True, c) for i, c in enumerate(classes)))
+
+    def _arrive(self, who: int, provider: int, may_wait: bool, cls: int = -1) -> Any:
         live = [m for m in self.members if m.alive and not m.retired]
         m = live[who % len(live)]
         ticket = _core.Ticket()
-        code = m.core.arrive(ticket, provider, m.pid, self.now, may_wait=may_wait, blocking=True)
+        code = m.core.arrive(
+            ticket, provider, m.pid, self.now, may_wait=may_wait, blocking=True, cls=cls
+        )
         decision, model_ticket, _ = self.model.arrive(
             provider,
             m.pid,
@@ -156,6 +177,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
             self.now,
             may_wait=may_wait,
             registered=not m.closing,
+            cls=cls,
         )
         assert CODES[code] == decision
         if decision != "closed":
@@ -218,6 +240,31 @@ class CoreAgainstModel(RuleBasedStateMachine):
                 PROVIDER["published_limit"].codec.pack(limit),
             ),
         ]
+        assert self.seg.core.transact([], writes, True, self.now)
+        for off, data in writes:
+            self.model_buf[off : off + len(data)] = data
+        self.model.pump_all(self.now)
+        self.unpumped = False
+        self.damaged.clear()
+
+    @rule(
+        provider=st.sampled_from(range(len(PROVIDERS))),
+        classes=st.lists(
+            st.tuples(st.integers(0, 3), st.integers(0, 3), st.sampled_from([0, 500, 5000])),
+            max_size=layout.CLASS_COUNT,
+        ),
+        default=st.integers(0, 5),
+    )
+    def classes_are_written(
+        self, provider: int, classes: list[tuple[int, int, int]], default: int
+    ) -> None:
+        """The writer's class table (reserve, cap, maxWait in ms), then a pump of every
+        provider, as a publication does (none: back to one FIFO)."""
+        writes = writer.class_writes(
+            provider,
+            [(f"c{k}", reserve, cap, wait) for k, (reserve, cap, wait) in enumerate(classes)],
+            default,
+        )
         assert self.seg.core.transact([], writes, True, self.now)
         for off, data in writes:
             self.model_buf[off : off + len(data)] = data
@@ -405,6 +452,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
             HOLDER["state"].put(buf, state, hb)
         self.uncounted.add(provider)
         self.overwritten.add((provider, h, HOLDER["serial"].get(self.model_buf, hb)))
+        self.revived[provider] = self.revived.get(provider, 0) + 1
 
     @rule(
         provider=st.sampled_from(range(len(PROVIDERS))),
@@ -464,14 +512,16 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.model.repair()
 
     @precondition(lambda self: len(self.members) < 8 and self.replacement is None)
-    @rule()
-    def a_process_registers(self) -> None:
+    @rule(older=st.booleans())
+    def a_process_registers(self, older: bool) -> None:
+        """A new handler; ``older``: one of layout 3.0, which suspends the classes."""
         taken = {m.index for m in self.members if m.alive}
         pid = 200 + len(self.members)
+        minor = layout.MINOR - 1 if older else layout.MINOR
         m_index, serial, _ = self.model.register(
-            pid, float(pid), b"gen", self.now, lambda m: m in taken
+            pid, float(pid), b"gen", self.now, lambda m: m in taken, minor=minor
         )
-        member = Member(self.seg, pid, self.now)
+        member = Member(self.seg, pid, self.now, minor)
         assert (member.index, member.serial) == (m_index, serial)
         self.members.append(member)
 
@@ -483,6 +533,8 @@ class CoreAgainstModel(RuleBasedStateMachine):
         real = bytes(self.seg.buf[: layout.TOTAL_SIZE])
         start = layout.PROVIDERS_BASE
         assert real[start:] == bytes(self.model_buf[start:]), self._first_difference(real)
+        older = layout.HEADER["older_members"]
+        assert older.get(self.seg.buf) == older.get(self.model_buf)
 
     def _first_difference(self, real: bytes) -> str:
         for i, (a, b) in enumerate(zip(real, self.model_buf, strict=True)):
@@ -524,10 +576,37 @@ class CoreAgainstModel(RuleBasedStateMachine):
                 running,
                 waiting,
             )
-            assert waiting <= layout.QUEUE_BOUND  # R-A2
+            # R-A2; a record a lie revived is one the arrivals did not count (out of scope)
+            assert waiting <= layout.QUEUE_BOUND + self.revived.get(p, 0)
             limit = rows.limit_value(buf, p, self.now)
-            if waiting and not self.unpumped:  # R-A1/R-A3: nobody waits while there is room
+            if self.unpumped or not waiting:
+                continue
+            count = rows.classes_in_force(buf, p)
+            if not count:  # R-A1/R-A3: nobody waits while there is room
                 assert running >= limit, (p, running, waiting, limit)
+                continue
+            # R-A18/R-A19: no waiter that may run is left waiting
+            rules = rows.class_rules(buf, p, count)
+            run = [0] * count
+            for h, state in enumerate(states):
+                if state == HOLDER_RUNNING:
+                    cls = HOLDER["cls"].get(buf, rows.holder_base(p, h))
+                    run[rows.resolve_class(buf, p, cls - 1)] += 1
+            for h, state in enumerate(states):
+                if state != HOLDER_WAITING:
+                    continue
+                hb = rows.holder_base(p, h)
+                k = rows.resolve_class(buf, p, HOLDER["cls"].get(buf, hb) - 1)
+                wait = rules[k].max_wait_s
+                promoted = (
+                    k > 0 and wait > 0 and self.now - HOLDER["since_mono"].get(buf, hb) >= wait
+                )
+                assert not ledger.may_run(k, running, run, limit, rules, promoted=promoted), (
+                    p,
+                    h,
+                    k,
+                    run,
+                )
 
 
 @pytest.mark.timeout(900)  # 200 examples of 50 steps each, on a loaded 2-core machine

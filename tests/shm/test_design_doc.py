@@ -13,6 +13,7 @@ _TABLES = {
     "Header": layout.HEADER,
     "Provider row": layout.PROVIDER,
     "Replica row": layout.REPLICA,
+    "Class row": layout.CLASS,
     "Holder record": layout.HOLDER,
     "Member row (a registered handler process)": layout.MEMBER,
 }

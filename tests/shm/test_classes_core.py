@@ -1,0 +1,236 @@
+"""Admission classes in the compiled core and its model, step by step (R-A17..R-A21):
+reserves, caps, strict order below the sum of reserves, promotion after maxWait,
+displacement from a full queue, and the classes suspended while a handler of the older
+minor is registered. Each step runs on a real segment through ``_core`` and on a copy
+through ``ledger.py``; the bytes must stay equal (the stateful test draws the same steps
+at random: this file pins the cases that random steps reach seldom)."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from shm_layout import _core, layout, ledger, lock, rows, writer
+from shm_layout.layout import PROVIDER
+from shm_layout.segment import Segment, unlink_segment
+
+INTERACTIVE, AGENT, BATCH = 0, 1, 2
+
+
+class Twin:
+    """A segment driven through the core, and its model, kept byte for byte equal."""
+
+    def __init__(self, limit: int) -> None:
+        self.name = "/gwt-c" + secrets.token_hex(5)
+        self.seg = Segment.open(self.name)
+        writer.ensure_provider(self.seg, "p", limit, "provider", False)
+        self.now = 1000.0
+        self.cores: list[Any] = []
+        self.kept: list[Any] = []  # a dropped Ticket leaves its record: keep them all
+        self.index: list[tuple[int, int]] = []
+        self.buf = bytearray(self.seg.buf[: layout.TOTAL_SIZE])
+        self.model = ledger.Ledger(self.buf, lambda m: any(i == m for i, _ in self.index))
+        self.register()
+
+    def register(self, minor: int = layout.MINOR) -> int:
+        core = lock.open_core(self.seg.name, self.seg.buf, self.seg.lock_kind)
+        pid = 100 + len(self.cores)
+        m, serial = core.register(pid, float(pid), b"gen", layout.MAJOR, minor, self.now)
+        taken = {i for i, _ in self.index}
+        mm, ms, _ = self.model.register(
+            pid, float(pid), b"gen", self.now, lambda x: x in taken, minor=minor
+        )
+        assert (m, serial) == (mm, ms)
+        self.cores.append(core)
+        self.index.append((m, serial))
+        self.same()
+        return len(self.cores) - 1
+
+    def unregister(self, who: int) -> None:
+        self.cores[who].unregister(self.now)
+        m, serial = self.index[who]
+        self.index[who] = (-1, 0)
+        self.model.unregister(m, serial, self.now)
+        self.same()
+
+    def classes(self, classes: list[writer.ClassSpec], default: int) -> None:
+        writes = writer.class_writes(0, classes, default)
+        assert self.seg.core.transact([], writes, True, self.now)
+        for off, data in writes:
+            self.buf[off : off + len(data)] = data
+        self.model.pump_all(self.now)
+        self.same()
+
+    def limit(self, value: int) -> None:
+        f = PROVIDER["fallback_limit"]
+        writes = [(rows.provider_base(0) + f.offset, f.codec.pack(value))]
+        assert self.seg.core.transact([], writes, True, self.now)
+        for off, data in writes:
+            self.buf[off : off + len(data)] = data
+        self.model.pump_all(self.now)
+        self.same()
+
+    def arrive(self, cls: int, who: int = 0) -> tuple[str, Any, Any]:
+        ticket = _core.Ticket()
+        code = self.cores[who].arrive(
+            ticket, 0, 100 + who, self.now, may_wait=True, blocking=True, cls=cls
+        )
+        m, serial = self.index[who]
+        decision, model_ticket, _ = self.model.arrive(0, 100 + who, m, serial, self.now, cls=cls)
+        assert {_core.ADMIT: "admit", _core.WAIT: "wait", _core.FULL: "full"}[code] == decision
+        self.kept.append(ticket)
+        self.same()
+        return decision, ticket, model_ticket
+
+    def leave(self, held: tuple[str, Any, Any], who: int = 0) -> None:
+        _, ticket, model_ticket = held
+        self.cores[who].leave(ticket, _core.RELEASED, self.now, blocking=True)
+        m, serial = self.index[who]
+        self.model.leave(model_ticket, m, serial, "released", self.now)
+        self.same()
+
+    def sweep(self) -> None:
+        assert self.seg.core.sweep(self.now) == self.model.sweep(self.now)[0]
+        self.same()
+
+    def same(self) -> None:
+        start = layout.PROVIDERS_BASE
+        assert bytes(self.seg.buf[start : layout.TOTAL_SIZE]) == bytes(self.buf[start:])
+        older = layout.HEADER["older_members"]
+        assert older.get(self.seg.buf) == older.get(self.buf)
+
+    def field(self, name: str) -> int:
+        value: int = PROVIDER[name].get(self.seg.buf, rows.provider_base(0))
+        return value
+
+    def close(self) -> None:
+        for core in self.cores:
+            core.close()
+        self.seg.close()
+        unlink_segment(self.name)
+
+
+@pytest.fixture
+def twin() -> Iterator[Twin]:
+    t = Twin(limit=4)
+    yield t
+    t.close()
+
+
+def test_r_a18_a_reserve_is_never_taken_by_a_lower_class(twin: Twin) -> None:
+    twin.classes([("interactive", 2, 0, 0), ("batch", 0, 0, 0)], BATCH - 1)
+    batch = [twin.arrive(-1) for _ in range(4)]  # no class named: the default, batch
+    assert [d for d, _, _ in batch] == ["admit", "admit", "wait", "wait"]
+    assert [twin.arrive(INTERACTIVE)[0] for _ in range(2)] == ["admit", "admit"]
+    assert twin.arrive(INTERACTIVE)[0] == "wait"
+    twin.leave(batch[0])  # the freed slot goes to the interactive waiter, not the older batch
+    assert twin.field("running") == 4 and twin.field("waiting") == 2
+
+
+def test_r_a18_a_cap_bounds_a_class_even_with_room(twin: Twin) -> None:
+    twin.classes([("interactive", 0, 0, 0), ("batch", 0, 1, 0)], 1)
+    assert [twin.arrive(1)[0] for _ in range(2)] == ["admit", "wait"]
+    assert twin.arrive(0)[0] == "admit"  # the capped class's waiter does not block it
+
+
+def test_r_a18_below_the_sum_of_reserves_the_higher_reserve_is_whole_first(twin: Twin) -> None:
+    twin.classes([("interactive", 2, 0, 0), ("agent", 2, 0, 0), ("batch", 0, 0, 0)], 2)
+    twin.limit(3)
+    assert twin.arrive(BATCH)[0] == "wait"  # 3 - 2 - 2 < 1: strict order, batch gets nothing
+    assert twin.arrive(AGENT)[0] == "admit"  # 0 + 2 < 3: one slot beside interactive's two
+    assert twin.arrive(AGENT)[0] == "wait"
+    assert [twin.arrive(INTERACTIVE)[0] for _ in range(2)] == ["admit", "admit"]
+
+
+def test_r_a19_a_waiter_past_its_max_wait_is_promoted(twin: Twin) -> None:
+    twin.classes([("interactive", 2, 0, 0), ("batch", 0, 0, 5000)], 1)
+    batch = [twin.arrive(BATCH) for _ in range(3)]
+    assert [d for d, _, _ in batch] == ["admit", "admit", "wait"]
+    twin.now += 4.9
+    twin.sweep()
+    assert twin.field("waiting") == 1  # not yet
+    twin.now += 0.2
+    twin.sweep()  # the host's sweep pumps: the batch waiter takes a reserved slot
+    assert twin.field("waiting") == 0 and twin.field("promoted_total") == 1
+
+
+def test_r_a20_a_full_queue_displaces_the_newest_lowest_waiter(twin: Twin) -> None:
+    twin.classes([("interactive", 0, 0, 0), ("agent", 0, 0, 0), ("batch", 0, 0, 0)], 2)
+    for _ in range(4):
+        twin.arrive(INTERACTIVE)
+    agents = [twin.arrive(AGENT) for _ in range(2)]
+    batch = [twin.arrive(BATCH) for _ in range(30)]
+    assert twin.field("waiting") == layout.QUEUE_BOUND
+    decision, _, _ = twin.arrive(AGENT)
+    assert decision == "wait" and twin.field("waiting") == layout.QUEUE_BOUND
+    newest = batch[-1][1]
+    assert twin.cores[0].displaced(newest) and not twin.cores[0].displaced(batch[0][1])
+    assert twin.field("displaced_total") == 1 and twin.field("rejected_total") == 1
+    assert twin.arrive(BATCH)[0] == "full"  # nobody below batch: refused
+    assert not any(twin.cores[0].displaced(t) for _, t, _ in agents)
+
+
+def test_r_a20_a_displaced_blocking_waiter_is_told_at_once(twin: Twin) -> None:
+    twin.classes([("interactive", 0, 0, 0), ("batch", 0, 0, 0)], 1)
+    for _ in range(4):
+        twin.arrive(INTERACTIVE)
+    core = twin.cores[0]
+    tickets = []
+    for _ in range(layout.QUEUE_BOUND):
+        ticket = _core.Ticket()
+        code = core.arrive(ticket, 0, 100, 0.0, may_wait=True, blocking=True, futex=True, cls=1)
+        assert code == _core.WAIT
+        tickets.append(ticket)
+    result: list[int] = []
+    waiter = threading.Thread(target=lambda: result.append(core.wait(tickets[-1], 10.0)[0]))
+    waiter.start()
+    assert (
+        core.arrive(_core.Ticket(), 0, 100, 0.0, may_wait=True, blocking=True, cls=0) == _core.WAIT
+    )
+    waiter.join(5.0)
+    assert result == [_core.W_DISPLACED]
+
+
+def test_r_a21_classes_are_suspended_while_an_older_handler_is_registered(twin: Twin) -> None:
+    twin.classes([("interactive", 2, 0, 0), ("batch", 0, 0, 0)], 1)
+    older = twin.register(minor=layout.MINOR - 1)
+    assert layout.HEADER["older_members"].get(twin.seg.buf) == 1
+    assert [twin.arrive(BATCH)[0] for _ in range(4)] == ["admit"] * 4  # one FIFO: no reserve
+    twin.unregister(older)
+    assert layout.HEADER["older_members"].get(twin.seg.buf) == 0
+    assert twin.arrive(INTERACTIVE)[0] == "wait"  # the limit is full; classes hold again
+
+
+def test_r_a17_no_classes_writes_what_one_fifo_writes(twin: Twin) -> None:
+    """Without classes a class asked for changes nothing: the record's class byte is 0."""
+    held = [twin.arrive(cls) for cls in (-1, 0, 3, 2, 1)]
+    assert [d for d, _, _ in held] == ["admit"] * 4 + ["wait"]
+    for _, ticket, _ in held:
+        hb = rows.holder_base(0, ticket.holder)
+        assert layout.HOLDER["cls"].get(twin.seg.buf, hb) == 0
+
+
+def test_r_a23_reserves_apply_to_the_published_share(twin: Twin) -> None:
+    """In share mode the sidecar publishes this gateway's share (source ``share``) as the
+    limit: the classes divide that share, as any limit in force."""
+    twin.classes([("interactive", 1, 0, 0), ("batch", 0, 0, 0)], 1)
+    base = rows.provider_base(0)
+    writes = [
+        (base + PROVIDER[f].offset, PROVIDER[f].codec.pack(v))
+        for f, v in (
+            ("published_source", layout.SOURCE_CODES["share"]),
+            ("expires_mono", twin.now + 20.0),
+            ("published_limit", 2),
+        )
+    ]
+    assert twin.seg.core.transact([], writes, True, twin.now)
+    for off, data in writes:
+        twin.buf[off : off + len(data)] = data
+    twin.model.pump_all(twin.now)
+    assert rows.effective_limit(twin.seg.buf, 0, twin.now).source == "share"
+    assert [twin.arrive(BATCH)[0] for _ in range(2)] == ["admit", "wait"]  # 2 - 1 reserved
+    assert twin.arrive(INTERACTIVE)[0] == "admit"
