@@ -100,12 +100,9 @@ class ShareFarm(RuleBasedStateMachine):
             g.error = ""
         self.publish(g)
 
-    def call(self, g: Gateway) -> None:
-        if g.sidecar != "up":
-            return
-        g.last_call = self.now
-        g.seq += 1
-        report = Report(
+    def report(self, g: Gateway) -> Report:
+        """What ``g``'s sidecar sends on its next call."""
+        return Report(
             g.name,
             UNKNOWN if g.skewed else self.capacity,
             max(self.in_force(g), len(g.running)),
@@ -115,6 +112,13 @@ class ShareFarm(RuleBasedStateMachine):
             g.token,
             g.seq,
         )
+
+    def call(self, g: Gateway) -> None:
+        if g.sidecar != "up":
+            return
+        g.last_call = self.now
+        g.seq += 1
+        report = self.report(g)
         if g.partitioned:
             g.error = "unreachable"
         elif self.redis_stalled:
@@ -227,16 +231,7 @@ class ShareFarm(RuleBasedStateMachine):
         if call_in_flight and not g.partitioned and not self.redis_stalled:
             # sent and executed just before the stop; the answer is read after SIGCONT
             g.seq += 1
-            report = Report(
-                g.name,
-                UNKNOWN if g.skewed else self.capacity,
-                max(self.in_force(g), len(g.running)),
-                len(g.running) + g.waiting,
-                self.floor,
-                LEASE,
-                g.token,
-                g.seq,
-            )
+            report = self.report(g)
             self.table, grant = step(self.table, report, self.now)
             g.in_flight.append((report, self.now, self.table, grant))
         g.sidecar = "stopped"
