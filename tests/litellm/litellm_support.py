@@ -3,6 +3,7 @@ configs, and real uvicorn servers (LiteLLM's proxy, the example gateway)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import secrets
@@ -96,7 +97,7 @@ class _UpstreamHandler(BaseHTTPRequestHandler):
                 text = {"id": "t", "object": "text_completion", "created": 1, "model": model}
                 self._send({**text, "choices": [choice]})
                 return
-            answer = json.dumps(
+            self._send(
                 {
                     "id": "c",
                     "object": "chat.completion",
@@ -111,12 +112,7 @@ class _UpstreamHandler(BaseHTTPRequestHandler):
                     ],
                     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
                 }
-            ).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
+            )
         except OSError:
             pass  # the caller went away
 
@@ -130,6 +126,17 @@ class _UpstreamHandler(BaseHTTPRequestHandler):
             self.wfile.write(answer)
         except OSError:
             pass  # the caller went away
+
+
+def skip_without_litellm() -> None:
+    """Skip the calling module where the litellm extra is not installed."""
+    missing = [m for m in ("litellm", "fastapi", "openai") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(
+            f"not installed: {', '.join(missing)} (make test installs the litellm extra: "
+            "pip install -e '.[litellm]')",
+            allow_module_level=True,
+        )
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ The provider's limit is 2; the fake upstream holds every answer until released.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -31,17 +30,12 @@ from litellm_support import (
     StartServed,
     counts,
     litellm_yaml,
+    skip_without_litellm,
     wait_counts,
 )
 from served import Served
 
-MISSING = [m for m in ("litellm", "fastapi", "openai") if importlib.util.find_spec(m) is None]
-if MISSING:
-    pytest.skip(
-        f"not installed: {', '.join(MISSING)} (make test installs the litellm extra: "
-        "pip install -e '.[litellm]')",
-        allow_module_level=True,
-    )
+skip_without_litellm()
 
 EXAMPLES = ROOT / "examples"
 

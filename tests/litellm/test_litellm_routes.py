@@ -10,7 +10,6 @@ route shape held 2 s by the upstream, which counts how many it held at once.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -22,17 +21,18 @@ from typing import Any
 import httpx
 import pytest
 from gwtest import ROOT, run_cli
-from litellm_support import ALIAS, PROVIDER, UPSTREAM_MODEL, HoldingUpstream, StartServed
+from litellm_support import (
+    ALIAS,
+    PROVIDER,
+    UPSTREAM_MODEL,
+    HoldingUpstream,
+    StartServed,
+    skip_without_litellm,
+)
 
 from handler_shim.model_routes import LITELLM, match
 
-MISSING = [m for m in ("litellm", "fastapi", "openai") if importlib.util.find_spec(m) is None]
-if MISSING:
-    pytest.skip(
-        f"not installed: {', '.join(MISSING)} (make test installs the litellm extra: "
-        "pip install -e '.[litellm]')",
-        allow_module_level=True,
-    )
+skip_without_litellm()
 
 EXAMPLES = ROOT / "examples"
 OTHER = "other-inference"
