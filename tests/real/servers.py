@@ -568,6 +568,18 @@ def drive_streams(
     return Streams(times, finish, errors)
 
 
+def streams_alone(server: RealServer, model: Path, n: int, max_tokens: int) -> Streams:
+    """``n`` streams at once straight to ``server`` (no router), none of which may fail;
+    the server is stopped after."""
+    try:
+        server.wait_healthy(STARTUP_S[server.kind])
+        streams = drive_streams(f"{server.url}/v1", "none", str(model), n, max_tokens=max_tokens)
+    finally:
+        server.stop()
+    assert not streams.errors, streams.errors
+    return streams
+
+
 @contextmanager
 def gauge_watch(
     url: str, names: tuple[str, ...], headers: dict[str, str]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -70,14 +71,18 @@ def write_registry(work: Path, workers: list[dict[str, Any]]) -> Path:
     return path
 
 
-def two_servers(
+@contextmanager
+def two_behind_a_router(
     work: Path, servers: Callable[..., LlamaServer], parallel: tuple[int, int]
-) -> tuple[LlamaServer, LlamaServer, Path]:
-    """Two llama-servers serving the tiny model as "tiny", workers a and b of a registry."""
+) -> Iterator[tuple[LlamaServer, LlamaServer, RouterServer]]:
+    """Two llama-servers serving the tiny model as "tiny", workers a and b of a router that
+    has read them both."""
     model = tiny_model(work)
     a, b = (servers("-m", str(model), "--alias", "tiny", "--parallel", str(n)) for n in parallel)
     registry = write_registry(work, [entry("a", a, ["tiny"]), entry("b", b, ["tiny"])])
-    return a, b, registry
+    with RouterServer(registry, work / "router.key", poll_interval=0.5) as router:
+        wait_rows(router, {"tiny": sum(parallel)})
+        yield a, b, router
 
 
 def capacity(router: RouterServer) -> dict[str, Any]:
@@ -134,9 +139,7 @@ def test_r_k5_slots_follow_parallel_across_a_restart(
 def test_r_k5_two_servers_sum_and_a_killed_one_drops_out(
     work: Path, servers: Callable[..., LlamaServer]
 ) -> None:
-    _, b, registry = two_servers(work, servers, (2, 3))
-    with RouterServer(registry, work / "router.key", poll_interval=0.5) as router:
-        wait_rows(router, {"tiny": 5})
+    with two_behind_a_router(work, servers, (2, 3)) as (_, b, router):
         b.kill()
         assert wait_rows(router, {"tiny": 2})["complete"] is True
 
@@ -207,9 +210,7 @@ def test_r_k5_router_mode_is_read_per_model_without_loading_one(
 def test_r_k5_a_stream_through_the_router_with_the_openai_sdk_and_a_fenced_worker_drains(
     work: Path, servers: Callable[..., LlamaServer]
 ) -> None:
-    _, _, registry = two_servers(work, servers, (2, 2))
-    with RouterServer(registry, work / "router.key", poll_interval=0.5) as router:
-        wait_rows(router, {"tiny": 4})
+    with two_behind_a_router(work, servers, (2, 2)) as (_, _, router):
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=KEY, max_retries=0, timeout=60)
         stream = client.completions.create(
             model="tiny", prompt="hello", max_tokens=400, stream=True

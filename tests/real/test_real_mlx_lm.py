@@ -23,11 +23,11 @@ from servers import (
     Router,
     StateLog,
     chat_through,
-    drive_streams,
     kill_until_unreachable,
     real_marks,
     serve_chain,
     start_mlx,
+    streams_alone,
     tiny_model,
     version_of,
     worker_entry,
@@ -131,12 +131,7 @@ def test_r_k5_mlx_lm_batch_is_the_larger_of_decode_and_prompt_concurrency(
     (mlx_lm/generate.py), and --prompt-concurrency defaults to 8."""
     model = tiny_model("mlx-lm", tmp_path, layers=LAYERS)
     server = start_mlx(model, free_port(), tmp_path / "mlx.log", decode_concurrency=2)
-    try:
-        server.wait_healthy(STARTUP_S["mlx-lm"])
-        streams = drive_streams(f"{server.url}/v1", "none", str(model), 4, max_tokens=120)
-    finally:
-        server.stop()
-    assert not streams.errors, streams.errors
+    streams = streams_alone(server, model, 4, max_tokens=120)
     figures.append(
         "mlx_lm --decode-concurrency 2 (--prompt-concurrency left at 8): 4 streams ran "
         f"{streams.most_at_once()} at once"

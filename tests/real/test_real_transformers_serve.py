@@ -16,14 +16,13 @@ import httpx
 import pytest
 from gwtest import free_port
 from servers import (
-    STARTUP_S,
     Chain,
     chat_through,
-    drive_streams,
     kill_until_unreachable,
     real_marks,
     serve_chain,
     start_transformers,
+    streams_alone,
     tiny_model,
     version_of,
 )
@@ -101,13 +100,8 @@ def test_r_k5_transformers_serve_with_continuous_batching_runs_them_all_at_once(
 ) -> None:
     model = tiny_model("transformers", tmp_path)
     server = start_transformers(model, free_port(), tmp_path / "cb.log", continuous_batching=True)
-    try:
-        server.wait_healthy(STARTUP_S["transformers"])
-        # batched, the tiny model is fast: long answers, so that each lasts seconds
-        streams = drive_streams(f"{server.url}/v1", "none", str(model), 3, max_tokens=1500)
-    finally:
-        server.stop()
-    assert not streams.errors, streams.errors
+    # batched, the tiny model is fast: long answers, so that each lasts seconds
+    streams = streams_alone(server, model, 3, max_tokens=1500)
     figures.append(
         f"transformers serve --continuous-batching: 3 streams ran {streams.most_at_once()} "
         "at once (nothing over HTTP says how many it would take)"
