@@ -171,6 +171,20 @@ def write_config(directory: str, providers: Sequence[dict[str, Any]]) -> str:
     return path
 
 
+def write_router_files(directory: str, key: str, worker_url: str, model: str) -> tuple[str, str]:
+    """A router's key file (0600) and a registry of one worker ``w`` at ``worker_url``
+    serving ``model`` (read as llama-server's /props), in ``directory``: their paths."""
+    key_file = os.path.join(directory, "router.key")
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, key.encode())
+    os.close(fd)
+    registry = os.path.join(directory, "workers.json")
+    worker = {"id": "w", "urls": [worker_url], "models": [model], "slots": {"source": "props"}}
+    with open(registry, "w", encoding="utf-8") as f:
+        json.dump({"workers": [worker]}, f)
+    return key_file, registry
+
+
 # --- timing ------------------------------------------------------------------------------
 def calibrate(
     run: Callable[[int], int], target_s: float, lo: int = 200, hi: int = 2_000_000
