@@ -77,6 +77,11 @@ def _json(status: int, body: object, headers: tuple[tuple[bytes, bytes], ...] = 
     return Answer(status, msgspec.json.encode(body), headers)
 
 
+def _not_observed_yet() -> Answer:
+    """Before the first poll round: nothing to publish, ask again in a second."""
+    return _json(503, {"error": "no observation yet"}, ((b"retry-after", b"1"),))
+
+
 def _unauthorized_plain() -> Answer:
     return _json(401, {"error": "unauthorized"}, ((b"www-authenticate", b"Bearer"),))
 
@@ -201,19 +206,13 @@ class RouterApp(Handler):
         if path == "/v1/capacity":
             published = self._observer.published()
             if published is None:
-                conn.respond(
-                    _json(503, {"error": "no observation yet"}, ((b"retry-after", b"1"),)),
-                    head_only,
-                )
+                conn.respond(_not_observed_yet(), head_only)
             else:
                 conn.respond(Answer(200, published[1]), head_only)
         elif path == "/v1/load":
             snapshot = self._observer.snapshot()
             if snapshot is None:
-                conn.respond(
-                    _json(503, {"error": "no observation yet"}, ((b"retry-after", b"1"),)),
-                    head_only,
-                )
+                conn.respond(_not_observed_yet(), head_only)
             else:
                 load = farm_load(snapshot, self._observer.workers(), self._proxy.in_flight(), True)
                 conn.respond(_json(200, load), head_only)
