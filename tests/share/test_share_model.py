@@ -179,13 +179,14 @@ class ShareFarm(RuleBasedStateMachine):
     def a_burst_arrives(self, i: int, n: int) -> None:
         g = self.pick(i)
         g.waiting += n
-        while g.waiting and len(g.running) < self.in_force(g):
-            g.waiting -= 1
-            g.running.append(self.now)
+        self.admit(g)
 
     @rule(i=st.integers(0, 3))
     def waiters_are_admitted(self, i: int) -> None:
-        g = self.pick(i)
+        self.admit(self.pick(i))
+
+    def admit(self, g: Gateway) -> None:
+        """Waiters take the free slots under the limit in force, first come first."""
         while g.waiting and len(g.running) < self.in_force(g):
             g.waiting -= 1
             g.running.append(self.now)
