@@ -65,19 +65,19 @@ class Cleanup:
         return name
 
     def semaphore(self, name: str) -> str:
-        def unlink() -> None:
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                posix_ipc.unlink_semaphore(name)
-
-        self.push(f"semaphore {name}", unlink)
-        return name
+        return self._posix_ipc("semaphore", posix_ipc.unlink_semaphore, name)
 
     def shared_memory(self, name: str) -> str:
-        def unlink() -> None:
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                posix_ipc.unlink_shared_memory(name)
+        return self._posix_ipc("shared memory", posix_ipc.unlink_shared_memory, name)
 
-        self.push(f"shared memory {name}", unlink)
+    def _posix_ipc(self, what: str, unlink: Callable[[str], None], name: str) -> str:
+        """Unlink the POSIX IPC object ``name`` at cleanup, if it still exists."""
+
+        def undo() -> None:
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                unlink(name)
+
+        self.push(f"{what} {name}", undo)
         return name
 
     def tempdir(self) -> str:
