@@ -66,7 +66,7 @@ from .poller import (
 )
 from .proxy import RELAYED_PATHS, Answer, FarmProxy, WorkerKey, unauthorized
 from .registry import RegistryWatcher
-from .wire import RequestHead
+from .wire import RequestHead, http_url
 
 log = logging.getLogger("capacity_router")
 
@@ -439,8 +439,7 @@ class RouterServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return http_url(self.host, self.port)
 
     @property
     def running(self) -> bool:

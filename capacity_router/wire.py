@@ -51,6 +51,11 @@ def _headers(lines: list[bytes]) -> list[Header]:
     return found
 
 
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets (RFC 3986 3.2.2)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def connection_tokens(headers: Iterable[Header]) -> frozenset[bytes]:
     """The names listed in ``Connection`` (lower case)."""
     return frozenset(
