@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -71,6 +71,12 @@ class LoopbackHTTP:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 class ScriptedServer(LoopbackHTTP):

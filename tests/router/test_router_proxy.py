@@ -316,9 +316,8 @@ class RecordingWorker(LoopbackHTTP):
 
 @pytest.fixture
 def recording() -> Iterator[RecordingWorker]:
-    w = RecordingWorker()
-    yield w
-    w.stop()
+    with RecordingWorker() as w:
+        yield w
 
 
 @pytest.mark.parametrize("key", [None, "wrong-key", f"{KEY}x"], ids=["none", "wrong", "longer"])

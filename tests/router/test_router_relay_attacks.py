@@ -65,9 +65,8 @@ class RedirectingWorker(LoopbackHTTP):
 
 @pytest.fixture
 def redirecting() -> Iterator[RedirectingWorker]:
-    w = RedirectingWorker()
-    yield w
-    w.stop()
+    with RedirectingWorker() as w:
+        yield w
 
 
 def test_r_k5_a_workers_redirect_is_a_502_the_sdk_cannot_follow_into_the_admin_api(
