@@ -65,19 +65,19 @@ class Cleanup:
         return name
 
     def semaphore(self, name: str) -> str:
-        def unlink() -> None:
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                posix_ipc.unlink_semaphore(name)
-
-        self.push(f"semaphore {name}", unlink)
-        return name
+        return self._posix_ipc("semaphore", posix_ipc.unlink_semaphore, name)
 
     def shared_memory(self, name: str) -> str:
-        def unlink() -> None:
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                posix_ipc.unlink_shared_memory(name)
+        return self._posix_ipc("shared memory", posix_ipc.unlink_shared_memory, name)
 
-        self.push(f"shared memory {name}", unlink)
+    def _posix_ipc(self, what: str, unlink: Callable[[str], None], name: str) -> str:
+        """Unlink the POSIX IPC object ``name`` at cleanup, if it still exists."""
+
+        def undo() -> None:
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                unlink(name)
+
+        self.push(f"{what} {name}", undo)
         return name
 
     def tempdir(self) -> str:
@@ -169,6 +169,20 @@ def write_config(directory: str, providers: Sequence[dict[str, Any]]) -> str:
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"providers": list(providers)}, f)
     return path
+
+
+def write_router_files(directory: str, key: str, worker_url: str, model: str) -> tuple[str, str]:
+    """A router's key file (0600) and a registry of one worker ``w`` at ``worker_url``
+    serving ``model`` (read as llama-server's /props), in ``directory``: their paths."""
+    key_file = os.path.join(directory, "router.key")
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, key.encode())
+    os.close(fd)
+    registry = os.path.join(directory, "workers.json")
+    worker = {"id": "w", "urls": [worker_url], "models": [model], "slots": {"source": "props"}}
+    with open(registry, "w", encoding="utf-8") as f:
+        json.dump({"workers": [worker]}, f)
+    return key_file, registry
 
 
 # --- timing ------------------------------------------------------------------------------

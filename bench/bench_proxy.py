@@ -17,7 +17,6 @@ of the figures.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -28,7 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from bench_common import Cleanup, median, percentile, proc_cpu_ns, wait_until
+from bench_common import (
+    Cleanup,
+    median,
+    percentile,
+    proc_cpu_ns,
+    wait_until,
+    write_router_files,
+)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -74,15 +80,7 @@ def _farm(cleanup: Cleanup) -> tuple[str, str, int]:
         ["simworker", "--slots", "8", "--openai", "--delay", "0", "--model", MODEL],
     )
     worker_url = line.split(" on ", 1)[1].split(" ", 1)[0]
-    directory = cleanup.tempdir()
-    key_file = os.path.join(directory, "router.key")
-    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, KEY.encode())
-    os.close(fd)
-    registry = os.path.join(directory, "workers.json")
-    worker = {"id": "w", "urls": [worker_url], "models": [MODEL], "slots": {"source": "props"}}
-    with open(registry, "w", encoding="utf-8") as f:
-        json.dump({"workers": [worker]}, f)
+    key_file, registry = write_router_files(cleanup.tempdir(), KEY, worker_url, MODEL)
     serve = ["serve", "--workers", registry, "--key-file", key_file]
     proc, line = _start(cleanup, [*serve, "--listen", "127.0.0.1:0", "--poll", "30"])
     router_url = line.strip().removeprefix("serving ").removesuffix("/v1/capacity")

@@ -40,7 +40,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from bench_common import Cleanup, percentile, proc_cpu_ns, wait_until  # noqa: E402
+from bench_common import (  # noqa: E402
+    Cleanup,
+    percentile,
+    proc_cpu_ns,
+    wait_until,
+    write_router_files,
+)
 
 KEY = "bench-relay-key"
 MODEL = "bench-model"
@@ -176,20 +182,8 @@ def _start_upstream(cleanup: Cleanup) -> int:
 
 
 def _start_router(cleanup: Cleanup, upstream: int) -> Target:
-    directory = cleanup.tempdir()
-    key_file = os.path.join(directory, "router.key")
-    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, KEY.encode())
-    os.close(fd)
-    registry = os.path.join(directory, "workers.json")
-    worker = {
-        "id": "w",
-        "urls": [f"http://127.0.0.1:{upstream}"],
-        "models": [MODEL],
-        "slots": {"source": "props"},
-    }
-    with open(registry, "w", encoding="utf-8") as f:
-        json.dump({"workers": [worker]}, f)
+    upstream_url = f"http://127.0.0.1:{upstream}"
+    key_file, registry = write_router_files(cleanup.tempdir(), KEY, upstream_url, MODEL)
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway_capacity", "router", "serve", "--workers", registry,
          "--key-file", key_file, "--listen", "127.0.0.1:0"],

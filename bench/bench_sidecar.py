@@ -13,9 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psutil
 from bench_common import Cleanup, new_segment_name
-
-MODEL = "bench-upstream"
-SLOTS = 6
+from capacity_farm import MODEL, capacity_body
 
 
 @dataclass
@@ -54,15 +52,7 @@ class _Capacity(BaseHTTPRequestHandler):
             self.send_error(401)
             return
         type(self).probes += 1
-        body = json.dumps(
-            {
-                "object": "inference_capacity",
-                "version": 1,
-                "complete": True,
-                "observed_at": time.time(),
-                "models": [{"id": MODEL, "max_concurrent_requests": SLOTS}],
-            }
-        ).encode()
+        body = capacity_body()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))

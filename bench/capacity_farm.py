@@ -22,6 +22,13 @@ MODEL = "bench-upstream"
 SLOTS = 6
 
 
+def capacity_body() -> bytes:
+    """The farm's answer to ``GET /v1/capacity``: MODEL with SLOTS, complete, now."""
+    models = [{"id": MODEL, "max_concurrent_requests": SLOTS}]
+    doc = {"object": "inference_capacity", "version": 1, "complete": True, "models": models}
+    return json.dumps({**doc, "observed_at": time.time()}).encode()
+
+
 class Farm:
     def __init__(self, key: str) -> None:
         self.auth = f"Bearer {key}".encode()
@@ -47,15 +54,7 @@ class Farm:
                 else:
                     self.answers += 1
                     status = b"200 OK"
-                    body = json.dumps(
-                        {
-                            "object": "inference_capacity",
-                            "version": 1,
-                            "complete": True,
-                            "observed_at": time.time(),
-                            "models": [{"id": MODEL, "max_concurrent_requests": SLOTS}],
-                        }
-                    ).encode()
+                    body = capacity_body()
                 writer.write(
                     b"HTTP/1.1 "
                     + status

@@ -66,7 +66,7 @@ from .poller import (
 )
 from .proxy import RELAYED_PATHS, Answer, FarmProxy, WorkerKey, unauthorized
 from .registry import RegistryWatcher
-from .wire import RequestHead
+from .wire import RequestHead, http_url
 
 log = logging.getLogger("capacity_router")
 
@@ -75,6 +75,11 @@ T = TypeVar("T")
 
 def _json(status: int, body: object, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Answer:
     return Answer(status, msgspec.json.encode(body), headers)
+
+
+def _not_observed_yet() -> Answer:
+    """Before the first poll round: nothing to publish, ask again in a second."""
+    return _json(503, {"error": "no observation yet"}, ((b"retry-after", b"1"),))
 
 
 def _unauthorized_plain() -> Answer:
@@ -202,19 +207,13 @@ class RouterApp(Handler):
         if path == "/v1/capacity":
             published = self._observer.published()
             if published is None:
-                conn.respond(
-                    _json(503, {"error": "no observation yet"}, ((b"retry-after", b"1"),)),
-                    head_only=head_only,
-                )
+                conn.respond(_not_observed_yet(), head_only=head_only)
             else:
                 conn.respond(Answer(200, published[1]), head_only=head_only)
         elif path == "/v1/load":
             snapshot = self._observer.snapshot()
             if snapshot is None:
-                conn.respond(
-                    _json(503, {"error": "no observation yet"}, ((b"retry-after", b"1"),)),
-                    head_only=head_only,
-                )
+                conn.respond(_not_observed_yet(), head_only=head_only)
             else:
                 load = farm_load(
                     snapshot, self._observer.workers(), self._proxy.in_flight(), relays=True
@@ -447,8 +446,7 @@ class RouterServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return http_url(self.host, self.port)
 
     @property
     def running(self) -> bool:

@@ -60,6 +60,7 @@ from .wire import (
     Header,
     RequestHead,
     ResponseHead,
+    connection_tokens,
     parse_response_head,
 )
 
@@ -245,13 +246,7 @@ _model_decoder = msgspec.json.Decoder(_ModelField)
 
 def _named(headers: Iterable[Header]) -> frozenset[bytes]:
     """The hop-by-hop names a sender listed in ``Connection``, less the end-to-end ones."""
-    return frozenset(
-        token.strip().lower()
-        for name, value in headers
-        if name == b"connection"
-        for token in value.split(b",")
-        if token.strip() and token.strip().lower() not in END_TO_END
-    )
+    return connection_tokens(headers) - END_TO_END
 
 
 def upstream_headers(headers: list[Header], key: bytes | None) -> list[Header]:

@@ -55,6 +55,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
 from .kinds import SHAPES
+from .wire import http_url
 
 PropsFault = Literal["garbage", "error", "hang"]
 Shape = str
@@ -301,8 +302,7 @@ class SimWorker:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return http_url(self.host, self.port)
 
     @property
     def slots(self) -> int:

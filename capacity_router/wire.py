@@ -12,6 +12,7 @@ values, obsolete line folding, a control character in a header, a head over
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 MAX_HEAD_BYTES = 64 << 10
@@ -50,7 +51,12 @@ def _headers(lines: list[bytes]) -> list[Header]:
     return found
 
 
-def connection_tokens(headers: list[Header]) -> frozenset[bytes]:
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets (RFC 3986 3.2.2)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def connection_tokens(headers: Iterable[Header]) -> frozenset[bytes]:
     """The names listed in ``Connection`` (lower case)."""
     return frozenset(
         token.strip().lower()

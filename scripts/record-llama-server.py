@@ -12,45 +12,20 @@ the format tests/router/test_router_fixtures.py replays. `make real-workers` run
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # gwtest
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "real"))
 
-from tests.real.llama import ROOT, LlamaServer, binary, tiny_model
+from llama import ROOT, LlamaServer, binary, tiny_model
+from recording import answers, write_fixture
 
 SDIST = "llama.cpp vendored by the llama-cpp-python 0.3.36 sdist (PyPI)"
-
-
-def _answers(server: LlamaServer, paths: list[str], key: str | None) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    out: dict[str, Any] = {}
-    for path in paths:
-        answer = httpx.get(server.url + path, headers=headers, timeout=30.0)
-        try:
-            out[path] = {"status": answer.status_code, "json": answer.json()}
-        except ValueError:
-            out[path] = {"status": answer.status_code, "text": answer.text}
-        print(f"  GET {path} -> {answer.status_code}")
-    return out
-
-
-def _write(out: Path, name: str, server: str, version: str, follows: list[str], **doc: Any) -> None:
-    record = {
-        "server": server,
-        "version": f"{SDIST}, build {version}",
-        "kind": "recorded",
-        "follows": follows,
-        **doc,
-    }
-    (out / f"{name}.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {name}.json")
 
 
 def main(argv: list[str]) -> int:
@@ -68,18 +43,17 @@ def main(argv: list[str]) -> int:
         plain = LlamaServer(["-m", str(model), "--parallel", "2"], work / "plain.log")
         try:
             plain.wait_healthy()
-            version = str(
-                httpx.get(plain.url + "/props", timeout=10).json().get("build_info", "unknown")
-            )
+            build = httpx.get(plain.url + "/props", timeout=10).json().get("build_info", "unknown")
+            version = f"{SDIST}, build {build}"
             alias = httpx.get(plain.url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            _write(
+            write_fixture(
                 out,
                 "llama-server-recorded",
                 "llama.cpp llama-server (-m tiny.gguf --parallel 2)",
                 version,
                 ["recorded from a real llama-server by scripts/record-llama-server.py"],
                 registry={"models": [alias, "typo-model"], "slots": {"source": "llama-server"}},
-                answers=_answers(plain, single, None),
+                answers=answers(plain.url, single),
                 expect={  # one model: it answers any id, so the typo counts (warned)
                     "rows": {alias: 2, "typo-model": 2},
                     "complete": True,
@@ -98,14 +72,14 @@ def main(argv: list[str]) -> int:
         )
         try:
             keyed.wait_healthy()
-            _write(
+            write_fixture(
                 out,
                 "llama-server-api-key-recorded",
                 "llama.cpp llama-server (--api-key-file), asked without the key",
                 version,
                 ["recorded from a real llama-server by scripts/record-llama-server.py"],
                 registry={"models": [alias], "slots": {"source": "llama-server"}},
-                answers=_answers(keyed, single, None),
+                answers=answers(keyed.url, single),
                 expect={"rows": {}, "complete": False, "unserved": []},
             )
         finally:
@@ -137,21 +111,25 @@ def main(argv: list[str]) -> int:
             "recorded from a real llama-server router (--models-dir, --parallel 3)"
             " by scripts/record-llama-server.py"
         ]
-        try:
-            router.wait_healthy()
-            _write(
+
+        def record_router(name: str, what: str, rows: dict[str, int]) -> None:
+            write_fixture(
                 out,
-                "llama-server-router-unloaded-recorded",
-                "llama.cpp llama-server router mode, nothing loaded",
+                f"llama-server-router-{name}-recorded",
+                f"llama.cpp llama-server router mode, {what}",
                 version,
                 follows,
                 registry={
                     "models": ["tiny-a", "tiny-b"],
                     "slots": {"source": "llama-server-router"},
                 },
-                answers=_answers(router, routed, None),
-                expect={"rows": {"tiny-a": 0, "tiny-b": 0}, "complete": True, "unserved": []},
+                answers=answers(router.url, routed),
+                expect={"rows": rows, "complete": True, "unserved": []},
             )
+
+        try:
+            router.wait_healthy()
+            record_router("unloaded", "nothing loaded", {"tiny-a": 0, "tiny-b": 0})
             httpx.post(router.url + "/models/load", json={"model": "tiny-a"}, timeout=30)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
@@ -162,19 +140,7 @@ def main(argv: list[str]) -> int:
                 if states.get("tiny-a") == "loaded":
                     break
                 time.sleep(0.2)
-            _write(
-                out,
-                "llama-server-router-loaded-recorded",
-                "llama.cpp llama-server router mode, tiny-a loaded",
-                version,
-                follows,
-                registry={
-                    "models": ["tiny-a", "tiny-b"],
-                    "slots": {"source": "llama-server-router"},
-                },
-                answers=_answers(router, routed, None),
-                expect={"rows": {"tiny-a": 3, "tiny-b": 0}, "complete": True, "unserved": []},
-            )
+            record_router("loaded", "tiny-a loaded", {"tiny-a": 3, "tiny-b": 0})
         finally:
             router.stop()
     return 0

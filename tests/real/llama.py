@@ -8,16 +8,14 @@ that scripts/tiny_gguf.py writes. Nothing here downloads anything.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
+from gwtest import free_port
+from servers import RealServer
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_SERVER_ENV = "GWCAP_LLAMA_SERVER"
@@ -50,62 +48,25 @@ def tiny_model(directory: Path, name: str = "tiny-llama") -> Path:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class LlamaServer:
+class LlamaServer(RealServer):
     """One llama-server on 127.0.0.1; ``args`` are its own flags."""
 
     def __init__(self, args: list[str], log: Path, key: str | None = None, port: int = 0) -> None:
         server = binary()
         assert server is not None
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = port or free_port()
+        argv = [str(server), "--host", "127.0.0.1", "--port", str(port), "--threads", "1", *args]
+        super().__init__("llama-server", argv, log, port, dict(os.environ))
         self.key = key
-        self._log = log.open("wb")
-        self.proc = subprocess.Popen(
-            [str(server), "--host", "127.0.0.1", "--port", str(self.port), "--threads", "1", *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.key}"} if self.key else {}
 
-    def wait_healthy(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"llama-server exited {self.proc.returncode}; see {self._log.name}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"llama-server on {self.url} not healthy within {timeout} s")
+    def wait_healthy(self, timeout: float = 60.0, every: float = 0.1) -> float:
+        return super().wait_healthy(timeout, every)
 
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self._log.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+    def stop(self, grace: float = 10.0) -> None:
+        super().stop(grace)
 
 
 @contextmanager

@@ -14,7 +14,6 @@ import json
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
+from gwtest import free_port, wait_until
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -36,6 +37,9 @@ PYTHON_ENV = {
     "mlx-lm": "GWCAP_MLX_LM_PYTHON",
     "transformers": "GWCAP_TRANSFORMERS_PYTHON",
 }
+
+# Start-up deadlines: honest ones on a shared 2-core machine (vLLM compiles its model).
+STARTUP_S = {"vllm": 900.0, "mlx-lm": 300.0, "transformers": 400.0}
 
 
 def python(kind: str) -> Path | None:
@@ -50,6 +54,19 @@ def skip_reason(kind: str) -> str:
         f"{kind}) and sets {PYTHON_ENV[kind]}; an install that cannot happen here says why "
         "in its log under the cache"
     )
+
+
+def real_marks(kind: str) -> list[pytest.MarkDecorator]:
+    """A module's marks: a timeout past ``kind``'s start-up, and a skip without its venv."""
+    return [
+        pytest.mark.timeout(STARTUP_S[kind] + 600),
+        pytest.mark.skipif(python(kind) is None, reason=skip_reason(kind)),
+    ]
+
+
+def loopback(port: int) -> list[str]:
+    """The flags every one of these servers takes to listen on 127.0.0.1:``port``."""
+    return ["--host", "127.0.0.1", "--port", str(port)]
 
 
 def offline_env(**extra: str) -> dict[str, str]:
@@ -76,12 +93,6 @@ def tiny_model(kind: str, directory: Path, layers: int = 2) -> Path:
     return out.resolve()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RealServer:
     """One server process (its own process group) on 127.0.0.1:``port``."""
 
@@ -102,7 +113,7 @@ class RealServer:
             env=env or offline_env(),
         )
 
-    def wait_healthy(self, timeout: float) -> float:
+    def wait_healthy(self, timeout: float, every: float = 0.25) -> float:
         """Wait for ``GET /health`` 200; return the seconds since the start."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -114,7 +125,7 @@ class RealServer:
                     return time.monotonic() - self.started
             except httpx.HTTPError:
                 pass
-            time.sleep(0.25)
+            time.sleep(every)
         raise TimeoutError(f"{self.kind} on {self.url} not healthy within {timeout} s; {self.log}")
 
     def kill(self) -> None:
@@ -123,21 +134,17 @@ class RealServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 30.0) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.proc.wait(grace)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         with suppress(ProcessLookupError):  # children left behind by a parent gone first
             os.killpg(self.proc.pid, signal.SIGKILL)
         self._log.close()
-
-
-# Start-up deadlines: honest ones on a shared 2-core machine (vLLM compiles its model).
-STARTUP_S = {"vllm": 900.0, "mlx-lm": 300.0, "transformers": 400.0}
 
 
 def start_vllm(
@@ -152,10 +159,7 @@ def start_vllm(
             str(py),
             "-m",
             "vllm.entrypoints.openai.api_server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
+            *loopback(port),
             "--model",
             str(model),
             "--served-model-name",
@@ -198,10 +202,7 @@ def start_mlx(
             "-m",
             "mlx_lm",
             "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
+            *loopback(port),
             "--model",
             str(model),
             "--decode-concurrency",
@@ -227,10 +228,7 @@ def start_transformers(
             str(cli),
             "serve",
             str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
+            *loopback(port),
             "--device",
             "cpu",
             "--continuous-batching" if continuous_batching else "--no-continuous-batching",
@@ -308,12 +306,10 @@ class Router:
         raise AssertionError(f"no worker {worker_id} in {answer.text}")
 
     def wait(self, check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if check():
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"never {what} within {timeout} s: {self.capacity()} {self.worker()}")
+        if not wait_until(check, timeout, every=0.2):
+            raise AssertionError(
+                f"never {what} within {timeout} s: {self.capacity()} {self.worker()}"
+            )
 
     def show(self, *extra: str) -> str:
         done = subprocess.run(
@@ -388,6 +384,122 @@ class StateLog:
             self._thread.join(5)
 
 
+# -- one server behind one router, for a test module ---------------------------
+
+
+def worker_entry(
+    port: int, models: list[str], slots: dict[str, Any], **extra: str
+) -> dict[str, Any]:
+    """The registry's one worker ``w``, at 127.0.0.1:``port``."""
+    return {
+        "id": "w",
+        "urls": [f"http://127.0.0.1:{port}"],
+        "models": models,
+        "slots": slots,
+        **extra,
+    }
+
+
+@dataclass
+class Chain:
+    """A real server behind a real router, with the worker's states logged from the start."""
+
+    work: Path
+    router: Router
+    server: RealServer
+    log: StateLog
+    worker: dict[str, Any]
+    model: str
+    startup_s: float
+
+    def streams(self, n: int, max_tokens: int, seed: int | None = None) -> Streams:
+        """``n`` streams at once through the router, none of which may fail."""
+        out = drive_streams(
+            f"{self.router.url}/v1", ROUTER_KEY, self.model, n, max_tokens=max_tokens, seed=seed
+        )
+        assert not out.errors, out.errors
+        return out
+
+
+@contextmanager
+def serve_chain(
+    work: Path,
+    kind: str,
+    slots: dict[str, Any],
+    start: Callable[[Path, int, Path], RealServer],
+    *,
+    served: str | None = None,
+    also: tuple[str, ...] = (),
+    layers: int = 2,
+    **extra: str,
+) -> Iterator[Chain]:
+    """The tiny model served by ``start(model, port, log)`` as ``served`` (its path where
+    None), behind a router whose worker ``w`` lists it and ``also``. The router starts
+    first, so that its log sees the server start."""
+    model = tiny_model(kind, work, layers=layers)
+    port = free_port()
+    name = served or str(model)
+    worker = worker_entry(port, [name, *also], slots, **extra)
+    router = Router(work, [worker])
+    log = StateLog(router).start()
+    server = start(model, port, work / f"{kind}.log")
+    try:
+        startup = server.wait_healthy(STARTUP_S[kind])
+        yield Chain(work, router, server, log, worker, name, startup)
+    finally:
+        log.stop()
+        router.stop()
+        server.stop()
+
+
+def version_of(kind: str, distribution: str) -> str:
+    """The installed version of ``distribution``, asked of ``kind``'s own venv."""
+    py = python(kind)
+    assert py is not None
+    return subprocess.run(
+        [str(py), "-c", f"import importlib.metadata as m; print(m.version({distribution!r}))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+def chat_through(router: Router, model: str, max_tokens: int) -> Any:
+    """A streamed chat through the router with the openai SDK, which must end at its length;
+    returns the client for more."""
+    import openai
+
+    client = openai.OpenAI(
+        base_url=f"{router.url}/v1", api_key=ROUTER_KEY, max_retries=0, timeout=120
+    )
+    chat = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=max_tokens,
+            stream=True,
+        )
+    )
+    assert any(c.choices and c.choices[0].delta.content for c in chat)
+    assert [c.choices[0].finish_reason for c in chat if c.choices][-1] == "length"
+    return client
+
+
+def kill_until_unreachable(
+    router: Router, kill: Callable[[], None], timeout: float = 60.0
+) -> tuple[StateLog, float]:
+    """Kill, and wait for the router to read the worker unreachable: the states it passed
+    through, and the seconds that took."""
+    log = StateLog(router).start()
+    killed = time.monotonic()
+    kill()
+    try:
+        router.wait(lambda: router.worker()["state"] == "unreachable", "unreachable", timeout)
+    finally:
+        log.stop()
+    return log, time.monotonic() - killed
+
+
 # -- what a server really runs at once ---------------------------------------
 
 
@@ -454,6 +566,18 @@ def drive_streams(
     for t in threads:
         t.join(timeout)
     return Streams(times, finish, errors)
+
+
+def streams_alone(server: RealServer, model: Path, n: int, max_tokens: int) -> Streams:
+    """``n`` streams at once straight to ``server`` (no router), none of which may fail;
+    the server is stopped after."""
+    try:
+        server.wait_healthy(STARTUP_S[server.kind])
+        streams = drive_streams(f"{server.url}/v1", "none", str(model), n, max_tokens=max_tokens)
+    finally:
+        server.stop()
+    assert not streams.errors, streams.errors
+    return streams
 
 
 @contextmanager

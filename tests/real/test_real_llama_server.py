@@ -9,11 +9,11 @@ noise, its slots, health, props, model list and streaming are llama-server's own
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 from llama import LlamaServer, binary, tiny_model
+from servers import write_registry as replace_registry
 
 from capacity_router import RouterServer
 
@@ -66,10 +67,22 @@ def entry(
 
 def write_registry(work: Path, workers: list[dict[str, Any]]) -> Path:
     path = work / "workers.json"
-    tmp = work / "workers.json.tmp"
-    tmp.write_text(json.dumps({"workers": workers}))
-    os.replace(tmp, path)
+    replace_registry(path, workers)
     return path
+
+
+@contextmanager
+def two_behind_a_router(
+    work: Path, servers: Callable[..., LlamaServer], parallel: tuple[int, int]
+) -> Iterator[tuple[LlamaServer, LlamaServer, RouterServer]]:
+    """Two llama-servers serving the tiny model as "tiny", workers a and b of a router that
+    has read them both."""
+    model = tiny_model(work)
+    a, b = (servers("-m", str(model), "--alias", "tiny", "--parallel", str(n)) for n in parallel)
+    registry = write_registry(work, [entry("a", a, ["tiny"]), entry("b", b, ["tiny"])])
+    with RouterServer(registry, work / "router.key", poll_interval=0.5) as router:
+        wait_rows(router, {"tiny": sum(parallel)})
+        yield a, b, router
 
 
 def capacity(router: RouterServer) -> dict[str, Any]:
@@ -126,18 +139,7 @@ def test_r_k5_slots_follow_parallel_across_a_restart(
 def test_r_k5_two_servers_sum_and_a_killed_one_drops_out(
     work: Path, servers: Callable[..., LlamaServer]
 ) -> None:
-    model = tiny_model(work)
-    a = servers("-m", str(model), "--alias", "tiny", "--parallel", "2")
-    b = servers("-m", str(model), "--alias", "tiny", "--parallel", "3")
-    registry = write_registry(
-        work,
-        [
-            entry("a", a, ["tiny"]),
-            entry("b", b, ["tiny"]),
-        ],
-    )
-    with RouterServer(registry, work / "router.key", poll_interval=0.5) as router:
-        wait_rows(router, {"tiny": 5})
+    with two_behind_a_router(work, servers, (2, 3)) as (_, b, router):
         b.kill()
         assert wait_rows(router, {"tiny": 2})["complete"] is True
 
@@ -152,17 +154,12 @@ def test_r_k5_a_server_with_an_api_key_is_read_with_its_key_file(
     keyed = servers(
         "-m", str(model), "--alias", "tiny", "--parallel", "3", "--api-key-file", str(secret)
     )
-    entry = {
-        "id": "k",
-        "urls": [keyed.url],
-        "models": ["tiny"],
-        "slots": {"source": "llama-server"},
-    }
-    registry = write_registry(work, [entry])
+    worker = entry("k", keyed, ["tiny"])
+    registry = write_registry(work, [worker])
     with RouterServer(registry, work / "router.key", poll_interval=0.5) as router:
         snap = capacity(router)
         assert snap["complete"] is False  # asked without its key: 401, unreadable
-        write_registry(work, [{**entry, "keyFile": "worker.key"}])
+        write_registry(work, [{**worker, "keyFile": "worker.key"}])
         assert wait_rows(router, {"tiny": 3})["complete"] is True
         admin = httpx.get(
             f"{router.url}/admin/workers",
@@ -178,17 +175,7 @@ def test_r_k5_an_id_a_one_model_server_does_not_list_still_counts(
 ) -> None:
     model = tiny_model(work)
     s = servers("-m", str(model), "--alias", "tiny", "--parallel", "2")
-    registry = write_registry(
-        work,
-        [
-            {
-                "id": "a",
-                "urls": [s.url],
-                "models": ["tiny", "typo-model"],
-                "slots": {"source": "llama-server"},
-            }
-        ],
-    )
+    registry = write_registry(work, [entry("a", s, ["tiny", "typo-model"])])
     with RouterServer(registry, work / "router.key", poll_interval=0.5) as router:
         # llama-server with one model answers whatever "model" a request names
         assert wait_rows(router, {"tiny": 2, "typo-model": 2})["complete"] is True
@@ -205,17 +192,7 @@ def test_r_k5_router_mode_is_read_per_model_without_loading_one(
     s = servers(
         "--models-dir", str(models), "--models-max", "2", "--parallel", "3", "--no-models-autoload"
     )
-    registry = write_registry(
-        work,
-        [
-            {
-                "id": "r",
-                "urls": [s.url],
-                "models": ["tiny-a", "tiny-b"],
-                "slots": {"source": "llama-server-router"},
-            }
-        ],
-    )
+    registry = write_registry(work, [entry("r", s, ["tiny-a", "tiny-b"], "llama-server-router")])
     with RouterServer(registry, work / "router.key", poll_interval=0.5) as router:
         wait_rows(router, {"tiny-a": 0, "tiny-b": 0})
         time.sleep(1.5)  # several rounds: none of them may load a model
@@ -233,18 +210,7 @@ def test_r_k5_router_mode_is_read_per_model_without_loading_one(
 def test_r_k5_a_stream_through_the_router_with_the_openai_sdk_and_a_fenced_worker_drains(
     work: Path, servers: Callable[..., LlamaServer]
 ) -> None:
-    model = tiny_model(work)
-    a = servers("-m", str(model), "--alias", "tiny", "--parallel", "2")
-    b = servers("-m", str(model), "--alias", "tiny", "--parallel", "2")
-    registry = write_registry(
-        work,
-        [
-            entry("a", a, ["tiny"]),
-            entry("b", b, ["tiny"]),
-        ],
-    )
-    with RouterServer(registry, work / "router.key", poll_interval=0.5) as router:
-        wait_rows(router, {"tiny": 4})
+    with two_behind_a_router(work, servers, (2, 2)) as (_, _, router):
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=KEY, max_retries=0, timeout=60)
         stream = client.completions.create(
             model="tiny", prompt="hello", max_tokens=400, stream=True

@@ -10,88 +10,46 @@ test starts one that way.
 
 from __future__ import annotations
 
-import subprocess
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import httpx
-import openai
 import pytest
+from gwtest import free_port
 from servers import (
-    ROUTER_KEY,
     STARTUP_S,
-    RealServer,
+    Chain,
     Router,
     StateLog,
-    drive_streams,
-    free_port,
-    python,
-    skip_reason,
+    chat_through,
+    kill_until_unreachable,
+    real_marks,
+    serve_chain,
     start_mlx,
+    streams_alone,
     tiny_model,
+    version_of,
+    worker_entry,
 )
 
-pytestmark = [
-    pytest.mark.timeout(STARTUP_S["mlx-lm"] + 600),
-    pytest.mark.skipif(python("mlx-lm") is None, reason=skip_reason("mlx-lm")),
-]
+pytestmark = real_marks("mlx-lm")
 
 DECODE_CONCURRENCY = 2
 LAYERS = 24  # tokens slow enough (~20 ms) that sending them never lags behind decoding
 
 
-@dataclass
-class Chain:
-    work: Path
-    router: Router
-    server: RealServer
-    log: StateLog
-    model: str
-    startup_s: float
+SLOTS = {"source": "mlx", "fixed": DECODE_CONCURRENCY}
 
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
-    work = tmp_path_factory.mktemp("mlx")
-    model = tiny_model("mlx-lm", work, layers=LAYERS)
-    port = free_port()
-    worker: dict[str, Any] = {
-        "id": "w",
-        "urls": [f"http://127.0.0.1:{port}"],
-        "models": [str(model), "typo-model"],
-        "slots": {"source": "mlx", "fixed": DECODE_CONCURRENCY},
-    }
-    router = Router(work, [worker])
-    log = StateLog(router).start()
-    server = start_mlx(
-        model,
-        port,
-        work / "mlx.log",
-        decode_concurrency=DECODE_CONCURRENCY,
-        prompt_concurrency=DECODE_CONCURRENCY,
+    start = partial(
+        start_mlx, decode_concurrency=DECODE_CONCURRENCY, prompt_concurrency=DECODE_CONCURRENCY
     )
-    try:
-        startup = server.wait_healthy(STARTUP_S["mlx-lm"])
-        yield Chain(work, router, server, log, str(model), startup)
-    finally:
-        log.stop()
-        router.stop()
-        server.stop()
-
-
-def version() -> str:
-    """mlx_lm's version, asked of its own venv."""
-    py = python("mlx-lm")
-    assert py is not None
-    return subprocess.run(
-        [str(py), "-c", "import mlx_lm; print(mlx_lm.__version__)"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    work = tmp_path_factory.mktemp("mlx")
+    with serve_chain(work, "mlx-lm", SLOTS, start, also=("typo-model",), layers=LAYERS) as chain:
+        yield chain
 
 
 def test_r_k5_mlx_lm_on_a_machine_without_a_hub_cache_is_read(
@@ -99,13 +57,7 @@ def test_r_k5_mlx_lm_on_a_machine_without_a_hub_cache_is_read(
 ) -> None:
     model = tiny_model("mlx-lm", tmp_path)
     port = free_port()
-    worker: dict[str, Any] = {
-        "id": "w",
-        "urls": [f"http://127.0.0.1:{port}"],
-        "models": [str(model)],
-        "slots": {"source": "mlx", "fixed": DECODE_CONCURRENCY},
-    }
-    router = Router(tmp_path, [worker])
+    router = Router(tmp_path, [worker_entry(port, [str(model)], SLOTS)])
     log = StateLog(router).start()
     server = start_mlx(model, port, tmp_path / "mlx.log", hub_cache=False)
     try:
@@ -116,7 +68,8 @@ def test_r_k5_mlx_lm_on_a_machine_without_a_hub_cache_is_read(
         finally:
             log.stop()
             figures.append(
-                f"mlx_lm {version()} without a hub cache: GET /v1/models answered "
+                f"mlx_lm {version_of('mlx-lm', 'mlx-lm')}"
+                " without a hub cache: GET /v1/models answered "
                 f"{listed.status_code} with {len(listed.content)} bytes; router states: "
                 f"{' -> '.join(log.states())} (last: {log.seen[-1][2]!r})"
             )
@@ -132,7 +85,8 @@ def test_r_k5_mlx_lm_is_unreachable_while_starting_then_read(
     router = chain.router
     router.wait(lambda: router.worker().get("state") == "ok", "read", timeout=30)
     figures.append(
-        f"mlx_lm {version()}: healthy {chain.startup_s:.0f} s after start; router states: "
+        f"mlx_lm {version_of('mlx-lm', 'mlx-lm')}: healthy {chain.startup_s:.0f} s after start; "
+        "router states: "
         f"{' -> '.join(chain.log.states())}"
     )
     assert chain.log.states()[0] == "unreachable"
@@ -144,19 +98,7 @@ def test_r_k5_mlx_lm_is_unreachable_while_starting_then_read(
 
 
 def test_r_k5_mlx_lm_streams_through_the_router_with_the_openai_sdk(chain: Chain) -> None:
-    client = openai.OpenAI(
-        base_url=f"{chain.router.url}/v1", api_key=ROUTER_KEY, max_retries=0, timeout=120
-    )
-    chat = list(
-        client.chat.completions.create(
-            model=chain.model,
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=24,
-            stream=True,
-        )
-    )
-    assert any(c.choices and c.choices[0].delta.content for c in chat)
-    assert [c.choices[0].finish_reason for c in chat if c.choices][-1] == "length"
+    client = chat_through(chain.router, chain.model, max_tokens=24)
     text = client.completions.create(model=chain.model, prompt="hello", max_tokens=8)
     assert text.choices[0].text
 
@@ -166,10 +108,8 @@ def test_r_k5_mlx_lm_decodes_its_batch_size_at_once_but_one_with_a_seed(
 ) -> None:
     router = chain.router
     reported = router.rows()[chain.model]
-    batched = drive_streams(f"{router.url}/v1", ROUTER_KEY, chain.model, 4, max_tokens=120)
-    assert not batched.errors, batched.errors
-    seeded = drive_streams(f"{router.url}/v1", ROUTER_KEY, chain.model, 3, max_tokens=120, seed=7)
-    assert not seeded.errors, seeded.errors
+    batched = chain.streams(4, max_tokens=120)
+    seeded = chain.streams(3, max_tokens=120, seed=7)
     figures.append(
         f"mlx_lm --decode-concurrency {DECODE_CONCURRENCY} --prompt-concurrency "
         f"{DECODE_CONCURRENCY}: router reported {reported} (fixed); 4 streams through it ran "
@@ -191,12 +131,7 @@ def test_r_k5_mlx_lm_batch_is_the_larger_of_decode_and_prompt_concurrency(
     (mlx_lm/generate.py), and --prompt-concurrency defaults to 8."""
     model = tiny_model("mlx-lm", tmp_path, layers=LAYERS)
     server = start_mlx(model, free_port(), tmp_path / "mlx.log", decode_concurrency=2)
-    try:
-        server.wait_healthy(STARTUP_S["mlx-lm"])
-        streams = drive_streams(f"{server.url}/v1", "none", str(model), 4, max_tokens=120)
-    finally:
-        server.stop()
-    assert not streams.errors, streams.errors
+    streams = streams_alone(server, model, 4, max_tokens=120)
     figures.append(
         "mlx_lm --decode-concurrency 2 (--prompt-concurrency left at 8): 4 streams ran "
         f"{streams.most_at_once()} at once"
@@ -206,14 +141,7 @@ def test_r_k5_mlx_lm_batch_is_the_larger_of_decode_and_prompt_concurrency(
 
 def test_r_k5_a_killed_mlx_lm_reads_unreachable(chain: Chain, figures: list[str]) -> None:
     router = chain.router
-    log = StateLog(router).start()
-    killed = time.monotonic()
-    chain.server.kill()
-    try:
-        router.wait(lambda: router.worker()["state"] == "unreachable", "unreachable")
-    finally:
-        log.stop()
-    took = time.monotonic() - killed
+    log, took = kill_until_unreachable(router, chain.server.kill)
     assert router.rows() == {chain.model: 0, "typo-model": 0}
     figures.append(
         f"mlx_lm SIGKILLed: router states {' -> '.join(log.states())}; 0 slots "

@@ -9,79 +9,33 @@ cleanly. It runs one request at a time unless started with ``--continuous-batchi
 
 from __future__ import annotations
 
-import subprocess
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
-import openai
 import pytest
+from gwtest import free_port
 from servers import (
-    ROUTER_KEY,
-    STARTUP_S,
-    RealServer,
-    Router,
-    StateLog,
-    drive_streams,
-    free_port,
-    python,
-    skip_reason,
+    Chain,
+    chat_through,
+    kill_until_unreachable,
+    real_marks,
+    serve_chain,
     start_transformers,
+    streams_alone,
     tiny_model,
+    version_of,
 )
 
-pytestmark = [
-    pytest.mark.timeout(STARTUP_S["transformers"] + 600),
-    pytest.mark.skipif(python("transformers") is None, reason=skip_reason("transformers")),
-]
-
-
-@dataclass
-class Chain:
-    work: Path
-    router: Router
-    server: RealServer
-    log: StateLog
-    model: str
-    startup_s: float
+pytestmark = real_marks("transformers")
 
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
     work = tmp_path_factory.mktemp("transformers")
-    model = tiny_model("transformers", work)
-    port = free_port()
-    worker: dict[str, Any] = {
-        "id": "w",
-        "urls": [f"http://127.0.0.1:{port}"],
-        "models": [str(model)],
-        "slots": {"source": "transformers", "fixed": 1},
-    }
-    router = Router(work, [worker])
-    log = StateLog(router).start()
-    server = start_transformers(model, port, work / "transformers.log")
-    try:
-        startup = server.wait_healthy(STARTUP_S["transformers"])
-        yield Chain(work, router, server, log, str(model), startup)
-    finally:
-        log.stop()
-        router.stop()
-        server.stop()
-
-
-def version() -> str:
-    """transformers' version, asked of its own venv."""
-    py = python("transformers")
-    assert py is not None
-    return subprocess.run(
-        [str(py), "-c", "import transformers; print(transformers.__version__)"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    slots = {"source": "transformers", "fixed": 1}
+    with serve_chain(work, "transformers", slots, start_transformers) as chain:
+        yield chain
 
 
 def test_r_k5_transformers_serve_is_unreachable_while_loading_then_up(
@@ -92,7 +46,8 @@ def test_r_k5_transformers_serve_is_unreachable_while_loading_then_up(
     states = [*chain.log.states(), router.worker()["state"]]
     listed = httpx.get(f"{chain.server.url}/v1/models", timeout=10).json()
     figures.append(
-        f"transformers serve {version()}: healthy {chain.startup_s:.0f} s after start; router "
+        f"transformers serve {version_of('transformers', 'transformers')}: healthy "
+        f"{chain.startup_s:.0f} s after start; router "
         f"states: {' -> '.join(dict.fromkeys(states))}; /v1/models lists "
         f"{[m['id'] for m in listed['data']]}"
     )
@@ -104,19 +59,7 @@ def test_r_k5_transformers_serve_is_unreachable_while_loading_then_up(
 def test_r_k5_a_transformers_stream_without_done_ends_cleanly_through_the_relay(
     chain: Chain,
 ) -> None:
-    client = openai.OpenAI(
-        base_url=f"{chain.router.url}/v1", api_key=ROUTER_KEY, max_retries=0, timeout=120
-    )
-    chat = list(
-        client.chat.completions.create(
-            model=chain.model,
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=12,
-            stream=True,
-        )
-    )
-    assert any(c.choices and c.choices[0].delta.content for c in chat)
-    assert [c.choices[0].finish_reason for c in chat if c.choices][-1] == "length"
+    client = chat_through(chain.router, chain.model, max_tokens=12)
     with httpx.stream(
         "POST",
         f"{chain.router.url}/v1/chat/completions",
@@ -141,8 +84,7 @@ def test_r_k5_transformers_serve_runs_one_at_a_time_as_the_router_reports(
 ) -> None:
     router = chain.router
     reported = router.rows()[chain.model]
-    streams = drive_streams(f"{router.url}/v1", ROUTER_KEY, chain.model, 3, max_tokens=40)
-    assert not streams.errors, streams.errors
+    streams = chain.streams(3, max_tokens=40)
     assert streams.finish == ["length"] * 3
     figures.append(
         f"transformers serve (default): router reported {reported} (fixed); 3 streams "
@@ -158,13 +100,8 @@ def test_r_k5_transformers_serve_with_continuous_batching_runs_them_all_at_once(
 ) -> None:
     model = tiny_model("transformers", tmp_path)
     server = start_transformers(model, free_port(), tmp_path / "cb.log", continuous_batching=True)
-    try:
-        server.wait_healthy(STARTUP_S["transformers"])
-        # batched, the tiny model is fast: long answers, so that each lasts seconds
-        streams = drive_streams(f"{server.url}/v1", "none", str(model), 3, max_tokens=1500)
-    finally:
-        server.stop()
-    assert not streams.errors, streams.errors
+    # batched, the tiny model is fast: long answers, so that each lasts seconds
+    streams = streams_alone(server, model, 3, max_tokens=1500)
     figures.append(
         f"transformers serve --continuous-batching: 3 streams ran {streams.most_at_once()} "
         "at once (nothing over HTTP says how many it would take)"
@@ -176,14 +113,7 @@ def test_r_k5_a_killed_transformers_serve_reads_unreachable(
     chain: Chain, figures: list[str]
 ) -> None:
     router = chain.router
-    log = StateLog(router).start()
-    killed = time.monotonic()
-    chain.server.kill()
-    try:
-        router.wait(lambda: router.worker()["state"] == "unreachable", "unreachable")
-    finally:
-        log.stop()
-    took = time.monotonic() - killed
+    log, took = kill_until_unreachable(router, chain.server.kill)
     assert router.rows() == {chain.model: 0}
     figures.append(
         f"transformers serve SIGKILLed: router states {' -> '.join(log.states())}; 0 slots "

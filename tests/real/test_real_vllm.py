@@ -12,75 +12,41 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import httpx
-import openai
 import pytest
 from servers import (
-    ROUTER_KEY,
-    STARTUP_S,
-    RealServer,
-    Router,
-    StateLog,
-    drive_streams,
-    free_port,
+    Chain,
+    chat_through,
     gauge_watch,
-    python,
-    skip_reason,
+    kill_until_unreachable,
+    real_marks,
+    serve_chain,
     start_vllm,
-    tiny_model,
     write_registry,
 )
 
-pytestmark = [
-    pytest.mark.timeout(STARTUP_S["vllm"] + 600),
-    pytest.mark.skipif(python("vllm") is None, reason=skip_reason("vllm")),
-]
+pytestmark = real_marks("vllm")
 
 WORKER_KEY = "vllm-worker-key-0123456789"
 MAX_NUM_SEQS = 3
 
 
-@dataclass
-class Chain:
-    work: Path
-    router: Router
-    server: RealServer
-    log: StateLog
-    worker: dict[str, Any]
-    startup_s: float
-
-
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
     work = tmp_path_factory.mktemp("vllm")
-    model = tiny_model("vllm", work)
     (work / "worker.key").write_text(WORKER_KEY + "\n")
     (work / "worker.key").chmod(0o600)
-    port = free_port()
-    worker = {
-        "id": "w",
-        "urls": [f"http://127.0.0.1:{port}"],
-        "models": ["tiny", "typo-model"],
-        "slots": {"source": "vllm", "fixed": MAX_NUM_SEQS},
-        "keyFile": "worker.key",
-    }
-    router = Router(work, [worker])
-    log = StateLog(router).start()  # from before the server exists: "starting"
-    server = start_vllm(
-        model, port, work / "vllm.log", max_num_seqs=MAX_NUM_SEQS, api_key=WORKER_KEY
-    )
-    try:
-        startup = server.wait_healthy(STARTUP_S["vllm"])
+    start = partial(start_vllm, max_num_seqs=MAX_NUM_SEQS, api_key=WORKER_KEY)
+    slots = {"source": "vllm", "fixed": MAX_NUM_SEQS}
+    with serve_chain(
+        work, "vllm", slots, start, served="tiny", also=("typo-model",), keyFile="worker.key"
+    ) as chain:
+        router = chain.router
         router.wait(lambda: router.rows() == {"tiny": MAX_NUM_SEQS, "typo-model": 0}, "read")
-        yield Chain(work, router, server, log, worker, startup)
-    finally:
-        log.stop()
-        router.stop()
-        server.stop()
+        yield chain
 
 
 def test_r_k5_vllm_is_unreachable_while_starting_then_read(
@@ -125,16 +91,7 @@ def test_r_k5_vllm_key_guards_v1_only_and_the_router_reads_it_with_its_key_file(
 
 
 def test_r_k5_vllm_streams_through_the_router_with_the_openai_sdk(chain: Chain) -> None:
-    client = openai.OpenAI(
-        base_url=f"{chain.router.url}/v1", api_key=ROUTER_KEY, max_retries=0, timeout=120
-    )
-    chat = list(
-        client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=24, stream=True
-        )
-    )
-    assert any(c.choices and c.choices[0].delta.content for c in chat)
-    assert chat[-1].choices[0].finish_reason == "length"
+    client = chat_through(chain.router, "tiny", max_tokens=24)
     text = client.completions.create(model="tiny", prompt="hello", max_tokens=8)
     assert text.choices[0].text and text.usage is not None
     assert text.usage.completion_tokens == 8
@@ -171,9 +128,8 @@ def test_r_k5_vllm_runs_max_num_seqs_at_once_as_the_router_reports(
     names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
     with gauge_watch(f"{chain.server.url}/metrics", names, {}) as top:
         watcher.start()
-        streams = drive_streams(f"{router.url}/v1", ROUTER_KEY, "tiny", 6, max_tokens=600)
+        streams = chain.streams(6, max_tokens=600)
         watcher.join(130)
-    assert not streams.errors, streams.errors
     assert streams.finish == ["length"] * 6
     assert reported == MAX_NUM_SEQS
     assert top["vllm:num_requests_running"] == MAX_NUM_SEQS
@@ -211,16 +167,9 @@ def test_r_k5_a_killed_vllm_engine_reads_unhealthy_then_unreachable(
     chain: Chain, figures: list[str]
 ) -> None:
     router = chain.router
-    log = StateLog(router).start()
     engine = _engine_core(chain.server.proc.pid)
     assert engine is not None, "no engine-core child found"
-    killed = time.monotonic()
-    os.kill(engine, signal.SIGKILL)
-    try:
-        router.wait(lambda: router.worker()["state"] == "unreachable", "unreachable", timeout=120)
-    finally:
-        log.stop()
-    took = time.monotonic() - killed
+    log, took = kill_until_unreachable(router, lambda: os.kill(engine, signal.SIGKILL), 120)
     assert router.rows() == {"tiny": 0, "typo-model": 0}
     assert router.capacity()["complete"] is True  # a dead worker counts 0, it is not unknown
     chain.server.kill()

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -50,7 +50,36 @@ def rows(snapshot: Any) -> dict[str, int]:
     return {m.id: m.max_concurrent_requests for m in snapshot.models}
 
 
-class ScriptedServer:
+class QuietHandler(BaseHTTPRequestHandler):
+    """A request handler that writes no access log to stderr."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class LoopbackHTTP:
+    """An http.server for ``handler`` on 127.0.0.1, port 0, served from a daemon thread."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ScriptedServer(LoopbackHTTP):
     """Answers each path with a scripted (status, headers, body); 404 otherwise."""
 
     def __init__(self) -> None:
@@ -60,10 +89,7 @@ class ScriptedServer:
         self._stopping = threading.Event()
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 outer.requested.append(self.path)
                 if self.path in outer.hangs:
@@ -77,21 +103,14 @@ class ScriptedServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-        self._thread.start()
+        super().__init__(Handler)
 
     def route(self, path: str, status: int, body: bytes | str = b"", **headers: str) -> None:
         self.routes[path] = (status, headers, body.encode() if isinstance(body, str) else body)
 
     def stop(self) -> None:
         self._stopping.set()
-        self._server.shutdown()
-        self._server.server_close()
+        super().stop()
 
 
 # The fixtures' types (tests/router/conftest.py), one home for every test module.

@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,15 @@ import httpx
 import openai
 import pytest
 from gwtest import free_port, stopped_at_exit, wait_for
-from router_support import KEY, Router, serve_args, worker, write_registry
+from router_support import (
+    KEY,
+    LoopbackHTTP,
+    QuietHandler,
+    Router,
+    serve_args,
+    worker,
+    write_registry,
+)
 
 from capacity_router import RouterServer, SimWorker, proxy
 from capacity_router.proxy import Candidate, choose
@@ -274,17 +280,14 @@ def test_r_k5_a_client_that_leaves_before_the_answer_releases_the_workers_count(
 # -- credentials and what goes upstream ----------------------------------------------------
 
 
-class RecordingWorker:
+class RecordingWorker(LoopbackHTTP):
     """A llama.cpp-shaped worker that records each POST and answers it with its path."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, dict[str, str], bytes]] = []
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def _answer(self, body: bytes) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -308,23 +311,13 @@ class RecordingWorker:
                 )
                 self._answer(json.dumps({"path": self.path}).encode())
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture
 def recording() -> Iterator[RecordingWorker]:
-    w = RecordingWorker()
-    yield w
-    w.stop()
+    with RecordingWorker() as w:
+        yield w
 
 
 @pytest.mark.parametrize("key", [None, "wrong-key", f"{KEY}x"], ids=["none", "wrong", "longer"])

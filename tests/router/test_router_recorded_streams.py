@@ -9,32 +9,27 @@ without ``data: [DONE]``: the relay must pass them on as they are and the SDK mu
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from router_support import KEY, Router, worker
+from router_support import KEY, LoopbackHTTP, QuietHandler, Router, worker
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = sorted(p for p in FIXTURES.glob("*.json") if "streams" in json.loads(p.read_text()))
 
 
-class Replay:
+class Replay(LoopbackHTTP):
     """GETs from the fixture's ``answers``, POSTs from its ``streams``."""
 
     def __init__(self, doc: dict[str, Any]) -> None:
         answers: dict[str, Any] = doc["answers"]
         streams: dict[str, Any] = doc["streams"]
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def _send(self, status: int, kind: str, body: bytes) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", kind)
@@ -61,16 +56,7 @@ class Replay:
                     return
                 self._send(answer["status"], answer["content_type"], answer["text"].encode())
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,17 @@ import httpx
 import openai
 import pytest
 from as_nobody import as_nobody, need_root
-from router_support import KEY, Router, Sim, rows, serve_args, worker, write_registry
+from router_support import (
+    KEY,
+    LoopbackHTTP,
+    QuietHandler,
+    Router,
+    Sim,
+    rows,
+    serve_args,
+    worker,
+    write_registry,
+)
 
 from capacity_router import SimWorker
 
@@ -33,14 +42,11 @@ MESSAGES: list[Any] = [{"role": "user", "content": "hello"}]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class RedirectingWorker:
+class RedirectingWorker(LoopbackHTTP):
     """Healthy on GET; answers every POST ``307 Location: /admin/fence/w2``."""
 
     def __init__(self) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 self.send_response(200)
                 self.send_header("Content-Length", "2")
@@ -54,21 +60,13 @@ class RedirectingWorker:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture
 def redirecting() -> Iterator[RedirectingWorker]:
-    w = RedirectingWorker()
-    yield w
-    w.stop()
+    with RedirectingWorker() as w:
+        yield w
 
 
 def test_r_k5_a_workers_redirect_is_a_502_the_sdk_cannot_follow_into_the_admin_api(

@@ -143,13 +143,19 @@ def test_r_k5_vllm_running_and_waiting_gauges_are_shown_as_activity(
     assert rows(r.observe()) == {"wh": 0}
 
 
+def _router_mode(shaped: Callable[..., SimWorker], **states: str) -> SimWorker:
+    """A llama-server in router mode with model "a" loaded (4 slots) and the others in
+    ``states`` as named."""
+    w = shaped("llama-server-router", slots=4, model="a")
+    for model, state in states.items():
+        w.set_model_state(model, state)
+    return w
+
+
 def test_r_k5_router_mode_reads_each_model_by_its_status_without_loading_any(
     shaped: Callable[..., SimWorker], router: Callable[..., RouterServer]
 ) -> None:
-    w = shaped("llama-server-router", slots=4, model="a")
-    w.set_model_state("b", "sleeping")
-    w.set_model_state("c", "unloaded")
-    w.set_model_state("d", "loading")
+    w = _router_mode(shaped, b="sleeping", c="unloaded", d="loading")
     r = router([worker("w", [w.url], ["a", "b", "c", "d", "e"], {"source": "llama-server-router"})])
     snap = r.observe()
     # loaded and sleeping: their props; unloaded: 0 (no "fixed"); loading: unknown
@@ -163,9 +169,7 @@ def test_r_k5_router_mode_reads_each_model_by_its_status_without_loading_any(
 def test_r_k5_router_mode_counts_no_failed_load_and_nothing_without_autoload(
     shaped: Callable[..., SimWorker], router: Callable[..., RouterServer]
 ) -> None:
-    w = shaped("llama-server-router", slots=4, model="a")
-    w.set_model_state("c", "unloaded")
-    w.set_model_state("f", "failed")
+    w = _router_mode(shaped, c="unloaded", f="failed")
     slots = {"source": "llama-server-router", "fixed": 2}
     r = router([worker("w", [w.url], ["a", "c", "f"], slots)])
     assert rows(r.observe()) == {"a": 4, "c": 2, "f": 0}  # a failed load is not retried
@@ -178,8 +182,7 @@ def test_r_k5_router_mode_counts_no_failed_load_and_nothing_without_autoload(
 def test_r_k5_router_mode_counts_fixed_for_a_model_it_loads_on_demand(
     shaped: Callable[..., SimWorker], router: Callable[..., RouterServer]
 ) -> None:
-    w = shaped("llama-server-router", slots=4, model="a")
-    w.set_model_state("c", "unloaded")
+    w = _router_mode(shaped, c="unloaded")
     r = router([worker("w", [w.url], ["a", "c"], {"source": "llama-server-router", "fixed": 2})])
     assert rows(r.observe()) == {"a": 4, "c": 2}
     assert w.load_triggers == 0

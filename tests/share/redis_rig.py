@@ -89,6 +89,12 @@ class RedisServer:
             self.port = _free_port()  # taken meanwhile: another one
         raise RuntimeError("redis-server did not start")
 
+    def fresh(self) -> None:
+        """Running (started again if a test stopped it) and empty."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        self.client().flushall()
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGCONT)

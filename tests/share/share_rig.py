@@ -12,11 +12,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import gwtest
 from farm import Farm
 from redis_rig import RedisServer
 
@@ -169,21 +169,19 @@ class Gateway:
         return -1 if p is None else int(p["effective_limit"])
 
     def check(self) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [EXE, "availability", "--check", "--segment", self.segment],
-            capture_output=True,
-            text=True,
-            env=_env(),
-            timeout=30,
-        )
+        return self._cli("availability", "--check", timeout=30)
 
     def verify(self) -> subprocess.CompletedProcess[str]:
+        return self._cli("verify", "--json", timeout=60)
+
+    def _cli(self, *argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
+        """``gateway-capacity ARGV --segment`` this gateway's segment."""
         return subprocess.run(
-            [EXE, "verify", "--json", "--segment", self.segment],
+            [EXE, *argv, "--segment", self.segment],
             capture_output=True,
             text=True,
             env=_env(),
-            timeout=60,
+            timeout=timeout,
         )
 
     def log_text(self) -> str:
@@ -197,12 +195,7 @@ class Gateway:
 
 
 def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    gwtest.wait_for(predicate, timeout, every=0.05, what=what)
 
 
 def sigstop(pid: int) -> None:

@@ -8,6 +8,7 @@ import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from redis_rig import RedisServer
 from share_rig import Gateway, wait_for
 
 PASSWORD = "redis-pw-" + secrets.token_hex(12)
+GATEWAY_CAPACITY = str(Path(sys.executable).with_name("gateway-capacity"))
 
 
 @pytest.fixture(scope="module")
@@ -33,49 +35,77 @@ def _password_file(tmp: Path, text: str, mode: int = 0o600) -> Path:
     return path
 
 
+@contextmanager
 def _gateway(
-    name: str, tmp: Path, farm: Farm, redis: RedisServer, key_file: Path, password: str
-) -> Gateway:
-    """A gateway in share mode that reads ``password`` from its file (mode 600)."""
-    credential = str(_password_file(tmp, password))
-    return Gateway(name, tmp, farm, redis, key_file, credentialFile=credential)
+    name: str, tmp: Path, key: str, key_file: Path, redis: RedisServer, password: str | None
+) -> Iterator[Gateway]:
+    """A gateway of a 9-slot farm whose sidecar reads ``password`` from its credentialFile
+    (None: it has none)."""
+    farm = Farm(key, 9, grace=1.0)
+    extra = {"credentialFile": str(_password_file(tmp, password))} if password else {}
+    gw = Gateway(name, tmp, farm, redis, key_file, **extra)
+    try:
+        yield gw
+    finally:
+        gw.cleanup()
+        farm.stop()
+
+
+def _strict_check_refuses(gw: Gateway, redis_url: str) -> str:
+    """``check-config --strict`` of the gateway's config with ``redis_url``: it must fail
+    in words, not a traceback; what it said."""
+    doc = json.loads(gw.config.read_text())
+    doc["capacityShare"]["redis"] = redis_url
+    gw.config.write_text(json.dumps(doc))
+    strict = subprocess.run(
+        [GATEWAY_CAPACITY, "check-config", "--config", str(gw.config), "--strict"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    out = strict.stdout + strict.stderr
+    assert strict.returncode != 0, out
+    assert "Traceback" not in out
+    return out
+
+
+def _sidecar_refuses(gw: Gateway) -> str:
+    """Start the sidecar: it must say why in one line and stop; that line."""
+    gw.start_sidecar()
+    assert gw.sidecar is not None
+    assert gw.sidecar.wait(30) != 0
+    said = gw.log_text().strip()
+    assert len(said.splitlines()) == 1, said
+    return said
+
+
+def _wait_for_a_share(gw: Gateway) -> None:
+    wait_for("a share", lambda: (gw.provider() or {}).get("source") == "share" and gw.limit() > 0)
 
 
 def test_share_reads_the_redis_password_from_its_file_and_never_shows_it(
     tmp_path: Path, key: str, key_file: Path, locked_redis: RedisServer
 ) -> None:
-    farm = Farm(key, 9, grace=1.0)
-    gw = _gateway("gw-a", tmp_path, farm, locked_redis, key_file, PASSWORD)
-    try:
+    with _gateway("gw-a", tmp_path, key, key_file, locked_redis, PASSWORD) as gw:
         gw.start_sidecar()
-        wait_for(
-            "a share", lambda: (gw.provider() or {}).get("source") == "share" and gw.limit() > 0
-        )
+        _wait_for_a_share(gw)
         assert gw.check().returncode == 0
         assert gw.sidecar is not None
         argv = Path(f"/proc/{gw.sidecar.pid}/cmdline").read_bytes()
         assert PASSWORD.encode() not in argv
-    finally:
-        gw.cleanup()
-        farm.stop()
     assert PASSWORD not in gw.log_text()
 
 
 def test_share_with_a_wrong_password_holds_no_share_and_fails_the_check(
     tmp_path: Path, key: str, key_file: Path, locked_redis: RedisServer
 ) -> None:
-    farm = Farm(key, 9, grace=1.0)
     wrong = "not-" + PASSWORD
-    gw = _gateway("gw-b", tmp_path, farm, locked_redis, key_file, wrong)
-    try:
+    with _gateway("gw-b", tmp_path, key, key_file, locked_redis, wrong) as gw:
         gw.start_sidecar()
         wait_for("no share", lambda: "share degraded" in str((gw.provider() or {}).get("reason")))
         assert gw.limit() == 0
         check = gw.check()
         assert check.returncode != 0 and "no share granted yet" in check.stdout
-    finally:
-        gw.cleanup()
-        farm.stop()
     assert wrong not in gw.log_text() and PASSWORD not in gw.log_text()
 
 
@@ -85,13 +115,9 @@ def test_share_metrics_say_whether_redis_answers(
     import re
     import urllib.request
 
-    farm = Farm(key, 9, grace=1.0)
-    gw = _gateway("gw-m", tmp_path, farm, locked_redis, key_file, PASSWORD)
-    try:
+    with _gateway("gw-m", tmp_path, key, key_file, locked_redis, PASSWORD) as gw:
         gw.start_sidecar("--metrics-listen", "127.0.0.1:0")
-        wait_for(
-            "a share", lambda: (gw.provider() or {}).get("source") == "share" and gw.limit() > 0
-        )
+        _wait_for_a_share(gw)
         found = re.search(r"metrics on (http://\S+?:\d+)/metrics", gw.log_text())
         assert found, gw.log_text()
         with urllib.request.urlopen(found.group(1) + "/metrics", timeout=5) as answer:
@@ -102,9 +128,6 @@ def test_share_metrics_say_whether_redis_answers(
             r'gateway_capacity_share_calls_total\{provider="p1",result="ok"\} [1-9]', text
         )
         assert 'gateway_capacity_limit_source{provider="p1",source="share"} 1.0' in text
-    finally:
-        gw.cleanup()
-        farm.stop()
 
 
 def test_share_refuses_a_redis_password_in_the_urls_query(
@@ -113,32 +136,13 @@ def test_share_refuses_a_redis_password_in_the_urls_query(
     """redis-py reads every query name of the URL as a connection keyword, so a password
     there would authenticate from a file anyone who reads the config can read; the other
     spellings are in test_share_config.py."""
-    farm = Farm(key, 9, grace=1.0)
-    gw = Gateway("gw-q", tmp_path, farm, locked_redis, key_file)
-    doc = json.loads(gw.config.read_text())
-    doc["capacityShare"]["redis"] = f"{locked_redis.url}?password={PASSWORD}"
-    gw.config.write_text(json.dumps(doc))
-    try:
-        exe = str(Path(sys.executable).with_name("gateway-capacity"))
-        strict = subprocess.run(
-            [exe, "check-config", "--config", str(gw.config), "--strict"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        out = strict.stdout + strict.stderr
-        assert strict.returncode != 0, out
-        assert "credentialFile" in out and PASSWORD not in out and "Traceback" not in out
-        gw.start_sidecar()
-        assert gw.sidecar is not None
-        assert gw.sidecar.wait(30) != 0
-        said = gw.log_text().strip()
-        assert len(said.splitlines()) == 1 and "use credentialFile" in said, said
+    with _gateway("gw-q", tmp_path, key, key_file, locked_redis, None) as gw:
+        out = _strict_check_refuses(gw, f"{locked_redis.url}?password={PASSWORD}")
+        assert "credentialFile" in out and PASSWORD not in out
+        said = _sidecar_refuses(gw)
+        assert "use credentialFile" in said, said
         assert PASSWORD not in said
         assert locked_redis.client().info("clients")["connected_clients"] == 1  # only ours
-    finally:
-        gw.cleanup()
-        farm.stop()
 
 
 def test_share_refuses_a_redis_url_that_redis_py_would_not_build_or_that_sets_its_timeouts(
@@ -148,32 +152,13 @@ def test_share_refuses_a_redis_url_that_redis_py_would_not_build_or_that_sets_it
     option the connection class does not take) or that override the sidecar's own Redis
     deadlines are refused by check-config and at start, in one line: never a share task
     that dies or fails every turn while the gateway sits at limit 0."""
-    farm = Farm(key, 9, grace=1.0)
-    gw = Gateway("gw-u", tmp_path, farm, locked_redis, key_file)
-    doc = json.loads(gw.config.read_text())
-    exe = str(Path(sys.executable).with_name("gateway-capacity"))
-    try:
+    with _gateway("gw-u", tmp_path, key, key_file, locked_redis, None) as gw:
         for query, said in (
             ("?db=x", "'db'"),
             ("?ssl_keyfile=/etc/k.pem", "rediss://"),
             ("?socket_timeout=0", "socket_timeout"),
         ):
-            doc["capacityShare"]["redis"] = locked_redis.url + query
-            gw.config.write_text(json.dumps(doc))
-            strict = subprocess.run(
-                [exe, "check-config", "--config", str(gw.config), "--strict"],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            out = strict.stdout + strict.stderr
-            assert strict.returncode != 0 and said in out, out
-            assert "Traceback" not in out
-        gw.start_sidecar()  # with the last URL: the sidecar says so and stops
-        assert gw.sidecar is not None
-        assert gw.sidecar.wait(30) != 0
-        logged = gw.log_text().strip()
-        assert len(logged.splitlines()) == 1 and "socket_timeout" in logged, logged
-    finally:
-        gw.cleanup()
-        farm.stop()
+            out = _strict_check_refuses(gw, locked_redis.url + query)
+            assert said in out, out
+        logged = _sidecar_refuses(gw)  # with the last URL
+        assert "socket_timeout" in logged, logged

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from farm import Farm
 from redis_rig import RedisServer
-from share_rig import REFRESH, Blackhole, Gateway, wait_for
+from share_rig import Blackhole, Gateway, wait_for
 
 CAPACITY = 4
 LEASE = 1.5
@@ -26,17 +26,13 @@ Make = Callable[..., Gateway]
 
 
 @pytest.fixture
-def farm(key: str) -> Iterator[Farm]:
-    farm = Farm(key, CAPACITY, grace=REFRESH * 3 + 0.5)
-    yield farm
-    farm.stop()
+def farm_capacity() -> int:
+    return CAPACITY
 
 
 @pytest.fixture
 def make(tmp_path: Path, farm: Farm, redis_server: RedisServer, key_file: Path) -> Iterator[Make]:
-    if redis_server.proc is None or redis_server.proc.poll() is not None:
-        redis_server.start()
-    redis_server.client().flushall()
+    redis_server.fresh()
     made: list[Gateway] = []
 
     def make(name: str, **share: Any) -> Gateway:

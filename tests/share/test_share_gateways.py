@@ -13,25 +13,21 @@ from typing import Any
 import pytest
 from farm import Farm
 from redis_rig import RedisServer
-from share_rig import LEASE, REFRESH, Gateway, wait_for
+from share_rig import LEASE, Gateway, wait_for
 
 CAPACITY = 9
 
 
 @pytest.fixture
-def farm(key: str) -> Iterator[Farm]:
-    farm = Farm(key, CAPACITY, grace=REFRESH * 3 + 0.5)
-    yield farm
-    farm.stop()
+def farm_capacity() -> int:
+    return CAPACITY
 
 
 @pytest.fixture
 def gateways(
     tmp_path: Path, farm: Farm, redis_server: RedisServer, key_file: Path
 ) -> Iterator[list[Gateway]]:
-    if redis_server.proc is None or redis_server.proc.poll() is not None:
-        redis_server.start()
-    redis_server.client().flushall()
+    redis_server.fresh()
     gws = [Gateway(f"gw-{n}", tmp_path, farm, redis_server, key_file) for n in "abc"]
     for gw in gws:
         gw.start_sidecar()

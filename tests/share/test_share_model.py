@@ -110,12 +110,9 @@ class ShareFarm(RuleBasedStateMachine):
             g.error = ""
         self.publish(g)
 
-    def call(self, g: Gateway) -> None:
-        if g.sidecar != "up":
-            return
-        g.last_call = self.now
-        g.seq += 1
-        report = Report(
+    def report(self, g: Gateway) -> Report:
+        """What ``g``'s sidecar sends on its next call."""
+        return Report(
             g.name,
             UNKNOWN if g.skewed else self.capacity,
             max(self.in_force(g), len(g.running)),
@@ -125,6 +122,13 @@ class ShareFarm(RuleBasedStateMachine):
             g.token,
             g.seq,
         )
+
+    def call(self, g: Gateway) -> None:
+        if g.sidecar != "up":
+            return
+        g.last_call = self.now
+        g.seq += 1
+        report = self.report(g)
         if g.partitioned:
             g.error = "unreachable"
         elif self.redis_stalled:
@@ -185,13 +189,14 @@ class ShareFarm(RuleBasedStateMachine):
     def a_burst_arrives(self, i: int, n: int) -> None:
         g = self.pick(i)
         g.waiting += n
-        while g.waiting and len(g.running) < self.in_force(g):
-            g.waiting -= 1
-            g.running.append(self.now)
+        self.admit(g)
 
     @rule(i=st.integers(0, 3))
     def waiters_are_admitted(self, i: int) -> None:
-        g = self.pick(i)
+        self.admit(self.pick(i))
+
+    def admit(self, g: Gateway) -> None:
+        """Waiters take the free slots under the limit in force, first come first."""
         while g.waiting and len(g.running) < self.in_force(g):
             g.waiting -= 1
             g.running.append(self.now)
@@ -238,16 +243,7 @@ class ShareFarm(RuleBasedStateMachine):
         if call_in_flight and not g.partitioned and not self.redis_stalled:
             # sent and executed just before the stop; the answer is read after SIGCONT
             g.seq += 1
-            report = Report(
-                g.name,
-                UNKNOWN if g.skewed else self.capacity,
-                max(self.in_force(g), len(g.running)),
-                len(g.running) + g.waiting,
-                self.floor,
-                g.lease,
-                g.token,
-                g.seq,
-            )
+            report = self.report(g)
             self.table, grant = step(self.table, report, self.now + self.redis_ahead)
             g.in_flight.append((report, self.now, self.table, grant))
         g.sidecar = "stopped"
