@@ -32,6 +32,7 @@ INTERNAL_ERRORS = {
     "Unhealthy": "capacity_router.sources: becomes the worker's reason",
     "DemoFailed": "gateway_capacity.demo: becomes the demo's exit status",
     "MetricsError": "gateway_capacity.wfs_metrics: becomes wait-for-slot's reason",
+    "BadMessage": "capacity_router.wire: answered as a 400, 411, 431 or 505, or a 502",
 }
 
 
