@@ -20,6 +20,7 @@ WriteConfig = Callable[..., Path]
 class Ran:
     returncode: int
     stdout: str
+    stderr: str = ""
 
 
 @pytest.fixture
@@ -31,7 +32,8 @@ def run_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., Ran]:
             code = main(list(args))
         except SystemExit as exc:
             code = int(exc.code or 0)
-        return Ran(code, capsys.readouterr().out)
+        captured = capsys.readouterr()
+        return Ran(code, captured.out, captured.err)
 
     return run
 
@@ -136,12 +138,16 @@ def test_check_config_shows_share_mode_and_whether_it_can_start(
 def test_check_config_says_when_redis_py_is_missing(
     write_config: WriteConfig, run_cli: Callable[..., Ran], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """As on a host where the share extra was not installed (``import redis`` fails)."""
+    """As on a host where the share extra was not installed (``import redis`` fails): the
+    share config cannot be checked, so the file is refused as unusable (exit 2), in one
+    line that says what to install."""
     monkeypatch.setitem(sys.modules, "redis", None)
     cfg = write_config({"capacityShare": {"redis": "redis://127.0.0.1:6399", "gateway": "a"}})
     out = run_cli("check-config", "--config", str(cfg), "--strict")
-    assert out.returncode == 1
-    assert "pip install 'gateway-capacity[share]'" in out.stdout
+    err = out.stderr
+    assert out.returncode == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert "pip install 'gateway-capacity[share]'" in err
 
 
 @pytest.mark.parametrize("value", [True, "yes"])

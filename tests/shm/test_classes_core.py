@@ -27,7 +27,7 @@ class Twin:
     def __init__(self, limit: int) -> None:
         self.name = "/gwt-c" + secrets.token_hex(5)
         self.seg = Segment.open(self.name)
-        writer.ensure_provider(self.seg, "p", limit, "provider", False)
+        writer.ensure_provider(self.seg, "p", limit, layout.Source.PROVIDER, discovery=False)
         self.now = 1000.0
         self.cores: list[Any] = []
         self.kept: list[Any] = []  # a dropped Ticket leaves its record: keep them all

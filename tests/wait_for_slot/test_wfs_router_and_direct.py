@@ -92,7 +92,7 @@ def test_r_k5_the_routers_load_counts_what_it_relays_to_each_models_workers() ->
         WorkerStatus("w1", ("a",), None, "ok", 3, "props"),
         WorkerStatus("w2", ("a", "b"), None, "ok", 2, "props"),
     ]
-    doc = farm_load(snap, statuses, {"w1": 2, "w2": 1}, True)
+    doc = farm_load(snap, statuses, {"w1": 2, "w2": 1}, relays=True)
     assert doc["models"] == [
         {"id": "a", "max_concurrent_requests": 5, "running": 3},
         {"id": "b", "max_concurrent_requests": 4, "running": 1},
