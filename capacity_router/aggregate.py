@@ -54,7 +54,9 @@ class Observation:
     With ``per_model`` (``ok`` only) each registered id counts its own number
     (absent: 0) instead of ``slots``; ``unknown`` ids are unreadable now;
     ``unserved`` are the registered ids the worker says it does not serve;
-    ``activity`` is what the worker says it is doing (``router show`` only);
+    ``activity`` is what the worker says it is doing (``router show`` only),
+    ``running`` and ``waiting`` its figures where the server tells them (the
+    router's ``/metrics``);
     ``unlisted`` are registered ids it does not list but counts all the same
     (a server that answers any model with its one).
     """
@@ -67,6 +69,8 @@ class Observation:
     unserved: tuple[str, ...] = ()
     activity: str = ""
     unlisted: tuple[str, ...] = ()
+    running: float | None = None
+    waiting: float | None = None
 
     def __post_init__(self) -> None:
         if (self.state == "ok") != (self.slots is not None):

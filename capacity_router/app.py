@@ -27,6 +27,10 @@ Endpoints:
   view of it (``state``, ``slots``, ``reason``, the registered ids it does not
   serve, what it says it is doing), for ``router show``. Only the key holder
   on the router's own host sees these; no URL and never a key.
+- ``GET /metrics`` (bearer, loopback peers only): the same view in Prometheus
+  text (``metrics``): capacity per model, completeness, the round's time, and
+  per worker its state, slots, what it says it runs and queues, and the
+  requests relayed to it. It names workers, hence the admin's rule.
 - The OpenAI-compatible paths (bearer): ``POST /v1/chat/completions``,
   ``/v1/completions``, ``/v1/embeddings`` relayed to a worker, ``GET
   /v1/models`` answered from the farm (``proxy``).
@@ -56,6 +60,8 @@ from sidecar.contract import CapacitySnapshot
 from . import proxy as proxy_module
 from .http1 import Connection, Connections, Handler, Throttled, connection_bounds
 from .keyfile import KeyFile
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import exposition
 from .poller import (
     DEFAULT_INTERVAL_S,
     DEFAULT_TIMEOUT_S,
@@ -143,6 +149,7 @@ _ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/capacity": _GET,
     "/v1/load": _GET,
     "/admin/workers": _GET,
+    "/metrics": _GET,
     "/v1/models": _GET,
     **{path: ("POST",) for path in RELAYED_PATHS},
 }
@@ -192,8 +199,9 @@ class RouterApp(Handler):
             return _json(
                 405, {"error": "method not allowed"}, ((b"allow", ", ".join(methods).encode()),)
             )
-        if path.startswith("/admin/") and not is_loopback(conn.peer):
-            return _json(403, {"error": "the admin endpoint answers loopback clients only"})
+        if (path.startswith("/admin/") or path == "/metrics") and not is_loopback(conn.peer):
+            endpoint = "/metrics" if path == "/metrics" else "the admin endpoint"
+            return _json(403, {"error": f"{endpoint} answers loopback clients only"})
         if not authorized(head.get(b"authorization"), self._key.key):
             return unauthorized() if relayed else _unauthorized_plain()
         conn.mark_authenticated()
@@ -219,6 +227,14 @@ class RouterApp(Handler):
                     snapshot, self._observer.workers(), self._proxy.in_flight(), relays=True
                 )
                 conn.respond(_json(200, load), head_only=head_only)
+        elif path == "/metrics":
+            text = exposition(
+                self._observer.snapshot(), self._observer.workers(), self._proxy.in_flight()
+            )
+            conn.respond(
+                Answer(200, text, content_type=METRICS_CONTENT_TYPE.encode()),
+                head_only=head_only,
+            )
         elif path == "/v1/models":
             conn.respond(self._proxy.models(), head_only=head_only)
         elif path.startswith("/v1/models/"):

@@ -155,6 +155,8 @@ async def poll_url(
         unserved=reading.unserved,
         activity=reading.activity,
         unlisted=reading.unlisted,
+        running=reading.running,
+        waiting=reading.waiting,
     )
 
 
@@ -185,6 +187,8 @@ class WorkerStatus:
     unserved: tuple[str, ...] = ()
     activity: str = ""
     unlisted: tuple[str, ...] = ()
+    running: float | None = None  # what the server says it runs and queues, where it says
+    waiting: float | None = None
 
     @property
     def fenced(self) -> bool:
@@ -473,4 +477,6 @@ def _status(worker: Worker, admin_fenced: frozenset[str], obs: Observation | Non
         unserved=() if obs is None else obs.unserved,
         activity="" if obs is None else obs.activity,
         unlisted=() if obs is None else obs.unlisted,
+        running=None if obs is None else obs.running,
+        waiting=None if obs is None else obs.waiting,
     )

@@ -61,6 +61,8 @@ class Reading:
     unserved: tuple[str, ...] = ()
     activity: str = ""
     unlisted: tuple[str, ...] = ()
+    running: float | None = None  # requests the server says it runs now, where it says
+    waiting: float | None = None  # requests it says it holds in its own queue
 
 
 @dataclass(slots=True)
@@ -289,7 +291,7 @@ async def read_props(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -
         busy = sum(1 for slot in _slots.decode(body) if slot.is_processing)
     except msgspec.DecodeError:
         return reading
-    return replace(reading, activity=f"{busy} of {props.total_slots} slots busy")
+    return replace(reading, activity=f"{busy} of {props.total_slots} slots busy", running=busy)
 
 
 async def read_llama_router(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
@@ -363,7 +365,12 @@ async def read_sglang(fetch: Fetch, models: tuple[str, ...], fixed: int | None) 
             running = sum(r.num_running_reqs for r in ranks)
             waiting = sum(r.num_waiting_reqs for r in ranks)
             reading = _per_model(models, served, _cap(sum(n for n in limits if n is not None)))
-            return replace(reading, activity=f"{running} running, {waiting} waiting")
+            return replace(
+                reading,
+                activity=f"{running} running, {waiting} waiting",
+                running=running,
+                waiting=waiting,
+            )
     status, body = await fetch.get("server_info")
     if status == 404:
         info = await fetch.json("get_server_info", _sglang)
@@ -406,7 +413,9 @@ async def read_tgi(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> 
     queue = gauge_sum(body, "tgi_queue_size")
     if batch is None or queue is None:
         return reading
-    return replace(reading, activity=f"{batch:g} running, {queue:g} queued")
+    return replace(
+        reading, activity=f"{batch:g} running, {queue:g} queued", running=batch, waiting=queue
+    )
 
 
 async def read_lmstudio(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
@@ -504,14 +513,23 @@ async def read_vllm(fetch: Fetch, models: tuple[str, ...], fixed: int | None) ->
     served = await served_ids(fetch)
     awake, activity = await _vllm_engines(fetch)
     reading = _per_model(models, served, _cap(fixed * awake))
-    return replace(reading, activity=activity)
+    return replace(
+        reading, activity=activity.text, running=activity.running, waiting=activity.waiting
+    )
 
 
-async def _vllm_engines(fetch: Fetch) -> tuple[int, str]:
-    """(awake engines, what they do) from vLLM's gauges; (1, "") if unread."""
+@dataclass(frozen=True, slots=True)
+class _Activity:
+    text: str = ""
+    running: float | None = None
+    waiting: float | None = None
+
+
+async def _vllm_engines(fetch: Fetch) -> tuple[int, _Activity]:
+    """(awake engines, what they do) from vLLM's gauges; (1, nothing) if unread."""
     body = await _optional(fetch, "metrics", METRICS_BODY_LIMIT)
     if body is None:
-        return 1, ""
+        return 1, _Activity()
     engines = max(1, len(label_values(body, "vllm:num_requests_running", "engine")))
     sleeping = {
         labels.get("engine", "")
@@ -524,11 +542,13 @@ async def _vllm_engines(fetch: Fetch) -> tuple[int, str]:
     parts = []
     if running is not None and waiting is not None:
         parts.append(f"{running:g} running, {waiting:g} waiting")
+    else:
+        running = waiting = None
     if engines > 1:
         parts.append(f"{engines} engines")
     if sleeping:
         parts.append("sleeping" if awake == 0 else f"{len(sleeping)} of {engines} sleeping")
-    return awake, ", ".join(parts)
+    return awake, _Activity(", ".join(parts), running, waiting)
 
 
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')

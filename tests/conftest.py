@@ -203,6 +203,7 @@ LONG: tuple[str, ...] = (
     "tests/router/test_router_cli.py::test_r_p6_a_registry_whose_snapshot_could_pass_64_kib_is_refused_saying_why",
     "tests/router/test_router_cli.py::test_serve_with_a_broken_registry_exits_2_with_one_line",
     "tests/router/test_router_proxy.py::test_r_k5_router_serve_relays_a_stream_from_a_simworker_process",
+    "tests/router/test_router_metrics.py::test_r_k5_metrics_count_the_relayed_requests_and_the_workers_own_figures",
     "tests/router/test_router_relay_attacks.py::test_r_k5_idle_sockets_of_nobody_do_not_stop_the_key_holder",
     "tests/router/test_router_relay_attacks.py::test_r_k5_capacity_is_polled_on_time_while_the_relay_is_at_its_limit",
     "tests/router/test_router_relay_attacks.py::test_r_k5_a_round_without_a_descriptor_publishes_no_count_for_the_worker",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any, Self
 
 import httpx
+from gwtest import wait_for
 
 from capacity_router import RouterServer, SimWorker
 
@@ -111,6 +113,56 @@ class ScriptedServer(LoopbackHTTP):
     def stop(self) -> None:
         self._stopping.set()
         super().stop()
+
+
+class _PeerTransport(asyncio.Transport):
+    """The server side of a connection from ``peer``: a non-loopback client cannot
+    connect in a test (loopback only), so the router's own connection object is given
+    the address a tailnet peer would have, and its answer is read from here."""
+
+    def __init__(self, peer: str) -> None:
+        super().__init__()
+        self.peer = peer
+        self.written = b""
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return (self.peer, 50000) if name == "peername" else default
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += bytes(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def status_from_peer(router: RouterServer, peer: str, request: str) -> int:
+    """The status ``router`` answers ``request`` (raw HTTP/1.1) from ``peer``'s address."""
+    transport = _PeerTransport(peer)
+
+    async def send() -> None:
+        connections = router._connections
+        assert connections is not None
+        conn = connections.factory()
+        conn.connection_made(transport)
+        conn.data_received(request.encode())
+
+    assert router._server is not None
+    router._server.call(send()).result(timeout=5)
+    wait_for(lambda: b"\r\n\r\n" in transport.written, what="the answer")
+    return int(transport.written.split(b" ", 2)[1])
 
 
 # The fixtures' types (tests/router/conftest.py), one home for every test module.

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
 import httpx
 import pytest
 from gwtest import wait_for
-from router_support import KEY, Router, Sim, get_capacity, rows, worker, write_registry
+from router_support import (
+    KEY,
+    Router,
+    Sim,
+    get_capacity,
+    rows,
+    status_from_peer,
+    worker,
+    write_registry,
+)
 
 from capacity_router import KeyFileError, RouterServer, read_key_file
 from capacity_router.keyfile import KeyFile
@@ -76,58 +84,13 @@ def test_r_k5_admin_fence_with_a_wrong_key_is_401_and_changes_nothing(
     assert rows(r.snapshot()) == {"wh": 10}
 
 
-class _PeerTransport(asyncio.Transport):
-    """The server side of a connection from ``peer``: a non-loopback client cannot
-    connect in a test (loopback only), so the router's own connection object is given
-    the address a tailnet peer would have, and its answer is read from here."""
-
-    def __init__(self, peer: str) -> None:
-        super().__init__()
-        self.peer = peer
-        self.written = b""
-        self.closed = False
-
-    def get_extra_info(self, name: str, default: object = None) -> object:
-        return (self.peer, 50000) if name == "peername" else default
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.written += bytes(data)
-
-    def close(self) -> None:
-        self.closed = True
-
-    def abort(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
 def test_r_k5_admin_refuses_a_non_loopback_peer_even_with_the_key(router: Router, sim: Sim) -> None:
     a = sim(10)
     r = router([worker("a", [a.url], ["wh"])], poll_interval=30)
     request = f"POST /admin/fence/a HTTP/1.1\r\nHost: r\r\nAuthorization: Bearer {KEY}\r\n\r\n"
 
     def status(peer: str) -> int:
-        transport = _PeerTransport(peer)
-
-        async def send() -> None:
-            connections = r._connections
-            assert connections is not None
-            conn = connections.factory()
-            conn.connection_made(transport)
-            conn.data_received(request.encode())
-
-        assert r._server is not None
-        r._server.call(send()).result(timeout=5)
-        wait_for(lambda: b"\r\n\r\n" in transport.written, what="the answer")
-        return int(transport.written.split(b" ", 2)[1])
+        return status_from_peer(r, peer, request)
 
     for peer in ("100.64.1.2", "192.0.2.7", "::ffff:10.0.0.1", "fd7a:115c:a1e0::1"):
         assert status(peer) == 403

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from router_support import KEY, ScriptedServer, Sim, serve_args, worker, write_registry
 
 from capacity_router.kinds import kind_of
@@ -307,10 +308,25 @@ def test_r_k5_simworker_shapes_behind_serve_give_a_discovered_limit_and_show_say
             assert router.capacity() == {"typo-model": 0, "wh": 5}
             assert listed[0]["unserved"] == ["typo-model"]
             assert "does not serve typo-model (counted 0)" in text.stdout
+        scraped = httpx.get(
+            f"{router.url}/metrics",
+            headers={"Authorization": f"Bearer {key_file.read_text().strip()}"},
+            trust_env=False,
+        )
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(scraped.text)
+            for s in family.samples
+        }
+        state = "gateway_capacity_router_worker_state"
+        assert samples[(state, ((state, "ok"), ("worker", "w")))] == 1
+        assert samples[("gateway_capacity_router_worker_slots", (("worker", "w"),))] == 5
+        running = ("gateway_capacity_router_worker_running_requests", (("worker", "w"),))
+        assert samples.get(running, 0) == 0  # an idle worker, where it says
         code, err = router.terminate()
         assert code == 0
         assert "typo-model" in err
-        assert WORKER_KEY not in err + shown.stdout + text.stdout
+        assert WORKER_KEY not in err + shown.stdout + text.stdout + scraped.text
     finally:
         sim.send_signal(signal.SIGTERM)
         sim.communicate(timeout=20)
