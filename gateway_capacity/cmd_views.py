@@ -171,7 +171,9 @@ def availability_text(view: SegmentView) -> str:
     lines.extend(f"  DAMAGE: {shown(problem)}" for problem in damage_problems(view))
     s = view.sidecar
     if s is None:
-        lines.append("sidecar: none has run (handlers use their static limits)")
+        lines.append(
+            "sidecar: none has run (handlers use each provider's stored fallback, shown below)"
+        )
     else:
         beat = "-" if s.heartbeat_age_s is None else f"{s.heartbeat_age_s:.1f}s ago"
         lines.append(
@@ -250,7 +252,8 @@ def _start_again(view: SegmentView) -> str:
     config = view.config_path or "PATH"
     return (
         f"start it again ('gateway-capacity sidecar --config {config}', or 'systemctl start' "
-        "its unit); meanwhile handlers admit on their static fallback"
+        "its unit); meanwhile handlers admit on each provider's stored fallback "
+        "(0 for a shared one)"
     )
 
 
