@@ -45,7 +45,6 @@ runs it as the legacy generation).
 from __future__ import annotations
 
 import contextlib
-import difflib
 import logging
 import os
 import sys
@@ -60,7 +59,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway_config import ConfigError, ProviderConfig, read_config_file
+from gateway_config import ConfigError, ProviderConfig, known_providers, read_config_file
 from handler_shim.asgi import GRANT_HEADER, GRANT_KEY, AdmissionMiddleware, Grant
 from sidecar.credential import CredentialError, read_credential
 
@@ -126,13 +125,8 @@ def _pick_provider(path: str) -> ProviderConfig:
             return provider
     if not wanted:
         raise ConfigError(f"{path}: no provider has a baseUrl")
-    known = [p.id for p in config.providers]
-    near = difflib.get_close_matches(wanted, known, n=1, cutoff=0.6)
-    raise ConfigError(
-        f"{path}: no provider {wanted!r} (GATEWAY_PROVIDER)"
-        + (f"; did you mean {near[0]!r}?" if near else "")
-        + f" (its providers: {', '.join(known) if known else 'none'})"
-    )
+    known = known_providers(wanted, [p.id for p in config.providers], none="none")
+    raise ConfigError(f"{path}: no provider {wanted!r} (GATEWAY_PROVIDER){known}")
 
 
 def provider_id() -> str:

@@ -24,7 +24,6 @@ mistake would otherwise end up in a log.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import math
 import os
@@ -50,6 +49,7 @@ from gateway_capacity.wfs_metrics import (
     one_line,
     secs,
 )
+from gateway_config import known_providers
 from shm_layout.layout import Source
 
 if TYPE_CHECKING:
@@ -244,13 +244,8 @@ def _sample_local(segment: str, provider_id: str, need: int, cls: str | None = N
         return Fatal(one_line(str(exc)))
     provider = view.provider(provider_id)
     if provider is None:
-        known = [p.id for p in view.providers]
-        near = difflib.get_close_matches(provider_id, known, n=1, cutoff=0.6)
-        return Fatal(
-            f"provider {provider_id!r} is not in segment {segment}"
-            + (f"; did you mean {near[0]!r}?" if near else "")
-            + f" (its providers: {', '.join(known) if known else 'none yet'})"
-        )
+        known = known_providers(provider_id, [p.id for p in view.providers])
+        return Fatal(f"provider {provider_id!r} is not in segment {segment}{known}")
     ceiling, why = limit_ceiling(
         discovery=provider.capacity_discovery,
         fallback=provider.fallback_limit,

@@ -24,6 +24,7 @@ without the sidecar's address, credential or probe machinery.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Mapping
@@ -76,6 +77,7 @@ __all__ = [
     "UserName",
     "fallback_for",
     "field_message",
+    "known_providers",
     "parse_config_file",
     "read_config_file",
 ]
@@ -295,6 +297,14 @@ def field_message(message: str) -> str:
         return message
     field = where.rstrip("`").removeprefix("$.").removeprefix("$")
     return f"{field}: {text[:1].lower()}{text[1:]}"
+
+
+def known_providers(wanted: str, known: list[str], *, none: str = "none yet") -> str:
+    """What follows "no provider ``wanted``" in every message that names one: the
+    nearest id, then every id there is (``none`` when there is none)."""
+    near = difflib.get_close_matches(wanted, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return f"{hint} (its providers: {', '.join(known) if known else none})"
 
 
 def _id_problem(value: Any) -> str | None:

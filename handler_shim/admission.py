@@ -772,11 +772,12 @@ class Admission:
             rows.encode_provider_id(provider_id)
         except ProviderIdError as exc:
             return str(exc)
-        known = rows.provider_ids(att.buf)
+        from gateway_config import known_providers
+
+        known = known_providers(provider_id, rows.provider_ids(att.buf))
         return (
-            f"provider {provider_id!r} is not in segment {self._name} (its providers: "
-            f"{', '.join(known) if known else 'none yet'}): is it in the gateway config the "
-            "sidecar (or the first handler) read?"
+            f"provider {provider_id!r} is not in segment {self._name}{known}: is it in the "
+            "gateway config the sidecar (or the first handler) read?"
         )
 
     def _attachment_of(self, core: CoreObject) -> _Attachment:

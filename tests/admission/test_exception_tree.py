@@ -140,6 +140,10 @@ def test_r_a13_an_unknown_provider_lists_the_providers_the_segment_has(
     with pytest.raises(handler_shim.UnknownProvider) as info:
         adm.slot_blocking("p2", timeout=1)
     assert "'p2'" in str(info.value) and "(its providers: p1)" in str(info.value)
+    # a near miss of an id the segment has is named, as the CLI and the example do
+    with pytest.raises(handler_shim.UnknownProvider) as info:
+        adm.slot_blocking("p10", timeout=1)
+    assert "'p10'" in str(info.value) and "did you mean 'p1'?" in str(info.value), info.value
 
 
 def _waiting(adm: Admission) -> int:
