@@ -406,9 +406,7 @@ def _provider(
         waiting=waiting,
         queue_bound=PROVIDER["queue_bound"].get(data, base),
         fallback_limit=PROVIDER["fallback_limit"].get(data, base),
-        fallback_source=layout.SOURCES.get(
-            PROVIDER["fallback_source"].get(data, base), layout.Source.DEFAULT
-        ),
+        fallback_source=_fallback_source(PROVIDER["fallback_source"].get(data, base)),
         published_limit=published if published >= 0 else None,
         discovered=discovered if discovered >= 0 else None,
         observed_at=observed or None,
@@ -425,6 +423,13 @@ def _provider(
         promoted_total=PROVIDER["promoted_total"].get(data, base),
         displaced_total=PROVIDER["displaced_total"].get(data, base),
     )
+
+
+def _fallback_source(code: int) -> layout.Source:
+    """Which maxConcurrent the fallback is; a code that names no fallback (written over,
+    R-A16) reads as the default, so a view never says what no writer writes."""
+    source = layout.SOURCES.get(code, layout.Source.DEFAULT)
+    return source if source in layout.FALLBACK_SOURCES else layout.Source.DEFAULT
 
 
 def _lock_rows(data: bytes) -> list[tuple[int, int]]:

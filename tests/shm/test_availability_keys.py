@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from gwtest import P1Segment, run_cli
 
-from shm_layout import layout, writer
+from shm_layout import layout, rows, writer
 from shm_layout.liveness import my_identity
 from shm_layout.view import ReplicaView
 
@@ -75,5 +75,29 @@ def test_availability_json_has_the_spec_keys(p1_segment: Callable[..., P1Segment
         assert (p1["effective_limit"], p1["source"], p1["discovered"]) == (10, "discovered", 10)
         assert set(p1["replicas"][0]) >= REPLICA_KEYS
         assert p1["replicas"][0]["value"] == 20
+    finally:
+        adm.close()
+
+
+def test_r_a16_a_scribbled_fallback_source_reads_as_the_default_in_both_documents(
+    p1_segment: Callable[..., P1Segment],
+) -> None:
+    """Every code a damaged byte can hold in a provider's fallback source: availability
+    and inspect still print their documents, and the fallback source is one of the three
+    their schema allows ("default" for a code that names no fallback)."""
+    seg = p1_segment(12)
+    adm = seg.attach("handler-2.0")
+    try:
+        buf = adm._seg.buf
+        fallback_source = layout.PROVIDER["fallback_source"]
+        for code in (0, 1, 2, 5, 6, 7, 255):
+            fallback_source.put(buf, code, rows.provider_base(0))
+            for command in ("availability", "inspect"):
+                out = run_cli(command, "--segment", seg.name, "--json")
+                assert out.returncode == 0, (code, command, out.stderr)
+                got = json.loads(out.stdout)["providers"][0]["fallback_source"]
+                named = layout.SOURCES.get(code)
+                want = named if named in layout.FALLBACK_SOURCES else "default"
+                assert got == want, (code, command, got)
     finally:
         adm.close()
