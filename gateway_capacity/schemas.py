@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, cast, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, TypeVar, cast, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -26,7 +26,9 @@ from gateway_capacity.exits import EXIT_OK, EXIT_USAGE
 from shm_layout import layout
 
 if TYPE_CHECKING:
-    from shm_layout.view import ProviderView, SegmentView, SidecarView
+    from shm_layout.view import SegmentView, SidecarView
+
+_S = TypeVar("_S", bound=Struct)
 
 SCHEMA_VERSION: Final = 1
 
@@ -279,48 +281,12 @@ class InspectDoc(_SegmentDoc, kw_only=True):
 
 
 # --- from a segment view ----------------------------------------------------------------------
-def _provider_fields(p: ProviderView) -> dict[str, Any]:
-    return {
-        "id": p.id,
-        "capacity_discovery": p.capacity_discovery,
-        "configured": p.configured,
-        "effective_limit": p.effective_limit,
-        "source": p.source,
-        "reason": p.reason,
-        "running": p.running,
-        "waiting": p.waiting,
-        "queue_bound": p.queue_bound,
-        "fallback_limit": p.fallback_limit,
-        "fallback_source": p.fallback_source,
-        "classes": [
-            AdmissionClass(
-                name=c.name,
-                default=c.default,
-                reserve=c.reserve,
-                cap=c.cap,
-                max_wait_s=c.max_wait_s,
-                running=c.running,
-                waiting=c.waiting,
-                admitted_total=c.admitted_total,
-            )
-            for c in p.classes
-        ],
-        "classes_suspended": p.classes_suspended,
-        "discovered": p.discovered,
-        "observed_at": p.observed_at,
-        "expires_at": p.expires_at,
-        "replicas": [
-            Replica(
-                address=r.address,
-                ok=r.ok,
-                complete=r.complete,
-                value=r.value,
-                reason=r.reason,
-                observed_at=r.observed_at,
-            )
-            for r in p.replicas
-        ],
-    }
+# The view's dataclasses carry the documents' fields under the same names, so each row is
+# converted by name (msgspec reads the attributes and checks them against the Struct's
+# types: a document never says what its own schema does not allow); only what the view
+# does not hold as such (the sidecar's phrase, the header, the damage) is built here.
+def _row(obj: object, kind: type[_S]) -> _S:
+    return msgspec.convert(obj, kind, from_attributes=True)
 
 
 def sidecar_status(s: SidecarView) -> str:
@@ -332,10 +298,28 @@ def sidecar_status(s: SidecarView) -> str:
     return "stopped"
 
 
-def _sidecar(view: SegmentView) -> Sidecar | None:
+def _common(view: SegmentView) -> dict[str, Any]:
+    """The fields both documents open with."""
     s = view.sidecar
-    if s is None:
-        return None
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "segment": view.name,
+        "config_path": view.config_path or None,
+        "layout": Layout(major=view.major, minor=view.minor),
+        "consistent": view.consistent,
+        "config_status": view.config_status or None,
+        "sidecar": None if s is None else _sidecar(s),
+        "owner": view.owner,
+        "damage": (
+            Damage(repairs=view.damage_repairs, last=view.damage_note, age_s=view.damage_age_s)
+            if view.damage_repairs
+            else None
+        ),
+        "lock_problem": view.lock_problem,
+    }
+
+
+def _sidecar(s: SidecarView) -> Sidecar:
     return Sidecar(
         pid=s.pid,
         alive=s.alive,
@@ -348,35 +332,12 @@ def _sidecar(view: SegmentView) -> Sidecar | None:
     )
 
 
-def _common(view: SegmentView) -> dict[str, Any]:
-    """The fields both documents open with."""
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "segment": view.name,
-        "config_path": view.config_path or None,
-        "layout": Layout(major=view.major, minor=view.minor),
-        "consistent": view.consistent,
-        "config_status": view.config_status or None,
-        "sidecar": _sidecar(view),
-        "owner": view.owner,
-        "damage": (
-            Damage(repairs=view.damage_repairs, last=view.damage_note, age_s=view.damage_age_s)
-            if view.damage_repairs
-            else None
-        ),
-        "lock_problem": view.lock_problem,
-    }
-
-
 def availability(view: SegmentView) -> AvailabilityDoc:
     """``availability --json`` of a ``shm_layout.view.SegmentView``."""
     return AvailabilityDoc(
         **_common(view),
-        generations=[
-            Generation(generation=m.generation, pid=m.pid, alive=m.alive, layout=m.layout)
-            for m in view.members
-        ],
-        providers=[Provider(**_provider_fields(p)) for p in view.providers],
+        generations=[_row(m, Generation) for m in view.members],
+        providers=[_row(p, Provider) for p in view.providers],
     )
 
 
@@ -391,43 +352,9 @@ def inspect(view: SegmentView) -> InspectDoc:
             lock_repairs=view.lock_repairs,
             config_path=view.config_path or None,
         ),
-        generations=[
-            Member(
-                index=m.index,
-                pid=m.pid,
-                alive=m.alive,
-                generation=m.generation,
-                layout=m.layout,
-                attached_at=m.attached_at,
-            )
-            for m in view.members
-        ],
-        providers=[
-            InspectProvider(
-                **_provider_fields(p),
-                published_limit=p.published_limit,
-                clamped=p.clamped,
-                counters=Counters(**p.counters),
-                stored_running=p.stored_running,
-                stored_waiting=p.stored_waiting,
-            )
-            for p in view.providers
-        ],
-        holders=[
-            Holder(
-                provider=h.provider,
-                index=h.index,
-                state=h.state,
-                pid=h.pid,
-                alive=h.alive,
-                ticket=h.ticket,
-                serial=h.serial,
-                member=h.member,
-                generation=h.generation,
-                since=h.since,
-            )
-            for h in view.holders
-        ],
+        generations=[_row(m, Member) for m in view.members],
+        providers=[_row(p, InspectProvider) for p in view.providers],
+        holders=[_row(h, Holder) for h in view.holders],
     )
 
 
