@@ -31,7 +31,7 @@ import os
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from gateway_capacity.common import fail, segment_arg
+from gateway_capacity.common import add_target_options, fail
 from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from gateway_capacity.schemas import SCHEMA_VERSION
 from shm_layout.errors import BadSegmentName
@@ -68,13 +68,10 @@ def register(subparsers: Any) -> None:
             "nothing to any provider and never shows a key."
         ),
     )
-    parser.add_argument("--config", metavar="PATH", help="the gateway's JSON config")
-    parser.add_argument(
-        "--segment",
-        metavar="NAME",
-        type=segment_arg,
-        help="without --config: check the config this segment was made for (as availability "
-        "shows it)",
+    add_target_options(
+        parser,
+        segment_help="without --config: check the config this segment was made for (as "
+        "availability shows it)",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument(

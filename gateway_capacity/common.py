@@ -13,16 +13,15 @@ from shm_layout.errors import BadSegmentName
 from shm_layout.names import resolve_segment_name
 
 
-def add_target_options(parser: argparse.ArgumentParser) -> None:
+def add_target_options(
+    parser: argparse.ArgumentParser,
+    *,
+    segment_help: str = "shared-memory segment name, with or without its leading / "
+    "(default: derived from --config, or $GATEWAY_CAPACITY_SEGMENT)",
+) -> None:
     """Every command takes ``--config PATH`` or ``--segment NAME`` (REQUIREMENTS.md section 8)."""
     parser.add_argument("--config", metavar="PATH", help="the gateway's JSON config file")
-    parser.add_argument(
-        "--segment",
-        metavar="NAME",
-        type=segment_arg,
-        help="shared-memory segment name, with or without its leading / (default: derived "
-        "from --config, or $GATEWAY_CAPACITY_SEGMENT)",
-    )
+    parser.add_argument("--segment", metavar="NAME", type=segment_arg, help=segment_help)
 
 
 def segment_arg(text: str) -> str:
