@@ -152,10 +152,42 @@ def check_inflight(drill: Drill, events: list[list[Any]]) -> None:
             newest = max(g for _, g in in_flight.values())
             drill.problems.append(
                 f"upstream in flight rose to {value} above the limit in force at its "
-                f"grants ({allowed}), newest grant at {newest:.2f}s (R-A1)"
+                f"grants ({allowed}), newest grant at {newest:.2f}s (R-A1); "
+                + _rise_evidence(drill, in_flight, times, limits)
             )
             return
     drill.figures["upstream_rises_checked"] = rises
+
+
+def _rise_evidence(
+    drill: Drill,
+    in_flight: dict[int, tuple[float, float]],
+    times: list[float],
+    limits: list[int],
+) -> str:
+    """What a failed rise was judged on, for the one reading the failure: each request in
+    flight as asked..granted (drill seconds), the limit samples from just before the
+    earliest ask on (each change of limit, with the sample's time), and the gateway log's
+    worker deaths (a worker gunicorn kills frees its slots while the upstream still
+    counts its requests until it notices the closed connection)."""
+    import bisect
+
+    spans = sorted(in_flight.values(), key=lambda span: span[1])
+    # from the sample before the one the earliest ask was judged by
+    start = max(bisect.bisect_left(times, min(a for a, _ in spans)) - 2, 0)
+    shown: list[str] = []
+    for t, limit in zip(times[start:], limits[start:], strict=True):
+        if not shown or not shown[-1].endswith(f"={limit}"):
+            shown.append(f"{t:.2f}={limit}")
+    log = drill.log_of("gateway")
+    deaths = sum(log.count(word) for word in ("WORKER TIMEOUT", "was sent SIGKILL", "died"))
+    return (
+        "in flight "
+        + " ".join(f"{a:.2f}..{g:.2f}" for a, g in spans)
+        + "; limit samples "
+        + " ".join(shown[:20])
+        + f"; gateway log worker deaths {deaths}"
+    )
 
 
 def check_key_never_logged(drill: Drill) -> None:

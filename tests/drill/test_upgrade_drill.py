@@ -119,6 +119,9 @@ def test_r_a1_drill_check_judges_each_rise_by_the_limit_in_force_at_its_grants()
     drill = _drill_with(samples)
     check_inflight(drill, broken)
     assert len(drill.problems) == 1 and "R-A1" in drill.problems[0]
+    # the failure carries what it was judged on: the spans in flight and the limit's changes
+    assert "in flight 2.60..2.60 3.10..3.20 3.30..3.40" in drill.problems[0], drill.problems
+    assert "limit samples 1.00=3 2.00=2;" in drill.problems[0], drill.problems
     drill = _drill_with(samples)
     check_inflight(drill, [[0.0, "admitted", 1, 1, None, None]])
     assert "ungranted" in drill.problems[0]
