@@ -20,6 +20,7 @@ from time import perf_counter_ns
 import posix_ipc
 from bench_common import Cleanup, calibrate, create_segment, new_segment_name, write_config
 from bench_redis import RedisSemaphore, RedisUnavailable, start_redis
+from floor_loops import floor_runs
 
 from handler_shim import Admission
 
@@ -175,30 +176,7 @@ def _floor_cases(cleanup: Cleanup) -> list[Case]:
     buf = mmap.mmap(shm.fd, mmap.PAGESIZE)
     shm.close_fd()
     cleanup.push("floor mapping", buf.close)
-    counter = _COUNTER
-
-    def one(n: int) -> int:
-        acquire, release = sem.acquire, sem.release
-        unpack, pack = counter.unpack_from, counter.pack_into
-        t0 = perf_counter_ns()
-        for _ in range(n):
-            acquire()
-            pack(buf, 0, unpack(buf, 0)[0] + 1)
-            release()
-        return perf_counter_ns() - t0
-
-    def two(n: int) -> int:
-        acquire, release = sem.acquire, sem.release
-        unpack, pack = counter.unpack_from, counter.pack_into
-        t0 = perf_counter_ns()
-        for _ in range(n):
-            acquire()
-            pack(buf, 0, unpack(buf, 0)[0] + 1)
-            release()
-            acquire()
-            pack(buf, 0, unpack(buf, 0)[0] - 1)
-            release()
-        return perf_counter_ns() - t0
+    one, two = floor_runs(sem, buf)
 
     return [
         Case("floor", "floor: 2 x (posix_ipc sem + struct RMW)", two),

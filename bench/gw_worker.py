@@ -156,9 +156,9 @@ class Worker:
     def micro_setup(self, provider: str, sem: str, shm: str) -> dict[str, Any]:
         import asyncio
         import mmap
-        import struct
 
         import posix_ipc
+        from floor_loops import floor_runs
 
         adm = self.adm
         runner = asyncio.Runner()
@@ -166,7 +166,6 @@ class Worker:
         memory = posix_ipc.SharedMemory(shm, posix_ipc.O_CREAT, 0o600, mmap.PAGESIZE)
         buf = mmap.mmap(memory.fd, mmap.PAGESIZE)
         memory.close_fd()
-        counter = struct.Struct("<q")
 
         def blocking(n: int) -> int:
             slot = adm.slot_blocking
@@ -192,18 +191,7 @@ class Worker:
                     pass
             return time.perf_counter_ns() - t0
 
-        def floor2(n: int) -> int:
-            acquire, release = semaphore.acquire, semaphore.release
-            unpack, pack = counter.unpack_from, counter.pack_into
-            t0 = time.perf_counter_ns()
-            for _ in range(n):
-                acquire()
-                pack(buf, 0, unpack(buf, 0)[0] + 1)
-                release()
-                acquire()
-                pack(buf, 0, unpack(buf, 0)[0] - 1)
-                release()
-            return time.perf_counter_ns() - t0
+        _one, floor2 = floor_runs(semaphore, buf)
 
         self.cases = {
             "shim_blocking": blocking,

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 AGENT = ROOT / "tests" / "agent.py"
 LOCK_FILE_ENV = "GATEWAY_CAPACITY_LOCK_FILE"
 NO_TIMEOUT_ENV = "GATEWAY_CAPACITY_NO_SEM_TIMEOUT"
+# The product's packages, as pyproject.toml installs them: what the repo checks scan.
+INSTALLED_PACKAGES: tuple[str, ...] = tuple(
+    tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+)
 
 
 class Agent:

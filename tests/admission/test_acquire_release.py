@@ -10,9 +10,9 @@ import asyncio
 import gc
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
+from gwtest import P1Segment
 
 from handler_shim import Admission, AdmissionTimeout, QueueFull, Ticket, UnknownProvider
 from handler_shim.admission import retry_after_seconds
@@ -83,14 +83,10 @@ def test_acquire_has_the_same_errors_as_slot_with_their_context_as_attributes(
     adm.release(b)
 
 
-def test_release_after_close_is_a_no_op(
-    segment_name: str, write_config: Callable[..., Path]
-) -> None:
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
-    a = Admission.attach(config=cfg, generation="test", segment=segment_name)
-    ticket = a.acquire_blocking("p1")
-    a.close()
-    a.release(ticket)  # close() released it; nothing to do, nothing raised
+def test_release_after_close_is_a_no_op(adm: Admission, segment_name: str) -> None:
+    ticket = adm.acquire_blocking("p1")
+    adm.close()
+    adm.release(ticket)  # close() released it; nothing to do, nothing raised
     assert _running_waiting(segment_name) == (0, 0)
 
 
@@ -156,11 +152,10 @@ def test_try_acquire_takes_a_free_slot_and_never_queues(adm: Admission, segment_
 
 
 def test_the_repr_of_an_admission_shows_its_live_state(
-    segment_name: str, write_config: Callable[..., Path]
+    p1_segment: Callable[..., P1Segment], segment_name: str
 ) -> None:
     """As asyncio's locks do: open or closed, and each provider's running/limit +waiting."""
-    cfg = write_config({"providers": [{"id": "p1", "maxConcurrent": 2}]})
-    a = Admission.attach(config=cfg, generation="gw-2", segment=segment_name)
+    a = p1_segment(2).attach("gw-2")
     ticket = a.acquire_blocking("p1")
     text = repr(a)
     assert text.startswith("<Admission generation='gw-2' open <_Attachment "), text

@@ -306,9 +306,11 @@ def test_r_g6_the_cli_refuses_another_users_segment_in_one_line(
         unlink_segment(segment_name)
 
 
-def _plant_link(segment_name: str) -> str:
+@pytest.fixture
+def planted_link(segment_name: str) -> Iterator[str]:
     """As nobody: a file of nobody's in /dev/shm, and a symbolic link to it under the
-    segment's name (what a local user can make before the gateway starts)."""
+    segment's name (what a local user can make before the gateway starts); the file's
+    path. Both are removed afterwards (whatever then stands at the name too)."""
     target = platform.SHM_DIR + segment_name + "-target"
 
     def plant() -> int:
@@ -319,7 +321,10 @@ def _plant_link(segment_name: str) -> str:
 
     code, output = as_nobody(plant)
     assert code == 0, output
-    return target
+    yield target
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(platform.SHM_DIR + segment_name)
+    os.unlink(target)
 
 
 def _refuses_the_link(message: str, segment_name: str) -> None:
@@ -331,67 +336,55 @@ def _refuses_the_link(message: str, segment_name: str) -> None:
 
 @pytest.mark.linux("a symbolic link in /dev/shm: macOS has no shm directory to plant one in")
 def test_r_g6_a_symbolic_link_at_the_segments_name_is_refused_in_one_line(
-    segment_name: str, config: Path
+    segment_name: str, config: Path, planted_link: str
 ) -> None:
-    target = _plant_link(segment_name)
-    try:
-        with pytest.raises(ForeignSegment) as info:
-            Admission.attach(config=config, segment=segment_name, generation="root-handler")
-        _refuses_the_link(str(info.value), segment_name)
-        with pytest.raises(ForeignSegment):
-            Segment.open(segment_name, create=False)
-        assert Path(target).read_text() == "nobody's own bytes"  # never followed, never written
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(platform.SHM_DIR + segment_name)
-        os.unlink(target)
+    with pytest.raises(ForeignSegment) as info:
+        Admission.attach(config=config, segment=segment_name, generation="root-handler")
+    _refuses_the_link(str(info.value), segment_name)
+    with pytest.raises(ForeignSegment):
+        Segment.open(segment_name, create=False)
+    assert Path(planted_link).read_text() == "nobody's own bytes"  # never followed, never written
 
 
 @pytest.mark.linux("a symbolic link in /dev/shm: macOS has no shm directory to plant one in")
 def test_r_g6_every_view_and_the_sidecar_refuse_a_symbolic_link_without_a_traceback(
-    segment_name: str, config: Path
+    segment_name: str, config: Path, planted_link: str
 ) -> None:
-    target = _plant_link(segment_name)
+    views = [
+        ("availability", "--segment", segment_name),
+        ("availability", "--segment", segment_name, "--json"),
+        ("availability", "--segment", segment_name, "--check"),
+        ("inspect", "--segment", segment_name),
+        ("inspect", "--segment", segment_name, "--check"),
+        ("watch", "--segment", segment_name, "--count", "1"),
+        ("inspect", "--segment", segment_name, "--unlink"),  # no --force: refused
+        ("sidecar", "--config", str(config), "--segment", segment_name, "--refresh", "1"),
+    ]
+    for args in views:
+        out = run_cli(*args)
+        text = (out.stderr + out.stdout).strip()
+        assert out.returncode != 0, (args, text)
+        assert "Traceback" not in text, (args, text)
+        if "--json" in args:
+            text = json.loads(out.stdout)["error"]
+        else:
+            text = text.splitlines()[-1]
+        assert "symbolic link" in text and "nobody" in text, (args, text)
+    assert os.path.islink(platform.SHM_DIR + segment_name)  # --unlink alone left it
+    # --force removes the link itself, never what it points at
+    out = run_cli("inspect", "--segment", segment_name, "--unlink", "--force")
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    assert "symbolic link" in out.stdout
+    assert not os.path.lexists(platform.SHM_DIR + segment_name)
+    assert Path(planted_link).read_text() == "nobody's own bytes"
+    # and the name is free for the gateway again
+    adm = Admission.attach(config=config, segment=segment_name, generation="root-handler")
     try:
-        views = [
-            ("availability", "--segment", segment_name),
-            ("availability", "--segment", segment_name, "--json"),
-            ("availability", "--segment", segment_name, "--check"),
-            ("inspect", "--segment", segment_name),
-            ("inspect", "--segment", segment_name, "--check"),
-            ("watch", "--segment", segment_name, "--count", "1"),
-            ("inspect", "--segment", segment_name, "--unlink"),  # no --force: refused
-            ("sidecar", "--config", str(config), "--segment", segment_name, "--refresh", "1"),
-        ]
-        for args in views:
-            out = run_cli(*args)
-            text = (out.stderr + out.stdout).strip()
-            assert out.returncode != 0, (args, text)
-            assert "Traceback" not in text, (args, text)
-            if "--json" in args:
-                text = json.loads(out.stdout)["error"]
-            else:
-                text = text.splitlines()[-1]
-            assert "symbolic link" in text and "nobody" in text, (args, text)
-        assert os.path.islink(platform.SHM_DIR + segment_name)  # --unlink alone left it
-        # --force removes the link itself, never what it points at
-        out = run_cli("inspect", "--segment", segment_name, "--unlink", "--force")
-        assert out.returncode == 0, out.stderr
-        assert "Traceback" not in out.stdout + out.stderr
-        assert "symbolic link" in out.stdout
-        assert not os.path.lexists(platform.SHM_DIR + segment_name)
-        assert Path(target).read_text() == "nobody's own bytes"
-        # and the name is free for the gateway again
-        adm = Admission.attach(config=config, segment=segment_name, generation="root-handler")
-        try:
-            with adm.slot_blocking("p1", timeout=2):
-                pass
-        finally:
-            adm.close()
+        with adm.slot_blocking("p1", timeout=2):
+            pass
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(platform.SHM_DIR + segment_name)
-        os.unlink(target)
+        adm.close()
 
 
 @pytest.fixture(autouse=True)

@@ -3,9 +3,9 @@ started as tests/served.py starts servers (a socket bound here, passed by number
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -96,13 +96,8 @@ def start_server(tmp_path: Path, segment_name: str, asgi_config: Path) -> Iterat
     yield start
     for server in servers:
         server.release()
-        if server.proc.poll() is None:
-            server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # stop() has killed it then
+            server.stop()
 
 
 @pytest.fixture

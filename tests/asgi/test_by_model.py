@@ -73,6 +73,12 @@ def holder_count(segment: str) -> int:
     return len(json.loads(out.stdout)["holders"])
 
 
+def admitted_totals(segment: str) -> dict[str, int]:
+    """Each provider's ``admitted_total`` counter, as ``inspect --json`` reports it."""
+    doc = json.loads(run_cli("inspect", "--segment", segment, "--json").stdout)
+    return {p["id"]: p["counters"]["admitted_total"] for p in doc["providers"]}
+
+
 def test_r_a1_by_model_each_model_waits_on_its_own_providers_budget(
     start_server: StartServer, by_model_config: Path
 ) -> None:
@@ -102,9 +108,7 @@ def test_r_a1_by_model_each_model_waits_on_its_own_providers_budget(
         assert (digest, length) == (hashlib.sha256(bodies[name]).hexdigest(), len(bodies[name]))
         assert req.read_all().endswith(b"done\n\r\n0\r\n\r\n")
     wait_counts(server, {"p1": (0, 0), "p2": (0, 0)})
-    doc = json.loads(run_cli("inspect", "--segment", server.segment, "--json").stdout)
-    admitted = {p["id"]: p["counters"]["admitted_total"] for p in doc["providers"]}
-    assert admitted == {"p1": 3, "p2": 3}
+    assert admitted_totals(server.segment) == {"p1": 3, "p2": 3}
 
 
 def test_by_model_an_upstream_id_is_admitted_and_unknown_or_missing_models_pass_through(
@@ -282,9 +286,7 @@ def test_r_a1_by_model_table_the_path_or_query_model_wins_and_forms_are_read_by_
     assert in_query.read_all().endswith(b"done\n\r\n0\r\n\r\n")
     wait_counts(server, {"p1": (0, 0), "p2": (0, 0)})
     assert holder_count(server.segment) == 0
-    doc = json.loads(run_cli("inspect", "--segment", server.segment, "--json").stdout)
-    admitted = {p["id"]: p["counters"]["admitted_total"] for p in doc["providers"]}
-    assert admitted == {"p1": 2, "p2": 2}
+    assert admitted_totals(server.segment) == {"p1": 2, "p2": 2}
 
 
 def test_by_model_table_a_request_whose_model_cannot_be_read_goes_to_the_named_default(

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from gwtest import INSTALLED_PACKAGES
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ["shm_layout", "handler_shim", "gateway_config", "sidecar", "capacity_router"]
-PACKAGES += ["gateway_capacity", "examples", "drill"]
+PACKAGES = [*INSTALLED_PACKAGES, "examples", "drill"]
 
 
 def _ruff(*paths: str) -> subprocess.CompletedProcess[str]:

@@ -40,15 +40,10 @@ import ast
 import re
 from pathlib import Path
 
+from gwtest import INSTALLED_PACKAGES
+
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = (
-    "shm_layout",
-    "handler_shim",
-    "gateway_config",
-    "sidecar",
-    "gateway_capacity",
-    "capacity_router",
-)
+PACKAGES = INSTALLED_PACKAGES  # every one runs on a Mac
 ALSO = ("examples", "drill")  # run on a Mac too: the example gateway, `make mac-check`'s drill
 PLATFORM_MODULE = "shm_layout/platform.py"
 

@@ -28,6 +28,18 @@ __all__ = ["public_dir"]  # a fixture
 Refused = Callable[..., list[str]]
 
 
+def _write_as_nobody(pidfile: Path, pid: int) -> None:
+    """``pid`` in a new ``pidfile`` (0644) that nobody creates as itself."""
+
+    def write() -> None:
+        fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, f"{pid}\n".encode())
+        os.close(fd)
+
+    as_nobody(write)
+    assert pidfile.stat().st_uid == NOBODY
+
+
 @pytest.fixture
 def refused(segment_name: str, write_config: Callable[..., Path]) -> Refused:
     """``refused(*options)``: a sidecar started with ``options`` on a config of one static
@@ -73,14 +85,7 @@ def test_r_g6_a_pidfile_owned_by_another_user_is_refused_naming_its_owner(
     sticky.mkdir()
     sticky.chmod(0o1777)
     pidfile = sticky / "legacy.pid"
-
-    def plant() -> None:
-        fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.write(fd, f"{legacy.pid}\n".encode())
-        os.close(fd)
-
-    as_nobody(plant)
-    assert pidfile.stat().st_uid == NOBODY
+    _write_as_nobody(pidfile, legacy.pid)
     (error,) = refused("--await-legacy", str(pidfile))
     assert "is owned by uid 65534 (nobody), not root or this user" in error
 
@@ -173,14 +178,8 @@ def _runtime_directory_pidfile(public_dir: Path, pid: int) -> tuple[Path, Path]:
     run_dir.mkdir(mode=0o755)
     os.chown(run_dir, NOBODY, NOBODY)
     pidfile = run_dir / "legacy.pid"
-
-    def write() -> None:
-        fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.write(fd, f"{pid}\n".encode())
-        os.close(fd)
-
-    as_nobody(write)
-    assert (run_dir.stat().st_uid, pidfile.stat().st_uid) == (NOBODY, NOBODY)
+    _write_as_nobody(pidfile, pid)
+    assert run_dir.stat().st_uid == NOBODY
     return run_dir, pidfile
 
 
