@@ -73,13 +73,7 @@ def test_r_g6_a_pidfile_owned_by_another_user_is_refused_naming_its_owner(
     sticky.mkdir()
     sticky.chmod(0o1777)
     pidfile = sticky / "legacy.pid"
-
-    def plant() -> None:
-        fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.write(fd, f"{legacy.pid}\n".encode())
-        os.close(fd)
-
-    as_nobody(plant)
+    _write_pidfile_as_nobody(pidfile, legacy.pid)
     assert pidfile.stat().st_uid == NOBODY
     (error,) = refused("--await-legacy", str(pidfile))
     assert "is owned by uid 65534 (nobody), not root or this user" in error
@@ -166,13 +160,8 @@ def test_metrics_listen_beyond_loopback_is_a_warning_that_says_what_is_exposed(
         assert "provider ids, limits" in warning
 
 
-def _runtime_directory_pidfile(public_dir: Path, pid: int) -> tuple[Path, Path]:
-    """What a legacy gateway running as nobody leaves: its ``RuntimeDirectory=`` (0755,
-    its own) and in it the pidfile it wrote as itself (0644)."""
-    run_dir = public_dir / "gateway"
-    run_dir.mkdir(mode=0o755)
-    os.chown(run_dir, NOBODY, NOBODY)
-    pidfile = run_dir / "legacy.pid"
+def _write_pidfile_as_nobody(pidfile: Path, pid: int) -> None:
+    """``pidfile`` made by nobody (mode 0644, so nobody owns it), holding ``pid``."""
 
     def write() -> None:
         fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -180,6 +169,16 @@ def _runtime_directory_pidfile(public_dir: Path, pid: int) -> tuple[Path, Path]:
         os.close(fd)
 
     as_nobody(write)
+
+
+def _runtime_directory_pidfile(public_dir: Path, pid: int) -> tuple[Path, Path]:
+    """What a legacy gateway running as nobody leaves: its ``RuntimeDirectory=`` (0755,
+    its own) and in it the pidfile it wrote as itself (0644)."""
+    run_dir = public_dir / "gateway"
+    run_dir.mkdir(mode=0o755)
+    os.chown(run_dir, NOBODY, NOBODY)
+    pidfile = run_dir / "legacy.pid"
+    _write_pidfile_as_nobody(pidfile, pid)
     assert (run_dir.stat().st_uid, pidfile.stat().st_uid) == (NOBODY, NOBODY)
     return run_dir, pidfile
 
