@@ -46,6 +46,7 @@ from sidecar.contract import (
     MAX_MODELS,
     MAX_SLOTS,
     MAX_SNAPSHOT_BYTES,
+    decode_json,
     row_bytes,
     worst_case_snapshot_bytes,
 )
@@ -127,12 +128,7 @@ _decoder = msgspec.json.Decoder(RegistryFile, strict=True)
 
 def parse_registry(body: bytes) -> RegistryFile:
     """Decode and check a registry file's bytes, or raise :class:`RegistryError`."""
-    try:
-        registry = _decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise RegistryError(f"invalid registry: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise RegistryError(f"invalid JSON: {exc}") from None
+    registry = decode_json(_decoder, body, RegistryError, "registry")
     ids: set[str] = set()
     url_owner: dict[str, str] = {}
     models: set[str] = set()

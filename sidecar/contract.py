@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterable, Iterable
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, TypeVar
 
 import msgspec
 
@@ -26,6 +26,8 @@ MAX_SLOTS = 4096  # R-K3
 STALE_AFTER_S = 30.0  # R-K4
 MAX_FUTURE_S = 5.0  # R-K4
 MAX_SNAPSHOT_BYTES = 64 * 1024  # R-P6: a reader refuses a longer body
+
+_T = TypeVar("_T")
 
 SlotCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOTS)]
 
@@ -55,12 +57,7 @@ _decoder = msgspec.json.Decoder(CapacitySnapshot, strict=True)
 
 def decode_snapshot(body: bytes) -> CapacitySnapshot:
     """Decode and validate a snapshot body (R-K1..R-K4 shape, R-K6)."""
-    try:
-        snap = _decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise ContractError(f"invalid snapshot: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ContractError(f"invalid JSON: {exc}") from None
+    snap = decode_json(_decoder, body, ContractError, "snapshot")
     if not math.isfinite(snap.observed_at):
         raise ContractError("invalid snapshot: observed_at is not finite")
     seen: set[str] = set()
@@ -140,6 +137,20 @@ def shown(text: object) -> str:
         "\\\\" if ch == "\\" else ch if ch.isprintable() else ch.encode("unicode_escape").decode()
         for ch in text
     )
+
+
+def decode_json(
+    decoder: msgspec.json.Decoder[_T], body: bytes, error: type[GatewayCapacityError], what: str
+) -> _T:
+    """``body`` decoded by ``decoder``, or ``error`` with a short reason: ``invalid
+    <what>: ...`` for JSON that breaks the schema, ``invalid JSON: ...`` for bytes that
+    are not JSON."""
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise error(f"invalid {what}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise error(f"invalid JSON: {exc}") from None
 
 
 async def read_capped(chunks: AsyncIterable[bytes], limit: int) -> bytes | None:

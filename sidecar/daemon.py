@@ -127,56 +127,42 @@ class _ProviderState:
     built_from: tuple[object, ...] = ()
 
 
+@dataclass
+class _Output:
+    """What goes out besides the limits, and what has gone out: the reason texts beside
+    the segment, the publication cache (only what changed is written), whether a
+    publication is due, the warnings logged (each once per run, R-P9) and the ``STATUS=``
+    line systemd last took."""
+
+    reasons: ReasonsWriter
+    cache: writer.PublishCache = field(default_factory=writer.PublishCache)
+    pending: bool = False  # a publication is due within PUBLISH_COALESCE_S
+    warned: set[str] = field(default_factory=set)
+    status_sent: str = ""
+    ready: bool = False  # STATUS= goes out only after READY=1
+
+    def first_time(self, warning: str) -> bool:
+        """True the first time ``warning`` comes up in this run."""
+        if warning in self.warned:
+            return False
+        self.warned.add(warning)
+        return True
+
+
 class Sidecar:
     def __init__(self, options: Options) -> None:
+        # All that may refuse the start comes before the segment and its writer epoch: a
+        # sidecar that cannot start must not fence the running one (R-G4), then leave none.
         self.opts = options
-        try:
-            self.config = load_config(options.config_path)
-        except ConfigError as exc:
-            raise StartupError(str(exc)) from None
-        self.config_stamp = _stamp(options.config_path)
-        if self.config.share is not None:
-            try:
-                import redis  # noqa: F401
-            except ImportError:
-                raise StartupError(
-                    "capacityShare needs redis-py: pip install 'gateway-capacity[share]'"
-                ) from None
+        self.config, self.config_stamp = _first_config(options.config_path)
         self.config_status = "ok"
-        self.proc_hides = proc_hides_other_users()
-        if self.proc_hides:
-            log.warning(
-                "%s: processes of other users may be invisible here; one that kill(pid, 0) "
-                "still finds is taken for alive, never for exited",
-                self.proc_hides,
-            )
-        try:  # --owner (or $GATEWAY_CAPACITY_OWNER): trusted with the segment, and a pidfile
-            named = OwnerPolicy.for_process(options.owner).uids
-        except OwnerError as exc:
-            raise StartupError(str(exc)) from None
-        self.legacy = LegacyDrain(
-            parse_legacy(
-                options.await_legacy,
-                options.await_legacy_grace_s,
-                self.proc_hides,
-                forbidden_legacy_pids(options.parent_pid),
-                trusted=[uid for uid in named if uid != os.geteuid()],
-            ),
-            options.await_legacy_max_s,
-        )
-        self.parent: ParentWatch | None = None
-        if options.parent_pid is not None:
-            try:
-                self.parent = ParentWatch(options.parent_pid)  # pid reuse cannot fool it
-            except ProcessLookupError:
-                raise StartupError(f"--parent-pid {options.parent_pid}: no such process") from None
+        self.legacy = _legacy_drain(options)
+        self.parent = _parent_watch(options.parent_pid)
         self.segment_name = resolve_segment_name(options.segment, options.config_path)
-        self._metrics_server: ThreadingWSGIServer | None = None
         self.metrics = SidecarMetrics()  # recorded always, served with --metrics-listen
-        if options.metrics_listen:
-            # Before the segment and the writer epoch: a sidecar that cannot start must
-            # not first fence the one that is running (R-G4) and then leave none.
-            self._start_metrics(options.metrics_listen)
+        self._metrics_server = _serve_metrics(
+            options.metrics_listen, self.segment_name, self.metrics
+        )
         self.seg = Segment.open(
             self.segment_name,
             create=True,
@@ -192,16 +178,11 @@ class Sidecar:
         self.retired = False
         self.stop = asyncio.Event()
         self.exit_code = 0
-        self._watchdog = sdnotify.Watchdog.from_env()
-        self._warned: set[str] = set()
-        self._status_sent = ""
-        self._ready = False  # STATUS= goes out only after READY=1
-        self._publish_cache = writer.PublishCache()
-        self._reasons = ReasonsWriter(self.segment_name, self.seg.mode)
-        self._publish_pending = False
-        self._grid_origin = time.monotonic()  # probe loops start on multiples of refresh_s
         self.clients: ProbeClients | None = None
         self._retained: asyncio.Task[None] | None = None
+        self._watchdog = sdnotify.Watchdog.from_env()
+        self._grid_origin = time.monotonic()  # probe loops start on multiples of refresh_s
+        self.out = _Output(ReasonsWriter(self.segment_name, self.seg.mode))
         # read once: a reload that adds, drops or changes capacityShare needs a restart
         self.share_config = self.config.share
         self.sharing = ShareLoop(self, self.share_config) if self.share_config else None
@@ -250,7 +231,7 @@ class Sidecar:
         self._apply_config(self.config)
         self._publish()
         sdnotify.ready()
-        self._ready = True
+        self.out.ready = True
         self._send_status()
         housekeeping = asyncio.create_task(self._housekeeping())
         sharing = asyncio.create_task(self.sharing.run()) if self.sharing else None
@@ -471,13 +452,13 @@ class Sidecar:
 
     def _publish_soon(self) -> None:
         """Publish within ``PUBLISH_COALESCE_S``, together with whatever else arrives."""
-        if self._publish_pending:
+        if self.out.pending:
             return
-        self._publish_pending = True
+        self.out.pending = True
         asyncio.get_running_loop().call_later(PUBLISH_COALESCE_S, self._publish_now)
 
     def _publish_now(self) -> None:
-        self._publish_pending = False
+        self.out.pending = False
         try:
             self._publish()
         except Exception:  # a callback must not die silently
@@ -573,7 +554,7 @@ class Sidecar:
                 self.config_status,
                 pubs,
                 now,
-                self._publish_cache,
+                self.out.cache,
             )
         except writer.Superseded as exc:
             self._retire(exc)
@@ -581,23 +562,22 @@ class Sidecar:
         except Exception:
             self._log_unexpected("publication")
             return
-        problem = self._reasons.write(texts_of(self.config_status, pubs))
+        problem = self.out.reasons.write(texts_of(self.config_status, pubs))
         for w in [*warnings, *([problem] if problem else [])]:
-            if w not in self._warned:  # R-P9: once per sidecar run, not every publication
-                self._warned.add(w)
+            if self.out.first_time(w):  # R-P9: once per sidecar run, not every publication
                 log.warning("%s", w)
         self._send_status()
 
     def _send_status(self) -> None:
         """``STATUS=`` for ``systemctl status``: the limit in force per provider,
         sent when it changes (a no-op outside systemd)."""
-        if not self._ready:
+        if not self.out.ready:
             return
         text = status_line(
             [s.decision for s in self.providers.values()], self.config_status, len(self.legacy)
         )
-        if text != self._status_sent and sdnotify.status(text):
-            self._status_sent = text
+        if text != self.out.status_sent and sdnotify.status(text):
+            self.out.status_sent = text
 
     def _log_decision(self, state: _ProviderState) -> None:
         d = state.decision
@@ -691,28 +671,86 @@ class Sidecar:
         """Log an unexpected exception with its traceback, once per distinct message."""
         exc = sys.exc_info()[1]
         text = f"{where}: {type(exc).__name__}: {exc}"
-        if text not in self._warned:
-            self._warned.add(text)
+        if self.out.first_time(text):
             log.exception("unexpected error in %s; carrying on", where)
 
-    # --- metrics (off by default) ------------------------------------------------------
-    def _start_metrics(self, listen: str) -> None:
-        from sidecar.metrics import serve_metrics
 
-        host, port = parse_listen(listen)
+def _first_config(path: str) -> tuple[GatewayConfig, tuple[int, int, int, int] | None]:
+    """The config at start and its file's stamp; ``StartupError`` if it does not load, or
+    if it asks for share mode without redis-py installed."""
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        raise StartupError(str(exc)) from None
+    stamp = _stamp(path)
+    if config.share is not None:
         try:
-            self._metrics_server = serve_metrics(host, port, self.segment_name, self.metrics)
-        except OSError as exc:
+            import redis  # noqa: F401
+        except ImportError:
             raise StartupError(
-                f"--metrics-listen {listen}: cannot listen: {exc.strerror or exc}"
+                "capacityShare needs redis-py: pip install 'gateway-capacity[share]'"
             ) from None
-        bound_host, bound_port = self._metrics_server.server_address[:2]
-        bound_host = str(bound_host)  # an AF_INET/AF_INET6 address: str already
-        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        log.info("metrics on http://%s:%d/metrics, health on /healthz", shown, bound_port)
-        exposed = metrics_exposure(listen, bound_host)
-        if exposed is not None:
-            log.warning("%s", exposed)
+    return config, stamp
+
+
+def _legacy_drain(options: Options) -> LegacyDrain:
+    """The legacy processes ``--await-legacy`` names (R-G3), their pidfiles trusted as
+    ``sidecar.legacy`` says, with the users ``--owner`` names."""
+    proc_hides = proc_hides_other_users()
+    if proc_hides:
+        log.warning(
+            "%s: processes of other users may be invisible here; one that kill(pid, 0) "
+            "still finds is taken for alive, never for exited",
+            proc_hides,
+        )
+    try:  # --owner (or $GATEWAY_CAPACITY_OWNER): trusted with the segment, and a pidfile
+        named = OwnerPolicy.for_process(options.owner).uids
+    except OwnerError as exc:
+        raise StartupError(str(exc)) from None
+    return LegacyDrain(
+        parse_legacy(
+            options.await_legacy,
+            options.await_legacy_grace_s,
+            proc_hides,
+            forbidden_legacy_pids(options.parent_pid),
+            trusted=[uid for uid in named if uid != os.geteuid()],
+        ),
+        options.await_legacy_max_s,
+    )
+
+
+def _parent_watch(parent_pid: int | None) -> ParentWatch | None:
+    if parent_pid is None:
+        return None
+    try:
+        return ParentWatch(parent_pid)  # pid reuse cannot fool it
+    except ProcessLookupError:
+        raise StartupError(f"--parent-pid {parent_pid}: no such process") from None
+
+
+def _serve_metrics(
+    listen: str | None, segment_name: str, metrics: SidecarMetrics
+) -> ThreadingWSGIServer | None:
+    """The ``--metrics-listen`` server, serving already (metrics are off without it)."""
+    if not listen:
+        return None
+    from sidecar.metrics import serve_metrics
+
+    host, port = parse_listen(listen)
+    try:
+        server = serve_metrics(host, port, segment_name, metrics)
+    except OSError as exc:
+        raise StartupError(
+            f"--metrics-listen {listen}: cannot listen: {exc.strerror or exc}"
+        ) from None
+    bound_host, bound_port = server.server_address[:2]
+    bound_host = str(bound_host)  # an AF_INET/AF_INET6 address: str already
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    log.info("metrics on http://%s:%d/metrics, health on /healthz", shown, bound_port)
+    exposed = metrics_exposure(listen, bound_host)
+    if exposed is not None:
+        log.warning("%s", exposed)
+    return server
 
 
 def status_line(

@@ -240,23 +240,23 @@ def decide(
 
     if isinstance(found, str) and found.startswith(_OPT_IN_REFUSED):
         return static(found, views)  # R-L1: refused at probe time is not opted in, drain or not
-    if legacy_draining:  # R-G3
-        return _drain(rules, found, now, fallback, fallback_source, views)
     if isinstance(found, str):  # R-L5: fallback at once
-        return static(found, views)
-    return LimitDecision(
-        provider_id=rules.provider_id,
-        effective_limit=found.limit,
-        source=DISCOVERED,
-        reason=found.reason,
-        discovered=found.limit,
-        observed_at=found.observed_at,
-        expires_at=found.observed_at + SNAPSHOT_TTL_S,
-        fallback_limit=fallback,
-        fallback_source=fallback_source,
-        replicas=views,
-        missing_models=_absent_models(pairs, rules.upstream_models),
-    )
+        decision = static(found, views)
+    else:
+        decision = LimitDecision(
+            provider_id=rules.provider_id,
+            effective_limit=found.limit,
+            source=DISCOVERED,
+            reason=found.reason,
+            discovered=found.limit,
+            observed_at=found.observed_at,
+            expires_at=found.observed_at + SNAPSHOT_TTL_S,
+            fallback_limit=fallback,
+            fallback_source=fallback_source,
+            replicas=views,
+            missing_models=_absent_models(pairs, rules.upstream_models),
+        )
+    return _drain(decision, now) if legacy_draining else decision  # R-G3
 
 
 def decide_all(
@@ -419,37 +419,24 @@ def _cap(value: int, provider_max: int | None) -> tuple[int, str]:
     return value, ""
 
 
-def _drain(
-    rules: ProviderRules,
-    found: _Found | str,
-    now: float,
-    fallback: int,
-    fallback_source: Source,
-    views: tuple[JudgedReplica, ...],
-) -> LimitDecision:
+def _drain(then: LimitDecision, now: float) -> LimitDecision:
+    """0 while a legacy generation drains, carrying ``then``, the decision that applies
+    once it ends (its discovered value, snapshots and replicas, or its fallback)."""
     reason = "legacy handler generation draining: new admissions wait"
+    if then.source == DISCOVERED:
+        reason += f"; then discovered {then.discovered}"
+    else:
+        reason += f"; then fallback {then.fallback_limit} ({then.reason})"
     # The drain is this sidecar's own assertion, not an observation: it holds for
     # SNAPSHOT_TTL_S from now (the daemon re-asserts it well before that), so it never
     # lapses between refreshes and lapses soon after a sidecar that died mid-drain.
-    expires_at = now + SNAPSHOT_TTL_S
-    if isinstance(found, _Found):
-        discovered: int | None = found.limit
-        observed_at: float | None = found.observed_at
-        reason += f"; then discovered {found.limit}"
-    else:
-        discovered, observed_at = None, None
-        reason += f"; then fallback {fallback} ({found})"
-    return LimitDecision(
-        provider_id=rules.provider_id,
+    return replace(
+        then,
         effective_limit=0,
         source=LEGACY_DRAIN,
         reason=reason,
-        discovered=discovered,
-        observed_at=observed_at,
-        expires_at=expires_at,
-        fallback_limit=fallback,
-        fallback_source=fallback_source,
-        replicas=views,
+        expires_at=now + SNAPSHOT_TTL_S,
+        missing_models=(),
     )
 
 

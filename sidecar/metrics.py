@@ -98,8 +98,7 @@ class SidecarMetrics:
         )
         # share mode only (capacityShare): absent series otherwise
         self._share_calls: Counter | None = None
-        self._share_reachable: Gauge | None = None
-        self._share_refused: Gauge | None = None
+        self._share_gauges: dict[str, Gauge] = {}
         self._known: set[str] = set()
         self._lock = threading.Lock()
         self._last_turn: float | None = None  # monotonic
@@ -170,25 +169,26 @@ class SidecarMetrics:
 
     def share_refused(self) -> None:
         """Redis refused this instance its gateway name: another holds it."""
-        if self._share_refused is None:
-            self._share_refused = Gauge(
-                "share_gateway_refused",
-                "1 when another instance holds this gateway's name in Redis (share mode)",
-                namespace=NAMESPACE,
-                registry=self.registry,
-            )
-        self._share_refused.set(1)
+        self._share_gauge(
+            "share_gateway_refused",
+            "1 when another instance holds this gateway's name in Redis (share mode)",
+        ).set(1)
 
     def share_reachable(self, up: bool) -> None:  # noqa: FBT001 (a setter of one flag)
         """1 while Redis answers this sidecar's lease calls, 0 while it does not."""
-        if self._share_reachable is None:
-            self._share_reachable = Gauge(
-                "share_redis_up",
-                "1 while Redis answers the share-mode lease calls, 0 while it does not",
-                namespace=NAMESPACE,
-                registry=self.registry,
+        self._share_gauge(
+            "share_redis_up",
+            "1 while Redis answers the share-mode lease calls, 0 while it does not",
+        ).set(1 if up else 0)
+
+    def _share_gauge(self, name: str, documentation: str) -> Gauge:
+        """A share mode gauge, registered at its first use: absent outside share mode."""
+        gauge = self._share_gauges.get(name)
+        if gauge is None:
+            gauge = self._share_gauges[name] = Gauge(
+                name, documentation, namespace=NAMESPACE, registry=self.registry
             )
-        self._share_reachable.set(1 if up else 0)
+        return gauge
 
     def turned(self) -> None:
         """The event loop made one turn of housekeeping (for /healthz); refused

@@ -38,7 +38,7 @@ import logging
 import ssl
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Final
+from typing import Final, TypedDict, Unpack
 
 import httpx
 
@@ -293,54 +293,33 @@ async def probe_provider(
     return ProviderProbe(provider.id, tuple(results))
 
 
-def probe_provider_sync(
-    provider: ProviderConfig,
-    *,
-    now_fn: Callable[[], float] = time.time,
-    deadline_s: float = DEADLINE_S,
-    tailscale_socket: str | None = None,
-    ssl_context: ssl.SSLContext | None = None,
-    credentials_directory: str | None = None,
-) -> ProviderProbe:
+class ProbeOptions(TypedDict, total=False):
+    """:func:`probe_provider`'s keywords but ``clients``, which the functions below pass
+    on to it (mypy checks them against its signature)."""
+
+    now_fn: Callable[[], float]
+    deadline_s: float
+    tailscale_socket: str | None
+    ssl_context: ssl.SSLContext | None
+    credentials_directory: str | None
+
+
+def probe_provider_sync(provider: ProviderConfig, **options: Unpack[ProbeOptions]) -> ProviderProbe:
     """:func:`probe_provider` from synchronous code (tests, scripts; ``verify`` uses
     :func:`probe_providers`)."""
-    return asyncio.run(
-        probe_provider(
-            provider,
-            now_fn=now_fn,
-            deadline_s=deadline_s,
-            tailscale_socket=tailscale_socket,
-            ssl_context=ssl_context,
-            credentials_directory=credentials_directory,
-        )
-    )
+    return asyncio.run(probe_provider(provider, **options))
 
 
 async def probe_providers(
-    providers: Iterable[ProviderConfig],
-    *,
-    now_fn: Callable[[], float] = time.time,
-    deadline_s: float = DEADLINE_S,
-    tailscale_socket: str | None = None,
-    ssl_context: ssl.SSLContext | None = None,
-    credentials_directory: str | None = None,
+    providers: Iterable[ProviderConfig], **options: Unpack[ProbeOptions]
 ) -> Mapping[str, ProviderProbe]:
-    """Probe several providers concurrently and independently (R-P8), by provider id."""
+    """Probe several providers concurrently and independently (R-P8), by provider id,
+    over one :class:`ProbeClients` (built with ``ssl_context``)."""
     todo = list(providers)
-    clients = ProbeClients(ssl_context)
+    clients = ProbeClients(options.pop("ssl_context", None))
     try:
         probes = await asyncio.gather(
-            *(
-                probe_provider(
-                    p,
-                    now_fn=now_fn,
-                    deadline_s=deadline_s,
-                    tailscale_socket=tailscale_socket,
-                    credentials_directory=credentials_directory,
-                    clients=clients,
-                )
-                for p in todo
-            )
+            *(probe_provider(p, **options, clients=clients) for p in todo)
         )
     finally:
         await clients.aclose()
