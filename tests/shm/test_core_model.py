@@ -108,6 +108,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.running: list[Any] = []  # tickets whose bodies run: (member, ticket, model)
         self.issued: list[Any] = []  # every ticket that got a record: (member, ticket, model)
         self.replacement: Segment | None = None  # what the name leads to after a replace
+        self.claimed: int | None = None  # the row a registration under way has taken
 
     @initialize()
     def setup(self) -> None:
@@ -121,8 +122,9 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.model = ledger.Ledger(self.model_buf, self._model_held)
 
     def _model_held(self, m: int) -> bool:
-        """The kernel's word: some live process holds member row m's lock byte."""
-        return any(x.alive and x.index == m for x in self.members)
+        """The kernel's word: some live process holds member row m's lock byte (one that
+        registers holds it from the moment it takes the row, inside the section)."""
+        return m == self.claimed or any(x.alive and x.index == m for x in self.members)
 
     def teardown(self) -> None:
         for m in self.members:
@@ -518,9 +520,17 @@ class CoreAgainstModel(RuleBasedStateMachine):
         taken = {m.index for m in self.members if m.alive}
         pid = 200 + len(self.members)
         minor = layout.MINOR - 1 if older else layout.MINOR
+
+        def taken_or_claimed(m: int) -> bool:
+            if m in taken:
+                return True
+            self.claimed = m  # the model claims row m now: its lock byte is the new one's
+            return False
+
         m_index, serial, _ = self.model.register(
-            pid, float(pid), b"gen", self.now, lambda m: m in taken, minor=minor
+            pid, float(pid), b"gen", self.now, taken_or_claimed, minor=minor
         )
+        self.claimed = None
         member = Member(self.seg, pid, self.now, minor)
         assert (member.index, member.serial) == (m_index, serial)
         self.members.append(member)
