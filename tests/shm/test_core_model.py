@@ -104,7 +104,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.damaged: set[int] = set()  # providers written over since a step looked at them
         self.uncounted: set[int] = set()  # providers with a record's state written, unswept
         self.overwritten: set[tuple[int, int, int]] = set()  # (p, h, serial) written over
-        self.revived: dict[int, int] = {}  # provider -> free records a lie brought to life
+        self.revived: dict[int, int] = {}  # provider -> waiters a lie made (not arrivals)
         self.running: list[Any] = []  # tickets whose bodies run: (member, ticket, model)
         self.issued: list[Any] = []  # every ticket that got a record: (member, ticket, model)
         self.replacement: Segment | None = None  # what the name leads to after a replace
@@ -353,7 +353,8 @@ class CoreAgainstModel(RuleBasedStateMachine):
                 (model_ticket.provider, model_ticket.holder, model_ticket.serial)
                 in self.overwritten
             )
-            self.damaged.discard(model_ticket.provider)
+            if model_was != "stale":
+                self.damaged.discard(model_ticket.provider)  # the leave looked at its counters
 
     @precondition(lambda self: self.replacement is None and any(m.alive for m in self.members))
     @rule()
@@ -466,11 +467,14 @@ class CoreAgainstModel(RuleBasedStateMachine):
         it, so the next recount frees it and counts it as damage. state := FREE or the
         other live state is a lie (out of scope): believed as written."""
         hb = rows.holder_base(provider, h)
-        if HOLDER["state"].get(self.model_buf, hb) not in (HOLDER_RUNNING, HOLDER_WAITING):
+        was = HOLDER["state"].get(self.model_buf, hb)
+        if was not in (HOLDER_RUNNING, HOLDER_WAITING):
             return
         for buf in (self.seg.buf, self.model_buf):
             HOLDER["state"].put(buf, state, hb)
         self.uncounted.add(provider)  # until the sweep has recounted
+        if (was, state) == (HOLDER_RUNNING, HOLDER_WAITING):  # a waiter the bound never saw
+            self.revived[provider] = self.revived.get(provider, 0) + 1
         self.overwritten.add((provider, h, HOLDER["serial"].get(self.model_buf, hb)))
 
     @rule(
