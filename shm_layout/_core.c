@@ -870,45 +870,6 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache);
 static void free_member_row(Core *c, int m, Rings *rings);
 static int count_older_members(Core *c);
 
-/* The arrival section (ledger.Ledger.arrive). */
-static int arrive_classed(Core *c, Ticket *tk, int p, int k, unsigned int pid, Now now, int may_wait,
-                          int futex, Rings *rings);
-
-static void claim_record(Core *c, Ticket *tk, int p, int h, int k, unsigned int pid, Now now, int futex,
-                         int decision)
-{
-    long b = pbase(c, p);
-    long hb = hbase(c, p, h);
-    uint64_t serial = ld64(c, hb + HOLDER_SERIAL) + 1;
-    uint64_t ticket = 0;
-    if (decision == R_WAIT) {
-        ticket = ld64(c, b + PROVIDER_NEXT_TICKET);
-        if (ticket != UINT64_MAX) /* written to the top: it stays there, never wraps */
-            ticket++;
-        st64(c, b + PROVIDER_NEXT_TICKET, ticket);
-    }
-    st64(c, hb + HOLDER_SERIAL, serial);
-    st32(c, hb + HOLDER_MEMBER, (uint32_t)c->member);
-    st32(c, hb + HOLDER_PID, pid);
-    st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
-    st64(c, hb + HOLDER_TICKET, ticket);
-    std_(c, hb + HOLDER_SINCE, now.wall);
-    std_(c, hb + HOLDER_SINCE_MONO, now.mono);
-    st32(c, hb + HOLDER_WAKER, futex ? WAKE_FUTEX : WAKE_DOORBELL);
-    st8(c, hb + HOLDER_CLS, stored_class(c, p, tk->cls));
-    (void)k;
-    st8(c, hb + HOLDER_DISPLACED, 0);
-    /* the ticket is ours before the lock is let go: an exception that lands after
-     * this call returns still finds it (R-A12) */
-    tk->provider = p;
-    tk->holder = h;
-    tk->serial = serial;
-    tk->fork_gen = c->fork_gen;
-    tk->futex = futex;
-    tk->live = 1;
-    tk->running = decision == R_ADMIT;
-}
-
 /* The first free record; one that holds a displacement note (its owner may not have read
  * it yet) only when no other is free (ledger.Ledger._free_place). */
 static int first_free(Core *c, int p)
@@ -924,67 +885,6 @@ static int first_free(Core *c, int p)
         }
     }
     return noted;
-}
-
-static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, int may_wait, int futex,
-                         Rings *rings)
-{
-    if (c->member < 0 || c->closing)
-        return R_CLOSED; /* unregistered or closing meanwhile: nothing may run (R-A14) */
-    int k = resolve_class(c, p, tk->cls);
-    if (classes_in_force(c, p))
-        return arrive_classed(c, tk, p, k, pid, now, may_wait, futex, rings);
-    long b = pbase(c, p);
-    int decision = R_FULL;
-    for (int attempt = 0; attempt < 2; attempt++) {
-        if (counters_damaged(c, b) && recount_provider(c, p))
-            note_damage(c, "provider counters were written over");
-        uint32_t running = ld32(c, b + PROVIDER_RUNNING);
-        uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
-        uint32_t bound = (uint32_t)QUEUE_BOUND;
-        uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
-        if (waiting == 0 && running < limit)
-            decision = R_ADMIT;
-        else if (waiting >= bound)
-            decision = R_FULL;
-        else
-            decision = R_WAIT;
-        int h = -1;
-        if (decision != R_FULL) {
-            h = first_free(c, p);
-            if (h < 0)
-                decision = R_FULL;
-        }
-        if (decision == R_FULL && attempt == 0) {
-            /* Before refusing: are the counters true? (Dead places are the sweep's.) */
-            if (recount_provider(c, p))
-                note_damage(c, "provider counters disagreed with the records");
-            continue;
-        }
-        if (decision == R_FULL) {
-            inc64(c, b + PROVIDER_REJECTED_TOTAL);
-            break;
-        }
-        if (decision == R_WAIT && !may_wait) {
-            decision = R_WAIT_REFUSED;
-            break;
-        }
-        claim_record(c, tk, p, h, k, pid, now, futex, decision);
-        long hb = hbase(c, p, h);
-        if (decision == R_ADMIT) {
-            st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
-            put_counts(c, b, running + 1, waiting);
-            note_peak(c, b, PROVIDER_PEAK_RUNNING, running + 1);
-            inc64(c, b + PROVIDER_ADMITTED_TOTAL);
-        } else {
-            st32(c, hb + HOLDER_STATE, WAITING);
-            put_counts(c, b, running, waiting + 1);
-            note_peak(c, b, PROVIDER_PEAK_WAITING, waiting + 1);
-        }
-        break;
-    }
-    (void)rings;
-    return decision;
 }
 
 /* The newest waiter of the lowest rank below class k (ledger.Ledger._displaceable), -1
@@ -1009,40 +909,111 @@ static int displaceable(Core *c, int p, int k, const Rules *r, double now)
     return best;
 }
 
-/* An arrival of class k with classes in force (ledger.Ledger._arrive_classed): pump first
- * (a waiter may have been promoted meanwhile), run at once when the class may, else
- * queue, displacing the newest waiter of the lowest rank below k from a full queue. */
-static int arrive_classed(Core *c, Ticket *tk, int p, int k, unsigned int pid, Now now, int may_wait,
-                          int futex, Rings *rings)
+/* FIFO admission (ledger.decide_arrival): nobody overtakes a waiter (R-A3), the queue is
+ * bounded (R-A2). */
+static int decide_arrival(uint32_t running, uint32_t waiting, uint32_t limit, uint32_t bound)
 {
+    if (waiting == 0 && running < limit)
+        return R_ADMIT;
+    return waiting >= bound ? R_FULL : R_WAIT;
+}
+
+/* An arrival of class k with classes in force (ledger.Ledger._decide_classed): the
+ * decision, and in *victim the waiter it displaces from a full queue (-1 none). */
+static int decide_classed(Core *c, int p, int k, const Rules *r, uint32_t running, uint32_t waiting,
+                          uint32_t limit, double now, int *victim)
+{
+    uint32_t run[CLASS_COUNT];
+    class_running(c, p, run);
+    if (may_run(r, k, 0, running, run, limit))
+        return R_ADMIT;
+    if (waiting < (uint32_t)QUEUE_BOUND)
+        return R_WAIT;
+    *victim = displaceable(c, p, k, r, now);
+    return *victim < 0 ? R_FULL : R_WAIT;
+}
+
+/* Write free record h for an arrival, admitted or queued with the next ticket, and count
+ * it (ledger.Ledger._claim_record); the ticket is made ours. */
+static void claim_record(Core *c, Ticket *tk, int p, int h, unsigned int pid, Now now, int futex, int decision,
+                         uint32_t running, uint32_t waiting)
+{
+    long b = pbase(c, p);
+    long hb = hbase(c, p, h);
+    uint64_t serial = ld64(c, hb + HOLDER_SERIAL) + 1;
+    uint64_t ticket = 0;
+    if (decision == R_WAIT) {
+        ticket = ld64(c, b + PROVIDER_NEXT_TICKET);
+        if (ticket != UINT64_MAX) /* written to the top: it stays there, never wraps */
+            ticket++;
+        st64(c, b + PROVIDER_NEXT_TICKET, ticket);
+    }
+    st64(c, hb + HOLDER_SERIAL, serial);
+    st32(c, hb + HOLDER_MEMBER, (uint32_t)c->member);
+    st32(c, hb + HOLDER_PID, pid);
+    st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
+    st64(c, hb + HOLDER_TICKET, ticket);
+    std_(c, hb + HOLDER_SINCE, now.wall);
+    std_(c, hb + HOLDER_SINCE_MONO, now.mono);
+    st32(c, hb + HOLDER_WAKER, futex ? WAKE_FUTEX : WAKE_DOORBELL);
+    st8(c, hb + HOLDER_CLS, stored_class(c, p, tk->cls));
+    st8(c, hb + HOLDER_DISPLACED, 0);
+    /* the ticket is ours before the lock is let go: an exception that lands after
+     * this call returns still finds it (R-A12) */
+    tk->provider = p;
+    tk->holder = h;
+    tk->serial = serial;
+    tk->fork_gen = c->fork_gen;
+    tk->futex = futex;
+    tk->live = 1;
+    tk->running = decision == R_ADMIT;
+    if (decision == R_ADMIT) {
+        st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
+        put_counts(c, b, running + 1, waiting);
+        note_peak(c, b, PROVIDER_PEAK_RUNNING, running + 1);
+        inc64(c, b + PROVIDER_ADMITTED_TOTAL);
+    } else {
+        st32(c, hb + HOLDER_STATE, WAITING);
+        put_counts(c, b, running, waiting + 1);
+        note_peak(c, b, PROVIDER_PEAK_WAITING, waiting + 1);
+    }
+}
+
+/* The arrival section (ledger.Ledger.arrive): FIFO without classes in force; with them
+ * (class k), a pump first (a waiter may have been promoted meanwhile), then the class
+ * runs at once when it may, else queues, displacing the newest waiter of the lowest rank
+ * below k from a full queue. */
+static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, int may_wait, int futex,
+                         Rings *rings)
+{
+    if (c->member < 0 || c->closing)
+        return R_CLOSED; /* unregistered or closing meanwhile: nothing may run (R-A14) */
+    int k = resolve_class(c, p, tk->cls);
+    int count = classes_in_force(c, p);
     long b = pbase(c, p);
     if (counters_damaged(c, b) && recount_provider(c, p))
         note_damage(c, "provider counters were written over");
-    pump(c, p, now, rings, NULL);
     Rules r;
-    class_rules(c, p, classes_in_force(c, p), &r);
+    if (count)
+        pump(c, p, now, rings, NULL);
+    class_rules(c, p, count, &r);
     int decision = R_FULL;
     for (int attempt = 0; attempt < 2; attempt++) {
         uint32_t running = ld32(c, b + PROVIDER_RUNNING);
         uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
-        uint32_t run[CLASS_COUNT];
-        class_running(c, p, run);
         uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
         int victim = -1;
-        decision = R_WAIT;
-        if (may_run(&r, k, 0, running, run, limit))
-            decision = R_ADMIT;
-        else if (waiting >= (uint32_t)QUEUE_BOUND) {
-            victim = displaceable(c, p, k, &r, now.mono);
-            if (victim < 0)
-                decision = R_FULL;
-        }
+        if (count)
+            decision = decide_classed(c, p, k, &r, running, waiting, limit, now.mono, &victim);
+        else
+            decision = decide_arrival(running, waiting, limit, (uint32_t)QUEUE_BOUND);
         int h = decision != R_FULL ? first_free(c, p) : -1;
-        if (h < 0 && victim >= 0)
+        if (h < 0)
             h = victim;
         if (h < 0)
             decision = R_FULL;
         if (decision == R_FULL && attempt == 0) {
+            /* Before refusing: are the counters true? (Dead places are the sweep's.) */
             if (recount_provider(c, p))
                 note_damage(c, "provider counters disagreed with the records");
             continue;
@@ -1065,19 +1036,9 @@ static int arrive_classed(Core *c, Ticket *tk, int p, int k, unsigned int pid, N
             inc64(c, b + PROVIDER_REJECTED_TOTAL);
             ring_record(c, rings, vb);
         }
-        claim_record(c, tk, p, h, k, pid, now, futex, decision);
-        long hb = hbase(c, p, h);
-        if (decision == R_ADMIT) {
-            st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
-            put_counts(c, b, running + 1, waiting);
-            note_peak(c, b, PROVIDER_PEAK_RUNNING, running + 1);
-            inc64(c, b + PROVIDER_ADMITTED_TOTAL);
+        claim_record(c, tk, p, h, pid, now, futex, decision, running, waiting);
+        if (decision == R_ADMIT && count)
             bump_class(c, p, k);
-        } else {
-            st32(c, hb + HOLDER_STATE, WAITING);
-            put_counts(c, b, running, waiting + 1);
-            note_peak(c, b, PROVIDER_PEAK_WAITING, waiting + 1);
-        }
         break;
     }
     return decision;
