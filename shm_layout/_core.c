@@ -1137,6 +1137,23 @@ static int best_waiter(Core *c, int p, uint32_t running, const uint32_t *run, ui
     return best;
 }
 
+/* Grant the waiting record at hb (ledger.Ledger._grant): RUNNING from now, its owner
+ * woken after the section; a dead one is reclaimed instead, never granted. 1: granted. */
+static int grant(Core *c, long b, long hb, Now now, Rings *rings, AliveCache *cache)
+{
+    if (!holder_alive(c, hb, cache)) {
+        free_record(c, hb);
+        inc64(c, b + PROVIDER_RECLAIMED_TOTAL);
+        return 0;
+    }
+    std_(c, hb + HOLDER_SINCE, now.wall);
+    std_(c, hb + HOLDER_SINCE_MONO, now.mono);
+    st32(c, hb + HOLDER_STATE, RUNNING);
+    ring_record(c, rings, hb);
+    inc64(c, b + PROVIDER_ADMITTED_TOTAL);
+    return 1;
+}
+
 /* Grant, while some waiter may run, the one of the highest rank, oldest first
  * (ledger.Ledger._pump_classed); a dead one is reclaimed, never granted. */
 static void pump_classed(Core *c, int p, uint32_t running, uint32_t waiting, uint32_t limit, Now now,
@@ -1160,20 +1177,11 @@ static void pump_classed(Core *c, int p, uint32_t running, uint32_t waiting, uin
             waiting = ld32(c, b + PROVIDER_WAITING);
             continue;
         }
-        long hb = hbase(c, p, h);
         waiting--;
-        if (!holder_alive(c, hb, cache)) {
-            free_record(c, hb);
-            inc64(c, b + PROVIDER_RECLAIMED_TOTAL);
+        if (!grant(c, b, hbase(c, p, h), now, rings, cache))
             continue;
-        }
-        std_(c, hb + HOLDER_SINCE, now.wall);
-        std_(c, hb + HOLDER_SINCE_MONO, now.mono);
-        st32(c, hb + HOLDER_STATE, RUNNING);
         running++;
         run[k]++;
-        ring_record(c, rings, hb);
-        inc64(c, b + PROVIDER_ADMITTED_TOTAL);
         bump_class(c, p, k);
         if (promoted_only)
             inc64(c, b + PROVIDER_PROMOTED_TOTAL);
@@ -1210,19 +1218,9 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
             waiting = ld32(c, b + PROVIDER_WAITING);
             continue;
         }
-        long hb = hbase(c, p, h);
         waiting--;
-        if (!holder_alive(c, hb, cache)) {
-            free_record(c, hb);
-            inc64(c, b + PROVIDER_RECLAIMED_TOTAL);
-            continue;
-        }
-        std_(c, hb + HOLDER_SINCE, now.wall);
-        std_(c, hb + HOLDER_SINCE_MONO, now.mono);
-        st32(c, hb + HOLDER_STATE, RUNNING);
-        running++;
-        ring_record(c, rings, hb);
-        inc64(c, b + PROVIDER_ADMITTED_TOTAL);
+        if (grant(c, b, hbase(c, p, h), now, rings, cache))
+            running++;
     }
     put_counts(c, b, running, waiting);
     note_peak(c, b, PROVIDER_PEAK_RUNNING, running);

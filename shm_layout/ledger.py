@@ -460,18 +460,9 @@ class Ledger:
                 self.recount_provider(p)
                 running, waiting = self._get("running", base), self._get("waiting", base)
                 continue
-            hb = holder_base(p, h)
             waiting -= 1
-            if not self._holder_alive(hb):
-                self._free_record(hb)
-                self._bump("reclaimed_total", base)
-                continue
-            HOLDER["since"].put(buf, now, hb)
-            HOLDER["since_mono"].put(buf, now, hb)
-            HOLDER["state"].put(buf, HOLDER_RUNNING, hb)
-            running += 1
-            rings.add(HOLDER["member"].get(buf, hb))
-            self._bump("admitted_total", base)
+            if self._grant(base, holder_base(p, h), now, rings):
+                running += 1
         self._put_counts(base, running, waiting)
         self._peak("peak_running", base, running)
         return rings
@@ -492,25 +483,31 @@ class Ledger:
                 self.recount_provider(p)
                 running, waiting = self._get("running", base), self._get("waiting", base)
                 continue
-            hb = holder_base(p, h)
             waiting -= 1
-            if not self._holder_alive(hb):
-                self._free_record(hb)
-                self._bump("reclaimed_total", base)
+            if not self._grant(base, holder_base(p, h), now, rings):
                 continue
-            HOLDER["since"].put(buf, now, hb)
-            HOLDER["since_mono"].put(buf, now, hb)
-            HOLDER["state"].put(buf, HOLDER_RUNNING, hb)
             running += 1
             run[k] += 1
-            rings.add(HOLDER["member"].get(buf, hb))
-            self._bump("admitted_total", base)
             self._bump_class(p, k)
             if promoted_only:
                 self._bump("promoted_total", base)
         self._put_counts(base, running, waiting)
         self._peak("peak_running", base, running)
         return rings
+
+    def _grant(self, base: int, hb: int, now: float, rings: set[int]) -> bool:
+        """Grant the waiting record at ``hb``: RUNNING from now, its owner rung; a dead one
+        is reclaimed instead, never granted. True: granted."""
+        if not self._holder_alive(hb):
+            self._free_record(hb)
+            self._bump("reclaimed_total", base)
+            return False
+        HOLDER["since"].put(self.buf, now, hb)
+        HOLDER["since_mono"].put(self.buf, now, hb)
+        HOLDER["state"].put(self.buf, HOLDER_RUNNING, hb)
+        rings.add(HOLDER["member"].get(self.buf, hb))
+        self._bump("admitted_total", base)
+        return True
 
     def _best_waiter(
         self, p: int, running: int, run: list[int], limit: int, rules: list[ClassRule], now: float
