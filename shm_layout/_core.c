@@ -1078,6 +1078,27 @@ static int leave_locked(Core *c, Ticket *tk, int outcome, Now now, Rings *rings)
     return was;
 }
 
+/* Free provider p's records of registration (m, serial) that wait, and those that run
+ * too when running_too (ledger.Ledger._free_own_records); how many. *running_freed, when
+ * given, counts the running ones among them. */
+static uint32_t free_own_records(Core *c, int p, int m, uint64_t serial, int running_too,
+                                 uint32_t *running_freed)
+{
+    uint32_t freed = 0;
+    for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
+        long hb = hbase(c, p, h);
+        uint32_t s = ld32(c, hb + HOLDER_STATE);
+        if ((s == WAITING || (s == RUNNING && running_too)) && ldi32(c, hb + HOLDER_MEMBER) == m &&
+            ld64(c, hb + HOLDER_MEMBER_SERIAL) == serial) {
+            if (s == RUNNING && running_freed)
+                (*running_freed)++;
+            free_record(c, hb);
+            freed++;
+        }
+    }
+    return freed;
+}
+
 /* Free this registration's WAITING records, as cancellations (ledger.cancel_waiting):
  * what close() does first, so that nothing of ours can be granted any more (R-A14). */
 static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
@@ -1087,17 +1108,7 @@ static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
         long b = pbase(c, p);
         if (!ld32(c, b + PROVIDER_IN_USE))
             continue;
-        uint32_t here = 0;
-        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
-            long hb = hbase(c, p, h);
-            if (ldi32(c, hb + HOLDER_MEMBER) != c->member ||
-                ld64(c, hb + HOLDER_MEMBER_SERIAL) != c->member_serial)
-                continue;
-            if (ld32(c, hb + HOLDER_STATE) == WAITING) {
-                free_record(c, hb);
-                here++;
-            }
-        }
+        uint32_t here = free_own_records(c, p, c->member, c->member_serial, 0, NULL);
         if (here) {
             freed += here;
             st64(c, b + PROVIDER_CANCELLED_TOTAL, ld64(c, b + PROVIDER_CANCELLED_TOTAL) + here);
@@ -1360,19 +1371,7 @@ static void drop_member_records(Core *c, int m, uint64_t serial, Now now, Rings 
         long b = pbase(c, p);
         if (!ld32(c, b + PROVIDER_IN_USE))
             continue;
-        int freed = 0;
-        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
-            long hb = hbase(c, p, h);
-            uint32_t s = ld32(c, hb + HOLDER_STATE);
-            if ((s == RUNNING || s == WAITING) && ldi32(c, hb + HOLDER_MEMBER) == m &&
-                ld64(c, hb + HOLDER_MEMBER_SERIAL) == serial) {
-                if (s == RUNNING && running_freed)
-                    (*running_freed)++;
-                free_record(c, hb);
-                freed++;
-            }
-        }
-        if (freed) {
+        if (free_own_records(c, p, m, serial, 1, running_freed)) {
             recount_provider(c, p);
             pump(c, p, now, rings, NULL);
         }

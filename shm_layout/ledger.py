@@ -420,17 +420,7 @@ class Ledger:
         """close() began: free this registration's WAITING records (R-A14)."""
         freed, rings = 0, set[int]()
         for p in self._providers():
-            here = 0
-            for h in range(HOLDERS_PER_PROVIDER):
-                hb = holder_base(p, h)
-                if (
-                    HOLDER["member"].get(self.buf, hb) != member
-                    or HOLDER["member_serial"].get(self.buf, hb) != member_serial
-                ):
-                    continue
-                if HOLDER["state"].get(self.buf, hb) == HOLDER_WAITING:
-                    self._free_record(hb)
-                    here += 1
+            here = self._free_own_records(p, member, member_serial, (HOLDER_WAITING,))
             if here:
                 freed += here
                 self._bump("cancelled_total", provider_base(p), here)
@@ -660,20 +650,25 @@ class Ledger:
         """Free the live records of registration (m, serial); recount and grant."""
         rings: set[int] = set()
         for p in self._providers():
-            freed = False
-            for h in range(HOLDERS_PER_PROVIDER):
-                hb = holder_base(p, h)
-                if (
-                    HOLDER["state"].get(self.buf, hb) in (HOLDER_RUNNING, HOLDER_WAITING)
-                    and HOLDER["member"].get(self.buf, hb) == m
-                    and HOLDER["member_serial"].get(self.buf, hb) == serial
-                ):
-                    self._free_record(hb)
-                    freed = True
-            if freed:
+            if self._free_own_records(p, m, serial, (HOLDER_RUNNING, HOLDER_WAITING)):
                 self.recount_provider(p)
                 rings |= self.pump(p, now)
         return rings
+
+    def _free_own_records(self, p: int, m: int, serial: int, states: tuple[int, ...]) -> int:
+        """Free provider ``p``'s records of registration (m, serial) that are in one of
+        ``states``; how many."""
+        freed = 0
+        for h in range(HOLDERS_PER_PROVIDER):
+            hb = holder_base(p, h)
+            if (
+                HOLDER["state"].get(self.buf, hb) in states
+                and HOLDER["member"].get(self.buf, hb) == m
+                and HOLDER["member_serial"].get(self.buf, hb) == serial
+            ):
+                self._free_record(hb)
+                freed += 1
+        return freed
 
     def register(
         self,
