@@ -242,12 +242,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
                 PROVIDER["published_limit"].codec.pack(limit),
             ),
         ]
-        assert self.seg.core.transact([], writes, True, self.now)
-        for off, data in writes:
-            self.model_buf[off : off + len(data)] = data
-        self.model.pump_all(self.now)
-        self.unpumped = False
-        self.damaged.clear()
+        self._publish(writes)
 
     @rule(
         provider=st.sampled_from(range(len(PROVIDERS))),
@@ -267,6 +262,11 @@ class CoreAgainstModel(RuleBasedStateMachine):
             [(f"c{k}", reserve, cap, wait) for k, (reserve, cap, wait) in enumerate(classes)],
             default,
         )
+        self._publish(writes)
+
+    def _publish(self, writes: list[tuple[int, bytes]]) -> None:
+        """What the writer's publication does: the writes and a pump of every provider, in
+        one section of the core; the same writes and pump on the model."""
         assert self.seg.core.transact([], writes, True, self.now)
         for off, data in writes:
             self.model_buf[off : off + len(data)] = data
