@@ -29,8 +29,12 @@ setup(
         Extension(
             "shm_layout._core",
             sources=["shm_layout/_core.c"],
-            # generated from layout.py by `python -m shm_layout.gen_header`, committed
-            depends=["shm_layout/_layout.h"],
+            # what _core.c includes of ours: a change to either rebuilds it, and both go
+            # into the sdist
+            depends=[
+                "shm_layout/_layout.h",  # generated from layout.py: python -m shm_layout.gen_header
+                "shm_layout/_guard.h",  # the SIGBUS guard, _core.c section 1b
+            ],
             extra_compile_args=[
                 "-O2",
                 "-Wall",

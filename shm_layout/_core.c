@@ -17,7 +17,7 @@
  *
  * Sections of this file, each owning one thing:
  *   1. targets and liveness   the per-process table of lock files/objects, byte locks
- *   1b. guarded mappings      a segment truncated under us: the SIGBUS guard
+ *   1b. guarded mappings      a segment truncated under us: the SIGBUS guard, in _guard.h
  *   2. the Core object        what one attachment knows; typed access to the mapping
  *   3. clocks                 the deadline clock (monotonic, counts suspend) and wall
  *   4. locked steps           every step run under the lock (arrive .. ensure_provider,
@@ -43,6 +43,7 @@
 #endif
 #include <Python.h>
 #include "_layout.h"
+#include "_guard.h" /* section 1b */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -285,154 +286,6 @@ static int byte_held(int fd, int kind, off_t at)
     }
 }
 
-/* ===== 1b. guarded mappings: a segment truncated under us ===========================
- * Whoever may write the segment may also shrink it (ftruncate, `truncate -s 0`): a
- * member of its group in group-shared mode, root's own tooling. Every access past the
- * new end is then a SIGBUS, which left to itself kills the process. The way
- * libwayland-server's wl_shm survives a client that shrinks its pool: a SIGBUS handler
- * that, when the faulting address lies in a mapping registered here, maps anonymous zero
- * pages over that mapping from the faulting page to its end (mmap MAP_FIXED|MAP_PRIVATE|
- * MAP_ANONYMOUS: one system call, the address stays valid), marks the mapping damaged
- * and returns, so the access is retried and reads zeros. The pages before it are left
- * to the object: what is still there (the header, with the lock word, after a shrink to
- * a page) stays shared, so a lock this process holds is still let go where the others
- * look for it; a later fault below mends from there on. Any other SIGBUS (an address of
- * no registered mapping, or a kill()) goes to the disposition that was there before
- * ours, as the kernel would have given it (bus_chain), and ours stays installed: the
- * guard is armed for the life of the mapping, whatever came first. SIG_DFL still kills,
- * SIG_IGN discards a sent signal, a handler is called (docs/DESIGN.md says which). Every
- * mapping of a segment is made by segment.py's ``_Mapping``, which registers it here
- * when it is mapped and unregisters it when it is unmapped; the core reads the damaged
- * flag of the mapping it was given (``lost``). */
-#define MAX_GUARDS 256
-typedef struct {
-    uintptr_t start; /* 0: a free slot */
-    size_t len;
-    int prot;
-    int damaged;     /* set by the handler (async-signal-safe: an atomic store) */
-} Guard;
-
-static Guard guards[MAX_GUARDS];
-static pthread_mutex_t guards_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct sigaction bus_previous;
-static int bus_previous_reset; /* the previous handler was SA_RESETHAND and has run once */
-static int bus_installed;
-static uintptr_t bus_page = 4096; /* the page size, read before the handler is installed */
-
-/* A SIGBUS that is not ours, given to the disposition that was there before ours as the
- * kernel would have given it, while this handler stays installed. */
-static void bus_chain(int sig, siginfo_t *info, void *ctx)
-{
-    int sent = info == NULL || info->si_code <= 0; /* kill(), sigqueue(), raise() */
-    struct sigaction prev = bus_previous;
-    if (__atomic_load_n(&bus_previous_reset, __ATOMIC_ACQUIRE)) {
-        prev.sa_handler = SIG_DFL;
-        prev.sa_flags = 0;
-    }
-    if (prev.sa_handler == SIG_IGN && sent)
-        return; /* an ignored signal is discarded */
-    if (prev.sa_handler == SIG_DFL || prev.sa_handler == SIG_IGN) {
-        /* SIG_DFL: the process dies of it (with a core), as without us. SIG_IGN and a
-         * fault: the kernel would not ignore it either (force_sig_fault resets an ignored
-         * synchronous signal to SIG_DFL), so it dies. Uninstalling costs nothing here. */
-        struct sigaction dfl;
-        memset(&dfl, 0, sizeof dfl);
-        dfl.sa_handler = SIG_DFL;
-        sigemptyset(&dfl.sa_mask);
-        sigaction(SIGBUS, &dfl, NULL);
-        if (sent)
-            raise(SIGBUS); /* delivered once this handler returns (SIGBUS is blocked here) */
-        return;            /* a fault: returning retries it, under SIG_DFL */
-    }
-    /* a handler: call it as the kernel would (its sa_mask added, SIGBUS blocked unless
-     * SA_NODEFER, one call only with SA_RESETHAND) and keep ours installed */
-    sigset_t mask, old;
-    memcpy(&mask, &prev.sa_mask, sizeof mask);
-    if (prev.sa_flags & SA_RESETHAND)
-        __atomic_store_n(&bus_previous_reset, 1, __ATOMIC_RELEASE);
-    int saved = errno;
-    pthread_sigmask(SIG_BLOCK, &mask, &old);
-    if (prev.sa_flags & SA_NODEFER) {
-        sigemptyset(&mask);
-        sigaddset(&mask, SIGBUS);
-        pthread_sigmask(SIG_UNBLOCK, &mask, NULL);
-    }
-    errno = saved;
-    if (prev.sa_flags & SA_SIGINFO)
-        prev.sa_sigaction(sig, info, ctx);
-    else
-        prev.sa_handler(sig);
-    saved = errno;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    errno = saved;
-}
-
-static void on_sigbus(int sig, siginfo_t *info, void *ctx)
-{
-    if (info != NULL && info->si_code > 0) { /* a fault (si_code <= 0: sent by a process) */
-        uintptr_t at = (uintptr_t)info->si_addr;
-        int mended = 0, failed = 0;
-        /* every registration that holds the address is told (two may, for a moment, while
-         * one mapping is unregistered after a new one took its addresses) */
-        for (int i = 0; i < MAX_GUARDS; i++) {
-            uintptr_t start = __atomic_load_n(&guards[i].start, __ATOMIC_ACQUIRE);
-            size_t len = __atomic_load_n(&guards[i].len, __ATOMIC_ACQUIRE);
-            if (start == 0 || at < start || at - start >= len)
-                continue;
-            uintptr_t from = at - (at - start) % bus_page;
-            int saved = errno;
-            void *p = mmap((void *)from, len - (from - start), guards[i].prot,
-                           MAP_FIXED | MAP_PRIVATE | MAP_ANON, -1, 0);
-            errno = saved;
-            if (p == MAP_FAILED) {
-                failed = 1;
-                continue;
-            }
-            __atomic_store_n(&guards[i].damaged, 1, __ATOMIC_RELEASE);
-            mended = 1;
-        }
-        if (mended && !failed)
-            return; /* the access is retried, on zero pages */
-    }
-    bus_chain(sig, info, ctx);
-}
-
-static int install_bus_handler(void)
-{
-    if (bus_installed)
-        return 0;
-    long page = sysconf(_SC_PAGESIZE);
-    if (page > 0)
-        bus_page = (uintptr_t)page;
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_sigaction = on_sigbus;
-    /* SA_ONSTACK: a previous handler that wanted the alternate stack still runs there */
-    sa.sa_flags = SA_SIGINFO | SA_RESTART | SA_ONSTACK;
-    sigemptyset(&sa.sa_mask);
-    if (sigaction(SIGBUS, &sa, &bus_previous) != 0)
-        return -1;
-    bus_installed = 1;
-    return 0;
-}
-
-/* The slot of the registered mapping that holds ``addr``, or -1. */
-static int guard_find(const void *addr)
-{
-    uintptr_t at = (uintptr_t)addr;
-    for (int i = 0; i < MAX_GUARDS; i++) {
-        uintptr_t start = __atomic_load_n(&guards[i].start, __ATOMIC_ACQUIRE);
-        if (start != 0 && at >= start && at - start < guards[i].len)
-            return i;
-    }
-    return -1;
-}
-
-static int guard_damaged(int i)
-{
-    return i >= 0 && i < MAX_GUARDS && __atomic_load_n(&guards[i].damaged, __ATOMIC_ACQUIRE);
-}
-
 /* ===== 2. the Core object ==============================================================
  * One attachment of one process to one segment: the mapping, the lock
  * target, this process's registration (member row, serial, doorbell), and what Python
@@ -451,7 +304,7 @@ typedef struct {
     int closing;                /* close() began: arrivals refused, waiters told (R-A14) */
     int moved;                  /* the name leads to another segment now (R-A15) */
     int lost;                   /* ... because the object was truncated under us: the
-                                 * mapping reads zeros now (section 1b); never read again */
+                                 * mapping reads zeros now (_guard.h); never read again */
     int guard;                  /* our mapping's slot in guards[], -1 none */
     double named_checked_at;    /* when the name was last compared with the mapping */
     int busy;                   /* calls in flight with the GIL released */
@@ -870,45 +723,6 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache);
 static void free_member_row(Core *c, int m, Rings *rings);
 static int count_older_members(Core *c);
 
-/* The arrival section (ledger.Ledger.arrive). */
-static int arrive_classed(Core *c, Ticket *tk, int p, int k, unsigned int pid, Now now, int may_wait,
-                          int futex, Rings *rings);
-
-static void claim_record(Core *c, Ticket *tk, int p, int h, int k, unsigned int pid, Now now, int futex,
-                         int decision)
-{
-    long b = pbase(c, p);
-    long hb = hbase(c, p, h);
-    uint64_t serial = ld64(c, hb + HOLDER_SERIAL) + 1;
-    uint64_t ticket = 0;
-    if (decision == R_WAIT) {
-        ticket = ld64(c, b + PROVIDER_NEXT_TICKET);
-        if (ticket != UINT64_MAX) /* written to the top: it stays there, never wraps */
-            ticket++;
-        st64(c, b + PROVIDER_NEXT_TICKET, ticket);
-    }
-    st64(c, hb + HOLDER_SERIAL, serial);
-    st32(c, hb + HOLDER_MEMBER, (uint32_t)c->member);
-    st32(c, hb + HOLDER_PID, pid);
-    st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
-    st64(c, hb + HOLDER_TICKET, ticket);
-    std_(c, hb + HOLDER_SINCE, now.wall);
-    std_(c, hb + HOLDER_SINCE_MONO, now.mono);
-    st32(c, hb + HOLDER_WAKER, futex ? WAKE_FUTEX : WAKE_DOORBELL);
-    st8(c, hb + HOLDER_CLS, stored_class(c, p, tk->cls));
-    (void)k;
-    st8(c, hb + HOLDER_DISPLACED, 0);
-    /* the ticket is ours before the lock is let go: an exception that lands after
-     * this call returns still finds it (R-A12) */
-    tk->provider = p;
-    tk->holder = h;
-    tk->serial = serial;
-    tk->fork_gen = c->fork_gen;
-    tk->futex = futex;
-    tk->live = 1;
-    tk->running = decision == R_ADMIT;
-}
-
 /* The first free record; one that holds a displacement note (its owner may not have read
  * it yet) only when no other is free (ledger.Ledger._free_place). */
 static int first_free(Core *c, int p)
@@ -924,67 +738,6 @@ static int first_free(Core *c, int p)
         }
     }
     return noted;
-}
-
-static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, int may_wait, int futex,
-                         Rings *rings)
-{
-    if (c->member < 0 || c->closing)
-        return R_CLOSED; /* unregistered or closing meanwhile: nothing may run (R-A14) */
-    int k = resolve_class(c, p, tk->cls);
-    if (classes_in_force(c, p))
-        return arrive_classed(c, tk, p, k, pid, now, may_wait, futex, rings);
-    long b = pbase(c, p);
-    int decision = R_FULL;
-    for (int attempt = 0; attempt < 2; attempt++) {
-        if (counters_damaged(c, b) && recount_provider(c, p))
-            note_damage(c, "provider counters were written over");
-        uint32_t running = ld32(c, b + PROVIDER_RUNNING);
-        uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
-        uint32_t bound = (uint32_t)QUEUE_BOUND;
-        uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
-        if (waiting == 0 && running < limit)
-            decision = R_ADMIT;
-        else if (waiting >= bound)
-            decision = R_FULL;
-        else
-            decision = R_WAIT;
-        int h = -1;
-        if (decision != R_FULL) {
-            h = first_free(c, p);
-            if (h < 0)
-                decision = R_FULL;
-        }
-        if (decision == R_FULL && attempt == 0) {
-            /* Before refusing: are the counters true? (Dead places are the sweep's.) */
-            if (recount_provider(c, p))
-                note_damage(c, "provider counters disagreed with the records");
-            continue;
-        }
-        if (decision == R_FULL) {
-            inc64(c, b + PROVIDER_REJECTED_TOTAL);
-            break;
-        }
-        if (decision == R_WAIT && !may_wait) {
-            decision = R_WAIT_REFUSED;
-            break;
-        }
-        claim_record(c, tk, p, h, k, pid, now, futex, decision);
-        long hb = hbase(c, p, h);
-        if (decision == R_ADMIT) {
-            st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
-            put_counts(c, b, running + 1, waiting);
-            note_peak(c, b, PROVIDER_PEAK_RUNNING, running + 1);
-            inc64(c, b + PROVIDER_ADMITTED_TOTAL);
-        } else {
-            st32(c, hb + HOLDER_STATE, WAITING);
-            put_counts(c, b, running, waiting + 1);
-            note_peak(c, b, PROVIDER_PEAK_WAITING, waiting + 1);
-        }
-        break;
-    }
-    (void)rings;
-    return decision;
 }
 
 /* The newest waiter of the lowest rank below class k (ledger.Ledger._displaceable), -1
@@ -1009,40 +762,111 @@ static int displaceable(Core *c, int p, int k, const Rules *r, double now)
     return best;
 }
 
-/* An arrival of class k with classes in force (ledger.Ledger._arrive_classed): pump first
- * (a waiter may have been promoted meanwhile), run at once when the class may, else
- * queue, displacing the newest waiter of the lowest rank below k from a full queue. */
-static int arrive_classed(Core *c, Ticket *tk, int p, int k, unsigned int pid, Now now, int may_wait,
-                          int futex, Rings *rings)
+/* FIFO admission (ledger.decide_arrival): nobody overtakes a waiter (R-A3), the queue is
+ * bounded (R-A2). */
+static int decide_arrival(uint32_t running, uint32_t waiting, uint32_t limit, uint32_t bound)
 {
+    if (waiting == 0 && running < limit)
+        return R_ADMIT;
+    return waiting >= bound ? R_FULL : R_WAIT;
+}
+
+/* An arrival of class k with classes in force (ledger.Ledger._decide_classed): the
+ * decision, and in *victim the waiter it displaces from a full queue (-1 none). */
+static int decide_classed(Core *c, int p, int k, const Rules *r, uint32_t running, uint32_t waiting,
+                          uint32_t limit, double now, int *victim)
+{
+    uint32_t run[CLASS_COUNT];
+    class_running(c, p, run);
+    if (may_run(r, k, 0, running, run, limit))
+        return R_ADMIT;
+    if (waiting < (uint32_t)QUEUE_BOUND)
+        return R_WAIT;
+    *victim = displaceable(c, p, k, r, now);
+    return *victim < 0 ? R_FULL : R_WAIT;
+}
+
+/* Write free record h for an arrival, admitted or queued with the next ticket, and count
+ * it (ledger.Ledger._claim_record); the ticket is made ours. */
+static void claim_record(Core *c, Ticket *tk, int p, int h, unsigned int pid, Now now, int futex, int decision,
+                         uint32_t running, uint32_t waiting)
+{
+    long b = pbase(c, p);
+    long hb = hbase(c, p, h);
+    uint64_t serial = ld64(c, hb + HOLDER_SERIAL) + 1;
+    uint64_t ticket = 0;
+    if (decision == R_WAIT) {
+        ticket = ld64(c, b + PROVIDER_NEXT_TICKET);
+        if (ticket != UINT64_MAX) /* written to the top: it stays there, never wraps */
+            ticket++;
+        st64(c, b + PROVIDER_NEXT_TICKET, ticket);
+    }
+    st64(c, hb + HOLDER_SERIAL, serial);
+    st32(c, hb + HOLDER_MEMBER, (uint32_t)c->member);
+    st32(c, hb + HOLDER_PID, pid);
+    st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
+    st64(c, hb + HOLDER_TICKET, ticket);
+    std_(c, hb + HOLDER_SINCE, now.wall);
+    std_(c, hb + HOLDER_SINCE_MONO, now.mono);
+    st32(c, hb + HOLDER_WAKER, futex ? WAKE_FUTEX : WAKE_DOORBELL);
+    st8(c, hb + HOLDER_CLS, stored_class(c, p, tk->cls));
+    st8(c, hb + HOLDER_DISPLACED, 0);
+    /* the ticket is ours before the lock is let go: an exception that lands after
+     * this call returns still finds it (R-A12) */
+    tk->provider = p;
+    tk->holder = h;
+    tk->serial = serial;
+    tk->fork_gen = c->fork_gen;
+    tk->futex = futex;
+    tk->live = 1;
+    tk->running = decision == R_ADMIT;
+    if (decision == R_ADMIT) {
+        st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
+        put_counts(c, b, running + 1, waiting);
+        note_peak(c, b, PROVIDER_PEAK_RUNNING, running + 1);
+        inc64(c, b + PROVIDER_ADMITTED_TOTAL);
+    } else {
+        st32(c, hb + HOLDER_STATE, WAITING);
+        put_counts(c, b, running, waiting + 1);
+        note_peak(c, b, PROVIDER_PEAK_WAITING, waiting + 1);
+    }
+}
+
+/* The arrival section (ledger.Ledger.arrive): FIFO without classes in force; with them
+ * (class k), a pump first (a waiter may have been promoted meanwhile), then the class
+ * runs at once when it may, else queues, displacing the newest waiter of the lowest rank
+ * below k from a full queue. */
+static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, int may_wait, int futex,
+                         Rings *rings)
+{
+    if (c->member < 0 || c->closing)
+        return R_CLOSED; /* unregistered or closing meanwhile: nothing may run (R-A14) */
+    int k = resolve_class(c, p, tk->cls);
+    int count = classes_in_force(c, p);
     long b = pbase(c, p);
     if (counters_damaged(c, b) && recount_provider(c, p))
         note_damage(c, "provider counters were written over");
-    pump(c, p, now, rings, NULL);
     Rules r;
-    class_rules(c, p, classes_in_force(c, p), &r);
+    if (count)
+        pump(c, p, now, rings, NULL);
+    class_rules(c, p, count, &r);
     int decision = R_FULL;
     for (int attempt = 0; attempt < 2; attempt++) {
         uint32_t running = ld32(c, b + PROVIDER_RUNNING);
         uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
-        uint32_t run[CLASS_COUNT];
-        class_running(c, p, run);
         uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
         int victim = -1;
-        decision = R_WAIT;
-        if (may_run(&r, k, 0, running, run, limit))
-            decision = R_ADMIT;
-        else if (waiting >= (uint32_t)QUEUE_BOUND) {
-            victim = displaceable(c, p, k, &r, now.mono);
-            if (victim < 0)
-                decision = R_FULL;
-        }
+        if (count)
+            decision = decide_classed(c, p, k, &r, running, waiting, limit, now.mono, &victim);
+        else
+            decision = decide_arrival(running, waiting, limit, (uint32_t)QUEUE_BOUND);
         int h = decision != R_FULL ? first_free(c, p) : -1;
-        if (h < 0 && victim >= 0)
+        if (h < 0)
             h = victim;
         if (h < 0)
             decision = R_FULL;
         if (decision == R_FULL && attempt == 0) {
+            /* Before refusing: are the counters true? (Dead places are the sweep's.) */
             if (recount_provider(c, p))
                 note_damage(c, "provider counters disagreed with the records");
             continue;
@@ -1065,19 +889,9 @@ static int arrive_classed(Core *c, Ticket *tk, int p, int k, unsigned int pid, N
             inc64(c, b + PROVIDER_REJECTED_TOTAL);
             ring_record(c, rings, vb);
         }
-        claim_record(c, tk, p, h, k, pid, now, futex, decision);
-        long hb = hbase(c, p, h);
-        if (decision == R_ADMIT) {
-            st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
-            put_counts(c, b, running + 1, waiting);
-            note_peak(c, b, PROVIDER_PEAK_RUNNING, running + 1);
-            inc64(c, b + PROVIDER_ADMITTED_TOTAL);
+        claim_record(c, tk, p, h, pid, now, futex, decision, running, waiting);
+        if (decision == R_ADMIT && count)
             bump_class(c, p, k);
-        } else {
-            st32(c, hb + HOLDER_STATE, WAITING);
-            put_counts(c, b, running, waiting + 1);
-            note_peak(c, b, PROVIDER_PEAK_WAITING, waiting + 1);
-        }
         break;
     }
     return decision;
@@ -1117,6 +931,27 @@ static int leave_locked(Core *c, Ticket *tk, int outcome, Now now, Rings *rings)
     return was;
 }
 
+/* Free provider p's records of registration (m, serial) that wait, and those that run
+ * too when running_too (ledger.Ledger._free_own_records); how many. *running_freed, when
+ * given, counts the running ones among them. */
+static uint32_t free_own_records(Core *c, int p, int m, uint64_t serial, int running_too,
+                                 uint32_t *running_freed)
+{
+    uint32_t freed = 0;
+    for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
+        long hb = hbase(c, p, h);
+        uint32_t s = ld32(c, hb + HOLDER_STATE);
+        if ((s == WAITING || (s == RUNNING && running_too)) && ldi32(c, hb + HOLDER_MEMBER) == m &&
+            ld64(c, hb + HOLDER_MEMBER_SERIAL) == serial) {
+            if (s == RUNNING && running_freed)
+                (*running_freed)++;
+            free_record(c, hb);
+            freed++;
+        }
+    }
+    return freed;
+}
+
 /* Free this registration's WAITING records, as cancellations (ledger.cancel_waiting):
  * what close() does first, so that nothing of ours can be granted any more (R-A14). */
 static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
@@ -1126,17 +961,7 @@ static uint32_t cancel_own_waiting(Core *c, Now now, Rings *rings)
         long b = pbase(c, p);
         if (!ld32(c, b + PROVIDER_IN_USE))
             continue;
-        uint32_t here = 0;
-        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
-            long hb = hbase(c, p, h);
-            if (ldi32(c, hb + HOLDER_MEMBER) != c->member ||
-                ld64(c, hb + HOLDER_MEMBER_SERIAL) != c->member_serial)
-                continue;
-            if (ld32(c, hb + HOLDER_STATE) == WAITING) {
-                free_record(c, hb);
-                here++;
-            }
-        }
+        uint32_t here = free_own_records(c, p, c->member, c->member_serial, 0, NULL);
         if (here) {
             freed += here;
             st64(c, b + PROVIDER_CANCELLED_TOTAL, ld64(c, b + PROVIDER_CANCELLED_TOTAL) + here);
@@ -1176,6 +1001,23 @@ static int best_waiter(Core *c, int p, uint32_t running, const uint32_t *run, ui
     return best;
 }
 
+/* Grant the waiting record at hb (ledger.Ledger._grant): RUNNING from now, its owner
+ * woken after the section; a dead one is reclaimed instead, never granted. 1: granted. */
+static int grant(Core *c, long b, long hb, Now now, Rings *rings, AliveCache *cache)
+{
+    if (!holder_alive(c, hb, cache)) {
+        free_record(c, hb);
+        inc64(c, b + PROVIDER_RECLAIMED_TOTAL);
+        return 0;
+    }
+    std_(c, hb + HOLDER_SINCE, now.wall);
+    std_(c, hb + HOLDER_SINCE_MONO, now.mono);
+    st32(c, hb + HOLDER_STATE, RUNNING);
+    ring_record(c, rings, hb);
+    inc64(c, b + PROVIDER_ADMITTED_TOTAL);
+    return 1;
+}
+
 /* Grant, while some waiter may run, the one of the highest rank, oldest first
  * (ledger.Ledger._pump_classed); a dead one is reclaimed, never granted. */
 static void pump_classed(Core *c, int p, uint32_t running, uint32_t waiting, uint32_t limit, Now now,
@@ -1199,20 +1041,11 @@ static void pump_classed(Core *c, int p, uint32_t running, uint32_t waiting, uin
             waiting = ld32(c, b + PROVIDER_WAITING);
             continue;
         }
-        long hb = hbase(c, p, h);
         waiting--;
-        if (!holder_alive(c, hb, cache)) {
-            free_record(c, hb);
-            inc64(c, b + PROVIDER_RECLAIMED_TOTAL);
+        if (!grant(c, b, hbase(c, p, h), now, rings, cache))
             continue;
-        }
-        std_(c, hb + HOLDER_SINCE, now.wall);
-        std_(c, hb + HOLDER_SINCE_MONO, now.mono);
-        st32(c, hb + HOLDER_STATE, RUNNING);
         running++;
         run[k]++;
-        ring_record(c, rings, hb);
-        inc64(c, b + PROVIDER_ADMITTED_TOTAL);
         bump_class(c, p, k);
         if (promoted_only)
             inc64(c, b + PROVIDER_PROMOTED_TOTAL);
@@ -1249,19 +1082,9 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
             waiting = ld32(c, b + PROVIDER_WAITING);
             continue;
         }
-        long hb = hbase(c, p, h);
         waiting--;
-        if (!holder_alive(c, hb, cache)) {
-            free_record(c, hb);
-            inc64(c, b + PROVIDER_RECLAIMED_TOTAL);
-            continue;
-        }
-        std_(c, hb + HOLDER_SINCE, now.wall);
-        std_(c, hb + HOLDER_SINCE_MONO, now.mono);
-        st32(c, hb + HOLDER_STATE, RUNNING);
-        running++;
-        ring_record(c, rings, hb);
-        inc64(c, b + PROVIDER_ADMITTED_TOTAL);
+        if (grant(c, b, hbase(c, p, h), now, rings, cache))
+            running++;
     }
     put_counts(c, b, running, waiting);
     note_peak(c, b, PROVIDER_PEAK_RUNNING, running);
@@ -1401,19 +1224,7 @@ static void drop_member_records(Core *c, int m, uint64_t serial, Now now, Rings 
         long b = pbase(c, p);
         if (!ld32(c, b + PROVIDER_IN_USE))
             continue;
-        int freed = 0;
-        for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
-            long hb = hbase(c, p, h);
-            uint32_t s = ld32(c, hb + HOLDER_STATE);
-            if ((s == RUNNING || s == WAITING) && ldi32(c, hb + HOLDER_MEMBER) == m &&
-                ld64(c, hb + HOLDER_MEMBER_SERIAL) == serial) {
-                if (s == RUNNING && running_freed)
-                    (*running_freed)++;
-                free_record(c, hb);
-                freed++;
-            }
-        }
-        if (freed) {
+        if (free_own_records(c, p, m, serial, 1, running_freed)) {
             recount_provider(c, p);
             pump(c, p, now, rings, NULL);
         }
@@ -1819,7 +1630,7 @@ static void deliver(Core *c, Rings *r)
  * lock is never held while this thread waits for the GIL (R-A11). */
 
 /* The segment was truncated under us: our mapping was mended by the SIGBUS handler
- * (section 1b), or the name check saw the very object we mapped (same inode) smaller than
+ * (_guard.h), or the name check saw the very object we mapped (same inode) smaller than
  * the layout. Treated as a segment removed by hand (R-A15): arrivals move, waiters are
  * told, leaves touch nothing, and no section is entered on it again. */
 static int lost(Core *c)
@@ -3483,7 +3294,7 @@ static PyObject *mod_deadline_now(PyObject *self, PyObject *unused)
 }
 
 /* guard(buffer, writable) -> slot: register a mapping of a segment with the SIGBUS
- * handler (section 1b); -1 when the table is full (the mapping is then unguarded). */
+ * handler (_guard.h); -1 when the table is full (the mapping is then unguarded). */
 static PyObject *mod_guard(PyObject *self, PyObject *args)
 {
     PyObject *buffer;
@@ -3504,20 +3315,7 @@ static PyObject *mod_guard(PyObject *self, PyObject *args)
         return NULL;
     }
     len = (len + (size_t)page - 1) / (size_t)page * (size_t)page;
-    int slot = -1;
-    pthread_mutex_lock(&guards_mu);
-    if (install_bus_handler() == 0)
-        for (int i = 0; i < MAX_GUARDS; i++)
-            if (__atomic_load_n(&guards[i].start, __ATOMIC_ACQUIRE) == 0) {
-                guards[i].prot = PROT_READ | (writable ? PROT_WRITE : 0);
-                __atomic_store_n(&guards[i].damaged, 0, __ATOMIC_RELEASE);
-                __atomic_store_n(&guards[i].len, len, __ATOMIC_RELEASE);
-                __atomic_store_n(&guards[i].start, start, __ATOMIC_RELEASE);
-                slot = i;
-                break;
-            }
-    pthread_mutex_unlock(&guards_mu);
-    return PyLong_FromLong(slot);
+    return PyLong_FromLong(guard_add(start, len, writable));
 }
 
 /* unguard(slot): the mapping is about to be unmapped (or was). */
@@ -3526,12 +3324,8 @@ static PyObject *mod_unguard(PyObject *self, PyObject *arg)
     long i = PyLong_AsLong(arg);
     if (i == -1 && PyErr_Occurred())
         return NULL;
-    if (i >= 0 && i < MAX_GUARDS) {
-        pthread_mutex_lock(&guards_mu);
-        __atomic_store_n(&guards[i].start, 0, __ATOMIC_RELEASE);
-        __atomic_store_n(&guards[i].len, 0, __ATOMIC_RELEASE);
-        pthread_mutex_unlock(&guards_mu);
-    }
+    if (i >= 0 && i < MAX_GUARDS)
+        guard_remove((int)i);
     Py_RETURN_NONE;
 }
 
@@ -3545,13 +3339,13 @@ static PyObject *mod_damaged(PyObject *self, PyObject *arg)
 }
 
 /* guard_armed() -> bool: the core's SIGBUS handler is the process's disposition now (a
- * disposition set after the first mapping replaces it: the guard is gone, section 1b). */
+ * disposition set after the first mapping replaces it: the guard is gone, _guard.h). */
 static PyObject *mod_guard_armed(PyObject *self, PyObject *noargs)
 {
-    struct sigaction cur;
-    if (sigaction(SIGBUS, NULL, &cur) != 0)
+    int armed = guard_armed();
+    if (armed < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
-    return PyBool_FromLong((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_sigbus);
+    return PyBool_FromLong(armed);
 }
 
 static PyMethodDef module_methods[] = {

@@ -201,106 +201,31 @@ class Ledger:
         cls: int = -1,
     ) -> tuple[Decision, Ticket | None, set[int]]:
         """``registered`` False: the registration is gone or closing (R-A14). ``cls``: the
-        class index asked for (-1 or unknown: the provider's default class)."""
+        class index asked for (-1 or unknown: the provider's default class).
+
+        Without classes in force the decision is :func:`decide_arrival`'s. With them
+        (class ``c``), the arrival pumps first (a waiter may have been promoted
+        meanwhile), then runs at once when its class may, else queues, displacing the
+        newest waiter of the lowest rank below ``c`` from a full queue."""
         if not registered:
             return "closed", None, set()
-        c = resolve_class(self.buf, p, cls)
-        stored = stored_class(self.buf, p, cls)
-        if classes_in_force(self.buf, p):
-            return self._arrive_classed(
-                p, c, stored, pid, member, member_serial, now, may_wait=may_wait, futex=futex
-            )
-        buf, base, rings = self.buf, provider_base(p), set[int]()
-        for attempt in range(2):
-            if self._counters_damaged(base) and self.recount_provider(p):
-                self.damage += 1
-            running, waiting = self._get("running", base), self._get("waiting", base)
-            decision: Decision = decide_arrival(
-                running, waiting, limit_value(buf, p, now), layout.QUEUE_BOUND
-            )
-            h = self._free_place(p) if decision != "full" else None
-            if h is None:
-                decision = "full"
-            if decision == "full" and attempt == 0:
-                if self.recount_provider(p):  # before refusing: are the counters true?
-                    self.damage += 1
-                continue
-            if decision == "full":
-                self._bump("rejected_total", base)
-                return decision, None, rings
-            if decision == "wait" and not may_wait:
-                return "wait_refused", None, rings
-            assert h is not None
-            hb = holder_base(p, h)
-            serial = HOLDER["serial"].get(buf, hb) + 1
-            ticket = 0
-            if decision == "wait":
-                ticket = self._get("next_ticket", base)
-                ticket = min(ticket + 1, 2**64 - 1)  # written to the top: it stays, never wraps
-                PROVIDER["next_ticket"].put(buf, ticket, base)
-            waker = layout.WAKE_FUTEX if futex else layout.WAKE_DOORBELL
-            layout.HOLDER_BODY.pack_into(
-                buf,
-                hb + layout.HOLDER_BODY_OFFSET,
-                pid,
-                member_serial,
-                ticket,
-                serial,
-                member,
-                now,
-                now,
-                waker,
-                stored,
-                0,
-            )
-            if decision == "admit":
-                HOLDER["state"].put(buf, HOLDER_RUNNING, hb)  # state last
-                self._put_counts(base, running + 1, waiting)
-                self._peak("peak_running", base, running + 1)
-                self._bump("admitted_total", base)
-            else:
-                HOLDER["state"].put(buf, HOLDER_WAITING, hb)
-                self._put_counts(base, running, waiting + 1)
-                self._peak("peak_waiting", base, waiting + 1)
-            return decision, Ticket(p, h, serial), rings
-        raise AssertionError("unreachable")
-
-    def _arrive_classed(
-        self,
-        p: int,
-        c: int,
-        stored: int,
-        pid: int,
-        member: int,
-        member_serial: int,
-        now: float,
-        *,
-        may_wait: bool,
-        futex: bool,
-    ) -> tuple[Decision, Ticket | None, set[int]]:
-        """An arrival of class ``c`` with classes in force: pump first (a waiter may have
-        been promoted meanwhile), then run at once when the class may; else queue,
-        displacing the newest waiter of the lowest rank below ``c`` from a full queue."""
         buf, base = self.buf, provider_base(p)
+        c, stored = resolve_class(buf, p, cls), stored_class(buf, p, cls)
+        count = classes_in_force(buf, p)
         if self._counters_damaged(base) and self.recount_provider(p):
             self.damage += 1
-        rings = self.pump(p, now)
-        count = classes_in_force(buf, p)
+        rings = self.pump(p, now) if count else set[int]()
         rules = class_rules(buf, p, count)
         for attempt in range(2):
             running, waiting = self._get("running", base), self._get("waiting", base)
-            run = self._class_running(p, count)
             limit = limit_value(buf, p, now)
             victim: int | None = None
-            decision: Decision = "wait"
-            if may_run(c, running, run, limit, rules, promoted=False):
-                decision = "admit"
-            elif waiting >= layout.QUEUE_BOUND:
-                victim = self._displaceable(p, c, count, rules, now)
-                if victim is None:
-                    decision = "full"
+            if count:
+                decision, victim = self._decide_classed(p, c, rules, running, waiting, limit, now)
+            else:
+                decision = decide_arrival(running, waiting, limit, layout.QUEUE_BOUND)
             h = self._free_place(p) if decision != "full" else None
-            if h is None and victim is not None:
+            if h is None:
                 h = victim
             if h is None:
                 decision = "full"
@@ -323,39 +248,81 @@ class Ledger:
                 self._bump("displaced_total", base)
                 self._bump("rejected_total", base)
                 rings.add(HOLDER["member"].get(buf, vb))
-            hb = holder_base(p, h)
-            serial = HOLDER["serial"].get(buf, hb) + 1
-            ticket = 0
-            if decision == "wait":
-                ticket = min(self._get("next_ticket", base) + 1, 2**64 - 1)
-                PROVIDER["next_ticket"].put(buf, ticket, base)
             waker = layout.WAKE_FUTEX if futex else layout.WAKE_DOORBELL
-            layout.HOLDER_BODY.pack_into(
-                buf,
-                hb + layout.HOLDER_BODY_OFFSET,
-                pid,
-                member_serial,
-                ticket,
-                serial,
-                member,
-                now,
-                now,
-                waker,
-                stored,
-                0,
+            serial = self._claim_record(
+                p, h, decision, running, waiting, pid, member, member_serial, now, waker, stored
             )
-            if decision == "admit":
-                HOLDER["state"].put(buf, HOLDER_RUNNING, hb)  # state last
-                self._put_counts(base, running + 1, waiting)
-                self._peak("peak_running", base, running + 1)
-                self._bump("admitted_total", base)
+            if decision == "admit" and count:
                 self._bump_class(p, c)
-            else:
-                HOLDER["state"].put(buf, HOLDER_WAITING, hb)
-                self._put_counts(base, running, waiting + 1)
-                self._peak("peak_waiting", base, waiting + 1)
             return decision, Ticket(p, h, serial), rings
         raise AssertionError("unreachable")
+
+    def _decide_classed(
+        self,
+        p: int,
+        c: int,
+        rules: list[ClassRule],
+        running: int,
+        waiting: int,
+        limit: int,
+        now: float,
+    ) -> tuple[Decision, int | None]:
+        """An arrival of class ``c`` with classes in force: (decision, the waiter it
+        displaces from a full queue, or None)."""
+        if may_run(c, running, self._class_running(p, len(rules)), limit, rules, promoted=False):
+            return "admit", None
+        if waiting < layout.QUEUE_BOUND:
+            return "wait", None
+        victim = self._displaceable(p, c, len(rules), rules, now)
+        return ("full" if victim is None else "wait"), victim
+
+    def _claim_record(
+        self,
+        p: int,
+        h: int,
+        decision: Decision,
+        running: int,
+        waiting: int,
+        pid: int,
+        member: int,
+        member_serial: int,
+        now: float,
+        waker: int,
+        stored: int,
+    ) -> int:
+        """Write free record ``h`` for an arrival, admitted or queued with the next
+        ticket, and count it; its new serial."""
+        buf, base, hb = self.buf, provider_base(p), holder_base(p, h)
+        serial: int = HOLDER["serial"].get(buf, hb) + 1
+        ticket = 0
+        if decision == "wait":
+            ticket = self._get("next_ticket", base)
+            ticket = min(ticket + 1, 2**64 - 1)  # written to the top: it stays, never wraps
+            PROVIDER["next_ticket"].put(buf, ticket, base)
+        layout.HOLDER_BODY.pack_into(
+            buf,
+            hb + layout.HOLDER_BODY_OFFSET,
+            pid,
+            member_serial,
+            ticket,
+            serial,
+            member,
+            now,
+            now,
+            waker,
+            stored,
+            0,
+        )
+        if decision == "admit":
+            HOLDER["state"].put(buf, HOLDER_RUNNING, hb)  # state last
+            self._put_counts(base, running + 1, waiting)
+            self._peak("peak_running", base, running + 1)
+            self._bump("admitted_total", base)
+        else:
+            HOLDER["state"].put(buf, HOLDER_WAITING, hb)
+            self._put_counts(base, running, waiting + 1)
+            self._peak("peak_waiting", base, waiting + 1)
+        return serial
 
     def _bump_class(self, p: int, c: int) -> None:
         field, cb = layout.CLASS["admitted_total"], class_base(p, c)
@@ -453,17 +420,7 @@ class Ledger:
         """close() began: free this registration's WAITING records (R-A14)."""
         freed, rings = 0, set[int]()
         for p in self._providers():
-            here = 0
-            for h in range(HOLDERS_PER_PROVIDER):
-                hb = holder_base(p, h)
-                if (
-                    HOLDER["member"].get(self.buf, hb) != member
-                    or HOLDER["member_serial"].get(self.buf, hb) != member_serial
-                ):
-                    continue
-                if HOLDER["state"].get(self.buf, hb) == HOLDER_WAITING:
-                    self._free_record(hb)
-                    here += 1
+            here = self._free_own_records(p, member, member_serial, (HOLDER_WAITING,))
             if here:
                 freed += here
                 self._bump("cancelled_total", provider_base(p), here)
@@ -493,18 +450,9 @@ class Ledger:
                 self.recount_provider(p)
                 running, waiting = self._get("running", base), self._get("waiting", base)
                 continue
-            hb = holder_base(p, h)
             waiting -= 1
-            if not self._holder_alive(hb):
-                self._free_record(hb)
-                self._bump("reclaimed_total", base)
-                continue
-            HOLDER["since"].put(buf, now, hb)
-            HOLDER["since_mono"].put(buf, now, hb)
-            HOLDER["state"].put(buf, HOLDER_RUNNING, hb)
-            running += 1
-            rings.add(HOLDER["member"].get(buf, hb))
-            self._bump("admitted_total", base)
+            if self._grant(base, holder_base(p, h), now, rings):
+                running += 1
         self._put_counts(base, running, waiting)
         self._peak("peak_running", base, running)
         return rings
@@ -525,25 +473,31 @@ class Ledger:
                 self.recount_provider(p)
                 running, waiting = self._get("running", base), self._get("waiting", base)
                 continue
-            hb = holder_base(p, h)
             waiting -= 1
-            if not self._holder_alive(hb):
-                self._free_record(hb)
-                self._bump("reclaimed_total", base)
+            if not self._grant(base, holder_base(p, h), now, rings):
                 continue
-            HOLDER["since"].put(buf, now, hb)
-            HOLDER["since_mono"].put(buf, now, hb)
-            HOLDER["state"].put(buf, HOLDER_RUNNING, hb)
             running += 1
             run[k] += 1
-            rings.add(HOLDER["member"].get(buf, hb))
-            self._bump("admitted_total", base)
             self._bump_class(p, k)
             if promoted_only:
                 self._bump("promoted_total", base)
         self._put_counts(base, running, waiting)
         self._peak("peak_running", base, running)
         return rings
+
+    def _grant(self, base: int, hb: int, now: float, rings: set[int]) -> bool:
+        """Grant the waiting record at ``hb``: RUNNING from now, its owner rung; a dead one
+        is reclaimed instead, never granted. True: granted."""
+        if not self._holder_alive(hb):
+            self._free_record(hb)
+            self._bump("reclaimed_total", base)
+            return False
+        HOLDER["since"].put(self.buf, now, hb)
+        HOLDER["since_mono"].put(self.buf, now, hb)
+        HOLDER["state"].put(self.buf, HOLDER_RUNNING, hb)
+        rings.add(HOLDER["member"].get(self.buf, hb))
+        self._bump("admitted_total", base)
+        return True
 
     def _best_waiter(
         self, p: int, running: int, run: list[int], limit: int, rules: list[ClassRule], now: float
@@ -696,20 +650,25 @@ class Ledger:
         """Free the live records of registration (m, serial); recount and grant."""
         rings: set[int] = set()
         for p in self._providers():
-            freed = False
-            for h in range(HOLDERS_PER_PROVIDER):
-                hb = holder_base(p, h)
-                if (
-                    HOLDER["state"].get(self.buf, hb) in (HOLDER_RUNNING, HOLDER_WAITING)
-                    and HOLDER["member"].get(self.buf, hb) == m
-                    and HOLDER["member_serial"].get(self.buf, hb) == serial
-                ):
-                    self._free_record(hb)
-                    freed = True
-            if freed:
+            if self._free_own_records(p, m, serial, (HOLDER_RUNNING, HOLDER_WAITING)):
                 self.recount_provider(p)
                 rings |= self.pump(p, now)
         return rings
+
+    def _free_own_records(self, p: int, m: int, serial: int, states: tuple[int, ...]) -> int:
+        """Free provider ``p``'s records of registration (m, serial) that are in one of
+        ``states``; how many."""
+        freed = 0
+        for h in range(HOLDERS_PER_PROVIDER):
+            hb = holder_base(p, h)
+            if (
+                HOLDER["state"].get(self.buf, hb) in states
+                and HOLDER["member"].get(self.buf, hb) == m
+                and HOLDER["member_serial"].get(self.buf, hb) == serial
+            ):
+                self._free_record(hb)
+                freed += 1
+        return freed
 
     def register(
         self,

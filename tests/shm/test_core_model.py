@@ -104,10 +104,11 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.damaged: set[int] = set()  # providers written over since a step looked at them
         self.uncounted: set[int] = set()  # providers with a record's state written, unswept
         self.overwritten: set[tuple[int, int, int]] = set()  # (p, h, serial) written over
-        self.revived: dict[int, int] = {}  # provider -> free records a lie brought to life
+        self.revived: dict[int, int] = {}  # provider -> waiters a lie made (not arrivals)
         self.running: list[Any] = []  # tickets whose bodies run: (member, ticket, model)
         self.issued: list[Any] = []  # every ticket that got a record: (member, ticket, model)
         self.replacement: Segment | None = None  # what the name leads to after a replace
+        self.claimed: int | None = None  # the row a registration under way has taken
 
     @initialize()
     def setup(self) -> None:
@@ -121,8 +122,9 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.model = ledger.Ledger(self.model_buf, self._model_held)
 
     def _model_held(self, m: int) -> bool:
-        """The kernel's word: some live process holds member row m's lock byte."""
-        return any(x.alive and x.index == m for x in self.members)
+        """The kernel's word: some live process holds member row m's lock byte (one that
+        registers holds it from the moment it takes the row, inside the section)."""
+        return m == self.claimed or any(x.alive and x.index == m for x in self.members)
 
     def teardown(self) -> None:
         for m in self.members:
@@ -240,12 +242,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
                 PROVIDER["published_limit"].codec.pack(limit),
             ),
         ]
-        assert self.seg.core.transact([], writes, True, self.now)
-        for off, data in writes:
-            self.model_buf[off : off + len(data)] = data
-        self.model.pump_all(self.now)
-        self.unpumped = False
-        self.damaged.clear()
+        self._publish(writes)
 
     @rule(
         provider=st.sampled_from(range(len(PROVIDERS))),
@@ -265,6 +262,11 @@ class CoreAgainstModel(RuleBasedStateMachine):
             [(f"c{k}", reserve, cap, wait) for k, (reserve, cap, wait) in enumerate(classes)],
             default,
         )
+        self._publish(writes)
+
+    def _publish(self, writes: list[tuple[int, bytes]]) -> None:
+        """What the writer's publication does: the writes and a pump of every provider, in
+        one section of the core; the same writes and pump on the model."""
         assert self.seg.core.transact([], writes, True, self.now)
         for off, data in writes:
             self.model_buf[off : off + len(data)] = data
@@ -351,7 +353,8 @@ class CoreAgainstModel(RuleBasedStateMachine):
                 (model_ticket.provider, model_ticket.holder, model_ticket.serial)
                 in self.overwritten
             )
-            self.damaged.discard(model_ticket.provider)
+            if model_was != "stale":
+                self.damaged.discard(model_ticket.provider)  # the leave looked at its counters
 
     @precondition(lambda self: self.replacement is None and any(m.alive for m in self.members))
     @rule()
@@ -464,11 +467,14 @@ class CoreAgainstModel(RuleBasedStateMachine):
         it, so the next recount frees it and counts it as damage. state := FREE or the
         other live state is a lie (out of scope): believed as written."""
         hb = rows.holder_base(provider, h)
-        if HOLDER["state"].get(self.model_buf, hb) not in (HOLDER_RUNNING, HOLDER_WAITING):
+        was = HOLDER["state"].get(self.model_buf, hb)
+        if was not in (HOLDER_RUNNING, HOLDER_WAITING):
             return
         for buf in (self.seg.buf, self.model_buf):
             HOLDER["state"].put(buf, state, hb)
         self.uncounted.add(provider)  # until the sweep has recounted
+        if (was, state) == (HOLDER_RUNNING, HOLDER_WAITING):  # a waiter the bound never saw
+            self.revived[provider] = self.revived.get(provider, 0) + 1
         self.overwritten.add((provider, h, HOLDER["serial"].get(self.model_buf, hb)))
 
     @rule(
@@ -518,9 +524,17 @@ class CoreAgainstModel(RuleBasedStateMachine):
         taken = {m.index for m in self.members if m.alive}
         pid = 200 + len(self.members)
         minor = layout.MINOR - 1 if older else layout.MINOR
+
+        def taken_or_claimed(m: int) -> bool:
+            if m in taken:
+                return True
+            self.claimed = m  # the model claims row m now: its lock byte is the new one's
+            return False
+
         m_index, serial, _ = self.model.register(
-            pid, float(pid), b"gen", self.now, lambda m: m in taken, minor=minor
+            pid, float(pid), b"gen", self.now, taken_or_claimed, minor=minor
         )
+        self.claimed = None
         member = Member(self.seg, pid, self.now, minor)
         assert (member.index, member.serial) == (m_index, serial)
         self.members.append(member)
