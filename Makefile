@@ -18,14 +18,14 @@ UNAME := $(shell uname -s)
 # Two stamps: what the whole suite needs (every extra), and what the demo needs (the
 # program, the reference router and the picture), so that `make demo` on a fresh clone
 # does not wait for the test, lint, bench and LiteLLM extras.
-$(STAMP): pyproject.toml setup.py shm_layout/_core.c shm_layout/_layout.h
+$(STAMP): pyproject.toml setup.py shm_layout/_core.c shm_layout/_layout.h shm_layout/_guard.h
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	GATEWAY_CAPACITY_TEST_HOOKS=1 $(PY) -m pip install --quiet -e '.[test,lint,bench,plot,router,serve,litellm]'
 	touch $(STAMP) $(DEMO_STAMP)
 
 DEMO_STAMP := $(VENV)/.installed-demo
-$(DEMO_STAMP): pyproject.toml setup.py shm_layout/_core.c shm_layout/_layout.h
+$(DEMO_STAMP): pyproject.toml setup.py shm_layout/_core.c shm_layout/_layout.h shm_layout/_guard.h
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	GATEWAY_CAPACITY_TEST_HOOKS=1 $(PY) -m pip install --quiet -e '.[router,plot]'

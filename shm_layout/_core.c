@@ -3335,7 +3335,7 @@ static PyObject *mod_damaged(PyObject *self, PyObject *arg)
     long i = PyLong_AsLong(arg);
     if (i == -1 && PyErr_Occurred())
         return NULL;
-    return PyBool_FromLong(guard_damaged((int)i));
+    return PyBool_FromLong(i >= 0 && i < MAX_GUARDS && guard_damaged((int)i));
 }
 
 /* guard_armed() -> bool: the core's SIGBUS handler is the process's disposition now (a

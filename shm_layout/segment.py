@@ -60,7 +60,7 @@ class Mapping(mmap.mmap):
     Every mapping of a segment is made here and registered with the core's SIGBUS
     handler for as long as it is mapped: a fault inside it replaces its pages with
     zeros (``damaged`` turns True) and the access goes on; a fault anywhere else is
-    left to whatever handled SIGBUS before (``_core.c``, section 1b)."""
+    left to whatever handled SIGBUS before (the guard: ``shm_layout/_guard.h``)."""
 
     _guard = -1
 

@@ -2,7 +2,7 @@
 
 The core's handler mends a truncated segment's mapping; any other SIGBUS goes to the
 disposition that was there before it, and the guard stays armed afterwards, for the
-life of the mapping (``_core.c`` section 1b, docs/DESIGN.md). Each case is a real
+life of the mapping (``_guard.h``, docs/DESIGN.md). Each case is a real
 process with that disposition set before it attaches: a ``kill -BUS`` from another
 process (or a fault on the application's own mapping), then a real truncation of its
 segment in /dev/shm, which it must survive.

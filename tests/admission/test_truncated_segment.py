@@ -3,7 +3,7 @@
 Whoever may write the segment may also shrink it: a member of its group in
 group-shared mode, or root's own tooling on a 0600 segment. An access past the new
 end is a SIGBUS; the core's SIGBUS handler mends the pages of a registered mapping
-with zeros (``_core.c``, section 1b), and the segment is then treated as one removed
+with zeros (``_guard.h``), and the segment is then treated as one removed
 by hand: said once, new arrivals go to what the name leads to (or are refused with
 the reason). The handlers here are real processes (tests/agent.py) cycling short
 slots; the truncation is a plain ``truncate(2)`` of the object in /dev/shm, by root

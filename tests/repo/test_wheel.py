@@ -108,6 +108,7 @@ def test_make_wheel_builds_a_manylinux_wheel_from_an_sdist_that_carries_the_core
     for path in (
         "shm_layout/_core.c",
         "shm_layout/_layout.h",
+        "shm_layout/_guard.h",
         "setup.py",
         "pyproject.toml",
         "LICENSE",
