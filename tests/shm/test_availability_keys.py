@@ -101,3 +101,24 @@ def test_r_a16_a_scribbled_fallback_source_reads_as_the_default_in_both_document
                 assert got == want, (code, command, got)
     finally:
         adm.close()
+
+
+def test_r_a16_a_scribbled_fallback_limit_reads_as_the_core_applies_it(
+    p1_segment: Callable[..., P1Segment],
+) -> None:
+    """A fallback limit written over with a value no writer writes (negative, or beyond
+    the running room): both documents still print, with the limit the core would apply
+    (clamped to 0..RUNNING_ROOM), which their schema allows."""
+    seg = p1_segment(12)
+    adm = seg.attach("handler-2.0")
+    try:
+        fallback_limit = layout.PROVIDER["fallback_limit"]
+        for stored, shown in ((-1, 0), (-(2**31), 0), (2**31 - 1, layout.RUNNING_ROOM)):
+            fallback_limit.put(adm._seg.buf, stored, rows.provider_base(0))
+            for command in ("availability", "inspect"):
+                out = run_cli(command, "--segment", seg.name, "--json")
+                assert out.returncode == 0, (stored, command, out.stderr[-300:])
+                got = json.loads(out.stdout)["providers"][0]["fallback_limit"]
+                assert got == shown, (stored, command, got)
+    finally:
+        adm.close()
