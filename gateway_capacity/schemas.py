@@ -283,8 +283,8 @@ class InspectDoc(_SegmentDoc, kw_only=True):
 # --- from a segment view ----------------------------------------------------------------------
 # The view's dataclasses carry the documents' fields under the same names, so each row is
 # converted by name (msgspec reads the attributes and checks them against the Struct's
-# types: a document never says what its own schema does not allow); only what the view
-# does not hold as such (the sidecar's phrase, the header, the damage) is built here.
+# types: a row never says what its own schema does not allow); only what the view does
+# not hold as such (the sidecar's phrase, the header, the damage) is built by hand here.
 def _row(obj: object, kind: type[_S]) -> _S:
     return msgspec.convert(obj, kind, from_attributes=True)
 
