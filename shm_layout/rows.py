@@ -69,13 +69,19 @@ def published_in_force(buf: Buffer, p: int, now: float) -> bool:
     return bool(now < expires and expires - now <= DEADLINE_SLACK_S)
 
 
+def in_room(limit: int) -> int:
+    """A stored limit as the core applies it: clamped to 0..RUNNING_ROOM (a value out of
+    that range was written over, R-A16)."""
+    return int(min(max(limit, 0), RUNNING_ROOM))
+
+
 def limit_value(buf: Buffer, p: int, now: float) -> int:
     """The limit admission applies at ``now`` (the deadline clock): the published one
-    until its deadline, else the fallback; clamped to 0..RUNNING_ROOM as the core clamps
-    it. :func:`effective_limit` adds where it came from."""
+    until its deadline, else the fallback, :func:`in_room`. :func:`effective_limit` adds
+    where it came from."""
     base = provider_base(p)
     field = "published_limit" if published_in_force(buf, p, now) else "fallback_limit"
-    return int(min(max(PROVIDER[field].get(buf, base), 0), RUNNING_ROOM))
+    return in_room(PROVIDER[field].get(buf, base))
 
 
 def effective_limit(buf: Buffer, p: int, now: float) -> Limit:

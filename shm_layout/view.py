@@ -37,6 +37,7 @@ from shm_layout.rows import (
     class_base,
     effective_limit,
     holder_base,
+    in_room,
     member_base,
     provider_base,
     resolve_class,
@@ -405,7 +406,7 @@ def _provider(
         running=running,
         waiting=waiting,
         queue_bound=PROVIDER["queue_bound"].get(data, base),
-        fallback_limit=_in_room(PROVIDER["fallback_limit"].get(data, base)),
+        fallback_limit=in_room(PROVIDER["fallback_limit"].get(data, base)),
         fallback_source=_fallback_source(PROVIDER["fallback_source"].get(data, base)),
         published_limit=published if published >= 0 else None,
         discovered=discovered if discovered >= 0 else None,
@@ -423,12 +424,6 @@ def _provider(
         promoted_total=PROVIDER["promoted_total"].get(data, base),
         displaced_total=PROVIDER["displaced_total"].get(data, base),
     )
-
-
-def _in_room(limit: int) -> int:
-    """A stored limit as the core applies it: clamped to 0..RUNNING_ROOM (a value out of
-    that range was written over, R-A16)."""
-    return min(max(limit, 0), layout.RUNNING_ROOM)
 
 
 def _fallback_source(code: int) -> layout.Source:
