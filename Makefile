@@ -93,7 +93,7 @@ demo: $(DEMO_STAMP)
 # ruff, mypy --strict, and the admission core cross-compiled for aarch64-macos and
 # x86_64-macos with zig (ziglang from PyPI, the lint extra), warnings as errors
 # (scripts/macos_cross_check.py says what that proves and what it does not).
-LINT_PY := sidecar shm_layout handler_shim gateway_config capacity_router gateway_capacity \
+LINT_PY := sidecar shm_layout capacity_contract handler_shim gateway_config capacity_router gateway_capacity \
 	examples drill \
 	scripts/cli_files.py scripts/macos_cross_check.py
 lint: $(STAMP)

@@ -2,7 +2,7 @@
 
 Answers ``GET /v1/capacity`` with the sum, per model id, of the slots of
 distinct healthy, registered, unfenced workers. Shares only the contract
-types (``sidecar.contract``) with the rest of the project. The HTTP server
+types (``capacity_contract``) with the rest of the project. The HTTP server
 (``RouterServer``) runs on asyncio (uvloop where installed) and
 loads on first use; the rest, a router's client included, needs only the core.
 

@@ -29,7 +29,7 @@ from typing import Literal
 
 import msgspec
 
-from sidecar.contract import (
+from capacity_contract import (
     MAX_SLOTS,
     MAX_SNAPSHOT_BYTES,
     CapacitySnapshot,

@@ -10,7 +10,7 @@ values swapped whole, and asks the poller's loop to fence, unfence or list.
 Endpoints:
 
 - ``GET /v1/capacity`` (bearer): the last snapshot, exactly the contract's
-  fields (``sidecar.contract``). Nothing else about workers is published: no
+  fields (``capacity_contract``). Nothing else about workers is published: no
   URLs, ids, health, reasons, configuration or keys. 503 before the first
   round (the server only starts listening after it, so this is rare).
 - ``GET /v1/load`` (bearer, read-only): the snapshot's rows, each with the
@@ -55,7 +55,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from sidecar.contract import CapacitySnapshot
+from capacity_contract import CapacitySnapshot
 
 from . import proxy as proxy_module
 from .http1 import Connection, Connections, Handler, Throttled, connection_bounds

@@ -7,7 +7,7 @@ key, so a file that others can read is refused, not merely warned about.
 
 Rules: a regular file (symlinks to one are followed), owner-only permissions
 (no group/other bits), at most 4 KiB; the content rules are the probe's
-(``sidecar.contract.bearer_key``: trailing CR/LF/space stripped, non-empty,
+(``capacity_contract.bearer_key``: trailing CR/LF/space stripped, non-empty,
 printable ASCII without spaces). The key never appears in an error message or
 a repr.
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 import stat
 
+from capacity_contract import bearer_key
 from shm_layout.errors import GatewayCapacityError
-from sidecar.contract import bearer_key
 
 from .watched import FileStamp, open_regular
 

@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily, Metric, StateSetMetricFamily
 from prometheus_client.registry import Collector
 
-from sidecar.contract import CapacitySnapshot
+from capacity_contract import CapacitySnapshot
 
 from .poller import WorkerStatus
 

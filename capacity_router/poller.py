@@ -35,8 +35,8 @@ from typing import Literal
 
 import httpx
 
+from capacity_contract import CapacitySnapshot
 from shm_layout.errors import GatewayCapacityError
-from sidecar.contract import CapacitySnapshot
 
 from .aggregate import Observation, State, aggregate, is_fenced, within_contract
 from .keyfile import KeyFile, KeyFileError

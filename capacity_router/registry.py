@@ -41,8 +41,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from shm_layout.errors import GatewayCapacityError
-from sidecar.contract import (
+from capacity_contract import (
     MAX_MODELS,
     MAX_SLOTS,
     MAX_SNAPSHOT_BYTES,
@@ -50,6 +49,7 @@ from sidecar.contract import (
     row_bytes,
     worst_case_snapshot_bytes,
 )
+from shm_layout.errors import GatewayCapacityError
 
 from .kinds import ServerKind, fixed_rule_error, kind_of
 from .sources import endpoint

@@ -26,8 +26,8 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
+from capacity_contract import MAX_SLOTS, read_capped
 from shm_layout.errors import GatewayCapacityError
-from sidecar.contract import MAX_SLOTS, read_capped
 
 OPTIONAL_READ_S = 0.5
 """The most a read for ``router show`` alone may take, within the poll's deadline."""

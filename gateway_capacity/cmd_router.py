@@ -182,7 +182,7 @@ def _add_client_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _slot_count(text: str) -> int:
-    from sidecar.contract import MAX_SLOTS
+    from capacity_contract import MAX_SLOTS
 
     if not text.isdigit() or int(text) > MAX_SLOTS:
         raise argparse.ArgumentTypeError(f"must be an integer 0..{MAX_SLOTS}: {text!r}")
@@ -217,9 +217,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    from capacity_contract import MAX_SNAPSHOT_BYTES, shown, worst_case_snapshot_bytes
     from capacity_router.registry import RegistryError, RegistryWatcher
     from capacity_router.sockets import shared_sockets
-    from sidecar.contract import MAX_SNAPSHOT_BYTES, shown, worst_case_snapshot_bytes
 
     try:
         registry = RegistryWatcher(args.workers).current
@@ -373,9 +373,9 @@ def _client(args: argparse.Namespace, action: str) -> int:
     import httpx
     import msgspec
 
+    from capacity_contract import MAX_SNAPSHOT_BYTES, ContractError, decode_snapshot, shown
     from capacity_router import KeyFileError, read_key_file
     from capacity_router.registry import WORKER_ID_PATTERN
-    from sidecar.contract import MAX_SNAPSHOT_BYTES, ContractError, decode_snapshot, shown
 
     base = _loopback_base(args.url)
     if action == "show":
@@ -472,7 +472,7 @@ _NOT_COUNTED: Final = {
 
 
 def _describe_workers(workers: list[dict[str, Any]], warnings: list[str]) -> str:
-    from sidecar.contract import shown  # every field may carry a worker's own words
+    from capacity_contract import shown  # every field may carry a worker's own words
 
     fenced = [w for w in workers if w.get("fenced_by")]
     lines = [f"workers: {len(workers)} registered, {len(fenced)} fenced"]
@@ -507,7 +507,7 @@ def _describe_workers(workers: list[dict[str, Any]], warnings: list[str]) -> str
 
 
 def _describe_snapshot(snapshot: dict[str, Any]) -> str:
-    from sidecar.contract import shown
+    from capacity_contract import shown
 
     try:
         when = datetime.fromtimestamp(float(snapshot["observed_at"]), UTC).isoformat(

@@ -19,6 +19,7 @@ import difflib
 import json
 from typing import TYPE_CHECKING
 
+from capacity_contract import shown as escaped  # a path the segment holds
 from gateway_capacity.common import fail
 from gateway_capacity.exits import EXIT_OK, EXIT_USAGE
 from gateway_capacity.schemas import (
@@ -28,7 +29,6 @@ from gateway_capacity.schemas import (
     SegmentsDoc,
     sidecar_status,
 )
-from sidecar.contract import shown as escaped  # a path the segment holds
 
 if TYPE_CHECKING:
     from shm_layout.owners import OwnerPolicy

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from capacity_contract import shown
 from gateway_capacity.common import add_target_options, fail, segment_from_args
 from gateway_capacity.exits import (
     EXIT_NO_SEGMENT,
@@ -23,7 +24,6 @@ from gateway_capacity.exits import (
 )
 from gateway_capacity.schemas import SCHEMA_VERSION, sidecar_status
 from shm_layout.layout import FALLBACK_SOURCES, Source
-from sidecar.contract import shown
 from sidecar.shares import DEGRADED as SHARE_DEGRADED
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ import sys
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from sidecar.contract import shown
+from capacity_contract import shown
 
 FORMATS: Final = ("text", "json")
 LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -42,7 +42,7 @@ class TextFormatter(logging.Formatter):
         self.prefix = prefix
 
     def format(self, record: logging.LogRecord) -> str:
-        # one record, one line: what a worker or a router said is escaped (sidecar.contract)
+        # one record, one line: what a worker or a router said is escaped (capacity_contract)
         message = shown(record.getMessage())
         line = f"{rfc3339(record.created)} {record.levelname} {self.prefix}{message}"
         if record.exc_info:

@@ -173,7 +173,7 @@ def describe(last: Sample, need: int) -> str:
 
 def key_from_env(name: str) -> Secret:
     """The key in environment variable ``name``, trimmed and checked like a key file."""
-    from sidecar.contract import bearer_key
+    from capacity_contract import bearer_key
     from sidecar.credential import CredentialError, Secret
 
     if not _ENV_NAME.match(name):

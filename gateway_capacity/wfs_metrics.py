@@ -366,7 +366,7 @@ class MetricsSampler:
             return Fatal(
                 f"the metrics answer is compressed ({one_line(coding, 40)}); asked for identity"
             )
-        from sidecar.contract import read_capped
+        from capacity_contract import read_capped
 
         body = await read_capped(response.aiter_raw(), MAX_BODY_BYTES)
         return too_large if body is None else body
@@ -402,7 +402,7 @@ def secs(value: float) -> str:
 def one_line(text: str, limit: int = 160) -> str:
     """``text`` on one line with its control characters escaped (it may quote the
     server's own words), cut to ``limit``."""
-    from sidecar.contract import shown
+    from capacity_contract import shown
 
     flat = shown(" ".join(text.split()))
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."

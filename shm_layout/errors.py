@@ -34,7 +34,7 @@ under the old names (``shm_layout.segment.SegmentError``, ``gateway_config.Confi
 The sidecar's and the router's own errors also derive from the root but stay beside
 what raises them, since no handler meets them: ``StartupError`` and ``UntrustedPidfile``
 (``sidecar.startup``, ``sidecar.legacy``: how the daemon exits 2), ``ContractError``
-(``sidecar.contract``: an answer that is not the capacity contract), ``CredentialError``
+(``capacity_contract``: an answer that is not the capacity contract), ``CredentialError``
 (``sidecar.credential``: a key file that cannot be used), ``ShareUnavailable``
 (``sidecar.share``: Redis did not answer), ``RegistryError`` and ``Unreadable``
 (``capacity_router``: the worker registry, a worker's slot count).

@@ -33,6 +33,7 @@ from urllib.parse import parse_qs, unquote, urlparse, urlsplit
 
 import msgspec
 
+from capacity_contract import shown
 from gateway_config import (
     ENTRY_FIELDS,
     MAX_LIMIT,
@@ -53,7 +54,6 @@ from gateway_config import (
     read_config_file,
 )
 from sidecar.addresses import classify, is_localhost_name, parse_ip, static_opt_in
-from sidecar.contract import shown
 from sidecar.credential import check_credential_spec
 
 __all__ = [

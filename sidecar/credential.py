@@ -32,8 +32,8 @@ import os
 import stat
 from typing import Final
 
+from capacity_contract import bearer_key
 from shm_layout.errors import GatewayCapacityError
-from sidecar.contract import bearer_key
 from sidecar.trust import file_owner_problem, path_problem
 
 log = logging.getLogger("gateway_capacity.credential")

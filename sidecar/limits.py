@@ -42,12 +42,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final
 
+from capacity_contract import MAX_FUTURE_S, STALE_AFTER_S
+
 # the fallback chain is the config's (handlers read it without the sidecar); named here too
 from gateway_config import DEFAULT_FALLBACK as DEFAULT_FALLBACK
 from gateway_config import FallbackSource as FallbackSource
 from gateway_config import fallback_for as fallback_for
 from shm_layout.layout import Source
-from sidecar.contract import MAX_FUTURE_S, STALE_AFTER_S
 from sidecar.replica import OK, ProviderProbe, ReplicaResult
 
 if TYPE_CHECKING:  # attribute access only: importing limits pulls in no config machinery

@@ -48,6 +48,7 @@ import httpx
 # silent cost at every probe.
 import sniffio  # noqa: F401
 
+from capacity_contract import ContractError, check_freshness, decode_snapshot, read_capped
 from sidecar import listeners
 from sidecar.addresses import (
     AddressVerdict,
@@ -59,7 +60,6 @@ from sidecar.addresses import (
     parse_ip,
 )
 from sidecar.config import RANGE_ONLY, Endpoint, ProviderConfig, check_provider, parse_base_url
-from sidecar.contract import ContractError, check_freshness, decode_snapshot, read_capped
 from sidecar.credential import CredentialError, Secret, read_credential
 from sidecar.replica import OK, ProviderProbe, ReplicaResult
 

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from capacity_contract import MAX_FUTURE_S
 from shm_layout import layout, platform, rows, writer
 from sidecar.config import CapacityShare, redis_url_for_logs
-from sidecar.contract import MAX_FUTURE_S
 from sidecar.limits import DISCOVERED, LEGACY_DRAIN, SHARE, LimitDecision
 from sidecar.share import instance_token
 from sidecar.shares import DEGRADED, DUPLICATE, UNKNOWN, Held, Report, local_limit

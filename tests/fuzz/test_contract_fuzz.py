@@ -1,4 +1,4 @@
-"""Fuzzing the capacity-contract decoder (``sidecar/contract.py``, SPEC section 4).
+"""Fuzzing the capacity-contract decoder (``capacity_contract/__init__.py``, SPEC section 4).
 
 Whatever a router sends, ``decode_snapshot`` either returns a snapshot that
 keeps every limit of R-K1..R-K4 or raises ``ContractError`` with a one-line
@@ -17,7 +17,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from json_strategies import json_values as json_value_strategy
 
-from sidecar.contract import (
+from capacity_contract import (
     MAX_FUTURE_S,
     MAX_MODELS,
     MAX_SLOTS,

@@ -9,15 +9,23 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = ("shm_layout", "handler_shim", "gateway_config", "sidecar", "capacity_router")
+OURS = (
+    "shm_layout",
+    "capacity_contract",
+    "handler_shim",
+    "gateway_config",
+    "sidecar",
+    "capacity_router",
+)
 SHELL = "gateway_capacity"
 # what each package may import of ours besides itself (module prefixes)
 STANDS_ON: dict[str, tuple[str, ...]] = {
     "shm_layout": (),
+    "capacity_contract": ("shm_layout.errors",),
     "gateway_config": ("shm_layout.errors", "shm_layout.layout"),
     "handler_shim": ("shm_layout", "gateway_config"),
-    "sidecar": ("shm_layout", "gateway_config"),
-    "capacity_router": ("sidecar.contract", "shm_layout.errors"),
+    "sidecar": ("shm_layout", "gateway_config", "capacity_contract"),
+    "capacity_router": ("capacity_contract", "shm_layout.errors"),
     SHELL: OURS,
 }
 NEVER_FROM_HANDLERS = ("httpx", "sidecar.probe", "sidecar.daemon")

@@ -6,8 +6,8 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from capacity_contract import MAX_SLOTS, decode_snapshot, encode_snapshot
 from capacity_router import Observation, Worker, aggregate
-from sidecar.contract import MAX_SLOTS, decode_snapshot, encode_snapshot
 
 NOW = 1_800_000_000.25
 
@@ -183,13 +183,13 @@ def test_r_k5_property_each_row_is_the_capped_sum_over_distinct_counted_workers(
 
 
 def test_r_p6_a_snapshot_over_64_kib_is_served_incomplete_without_the_longest_rows() -> None:
-    from capacity_router.aggregate import within_contract
-    from sidecar.contract import (
+    from capacity_contract import (
         MAX_SNAPSHOT_BYTES,
         CapacitySnapshot,
         ModelCapacity,
         decode_snapshot,
     )
+    from capacity_router.aggregate import within_contract
 
     rows = [
         ModelCapacity(id=f"{i:03d}" + "é" * (230 + i % 23), max_concurrent_requests=7)

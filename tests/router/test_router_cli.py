@@ -17,8 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from router_support import KEY, ScriptedServer, Sim, serve_args, worker, write_registry
 
+from capacity_contract import decode_snapshot
 from capacity_router.kinds import kind_of
-from sidecar.contract import decode_snapshot
 
 CLI = [sys.executable, "-m", "gateway_capacity", "router"]
 

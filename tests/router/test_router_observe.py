@@ -12,8 +12,8 @@ import pytest
 from gwtest import wait_for
 from router_support import KEY, Router, Sim, get_capacity, rows, worker, write_registry
 
+from capacity_contract import CapacitySnapshot, decode_snapshot
 from capacity_router import FencedInRegistry, RouterServer, UnknownWorker
-from sidecar.contract import CapacitySnapshot, decode_snapshot
 
 
 def served(router: RouterServer) -> CapacitySnapshot:

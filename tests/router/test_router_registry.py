@@ -132,7 +132,7 @@ def test_r_k5_shared_sockets_warns_only_for_two_ids_on_one_address_and_path() ->
 def test_r_p6_the_registry_bound_is_the_longest_snapshot_to_the_byte() -> None:
     """Ids that reach 65,536 bytes exactly at their longest snapshot pass, one byte more
     is refused: UTF-8, JSON escaping, a 4-digit count and the longest float counted."""
-    from sidecar.contract import (
+    from capacity_contract import (
         MAX_SNAPSHOT_BYTES,
         CapacitySnapshot,
         ModelCapacity,

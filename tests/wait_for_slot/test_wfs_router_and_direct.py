@@ -74,9 +74,9 @@ def test_r_k5_against_a_router_the_room_is_the_farms_capacity(farm, cli):
 
 
 def test_r_k5_the_routers_load_counts_what_it_relays_to_each_models_workers() -> None:
+    from capacity_contract import CapacitySnapshot, ModelCapacity
     from capacity_router.app import farm_load
     from capacity_router.poller import WorkerStatus
-    from sidecar.contract import CapacitySnapshot, ModelCapacity
 
     snap = CapacitySnapshot(
         object="inference_capacity",
