@@ -81,7 +81,7 @@ class ShareLoop:
                 self._failed(f"credential: {exc}")
                 return
         try:
-            self.client = ShareClient(share, password)
+            self.client = ShareClient(share.redis, password)
         except Exception as exc:  # check_share builds the same client: only a redis-py surprise
             log.error(
                 "capacityShare: redis-py refused the URL (%s); share mode holds no share", exc
