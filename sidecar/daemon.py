@@ -168,8 +168,8 @@ class Sidecar:
         self._grid_origin = time.monotonic()  # probe loops start on multiples of refresh_s
         self.out = _Output(ReasonsWriter(self.segment_name, self.seg.mode))
         # read once: a reload that adds, drops or changes capacityShare needs a restart
-        self.share_config = self.config.share
-        self.sharing = ShareLoop(self, self.share_config) if self.share_config else None
+        share = self.config.share
+        self.sharing = ShareLoop(self, share) if share is not None else None
 
     # --- life cycle ---------------------------------------------------------------------
     async def run(self) -> int:
@@ -381,7 +381,7 @@ class Sidecar:
         if config == self.config and self.config_status == "ok":
             return  # touched or rewritten with the same content: nothing to redo (R-P9)
         log.info("config: change picked up")
-        if config.share != self.share_config:
+        if config.share != (self.sharing.config if self.sharing is not None else None):
             log.warning(
                 "config: capacityShare changed; it is read at start only: restart the sidecar "
                 "to apply it (the running one keeps the old setting)"
