@@ -306,15 +306,19 @@ class _Attachment:
             from shm_layout import writer
 
             try:
-                p, created = writer.ensure_provider(
-                    self.seg, e.provider_id, e.fallback, e.fallback_source, discovery=e.discovery
+                # the creating shim writes the classes a sidecar would, with the row (R-A21)
+                _, created = writer.ensure_provider(
+                    self.seg,
+                    e.provider_id,
+                    e.fallback,
+                    e.fallback_source,
+                    discovery=e.discovery,
+                    classes=e.classes,
+                    default_class=e.default_class,
                 )
             except TableFull as exc:
                 self.overflow[e.provider_id] = str(exc)
                 continue
-            if created and e.classes:  # the creating shim writes what a sidecar would (R-A21)
-                writes = writer.class_writes(p, e.classes, e.default_class)
-                self.seg.core.transact([], writes, True, 0.0)
             if created and e.fallback > layout.RUNNING_ROOM:
                 log.warning(
                     "provider %s: maxConcurrent %d is above what the segment can hold; "

@@ -1298,11 +1298,18 @@ static uint32_t unregister_locked(Core *c, int m, uint64_t serial, Now now, Ring
     return cut;
 }
 
+/* The head of a class row as a writer gives it (writer.CLASS_ROW): name, reserve, cap,
+ * maxWait; the admission counter after it is the core's. */
+#define CLASS_SPEC_BYTES CLASS_ADMITTED_TOTAL
+
 /* The provider section (ledger.Ledger.ensure_provider): the row whose id is ``padded``
- * (ID_BYTES, NUL-padded, matched in full), or a free row claimed for it, in_use last
- * (``*created`` = 1). Returns the row; -1 when the table is full. */
+ * (ID_BYTES, NUL-padded, matched in full), or a free row claimed for it with its class
+ * table (``nclasses`` rows of CLASS_SPEC_BYTES, and the default class) in the same step,
+ * in_use last (``*created`` = 1): no arrival ever sees the row without its classes.
+ * Returns the row; -1 when the table is full. */
 static int ensure_provider_locked(Core *c, const char *padded, int fallback, int source, int flags, int bound,
-                                  const char *reason, Py_ssize_t reason_len, int *created)
+                                  const char *reason, Py_ssize_t reason_len, const char *classes, int nclasses,
+                                  uint32_t default_class, int *created)
 {
     for (int p = 0; p < PROVIDER_COUNT; p++) {
         long b = pbase(c, p);
@@ -1321,6 +1328,15 @@ static int ensure_provider_locked(Core *c, const char *padded, int fallback, int
         st32(c, b + PROVIDER_FLAGS, (uint32_t)flags);
         memset(AT(c, b + PROVIDER_REASON), 0, REASON_BYTES);
         memcpy(AT(c, b + PROVIDER_REASON), reason, reason_len);
+        for (int k = 0; k < CLASS_COUNT; k++) {
+            long cb = cbase(c, p, k);
+            if (k < nclasses)
+                memcpy(AT(c, cb), classes + (long)k * CLASS_SPEC_BYTES, CLASS_SPEC_BYTES);
+            else
+                memset(AT(c, cb), 0, CLASS_SPEC_BYTES);
+        }
+        st32(c, b + PROVIDER_DEFAULT_CLASS, default_class);
+        st32(c, b + PROVIDER_CLASS_COUNT, (uint32_t)nclasses);
         st32(c, b + PROVIDER_IN_USE, 1); /* last */
         *created = 1;
         return p;
@@ -2620,15 +2636,18 @@ static PyObject *Core_unregister(Core *c, PyObject *args)
     return PyLong_FromUnsignedLong(cut);
 }
 
-/* ensure_provider(id, fallback, source, flags, queue_bound, reason) -> (index, created);
- * index -1 when the table is full. ``id`` is matched in full, never by a prefix. */
+/* ensure_provider(id, fallback, source, flags, queue_bound, reason, classes=b"",
+ * default_class=0) -> (index, created); index -1 when the table is full. ``id`` is
+ * matched in full, never by a prefix. ``classes``: the class rows a claimed row starts
+ * with (writer.class_table), written with it in one step. */
 static PyObject *Core_ensure_provider(Core *c, PyObject *args)
 {
-    const char *id, *reason;
-    Py_ssize_t id_len, reason_len;
+    const char *id, *reason, *classes = "";
+    Py_ssize_t id_len, reason_len, classes_len = 0;
     int fallback, source, flags, bound;
-    if (!PyArg_ParseTuple(args, "y#iiiiy#", &id, &id_len, &fallback, &source, &flags, &bound, &reason,
-                          &reason_len))
+    unsigned int default_class = 0;
+    if (!PyArg_ParseTuple(args, "y#iiiiy#|y#I", &id, &id_len, &fallback, &source, &flags, &bound, &reason,
+                          &reason_len, &classes, &classes_len, &default_class))
         return NULL;
     if (!usable(c))
         return NULL;
@@ -2636,6 +2655,11 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "a provider id is 1 to ID_BYTES bytes without NUL");
         return NULL;
     }
+    if (classes_len % CLASS_SPEC_BYTES || classes_len / CLASS_SPEC_BYTES > CLASS_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "classes: at most CLASS_COUNT rows of the class spec");
+        return NULL;
+    }
+    int nclasses = (int)(classes_len / CLASS_SPEC_BYTES);
     if (reason_len > REASON_BYTES)
         reason_len = REASON_BYTES;
     char padded[256];
@@ -2647,7 +2671,8 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
     memcpy(padded, id, id_len);
     int rc, index = -1, created = 0;
     LOCKED(c, 1, 0.0, rc, {
-        index = ensure_provider_locked(c, padded, fallback, source, flags, bound, reason, reason_len, &created);
+        index = ensure_provider_locked(c, padded, fallback, source, flags, bound, reason, reason_len, classes,
+                                       nclasses, default_class, &created);
     });
     if (rc < 0 || rc == E_DAMAGED_LOCK)
         return lock_error(c, rc);
@@ -3081,7 +3106,7 @@ static PyMethodDef Core_methods[] = {
     {"pump_all", (PyCFunction)Core_pump_all, METH_VARARGS, "pump_all(now)"},
     {"register", (PyCFunction)Core_register, METH_VARARGS, "register(pid, start, label, major, minor, now, bell=0) -> (member, serial)"},
     {"unregister", (PyCFunction)Core_unregister, METH_VARARGS, "unregister(now) -> running records cut"},
-    {"ensure_provider", (PyCFunction)Core_ensure_provider, METH_VARARGS, "ensure_provider(id, fallback, source, flags, bound, reason) -> (index, created)"},
+    {"ensure_provider", (PyCFunction)Core_ensure_provider, METH_VARARGS, "ensure_provider(id, fallback, source, flags, bound, reason, classes=b'', default_class=0) -> (index, created)"},
     {"transact", (PyCFunction)Core_transact, METH_VARARGS, "transact(guards, writes, pump, now, sweep=False) -> bool"},
     {"snapshot", (PyCFunction)Core_snapshot, METH_NOARGS, "snapshot() -> bytes"},
     {"own_records", (PyCFunction)Core_own_records, METH_NOARGS, "(running, waiting) records of this registration"},

@@ -723,8 +723,19 @@ class Ledger:
         return rings
 
     def ensure_provider(
-        self, provider_id: str, fallback: int, source: int, flags: int, reason: bytes
+        self,
+        provider_id: str,
+        fallback: int,
+        source: int,
+        flags: int,
+        reason: bytes,
+        classes: bytes = b"",
+        default_class: int = 0,
     ) -> tuple[int, bool]:
+        """The row of ``provider_id``, or a free one claimed with its class table
+        (``classes``: rows of the writer's ``CLASS_ROW``) in the same step, in_use last:
+        no arrival sees a claimed row without its classes. (-1, False): full."""
+        spec = layout.CLASS["admitted_total"].offset  # a row's bytes a writer gives
         wanted = encode_provider_id(provider_id).ljust(layout.ID_BYTES, b"\x00")
         for p in range(PROVIDER_COUNT):
             base = provider_base(p)
@@ -741,6 +752,11 @@ class Ledger:
             PROVIDER["fallback_source"].put(self.buf, source, base)
             PROVIDER["flags"].put(self.buf, flags, base)
             PROVIDER["reason"].put(self.buf, reason[: layout.REASON_BYTES], base)
+            for k in range(layout.CLASS_COUNT):
+                cb = class_base(p, k)
+                self.buf[cb : cb + spec] = classes[k * spec : (k + 1) * spec].ljust(spec, b"\0")
+            PROVIDER["default_class"].put(self.buf, default_class, base)
+            PROVIDER["class_count"].put(self.buf, len(classes) // spec, base)
             PROVIDER["in_use"].put(self.buf, 1, base)
             return p, True
         return -1, False
