@@ -1344,10 +1344,49 @@ static int ensure_provider_locked(Core *c, const char *padded, int fallback, int
     return -1;
 }
 
-/* The transaction section (Core.transact): when every guard's bytes match, apply every
- * write in order, then sweep (``do_sweep``) or pump every provider (``do_pump``). 1
+/* The transaction section (Core.transact, ledger.Ledger.transact): when every guard's
+ * bytes match, apply every write in order, relabel the records of every class table
+ * written over, then sweep (``do_sweep``) or pump every provider (``do_pump``). 1
  * applied, 0 a guard differed (nothing written). */
 typedef struct { long off; Py_ssize_t len; const char *src; } Patch;
+
+#define CLASS_NAME_BYTES (CLASS_RESERVE - CLASS_NAME) /* the name field, NUL-padded */
+
+/* A provider's class names as its rows hold them (the first ``count``, at most
+ * CLASS_COUNT; the rest zero). */
+typedef struct { uint32_t count; char name[CLASS_COUNT][CLASS_NAME_BYTES]; } ClassNames;
+
+static void class_names(Core *c, int p, ClassNames *n)
+{
+    uint32_t count = ld32(c, pbase(c, p) + PROVIDER_CLASS_COUNT);
+    n->count = count < CLASS_COUNT ? count : CLASS_COUNT;
+    memset(n->name, 0, sizeof n->name);
+    for (uint32_t k = 0; k < n->count; k++)
+        memcpy(n->name[k], AT(c, cbase(c, p, (int)k) + CLASS_NAME), CLASS_NAME_BYTES);
+}
+
+/* The class table of ``p`` was written over (ledger.Ledger._relabel): every running and
+ * waiting record keeps the class it asked for, found by its whole name in the new rows
+ * (whatever row it moved to); a record whose class is gone, or that counted in the
+ * default class, holds 0: the default class, resolved when read. */
+static void relabel(Core *c, int p, const ClassNames *was)
+{
+    ClassNames is;
+    class_names(c, p, &is);
+    if (is.count == was->count && memcmp(is.name, was->name, sizeof is.name) == 0)
+        return;
+    for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
+        long hb = hbase(c, p, h);
+        uint32_t state = ld32(c, hb + HOLDER_STATE), v = ld8(c, hb + HOLDER_CLS), to = 0;
+        if ((state != RUNNING && state != WAITING) || v == 0)
+            continue;
+        for (uint32_t k = 0; v - 1 < was->count && k < is.count && !to; k++)
+            if (memcmp(was->name[v - 1], is.name[k], CLASS_NAME_BYTES) == 0)
+                to = k + 1;
+        if (to != v)
+            st8(c, hb + HOLDER_CLS, to);
+    }
+}
 
 static int transact_locked(Core *c, const Patch *g, Py_ssize_t ng, const Patch *w, Py_ssize_t nw, int do_pump,
                            int do_sweep, Now now, Rings *rings)
@@ -1355,8 +1394,16 @@ static int transact_locked(Core *c, const Patch *g, Py_ssize_t ng, const Patch *
     for (Py_ssize_t i = 0; i < ng; i++)
         if (memcmp(AT(c, g[i].off), g[i].src, g[i].len) != 0)
             return 0;
+    ClassNames was[PROVIDER_COUNT];
+    int used[PROVIDER_COUNT];
+    for (int p = 0; p < PROVIDER_COUNT; p++)
+        if ((used[p] = nw > 0 && ld32(c, pbase(c, p) + PROVIDER_IN_USE) != 0))
+            class_names(c, p, &was[p]);
     for (Py_ssize_t i = 0; i < nw; i++)
         memcpy(AT(c, w[i].off), w[i].src, w[i].len);
+    for (int p = 0; p < PROVIDER_COUNT; p++)
+        if (used[p])
+            relabel(c, p, &was[p]);
     if (do_sweep)
         sweep(c, now, rings);
     else if (do_pump)
