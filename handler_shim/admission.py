@@ -621,8 +621,8 @@ class Admission:
         from shm_layout import view
 
         index = view.class_index(att.buf, p, cls)
-        if index >= 0:
-            name = layout.encode_text(cls, CLASS_NAME_BYTES).ljust(CLASS_NAME_BYTES, b"\0")
+        name = view.class_name_bytes(cls)
+        if index >= 0 and name is not None:
             att.classes[(p, cls)] = (name, index)
         if index < 0:
             self._log_once(
