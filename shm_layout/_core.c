@@ -601,8 +601,11 @@ static int classes_in_force(Core *c, int p)
     return count < CLASS_COUNT ? (int)count : CLASS_COUNT;
 }
 
+/* The rules of the ``count`` classes in force; none in force: one class 0 with no
+ * reserve, cap or maxWait (one FIFO). */
 static void class_rules(Core *c, int p, int count, Rules *r)
 {
+    memset(r, 0, sizeof *r);
     r->count = count;
     for (int k = 0; k < count; k++) {
         long cb = cbase(c, p, k);
@@ -644,20 +647,27 @@ static int may_run(const Rules *r, int k, int promoted, uint32_t running, const 
     return running + withheld < limit;
 }
 
-static void class_running(Core *c, int p, uint32_t *run)
+/* The class a record's cls byte counts in under rules ``r``: class 0 when none are in
+ * force (their rows may be written while a handler of an older minor suspends them). */
+static int rule_class(Core *c, int p, const Rules *r, long hb)
+{
+    return r->count ? resolve_class(c, p, (int)ld8(c, hb + HOLDER_CLS) - 1) : 0;
+}
+
+static void class_running(Core *c, int p, const Rules *r, uint32_t *run)
 {
     memset(run, 0, CLASS_COUNT * sizeof *run);
     for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
         long hb = hbase(c, p, h);
         if (ld32(c, hb + HOLDER_STATE) == RUNNING)
-            run[resolve_class(c, p, (int)ld8(c, hb + HOLDER_CLS) - 1)]++;
+            run[rule_class(c, p, r, hb)]++;
     }
 }
 
 /* A waiting record's class, and its rank: the top class once it waited maxWait. */
 static int record_rank(Core *c, int p, long hb, const Rules *r, double now, int *k, int *promoted)
 {
-    *k = resolve_class(c, p, (int)ld8(c, hb + HOLDER_CLS) - 1);
+    *k = rule_class(c, p, r, hb);
     double wait = r->max_wait[*k];
     *promoted = *k > 0 && wait > 0 && now - ldd(c, hb + HOLDER_SINCE_MONO) >= wait;
     return *promoted ? 0 : *k;
@@ -762,22 +772,18 @@ static int displaceable(Core *c, int p, int k, const Rules *r, double now)
     return best;
 }
 
-/* FIFO admission (ledger.decide_arrival): nobody overtakes a waiter (R-A3), the queue is
- * bounded (R-A2). */
-static int decide_arrival(uint32_t running, uint32_t waiting, uint32_t limit, uint32_t bound)
+/* An arrival of class k, after the pump (ledger.Ledger._decide): admitted when its class
+ * may run, else queued; from a full queue it displaces the newest waiter of the lowest
+ * rank below k (*victim, -1 none: refused). Without classes in force it is class 0 of
+ * one, with no reserve, cap or maxWait: admitted while running < limit, which the pump
+ * leaves only with nobody waiting (R-A3), refused when 32 wait (R-A2). The counts by
+ * class are read only for a class below the top or one with a cap. */
+static int decide(Core *c, int p, int k, const Rules *r, uint32_t running, uint32_t waiting, uint32_t limit,
+                  double now, int *victim)
 {
-    if (waiting == 0 && running < limit)
-        return R_ADMIT;
-    return waiting >= bound ? R_FULL : R_WAIT;
-}
-
-/* An arrival of class k with classes in force (ledger.Ledger._decide_classed): the
- * decision, and in *victim the waiter it displaces from a full queue (-1 none). */
-static int decide_classed(Core *c, int p, int k, const Rules *r, uint32_t running, uint32_t waiting,
-                          uint32_t limit, double now, int *victim)
-{
-    uint32_t run[CLASS_COUNT];
-    class_running(c, p, run);
+    uint32_t run[CLASS_COUNT] = {0};
+    if (k > 0 || r->cap[k])
+        class_running(c, p, r, run);
     if (may_run(r, k, 0, running, run, limit))
         return R_ADMIT;
     if (waiting < (uint32_t)QUEUE_BOUND)
@@ -832,23 +838,21 @@ static void claim_record(Core *c, Ticket *tk, int p, int h, unsigned int pid, No
     }
 }
 
-/* The arrival section (ledger.Ledger.arrive): FIFO without classes in force; with them
- * (class k), a pump first (a waiter may have been promoted meanwhile), then the class
- * runs at once when it may, else queues, displacing the newest waiter of the lowest rank
- * below k from a full queue. */
+/* The arrival section (ledger.Ledger.arrive): a pump first (a limit may have risen, a
+ * waiter may have been promoted meanwhile), then one decision (``decide``), the FIFO
+ * being its case without classes. */
 static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, int may_wait, int futex,
                          Rings *rings)
 {
     if (c->member < 0 || c->closing)
         return R_CLOSED; /* unregistered or closing meanwhile: nothing may run (R-A14) */
-    int k = resolve_class(c, p, tk->cls);
     int count = classes_in_force(c, p);
+    int k = count ? resolve_class(c, p, tk->cls) : 0;
     long b = pbase(c, p);
     if (counters_damaged(c, b) && recount_provider(c, p))
         note_damage(c, "provider counters were written over");
     Rules r;
-    if (count)
-        pump(c, p, now, rings, NULL);
+    pump(c, p, now, rings, NULL);
     class_rules(c, p, count, &r);
     int decision = R_FULL;
     for (int attempt = 0; attempt < 2; attempt++) {
@@ -856,10 +860,7 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
         uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
         uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
         int victim = -1;
-        if (count)
-            decision = decide_classed(c, p, k, &r, running, waiting, limit, now.mono, &victim);
-        else
-            decision = decide_arrival(running, waiting, limit, (uint32_t)QUEUE_BOUND);
+        decision = decide(c, p, k, &r, running, waiting, limit, now.mono, &victim);
         int h = decision != R_FULL ? first_free(c, p) : -1;
         if (h < 0)
             h = victim;
@@ -1027,7 +1028,7 @@ static void pump_classed(Core *c, int p, uint32_t running, uint32_t waiting, uin
     Rules r;
     class_rules(c, p, classes_in_force(c, p), &r);
     uint32_t run[CLASS_COUNT];
-    class_running(c, p, run);
+    class_running(c, p, &r, run);
     int recounted = 0;
     while (running < limit && waiting > 0) {
         int k = 0, promoted_only = 0, anyone = 0;
