@@ -101,6 +101,9 @@ class ProviderView:
     classes_suspended: bool = False
     promoted_total: int = 0
     displaced_total: int = 0
+    # the fallback is share mode's 0 (docs/share.md), not a maxConcurrent: the documents'
+    # ``fallback_source`` says "default" for it, the text views "share mode"
+    fallback_share: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,6 +423,8 @@ def _provider(
         queue_bound=PROVIDER["queue_bound"].get(data, base),
         fallback_limit=in_room(PROVIDER["fallback_limit"].get(data, base)),
         fallback_source=_fallback_source(PROVIDER["fallback_source"].get(data, base)),
+        fallback_share=layout.SOURCES.get(PROVIDER["fallback_source"].get(data, base))
+        == layout.Source.SHARE,
         published_limit=published if published >= 0 else None,
         discovered=discovered if discovered >= 0 else None,
         observed_at=observed or None,

@@ -27,7 +27,7 @@ import difflib
 import functools
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Annotated, Any, Final
 from urllib.parse import parse_qs, unquote, urlparse, urlsplit
 
@@ -35,6 +35,8 @@ import msgspec
 
 from capacity_contract import shown
 from gateway_config import (
+    CLASS_KEYS,
+    CLASSES_REFUSED,
     ENTRY_FIELDS,
     MAX_LIMIT,
     MAX_PROVIDER_ID_BYTES,
@@ -57,6 +59,7 @@ from sidecar.addresses import classify, is_localhost_name, parse_ip, static_opt_
 from sidecar.credential import check_credential_spec
 
 __all__ = [
+    "CLASSES_REFUSED",
     "MAX_LIMIT",
     "MAX_PROVIDER_ID_BYTES",
     "RANGE_ONLY",
@@ -75,6 +78,7 @@ __all__ = [
     "UserName",
     "check_provider",
     "check_share",
+    "classes_status",
     "judge",
     "load_config",
     "parse_base_url",
@@ -263,12 +267,23 @@ class GatewayConfig:
     skipped: tuple[str, ...]  # entries that have no usable id, with the reason
     share: CapacityShare | None = None  # share mode (docs/share.md); None: local mode
     unknown_keys: tuple[UnknownKey, ...] = ()  # keys of ours that are probably typos
+    # by provider id: why its classes were refused (it admits as one queue)
+    class_problems: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def provider(self, provider_id: str) -> ProviderConfig | None:
         for p in self.providers:
             if p.id == provider_id:
                 return p
         return None
+
+
+def classes_status(config: GatewayConfig) -> str:
+    """``ok``, or every provider whose classes were refused with its first problem (the
+    segment keeps 128 bytes of it; ``check-config`` lists them all)."""
+    if not config.class_problems:
+        return "ok"
+    said = "; ".join(f"{pid}: {why[0]}" for pid, why in config.class_problems.items())
+    return f"{CLASSES_REFUSED}, one queue instead: {said}"
 
 
 def parse_base_url(base_url: str) -> Endpoint:
@@ -381,8 +396,8 @@ def provider_problems(entry: Mapping[str, Any]) -> tuple[ProviderConfig, list[st
     usable: dict[str, Any] = {"id": entry.get("id")}
     bad: set[str] = set()
     for name, value in entry.items():
-        if name == "id" or name not in ENTRY_FIELDS:
-            continue
+        if name == "id" or name not in ENTRY_FIELDS or name in CLASS_KEYS:
+            continue  # the classes' problems are their own (gateway_config.class_problems)
         try:
             msgspec.convert({"id": usable["id"], name: value}, ProviderConfig, strict=True)
         except msgspec.ValidationError as exc:
@@ -390,12 +405,7 @@ def provider_problems(entry: Mapping[str, Any]) -> tuple[ProviderConfig, list[st
             bad.add(name)
         else:
             usable[name] = value
-    try:
-        provider = msgspec.convert(usable, ProviderConfig, strict=True)
-    except msgspec.ValidationError as exc:  # fields fine alone, not together (classes)
-        problems.append(f"config_invalid:{field_message(str(exc))}")
-        usable.pop("defaultClass", None)
-        provider = msgspec.convert(usable, ProviderConfig, strict=True)
+    provider = msgspec.convert(usable, ProviderConfig, strict=True)
     if entry.get("capacityDiscovery") is not True:
         return provider, problems
 
@@ -484,6 +494,7 @@ def judge(file: ConfigFile) -> GatewayConfig:
         file.skipped,
         share,
         tuple(unknown_keys(file.document)),
+        file.class_problems,
     )
 
 
@@ -549,8 +560,13 @@ def _struct_fields(struct: type[msgspec.Struct]) -> dict[str, Any]:
 
 
 def _inner_struct(t: msgspec.inspect.Type) -> type[msgspec.Struct] | None:
+    """The Struct of a field whose value is an object of ours, or an array of them."""
     if isinstance(t, msgspec.inspect.StructType):
         return t.cls
+    if isinstance(t, (msgspec.inspect.ListType, msgspec.inspect.VarTupleType)):
+        return _inner_struct(t.item_type)
+    if isinstance(t, msgspec.inspect.Metadata):
+        return _inner_struct(t.type)
     if isinstance(t, msgspec.inspect.UnionType):
         found = [_inner_struct(u) for u in t.types]
         return next((f for f in found if f is not None), None)
@@ -558,7 +574,12 @@ def _inner_struct(t: msgspec.inspect.Type) -> type[msgspec.Struct] | None:
 
 
 def _own_object(value: Any, struct: type[msgspec.Struct], where: str) -> Iterator[UnknownKey]:
-    """Every unknown key of an object that is wholly ours, nested objects of ours too."""
+    """Every unknown key of an object that is wholly ours (or of each object of an array
+    of them, ``classes``), nested objects of ours too."""
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _own_object(item, struct, f"{where}[{index}]")
+        return
     if not isinstance(value, dict):
         return
     fields = _struct_fields(struct)

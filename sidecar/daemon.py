@@ -48,8 +48,10 @@ from shm_layout.view import ReplicaView, parse_view, snapshot_bytes
 from sidecar import sdnotify
 from sidecar.addresses import is_loopback, parse_host_port, parse_ip
 from sidecar.config import (
+    CLASSES_REFUSED,
     ConfigError,
     GatewayConfig,
+    classes_status,
     load_config,
     parse_base_url,
 )
@@ -139,7 +141,7 @@ class Sidecar:
         # sidecar that cannot start must not fence the running one (R-G4), then leave none.
         self.opts = options
         self.config, self.config_stamp = _first_config(options.config_path)
-        self.config_status = "ok"
+        self.config_status = classes_status(self.config)
         self.legacy = _legacy_drain(options)
         self.parent = _parent_watch(options.parent_pid)
         self.segment_name = resolve_segment_name(options.segment, options.config_path)
@@ -270,7 +272,7 @@ class Sidecar:
             self._check_config()
         except Exception:  # a reload must never take the sidecar down
             self.log_unexpected("reload")
-        if self.generation == generation and self.config_status == "ok":
+        if self.generation == generation and self.config_status == classes_status(self.config):
             log.info("config unchanged")
 
     def _segment_gone(self) -> bool:
@@ -317,6 +319,13 @@ class Sidecar:
             log.warning("config: skipped a provider entry: %s", reason)
         for unknown in config.unknown_keys:
             log.warning("config: %s", unknown)
+        for provider_id, why in config.class_problems.items():
+            log.error(
+                "config: provider %s: %s, it admits as one queue until they are fixed: %s",
+                provider_id,
+                CLASSES_REFUSED,
+                "; ".join(why),
+            )
         wanted = {r.provider_id: r for r in rules_from_config(config)}
         for provider_id in list(self.providers):
             if provider_id not in wanted:
@@ -378,7 +387,7 @@ class Sidecar:
                 self.config_status = status
                 self.publish()
             return
-        if config == self.config and self.config_status == "ok":
+        if config == self.config and self.config_status == classes_status(config):
             return  # touched or rewritten with the same content: nothing to redo (R-P9)
         log.info("config: change picked up")
         if config.share != (self.sharing.config if self.sharing is not None else None):
@@ -387,7 +396,7 @@ class Sidecar:
                 "to apply it (the running one keeps the old setting)"
             )
         self.generation += 1
-        self.config_status = "ok"
+        self.config_status = classes_status(config)
         self._apply_config(config)
         self.publish()
 

@@ -126,7 +126,7 @@ def test_r_a22_wait_for_slot_computes_room_as_the_class_sees_it(
     local = ("wait-for-slot", "--segment", segment_name, "--provider", "p1", "--quiet")
     assert run_cli(*local, "--check", "--class", "batch").returncode == 1  # 2 of 4 reserved
     assert run_cli(*local, "--check", "--class", "interactive", "--need", "2").returncode == 0
-    assert run_cli(*local, "--check").returncode == 0  # the provider as a whole has room
+    assert run_cli(*local, "--check").returncode == 1  # judged as the default class, batch
     unknown = run_cli(*local, "--check", "--class", "bulk")
     assert unknown.returncode == 2 and "no admission class 'bulk'" in unknown.stderr
 

@@ -109,6 +109,16 @@ def test_check_config_says_share_mode_is_off(
     assert out.stdout.splitlines()[-1].startswith("share mode: off (no capacityShare); redis-py ")
 
 
+def test_check_config_with_share_mode_off_does_not_ask_for_redis_py(
+    write_config: WriteConfig, run_cli: Callable[..., Ran], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "redis", None)  # a host without the share extra
+    out = run_cli("check-config", "--config", str(write_config({"providers": []})), "--strict")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1] == "share mode: off (no capacityShare)"
+    assert "pip install" not in out.stdout
+
+
 def test_check_config_shows_share_mode_and_whether_it_can_start(
     tmp_path: Path, write_config: WriteConfig, run_cli: Callable[..., Ran]
 ) -> None:

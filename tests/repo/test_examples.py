@@ -243,6 +243,47 @@ WALK = re.compile(r"<!-- walk-through: (?P<name>[\w-]+) -->\n```sh\n(?P<body>.*?
 PORTS = (8000, 8080, 8081, 8082, 8731)
 
 
+def _extras(named: str) -> set[str]:
+    return {x.strip() for x in named.split(",")}
+
+
+def test_the_walk_throughs_install_line_and_the_demo_venv_bring_every_command_they_run() -> None:
+    """Each program a block runs that a package of ours does not bring itself (uvicorn)
+    must come from an extra named on the install line the README gives, and from
+    ``make demo``'s venv (whose extras are the Makefile's). Resolved through this venv's
+    installed distributions: who provides the console script, who requires whom."""
+    import tomllib
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    readme = (EXAMPLES / "README.md").read_text()
+    line = re.search(r"pip install -e '\.\[([\w,]+)\]'", readme)
+    assert line is not None, "the walk-throughs' install line"
+    makefile = (ROOT / "Makefile").read_text()
+    demo = re.search(r"\$\(DEMO_STAMP\):.*?pip install --quiet -e '\.\[([\w,]+)\]'", makefile, re.S)
+    assert demo is not None, "make demo's install line"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    scripts = {ep.name: ep.dist for ep in metadata.entry_points(group="console_scripts")}
+    run: set[str] = set()
+    for name in ("setup", "farm", "openai", "relay"):
+        for command in walk_through(name).splitlines():
+            words = re.sub(r"^(\w+=\S+\s+)+", "", command.split("#")[0]).split()
+            if words and words[0] in scripts and words[0] != "pip":  # pip installs it
+                run.add(words[0])
+    assert "uvicorn" in run  # what the openai and relay blocks start
+    for named in (line[1], demo[1]):
+        brought = {Requirement(r).name.lower() for x in _extras(named) for r in extras.get(x, [])}
+        for program in sorted(run):
+            dist = scripts[program]
+            assert dist is not None
+            if dist.name.lower() in ("gateway-capacity", "gateway_capacity"):
+                continue
+            assert dist.name.lower() in brought, (program, named)
+
+
 def walk_through(name: str) -> str:
     blocks = {m["name"]: m["body"] for m in WALK.finditer((EXAMPLES / "README.md").read_text())}
     return blocks[name]

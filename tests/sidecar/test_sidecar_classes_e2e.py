@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gwtest import Agent
-from sidecar_e2e import StartSidecar, wait_provider
+from gwtest import Agent, run_cli
+from sidecar_e2e import StartSidecar, discovered, wait_provider
 
 from shm_layout.view import read_view
 
@@ -66,17 +66,46 @@ def test_r_a17_metrics_count_running_and_waiting_per_class(
         adm.close()
 
 
-def test_r_a17_check_config_names_a_bad_class_entry_in_one_line() -> None:
-    """Each class field may be right alone and wrong together (a defaultClass that is none
-    of the classes): said as the entry's problem, never a traceback."""
-    from sidecar.config import provider_problems
-
-    entry = {"id": "p1", "classes": [{"name": "a"}, {"name": "b"}], "defaultClass": "c"}
-    provider, problems = provider_problems(entry)
-    assert problems == ["config_invalid:defaultClass 'c' is not one of the classes"]
-    assert [c.name for c in provider.classes] == ["a", "b"] and provider.default_class is None
-    _, problems = provider_problems({"id": "p2", "classes": [{"name": "a"}, {"name": "a"}]})
-    assert problems == ["config_invalid:classes: every class needs a name of its own"]
+def test_r_a17_r_c3_a_bad_class_entry_is_loud_everywhere_and_costs_the_classes_only(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    start_sidecar: StartSidecar,
+    capacity: Any,
+    entry: Any,
+) -> None:
+    """A typo'd reserve type, a duplicate name and a defaultClass that names none: the
+    sidecar logs one ERROR line naming every field, availability shows it on its config
+    line and --check fails, the provider admits as one queue on its discovered limit, and
+    the fix clears it all."""
+    classes = [{"name": "interactive", "reserve": "2"}, {"name": "batch"}, {"name": "batch"}]
+    bad = entry(capacity, classes=classes, defaultClass="Batch")
+    config = write_config({"providers": [bad]})
+    sidecar = start_sidecar(config, segment_name)
+    p = wait_provider(segment_name, "p1", discovered(20), what="discovered despite the classes")
+    assert p["classes"] == []  # one queue: no reserve pretends to hold
+    errors = [line for line in sidecar.log_lines() if "classes refused" in line]
+    assert len(errors) == 1, sidecar.log_text()
+    for said in (
+        "provider p1",
+        "classes[0].reserve: expected `int`, got `str`",
+        "the name 'batch' is given 2 times",
+        "defaultClass 'Batch' is not one of the classes (interactive, batch); "
+        "did you mean 'batch'?",
+    ):
+        assert said in errors[0], errors[0]
+    shown = run_cli("availability", "--segment", segment_name)
+    config_line = next(x for x in shown.stdout.splitlines() if x.startswith("config: "))
+    assert config_line.startswith(
+        "config: classes refused, one queue instead: p1: classes[0].reserve:"
+    ), shown.stdout
+    check = run_cli("availability", "--segment", segment_name, "--check")
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "Fix the classes" in check.stdout + check.stderr
+    bad["classes"], bad["defaultClass"] = [{"name": "interactive", "reserve": 2}], "interactive"
+    config.write_text(json.dumps({"providers": [bad]}))
+    p = wait_provider(segment_name, "p1", lambda p: bool(p["classes"]), what="fix followed")
+    assert p["effective_limit"] == 20
+    assert run_cli("availability", "--segment", segment_name, "--check").returncode == 0
 
 
 def test_r_a18_an_edit_adding_a_class_above_running_requests_keeps_them_in_their_class(
