@@ -71,8 +71,11 @@ def test_r_a18_r_a21_a_batch_flood_from_8_processes_of_two_generations_leaves_th
     segment_name: str, classed: Callable[..., Agent]
 ) -> None:
     batch = [classed(("old", "new")[i % 2], "batch", 4) for i in range(8)]
-    # 32 places for 30 more batch requests: every one queued, none refused
-    assert _until(lambda: _classes(segment_name).get("batch") == (2, 30)), _classes(segment_name)
+    # 32 places for 30 more batch requests: every one queued, none refused (the wait is
+    # for 8 interpreters to start, which a loaded machine slows: no deadline of ours)
+    assert _until(lambda: _classes(segment_name).get("batch") == (2, 30), timeout=60.0), _classes(
+        segment_name
+    )
     interactive = classed("new", "interactive", 2)
     interactive.expect("admitted", timeout=5.0)
     interactive.expect("admitted", timeout=5.0)  # at once, beside a queue of 30
