@@ -3,7 +3,9 @@
 The rules are :func:`sidecar.shares.step`; :data:`STEP_LUA` is the same
 function run inside Redis, atomically, on the server's ``TIME``. One hash per
 provider holds the table: ``~touched`` and ``~rebuild`` (server milliseconds),
-``~cap`` (the capacity last reported by a gateway that knew it) and one field per
+``~cap`` (the capacity last reported by a gateway that knew it), ``~server`` (the
+``run_id`` of the Redis that wrote it: a replica promoted by a failover drops and
+rebuilds the copy it was sent, which may lack the last grants) and one field per
 gateway, ``g:<id>`` = ``"reserved demand expires_ms token seq lease_ms capacity"``.
 
 Only the sidecar imports this module (and redis-py); handlers never talk to
@@ -31,6 +33,9 @@ CALL_TIMEOUT_S: Final = 1.0
 STEP_LUA: Final = r"""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- this server's identity: a table another one wrote (a promoted replica's copy, which
+-- may lack the last grants) is not trusted
+local server = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
 local me = 'g:' .. ARGV[1]
 local cap = tonumber(ARGV[2])
 local held = math.max(0, tonumber(ARGV[3]))
@@ -43,13 +48,14 @@ local seq = tonumber(ARGV[9])
 local keep = lease + math.floor(lease / 2)
 
 local raw = redis.call('HGETALL', KEYS[1])
-local touched, rebuild, known = nil, 0, nil
+local touched, rebuild, known, writer = nil, 0, nil, nil
 local fields = {}
 for i = 1, #raw, 2 do
   local k, v = raw[i], raw[i + 1]
   if k == '~touched' then touched = tonumber(v)
   elseif k == '~rebuild' then rebuild = tonumber(v)
   elseif k == '~cap' then known = tonumber(v)
+  elseif k == '~server' then writer = v
   else fields[k] = v end
 end
 
@@ -85,15 +91,15 @@ if touched == nil then shortest, longest = lease, lease end
 ttl = math.max(ttl, 3 * longest)
 
 local leases, ids = {}, {}
-if touched == nil or now - touched > math.floor(shortest / 2) then
+if touched == nil or writer ~= server or now - touched > math.floor(shortest / 2) then
   redis.call('DEL', KEYS[1])
   rebuild = now + longest + math.floor(longest / 2)
   known = nil
 else
   local mine = fields[me] and parse(fields[me])
   if mine ~= nil and mine[3] > now then
-    if mine[4] ~= '' and mine[4] ~= token then return {0, 0, 0, 0, 0, now, 1} end
-    if mine[4] == token and mine[5] > seq then return {0, 0, 0, 0, 0, now, 2} end
+    if mine[4] ~= '' and mine[4] ~= token then return {0, 0, 0, 0, 0, now, 1, server} end
+    if mine[4] == token and mine[5] > seq then return {0, 0, 0, 0, 0, now, 2, server} end
   end
   for k, v in pairs(fields) do
     local l = parse(v)
@@ -156,12 +162,12 @@ local reserved = math.max(limit, held)
 local ident = ''
 if token ~= '' then ident = ' ' .. token .. ' ' .. seq .. ' ' .. lease .. ' ' .. ARGV[2] end
 redis.call('HSET', KEYS[1], me, reserved .. ' ' .. demand .. ' ' .. (now + keep) .. ident,
-  '~touched', now, '~rebuild', rebuild)
+  '~touched', now, '~rebuild', rebuild, '~server', server)
 if known ~= nil then redis.call('HSET', KEYS[1], '~cap', known) end
 redis.call('PEXPIRE', KEYS[1], ttl)
 local r = 0
 if rebuilding then r = 1 end
-return {limit, reserved, n, r, others, now, 0}
+return {limit, reserved, n, r, others, now, 0, server}
 """
 
 
@@ -266,7 +272,7 @@ class ShareClient:
             )
         except (redis.RedisError, OSError, TimeoutError) as exc:
             raise ShareUnavailable(_describe(exc)) from None
-        limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out)
+        limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out[:7])
         why = {1: DUPLICATE, 2: STALE}.get(refused, "")
         grant = Grant(limit, reserved, gateways, bool(rebuilding), others, why)
         return Answer(grant, now)
