@@ -105,6 +105,10 @@ class CapacityShare(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
     credential_file: str | None = None
     lease: LeaseSeconds = 10.0
     floor: ShareFloor = 1
+    # who must own the socket listening on a loopback Redis before anything is sent
+    # there (the credential, or a call whose answer would be trusted); None: root, the
+    # sidecar's user, or a user named redis or valkey (sidecar/share.py)
+    listener_owner: Uid | UserName | None = None
 
 
 def check_share(share: CapacityShare) -> str | None:
@@ -153,7 +157,21 @@ def check_share(share: CapacityShare) -> str | None:
     if problem is not None:
         return f"redis: {shown(problem)}"
     if share.credential_file is not None:
-        return check_credential_spec(share.credential_file)
+        problem = check_credential_spec(share.credential_file)
+        if problem is not None:
+            return problem
+    if not _is_loopback_host(parts.hostname):
+        if share.credential_file is not None and parts.scheme != "rediss":
+            return (
+                "redis: a password for a Redis that is not on this host goes only over "
+                "TLS: use rediss:// (with ?ssl_ca_certs= naming the certificate to pin)"
+            )
+        if parts.scheme == "rediss" and _tls_unverified(share.redis):
+            return "redis: ?ssl_cert_reqs= must verify the certificate of a Redis not on this host"
+        if share.listener_owner is not None:
+            return (
+                "listenerOwner applies to a loopback Redis only (a remote owner cannot be checked)"
+            )
     return None
 
 
@@ -203,6 +221,11 @@ REDIS_PLAIN_OPTIONS: Final = frozenset(
 """Query names a ``capacityShare.redis`` URL may carry. redis-py's ``parse_url`` hands
 every query name to the connection as a keyword, so ``?password=``, ``?ssl_password=``
 and any name it does not type could carry a secret into a widely read file."""
+
+
+def _tls_unverified(url: str) -> bool:
+    reqs = parse_qs(urlparse(url).query).get("ssl_cert_reqs", [])
+    return any(value.strip().lower() == "none" for value in reqs)
 
 
 def _redis_query_names(url: str) -> set[str]:

@@ -16,17 +16,28 @@ and is handed to redis-py as a keyword, never in the URL, argv or a log line.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import ipaddress
+import logging
+import os
+import pwd
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from shm_layout.errors import GatewayCapacityError
+from sidecar import listeners
 from sidecar.shares import DUPLICATE, STALE, Grant, Report, table_ttl_ms
 
 if TYPE_CHECKING:
     from sidecar.config import CapacityShare
 
+log = logging.getLogger("gateway_capacity.sidecar")
+
+# the users a distribution's Redis or Valkey package runs as: trusted to own a loopback
+# Redis's listener when capacityShare.listenerOwner is not set (only root makes users)
+PACKAGE_USERS: Final = ("redis", "valkey")
 KEY_PREFIX: Final = "gateway-capacity:share:"
 CALL_TIMEOUT_S: Final = 1.0
 
@@ -238,6 +249,94 @@ def url_problem(url: str) -> str | None:
     return None
 
 
+def _default_owners() -> frozenset[int]:
+    uids = {0, os.geteuid()}
+    for name in PACKAGE_USERS:
+        try:
+            uids.add(pwd.getpwnam(name).pw_uid)
+        except KeyError:
+            continue
+    return frozenset(uids)
+
+
+def peer_problem(
+    host: str, port: int, owner: int | str | None, *, password: bool, tls: bool
+) -> str | None:
+    """Why nothing may be sent to the Redis (or sentinel) this connection reached at
+    ``host:port``, or ``None``.
+
+    On loopback any local user may listen on Redis's port while Redis is down, and would
+    get the password (``AUTH``) and could answer any grant: the listener must belong to
+    ``owner`` (``listenerOwner``; unset: root, this sidecar's user, or a user named
+    ``redis`` or ``valkey``), the rule of the sidecar's hop (sidecar/listeners.py). Off
+    this host a password goes only over TLS (the certificate verified, ``rediss://``).
+    """
+    try:
+        ip = ipaddress.ip_address(host.partition("%")[0])
+    except ValueError:
+        return f"{host}:{port} is not an address"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if not ip.is_loopback:
+        if password and not tls:
+            return f"{ip}:{port} is not on this host: the password goes there only over TLS"
+        return None
+    shown = f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+    if owner is not None:
+        return listeners.check_listener(str(ip), port, owner).refused
+    uids = listeners.listening_uids(str(ip), port)
+    if uids is None:
+        return None  # no table here (macOS): as the hop without listenerOwner
+    foreign = sorted(uids - _default_owners())
+    if foreign:
+        return (
+            f"{shown} is listened on by {', '.join(listeners.user_name(u) for u in foreign)}, "
+            "not root, this sidecar's user or a redis/valkey user (set "
+            "capacityShare.listenerOwner to the user Redis runs as)"
+        )
+    return None
+
+
+_said: set[str] = set()
+
+
+class _OwnerChecked:
+    """A redis-py connection that checks who it reached before the handshake (``AUTH``,
+    ``HELLO``) leaves: :func:`peer_problem`. Mixed in before redis-py's class."""
+
+    share_owner: int | str | None = None
+
+    async def _connect(self) -> None:
+        await super()._connect()  # type: ignore[misc]
+        me: Any = self
+        peer = me._writer.get_extra_info("peername") if me._writer is not None else None
+        if not peer:
+            return
+        from redis.asyncio.connection import SSLConnection
+
+        problem = peer_problem(
+            str(peer[0]),
+            int(peer[1]),
+            self.share_owner,
+            password=me.password is not None,
+            tls=isinstance(self, SSLConnection),
+        )
+        if problem is None:
+            return
+        if problem not in _said:
+            _said.add(problem)
+            log.warning("capacityShare: nothing sent to Redis: %s", problem)
+        me._writer.close()
+        me._reader = me._writer = None
+        raise ConnectionRefusedError(f"refused to talk: {problem}")
+
+
+@functools.cache
+def checked(base: type, owner: int | str | None) -> type:
+    """``base`` (a redis-py asyncio connection class) checking its peer first."""
+    return type(f"OwnerChecked{base.__name__}", (_OwnerChecked, base), {"share_owner": owner})
+
+
 class ShareClient:
     """One redis-py asyncio client and the script's SHA; ``call`` is one EVALSHA."""
 
@@ -247,7 +346,9 @@ class ShareClient:
         kwargs: dict[str, Any] = dict(CLIENT_OPTIONS)
         if password is not None:
             kwargs["password"] = password
-        self._redis: Any = aioredis.Redis.from_url(share.redis, **kwargs)
+        pool: Any = aioredis.ConnectionPool.from_url(share.redis, **kwargs)
+        pool.connection_class = checked(pool.connection_class, share.listener_owner)
+        self._redis: Any = aioredis.Redis.from_pool(pool)
         self._script: Any = self._redis.register_script(STEP_LUA)
         self.calls = 0
 
