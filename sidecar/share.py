@@ -340,15 +340,38 @@ def checked(base: type, owner: int | str | None) -> type:
 class ShareClient:
     """One redis-py asyncio client and the script's SHA; ``call`` is one EVALSHA."""
 
-    def __init__(self, share: CapacityShare, password: str | None) -> None:
-        import redis.asyncio as aioredis
-
+    def __init__(
+        self, share: CapacityShare, password: str | None, sentinel_password: str | None = None
+    ) -> None:
         kwargs: dict[str, Any] = dict(CLIENT_OPTIONS)
         if password is not None:
             kwargs["password"] = password
-        pool: Any = aioredis.ConnectionPool.from_url(share.redis, **kwargs)
-        pool.connection_class = checked(pool.connection_class, share.listener_owner)
-        self._redis: Any = aioredis.Redis.from_pool(pool)
+        owner = share.listener_owner
+        self._sentinel: Any = None
+        if share.sentinel is not None:
+            from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
+
+            from sidecar.config import sentinel_addresses
+
+            asked: dict[str, Any] = dict(CLIENT_OPTIONS)
+            if sentinel_password is not None:
+                asked["password"] = sentinel_password
+            self._sentinel = Sentinel(sentinel_addresses(share.sentinel), sentinel_kwargs=asked)
+            pool: Any
+            for node in self._sentinel.sentinels:
+                pool = node.connection_pool
+                pool.connection_class = checked(pool.connection_class, owner)
+            self._redis: Any = self._sentinel.master_for(
+                share.sentinel.master,
+                connection_class=checked(SentinelManagedConnection, owner),
+                **kwargs,
+            )
+        else:
+            import redis.asyncio as aioredis
+
+            pool = aioredis.ConnectionPool.from_url(share.redis or "", **kwargs)
+            pool.connection_class = checked(pool.connection_class, owner)
+            self._redis = aioredis.Redis.from_pool(pool)
         self._script: Any = self._redis.register_script(STEP_LUA)
         self.calls = 0
 
@@ -380,6 +403,8 @@ class ShareClient:
 
     async def aclose(self) -> None:
         await self._redis.aclose()
+        if self._sentinel is not None:
+            await self._sentinel.aclose()
 
 
 def _describe(exc: BaseException) -> str:

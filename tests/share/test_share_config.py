@@ -122,16 +122,50 @@ def test_share_takes_plain_options_and_a_user_name_in_the_query() -> None:
             "must verify the certificate",
         ),
         ({"redis": "redis://cache.internal/0", "listenerOwner": "redis"}, "loopback Redis only"),
+        ({"gateway": "a"}, "one of the two"),
+        (
+            {"redis": "redis://127.0.0.1/0", "sentinel": {"master": "m", "addresses": ["h:1"]}},
+            "one of the two",
+        ),
+        ({"sentinel": {"master": "m", "addresses": ["host"]}}, "not host:port"),
+        ({"sentinel": {"master": "m", "addresses": ["h:1/x"]}}, "not host:port"),
+        ({"sentinel": {"master": "m", "addresses": []}}, "addresses"),
+        (
+            {"sentinel": {"master": "m", "addresses": ["10.0.0.5:26379"]}, "credentialFile": "/p"},
+            "without TLS",
+        ),
+        (
+            {
+                "sentinel": {
+                    "master": "m",
+                    "addresses": ["10.0.0.5:26379"],
+                    "credentialFile": "/p",
+                }
+            },
+            "without TLS",
+        ),
     ],
 )
 def test_share_sends_a_redis_password_only_where_no_one_else_reads_it(
     share: dict[str, Any], why: str
 ) -> None:
-    """Off this host a password goes only over verified TLS; ``listenerOwner`` is a
-    loopback rule."""
+    """Off this host a password goes only over verified TLS; a Sentinel set (no TLS here)
+    gets one only on loopback; ``listenerOwner`` is a loopback rule."""
     with pytest.raises(ConfigError) as err:
         parse_config(config({"gateway": "a", **share}))
     assert why in str(err.value)
+
+
+def test_share_takes_a_sentinel_set_on_loopback_with_credentials_from_files() -> None:
+    sentinel = {
+        "master": "gwcap",
+        "addresses": ["127.0.0.1:26379", "[::1]:26380", "localhost:26381"],
+        "credentialFile": "/etc/gateway-capacity/sentinel.password",
+    }
+    got = parse_config(config({"sentinel": sentinel, "gateway": "a", "credentialFile": "/etc/pw"}))
+    assert got.share is not None and got.share.redis is None
+    assert got.share.sentinel is not None and got.share.sentinel.master == "gwcap"
+    assert got.share.sentinel.credential_file == "/etc/gateway-capacity/sentinel.password"
 
 
 def test_share_urls_in_messages_lose_their_user_part() -> None:
