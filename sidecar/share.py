@@ -24,20 +24,18 @@ import os
 import pwd
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from shm_layout.errors import GatewayCapacityError
 from sidecar import listeners
 from sidecar.shares import DUPLICATE, STALE, Grant, Report, table_ttl_ms
-
-if TYPE_CHECKING:
-    from sidecar.config import CapacityShare
 
 log = logging.getLogger("gateway_capacity.sidecar")
 
 # the users a distribution's Redis or Valkey package runs as: trusted to own a loopback
 # Redis's listener when capacityShare.listenerOwner is not set (only root makes users)
 PACKAGE_USERS: Final = ("redis", "valkey")
+
 KEY_PREFIX: Final = "gateway-capacity:share:"
 CALL_TIMEOUT_S: Final = 1.0
 
@@ -341,35 +339,40 @@ class ShareClient:
     """One redis-py asyncio client and the script's SHA; ``call`` is one EVALSHA."""
 
     def __init__(
-        self, share: CapacityShare, password: str | None, sentinel_password: str | None = None
+        self,
+        url: str | None,
+        password: str | None,
+        *,
+        sentinel: tuple[str, list[tuple[str, int]]] | None = None,
+        sentinel_password: str | None = None,
+        owner: int | str | None = None,
     ) -> None:
+        """``url`` is ``capacityShare.redis``, or ``sentinel`` the master's name and the
+        sentinels' addresses of ``capacityShare.sentinel``, already checked
+        (``sidecar.config``); ``owner`` its ``listenerOwner``."""
         kwargs: dict[str, Any] = dict(CLIENT_OPTIONS)
         if password is not None:
             kwargs["password"] = password
-        owner = share.listener_owner
         self._sentinel: Any = None
-        if share.sentinel is not None:
+        pool: Any
+        if sentinel is not None:
             from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 
-            from sidecar.config import sentinel_addresses
-
+            master, addresses = sentinel
             asked: dict[str, Any] = dict(CLIENT_OPTIONS)
             if sentinel_password is not None:
                 asked["password"] = sentinel_password
-            self._sentinel = Sentinel(sentinel_addresses(share.sentinel), sentinel_kwargs=asked)
-            pool: Any
+            self._sentinel = Sentinel(addresses, sentinel_kwargs=asked)
             for node in self._sentinel.sentinels:
                 pool = node.connection_pool
                 pool.connection_class = checked(pool.connection_class, owner)
             self._redis: Any = self._sentinel.master_for(
-                share.sentinel.master,
-                connection_class=checked(SentinelManagedConnection, owner),
-                **kwargs,
+                master, connection_class=checked(SentinelManagedConnection, owner), **kwargs
             )
         else:
             import redis.asyncio as aioredis
 
-            pool = aioredis.ConnectionPool.from_url(share.redis or "", **kwargs)
+            pool = aioredis.ConnectionPool.from_url(url or "", **kwargs)
             pool.connection_class = checked(pool.connection_class, owner)
             self._redis = aioredis.Redis.from_pool(pool)
         self._script: Any = self._redis.register_script(STEP_LUA)
