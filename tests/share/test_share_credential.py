@@ -220,3 +220,44 @@ def test_r_p7_a_loopback_redis_listener_of_another_owner_than_listener_owner_is_
     assert peer_problem("192.0.2.7", 6379, None, password=True, tls=False) is not None
     assert peer_problem("192.0.2.7", 6379, None, password=True, tls=True) is None
     assert peer_problem("192.0.2.7", 6379, None, password=False, tls=False) is None
+
+
+def test_r_p7_nobody_listening_on_a_sentinels_port_gets_no_sentinel_password(
+    tmp_path: Path, key: str, key_file: Path, locked_redis: RedisServer
+) -> None:
+    """The sentinels' connections are checked as the master's: a sentinel's loopback
+    port squatted by ``nobody`` is sent nothing, not its password nor the master's."""
+    squatter = NobodyListener()
+    farm = Farm(key, 9, grace=1.0)
+    sentinel_password = "sentinel-pw-" + secrets.token_hex(12)
+    secret_file = tmp_path / "sentinel.password"
+    secret_file.write_text(sentinel_password + "\n")
+    secret_file.chmod(0o600)
+    gw = Gateway(
+        "gw-s",
+        tmp_path,
+        farm,
+        locked_redis,
+        key_file,
+        credentialFile=str(_password_file(tmp_path, PASSWORD)),
+    )
+    doc = json.loads(gw.config.read_text())
+    del doc["capacityShare"]["redis"]
+    doc["capacityShare"]["sentinel"] = {
+        "master": "gwcap",
+        "addresses": [f"127.0.0.1:{squatter.port}"],
+        "credentialFile": str(secret_file),
+    }
+    gw.config.write_text(json.dumps(doc))
+    try:
+        gw.start_sidecar()
+        wait_for("the refusal", lambda: "nothing sent to Redis" in gw.log_text())
+        time.sleep(1.5)
+        assert gw.limit() == 0
+    finally:
+        received = squatter.stop()
+        gw.cleanup()
+        farm.stop()
+    assert received == b"", received[:200]
+    assert sentinel_password not in gw.log_text() and PASSWORD not in gw.log_text()
+    assert "uid 65534 (nobody)" in gw.log_text()
