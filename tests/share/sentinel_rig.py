@@ -7,24 +7,17 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from redis_rig import RedisServer
+import gwtest
+from redis_rig import RedisServer, _free_port
 
 MASTER_NAME = "gwcap"
 DOWN_AFTER_MS = 1000  # a master silent this long is down for a sentinel
 FAILOVER_TIMEOUT_MS = 3000
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class SentinelSet:
@@ -89,13 +82,8 @@ class SentinelSet:
                 return port
         return None
 
-    def wait(self, predicate: Any, what: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}")
+    def wait(self, predicate: Callable[[], object], what: str, timeout: float = 30.0) -> None:
+        gwtest.wait_for(predicate, timeout, every=0.05, what=what)
 
     def processes(self) -> list[subprocess.Popen[bytes]]:
         found = [s for s in (self.master.proc, self.replica.proc, *self.sentinels) if s]
