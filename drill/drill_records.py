@@ -13,6 +13,11 @@ GEN_A, GEN_B = "gen-A", "gen-B"
 
 @dataclass
 class Sample:
+    """One reading of the segment (and then of the upstream's counts). ``t`` is when the
+    segment's read began (drill seconds) and ``took`` how long it lasted: the limit,
+    running and waiting it holds were in the segment at some instant of
+    ``[t, t + took]``."""
+
     t: float
     phase: str
     limit: int
@@ -23,6 +28,12 @@ class Sample:
     waiting_by_generation: dict[str, int]
     inflight: int
     legacy_inflight: int
+    took: float = 0.0
+
+    @property
+    def read_by(self) -> float:
+        """When the segment's read had ended."""
+        return self.t + self.took
 
 
 @dataclass

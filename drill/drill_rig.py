@@ -114,9 +114,10 @@ class Drill:
     def say(self, text: str) -> None:
         print(f"[{self.now():6.1f}s] {text}", file=self.out, flush=True)
 
-    def mark(self, text: str, tag: str = "") -> None:
-        self.marks.append((self.now(), text, tag))
-        self.say(f"--- {text}")
+    def mark(self, text: str, tag: str = "", at: float | None = None) -> None:
+        """A line of the timeline (and a tag on the plot) at ``at``, drill seconds (now)."""
+        self.marks.append((self.now() if at is None else at, text, tag))
+        self.say(f"--- {text}" + ("" if at is None else f" (at {at:.2f}s)"))
 
     # --- processes ----------------------------------------------------------------------
     def spawn(
@@ -317,6 +318,18 @@ class Drill:
     def limit(self) -> tuple[int, str] | None:
         got = self.provider_doc()
         return None if got is None else (got[0]["effective_limit"], got[0]["source"])
+
+    def limit_seen(self, limit: int, since: float, timeout: float) -> float:
+        """Wait until the segment holds the discovered ``limit``; the drill time at which a
+        read that saw it first began, this wait's or the observer's, not before ``since``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            began = self.now()
+            if self.limit() == (limit, "discovered"):
+                seen = [s.t for s in self.samples[-100:] if s.t >= since and s.limit == limit]
+                return min([began, *seen])
+            time.sleep(0.05)
+        raise DrillFailed(f"timed out after {timeout:g} s waiting for limit {limit}")
 
     def counts(self) -> tuple[int, int] | None:
         got = self.provider_doc()

@@ -124,17 +124,19 @@ def upgrade(drill: Drill) -> None:
     time.sleep(t.sidecar_s)
 
     drill.phase = "fenced w2"
+    asked = drill.now()
     drill.router("fence")
-    drill.mark("router: w2 fenced (expect 10)", "fence w2")
-    drill.wait_for("limit 10", lambda: drill.limit() == (10, "discovered"), 30)
+    seen = drill.limit_seen(10, asked, 30)
+    drill.mark("router: w2 fenced, limit 10 first seen", "fence w2", at=seen)
     time.sleep(t.fence_s / 2)
     drill.mark(f"burst of {t.burst} extra requests (overflow)", "burst")
     burst(drill, gen_url, t.burst)
     time.sleep(t.fence_s / 2)
     drill.phase = "unfenced w2"
+    asked = drill.now()
     drill.router("unfence")
-    drill.mark("router: w2 unfenced (expect 20)", "unfence w2")
-    drill.wait_for("limit 20", lambda: drill.limit() == (20, "discovered"), 30)
+    seen = drill.limit_seen(20, asked, 30)
+    drill.mark("router: w2 unfenced, limit 20 first seen", "unfence w2", at=seen)
     time.sleep(t.unfence_s)
 
     drill.phase = RELOAD_PHASE
