@@ -54,10 +54,11 @@ def gateways(
     try:
         for gw in made:
             gw.start_sidecar()
-        wait_for("two shares", lambda: all(gw.source() == "share" for gw in made))
+        # set-up, not a behaviour: a generous wait for a machine loaded by other jobs
+        wait_for("two shares", lambda: all(gw.source() == "share" for gw in made), timeout=60)
         for gw in made:
             gw.start_worker(6)  # 12 threads on a capacity of 4
-        wait_for("a and b split", lambda: [gw.limit() for gw in made] == [2, 2], timeout=30)
+        wait_for("a and b split", lambda: [gw.limit() for gw in made] == [2, 2], timeout=60)
         yield made
     finally:
         for gw in made:
