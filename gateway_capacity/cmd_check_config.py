@@ -146,6 +146,8 @@ def share_check(config: GatewayConfig) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "on": share is not None,
         "redis": None,
+        "sentinel": None,
+        "listener_owner": None,
         "gateway": None,
         "redis_py": redis_py,
         "credential": None,
@@ -153,7 +155,13 @@ def share_check(config: GatewayConfig) -> dict[str, Any]:
     }
     if share is None:
         return doc
-    doc["redis"] = redis_url_for_logs(share.redis)
+    doc["redis"] = None if share.redis is None else redis_url_for_logs(share.redis)
+    if share.sentinel is not None:
+        doc["sentinel"] = {
+            "master": share.sentinel.master,
+            "addresses": list(share.sentinel.addresses),
+        }
+    doc["listener_owner"] = share.listener_owner
     doc["gateway"] = share.gateway
     if not redis_py.startswith("importable"):
         doc["problems"].append(f"redis-py {redis_py}")
@@ -165,6 +173,11 @@ def share_check(config: GatewayConfig) -> dict[str, Any]:
             doc["problems"].append(f"capacityShare.credentialFile: {exc}")
         else:
             doc["credential"] = "ok"
+    if share.sentinel is not None and share.sentinel.credential_file is not None:
+        try:
+            read_credential(share.sentinel.credential_file)
+        except CredentialError as exc:
+            doc["problems"].append(f"capacityShare.sentinel.credentialFile: {exc}")
     return doc
 
 
@@ -491,12 +504,31 @@ def _render_share(share: dict[str, Any]) -> list[str]:
         if share["redis_py"].startswith("importable"):
             return [f"share mode: off (no capacityShare); redis-py {share['redis_py']}"]
         return ["share mode: off (no capacityShare)"]
-    lines = [f"share mode: ON, gateway {share['gateway']!r}, Redis {share['redis']}"]
+    sentinel = share.get("sentinel")
+    where = (
+        f"Redis {share['redis']}"
+        if sentinel is None
+        else f"the master {sentinel['master']!r} of the Sentinel set "
+        f"{', '.join(sentinel['addresses'])} (a failover rebuilds each table)"
+    )
+    lines = [f"share mode: ON, gateway {share['gateway']!r}, {where}"]
     lines.append(f"  redis-py: {share['redis_py']}")
     if share["credential"] == "ok":
         lines.append("  credential: readable, well-formed (not shown)")
     elif share["credential"] is None:
         lines.append("  credential: none (capacityShare.credentialFile not set)")
+    owner = share.get("listener_owner")
+    lines.append(
+        "  a loopback Redis/sentinel must be listened on by "
+        + (
+            f"listenerOwner {owner!r}"
+            if owner is not None
+            else "root, this user or a redis/valkey user"
+        )
+    )
+    lines.append(
+        "  Redis out of reach for longer than a lease: every gateway holds 0 until it answers"
+    )
     lines.extend(f"  problem: {why}" for why in share["problems"])
     return lines
 

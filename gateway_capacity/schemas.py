@@ -508,11 +508,27 @@ class UnknownConfigKey(Struct, kw_only=True):
     suggestion: Annotated[str | None, Meta(description="the known key it resembles, or null")]
 
 
+class ShareSentinelCheck(Struct, kw_only=True):
+    """The Sentinel set that names share mode's Redis master."""
+
+    master: Annotated[str, Meta(description="the master's name in the sentinels' config")]
+    addresses: Annotated[list[str], Meta(description="the sentinels, host:port")]
+
+
 class ShareCheck(Struct, kw_only=True):
     """Share mode (capacityShare) as check-config sees it, nothing sent to Redis."""
 
     on: Annotated[bool, Meta(description="capacityShare is set: share mode")]
-    redis: Annotated[str | None, Meta(description="the Redis URL without userinfo, or null")]
+    redis: Annotated[
+        str | None, Meta(description="the Redis URL without userinfo, or null (a Sentinel set)")
+    ]
+    sentinel: Annotated[
+        ShareSentinelCheck | None, Meta(description="the Sentinel set, or null (one Redis)")
+    ] = None
+    listener_owner: Annotated[
+        int | str | None,
+        Meta(description="who must own a loopback Redis's listener; null: the default owners"),
+    ] = None
     gateway: Annotated[str | None, Meta(description="this gateway's name, or null")]
     redis_py: Annotated[
         str, Meta(description="'importable (VERSION)' or why not, with the install command")

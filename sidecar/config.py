@@ -71,6 +71,7 @@ __all__ = [
     "LimitSetting",
     "ProviderConfig",
     "ProviderStatus",
+    "ShareSentinel",
     "TailnetCheck",
     "Uid",
     "UnknownKey",
@@ -86,6 +87,8 @@ __all__ = [
     "provider_problems",
     "raw_provider_entries",
     "redis_url_for_logs",
+    "sentinel_addresses",
+    "share_target_for_logs",
     "unknown_keys",
 ]
 
@@ -93,6 +96,35 @@ __all__ = [
 GatewayId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 LeaseSeconds = Annotated[float, msgspec.Meta(ge=1.0, le=300.0)]
 ShareFloor = Annotated[int, msgspec.Meta(ge=0, le=64)]
+
+
+SentinelAddress = Annotated[str, msgspec.Meta(min_length=3, max_length=300)]
+
+
+class ShareSentinel(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
+    """``capacityShare.sentinel``: a Sentinel set that names the Redis master (redis-py's
+    ``redis.asyncio.sentinel.Sentinel``). ``credentialFile`` is the sentinels' own
+    password (their ``requirepass``), read under the provider key's rules; the master's
+    is ``capacityShare.credentialFile``."""
+
+    master: GatewayId  # the master's name in the sentinels' config
+    addresses: Annotated[list[SentinelAddress], msgspec.Meta(min_length=1, max_length=9)]
+    credential_file: str | None = None
+
+
+def sentinel_addresses(sentinel: ShareSentinel) -> list[tuple[str, int]]:
+    """The sentinels as (host, port); ``ValueError`` for one that is not ``host:port``."""
+    found = []
+    for text in sentinel.addresses:
+        parts = urlsplit("//" + text)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or port is None or port == 0 or parts.netloc != text:
+            raise ValueError(f"sentinel address {text!r} is not host:port")
+        found.append((parts.hostname, port))
+    return found
 
 
 class CapacityShare(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
@@ -104,17 +136,56 @@ class CapacityShare(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
     from ``credentialFile`` under the provider key's rules.
     """
 
-    redis: str
+    redis: str | None = None  # one Redis; or the master a Sentinel set names:
+    sentinel: ShareSentinel | None = None
     gateway: GatewayId
     credential_file: str | None = None
     lease: LeaseSeconds = 10.0
     floor: ShareFloor = 1
+    # who must own the socket listening on a loopback Redis before anything is sent
+    # there (the credential, or a call whose answer would be trusted); None: root, the
+    # sidecar's user, or a user named redis or valkey (sidecar/share.py)
+    listener_owner: Uid | UserName | None = None
 
 
 def check_share(share: CapacityShare) -> str | None:
     """``None`` when ``share`` can be used, else why not (no file or network access)."""
+    if (share.redis is None) == (share.sentinel is None):
+        return "give redis (one Redis URL) or sentinel (a Sentinel set), one of the two"
+    if share.sentinel is not None:
+        return _check_sentinel(share, share.sentinel)
+    return _check_redis_url(share, share.redis or "")
+
+
+def _check_sentinel(share: CapacityShare, sentinel: ShareSentinel) -> str | None:
     try:
-        parts = urlsplit(share.redis)
+        addresses = sentinel_addresses(sentinel)
+    except ValueError as exc:
+        return f"sentinel: {exc}"
+    remote = [f"{h}:{p}" for h, p in addresses if not _is_loopback_host(h)]
+    secret = share.credential_file is not None or sentinel.credential_file is not None
+    if remote and secret:
+        return (
+            f"sentinel: {remote[0]} is not on this host and a Sentinel set is reached without "
+            "TLS here: a password goes only to sentinels (and a master) on this host"
+        )
+    if remote and share.listener_owner is not None:
+        return "listenerOwner applies to sentinels on this host only"
+    for spec in (share.credential_file, sentinel.credential_file):
+        if spec is not None:
+            problem = check_credential_spec(spec)
+            if problem is not None:
+                return problem
+    try:
+        import redis.asyncio.sentinel  # noqa: F401
+    except ImportError:
+        return "share mode needs the Python package redis (pip install 'gateway-capacity[share]')"
+    return None
+
+
+def _check_redis_url(share: CapacityShare, url: str) -> str | None:
+    try:
+        parts = urlsplit(url)
         parts.port  # noqa: B018  (raises on a bad port)
     except ValueError as exc:
         return f"redis: not a URL ({exc})"
@@ -122,11 +193,11 @@ def check_share(share: CapacityShare) -> str | None:
         return "redis: must be a redis:// or rediss:// URL"
     if not parts.hostname:
         return "redis: the URL names no host"
-    names = _redis_query_names(share.redis)
+    names = _redis_query_names(url)
     lone_user = parts.username or "username" in names
     users = [
         unquote(parts.username or ""),
-        *parse_qs(urlparse(share.redis).query).get("username", []),
+        *parse_qs(urlparse(url).query).get("username", []),
     ]
     if any(":" in user for user in users):  # redis-py sends ``u%3Apw`` as one user name
         return "redis: put no password in the URL; use credentialFile (kept out of argv and logs)"
@@ -153,11 +224,25 @@ def check_share(share: CapacityShare) -> str | None:
         return f"redis: ?{tls[0]}= needs a rediss:// URL (TLS)"
     from sidecar.share import url_problem
 
-    problem = url_problem(share.redis)
+    problem = url_problem(url)
     if problem is not None:
         return f"redis: {shown(problem)}"
     if share.credential_file is not None:
-        return check_credential_spec(share.credential_file)
+        problem = check_credential_spec(share.credential_file)
+        if problem is not None:
+            return problem
+    if not _is_loopback_host(parts.hostname):
+        if share.credential_file is not None and parts.scheme != "rediss":
+            return (
+                "redis: a password for a Redis that is not on this host goes only over "
+                "TLS: use rediss:// (with ?ssl_ca_certs= naming the certificate to pin)"
+            )
+        if parts.scheme == "rediss" and _tls_unverified(url):
+            return "redis: ?ssl_cert_reqs= must verify the certificate of a Redis not on this host"
+        if share.listener_owner is not None:
+            return (
+                "listenerOwner applies to a loopback Redis only (a remote owner cannot be checked)"
+            )
     return None
 
 
@@ -209,10 +294,25 @@ every query name to the connection as a keyword, so ``?password=``, ``?ssl_passw
 and any name it does not type could carry a secret into a widely read file."""
 
 
+def _tls_unverified(url: str) -> bool:
+    reqs = parse_qs(urlparse(url).query).get("ssl_cert_reqs", [])
+    return any(value.strip().lower() == "none" for value in reqs)
+
+
 def _redis_query_names(url: str) -> set[str]:
     # as redis-py reads it: urlparse (``;params`` split off) then parse_qs, which
     # percent-decodes the names (``?pass%77ord=`` is ``password``)
     return set(parse_qs(urlparse(url).query, keep_blank_values=True))
+
+
+def share_target_for_logs(share: CapacityShare) -> str:
+    """Where share mode's Redis is, for messages: the URL or the Sentinel set."""
+    if share.sentinel is not None:
+        return (
+            f"the master {share.sentinel.master!r} of the Sentinel set "
+            f"{', '.join(share.sentinel.addresses)}"
+        )
+    return redis_url_for_logs(share.redis or "")
 
 
 def redis_url_for_logs(url: str) -> str:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from capacity_contract import MAX_FUTURE_S
 from shm_layout import layout, platform, rows, writer
-from sidecar.config import CapacityShare, redis_url_for_logs
+from sidecar.config import CapacityShare, sentinel_addresses, share_target_for_logs
 from sidecar.limits import DISCOVERED, LEGACY_DRAIN, SHARE, LimitDecision
 from sidecar.share import instance_token
 from sidecar.shares import DEGRADED, DUPLICATE, UNKNOWN, Held, Report, local_limit
@@ -89,20 +89,31 @@ class ShareLoop:
         (every ``SHARE_WAITING_CALL_S``) and at least ``SHARE_RENEWALS`` times a lease;
         each answer is published at once."""
         share = self.config
+        from sidecar.credential import CredentialError, read_credential
         from sidecar.share import ShareClient
 
-        password = None
-        if share.credential_file is not None:
-            from sidecar.credential import CredentialError, read_credential
-
+        secrets: list[str | None] = []
+        for spec in (
+            share.credential_file,
+            share.sentinel.credential_file if share.sentinel is not None else None,
+        ):
             try:
-                password = read_credential(share.credential_file).reveal()
+                secrets.append(None if spec is None else read_credential(spec).reveal())
             except CredentialError as exc:
                 log.error("capacityShare: %s; share mode holds no share", exc)
                 self._failed(f"credential: {exc}")
                 return
         try:
-            self.client = ShareClient(share.redis, password)
+            password, sentinel_password = secrets
+            self.client = ShareClient(
+                share.redis,
+                password,
+                sentinel=None
+                if share.sentinel is None
+                else (share.sentinel.master, sentinel_addresses(share.sentinel)),
+                sentinel_password=sentinel_password,
+                owner=share.listener_owner,
+            )
         except Exception as exc:  # check_share builds the same client: only a redis-py surprise
             log.error(
                 "capacityShare: redis-py refused the URL (%s); share mode holds no share", exc
@@ -114,7 +125,7 @@ class ShareLoop:
             "%s (lease %gs, floor %d)",
             share.gateway,
             self.token,
-            redis_url_for_logs(share.redis),
+            share_target_for_logs(share),
             share.lease,
             share.floor,
         )

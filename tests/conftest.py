@@ -112,6 +112,8 @@ SLOW: dict[str, str] = {
     "tests/share/test_share_faults.py": "two sidecars, handlers and a redis-server a test, "
     "each through a fault past a lease (about 35 s for the file on 2 cores)",
     "tests/share/test_share_model.py": "a hypothesis run of the share rules under every fault",
+    "tests/share/test_share_sentinel.py": "a master, a replica, three sentinels and two "
+    "gateways a test, through a failover or an outage (about 100 s for the file on 2 cores)",
     "tests/real/": "real inference servers (make real-workers)",
     "tests/repo/test_examples.py::test_r_k5_the_relay_walk_through": "a farm, router, "
     "sidecar and gateway, seven 3-second streams",
