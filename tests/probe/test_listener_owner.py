@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from probe_servers import RawServer, body_of, fixed, snapshot
 
-from sidecar import listeners
+from capacity_contract import listeners
 from sidecar import probe as probe_module
 from sidecar.config import ProviderConfig, parse_config
 from sidecar.probe import probe_provider

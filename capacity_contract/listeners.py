@@ -15,7 +15,7 @@ join the owner's listener (``SO_REUSEPORT`` groups need the same uid), so a
 checked listener cannot be shared with a squatter while it lives.
 
 Linux answers from the kernel's TCP socket tables (the ``uid`` column of
-sockets in state LISTEN, ``0A``), read by ``platform.tcp_socket_tables``; a
+sockets in state LISTEN, ``0A``), read by ``shm_layout.platform.tcp_socket_tables``; a
 test may swap :data:`table_reader`. Elsewhere (macOS has no ``/proc``) there is
 no table and the owner cannot be checked, which refuses a provider that asked
 for the check (fail closed) and is said once for one that did not.
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from shm_layout import platform
+from shm_layout.platform import tcp_socket_tables
 
 LISTEN_STATE: Final = "0A"
 TABLE_TTL_S: Final = 0.2  # providers probed in one cycle share one reading
@@ -71,7 +71,7 @@ def parse_proc_net_tcp(text: str) -> ListenTable:
 def read_proc_tables() -> ListenTable | None:
     """Every listening TCP socket and its owner; ``None`` where the platform has no such
     table (macOS, or a /proc that cannot be read)."""
-    texts = platform.tcp_socket_tables()
+    texts = tcp_socket_tables()
     if texts is None:
         return None
     table: ListenTable = {}
@@ -167,3 +167,42 @@ def check_listener(address: str, port: int, owner: int | str | None) -> Listener
             f"not listenerOwner {owner!r}"
         )
     return ListenerCheck(None)
+
+
+def loopback_addresses(host: str) -> tuple[str, ...]:
+    """The loopback addresses a URL's host reaches (``localhost``: both); ``()`` for a
+    host that is not loopback."""
+    if host.lower() in ("localhost", "localhost."):
+        return ("127.0.0.1", "::1")
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return ()
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return (str(ip),) if ip.is_loopback else ()
+
+
+def worker_refusal(host: str, port: int, owner: int | str | None) -> str | None:
+    """Why a router must not contact a worker at ``host:port`` (None: it may).
+
+    A loopback worker is contacted only while every socket that could take the
+    connection belongs to ``owner`` (its ``listenerOwner``) or, without one, to root or
+    the router's own user: a down worker's port is anyone's to listen on, and whoever
+    does would get the worker's key and its users' prompts. Where the platform cannot
+    tell, a worker with ``listenerOwner`` is refused and one without is contacted."""
+    for address in loopback_addresses(host):
+        if owner is not None:
+            refused = check_listener(address, port, owner).refused
+            if refused is not None and not refused.startswith("nothing listens"):
+                return refused
+            continue
+        check = check_listener(address, port, None)
+        if check.foreign:
+            shown = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+            return (
+                f"{shown} is listened on by "
+                f"{', '.join(user_name(u) for u in sorted(check.foreign))}, neither root nor "
+                "the router's user: set listenerOwner on the worker if that user runs it"
+            )
+    return None
