@@ -64,7 +64,7 @@ class Handler(Protocol):
     def on_head(self, conn: Connection, head: RequestHead) -> Answer | None:
         """An answer that ends the request before its body is read, or None."""
 
-    def on_request(self, conn: Connection, head: RequestHead, body: bytes) -> None:
+    def on_request(self, conn: Connection, head: RequestHead, body: bytes | bytearray) -> None:
         """Answer the request (now or later) through ``conn``."""
 
 
@@ -275,8 +275,9 @@ class Connection(asyncio.Protocol):
                 return
             current = self._head
             assert current is not None
-            if len(self._buf) == current.length:  # the usual case: one copy, no slice
-                body, self._buf = bytes(self._buf), bytearray()
+            body: bytes | bytearray
+            if len(self._buf) == current.length:  # the usual case: handed over, no copy
+                body, self._buf = self._buf, bytearray()
             else:
                 body = bytes(self._buf[: current.length])
                 del self._buf[: current.length]

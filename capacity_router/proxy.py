@@ -53,6 +53,8 @@ from typing import Protocol, cast
 
 import msgspec
 
+from capacity_contract import listeners
+
 from .poller import CapacityObserver, WorkerStatus, listener_refusal
 from .registry import RegistryFile, RegistryWatcher, Worker
 from .wire import (
@@ -525,7 +527,7 @@ class FarmProxy:
         return Answer(200, msgspec.json.encode(body))
 
     def relay(
-        self, client: ClientSide, head: RequestHead, body: bytes
+        self, client: ClientSide, head: RequestHead, body: bytes | bytearray
     ) -> asyncio.Task[None] | None:
         """Relay one request; answers at once (400) or returns the exchange's task."""
         try:
@@ -561,7 +563,12 @@ class Exchange:
     """
 
     def __init__(
-        self, proxy: FarmProxy, client: ClientSide, head: RequestHead, body: bytes, model: str
+        self,
+        proxy: FarmProxy,
+        client: ClientSide,
+        head: RequestHead,
+        body: bytes | bytearray,
+        model: str,
     ) -> None:
         self._proxy = proxy
         self._client = client
@@ -638,8 +645,12 @@ class Exchange:
             request = self._request_head(target, headers)
             conn = self._proxy.pool.take(target)
             if conn is None:
-                if listener_refusal(worker, url) is not None:
-                    continue  # a stranger listens on a loopback worker's port
+                # A stranger may listen on a loopback worker's port since the last round.
+                # Reading the kernel's socket table can take tens of ms: off this loop.
+                if listeners.loopback_addresses(target.host) and (
+                    await asyncio.to_thread(listener_refusal, worker, url) is not None
+                ):
+                    continue
                 try:
                     conn = await self._proxy.pool.connect(target)
                 except (OSError, TimeoutError) as exc:
