@@ -28,7 +28,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 $(DEMO_STAMP): pyproject.toml setup.py shm_layout/_core.c shm_layout/_layout.h shm_layout/_guard.h
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	GATEWAY_CAPACITY_TEST_HOOKS=1 $(PY) -m pip install --quiet -e '.[router,plot]'
+	GATEWAY_CAPACITY_TEST_HOOKS=1 $(PY) -m pip install --quiet -e '.[router,serve,plot]'
 	touch $(DEMO_STAMP)
 
 # `make wheel`'s tools, from PyPI into the venv (tests/repo/test_wheel.py uses them too)

@@ -17,9 +17,10 @@ checked listener cannot be shared with a squatter while it lives.
 Linux answers from the kernel: its ``sock_diag`` netlink interface asked for
 listening TCP sockets only (:func:`read_netlink_table`), else its TCP socket tables
 (the ``uid`` column of sockets in state LISTEN, ``0A``, read by
-``shm_layout.platform.tcp_socket_tables``); a test may swap :data:`table_reader`. Elsewhere (macOS has no ``/proc``) there is
-no table and the owner cannot be checked, which refuses a provider that asked
-for the check (fail closed) and is said once for one that did not.
+``shm_layout.platform.tcp_socket_tables``); a test may swap :data:`table_reader`.
+Elsewhere (macOS has no ``/proc``) there is no table and the owner cannot be
+checked, which refuses a provider that asked for the check (fail closed) and is
+said once for one that did not.
 """
 
 from __future__ import annotations

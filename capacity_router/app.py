@@ -515,7 +515,15 @@ class RouterServer:
         try:
             poller.call(observer.observe()).result(timeout=self.poll_timeout * 2 + 10)
             self._poll_task = poller.call(observer.run())
+        except BaseException as exc:
+            self.stop()
+            raise RuntimeError(f"router failed to start: {exc!r}") from exc
+        try:
             self._sock = _bind(self.host, self.port)
+        except OSError:  # in use, or not this host's: the caller says it in one line
+            self.stop()
+            raise
+        try:
             self.port = self._sock.getsockname()[1]
             self._server.call(self._listen()).result(timeout=10)
         except BaseException as exc:

@@ -40,8 +40,10 @@ timestamps change; a broken edit keeps the last good registry.
 
 from __future__ import annotations
 
+import difflib
 import os
-from typing import Annotated
+import re
+from typing import Annotated, Final
 from urllib.parse import urlsplit
 
 import msgspec
@@ -136,9 +138,27 @@ class RegistryFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 _decoder = msgspec.json.Decoder(RegistryFile, strict=True)
 
 
+_UNKNOWN_FIELD: Final = re.compile(r"unknown field `(?P<key>[^`]*)` - at `\$(?P<at>[^`]*)`")
+
+
+def _did_you_mean(reason: str) -> str:
+    """``reason`` with the field the unknown one most resembles (``fence``: ``fenced``)."""
+    found = _UNKNOWN_FIELD.search(reason)
+    if found is None:
+        return reason
+    at = found["at"]
+    struct = SlotSource if at.endswith(".slots") else Worker if at else RegistryFile
+    known = [f.encode_name for f in msgspec.structs.fields(struct)]
+    near = difflib.get_close_matches(found["key"], known, n=1, cutoff=0.6)
+    return f"{reason}; did you mean {near[0]!r}?" if near else reason
+
+
 def parse_registry(body: bytes) -> RegistryFile:
     """Decode and check a registry file's bytes, or raise :class:`RegistryError`."""
-    registry = decode_json(_decoder, body, RegistryError, "registry")
+    try:
+        registry = decode_json(_decoder, body, RegistryError, "registry")
+    except RegistryError as exc:
+        raise RegistryError(_did_you_mean(str(exc))) from None
     ids: set[str] = set()
     url_owner: dict[str, str] = {}
     models: set[str] = set()

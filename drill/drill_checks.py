@@ -16,7 +16,7 @@ import signal
 import subprocess
 from typing import TYPE_CHECKING, Any
 
-from drill_rig import GEN_A, GEN_B
+from drill_records import GEN_A, GEN_B
 
 if TYPE_CHECKING:
     from drill_rig import Drill
@@ -114,22 +114,25 @@ def check_inflight(drill: Drill, events: list[list[Any]]) -> None:
     limit in force at that grant. Which one was last is not known, so the check is
     that ``v`` is within the highest limit in force during any of their
     [asked, granted] intervals. The limit in force over an interval is read from the
-    observer's samples: those inside it, the last one before it and the first one
-    after it (a change between two samples shows in the next one). Load delays the
-    request on its way to the upstream, but does not move the time it is judged at.
+    observer's samples: from the last one whose read had ended before it was asked to
+    the first one whose read began after it was granted (a sample is stamped when its
+    read begins and keeps how long it took; a change between two samples shows in the
+    next one). Load delays the request on its way to the upstream, but does not move
+    the time it is judged at.
     """
     import bisect
 
-    times = [s.t for s in drill.samples]
-    limits = [s.limit for s in drill.samples]
-    if not times:
+    samples = drill.samples
+    begun = [s.t for s in samples]
+    ended = [s.read_by for s in samples]
+    if not samples:
         drill.problems.append("no samples")
         return
 
     def highest_limit(start: float, end: float) -> int:
-        lo = max(bisect.bisect_left(times, start) - 1, 0)
-        hi = min(bisect.bisect_right(times, end) + 1, len(times))
-        return max(limits[lo:hi])
+        lo = max(bisect.bisect_right(ended, start) - 1, 0)
+        hi = min(bisect.bisect_left(begun, end) + 1, len(samples))
+        return max(s.limit for s in samples[lo:hi])
 
     in_flight: dict[int, tuple[float, float]] = {}
     rises = previous = 0
@@ -153,32 +156,34 @@ def check_inflight(drill: Drill, events: list[list[Any]]) -> None:
             drill.problems.append(
                 f"upstream in flight rose to {value} above the limit in force at its "
                 f"grants ({allowed}), newest grant at {newest:.2f}s (R-A1); "
-                + _rise_evidence(drill, in_flight, times, limits)
+                + _rise_evidence(drill, in_flight)
             )
             return
     drill.figures["upstream_rises_checked"] = rises
 
 
-def _rise_evidence(
-    drill: Drill,
-    in_flight: dict[int, tuple[float, float]],
-    times: list[float],
-    limits: list[int],
-) -> str:
+def _rise_evidence(drill: Drill, in_flight: dict[int, tuple[float, float]]) -> str:
     """What a failed rise was judged on, for the one reading the failure: each request in
-    flight as asked..granted (drill seconds), the limit samples from just before the
-    earliest ask on (each change of limit, with the sample's time), and the gateway log's
-    worker deaths (a worker gunicorn kills frees its slots while the upstream still
-    counts its requests until it notices the closed connection)."""
+    flight as asked..granted (drill seconds); the limit samples from just before the
+    earliest ask on (each change of limit, with the time its read began); the samples
+    around the newest grant, each as begun+took=limit; and the gateway log's worker
+    deaths (a worker gunicorn kills frees its slots while the upstream still counts its
+    requests until it notices the closed connection)."""
     import bisect
 
+    samples = drill.samples
+    begun = [s.t for s in samples]
     spans = sorted(in_flight.values(), key=lambda span: span[1])
     # from the sample before the one the earliest ask was judged by
-    start = max(bisect.bisect_left(times, min(a for a, _ in spans)) - 2, 0)
+    start = max(bisect.bisect_left(begun, min(a for a, _ in spans)) - 2, 0)
     shown: list[str] = []
-    for t, limit in zip(times[start:], limits[start:], strict=True):
-        if not shown or not shown[-1].endswith(f"={limit}"):
-            shown.append(f"{t:.2f}={limit}")
+    for s in samples[start:]:
+        if not shown or not shown[-1].endswith(f"={s.limit}"):
+            shown.append(f"{s.t:.2f}={s.limit}")
+    newest = bisect.bisect_left(begun, spans[-1][1])
+    around = " ".join(
+        f"{s.t:.3f}+{s.took:.3f}={s.limit}" for s in samples[max(newest - 3, 0) : newest + 3]
+    )
     log = drill.log_of("gateway")
     deaths = sum(log.count(word) for word in ("WORKER TIMEOUT", "was sent SIGKILL", "died"))
     return (
@@ -186,6 +191,7 @@ def _rise_evidence(
         + " ".join(f"{a:.2f}..{g:.2f}" for a, g in spans)
         + "; limit samples "
         + " ".join(shown[:20])
+        + f"; samples around the newest grant {around}"
         + f"; gateway log worker deaths {deaths}"
     )
 

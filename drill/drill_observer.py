@@ -2,46 +2,40 @@
 
 It samples the provider's ``availability --json`` entry (the same document, built in
 process), the holders by generation and the upstream's in-flight counts into
-:class:`Sample` rows (``Drill.samples``, which the checks and the plot read); every
-three seconds it asks the real CLI too, as an operator would. Waiting above the queue
-bound (R-A2) is a problem the moment it is seen.
+:class:`Sample` rows (``Drill.samples``, which the checks and the plot read), each
+stamped when its read of the segment began, with how long that read took; every
+three seconds, on a thread of its own, it asks the real CLI too, as an operator
+would. Waiting above the queue bound (R-A2) is a problem the moment it is seen.
 """
 
 from __future__ import annotations
 
 import json
-import time
+import threading
 from collections import Counter
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import httpx
+from drill_records import Sample
 
 if TYPE_CHECKING:
     from drill_rig import Drill
 
 QUEUE_BOUND = 32  # R-A2
-
-
-@dataclass
-class Sample:
-    t: float
-    phase: str
-    limit: int
-    source: str
-    running: int
-    waiting: int
-    by_generation: dict[str, int]
-    waiting_by_generation: dict[str, int]
-    inflight: int
-    legacy_inflight: int
+CLI_EVERY_S = 3.0
 
 
 def observe(drill: Drill) -> None:
-    """Sample until ``drill.stop_sampling`` is set (run it in a thread of its own)."""
-    last_cli = last_line = 0.0
+    """Sample until ``drill.stop_sampling`` is set (run it in a thread of its own; it
+    starts the CLI's own thread, :func:`check_cli`). A sample is stamped when its read of
+    the segment begins, never after the upstream's answer that follows it."""
+    cli = threading.Thread(target=check_cli, args=(drill,), daemon=True)
+    cli.start()
+    last_line = 0.0
     while not drill.stop_sampling.is_set():
+        began = drill.now()
         got = drill.provider_doc()
+        took = drill.now() - began
         try:
             stats = drill.upstream_stats()
         except (httpx.HTTPError, ValueError):
@@ -54,7 +48,7 @@ def observe(drill: Drill) -> None:
                 if h.provider == drill.provider and h.alive:
                     (running if h.state == "running" else waiting)[h.generation or "?"] += 1
             s = Sample(
-                drill.now(),
+                began,
                 drill.phase,
                 p["effective_limit"],
                 p["source"],
@@ -64,6 +58,7 @@ def observe(drill: Drill) -> None:
                 dict(waiting),
                 stats["inflight"]["admitted"],
                 stats["inflight"]["legacy"],
+                took,
             )
             drill.samples.append(s)
             if s.waiting > QUEUE_BOUND:
@@ -76,12 +71,17 @@ def observe(drill: Drill) -> None:
                     f"{s.running:>2} [{gens}]  waiting {s.waiting:>2}/32  upstream "
                     f"in flight {s.inflight:>2} (legacy {s.legacy_inflight})"
                 )
-        if time.monotonic() - last_cli >= 3.0:  # the operator's own view, as a process
-            last_cli = time.monotonic()
-            out = drill.cli("availability", "--segment", drill.segment, "--json")
-            if out.returncode == 0:
-                drill.cli_checks += 1
-                for p in json.loads(out.stdout)["providers"]:
-                    if p["id"] == drill.provider and p["waiting"] > QUEUE_BOUND:
-                        drill.problems.append(f"availability --json: waiting {p['waiting']}")
         drill.stop_sampling.wait(0.1)
+    cli.join(timeout=35)
+
+
+def check_cli(drill: Drill) -> None:
+    """Every ``CLI_EVERY_S``, the operator's own view, as a process: ``availability
+    --json`` (on a thread of its own: a CLI slowed by load never delays a sample)."""
+    while not drill.stop_sampling.wait(CLI_EVERY_S):
+        out = drill.cli("availability", "--segment", drill.segment, "--json")
+        if out.returncode == 0:
+            drill.cli_checks += 1
+            for p in json.loads(out.stdout)["providers"]:
+                if p["id"] == drill.provider and p["waiting"] > QUEUE_BOUND:
+                    drill.problems.append(f"availability --json: waiting {p['waiting']}")

@@ -7,7 +7,7 @@ segment the way an operator does, and removes everything at the end
 (:meth:`Drill.cleanup`). A scenario (``upgrade_drill.upgrade``) is the order in
 which it calls these; the observer, the load, the checks and the plot are the
 modules beside this one (``drill_observer``, ``drill_load``, ``drill_checks``,
-``drill_plot``).
+``drill_plot``); what they record is ``drill_records``.
 """
 
 from __future__ import annotations
@@ -29,15 +29,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
-from drill_load import Outcomes
-from drill_observer import Sample
+from drill_records import Outcomes, Sample
 
 ROOT = Path(__file__).resolve().parent.parent
 EXE = str(Path(sys.executable).with_name("gateway-capacity"))
 PROVIDER = "local-inference"
 MODEL_ALIAS = "local-workhorse"
 MODEL = "workhorse"
-GEN_A, GEN_B = "gen-A", "gen-B"
 
 
 def _no_control_socket() -> list[str]:
@@ -116,9 +114,10 @@ class Drill:
     def say(self, text: str) -> None:
         print(f"[{self.now():6.1f}s] {text}", file=self.out, flush=True)
 
-    def mark(self, text: str, tag: str = "") -> None:
-        self.marks.append((self.now(), text, tag))
-        self.say(f"--- {text}")
+    def mark(self, text: str, tag: str = "", at: float | None = None) -> None:
+        """A line of the timeline (and a tag on the plot) at ``at``, drill seconds (now)."""
+        self.marks.append((self.now() if at is None else at, text, tag))
+        self.say(f"--- {text}" + ("" if at is None else f" (at {at:.2f}s)"))
 
     # --- processes ----------------------------------------------------------------------
     def spawn(
@@ -319,6 +318,18 @@ class Drill:
     def limit(self) -> tuple[int, str] | None:
         got = self.provider_doc()
         return None if got is None else (got[0]["effective_limit"], got[0]["source"])
+
+    def limit_seen(self, limit: int, since: float, timeout: float) -> float:
+        """Wait until the segment holds the discovered ``limit``; the drill time at which a
+        read that saw it first began, this wait's or the observer's, not before ``since``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            began = self.now()
+            if self.limit() == (limit, "discovered"):
+                seen = [s.t for s in self.samples[-100:] if s.t >= since and s.limit == limit]
+                return min([began, *seen])
+            time.sleep(0.05)
+        raise DrillFailed(f"timed out after {timeout:g} s waiting for limit {limit}")
 
     def counts(self) -> tuple[int, int] | None:
         got = self.provider_doc()

@@ -39,9 +39,10 @@ with ``--plot`` draws them (matplotlib PNG). Exit 0 when every invariant held.
 This file is the scenario (:func:`upgrade`, its phases in order) and the command line.
 What it stands on is beside it, one module a concern: ``drill_rig`` (the processes
 and the timeline: :class:`drill_rig.Drill`), ``drill_observer`` (the samples),
-``drill_load`` (the clients and their outcomes), ``drill_checks`` (the invariants)
-and ``drill_plot`` (the picture). Another scenario is another function like
-:func:`upgrade` over the same :class:`drill_rig.Drill`.
+``drill_load`` (the clients), ``drill_checks`` (the invariants), ``drill_plot`` (the
+picture) and, below them all, ``drill_records`` (the samples and the outcomes).
+Another scenario is another function like :func:`upgrade` over the same
+:class:`drill_rig.Drill`.
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ from pathlib import Path
 
 from drill_checks import final_checks
 from drill_load import RELOAD_PHASE, burst, clients
-from drill_observer import Sample, observe
+from drill_observer import observe
 from drill_plot import plot
-from drill_rig import GEN_A, GEN_B, Drill, DrillFailed
+from drill_records import GEN_A, GEN_B, Sample
+from drill_rig import Drill, DrillFailed
 
 from gateway_capacity.scenario import always_cleaned_up
 
@@ -122,17 +124,19 @@ def upgrade(drill: Drill) -> None:
     time.sleep(t.sidecar_s)
 
     drill.phase = "fenced w2"
+    asked = drill.now()
     drill.router("fence")
-    drill.mark("router: w2 fenced (expect 10)", "fence w2")
-    drill.wait_for("limit 10", lambda: drill.limit() == (10, "discovered"), 30)
+    seen = drill.limit_seen(10, asked, 30)
+    drill.mark("router: w2 fenced, limit 10 first seen", "fence w2", at=seen)
     time.sleep(t.fence_s / 2)
     drill.mark(f"burst of {t.burst} extra requests (overflow)", "burst")
     burst(drill, gen_url, t.burst)
     time.sleep(t.fence_s / 2)
     drill.phase = "unfenced w2"
+    asked = drill.now()
     drill.router("unfence")
-    drill.mark("router: w2 unfenced (expect 20)", "unfence w2")
-    drill.wait_for("limit 20", lambda: drill.limit() == (20, "discovered"), 30)
+    seen = drill.limit_seen(20, asked, 30)
+    drill.mark("router: w2 unfenced, limit 20 first seen", "unfence w2", at=seen)
     time.sleep(t.unfence_s)
 
     drill.phase = RELOAD_PHASE

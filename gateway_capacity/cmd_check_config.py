@@ -18,8 +18,10 @@ check to run before the sidecar starts; ``verify`` compares with a running one.
 
 Exit 2 with one line when the file cannot be read or parsed; with ``--strict``,
 1 when a provider that asks for discovery cannot have it, an entry is skipped, a
-key looks like a typo or share mode cannot start; with ``--probe``, 1 when a
-provider that asks for discovery got no valid answer; else 0.
+key looks like a typo, a provider's classes are refused or share mode cannot
+start; with ``--probe``, 1 when a provider that asks for discovery got no valid
+answer, or one that leaves its limit at 0 (a model of its ``models`` that no
+answer reports); else 0.
 """
 
 from __future__ import annotations
@@ -78,14 +80,16 @@ def register(subparsers: Any) -> None:
         "--strict",
         action="store_true",
         help="exit 1 when a provider that asks for discovery cannot have it, an entry is "
-        "skipped, a key of ours looks like a typo, or share mode cannot start",
+        "skipped, a key of ours looks like a typo, a provider's classes are refused, or share "
+        "mode cannot start",
     )
     parser.add_argument(
         "--probe",
         action="store_true",
         help="also probe each provider that asks for discovery now, as the sidecar would "
         "(GET {baseUrl}/capacity with its key, never shown; 3 s deadline); exit 1 when one "
-        "gets no valid answer. Run it before starting the sidecar",
+        "gets no valid answer or one that leaves its limit at 0. Run it before starting the "
+        "sidecar",
     )
     parser.add_argument(
         "--tailscale-socket",
@@ -120,13 +124,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_render(report))
     if args.probe and any(
-        p["probe"] is not None and not p["probe"]["ok"] for p in report["providers"]
+        p["probe"] is not None and (not p["probe"]["ok"] or p["probe"]["missing_models"])
+        for p in report["providers"]
     ):
         return EXIT_PROBLEM
     if args.strict and (
         report["skipped"]
         or report["unknown_keys"]
         or report["share"]["problems"]
+        or any(p["class_problems"] for p in report["providers"])
         or any(p["discovery_requested"] and not p["discovery_active"] for p in report["providers"])
     ):
         return EXIT_PROBLEM
@@ -140,6 +146,8 @@ def share_check(config: GatewayConfig) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "on": share is not None,
         "redis": None,
+        "sentinel": None,
+        "listener_owner": None,
         "gateway": None,
         "redis_py": redis_py,
         "credential": None,
@@ -147,7 +155,13 @@ def share_check(config: GatewayConfig) -> dict[str, Any]:
     }
     if share is None:
         return doc
-    doc["redis"] = redis_url_for_logs(share.redis)
+    doc["redis"] = None if share.redis is None else redis_url_for_logs(share.redis)
+    if share.sentinel is not None:
+        doc["sentinel"] = {
+            "master": share.sentinel.master,
+            "addresses": list(share.sentinel.addresses),
+        }
+    doc["listener_owner"] = share.listener_owner
     doc["gateway"] = share.gateway
     if not redis_py.startswith("importable"):
         doc["problems"].append(f"redis-py {redis_py}")
@@ -159,6 +173,11 @@ def share_check(config: GatewayConfig) -> dict[str, Any]:
             doc["problems"].append(f"capacityShare.credentialFile: {exc}")
         else:
             doc["credential"] = "ok"
+    if share.sentinel is not None and share.sentinel.credential_file is not None:
+        try:
+            read_credential(share.sentinel.credential_file)
+        except CredentialError as exc:
+            doc["problems"].append(f"capacityShare.sentinel.credentialFile: {exc}")
     return doc
 
 
@@ -313,6 +332,17 @@ async def _check_provider(
 ) -> dict[str, Any]:
     status = config.statuses[provider.id]
     limit, source = fallback_for(provider.max_concurrent, config.max_concurrent)
+    default = provider.default_class_index
+    classes = [
+        {
+            "name": c.name,
+            "reserve": c.reserve,
+            "cap": c.cap,
+            "max_wait": c.max_wait,
+            "default": index == default,
+        }
+        for index, c in enumerate(provider.classes)
+    ]
     if raw:
         provider, problems = provider_problems(raw)
     else:
@@ -327,10 +357,13 @@ async def _check_provider(
         "problems": problems,
         "fallback_limit": limit,
         "fallback_source": source,
+        "fallback_share": False,
         "endpoint": None,
         "addresses": [],
         "credential": None,
         "probe": None,
+        "classes": classes,
+        "class_problems": list(config.class_problems.get(provider.id, ())),
     }
     if not status.discovery_requested:
         return entry
@@ -366,6 +399,9 @@ async def _check_provider(
         entry["reason"] = problems[0]
         return entry
     entry["discovery_active"] = True
+    if config.share is not None:
+        # share mode's rule, not a maxConcurrent: no share in force admits 0 (docs/share.md)
+        entry.update(fallback_limit=0, fallback_source="default", fallback_share=True)
     notes = sorted(
         {a["detail"] for a in entry["addresses"] if a["detail"].startswith("range-checked")}
     )
@@ -419,9 +455,8 @@ def _render(report: dict[str, Any]) -> str:
             state = "discovery REFUSED, static limit"
         else:
             state = "static limit (discovery not requested)"
-        lines.append(
-            f"{p['id']}: {state}; fallback {p['fallback_limit']} from {p['fallback_source']}"
-        )
+        source = "share mode" if p["fallback_share"] else f"from {p['fallback_source']}"
+        lines.append(f"{p['id']}: {state}; fallback {p['fallback_limit']} {source}")
         if len(p["problems"]) > 1:
             lines.extend(f"  problem: {why}" for why in p["problems"])
         elif p["reason"] != "not_requested":
@@ -433,6 +468,7 @@ def _render(report: dict[str, Any]) -> str:
             lines.append(f"  address {a['address']}: {verdict}: {a['detail']}")
         if p["credential"] == "ok":
             lines.append("  credential: readable, well-formed (not shown)")
+        lines.extend(_render_classes(p))
         if p["probe"] is not None:
             said = p["probe"]["refused"] in (p["reason"], *p["problems"])
             lines.extend(_render_probe(p["probe"], said=said))
@@ -444,15 +480,55 @@ def _render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _render_classes(p: dict[str, Any]) -> list[str]:
+    if p["class_problems"]:
+        return [
+            "  classes: REFUSED, it admits as one queue (no reserve, no cap) until fixed:",
+            *(f"    problem: {why}" for why in p["class_problems"]),
+        ]
+    if not p["classes"]:
+        return []
+    said = []
+    for c in p["classes"]:
+        parts = ["default"] if c["default"] else []
+        parts.append(f"reserve {c['reserve']}")
+        parts.append(f"cap {c['cap']}" if c["cap"] is not None else "no cap")
+        if c["max_wait"] is not None:
+            parts.append(f"maxWait {c['max_wait']:g} s")
+        said.append(f"{c['name']} ({', '.join(parts)})")
+    return [f"  classes, highest first: {'; '.join(said)}"]
+
+
 def _render_share(share: dict[str, Any]) -> list[str]:
-    if not share["on"]:
-        return [f"share mode: off (no capacityShare); redis-py {share['redis_py']}"]
-    lines = [f"share mode: ON, gateway {share['gateway']!r}, Redis {share['redis']}"]
+    if not share["on"]:  # redis-py matters only to share mode: no advice to install it
+        if share["redis_py"].startswith("importable"):
+            return [f"share mode: off (no capacityShare); redis-py {share['redis_py']}"]
+        return ["share mode: off (no capacityShare)"]
+    sentinel = share.get("sentinel")
+    where = (
+        f"Redis {share['redis']}"
+        if sentinel is None
+        else f"the master {sentinel['master']!r} of the Sentinel set "
+        f"{', '.join(sentinel['addresses'])} (a failover rebuilds each table)"
+    )
+    lines = [f"share mode: ON, gateway {share['gateway']!r}, {where}"]
     lines.append(f"  redis-py: {share['redis_py']}")
     if share["credential"] == "ok":
         lines.append("  credential: readable, well-formed (not shown)")
     elif share["credential"] is None:
         lines.append("  credential: none (capacityShare.credentialFile not set)")
+    owner = share.get("listener_owner")
+    lines.append(
+        "  a loopback Redis/sentinel must be listened on by "
+        + (
+            f"listenerOwner {owner!r}"
+            if owner is not None
+            else "root, this user or a redis/valkey user"
+        )
+    )
+    lines.append(
+        "  Redis out of reach for longer than a lease: every gateway holds 0 until it answers"
+    )
     lines.extend(f"  problem: {why}" for why in share["problems"])
     return lines
 
@@ -461,6 +537,11 @@ def _render_probe(probe: dict[str, Any], *, said: bool) -> list[str]:
     if probe["refused"] is not None:
         why = "for the reason above" if said else probe["refused"]
         lines = [f"  probe: NOT SENT, {why}"]
+    elif probe["ok"] and probe["missing_models"]:
+        lines = [
+            "  probe: NOT OK, answered but the limit would stay 0: no answer reports "
+            + ", ".join(probe["missing_models"])
+        ]
     elif probe["ok"]:
         lines = ["  probe: ok"]
     else:

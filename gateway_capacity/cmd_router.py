@@ -56,7 +56,7 @@ def _positive_float(text: str) -> float:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "router",
-        help="reference capacity router (serve, fence, unfence, show)",
+        help="reference capacity router (serve, fence, unfence, show, check, simworker)",
         description="The reference producer of the capacity contract: sums the slots of "
         "distinct healthy, registered, unfenced workers and serves GET /v1/capacity.",
     )
@@ -226,13 +226,27 @@ def _check(args: argparse.Namespace) -> int:
     try:
         registry = RegistryWatcher(args.workers).current
     except RegistryError as exc:
-        fail(f"registry refused: {shown(exc)}", EXIT_PROBLEM)
-    models = {m for w in registry.workers for m in w.models}
+        why = shown(exc)
+        named = why if str(args.workers) in why else f"registry {shown(args.workers)}: {why}"
+        fail(f"{named} (refused: serve would not start on it)", EXIT_PROBLEM)
+    models = sorted({m for w in registry.workers for m in w.models})
     print(
         f"registry {shown(args.workers)}: {len(registry.workers)} workers, {len(models)} "
         f"model ids; a snapshot of at most {worst_case_snapshot_bytes(models)} bytes "
         f"(the contract allows {MAX_SNAPSHOT_BYTES})"
     )
+    for w in registry.workers:
+        slots = w.slots.source or "fixed"
+        if w.slots.fixed is not None:
+            slots += f", fixed {w.slots.fixed}"
+        line = f"  worker {shown(w.id)}: {', '.join(map(shown, w.urls))}; models "
+        line += f"{', '.join(map(shown, w.models))}; slots from {slots}"
+        if w.key_file is not None:
+            line += "; with its own key file"
+        if w.fenced:
+            line += "; FENCED in the registry file (counts 0)"
+        print(line)
+    print(f"model ids: {', '.join(map(shown, models)) or '(none)'}")
     for warning in shared_sockets(registry.workers):
         print(f"warning: {shown(warning)}")
     for worker in registry.workers:  # a loopback listener's owner, as the router checks it
@@ -407,7 +421,12 @@ def _client(args: argparse.Namespace, action: str) -> int:
         ) as client:
             response = client.request(method, target, headers={b"Authorization": b"Bearer " + key})
     except httpx.HTTPError as exc:
-        fail(f"cannot reach the router at {base}: {type(exc).__name__}", code=EXIT_USAGE)
+        fail(
+            f"cannot reach the router at {base}: {type(exc).__name__}: start it there "
+            "('gateway-capacity router serve --workers FILE --key-file PATH'), or give the "
+            "address it serves on with --url",
+            code=EXIT_USAGE,
+        )
     try:
         body: Any = msgspec.json.decode(response.content)
     except msgspec.DecodeError:

@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     probes = asyncio.run(probe_providers(opted, tailscale_socket=args.tailscale_socket))
     rows = compare(rules, probes, view, time.time())
     code = exit_code(rows)
+    note = sidecar_note(view)
     if args.json:
         agree = all(row["agree"] for row in rows)
         doc = {
@@ -82,11 +83,39 @@ def run(args: argparse.Namespace) -> int:
             "agree": agree,
             "ok": code == EXIT_OK,
             "providers": rows,
+            "sidecar": note,
         }
         print(json.dumps(doc, indent=2))
-    elif rows:
-        print(render_text(rows))
+    else:
+        if note is not None:
+            print(note)
+        if rows:
+            print(render_text(rows))
     return code
+
+
+def sidecar_note(view: SegmentView) -> str | None:
+    """Why the segment may hold an old limit: no sidecar, or one stopped or stale, and
+    since when; ``None`` while one runs and beats."""
+    from gateway_capacity.cmd_views import STALE_HEARTBEAT_S
+    from gateway_capacity.schemas import sidecar_status
+
+    s = view.sidecar
+    if s is None:
+        return (
+            f"no sidecar has written segment {view.name}: its limits are the handlers' "
+            "fallbacks, not a probe's ('gateway-capacity availability --check' says what to do)"
+        )
+    age = s.heartbeat_age_s
+    if s.alive and s.state == "running" and age is not None and age <= STALE_HEARTBEAT_S:
+        return None
+    state = sidecar_status(s) if not s.alive or s.state != "running" else "is stale"
+    beat = "never" if age is None else f"{age:.0f}s ago"
+    return (
+        f"sidecar pid {s.pid} {state}, last heartbeat {beat}: the segment holds what it "
+        "last published, so it can differ from a probe made now ('gateway-capacity "
+        "availability --check' says what to do)"
+    )
 
 
 def compare(

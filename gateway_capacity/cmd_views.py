@@ -23,6 +23,7 @@ from gateway_capacity.exits import (
     EXIT_WARNING,
 )
 from gateway_capacity.schemas import SCHEMA_VERSION, sidecar_status
+from gateway_config import CLASSES_REFUSED
 from shm_layout.layout import FALLBACK_SOURCES, Source
 from sidecar.shares import DEGRADED as SHARE_DEGRADED
 
@@ -198,7 +199,7 @@ def availability_text(view: SegmentView) -> str:
         lines.append(
             f"{p.id} [{flag}]  limit {p.effective_limit} ({p.source})  running {p.running}  "
             f"waiting {p.waiting}/{p.queue_bound}  fallback {p.fallback_limit} "
-            f"({p.fallback_source})"
+            f"({'share mode' if p.fallback_share else p.fallback_source})"
         )
         lines.append(f"  reason: {_one_line(shown(_as_stored(p.reason, 'provider')))}")
         if p.classes:
@@ -285,7 +286,14 @@ def health_problems(view: SegmentView, max_heartbeat_age: float) -> list[str]:
             f"{s.legacy_max_s / 60:g} min: pid {s.legacy_pid} still runs, opted-in providers "
             "admit nothing new (R-G3); stop it, or restart the sidecar without --await-legacy"
         )
-    if view.config_status not in ("", "ok"):
+    if view.config_status.startswith(CLASSES_REFUSED):
+        path = view.config_path or "the config"
+        problems.append(
+            f"config {path}: {view.config_status}. Fix the classes ('gateway-capacity "
+            f"check-config --config {path}' lists every problem): the sidecar picks up the "
+            "fix by itself; until then no reserve or cap holds"
+        )
+    elif view.config_status not in ("", "ok"):
         path = view.config_path or "the config"
         problems.append(
             f"config {path}: {view.config_status}. Fix the file ('gateway-capacity "
@@ -491,7 +499,11 @@ def run_watch(args: argparse.Namespace) -> int:
     try:
         while True:
             view = _read(args)
-            text = availability_text(view)
+            now = time.time()
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+            stamp += f".{int(now * 10) % 10} {time.strftime('%Z', time.localtime(now))}"
+            every = f"every {max(args.interval, 0.1):g} s"
+            text = f"at {stamp}, {every}\n" + availability_text(view)
             if tty:
                 sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")
             else:

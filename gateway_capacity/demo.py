@@ -535,7 +535,7 @@ def draw_picture(phases: list[Phase], png: str | None) -> tuple[str | None, str]
         label="advertised by the router",
         ls="--",
         lw=1.5,
-        color="tab:orange",
+        color=ADVERTISED_COLOR,
         zorder=4,
     )
     ax.plot(t, [s.running for s in samples], label="running", lw=1.5, color=RUNNING_COLOR, zorder=3)
@@ -544,7 +544,7 @@ def draw_picture(phases: list[Phase], png: str | None) -> tuple[str | None, str]
         [s.waiting for s in samples],
         label="waiting (bound 32)",
         lw=1.5,
-        color="tab:red",
+        color=WAITING_COLOR,
         zorder=2,
     )
     ax.plot(
@@ -552,7 +552,7 @@ def draw_picture(phases: list[Phase], png: str | None) -> tuple[str | None, str]
         [s.interactive for s in samples],
         label=f"interactive running (reserve {INTERACTIVE_RESERVE})",
         lw=1.5,
-        color="tab:green",
+        color=INTERACTIVE_COLOR,
         zorder=3,
     )
     for ph in phases:
@@ -586,8 +586,12 @@ def draw_picture(phases: list[Phase], png: str | None) -> tuple[str | None, str]
     return png, f"picture: {png} (limit, advertised, running and waiting over time)"
 
 
+# one colour a series, lines and legend alike
 LIMIT_COLOR: Final = "tab:blue"
 RUNNING_COLOR: Final = "tab:green"
+ADVERTISED_COLOR: Final = "tab:orange"
+WAITING_COLOR: Final = "tab:red"
+INTERACTIVE_COLOR: Final = "tab:purple"
 
 
 class DemoFailed(Exception):
@@ -640,16 +644,25 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_summary(summary: dict[str, Any], out: TextIO) -> None:
     print("\nsummary", file=out)
-    for ph in summary.get("phases", []):
+    phases = summary.get("phases", [])
+    width = max([22, *(len(ph["name"]) for ph in phases)])
+    if phases:
         print(
-            f"  {ph['name']:<22} advertised {ph['advertised_seen']} -> limit {ph['limits_seen']} "
+            "  per phase: what the router advertised -> the limit in force ([...]: every "
+            "value seen in the phase)",
+            file=out,
+        )
+    for ph in phases:
+        print(
+            f"  {ph['name']:<{width}} advertised {ph['advertised_seen']} -> limit "
+            f"{ph['limits_seen']} "
             f"(reached {ph['expected_limit']} after {ph['reached_after_s']}s); peak running "
             f"{ph['peak_running']}, peak waiting {ph['peak_waiting']}",
             file=out,
         )
         if ph.get("changeover_limits_seen"):
             print(
-                f"  {'':<22} until then limit {ph['changeover_limits_seen']}: peak running "
+                f"  {'':<{width}} until then limit {ph['changeover_limits_seen']}: peak running "
                 f"{ph['changeover_peak_running']}, peak waiting {ph['changeover_peak_waiting']}",
                 file=out,
             )

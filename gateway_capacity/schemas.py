@@ -426,6 +426,18 @@ class CheckedAddress(Struct, kw_only=True):
     detail: Annotated[str, Meta(description="why: loopback, tailnet peer, range-checked, ...")]
 
 
+class ConfiguredClass(Struct, kw_only=True):
+    """One admission class as the config gives it (docs/classes.md)."""
+
+    name: Annotated[str, Meta(description="the class's name")]
+    reserve: Annotated[Count, Meta(description="slots no lower class may take")]
+    cap: Annotated[Count | None, Meta(description="most running at once, or null: none")]
+    max_wait: Annotated[
+        float | None, Meta(description="seconds before a waiter is promoted, or null: never")
+    ]
+    default: Annotated[bool, Meta(description="the class of a request that names none")]
+
+
 class CheckedProvider(Struct, kw_only=True):
     """One provider of the config, checked as a probe would, nothing sent."""
 
@@ -436,6 +448,12 @@ class CheckedProvider(Struct, kw_only=True):
     problems: Annotated[list[str], Meta(description="every problem of the entry")]
     fallback_limit: Annotated[Count, Meta(description="the static limit it falls back to")]
     fallback_source: FallbackSource
+    fallback_share: Annotated[
+        bool,
+        Meta(
+            description="share mode's fallback: 0 whenever no share is in force (source 'default')"
+        ),
+    ] = False
     endpoint: Annotated[str | None, Meta(description="the capacity URL that would be probed")]
     addresses: Annotated[list[CheckedAddress], Meta(description="each resolved address")]
     credential: Annotated[
@@ -445,6 +463,14 @@ class CheckedProvider(Struct, kw_only=True):
         ProbeResult | None,
         Meta(description="with --probe and discovery asked for: what the probe got, else null"),
     ] = None
+    classes: Annotated[
+        list[ConfiguredClass],
+        Meta(description="its admission classes, highest first; empty: one queue"),
+    ] = []
+    class_problems: Annotated[
+        list[str],
+        Meta(description="every problem of classes/defaultClass: the classes are refused"),
+    ] = []
 
 
 class ProbedReplica(Struct, kw_only=True):
@@ -482,11 +508,27 @@ class UnknownConfigKey(Struct, kw_only=True):
     suggestion: Annotated[str | None, Meta(description="the known key it resembles, or null")]
 
 
+class ShareSentinelCheck(Struct, kw_only=True):
+    """The Sentinel set that names share mode's Redis master."""
+
+    master: Annotated[str, Meta(description="the master's name in the sentinels' config")]
+    addresses: Annotated[list[str], Meta(description="the sentinels, host:port")]
+
+
 class ShareCheck(Struct, kw_only=True):
     """Share mode (capacityShare) as check-config sees it, nothing sent to Redis."""
 
     on: Annotated[bool, Meta(description="capacityShare is set: share mode")]
-    redis: Annotated[str | None, Meta(description="the Redis URL without userinfo, or null")]
+    redis: Annotated[
+        str | None, Meta(description="the Redis URL without userinfo, or null (a Sentinel set)")
+    ]
+    sentinel: Annotated[
+        ShareSentinelCheck | None, Meta(description="the Sentinel set, or null (one Redis)")
+    ] = None
+    listener_owner: Annotated[
+        int | str | None,
+        Meta(description="who must own a loopback Redis's listener; null: the default owners"),
+    ] = None
     gateway: Annotated[str | None, Meta(description="this gateway's name, or null")]
     redis_py: Annotated[
         str, Meta(description="'importable (VERSION)' or why not, with the install command")
@@ -545,6 +587,10 @@ class VerifyDoc(Struct, kw_only=True):
     agree: Annotated[bool, Meta(description="every provider's limit agrees")]
     ok: Annotated[bool, Meta(description="exit 0: agrees, no model missing, all answered")]
     providers: Annotated[list[VerifiedProvider], Meta(description="one row per provider")]
+    sidecar: Annotated[
+        str | None,
+        Meta(description="no sidecar, or it stopped or is stale, and since when; null: it runs"),
+    ] = None
 
 
 class WaitForSlotDoc(Struct, kw_only=True):

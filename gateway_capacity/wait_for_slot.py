@@ -232,6 +232,9 @@ def _sample_local(segment: str, provider_id: str, need: int, cls: str | None = N
     (its static limit, or discovery's ceiling: its own ``maxConcurrent``, else 64,
     R-L4) can never fit: that is an error at once, not a wait until ``--max-wait``.
     A limit below ``need`` for now (0 while a legacy generation drains) is a wait.
+    Without ``cls``, a provider with classes is judged as its default class, where
+    admission puts a request that names none; a ``need`` above the class's cap can never
+    fit either.
     """
     from shm_layout import SegmentError, SegmentNotReady
     from shm_layout.view import read_view
@@ -256,7 +259,16 @@ def _sample_local(segment: str, provider_id: str, need: int, cls: str | None = N
             f"--need {need} can never fit: provider {provider_id}'s limit can be at most "
             f"{ceiling} ({why})"
         )
+    if cls is None and provider.classes and not provider.classes_suspended:
+        # a request that names no class is admitted in the default one: gate as it will be
+        cls = next((c.name for c in provider.classes if c.default), provider.classes[-1].name)
     if cls is not None:
+        own = next((c for c in provider.classes if c.name == cls), None)
+        if own is not None and own.cap is not None and need > own.cap:
+            return Fatal(
+                f"--need {need} can never fit: class {cls} of provider {provider_id} runs at "
+                f"most {own.cap} at once (its cap)"
+            )
         load = class_load(provider, cls)
         return Fatal(load) if isinstance(load, str) else load
     return Load(float(provider.running), float(provider.waiting), provider.effective_limit)
@@ -369,7 +381,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     local.add_argument("--provider", metavar="ID", help="gate on this provider's effective limit")
     local.add_argument(
         "--class", dest="cls", metavar="NAME",
-        help="gate on the room this admission class of the provider sees (docs/classes.md)",
+        help="gate on the room this admission class of the provider sees (docs/classes.md; "
+        "default: the provider's default class, where a request that names none goes)",
     )  # fmt: skip
     add_target_options(parser)  # --config / --segment, for local mode
     parser.add_argument(

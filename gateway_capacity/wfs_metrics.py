@@ -396,7 +396,10 @@ def router_load_url(base_url: str) -> str:
 
 
 def secs(value: float) -> str:
-    return f"{value:.3g}" if value < 10 else f"{value:.0f}"
+    """Seconds as a person reads them: 0.02, 1.5, 12."""
+    if value < 1:
+        return f"{round(value, 2):g}"
+    return f"{round(value, 1):g}" if value < 10 else f"{value:.0f}"
 
 
 def one_line(text: str, limit: int = 160) -> str:

@@ -16,7 +16,10 @@ Inside, each provider entry stands alone (R-C3):
   reason;
 - an entry with a wrongly typed field is kept for static admission with what can be
   trusted (its id and, when valid, its own ``maxConcurrent``), and
-  :attr:`ConfigFile.invalid` says what is wrong with it.
+  :attr:`ConfigFile.invalid` says what is wrong with it;
+- an entry whose ``classes``/``defaultClass`` are wrong (alone or together) loses its
+  classes only: it is kept with everything else as written and admits as one queue,
+  and :attr:`ConfigFile.class_problems` lists every problem.
 
 Imports msgspec and nothing of ours but the error root: a handler reads its config
 without the sidecar's address, credential or probe machinery.
@@ -28,7 +31,7 @@ import difflib
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
@@ -57,6 +60,9 @@ FallbackSource = Source  # one of layout.FALLBACK_SOURCES
 UTF8_BOM: Final = b"\xef\xbb\xbf"
 
 __all__ = [
+    "CLASSES_REFUSED",
+    "CLASS_FIELDS",
+    "CLASS_KEYS",
     "DEFAULT_FALLBACK",
     "ENTRY_FIELDS",
     "MAX_LIMIT",
@@ -75,6 +81,7 @@ __all__ = [
     "Uid",
     "UpstreamModelId",
     "UserName",
+    "class_problems",
     "fallback_for",
     "field_message",
     "known_providers",
@@ -161,8 +168,17 @@ TOP_LEVEL_FIELDS: Final = frozenset({"maxConcurrent", "providers", "capacityShar
 class EntryProblem:
     """Why a provider entry was kept with its id and own ``maxConcurrent`` only."""
 
-    discovery_requested: bool  # the entry said ``capacityDiscovery: true``
+    discovery_requested: bool  # ``capacityDiscovery`` was given, true or mistyped ("yes")
     reason: str  # "field: expected ...", from msgspec
+
+
+# A provider's keys that hold its admission classes: a mistake in them costs the classes
+# (the provider admits as one queue), never the rest of the entry (discovery, its limit).
+CLASS_KEYS: Final = ("classes", "defaultClass")
+CLASS_FIELDS: Final = frozenset(AdmissionClass.__struct_encode_fields__)
+# How the sidecar's config status and its log say it when the file is fine but the
+# classes of a provider were refused (``availability`` shows it, ``--check`` fails on it)
+CLASSES_REFUSED: Final = "classes refused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +193,9 @@ class ConfigFile:
     capacity_share: Any = None
     # the whole document as decoded, for the sidecar's check of unknown keys
     document: Any = None
+    # by provider id: every problem of its ``classes``/``defaultClass``; such a provider
+    # is kept with no classes (one queue), everything else of its entry as written
+    class_problems: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def provider(self, provider_id: str) -> ProviderConfig | None:
         for p in self.providers:
@@ -260,6 +279,7 @@ def parse_config_file(data: bytes, source: str = "<config>") -> ConfigFile:
     invalid: dict[str, EntryProblem] = {}
     seen: set[str] = set()
     skipped: list[str] = []
+    wrong_classes: dict[str, tuple[str, ...]] = {}
     for index, entry in enumerate(entries):
         where = f"providers[{index}]"
         if not isinstance(entry, dict):
@@ -275,10 +295,13 @@ def parse_config_file(data: bytes, source: str = "<config>") -> ConfigFile:
             skipped.append(f"{where}: duplicate id {provider_id!r} (the first entry is used)")
             continue
         seen.add(provider_id)
-        provider, entry_problem = _typed_entry(provider_id, entry)
+        classes_wrong = tuple(class_problems(entry))
+        provider, entry_problem = _typed_entry(provider_id, entry, classes_wrong)
         providers.append(provider)
         if entry_problem is not None:
             invalid[provider_id] = entry_problem
+        if classes_wrong:
+            wrong_classes[provider_id] = classes_wrong
     return ConfigFile(
         source,
         gateway_max,
@@ -287,7 +310,73 @@ def parse_config_file(data: bytes, source: str = "<config>") -> ConfigFile:
         tuple(skipped),
         doc.get("capacityShare"),
         doc,
+        wrong_classes,
     )
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    return {dict: "object", list: "array", str: "str", int: "int", float: "float"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def class_problems(entry: Mapping[str, Any]) -> list[str]:
+    """Every problem of a provider entry's ``classes`` and ``defaultClass``, each naming
+    its field (``classes[1].reserve: ...``), not just the first: one edit fixes them all.
+    Keys that are not a class's are not problems here (the sidecar's unknown-key check
+    names them, with the key they resemble)."""
+    problems: list[str] = []
+    classes = entry.get("classes", [])
+    if not isinstance(classes, list):
+        problems.append(f"classes: expected an array of class objects, got {_json_type(classes)}")
+        classes = []
+    elif len(classes) > MAX_CLASSES:
+        problems.append(
+            f"classes: at most {MAX_CLASSES} classes (the segment's rows), got {len(classes)}"
+        )
+    names: list[str] = []
+    for index, item in enumerate(classes):
+        where = f"classes[{index}]"
+        if not isinstance(item, dict):
+            problems.append(f"{where}: expected an object, got {_json_type(item)}")
+            continue
+        if "name" not in item:
+            problems.append(f"{where}: name is required")
+        for key, value in item.items():
+            if key not in CLASS_FIELDS:
+                continue
+            alone = {key: value} if key == "name" else {"name": "x", key: value}
+            try:
+                msgspec.convert(alone, AdmissionClass, strict=True)
+            except msgspec.ValidationError as exc:
+                problems.append(f"{where}.{field_message(str(exc))}")
+            else:
+                if key == "name":
+                    names.append(value)
+    for name in sorted({n for n in names if names.count(n) > 1}, key=names.index):
+        problems.append(
+            f"classes: the name {name!r} is given {names.count(name)} times "
+            "(every class needs a name of its own)"
+        )
+    if "defaultClass" in entry:
+        default = entry["defaultClass"]
+        try:
+            msgspec.convert({"id": "x", "defaultClass": default}, ProviderConfig, strict=True)
+        except msgspec.ValidationError as exc:
+            problems.append(field_message(str(exc)))
+        else:
+            if names and default is not None and default not in names:
+                near = difflib.get_close_matches(default, names, n=1, cutoff=0.6)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                problems.append(
+                    f"defaultClass {default!r} is not one of the classes "
+                    f"({', '.join(dict.fromkeys(names))}){hint}"
+                )
+    return problems
 
 
 def field_message(message: str) -> str:
@@ -323,8 +412,10 @@ def _id_problem(value: Any) -> str | None:
 
 
 def _typed_entry(
-    provider_id: str, entry: dict[str, Any]
+    provider_id: str, entry: dict[str, Any], classes_wrong: tuple[str, ...]
 ) -> tuple[ProviderConfig, EntryProblem | None]:
+    if classes_wrong:  # the classes go, the rest of the entry stands on its own
+        entry = {k: v for k, v in entry.items() if k not in CLASS_KEYS}
     try:
         return msgspec.convert(entry, ProviderConfig, strict=True), None
     except msgspec.ValidationError as exc:
@@ -334,5 +425,6 @@ def _typed_entry(
         except msgspec.ValidationError:
             own_max = None
         kept = ProviderConfig(id=provider_id, max_concurrent=own_max)
-        requested = entry.get("capacityDiscovery") is True
+        # any value but false or null asks for it ("yes"): refused, not "not requested"
+        requested = entry.get("capacityDiscovery", False) not in (False, None)
         return kept, EntryProblem(requested, field_message(str(exc)))

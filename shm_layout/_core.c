@@ -601,8 +601,11 @@ static int classes_in_force(Core *c, int p)
     return count < CLASS_COUNT ? (int)count : CLASS_COUNT;
 }
 
+/* The rules of the ``count`` classes in force; none in force: one class 0 with no
+ * reserve, cap or maxWait (one FIFO). */
 static void class_rules(Core *c, int p, int count, Rules *r)
 {
+    memset(r, 0, sizeof *r);
     r->count = count;
     for (int k = 0; k < count; k++) {
         long cb = cbase(c, p, k);
@@ -644,20 +647,27 @@ static int may_run(const Rules *r, int k, int promoted, uint32_t running, const 
     return running + withheld < limit;
 }
 
-static void class_running(Core *c, int p, uint32_t *run)
+/* The class a record's cls byte counts in under rules ``r``: class 0 when none are in
+ * force (their rows may be written while a handler of an older minor suspends them). */
+static int rule_class(Core *c, int p, const Rules *r, long hb)
+{
+    return r->count ? resolve_class(c, p, (int)ld8(c, hb + HOLDER_CLS) - 1) : 0;
+}
+
+static void class_running(Core *c, int p, const Rules *r, uint32_t *run)
 {
     memset(run, 0, CLASS_COUNT * sizeof *run);
     for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
         long hb = hbase(c, p, h);
         if (ld32(c, hb + HOLDER_STATE) == RUNNING)
-            run[resolve_class(c, p, (int)ld8(c, hb + HOLDER_CLS) - 1)]++;
+            run[rule_class(c, p, r, hb)]++;
     }
 }
 
 /* A waiting record's class, and its rank: the top class once it waited maxWait. */
 static int record_rank(Core *c, int p, long hb, const Rules *r, double now, int *k, int *promoted)
 {
-    *k = resolve_class(c, p, (int)ld8(c, hb + HOLDER_CLS) - 1);
+    *k = rule_class(c, p, r, hb);
     double wait = r->max_wait[*k];
     *promoted = *k > 0 && wait > 0 && now - ldd(c, hb + HOLDER_SINCE_MONO) >= wait;
     return *promoted ? 0 : *k;
@@ -762,22 +772,18 @@ static int displaceable(Core *c, int p, int k, const Rules *r, double now)
     return best;
 }
 
-/* FIFO admission (ledger.decide_arrival): nobody overtakes a waiter (R-A3), the queue is
- * bounded (R-A2). */
-static int decide_arrival(uint32_t running, uint32_t waiting, uint32_t limit, uint32_t bound)
+/* An arrival of class k, after the pump (ledger.Ledger._decide): admitted when its class
+ * may run, else queued; from a full queue it displaces the newest waiter of the lowest
+ * rank below k (*victim, -1 none: refused). Without classes in force it is class 0 of
+ * one, with no reserve, cap or maxWait: admitted while running < limit, which the pump
+ * leaves only with nobody waiting (R-A3), refused when 32 wait (R-A2). The counts by
+ * class are read only for a class below the top or one with a cap. */
+static int decide(Core *c, int p, int k, const Rules *r, uint32_t running, uint32_t waiting, uint32_t limit,
+                  double now, int *victim)
 {
-    if (waiting == 0 && running < limit)
-        return R_ADMIT;
-    return waiting >= bound ? R_FULL : R_WAIT;
-}
-
-/* An arrival of class k with classes in force (ledger.Ledger._decide_classed): the
- * decision, and in *victim the waiter it displaces from a full queue (-1 none). */
-static int decide_classed(Core *c, int p, int k, const Rules *r, uint32_t running, uint32_t waiting,
-                          uint32_t limit, double now, int *victim)
-{
-    uint32_t run[CLASS_COUNT];
-    class_running(c, p, run);
+    uint32_t run[CLASS_COUNT] = {0};
+    if (k > 0 || r->cap[k])
+        class_running(c, p, r, run);
     if (may_run(r, k, 0, running, run, limit))
         return R_ADMIT;
     if (waiting < (uint32_t)QUEUE_BOUND)
@@ -832,23 +838,21 @@ static void claim_record(Core *c, Ticket *tk, int p, int h, unsigned int pid, No
     }
 }
 
-/* The arrival section (ledger.Ledger.arrive): FIFO without classes in force; with them
- * (class k), a pump first (a waiter may have been promoted meanwhile), then the class
- * runs at once when it may, else queues, displacing the newest waiter of the lowest rank
- * below k from a full queue. */
+/* The arrival section (ledger.Ledger.arrive): a pump first (a limit may have risen, a
+ * waiter may have been promoted meanwhile), then one decision (``decide``), the FIFO
+ * being its case without classes. */
 static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, int may_wait, int futex,
                          Rings *rings)
 {
     if (c->member < 0 || c->closing)
         return R_CLOSED; /* unregistered or closing meanwhile: nothing may run (R-A14) */
-    int k = resolve_class(c, p, tk->cls);
     int count = classes_in_force(c, p);
+    int k = count ? resolve_class(c, p, tk->cls) : 0;
     long b = pbase(c, p);
     if (counters_damaged(c, b) && recount_provider(c, p))
         note_damage(c, "provider counters were written over");
     Rules r;
-    if (count)
-        pump(c, p, now, rings, NULL);
+    pump(c, p, now, rings, NULL);
     class_rules(c, p, count, &r);
     int decision = R_FULL;
     for (int attempt = 0; attempt < 2; attempt++) {
@@ -856,10 +860,7 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
         uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
         uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
         int victim = -1;
-        if (count)
-            decision = decide_classed(c, p, k, &r, running, waiting, limit, now.mono, &victim);
-        else
-            decision = decide_arrival(running, waiting, limit, (uint32_t)QUEUE_BOUND);
+        decision = decide(c, p, k, &r, running, waiting, limit, now.mono, &victim);
         int h = decision != R_FULL ? first_free(c, p) : -1;
         if (h < 0)
             h = victim;
@@ -1027,7 +1028,7 @@ static void pump_classed(Core *c, int p, uint32_t running, uint32_t waiting, uin
     Rules r;
     class_rules(c, p, classes_in_force(c, p), &r);
     uint32_t run[CLASS_COUNT];
-    class_running(c, p, run);
+    class_running(c, p, &r, run);
     int recounted = 0;
     while (running < limit && waiting > 0) {
         int k = 0, promoted_only = 0, anyone = 0;
@@ -1298,11 +1299,18 @@ static uint32_t unregister_locked(Core *c, int m, uint64_t serial, Now now, Ring
     return cut;
 }
 
+/* The head of a class row as a writer gives it (writer.CLASS_ROW): name, reserve, cap,
+ * maxWait; the admission counter after it is the core's. */
+#define CLASS_SPEC_BYTES CLASS_ADMITTED_TOTAL
+
 /* The provider section (ledger.Ledger.ensure_provider): the row whose id is ``padded``
- * (ID_BYTES, NUL-padded, matched in full), or a free row claimed for it, in_use last
- * (``*created`` = 1). Returns the row; -1 when the table is full. */
+ * (ID_BYTES, NUL-padded, matched in full), or a free row claimed for it with its class
+ * table (``nclasses`` rows of CLASS_SPEC_BYTES, and the default class) in the same step,
+ * in_use last (``*created`` = 1): no arrival ever sees the row without its classes.
+ * Returns the row; -1 when the table is full. */
 static int ensure_provider_locked(Core *c, const char *padded, int fallback, int source, int flags, int bound,
-                                  const char *reason, Py_ssize_t reason_len, int *created)
+                                  const char *reason, Py_ssize_t reason_len, const char *classes, int nclasses,
+                                  uint32_t default_class, int *created)
 {
     for (int p = 0; p < PROVIDER_COUNT; p++) {
         long b = pbase(c, p);
@@ -1321,6 +1329,15 @@ static int ensure_provider_locked(Core *c, const char *padded, int fallback, int
         st32(c, b + PROVIDER_FLAGS, (uint32_t)flags);
         memset(AT(c, b + PROVIDER_REASON), 0, REASON_BYTES);
         memcpy(AT(c, b + PROVIDER_REASON), reason, reason_len);
+        for (int k = 0; k < CLASS_COUNT; k++) {
+            long cb = cbase(c, p, k);
+            if (k < nclasses)
+                memcpy(AT(c, cb), classes + (long)k * CLASS_SPEC_BYTES, CLASS_SPEC_BYTES);
+            else
+                memset(AT(c, cb), 0, CLASS_SPEC_BYTES);
+        }
+        st32(c, b + PROVIDER_DEFAULT_CLASS, default_class);
+        st32(c, b + PROVIDER_CLASS_COUNT, (uint32_t)nclasses);
         st32(c, b + PROVIDER_IN_USE, 1); /* last */
         *created = 1;
         return p;
@@ -1328,10 +1345,49 @@ static int ensure_provider_locked(Core *c, const char *padded, int fallback, int
     return -1;
 }
 
-/* The transaction section (Core.transact): when every guard's bytes match, apply every
- * write in order, then sweep (``do_sweep``) or pump every provider (``do_pump``). 1
+/* The transaction section (Core.transact, ledger.Ledger.transact): when every guard's
+ * bytes match, apply every write in order, relabel the records of every class table
+ * written over, then sweep (``do_sweep``) or pump every provider (``do_pump``). 1
  * applied, 0 a guard differed (nothing written). */
 typedef struct { long off; Py_ssize_t len; const char *src; } Patch;
+
+#define CLASS_NAME_BYTES (CLASS_RESERVE - CLASS_NAME) /* the name field, NUL-padded */
+
+/* A provider's class names as its rows hold them (the first ``count``, at most
+ * CLASS_COUNT; the rest zero). */
+typedef struct { uint32_t count; char name[CLASS_COUNT][CLASS_NAME_BYTES]; } ClassNames;
+
+static void class_names(Core *c, int p, ClassNames *n)
+{
+    uint32_t count = ld32(c, pbase(c, p) + PROVIDER_CLASS_COUNT);
+    n->count = count < CLASS_COUNT ? count : CLASS_COUNT;
+    memset(n->name, 0, sizeof n->name);
+    for (uint32_t k = 0; k < n->count; k++)
+        memcpy(n->name[k], AT(c, cbase(c, p, (int)k) + CLASS_NAME), CLASS_NAME_BYTES);
+}
+
+/* The class table of ``p`` was written over (ledger.Ledger._relabel): every running and
+ * waiting record keeps the class it asked for, found by its whole name in the new rows
+ * (whatever row it moved to); a record whose class is gone, or that counted in the
+ * default class, holds 0: the default class, resolved when read. */
+static void relabel(Core *c, int p, const ClassNames *was)
+{
+    ClassNames is;
+    class_names(c, p, &is);
+    if (is.count == was->count && memcmp(is.name, was->name, sizeof is.name) == 0)
+        return;
+    for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
+        long hb = hbase(c, p, h);
+        uint32_t state = ld32(c, hb + HOLDER_STATE), v = ld8(c, hb + HOLDER_CLS), to = 0;
+        if ((state != RUNNING && state != WAITING) || v == 0)
+            continue;
+        for (uint32_t k = 0; v - 1 < was->count && k < is.count && !to; k++)
+            if (memcmp(was->name[v - 1], is.name[k], CLASS_NAME_BYTES) == 0)
+                to = k + 1;
+        if (to != v)
+            st8(c, hb + HOLDER_CLS, to);
+    }
+}
 
 static int transact_locked(Core *c, const Patch *g, Py_ssize_t ng, const Patch *w, Py_ssize_t nw, int do_pump,
                            int do_sweep, Now now, Rings *rings)
@@ -1339,8 +1395,16 @@ static int transact_locked(Core *c, const Patch *g, Py_ssize_t ng, const Patch *
     for (Py_ssize_t i = 0; i < ng; i++)
         if (memcmp(AT(c, g[i].off), g[i].src, g[i].len) != 0)
             return 0;
+    ClassNames was[PROVIDER_COUNT];
+    int used[PROVIDER_COUNT];
+    for (int p = 0; p < PROVIDER_COUNT; p++)
+        if ((used[p] = nw > 0 && ld32(c, pbase(c, p) + PROVIDER_IN_USE) != 0))
+            class_names(c, p, &was[p]);
     for (Py_ssize_t i = 0; i < nw; i++)
         memcpy(AT(c, w[i].off), w[i].src, w[i].len);
+    for (int p = 0; p < PROVIDER_COUNT; p++)
+        if (used[p])
+            relabel(c, p, &was[p]);
     if (do_sweep)
         sweep(c, now, rings);
     else if (do_pump)
@@ -2620,15 +2684,18 @@ static PyObject *Core_unregister(Core *c, PyObject *args)
     return PyLong_FromUnsignedLong(cut);
 }
 
-/* ensure_provider(id, fallback, source, flags, queue_bound, reason) -> (index, created);
- * index -1 when the table is full. ``id`` is matched in full, never by a prefix. */
+/* ensure_provider(id, fallback, source, flags, queue_bound, reason, classes=b"",
+ * default_class=0) -> (index, created); index -1 when the table is full. ``id`` is
+ * matched in full, never by a prefix. ``classes``: the class rows a claimed row starts
+ * with (writer.class_table), written with it in one step. */
 static PyObject *Core_ensure_provider(Core *c, PyObject *args)
 {
-    const char *id, *reason;
-    Py_ssize_t id_len, reason_len;
+    const char *id, *reason, *classes = "";
+    Py_ssize_t id_len, reason_len, classes_len = 0;
     int fallback, source, flags, bound;
-    if (!PyArg_ParseTuple(args, "y#iiiiy#", &id, &id_len, &fallback, &source, &flags, &bound, &reason,
-                          &reason_len))
+    unsigned int default_class = 0;
+    if (!PyArg_ParseTuple(args, "y#iiiiy#|y#I", &id, &id_len, &fallback, &source, &flags, &bound, &reason,
+                          &reason_len, &classes, &classes_len, &default_class))
         return NULL;
     if (!usable(c))
         return NULL;
@@ -2636,6 +2703,11 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "a provider id is 1 to ID_BYTES bytes without NUL");
         return NULL;
     }
+    if (classes_len % CLASS_SPEC_BYTES || classes_len / CLASS_SPEC_BYTES > CLASS_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "classes: at most CLASS_COUNT rows of the class spec");
+        return NULL;
+    }
+    int nclasses = (int)(classes_len / CLASS_SPEC_BYTES);
     if (reason_len > REASON_BYTES)
         reason_len = REASON_BYTES;
     char padded[256];
@@ -2647,7 +2719,8 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
     memcpy(padded, id, id_len);
     int rc, index = -1, created = 0;
     LOCKED(c, 1, 0.0, rc, {
-        index = ensure_provider_locked(c, padded, fallback, source, flags, bound, reason, reason_len, &created);
+        index = ensure_provider_locked(c, padded, fallback, source, flags, bound, reason, reason_len, classes,
+                                       nclasses, default_class, &created);
     });
     if (rc < 0 || rc == E_DAMAGED_LOCK)
         return lock_error(c, rc);
@@ -3081,7 +3154,7 @@ static PyMethodDef Core_methods[] = {
     {"pump_all", (PyCFunction)Core_pump_all, METH_VARARGS, "pump_all(now)"},
     {"register", (PyCFunction)Core_register, METH_VARARGS, "register(pid, start, label, major, minor, now, bell=0) -> (member, serial)"},
     {"unregister", (PyCFunction)Core_unregister, METH_VARARGS, "unregister(now) -> running records cut"},
-    {"ensure_provider", (PyCFunction)Core_ensure_provider, METH_VARARGS, "ensure_provider(id, fallback, source, flags, bound, reason) -> (index, created)"},
+    {"ensure_provider", (PyCFunction)Core_ensure_provider, METH_VARARGS, "ensure_provider(id, fallback, source, flags, bound, reason, classes=b'', default_class=0) -> (index, created)"},
     {"transact", (PyCFunction)Core_transact, METH_VARARGS, "transact(guards, writes, pump, now, sweep=False) -> bool"},
     {"snapshot", (PyCFunction)Core_snapshot, METH_NOARGS, "snapshot() -> bytes"},
     {"own_records", (PyCFunction)Core_own_records, METH_NOARGS, "(running, waiting) records of this registration"},

@@ -14,9 +14,11 @@ only by this protocol's steps; what a bad write can and cannot do is bounded bel
   :meth:`Ledger.recount_provider` rebuilds them from the records, and every sweep
   does: a mismatch is damage, counted, R-A16).
 * ``waiting <= queue_bound`` (32): an arrival that would exceed it is refused.
-* a new arrival is admitted at once only when nobody waits and
-  ``running < limit``; otherwise it queues with the next ticket (FIFO). (With
-  admission classes, below: when its class may run; no waiter that may run waits.)
+* a new arrival first grants what the limit allows (:meth:`Ledger.pump`), then is
+  admitted at once only when ``running < limit`` (so nobody waits); otherwise it
+  queues with the next ticket (FIFO). (With admission classes, below: when its class
+  may run; no waiter that may run waits.) One decision serves both: the FIFO is the
+  classed arrival with no classes (:meth:`Ledger._decide`).
 * whenever ``running < limit`` and someone waits, the WAITING record with the
   smallest ticket is made RUNNING (:meth:`Ledger.pump`), unless its owner is
   dead: then it is freed instead. Its owner is woken after unlock (its waiting
@@ -113,13 +115,7 @@ def may_run(
     return running + withheld < limit
 
 
-def decide_arrival(running: int, waiting: int, limit: int, bound: int) -> Decision:
-    """FIFO admission: nobody overtakes a waiter (R-A3), the queue is bounded (R-A2)."""
-    if waiting == 0 and running < limit:
-        return "admit"
-    if waiting >= bound:
-        return "full"
-    return "wait"
+ONE_FIFO = [ClassRule(0, 0, 0.0)]  # no classes in force: one class, no reserve, cap, maxWait
 
 
 # --- the model ------------------------------------------------------------------------
@@ -203,27 +199,22 @@ class Ledger:
         """``registered`` False: the registration is gone or closing (R-A14). ``cls``: the
         class index asked for (-1 or unknown: the provider's default class).
 
-        Without classes in force the decision is :func:`decide_arrival`'s. With them
-        (class ``c``), the arrival pumps first (a waiter may have been promoted
-        meanwhile), then runs at once when its class may, else queues, displacing the
-        newest waiter of the lowest rank below ``c`` from a full queue."""
+        The arrival pumps first (a limit may have risen, a waiter may have been promoted
+        meanwhile), then takes one decision (:meth:`_decide`), the FIFO being its case
+        without classes."""
         if not registered:
             return "closed", None, set()
         buf, base = self.buf, provider_base(p)
-        c, stored = resolve_class(buf, p, cls), stored_class(buf, p, cls)
         count = classes_in_force(buf, p)
+        c, stored = resolve_class(buf, p, cls) if count else 0, stored_class(buf, p, cls)
         if self._counters_damaged(base) and self.recount_provider(p):
             self.damage += 1
-        rings = self.pump(p, now) if count else set[int]()
-        rules = class_rules(buf, p, count)
+        rings = self.pump(p, now)
+        rules = class_rules(buf, p, count) or ONE_FIFO
         for attempt in range(2):
             running, waiting = self._get("running", base), self._get("waiting", base)
             limit = limit_value(buf, p, now)
-            victim: int | None = None
-            if count:
-                decision, victim = self._decide_classed(p, c, rules, running, waiting, limit, now)
-            else:
-                decision = decide_arrival(running, waiting, limit, layout.QUEUE_BOUND)
+            decision, victim = self._decide(p, c, rules, count, running, waiting, limit, now)
             h = self._free_place(p) if decision != "full" else None
             if h is None:
                 h = victim
@@ -257,23 +248,30 @@ class Ledger:
             return decision, Ticket(p, h, serial), rings
         raise AssertionError("unreachable")
 
-    def _decide_classed(
+    def _decide(
         self,
         p: int,
         c: int,
         rules: list[ClassRule],
+        count: int,
         running: int,
         waiting: int,
         limit: int,
         now: float,
     ) -> tuple[Decision, int | None]:
-        """An arrival of class ``c`` with classes in force: (decision, the waiter it
-        displaces from a full queue, or None)."""
-        if may_run(c, running, self._class_running(p, len(rules)), limit, rules, promoted=False):
+        """An arrival of class ``c``, after the pump: (decision, the waiter it displaces
+        from a full queue, or None). Admitted when its class may run, else queued; from a
+        full queue it displaces the newest waiter of the lowest rank below ``c`` (none:
+        refused). Without classes in force (``count`` 0) it is class 0 of one with no
+        reserve, cap or maxWait: admitted while running < limit, which the pump leaves
+        only with nobody waiting (R-A3), refused when 32 wait (R-A2). The counts by class
+        are read only for a class below the top or one with a cap."""
+        run = self._class_running(p, count) if c > 0 or rules[c].cap else [0] * len(rules)
+        if may_run(c, running, run, limit, rules, promoted=False):
             return "admit", None
         if waiting < layout.QUEUE_BOUND:
             return "wait", None
-        victim = self._displaceable(p, c, len(rules), rules, now)
+        victim = self._displaceable(p, c, count, rules, now)
         return ("full" if victim is None else "wait"), victim
 
     def _claim_record(
@@ -328,18 +326,25 @@ class Ledger:
         field, cb = layout.CLASS["admitted_total"], class_base(p, c)
         field.put(self.buf, field.get(self.buf, cb) + 1, cb)
 
+    def _record_class(self, p: int, hb: int, count: int) -> int:
+        """The class a record's cls byte counts in with ``count`` classes in force: class
+        0 when none are (their rows may be written while an older minor suspends them)."""
+        return resolve_class(self.buf, p, HOLDER["cls"].get(self.buf, hb) - 1) if count else 0
+
     def _class_running(self, p: int, count: int) -> list[int]:
         run = [0] * max(count, 1)
         for h in range(HOLDERS_PER_PROVIDER):
             hb = holder_base(p, h)
             if HOLDER["state"].get(self.buf, hb) == HOLDER_RUNNING:
-                run[resolve_class(self.buf, p, HOLDER["cls"].get(self.buf, hb) - 1)] += 1
+                run[self._record_class(p, hb, count)] += 1
         return run
 
-    def _rank(self, p: int, hb: int, rules: list[ClassRule], now: float) -> tuple[int, int, bool]:
+    def _rank(
+        self, p: int, hb: int, rules: list[ClassRule], count: int, now: float
+    ) -> tuple[int, int, bool]:
         """A waiting record's (class, rank, promoted): promoted after its class's maxWait
         ranks as the top class."""
-        k = resolve_class(self.buf, p, HOLDER["cls"].get(self.buf, hb) - 1)
+        k = self._record_class(p, hb, count)
         wait = rules[k].max_wait_s
         promoted = k > 0 and wait > 0 and now - HOLDER["since_mono"].get(self.buf, hb) >= wait
         return k, 0 if promoted else k, promoted
@@ -354,7 +359,7 @@ class Ledger:
             hb = holder_base(p, h)
             if HOLDER["state"].get(self.buf, hb) != HOLDER_WAITING:
                 continue
-            _, rank, _ = self._rank(p, hb, rules, now)
+            _, rank, _ = self._rank(p, hb, rules, count, now)
             key = (rank, HOLDER["ticket"].get(self.buf, hb))
             if rank > c and (best is None or key > best_key):
                 best, best_key = h, key
@@ -427,6 +432,52 @@ class Ledger:
                 self.recount_provider(p)
                 rings |= self.pump(p, now)
         return freed, rings
+
+    # --- a writer's transaction ----------------------------------------------------
+    def transact(
+        self,
+        guards: list[tuple[int, bytes]],
+        writes: list[tuple[int, bytes]],
+        now: float,
+        *,
+        pump: bool = True,
+        sweep: bool = False,
+    ) -> tuple[bool, set[int]]:
+        """A writer's commit (``Core.transact``): when every guard's bytes are as given,
+        every write in order; the records of each class table written over relabelled
+        (:meth:`_relabel`); then a sweep, or a pump of every provider. (applied, rings)."""
+        buf = self.buf
+        if any(bytes(buf[off : off + len(data)]) != data for off, data in guards):
+            return False, set()
+        was = {p: self._class_names(p) for p in self._providers()} if writes else {}
+        for off, data in writes:
+            buf[off : off + len(data)] = data
+        for p, names in was.items():
+            self._relabel(p, names)
+        if sweep:
+            return True, self.sweep(now)[1]
+        return True, self.pump_all(now) if pump else set()
+
+    def _class_names(self, p: int) -> list[bytes]:
+        count = min(PROVIDER["class_count"].get(self.buf, provider_base(p)), layout.CLASS_COUNT)
+        return [layout.CLASS["name"].get(self.buf, class_base(p, k)) for k in range(count)]
+
+    def _relabel(self, p: int, was: list[bytes]) -> None:
+        """Provider ``p``'s class table was written over: every running and waiting record
+        keeps the class it asked for, found by its whole name in the new rows (whatever
+        row it moved to); a record whose class is gone, or that counted in the default
+        class, holds 0: the default class, resolved when read."""
+        now = self._class_names(p)
+        if now == was:
+            return
+        for h in range(HOLDERS_PER_PROVIDER):
+            hb = holder_base(p, h)
+            v = HOLDER["cls"].get(self.buf, hb)
+            if HOLDER["state"].get(self.buf, hb) not in (HOLDER_RUNNING, HOLDER_WAITING) or not v:
+                continue
+            to = now.index(was[v - 1]) + 1 if v - 1 < len(was) and was[v - 1] in now else 0
+            if to != v:
+                HOLDER["cls"].put(self.buf, to, hb)
 
     # --- granting -------------------------------------------------------------------
     def pump(self, p: int, now: float) -> set[int]:
@@ -512,7 +563,7 @@ class Ledger:
             if HOLDER["state"].get(self.buf, hb) != HOLDER_WAITING:
                 continue
             anyone = True
-            k, rank, promoted = self._rank(p, hb, rules, now)
+            k, rank, promoted = self._rank(p, hb, rules, len(rules), now)
             if not may_run(k, running, run, limit, rules, promoted=promoted):
                 continue
             key = (rank, HOLDER["ticket"].get(self.buf, hb))
@@ -723,8 +774,19 @@ class Ledger:
         return rings
 
     def ensure_provider(
-        self, provider_id: str, fallback: int, source: int, flags: int, reason: bytes
+        self,
+        provider_id: str,
+        fallback: int,
+        source: int,
+        flags: int,
+        reason: bytes,
+        classes: bytes = b"",
+        default_class: int = 0,
     ) -> tuple[int, bool]:
+        """The row of ``provider_id``, or a free one claimed with its class table
+        (``classes``: rows of the writer's ``CLASS_ROW``) in the same step, in_use last:
+        no arrival sees a claimed row without its classes. (-1, False): full."""
+        spec = layout.CLASS["admitted_total"].offset  # a row's bytes a writer gives
         wanted = encode_provider_id(provider_id).ljust(layout.ID_BYTES, b"\x00")
         for p in range(PROVIDER_COUNT):
             base = provider_base(p)
@@ -741,6 +803,11 @@ class Ledger:
             PROVIDER["fallback_source"].put(self.buf, source, base)
             PROVIDER["flags"].put(self.buf, flags, base)
             PROVIDER["reason"].put(self.buf, reason[: layout.REASON_BYTES], base)
+            for k in range(layout.CLASS_COUNT):
+                cb = class_base(p, k)
+                self.buf[cb : cb + spec] = classes[k * spec : (k + 1) * spec].ljust(spec, b"\0")
+            PROVIDER["default_class"].put(self.buf, default_class, base)
+            PROVIDER["class_count"].put(self.buf, len(classes) // spec, base)
             PROVIDER["in_use"].put(self.buf, 1, base)
             return p, True
         return -1, False

@@ -101,6 +101,9 @@ class ProviderView:
     classes_suspended: bool = False
     promoted_total: int = 0
     displaced_total: int = 0
+    # the fallback is share mode's 0 (docs/share.md), not a maxConcurrent: the documents'
+    # ``fallback_source`` says "default" for it, the text views "share mode"
+    fallback_share: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,10 +332,22 @@ def parse_view(
     )
 
 
+def class_name_bytes(name: str) -> bytes | None:
+    """``name`` as a class row holds it (UTF-8, NUL-padded), or None when no row can hold
+    it whole: a longer name is never cut to match a class by its first bytes."""
+    raw = name.encode("utf-8", "replace")
+    if not raw or len(raw) > layout.CLASS_NAME_BYTES or b"\0" in raw:
+        return None
+    return raw.ljust(layout.CLASS_NAME_BYTES, b"\0")
+
+
 def class_index(buf: Any, p: int, name: str) -> int:
-    """The row of provider ``p``'s class called ``name``; -1 none (lock-free)."""
+    """The row of provider ``p``'s class called ``name``, matched whole; -1 none
+    (lock-free)."""
     count = min(PROVIDER["class_count"].get(buf, provider_base(p)), layout.CLASS_COUNT)
-    wanted = layout.encode_text(name, layout.CLASS_NAME_BYTES).ljust(layout.CLASS_NAME_BYTES, b"\0")
+    wanted = class_name_bytes(name)
+    if wanted is None:
+        return -1
     for k in range(count):
         if CLASS["name"].get(buf, class_base(p, k)) == wanted:
             return k
@@ -408,6 +423,8 @@ def _provider(
         queue_bound=PROVIDER["queue_bound"].get(data, base),
         fallback_limit=in_room(PROVIDER["fallback_limit"].get(data, base)),
         fallback_source=_fallback_source(PROVIDER["fallback_source"].get(data, base)),
+        fallback_share=layout.SOURCES.get(PROVIDER["fallback_source"].get(data, base))
+        == layout.Source.SHARE,
         published_limit=published if published >= 0 else None,
         discovered=discovered if discovered >= 0 else None,
         observed_at=observed or None,

@@ -27,7 +27,7 @@ import difflib
 import functools
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Annotated, Any, Final
 from urllib.parse import parse_qs, unquote, urlparse, urlsplit
 
@@ -35,6 +35,8 @@ import msgspec
 
 from capacity_contract import shown
 from gateway_config import (
+    CLASS_KEYS,
+    CLASSES_REFUSED,
     ENTRY_FIELDS,
     MAX_LIMIT,
     MAX_PROVIDER_ID_BYTES,
@@ -57,6 +59,7 @@ from sidecar.addresses import classify, is_localhost_name, parse_ip, static_opt_
 from sidecar.credential import check_credential_spec
 
 __all__ = [
+    "CLASSES_REFUSED",
     "MAX_LIMIT",
     "MAX_PROVIDER_ID_BYTES",
     "RANGE_ONLY",
@@ -68,6 +71,7 @@ __all__ = [
     "LimitSetting",
     "ProviderConfig",
     "ProviderStatus",
+    "ShareSentinel",
     "TailnetCheck",
     "Uid",
     "UnknownKey",
@@ -75,6 +79,7 @@ __all__ = [
     "UserName",
     "check_provider",
     "check_share",
+    "classes_status",
     "judge",
     "load_config",
     "parse_base_url",
@@ -82,6 +87,8 @@ __all__ = [
     "provider_problems",
     "raw_provider_entries",
     "redis_url_for_logs",
+    "sentinel_addresses",
+    "share_target_for_logs",
     "unknown_keys",
 ]
 
@@ -89,6 +96,35 @@ __all__ = [
 GatewayId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 LeaseSeconds = Annotated[float, msgspec.Meta(ge=1.0, le=300.0)]
 ShareFloor = Annotated[int, msgspec.Meta(ge=0, le=64)]
+
+
+SentinelAddress = Annotated[str, msgspec.Meta(min_length=3, max_length=300)]
+
+
+class ShareSentinel(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
+    """``capacityShare.sentinel``: a Sentinel set that names the Redis master (redis-py's
+    ``redis.asyncio.sentinel.Sentinel``). ``credentialFile`` is the sentinels' own
+    password (their ``requirepass``), read under the provider key's rules; the master's
+    is ``capacityShare.credentialFile``."""
+
+    master: GatewayId  # the master's name in the sentinels' config
+    addresses: Annotated[list[SentinelAddress], msgspec.Meta(min_length=1, max_length=9)]
+    credential_file: str | None = None
+
+
+def sentinel_addresses(sentinel: ShareSentinel) -> list[tuple[str, int]]:
+    """The sentinels as (host, port); ``ValueError`` for one that is not ``host:port``."""
+    found = []
+    for text in sentinel.addresses:
+        parts = urlsplit("//" + text)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or port is None or port == 0 or parts.netloc != text:
+            raise ValueError(f"sentinel address {text!r} is not host:port")
+        found.append((parts.hostname, port))
+    return found
 
 
 class CapacityShare(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
@@ -100,17 +136,56 @@ class CapacityShare(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
     from ``credentialFile`` under the provider key's rules.
     """
 
-    redis: str
+    redis: str | None = None  # one Redis; or the master a Sentinel set names:
+    sentinel: ShareSentinel | None = None
     gateway: GatewayId
     credential_file: str | None = None
     lease: LeaseSeconds = 10.0
     floor: ShareFloor = 1
+    # who must own the socket listening on a loopback Redis before anything is sent
+    # there (the credential, or a call whose answer would be trusted); None: root, the
+    # sidecar's user, or a user named redis or valkey (sidecar/share.py)
+    listener_owner: Uid | UserName | None = None
 
 
 def check_share(share: CapacityShare) -> str | None:
     """``None`` when ``share`` can be used, else why not (no file or network access)."""
+    if (share.redis is None) == (share.sentinel is None):
+        return "give redis (one Redis URL) or sentinel (a Sentinel set), one of the two"
+    if share.sentinel is not None:
+        return _check_sentinel(share, share.sentinel)
+    return _check_redis_url(share, share.redis or "")
+
+
+def _check_sentinel(share: CapacityShare, sentinel: ShareSentinel) -> str | None:
     try:
-        parts = urlsplit(share.redis)
+        addresses = sentinel_addresses(sentinel)
+    except ValueError as exc:
+        return f"sentinel: {exc}"
+    remote = [f"{h}:{p}" for h, p in addresses if not _is_loopback_host(h)]
+    secret = share.credential_file is not None or sentinel.credential_file is not None
+    if remote and secret:
+        return (
+            f"sentinel: {remote[0]} is not on this host and a Sentinel set is reached without "
+            "TLS here: a password goes only to sentinels (and a master) on this host"
+        )
+    if remote and share.listener_owner is not None:
+        return "listenerOwner applies to sentinels on this host only"
+    for spec in (share.credential_file, sentinel.credential_file):
+        if spec is not None:
+            problem = check_credential_spec(spec)
+            if problem is not None:
+                return problem
+    try:
+        import redis.asyncio.sentinel  # noqa: F401
+    except ImportError:
+        return "share mode needs the Python package redis (pip install 'gateway-capacity[share]')"
+    return None
+
+
+def _check_redis_url(share: CapacityShare, url: str) -> str | None:
+    try:
+        parts = urlsplit(url)
         parts.port  # noqa: B018  (raises on a bad port)
     except ValueError as exc:
         return f"redis: not a URL ({exc})"
@@ -118,11 +193,11 @@ def check_share(share: CapacityShare) -> str | None:
         return "redis: must be a redis:// or rediss:// URL"
     if not parts.hostname:
         return "redis: the URL names no host"
-    names = _redis_query_names(share.redis)
+    names = _redis_query_names(url)
     lone_user = parts.username or "username" in names
     users = [
         unquote(parts.username or ""),
-        *parse_qs(urlparse(share.redis).query).get("username", []),
+        *parse_qs(urlparse(url).query).get("username", []),
     ]
     if any(":" in user for user in users):  # redis-py sends ``u%3Apw`` as one user name
         return "redis: put no password in the URL; use credentialFile (kept out of argv and logs)"
@@ -149,11 +224,25 @@ def check_share(share: CapacityShare) -> str | None:
         return f"redis: ?{tls[0]}= needs a rediss:// URL (TLS)"
     from sidecar.share import url_problem
 
-    problem = url_problem(share.redis)
+    problem = url_problem(url)
     if problem is not None:
         return f"redis: {shown(problem)}"
     if share.credential_file is not None:
-        return check_credential_spec(share.credential_file)
+        problem = check_credential_spec(share.credential_file)
+        if problem is not None:
+            return problem
+    if not _is_loopback_host(parts.hostname):
+        if share.credential_file is not None and parts.scheme != "rediss":
+            return (
+                "redis: a password for a Redis that is not on this host goes only over "
+                "TLS: use rediss:// (with ?ssl_ca_certs= naming the certificate to pin)"
+            )
+        if parts.scheme == "rediss" and _tls_unverified(url):
+            return "redis: ?ssl_cert_reqs= must verify the certificate of a Redis not on this host"
+        if share.listener_owner is not None:
+            return (
+                "listenerOwner applies to a loopback Redis only (a remote owner cannot be checked)"
+            )
     return None
 
 
@@ -205,10 +294,25 @@ every query name to the connection as a keyword, so ``?password=``, ``?ssl_passw
 and any name it does not type could carry a secret into a widely read file."""
 
 
+def _tls_unverified(url: str) -> bool:
+    reqs = parse_qs(urlparse(url).query).get("ssl_cert_reqs", [])
+    return any(value.strip().lower() == "none" for value in reqs)
+
+
 def _redis_query_names(url: str) -> set[str]:
     # as redis-py reads it: urlparse (``;params`` split off) then parse_qs, which
     # percent-decodes the names (``?pass%77ord=`` is ``password``)
     return set(parse_qs(urlparse(url).query, keep_blank_values=True))
+
+
+def share_target_for_logs(share: CapacityShare) -> str:
+    """Where share mode's Redis is, for messages: the URL or the Sentinel set."""
+    if share.sentinel is not None:
+        return (
+            f"the master {share.sentinel.master!r} of the Sentinel set "
+            f"{', '.join(share.sentinel.addresses)}"
+        )
+    return redis_url_for_logs(share.redis or "")
 
 
 def redis_url_for_logs(url: str) -> str:
@@ -263,12 +367,23 @@ class GatewayConfig:
     skipped: tuple[str, ...]  # entries that have no usable id, with the reason
     share: CapacityShare | None = None  # share mode (docs/share.md); None: local mode
     unknown_keys: tuple[UnknownKey, ...] = ()  # keys of ours that are probably typos
+    # by provider id: why its classes were refused (it admits as one queue)
+    class_problems: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def provider(self, provider_id: str) -> ProviderConfig | None:
         for p in self.providers:
             if p.id == provider_id:
                 return p
         return None
+
+
+def classes_status(config: GatewayConfig) -> str:
+    """``ok``, or every provider whose classes were refused with its first problem (the
+    segment keeps 128 bytes of it; ``check-config`` lists them all)."""
+    if not config.class_problems:
+        return "ok"
+    said = "; ".join(f"{pid}: {why[0]}" for pid, why in config.class_problems.items())
+    return f"{CLASSES_REFUSED}, one queue instead: {said}"
 
 
 def parse_base_url(base_url: str) -> Endpoint:
@@ -381,8 +496,8 @@ def provider_problems(entry: Mapping[str, Any]) -> tuple[ProviderConfig, list[st
     usable: dict[str, Any] = {"id": entry.get("id")}
     bad: set[str] = set()
     for name, value in entry.items():
-        if name == "id" or name not in ENTRY_FIELDS:
-            continue
+        if name == "id" or name not in ENTRY_FIELDS or name in CLASS_KEYS:
+            continue  # the classes' problems are their own (gateway_config.class_problems)
         try:
             msgspec.convert({"id": usable["id"], name: value}, ProviderConfig, strict=True)
         except msgspec.ValidationError as exc:
@@ -390,12 +505,7 @@ def provider_problems(entry: Mapping[str, Any]) -> tuple[ProviderConfig, list[st
             bad.add(name)
         else:
             usable[name] = value
-    try:
-        provider = msgspec.convert(usable, ProviderConfig, strict=True)
-    except msgspec.ValidationError as exc:  # fields fine alone, not together (classes)
-        problems.append(f"config_invalid:{field_message(str(exc))}")
-        usable.pop("defaultClass", None)
-        provider = msgspec.convert(usable, ProviderConfig, strict=True)
+    provider = msgspec.convert(usable, ProviderConfig, strict=True)
     if entry.get("capacityDiscovery") is not True:
         return provider, problems
 
@@ -484,6 +594,7 @@ def judge(file: ConfigFile) -> GatewayConfig:
         file.skipped,
         share,
         tuple(unknown_keys(file.document)),
+        file.class_problems,
     )
 
 
@@ -549,8 +660,13 @@ def _struct_fields(struct: type[msgspec.Struct]) -> dict[str, Any]:
 
 
 def _inner_struct(t: msgspec.inspect.Type) -> type[msgspec.Struct] | None:
+    """The Struct of a field whose value is an object of ours, or an array of them."""
     if isinstance(t, msgspec.inspect.StructType):
         return t.cls
+    if isinstance(t, (msgspec.inspect.ListType, msgspec.inspect.VarTupleType)):
+        return _inner_struct(t.item_type)
+    if isinstance(t, msgspec.inspect.Metadata):
+        return _inner_struct(t.type)
     if isinstance(t, msgspec.inspect.UnionType):
         found = [_inner_struct(u) for u in t.types]
         return next((f for f in found if f is not None), None)
@@ -558,7 +674,12 @@ def _inner_struct(t: msgspec.inspect.Type) -> type[msgspec.Struct] | None:
 
 
 def _own_object(value: Any, struct: type[msgspec.Struct], where: str) -> Iterator[UnknownKey]:
-    """Every unknown key of an object that is wholly ours, nested objects of ours too."""
+    """Every unknown key of an object that is wholly ours (or of each object of an array
+    of them, ``classes``), nested objects of ours too."""
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _own_object(item, struct, f"{where}[{index}]")
+        return
     if not isinstance(value, dict):
         return
     fields = _struct_fields(struct)

@@ -3,7 +3,9 @@
 The rules are :func:`sidecar.shares.step`; :data:`STEP_LUA` is the same
 function run inside Redis, atomically, on the server's ``TIME``. One hash per
 provider holds the table: ``~touched`` and ``~rebuild`` (server milliseconds),
-``~cap`` (the capacity last reported by a gateway that knew it) and one field per
+``~cap`` (the capacity last reported by a gateway that knew it), ``~server`` (the
+``run_id`` of the Redis that wrote it: a replica promoted by a failover drops and
+rebuilds the copy it was sent, which may lack the last grants) and one field per
 gateway, ``g:<id>`` = ``"reserved demand expires_ms token seq lease_ms capacity"``.
 
 Only the sidecar imports this module (and redis-py); handlers never talk to
@@ -14,16 +16,25 @@ and is handed to redis-py as a keyword, never in the URL, argv or a log line.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import ipaddress
+import logging
+import os
+import pwd
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
+from capacity_contract import listeners
 from shm_layout.errors import GatewayCapacityError
 from sidecar.shares import DUPLICATE, STALE, Grant, Report, table_ttl_ms
 
-if TYPE_CHECKING:
-    from sidecar.config import CapacityShare
+log = logging.getLogger("gateway_capacity.sidecar")
+
+# the users a distribution's Redis or Valkey package runs as: trusted to own a loopback
+# Redis's listener when capacityShare.listenerOwner is not set (only root makes users)
+PACKAGE_USERS: Final = ("redis", "valkey")
 
 KEY_PREFIX: Final = "gateway-capacity:share:"
 CALL_TIMEOUT_S: Final = 1.0
@@ -31,6 +42,9 @@ CALL_TIMEOUT_S: Final = 1.0
 STEP_LUA: Final = r"""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- this server's identity: a table another one wrote (a promoted replica's copy, which
+-- may lack the last grants) is not trusted
+local server = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
 local me = 'g:' .. ARGV[1]
 local cap = tonumber(ARGV[2])
 local held = math.max(0, tonumber(ARGV[3]))
@@ -43,13 +57,14 @@ local seq = tonumber(ARGV[9])
 local keep = lease + math.floor(lease / 2)
 
 local raw = redis.call('HGETALL', KEYS[1])
-local touched, rebuild, known = nil, 0, nil
+local touched, rebuild, known, writer = nil, 0, nil, nil
 local fields = {}
 for i = 1, #raw, 2 do
   local k, v = raw[i], raw[i + 1]
   if k == '~touched' then touched = tonumber(v)
   elseif k == '~rebuild' then rebuild = tonumber(v)
   elseif k == '~cap' then known = tonumber(v)
+  elseif k == '~server' then writer = v
   else fields[k] = v end
 end
 
@@ -85,15 +100,15 @@ if touched == nil then shortest, longest = lease, lease end
 ttl = math.max(ttl, 3 * longest)
 
 local leases, ids = {}, {}
-if touched == nil or now - touched > math.floor(shortest / 2) then
+if touched == nil or writer ~= server or now - touched > math.floor(shortest / 2) then
   redis.call('DEL', KEYS[1])
   rebuild = now + longest + math.floor(longest / 2)
   known = nil
 else
   local mine = fields[me] and parse(fields[me])
   if mine ~= nil and mine[3] > now then
-    if mine[4] ~= '' and mine[4] ~= token then return {0, 0, 0, 0, 0, now, 1} end
-    if mine[4] == token and mine[5] > seq then return {0, 0, 0, 0, 0, now, 2} end
+    if mine[4] ~= '' and mine[4] ~= token then return {0, 0, 0, 0, 0, now, 1, server} end
+    if mine[4] == token and mine[5] > seq then return {0, 0, 0, 0, 0, now, 2, server} end
   end
   for k, v in pairs(fields) do
     local l = parse(v)
@@ -156,12 +171,12 @@ local reserved = math.max(limit, held)
 local ident = ''
 if token ~= '' then ident = ' ' .. token .. ' ' .. seq .. ' ' .. lease .. ' ' .. ARGV[2] end
 redis.call('HSET', KEYS[1], me, reserved .. ' ' .. demand .. ' ' .. (now + keep) .. ident,
-  '~touched', now, '~rebuild', rebuild)
+  '~touched', now, '~rebuild', rebuild, '~server', server)
 if known ~= nil then redis.call('HSET', KEYS[1], '~cap', known) end
 redis.call('PEXPIRE', KEYS[1], ttl)
 local r = 0
 if rebuilding then r = 1 end
-return {limit, reserved, n, r, others, now, 0}
+return {limit, reserved, n, r, others, now, 0, server}
 """
 
 
@@ -232,16 +247,134 @@ def url_problem(url: str) -> str | None:
     return None
 
 
+def _default_owners() -> frozenset[int]:
+    uids = {0, os.geteuid()}
+    for name in PACKAGE_USERS:
+        try:
+            uids.add(pwd.getpwnam(name).pw_uid)
+        except KeyError:
+            continue
+    return frozenset(uids)
+
+
+def peer_problem(
+    host: str, port: int, owner: int | str | None, *, password: bool, tls: bool
+) -> str | None:
+    """Why nothing may be sent to the Redis (or sentinel) this connection reached at
+    ``host:port``, or ``None``.
+
+    On loopback any local user may listen on Redis's port while Redis is down, and would
+    get the password (``AUTH``) and could answer any grant: the listener must belong to
+    ``owner`` (``listenerOwner``; unset: root, this sidecar's user, or a user named
+    ``redis`` or ``valkey``), the rule of the sidecar's hop (capacity_contract/listeners.py). Off
+    this host a password goes only over TLS (the certificate verified, ``rediss://``).
+    """
+    try:
+        ip = ipaddress.ip_address(host.partition("%")[0])
+    except ValueError:
+        return f"{host}:{port} is not an address"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if not ip.is_loopback:
+        if password and not tls:
+            return f"{ip}:{port} is not on this host: the password goes there only over TLS"
+        return None
+    shown = f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+    if owner is not None:
+        return listeners.check_listener(str(ip), port, owner).refused
+    uids = listeners.listening_uids(str(ip), port)
+    if uids is None:
+        return None  # no table here (macOS): as the hop without listenerOwner
+    foreign = sorted(uids - _default_owners())
+    if foreign:
+        return (
+            f"{shown} is listened on by {', '.join(listeners.user_name(u) for u in foreign)}, "
+            "not root, this sidecar's user or a redis/valkey user (set "
+            "capacityShare.listenerOwner to the user Redis runs as)"
+        )
+    return None
+
+
+_said: set[str] = set()
+
+
+class _OwnerChecked:
+    """A redis-py connection that checks who it reached before the handshake (``AUTH``,
+    ``HELLO``) leaves: :func:`peer_problem`. Mixed in before redis-py's class."""
+
+    share_owner: int | str | None = None
+
+    async def _connect(self) -> None:
+        await super()._connect()  # type: ignore[misc]
+        me: Any = self
+        peer = me._writer.get_extra_info("peername") if me._writer is not None else None
+        if not peer:
+            return
+        from redis.asyncio.connection import SSLConnection
+
+        problem = peer_problem(
+            str(peer[0]),
+            int(peer[1]),
+            self.share_owner,
+            password=me.password is not None,
+            tls=isinstance(self, SSLConnection),
+        )
+        if problem is None:
+            return
+        if problem not in _said:
+            _said.add(problem)
+            log.warning("capacityShare: nothing sent to Redis: %s", problem)
+        me._writer.close()
+        me._reader = me._writer = None
+        raise ConnectionRefusedError(f"refused to talk: {problem}")
+
+
+@functools.cache
+def checked(base: type, owner: int | str | None) -> type:
+    """``base`` (a redis-py asyncio connection class) checking its peer first."""
+    return type(f"OwnerChecked{base.__name__}", (_OwnerChecked, base), {"share_owner": owner})
+
+
 class ShareClient:
     """One redis-py asyncio client and the script's SHA; ``call`` is one EVALSHA."""
 
-    def __init__(self, share: CapacityShare, password: str | None) -> None:
-        import redis.asyncio as aioredis
-
+    def __init__(
+        self,
+        url: str | None,
+        password: str | None,
+        *,
+        sentinel: tuple[str, list[tuple[str, int]]] | None = None,
+        sentinel_password: str | None = None,
+        owner: int | str | None = None,
+    ) -> None:
+        """``url`` is ``capacityShare.redis``, or ``sentinel`` the master's name and the
+        sentinels' addresses of ``capacityShare.sentinel``, already checked
+        (``sidecar.config``); ``owner`` its ``listenerOwner``."""
         kwargs: dict[str, Any] = dict(CLIENT_OPTIONS)
         if password is not None:
             kwargs["password"] = password
-        self._redis: Any = aioredis.Redis.from_url(share.redis, **kwargs)
+        self._sentinel: Any = None
+        pool: Any
+        if sentinel is not None:
+            from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
+
+            master, addresses = sentinel
+            asked: dict[str, Any] = dict(CLIENT_OPTIONS)
+            if sentinel_password is not None:
+                asked["password"] = sentinel_password
+            self._sentinel = Sentinel(addresses, sentinel_kwargs=asked)
+            for node in self._sentinel.sentinels:
+                pool = node.connection_pool
+                pool.connection_class = checked(pool.connection_class, owner)
+            self._redis: Any = self._sentinel.master_for(
+                master, connection_class=checked(SentinelManagedConnection, owner), **kwargs
+            )
+        else:
+            import redis.asyncio as aioredis
+
+            pool = aioredis.ConnectionPool.from_url(url or "", **kwargs)
+            pool.connection_class = checked(pool.connection_class, owner)
+            self._redis = aioredis.Redis.from_pool(pool)
         self._script: Any = self._redis.register_script(STEP_LUA)
         self.calls = 0
 
@@ -266,13 +399,15 @@ class ShareClient:
             )
         except (redis.RedisError, OSError, TimeoutError) as exc:
             raise ShareUnavailable(_describe(exc)) from None
-        limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out)
+        limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out[:7])
         why = {1: DUPLICATE, 2: STALE}.get(refused, "")
         grant = Grant(limit, reserved, gateways, bool(rebuilding), others, why)
         return Answer(grant, now)
 
     async def aclose(self) -> None:
         await self._redis.aclose()
+        if self._sentinel is not None:
+            await self._sentinel.aclose()
 
 
 def _describe(exc: BaseException) -> str:

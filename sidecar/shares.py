@@ -32,7 +32,9 @@ exactly this inside Redis (the tests run both on the same calls and compare). Ru
 * **expiry**: a lease not renewed by ``expires_ms`` is gone, its share free;
 * **a silent table is not trusted**: when nobody called for longer than half a
   lease (Redis was stopped, restarted empty, or its clock stepped; the shortest
-  lease in the table, when gateways run on different ones), the leases are dropped
+  lease in the table, when gateways run on different ones), or when another server
+  wrote it (a replica a failover promoted, which may lack the last grants: replication
+  is asynchronous), the leases are dropped
   and until the longest lease could have ended the table *rebuilds*: a
   gateway is granted at most what it already ``held``, so every gateway
   re-registers what it runs before anyone grows;
@@ -87,6 +89,9 @@ class Table:
     touched_ms: int
     rebuild_until_ms: int
     capacity: int | None = None  # the capacity the last gateway that knew it reported
+    # the Redis server that wrote it (its run_id): a table another server wrote (a
+    # replica promoted by a failover, which may lack the last writes) is not trusted
+    server: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,14 +154,19 @@ def targets(capacity: int, floor: int, demands: Mapping[str, int]) -> dict[str, 
     return given
 
 
-def step(table: Table | None, report: Report, now_ms: int) -> tuple[Table, Grant]:
-    """One gateway's call at server time ``now_ms``: the new table and its grant."""
+def step(table: Table | None, report: Report, now_ms: int, server: str = "") -> tuple[Table, Grant]:
+    """One gateway's call at server time ``now_ms`` on the Redis ``server`` (its run_id):
+    the new table and its grant."""
     lease_ms = max(1, report.lease_ms)
     # gateways may run on different leases (one config edited, not the others): a
     # silence is judged on the shortest one in the table, a rebuild waits out the longest
     others_leases = table.leases.values() if table is not None else ()
     lengths = [lease_ms] + [x.lease_ms for x in others_leases if x.lease_ms]
-    if table is None or now_ms - table.touched_ms > silent_after_ms(min(lengths)):
+    if (
+        table is None
+        or table.server != server
+        or now_ms - table.touched_ms > silent_after_ms(min(lengths))
+    ):
         leases: dict[str, Lease] = {}
         rebuild_until = now_ms + held_for_ms(max(lengths))
         known = None
@@ -204,7 +214,7 @@ def step(table: Table | None, report: Report, now_ms: int) -> tuple[Table, Grant
         report.capacity if report.token else UNKNOWN,
     )
     grant = Grant(limit, reserved, len(leases), rebuilding, others)
-    return Table(leases, now_ms, rebuild_until, known), grant
+    return Table(leases, now_ms, rebuild_until, known, server), grant
 
 
 def silent_after_ms(lease_ms: int) -> int:

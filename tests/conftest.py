@@ -112,9 +112,13 @@ SLOW: dict[str, str] = {
     "tests/share/test_share_faults.py": "two sidecars, handlers and a redis-server a test, "
     "each through a fault past a lease (about 35 s for the file on 2 cores)",
     "tests/share/test_share_model.py": "a hypothesis run of the share rules under every fault",
+    "tests/share/test_share_sentinel.py": "a master, a replica, three sentinels and two "
+    "gateways a test, through a failover or an outage (about 100 s for the file on 2 cores)",
     "tests/real/": "real inference servers (make real-workers)",
     "tests/repo/test_examples.py::test_r_k5_the_relay_walk_through": "a farm, router, "
     "sidecar and gateway, seven 3-second streams",
+    "tests/repo/test_readme_counts.py": "collects the whole suite (a minute on a busy machine)",
+    "tests/share/test_share_fallback_words.py": "a sidecar and a redis-server",
 }
 
 
@@ -132,6 +136,9 @@ LONG: tuple[str, ...] = (
     "tests/admission/test_classes_cross_process.py::test_r_a5_r_a18_a_sigkilled_holder_of_a_reserved_slot_gives_it_to_its_class",
     "tests/admission/test_classes_cross_process.py::test_r_a22_wait_for_slot_computes_room_as_the_class_sees_it",
     "tests/sidecar/test_sidecar_classes_e2e.py::test_r_a17_r_c4_the_sidecar_writes_the_classes_and_follows_their_edits",
+    "tests/sidecar/test_sidecar_classes_e2e.py::test_r_a17_r_c3_a_bad_class_entry_is_loud_everywhere_and_costs_the_classes_only",
+    "tests/wait_for_slot/test_wfs_classes.py::test_r_a22_without_class_it_gates_as_the_default_class_and_a_need_over_a_cap_is_refused",
+    "tests/router/test_check_config_probe.py::test_a_probe_that_leaves_the_limit_at_0_is_not_ok_and_fails_the_check",
     "tests/admission/test_admission_cross_process.py::test_r_a1_two_generations_never_exceed_the_limit",
     "tests/admission/test_admission_cross_process.py::test_r_a2_thirty_two_wait_and_the_thirty_third_is_rejected_at_once",
     "tests/admission/test_admission_cross_process.py::test_r_a3_waiters_are_admitted_in_arrival_order_across_processes",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -239,6 +240,34 @@ def stopped_at_exit(stop: Callable[[Thing], object]) -> Iterator[Callable[[Thing
     finally:
         for thing in started:
             stop(thing)
+
+
+def kill_under_faketime(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL a process started under the ``faketime`` wrapper and the program it runs
+    (the wrapper forks it: killing the wrapper alone leaves the program running), then
+    remove what libfaketime left in /dev/shm for the wrapper."""
+    import psutil
+
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+    remove_faketime_state(proc.pid)
+
+
+def remove_faketime_state(pid: int) -> None:
+    """What libfaketime left in /dev/shm for process ``pid``: the ``faketime`` wrapper, and
+    any process it is preloaded into without one, makes a shared-memory object and a
+    semaphore named after its pid and removes them only when it exits by itself. Call it
+    once ``pid`` has ended, however it ended."""
+    for name in (f"faketime_shm_{pid}", f"sem.faketime_sem_{pid}"):
+        Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 class _NotMet(AssertionError):

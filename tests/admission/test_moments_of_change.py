@@ -22,7 +22,7 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
-from gwtest import AGENT, Agent, P1Segment, run_cli, wait_until
+from gwtest import AGENT, Agent, P1Segment, kill_under_faketime, run_cli, wait_until
 
 from handler_shim import Admission, AdmissionError, AdmissionTimeout
 from shm_layout import _core, layout, platform, writer
@@ -800,11 +800,8 @@ def test_r_l7_a_stepped_wall_clock_neither_extends_nor_cuts_a_published_limit(
         handler.expect("admitted", timeout=5)
         handler.expect("admitted", timeout=5)
     finally:
-        handler.kill()
+        kill_under_faketime(handler.proc)
         seg_owner.close()
-        # faketime's wrapper removes its shared state only when it exits by itself
-        for name in (f"faketime_shm_{handler.proc.pid}", f"sem.faketime_sem_{handler.proc.pid}"):
-            Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 @pytest.fixture(autouse=True)

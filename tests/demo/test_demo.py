@@ -278,3 +278,39 @@ def test_the_picture_shows_the_limit_where_running_reaches_it(tmp_path: Path) ->
     band = tuple(0.35 * c + 0.65 * 1.0 for c in to_rgb(LIMIT_COLOR))  # alpha 0.35 on white
     assert rows_near(running) >= 1  # the running line is drawn
     assert rows_near(band) >= 2  # and the limit shows beside it, not hidden under it
+
+
+def test_each_series_of_the_picture_has_a_colour_of_its_own(tmp_path: Path) -> None:
+    """Running and interactive running are two lines: two colours, both drawn."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+
+    from gateway_capacity import demo
+    from gateway_capacity.demo import Phase, Sample, draw_picture
+
+    names = ("LIMIT", "RUNNING", "ADVERTISED", "WAITING", "INTERACTIVE")
+    colours = {to_rgb(getattr(demo, f"{n}_COLOR")) for n in names}
+    assert len(colours) == len(names)
+    ph = Phase("classes", None, 20, 1.0)
+    ph.samples.extend(
+        Sample(t / 10, ph.name, 20, 20, "discovered", 16, 8, interactive=4) for t in range(100)
+    )
+    png, _ = draw_picture([ph], str(tmp_path / "p.png"))
+    assert png is not None
+    image = plt.imread(png)[:, :, :3]
+    for name in ("RUNNING", "INTERACTIVE"):
+        colour = to_rgb(getattr(demo, f"{name}_COLOR"))
+        near = (abs(image - colour) < 0.08).all(axis=2)
+        assert near.sum() > 100, name  # its line (and legend entry) drawn in it
+
+
+def test_the_summary_rows_line_up_and_say_what_the_brackets_hold() -> None:
+    from gateway_capacity.demo import phase_summary
+
+    short = phase_summary(_restored_phase())  # type: ignore[arg-type]
+    long = dict(short, name="batch flood + interactive")
+    lines = _summary_of([short, long], []).splitlines()
+    rows = [line for line in lines if " advertised [" in line]
+    assert len(rows) == 2
+    assert len({row.index(" advertised [") for row in rows}) == 1, rows  # one column
+    assert any("every value seen in the phase" in line for line in lines)

@@ -6,6 +6,7 @@ it as ``make drill`` does (shorter phases) and checks the summary's figures.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -125,3 +126,82 @@ def test_r_a1_drill_check_judges_each_rise_by_the_limit_in_force_at_its_grants()
     drill = _drill_with(samples)
     check_inflight(drill, [[0.0, "admitted", 1, 1, None, None]])
     assert "ungranted" in drill.problems[0]
+
+
+def test_r_a1_drill_check_judges_a_grant_from_the_last_read_ended_before_its_ask() -> None:
+    """A sample is stamped when its read began and keeps how long the read took: one whose
+    read began before a request was asked but ended after it may have read the limit
+    after the ask, so the limit in force at the ask is judged from the last read that had
+    ended by then. Here the limit was 20 until about 1.1 s, and the read begun at 1.0 s
+    saw 10 at about 1.4 s: 15 requests asked and granted at 1.05 s, under 20, are no
+    violation."""
+    rises = [_arrive(n, n, 1.05, 1.05) for n in range(1, 16)]
+    drill = _drill_with([(0.0, 20), (1.0, 10), (2.0, 10)])
+    drill.samples[1].took = 0.5
+    _check_inflight()(drill, rises)
+    assert drill.problems == [], drill.problems
+    # the same read over by 1.01 s: 10 was in force at the ask, and the same rise is one
+    drill = _drill_with([(0.0, 20), (1.0, 10), (2.0, 10)])
+    drill.samples[1].took = 0.01
+    _check_inflight()(drill, rises)
+    assert len(drill.problems) == 1 and "R-A1" in drill.problems[0], drill.problems
+    # the evidence shows the samples around the newest grant, each as begun+took=limit
+    assert "samples around the newest grant 0.000+0.000=20 1.000+0.010=10" in drill.problems[0]
+
+
+def test_the_drill_observer_stamps_a_sample_when_its_read_of_the_segment_begins() -> None:
+    """The upstream's answer comes after the segment's read and may be slow (up to 80 ms
+    under load, 0.3 s here): the sample's time is the read's, not the answer's, and the
+    CLI's every-3-s look runs on a thread of its own (a CLI slower than the whole run
+    here does not hold a sample back)."""
+    import threading
+    import time
+
+    sys.path.insert(0, str(ROOT / "drill"))
+    from drill_observer import observe
+
+    class Stub:
+        provider = "p"
+        phase = "p"
+        segment = "/none"
+        cli_checks = 0
+
+        def __init__(self) -> None:
+            self.t0 = time.monotonic()
+            self.samples: list[Any] = []
+            self.problems: list[str] = []
+            self.stop_sampling = threading.Event()
+            self.reads: list[float] = []
+
+        def now(self) -> float:
+            return time.monotonic() - self.t0
+
+        def provider_doc(self) -> Any:
+            self.reads.append(self.now())
+            doc = {"effective_limit": 10, "source": "discovered", "running": 0, "waiting": 0}
+            return doc, type("View", (), {"holders": []})()
+
+        def upstream_stats(self) -> dict[str, Any]:
+            time.sleep(0.3)
+            return {"inflight": {"admitted": 0, "legacy": 0}}
+
+        def cli(self, *args: str) -> Any:
+            self.stop_sampling.wait(10)  # the CLI on a loaded machine
+            return subprocess.CompletedProcess(args, 1, "", "")
+
+        def say(self, text: str) -> None:
+            pass
+
+    stub = Stub()
+    thread = threading.Thread(target=observe, args=(stub,), daemon=True)
+    thread.start()
+    time.sleep(5.0)  # past the CLI's first look at 3 s
+    stub.stop_sampling.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert len(stub.samples) >= 3
+    for sample, read in zip(stub.samples, stub.reads, strict=False):
+        assert sample.t <= read and sample.took < 0.25, (sample, read)
+    times = [s.t for s in stub.samples]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert times[-1] > 3.5 and max(gaps) < 2.0, times  # sampling went on past the CLI's look

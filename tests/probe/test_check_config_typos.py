@@ -109,6 +109,16 @@ def test_check_config_says_share_mode_is_off(
     assert out.stdout.splitlines()[-1].startswith("share mode: off (no capacityShare); redis-py ")
 
 
+def test_check_config_with_share_mode_off_does_not_ask_for_redis_py(
+    write_config: WriteConfig, run_cli: Callable[..., Ran], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "redis", None)  # a host without the share extra
+    out = run_cli("check-config", "--config", str(write_config({"providers": []})), "--strict")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1] == "share mode: off (no capacityShare)"
+    assert "pip install" not in out.stdout
+
+
 def test_check_config_shows_share_mode_and_whether_it_can_start(
     tmp_path: Path, write_config: WriteConfig, run_cli: Callable[..., Ran]
 ) -> None:
@@ -124,6 +134,10 @@ def test_check_config_shows_share_mode_and_whether_it_can_start(
     start = text.index("share mode: ON, gateway 'gw-a', Redis redis://127.0.0.1:6399/0")
     assert text[start + 1].startswith("  redis-py: importable (")
     assert text[start + 2] == "  credential: readable, well-formed (not shown)"
+    assert text[start + 3] == (
+        "  a loopback Redis/sentinel must be listened on by root, this user or a redis/valkey user"
+    )
+    assert text[start + 4].startswith("  Redis out of reach for longer than a lease: ")
     assert secret not in out.stdout
 
     cred.chmod(0o644)
@@ -133,6 +147,28 @@ def test_check_config_shows_share_mode_and_whether_it_can_start(
     assert f"chmod 600 {cred}" in out.stdout and secret not in out.stdout
     doc = json.loads(run_cli("check-config", "--config", str(cfg), "--json").stdout)
     assert doc["share"]["on"] is True and doc["share"]["credential"] != "ok"
+
+
+def test_check_config_shows_the_sentinel_set_and_the_listener_owner(
+    write_config: WriteConfig, run_cli: Callable[..., Ran]
+) -> None:
+    sentinel = {"master": "gwcap", "addresses": ["127.0.0.1:26379", "127.0.0.1:26380"]}
+    share = {"sentinel": sentinel, "gateway": "gw-a", "listenerOwner": "redis"}
+    out = run_cli("check-config", "--config", str(write_config({"capacityShare": share})))
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout.splitlines()
+    start = text.index(
+        "share mode: ON, gateway 'gw-a', the master 'gwcap' of the Sentinel set "
+        "127.0.0.1:26379, 127.0.0.1:26380 (a failover rebuilds each table)"
+    )
+    assert "  a loopback Redis/sentinel must be listened on by listenerOwner 'redis'" in text
+    assert text.index("  credential: none (capacityShare.credentialFile not set)") > start
+    doc = json.loads(
+        run_cli(
+            "check-config", "--config", str(write_config({"capacityShare": share})), "--json"
+        ).stdout
+    )
+    assert doc["share"]["sentinel"] == sentinel and doc["share"]["redis"] is None
 
 
 def test_check_config_says_when_redis_py_is_missing(

@@ -243,9 +243,57 @@ WALK = re.compile(r"<!-- walk-through: (?P<name>[\w-]+) -->\n```sh\n(?P<body>.*?
 PORTS = (8000, 8080, 8081, 8082, 8731)
 
 
+def _extras(named: str) -> set[str]:
+    return {x.strip() for x in named.split(",")}
+
+
+def test_the_walk_throughs_install_line_and_the_demo_venv_bring_every_command_they_run() -> None:
+    """Each program a block runs that a package of ours does not bring itself (uvicorn)
+    must come from an extra named on the install line the README gives, and from
+    ``make demo``'s venv (whose extras are the Makefile's). Resolved through this venv's
+    installed distributions: who provides the console script, who requires whom."""
+    import tomllib
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    readme = (EXAMPLES / "README.md").read_text()
+    line = re.search(r"pip install -e '\.\[([\w,]+)\]'", readme)
+    assert line is not None, "the walk-throughs' install line"
+    makefile = (ROOT / "Makefile").read_text()
+    demo = re.search(r"\$\(DEMO_STAMP\):.*?pip install --quiet -e '\.\[([\w,]+)\]'", makefile, re.S)
+    assert demo is not None, "make demo's install line"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    scripts = {ep.name: ep.dist for ep in metadata.entry_points(group="console_scripts")}
+    run: set[str] = set()
+    for name in ("setup", "farm", "openai", "relay"):
+        for command in walk_through(name).splitlines():
+            words = re.sub(r"^(\w+=\S+\s+)+", "", command.split("#")[0]).split()
+            if words and words[0] in scripts and words[0] != "pip":  # pip installs it
+                run.add(words[0])
+    assert "uvicorn" in run  # what the openai and relay blocks start
+    for named in (line[1], demo[1]):
+        brought = {Requirement(r).name.lower() for x in _extras(named) for r in extras.get(x, [])}
+        for program in sorted(run):
+            dist = scripts[program]
+            assert dist is not None
+            if dist.name.lower() in ("gateway-capacity", "gateway_capacity"):
+                continue
+            assert dist.name.lower() in brought, (program, named)
+
+
 def walk_through(name: str) -> str:
     blocks = {m["name"]: m["body"] for m in WALK.finditer((EXAMPLES / "README.md").read_text())}
     return blocks[name]
+
+
+# A walk-through's own deadline comes before the test's (its timeout mark), so that its
+# processes are always ended by end_group, however the test ends.
+WALK_S = 150
+GRACE_S = 5.0
+WALK_TIMEOUT = pytest.mark.timeout(WALK_S + GRACE_S + 30)
 
 
 def run_walk_through(tmp_path: Path, segment_name: str, *names: str) -> str:
@@ -282,14 +330,47 @@ def run_walk_through(tmp_path: Path, segment_name: str, *names: str) -> str:
             cwd=work, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:
-            proc.wait(timeout=150)
+            proc.wait(timeout=WALK_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"not done in {WALK_S} s:\n{log.read_text()}") from None
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)  # what the blocks left running
+            end_group(proc)
     assert (work / "demo.key").stat().st_mode & 0o777 == 0o600
     return log.read_text()
 
 
+def end_group(proc: subprocess.Popen[bytes]) -> None:
+    """End what a walk-through started, its servers in the background included: SIGTERM
+    to its process group, then SIGKILL to whatever of it is left after ``GRACE_S`` (a
+    server slow to stop on a loaded machine is still stopped)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the shell itself
+            os.killpg(proc.pid, 0)  # raises once nothing of the group is left
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_walk_through_s_servers_end_with_it_even_those_that_ignore_sigterm() -> None:
+    """What a walk-through leaves running is ended however it ends: a server that does
+    not stop on SIGTERM (here one that ignores it) is killed after the grace."""
+    proc = subprocess.Popen(
+        ["bash", "-c", "trap '' TERM; sleep 300 & echo started; wait"],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == b"started\n"
+    started = time.monotonic()
+    end_group(proc)
+    proc.wait(timeout=10)
+    assert time.monotonic() - started < GRACE_S + 5
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
+
+
+@WALK_TIMEOUT
 def test_r_k5_the_farm_walk_through_runs_as_pasted_and_follows_the_drain(
     tmp_path: Path, segment_name: str
 ) -> None:
@@ -300,6 +381,7 @@ def test_r_k5_the_farm_walk_through_runs_as_pasted_and_follows_the_drain(
     assert "Traceback" not in out
 
 
+@WALK_TIMEOUT
 def test_r_l5_the_openai_walk_through_runs_as_pasted_and_stays_on_the_static_fallback(
     tmp_path: Path, segment_name: str
 ) -> None:
@@ -315,6 +397,7 @@ def test_r_l5_the_openai_walk_through_runs_as_pasted_and_stays_on_the_static_fal
     assert "Traceback" not in out
 
 
+@WALK_TIMEOUT
 def test_r_k5_the_relay_walk_through_runs_as_pasted_and_streams_five_at_a_time(
     tmp_path: Path, segment_name: str
 ) -> None:

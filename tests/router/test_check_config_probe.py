@@ -90,3 +90,27 @@ def test_probe_reads_the_real_router_and_says_what_to_do_about_each_mistake(
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"providers": [doc["providers"][0]]}))
     assert check_config(good).returncode == 0
+
+
+def test_a_probe_that_leaves_the_limit_at_0_is_not_ok_and_fails_the_check(
+    tmp_path: Path,
+    key_file: Path,
+    sim: Callable[..., SimWorker],
+    router: Callable[..., RouterServer],
+) -> None:
+    w = sim(slots=6)
+    r = router([worker("a", [w.url], ["wh"])])
+    assert [m.id for m in r.observe().models] == ["wh"]
+    config = tmp_path / "gateway.json"
+    models = {"small": "wh", "big": "workhorse-big"}  # the farm serves no workhorse-big
+    config.write_text(
+        json.dumps({"providers": [entry("p", f"{r.url}/v1", key_file, models=models)]})
+    )
+    out = check_config(config)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "  probe: ok" not in out.stdout
+    assert (
+        "  probe: NOT OK, answered but the limit would stay 0: no answer reports workhorse-big"
+        in out.stdout
+    )
+    assert "models names workhorse-big, which the router does not report" in out.stdout

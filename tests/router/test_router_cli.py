@@ -219,6 +219,25 @@ def test_serve_with_a_bad_listen_address_exits_2(
     assert "--listen" in result.stderr
 
 
+def test_serve_on_a_busy_or_foreign_address_exits_2_with_one_line(
+    registry_path: Path, key_file: Path
+) -> None:
+    import socket
+
+    write_registry(registry_path, [])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        for listen, why in (
+            (f"127.0.0.1:{port}", "Address already in use"),
+            ("10.255.255.1:9999", "Cannot assign requested address"),  # not this host's
+        ):
+            result = cli(*serve_args(registry_path, key_file, listen))
+            assert result.returncode == 2, result
+            assert result.stderr.strip() == f"gateway-capacity: cannot listen on {listen}: {why}"
+
+
 def test_serve_on_ipv6_loopback(registry_path: Path, key_file: Path, sim: Sim) -> None:
     a = sim(10, host="::1")
     write_registry(registry_path, [worker("a", [a.url], ["wh"])])
@@ -412,6 +431,37 @@ def test_r_k5_show_and_the_log_escape_what_a_worker_says(
     assert not [line for line in err.splitlines() if "w2: fenced" in line and "gone" not in line]
 
 
+def test_router_check_prints_the_workers_and_model_ids_and_names_a_refused_registry(
+    registry_path: Path, tmp_path: Path
+) -> None:
+    workers = [
+        worker("a", ["http://127.0.0.1:9"], ["wh", "wh-long"], {"source": "props"}),
+        {**worker("b", ["http://127.0.0.1:10"], ["wh"], {"fixed": 4}), "fenced": True},
+    ]
+    write_registry(registry_path, workers)
+    check = cli("check", "--workers", str(registry_path))
+    assert check.returncode == 0, check
+    lines = check.stdout.splitlines()
+    assert lines[0].startswith(f"registry {registry_path}: 2 workers, 2 model ids; ")
+    assert lines[1] == "  worker a: http://127.0.0.1:9; models wh, wh-long; slots from props"
+    assert lines[2] == (
+        "  worker b: http://127.0.0.1:10; models wh; slots from fixed, fixed 4; "
+        "FENCED in the registry file (counts 0)"
+    )
+    assert lines[3] == "model ids: wh, wh-long"
+    # a misspelt key: the file named, the key it resembles, one line, exit 1
+    broken = tmp_path / "typo.json"
+    broken.write_text(
+        json.dumps({"workers": [{**worker("a", ["http://127.0.0.1:9"], ["wh"]), "fence": True}]})
+    )
+    refused = cli("check", "--workers", str(broken))
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    err = refused.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert str(broken) in err and "unknown field `fence`" in err, err
+    assert "did you mean 'fenced'?" in err, err
+
+
 def test_r_k5_two_workers_on_one_socket_address_are_a_warning_in_check_show_and_the_log(
     serve: Callable[..., Served], key_file: Path, registry_path: Path, sim: Sim
 ) -> None:
@@ -437,7 +487,8 @@ def test_r_k5_two_workers_on_one_socket_address_are_a_warning_in_check_show_and_
         if "warning:" in text:
             break
         time.sleep(0.1)
-    assert check.stdout.splitlines()[1] in text.splitlines()
+    warned = [x for x in check.stdout.splitlines() if x.startswith("warning:")]
+    assert warned[0] in text.splitlines()
     _, err = router.terminate()
     assert err.count(said) == 1, err
 

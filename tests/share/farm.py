@@ -3,6 +3,7 @@ for the handlers, counting concurrent requests as the upstream sees them."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -34,6 +35,7 @@ class Farm:
         self.running = 0
         self.peak = 0
         self.served = 0
+        self.arrivals: list[float] = []  # monotonic, one per request the farm ran
         self.violations: list[tuple[float, int, int]] = []  # (time, running, in force)
         farm = self
 
@@ -100,6 +102,7 @@ class Farm:
             self.served += 1
             self.peak = max(self.peak, self.running)
             now = time.monotonic()
+            self.arrivals.append(now)
             limit = self.in_force(now)
             if self.running > limit:
                 self.violations.append((now, self.running, limit))
@@ -107,6 +110,13 @@ class Farm:
     def _leave(self) -> None:
         with self._lock:
             self.running -= 1
+
+    def longest_gap(self, since: float) -> float:
+        """The longest time after ``since`` (monotonic) in which the farm started
+        nothing, up to now."""
+        with self._lock:
+            times = [since, *(t for t in self.arrivals if t > since), time.monotonic()]
+        return max(b - a for a, b in itertools.pairwise(times))
 
     def stop(self) -> None:
         self._server.shutdown()

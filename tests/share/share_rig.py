@@ -100,6 +100,8 @@ class Gateway:
         if self.sidecar is not None and self.sidecar.poll() is None:
             self.sidecar.kill()
             self.sidecar.wait(10)
+        if self.sidecar is not None:  # one started with libfaketime preloaded leaves its state
+            gwtest.remove_faketime_state(self.sidecar.pid)
 
     def start_worker(self, threads: int, hold_ms: float = 40.0) -> subprocess.Popen[str]:
         proc = subprocess.Popen(

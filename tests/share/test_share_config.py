@@ -93,7 +93,7 @@ def test_share_refuses_what_it_cannot_use(share: Any, why: str) -> None:
 
 def test_share_a_user_name_goes_with_a_credential_file() -> None:
     got = parse_config(
-        config({"redis": "redis://gw@h/0", "gateway": "a", "credentialFile": "/etc/pw"})
+        config({"redis": "rediss://gw@h/0", "gateway": "a", "credentialFile": "/etc/pw"})
     )
     assert got.share is not None and got.share.credential_file == "/etc/pw"
 
@@ -102,11 +102,70 @@ def test_share_takes_plain_options_and_a_user_name_in_the_query() -> None:
     for url, cred in (
         ("redis://h/0?db=2&protocol=3&socket_keepalive=true", None),
         ("rediss://h/0?ssl_ca_certs=/etc/ca.pem", None),
-        ("redis://h/0?username=gw", "/etc/pw"),
+        ("rediss://h/0?username=gw", "/etc/pw"),
+        ("redis://127.0.0.1/0?username=gw", "/etc/pw"),
     ):
         share = {"redis": url, "gateway": "a", "credentialFile": cred}
         got = parse_config(config({k: v for k, v in share.items() if v is not None}))
         assert got.share is not None and got.share.redis == url
+
+
+@pytest.mark.parametrize(
+    ("share", "why"),
+    [
+        (
+            {"redis": "redis://cache.internal/0", "credentialFile": "/etc/pw"},
+            "goes only over TLS",
+        ),
+        (
+            {"redis": "rediss://cache.internal/0?ssl_cert_reqs=none", "credentialFile": "/p"},
+            "must verify the certificate",
+        ),
+        ({"redis": "redis://cache.internal/0", "listenerOwner": "redis"}, "loopback Redis only"),
+        ({"gateway": "a"}, "one of the two"),
+        (
+            {"redis": "redis://127.0.0.1/0", "sentinel": {"master": "m", "addresses": ["h:1"]}},
+            "one of the two",
+        ),
+        ({"sentinel": {"master": "m", "addresses": ["host"]}}, "not host:port"),
+        ({"sentinel": {"master": "m", "addresses": ["h:1/x"]}}, "not host:port"),
+        ({"sentinel": {"master": "m", "addresses": []}}, "addresses"),
+        (
+            {"sentinel": {"master": "m", "addresses": ["10.0.0.5:26379"]}, "credentialFile": "/p"},
+            "without TLS",
+        ),
+        (
+            {
+                "sentinel": {
+                    "master": "m",
+                    "addresses": ["10.0.0.5:26379"],
+                    "credentialFile": "/p",
+                }
+            },
+            "without TLS",
+        ),
+    ],
+)
+def test_share_sends_a_redis_password_only_where_no_one_else_reads_it(
+    share: dict[str, Any], why: str
+) -> None:
+    """Off this host a password goes only over verified TLS; a Sentinel set (no TLS here)
+    gets one only on loopback; ``listenerOwner`` is a loopback rule."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(config({"gateway": "a", **share}))
+    assert why in str(err.value)
+
+
+def test_share_takes_a_sentinel_set_on_loopback_with_credentials_from_files() -> None:
+    sentinel = {
+        "master": "gwcap",
+        "addresses": ["127.0.0.1:26379", "[::1]:26380", "localhost:26381"],
+        "credentialFile": "/etc/gateway-capacity/sentinel.password",
+    }
+    got = parse_config(config({"sentinel": sentinel, "gateway": "a", "credentialFile": "/etc/pw"}))
+    assert got.share is not None and got.share.redis is None
+    assert got.share.sentinel is not None and got.share.sentinel.master == "gwcap"
+    assert got.share.sentinel.credential_file == "/etc/gateway-capacity/sentinel.password"
 
 
 def test_share_urls_in_messages_lose_their_user_part() -> None:
@@ -118,7 +177,7 @@ def test_share_a_handler_that_creates_the_segment_stores_0_as_a_discovery_provid
 ) -> None:
     """Before any sidecar ran, a handler's own reading of the config: in share mode a
     provider with discovery runs on 0, never its static limit (docs/share.md)."""
-    from handler_shim.admission import providers_from_config
+    from handler_shim.entries import providers_from_config
 
     path = tmp_path / "gateway.json"
     path.write_text(

@@ -7,11 +7,13 @@ import json
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from as_nobody import NobodyListener
 from farm import Farm
 from redis_rig import RedisServer
 from share_rig import Gateway, wait_for
@@ -162,3 +164,100 @@ def test_share_refuses_a_redis_url_that_redis_py_would_not_build_or_that_sets_it
             assert said in out, out
         logged = _sidecar_refuses(gw)  # with the last URL
         assert "socket_timeout" in logged, logged
+
+
+def test_r_p7_nobody_listening_on_a_down_redis_port_gets_no_password(
+    tmp_path: Path, key: str, key_file: Path, locked_redis: RedisServer
+) -> None:
+    """While Redis is down any local user may listen on its loopback port: the sidecar
+    checks the listener's owner before the handshake (``AUTH``) leaves, refuses one that
+    is not root, its own user or a redis/valkey user, and says who in a WARNING."""
+    squatter = NobodyListener()
+    farm = Farm(key, 9, grace=1.0)
+    gw = Gateway(
+        "gw-n",
+        tmp_path,
+        farm,
+        locked_redis,
+        key_file,
+        redis_url=f"redis://127.0.0.1:{squatter.port}/0",
+        credentialFile=str(_password_file(tmp_path, PASSWORD)),
+    )
+    try:
+        gw.start_sidecar()
+        wait_for("the refusal", lambda: "uid 65534 (nobody)" in gw.log_text())
+        time.sleep(1.5)  # several more calls, each refused before anything is sent
+        reason = str((gw.provider() or {}).get("reason"))
+        assert gw.limit() == 0 and "share degraded" in reason, reason
+    finally:
+        received = squatter.stop()
+        gw.cleanup()
+        farm.stop()
+    assert PASSWORD.encode() not in received
+    assert received == b"", received[:200]
+    said = [ln for ln in gw.log_text().splitlines() if "nothing sent to Redis" in ln]
+    assert len(said) == 1 and "WARNING" in said[0], said  # once, however often it retries
+    assert f"127.0.0.1:{squatter.port} is listened on by uid 65534 (nobody)" in said[0]
+    assert "listenerOwner" in said[0]
+
+
+def test_r_p7_a_loopback_redis_listener_of_another_owner_than_listener_owner_is_refused() -> None:
+    """With ``listenerOwner`` the rule is the hop's (capacity_contract/listeners.py); off
+    this host a password goes only over TLS."""
+    from sidecar.share import peer_problem
+
+    squatter = NobodyListener()
+    try:
+        mine = peer_problem("127.0.0.1", squatter.port, "root", password=True, tls=False)
+        theirs = peer_problem("127.0.0.1", squatter.port, "nobody", password=True, tls=False)
+        default = peer_problem("::ffff:127.0.0.1", squatter.port, None, password=False, tls=False)
+    finally:
+        squatter.stop()
+    owner = "is listened on by uid 65534 (nobody), not listenerOwner 'root'"
+    assert mine == f"127.0.0.1:{squatter.port} {owner}"
+    assert theirs is None
+    assert default is not None and "uid 65534 (nobody)" in default
+    assert peer_problem("192.0.2.7", 6379, None, password=True, tls=False) is not None
+    assert peer_problem("192.0.2.7", 6379, None, password=True, tls=True) is None
+    assert peer_problem("192.0.2.7", 6379, None, password=False, tls=False) is None
+
+
+def test_r_p7_nobody_listening_on_a_sentinels_port_gets_no_sentinel_password(
+    tmp_path: Path, key: str, key_file: Path, locked_redis: RedisServer
+) -> None:
+    """The sentinels' connections are checked as the master's: a sentinel's loopback
+    port squatted by ``nobody`` is sent nothing, not its password nor the master's."""
+    squatter = NobodyListener()
+    farm = Farm(key, 9, grace=1.0)
+    sentinel_password = "sentinel-pw-" + secrets.token_hex(12)
+    secret_file = tmp_path / "sentinel.password"
+    secret_file.write_text(sentinel_password + "\n")
+    secret_file.chmod(0o600)
+    gw = Gateway(
+        "gw-s",
+        tmp_path,
+        farm,
+        locked_redis,
+        key_file,
+        credentialFile=str(_password_file(tmp_path, PASSWORD)),
+    )
+    doc = json.loads(gw.config.read_text())
+    del doc["capacityShare"]["redis"]
+    doc["capacityShare"]["sentinel"] = {
+        "master": "gwcap",
+        "addresses": [f"127.0.0.1:{squatter.port}"],
+        "credentialFile": str(secret_file),
+    }
+    gw.config.write_text(json.dumps(doc))
+    try:
+        gw.start_sidecar()
+        wait_for("the refusal", lambda: "nothing sent to Redis" in gw.log_text())
+        time.sleep(1.5)
+        assert gw.limit() == 0
+    finally:
+        received = squatter.stop()
+        gw.cleanup()
+        farm.stop()
+    assert received == b"", received[:200]
+    assert sentinel_password not in gw.log_text() and PASSWORD not in gw.log_text()
+    assert "uid 65534 (nobody)" in gw.log_text()

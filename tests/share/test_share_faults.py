@@ -161,3 +161,8 @@ def test_share_a_gateway_with_its_wall_clock_an_hour_behind_holds_the_floor(
     assert check.returncode != 0 and "capacity unknown here" in check.stdout
     time.sleep(LEASE)
     held_capacity(farm, a, b)
+    assert b.sidecar is not None
+    pid = b.sidecar.pid
+    b.kill_sidecar()  # SIGKILL: libfaketime's state of it is the rig's to remove
+    left = (f"faketime_shm_{pid}", f"faketime_sem_{pid}")
+    assert not [n for n in os.listdir("/dev/shm") if n.endswith(left)]

@@ -3,7 +3,8 @@
 (``local_limit``) and the handlers' own rule (a published limit until its deadline,
 then the segment's fallback, 0 in share mode), driven by hypothesis through histories
 in which sidecars die, are SIGSTOPped past their lease (a call in flight), Redis stalls
-(calls executed late, in any order) or restarts empty, a gateway is cut off from Redis,
+(calls executed late, in any order) or restarts empty, Redis fails over to a replica
+that lacks the last writes (asynchronous replication), a gateway is cut off from Redis,
 its wall clock is off the farm's (no fresh capacity), a second instance starts
 under a gateway's name, gateways run on different leases (a sidecar may come back with
 its lease edited), and Redis's clock steps ahead by more than half a lease. At every
@@ -73,6 +74,9 @@ class ShareFarm(RuleBasedStateMachine):
         self.floor = floor
         self.now = 0
         self.table: Table | None = None
+        self.server = "r0"  # the Redis that answers (its run_id)
+        self.servers = 0
+        self.history: list[Table | None] = []  # the last tables, newest last: a replica's copy
         self.redis_stalled = False
         self.redis_ahead = 0  # how far Redis's clock has stepped ahead of the gateways' (ms)
         self.queued: list[tuple[Gateway, Report, int]] = []  # calls a stalled Redis holds
@@ -85,6 +89,12 @@ class ShareFarm(RuleBasedStateMachine):
     def _new(self, name: str, lease: int) -> Gateway:
         self.tokens += 1
         return Gateway(name, f"t{self.tokens}", lease)
+
+    def run(self, report: Report) -> object:
+        """One call executed by the Redis that answers now."""
+        self.table, grant = step(self.table, report, self.now + self.redis_ahead, self.server)
+        self.history = [*self.history[-7:], self.table]
+        return grant
 
     # --- the handlers' rule, and the gateway's --------------------------------------
     def in_force(self, g: Gateway) -> int:
@@ -135,8 +145,7 @@ class ShareFarm(RuleBasedStateMachine):
             self.queued.append((g, report, self.now))
             g.error = "timed out"
         else:
-            self.table, grant = step(self.table, report, self.now + self.redis_ahead)
-            self.answer(g, report, self.now, grant)
+            self.answer(g, report, self.now, self.run(report))
             return
         self.publish(g)
 
@@ -244,7 +253,7 @@ class ShareFarm(RuleBasedStateMachine):
             # sent and executed just before the stop; the answer is read after SIGCONT
             g.seq += 1
             report = self.report(g)
-            self.table, grant = step(self.table, report, self.now + self.redis_ahead)
+            grant = self.run(report)
             g.in_flight.append((report, self.now, self.table, grant))
         g.sidecar = "stopped"
 
@@ -273,7 +282,7 @@ class ShareFarm(RuleBasedStateMachine):
         self.redis_stalled = False
         queued, self.queued = self.queued, []
         for g, report, asked in reversed(queued) if reverse else queued:
-            self.table, grant = step(self.table, report, self.now + self.redis_ahead)
+            grant = self.run(report)
             if g.sidecar == "up" and self.now - asked <= CLIENT_TIMEOUT:
                 self.answer(g, report, asked, grant)
 
@@ -287,6 +296,27 @@ class ShareFarm(RuleBasedStateMachine):
     def redis_restarts_empty(self) -> None:
         self.table = None
         self.queued = []
+        self.servers += 1
+        self.server = f"r{self.servers}"
+        self.history = []
+
+    @rule(lost=st.integers(0, 7), answered=st.booleans())
+    def redis_fails_over_to_a_replica_that_lost_writes(self, lost: int, answered: bool) -> None:
+        """Sentinel promotes a replica whose copy lacks the last ``lost`` writes
+        (replication is asynchronous). Calls the old master held run there first, and
+        their answers reach a sidecar still waiting (``answered``: the old master was
+        paused, not killed); after that the old master is a replica, its table gone."""
+        queued, self.queued = self.queued, []
+        self.redis_stalled = False
+        copy = self.history[-1 - lost] if len(self.history) > lost else None
+        for g, report, asked in queued:
+            grant = self.run(report)
+            if answered and g.sidecar == "up" and self.now - asked <= CLIENT_TIMEOUT:
+                self.answer(g, report, asked, grant)
+        self.servers += 1
+        self.server = f"r{self.servers}"
+        self.table = copy
+        self.history = []
 
     @rule(i=st.integers(0, 3))
     def a_gateway_is_cut_off_from_redis(self, i: int) -> None:

@@ -215,7 +215,7 @@ def _table_in_redis(client: Any, key: str) -> Table | None:
             token, seq, lease, cap_ = ident if ident else ("", "0", "0", "-1")
             leases[k[2:]] = Lease(int(r), int(d), int(e), token, int(seq), int(lease), int(cap_))
     cap = int(raw["~cap"]) if "~cap" in raw else None
-    return Table(leases, int(raw["~touched"]), int(raw["~rebuild"]), cap)
+    return Table(leases, int(raw["~touched"]), int(raw["~rebuild"]), cap, raw["~server"])
 
 
 @settings(
@@ -234,8 +234,8 @@ def test_the_lua_script_is_the_pure_step(redis_server: Any, calls: list[Any]) ->
         rep = Report(gw, cap, held, demand, floor, lease, token, seq)
         args = [gw, cap, held, demand, floor, lease, table_ttl_ms(lease), token, seq]
         out = script(keys=[key], args=args)
-        limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out)
-        model, grant = step(model, rep, now)
+        limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out[:7])
+        model, grant = step(model, rep, now, out[7].decode())
         assert (limit, reserved, gateways, bool(rebuilding), others, refused) == (
             grant.limit,
             grant.reserved,
@@ -257,7 +257,7 @@ def test_the_lua_script_drops_a_stale_lease_written_by_hand(redis_server: Any) -
     client.hset(key, mapping={"~rebuild": 0, "g:ghost": f"9 9 {touched - 1}", "g:junk": "x"})
     limit, *_ = script(keys=[key], args=["a", 10, 0, 10, 1, LEASE, table_ttl_ms(LEASE), "t", 2])
     assert limit == 10
-    assert set(client.hkeys(key)) == {b"~touched", b"~rebuild", b"~cap", b"g:a"}
+    assert set(client.hkeys(key)) == {b"~touched", b"~rebuild", b"~cap", b"~server", b"g:a"}
 
 
 # --- the invariant over whole histories ------------------------------------------------
@@ -336,6 +336,24 @@ def test_after_an_outage_longer_than_half_a_lease_nobody_grows_into_a_share_in_f
     table = Table({"a": Lease(5, 5, 16_000), "b": Lease(5, 10, 14_000)}, 4_000, 0)
     _, b = step(table, report("b", 10, 5, 10), 12_000)
     assert b.rebuilding and b.limit == 5
+
+
+def test_a_replica_promoted_without_the_last_grant_rebuilds_instead_of_granting_it_again() -> None:
+    """Replication is asynchronous: a's grant of 8 reached a, not the replica Sentinel
+    then promoted. On the new master (another run_id) b must not be granted what the
+    copy shows as free: the table is rebuilt, each gateway held to what it holds."""
+    old = ""  # the run_id warm()'s calls were executed by
+    table = warm(step(None, report("a", 10, 0, 0), 0, old)[0], ["a", "b"], 10)
+    now = table.touched_ms + 1
+    replica_copy = table
+    _, a = step(table, report("a", 10, 1, 8), now, old)
+    assert a.limit == 8  # in force at a; the write never reached the replica
+    _, b = step(replica_copy, report("b", 10, 1, 10), now + 1, "new")
+    assert b.rebuilding and b.limit <= 1
+    assert a.limit + b.limit <= 10
+    # the same copy read by its own writer is trusted: the fence is the writer's identity
+    _, same = step(replica_copy, report("b", 10, 1, 10), now + 1, old)
+    assert not same.rebuilding and same.limit == 9
 
 
 def test_a_shorter_lease_on_one_gateway_never_frees_a_longer_ones_share_early() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import time
 from collections.abc import Callable
@@ -288,9 +289,20 @@ def test_watch_refreshes_the_availability_view(p1_segment: Callable[..., P1Segme
     seg = p1_segment(2)
     adm = seg.attach("watched")
     try:
+        before = time.time()
         out = run_cli("watch", "--segment", seg.name, "--count", "2", "--interval", "0.1")
+        after = time.time()
         assert out.returncode == 0, out.stderr
         assert out.stdout.count("p1 [static]  limit 2 (provider)") == 2
+        frames = [f for f in out.stdout.split("---\n") if f.strip()]
+        stamps = [re.match(r"at (\S+ \S+) \S+, every 0.1 s\n", f) for f in frames]
+        assert all(stamps) and len(stamps) == 2, out.stdout  # each frame says when it is
+        times = [
+            time.mktime(time.strptime(m[1].partition(".")[0], "%Y-%m-%d %H:%M:%S"))
+            for m in stamps
+            if m is not None
+        ]
+        assert int(before) - 1 <= times[0] <= times[1] <= after + 1, (before, times, after)
         assert "watched (1 process)" in out.stdout
     finally:
         adm.close()

@@ -9,7 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sidecar_e2e import StartSidecar, wait_provider
+from gwtest import Agent, run_cli
+from sidecar_e2e import StartSidecar, discovered, wait_provider
+
+from shm_layout.view import read_view
 
 
 def _names(p: dict[str, Any]) -> list[tuple[str, int, bool]]:
@@ -63,14 +66,74 @@ def test_r_a17_metrics_count_running_and_waiting_per_class(
         adm.close()
 
 
-def test_r_a17_check_config_names_a_bad_class_entry_in_one_line() -> None:
-    """Each class field may be right alone and wrong together (a defaultClass that is none
-    of the classes): said as the entry's problem, never a traceback."""
-    from sidecar.config import provider_problems
+def test_r_a17_r_c3_a_bad_class_entry_is_loud_everywhere_and_costs_the_classes_only(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    start_sidecar: StartSidecar,
+    capacity: Any,
+    entry: Any,
+) -> None:
+    """A typo'd reserve type, a duplicate name and a defaultClass that names none: the
+    sidecar logs one ERROR line naming every field, availability shows it on its config
+    line and --check fails, the provider admits as one queue on its discovered limit, and
+    the fix clears it all."""
+    classes = [{"name": "interactive", "reserve": "2"}, {"name": "batch"}, {"name": "batch"}]
+    bad = entry(capacity, classes=classes, defaultClass="Batch")
+    config = write_config({"providers": [bad]})
+    sidecar = start_sidecar(config, segment_name)
+    p = wait_provider(segment_name, "p1", discovered(20), what="discovered despite the classes")
+    assert p["classes"] == []  # one queue: no reserve pretends to hold
+    errors = [line for line in sidecar.log_lines() if "classes refused" in line]
+    assert len(errors) == 1, sidecar.log_text()
+    for said in (
+        "provider p1",
+        "classes[0].reserve: expected `int`, got `str`",
+        "the name 'batch' is given 2 times",
+        "defaultClass 'Batch' is not one of the classes (interactive, batch); "
+        "did you mean 'batch'?",
+    ):
+        assert said in errors[0], errors[0]
+    shown = run_cli("availability", "--segment", segment_name)
+    config_line = next(x for x in shown.stdout.splitlines() if x.startswith("config: "))
+    assert config_line.startswith(
+        "config: classes refused, one queue instead: p1: classes[0].reserve:"
+    ), shown.stdout
+    check = run_cli("availability", "--segment", segment_name, "--check")
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "Fix the classes" in check.stdout + check.stderr
+    bad["classes"], bad["defaultClass"] = [{"name": "interactive", "reserve": 2}], "interactive"
+    config.write_text(json.dumps({"providers": [bad]}))
+    p = wait_provider(segment_name, "p1", lambda p: bool(p["classes"]), what="fix followed")
+    assert p["effective_limit"] == 20
+    assert run_cli("availability", "--segment", segment_name, "--check").returncode == 0
 
-    entry = {"id": "p1", "classes": [{"name": "a"}, {"name": "b"}], "defaultClass": "c"}
-    provider, problems = provider_problems(entry)
-    assert problems == ["config_invalid:defaultClass 'c' is not one of the classes"]
-    assert [c.name for c in provider.classes] == ["a", "b"] and provider.default_class is None
-    _, problems = provider_problems({"id": "p2", "classes": [{"name": "a"}, {"name": "a"}]})
-    assert problems == ["config_invalid:classes: every class needs a name of its own"]
+
+def test_r_a18_an_edit_adding_a_class_above_running_requests_keeps_them_in_their_class(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    start_sidecar: StartSidecar,
+    agents: Callable[..., Agent],
+) -> None:
+    """Two batch requests run; the config is edited to put a class above the others. The
+    sidecar's rewrite of the table keeps them batch: a third batch arrival waits (L - (1
+    + 1) = 2 already run) and an interactive arrival runs at once."""
+    classes: list[dict[str, Any]] = [{"name": "interactive", "reserve": 1}, {"name": "batch"}]
+    doc: dict[str, Any] = {"providers": [{"id": "p1", "maxConcurrent": 4, "classes": classes}]}
+    config = write_config(doc)
+    start_sidecar(config, segment_name)
+    wait_provider(segment_name, "p1", lambda p: bool(p["classes"]), what="classes written")
+
+    def handler(cls: str, *extra: str) -> Agent:
+        return agents("--segment", segment_name, "--config", str(config), "--cls", cls, *extra)
+
+    batch = handler("batch", "hold", "--threads", "2")
+    batch.expect("admitted")
+    batch.expect("admitted")
+    doc["providers"][0]["classes"] = [{"name": "vip", "reserve": 1}, *classes]
+    config.write_text(json.dumps(doc))
+    wait_provider(segment_name, "p1", lambda p: len(p["classes"]) == 3, what="edit followed")
+    p1 = read_view(segment_name).provider("p1")
+    assert p1 is not None
+    assert {c.name: c.running for c in p1.classes} == {"vip": 0, "interactive": 0, "batch": 2}
+    handler("batch", "hold", "--timeout", "1.5").expect("timeout", timeout=10.0)
+    handler("interactive", "hold", "--timeout", "5").expect("admitted", timeout=10.0)

@@ -52,6 +52,9 @@ def test_verify_agrees_then_differs_and_never_shows_the_key(rig: Rig, key_file: 
     differs = run_cli("verify", "--config", str(cfg), "--segment", segment_name)
     assert differs.returncode == 1
     assert "DIFFERS li: rules 10 (discovered), segment 20 (discovered)" in differs.stdout
+    said = differs.stdout.splitlines()[0]  # first: the sidecar stopped, and when
+    assert said.startswith(f"sidecar pid {sidecar.pid} stopped, last heartbeat "), said
+    assert "the segment holds what it last published" in said
     assert key not in differs.stdout + differs.stderr
     assert key not in sidecar.log_text()
 

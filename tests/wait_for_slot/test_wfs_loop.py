@@ -206,3 +206,10 @@ def test_without_check_an_unreachable_server_is_no_room_and_sampling_goes_on():
     assert (result.code, result.outcome, result.samples) == (0, "room", 3)
     assert describe(Unreachable("cannot connect"), 1).startswith("no answer: cannot connect")
     assert describe(NoAnswer("busy (HTTP 429)"), 1) == "no room: busy (HTTP 429)"
+
+
+def test_r_w1_progress_says_seconds_as_a_person_reads_them():
+    time = FakeTime()
+    _, lines = run(time, [BUSY, ROOM], interval=5.0, max_wait=6.0, takes=0.0193)
+    assert "(waited 0.02 s of 6 s)" in lines[0], lines
+    assert "next sample in 5 s" in lines[0], lines
