@@ -209,7 +209,7 @@ class RouterApp(Handler):
             return proxy_module.too_large()
         return None
 
-    def on_request(self, conn: Connection, head: RequestHead, body: bytes) -> None:
+    def on_request(self, conn: Connection, head: RequestHead, body: bytes | bytearray) -> None:
         path = head.target.partition("?")[0]
         head_only = head.method == "HEAD"
         if path == "/v1/capacity":

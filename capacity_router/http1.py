@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import resource
+import select
 import time
 from collections.abc import Callable
 from typing import Protocol, cast
@@ -33,6 +34,7 @@ log = logging.getLogger("capacity_router")
 HEAD_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 60.0
 KEEPALIVE_IDLE_S = 75.0  # an authenticated connection between requests
+LEAVING_CHECK_S = 0.25  # how often a connection paused for unread bytes looks for a close
 MAX_CONNECTIONS = 4096
 MAX_UNAUTHENTICATED = 256
 RESERVED_DESCRIPTORS = 128  # the poller, the registry, key files, logs
@@ -62,7 +64,7 @@ class Handler(Protocol):
     def on_head(self, conn: Connection, head: RequestHead) -> Answer | None:
         """An answer that ends the request before its body is read, or None."""
 
-    def on_request(self, conn: Connection, head: RequestHead, body: bytes) -> None:
+    def on_request(self, conn: Connection, head: RequestHead, body: bytes | bytearray) -> None:
         """Answer the request (now or later) through ``conn``."""
 
 
@@ -98,8 +100,6 @@ class Connections:
         self.loop = asyncio.get_running_loop()  # made on it; saves a getpid() a timer
         self.open: set[Connection] = set()
         self.unauthenticated: dict[Connection, None] = {}  # oldest first
-        self._ids = f"{os.getpid():x}{int(time.time() * 1000) & 0xFFFFFF:06x}"
-        self._next = 0
         self.over_limit = Throttled("connections over the router's limit closed at once")
         self.evicted = Throttled(
             "idle connections without the router's key closed to make room for others"
@@ -112,8 +112,8 @@ class Connections:
         )
 
     def request_id(self) -> str:
-        self._next += 1
-        return f"{self._ids}-{self._next:x}"
+        """16 random hex digits: nothing of the router's pid or its traffic."""
+        return os.urandom(8).hex()
 
     def factory(self) -> Connection:
         return Connection(self)
@@ -138,11 +138,15 @@ class Connection(asyncio.Protocol):
         self.http10 = False
         self.exchange: Exchange | None = None
         self._state = _HEAD
-        self._buf = b""
+        self._buf = bytearray()  # appended in place: a body costs its size, not its square
+        self._scanned = 0  # bytes of ``_buf`` already searched for a head's end
         self._head: RequestHead | None = None
         self._keep_alive = True
         self._timer: asyncio.TimerHandle | None = None
-        self._paused = False
+        self._paused = False  # reading paused: pipelined bytes wait unread in the kernel
+        self._blocked = False  # writing paused: the client does not read its answers
+        self._watch: asyncio.TimerHandle | None = None
+        self._advancing = False  # inside _advance: an answer given at once returns there
 
     @property
     def keep_alive(self) -> bool:
@@ -179,6 +183,10 @@ class Connection(asyncio.Protocol):
             if len(self._buf) > MAX_HEAD_BYTES:
                 self._pause_reading()
             return
+        if self._blocked:  # read before the pause took: kept for when the client reads
+            self._buf += data
+            self._pause_reading()
+            return
         idle = self._state == _HEAD and not self._buf and self.authenticated
         self._buf += data
         self._advance()
@@ -191,6 +199,9 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._state = _CLOSED
         self._disarm()
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         self._owner.open.discard(self)
         self._owner.unauthenticated.pop(self, None)
         exchange, self.exchange = self.exchange, None
@@ -198,29 +209,53 @@ class Connection(asyncio.Protocol):
             exchange.client_lost()
 
     def pause_writing(self) -> None:
+        self._blocked = True
         if self.exchange is not None:
             self.exchange.client_paused(paused=True)
 
     def resume_writing(self) -> None:
+        self._blocked = False
         if self.exchange is not None:
             self.exchange.client_paused(paused=False)
+        elif self._state == _HEAD:  # answers queued unread held the next requests back
+            self._resume_reading()
+            if self._buf:
+                self._advance()
 
     # -- reading ---------------------------------------------------------------
 
     def _advance(self) -> None:
-        while self._state in (_HEAD, _BODY):
+        """Take every whole request buffered, one after the other, in this loop: an
+        answer given at once comes back through :meth:`answer_done`, which does not call
+        here again (no recursion however many were pipelined). While the client reads no
+        answers, nothing more is taken or read."""
+        if self._advancing:
+            return
+        self._advancing = True
+        try:
+            self._take()
+        finally:
+            self._advancing = False
+        if self._state == _HEAD and self._blocked:
+            self._pause_reading()
+
+    def _take(self) -> None:
+        while self._state in (_HEAD, _BODY) and not self._blocked:
             if self._state == _HEAD:
-                end = self._buf.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4)
+                end = self._buf.find(b"\r\n\r\n", self._scanned, MAX_HEAD_BYTES + 4)
                 if end < 0:
                     if len(self._buf) > MAX_HEAD_BYTES:
                         self._refuse(BadMessage("a request head over 64 KiB", 431))
+                        return
+                    self._scanned = max(0, len(self._buf) - 3)
                     return
+                self._scanned = 0
                 try:
-                    head = parse_request_head(self._buf[:end])
+                    head = parse_request_head(bytes(self._buf[:end]))
                 except BadMessage as exc:
                     self._refuse(exc)
                     return
-                self._buf = self._buf[end + 4 :]
+                del self._buf[: end + 4]
                 self._head = head
                 self.http10 = head.version == b"1.0"
                 self._keep_alive = head.keep_alive
@@ -240,7 +275,12 @@ class Connection(asyncio.Protocol):
                 return
             current = self._head
             assert current is not None
-            body, self._buf = self._buf[: current.length], self._buf[current.length :]
+            body: bytes | bytearray
+            if len(self._buf) == current.length:  # the usual case: handed over, no copy
+                body, self._buf = self._buf, bytearray()
+            else:
+                body = bytes(self._buf[: current.length])
+                del self._buf[: current.length]
             self._state = _BUSY
             self._disarm()
             self._owner.handler.on_request(self, current, body)
@@ -326,16 +366,18 @@ class Connection(asyncio.Protocol):
             return
         self._state = _HEAD
         self._head = None
-        if self._paused:
-            self._paused = False
-            assert self.transport is not None
-            self.transport.resume_reading()
         if self.authenticated:
             self._arm(KEEPALIVE_IDLE_S, self._idle_timeout)
         else:
             self._arm(HEAD_TIMEOUT_S, self._head_timeout)
-        if self._buf:
-            self._advance()
+        if self._blocked:
+            # The client does not read what it asked for: nothing more is read or
+            # answered until it does (``resume_writing``), so unread answers cannot pile up.
+            self._pause_reading()
+            return
+        self._resume_reading()
+        if self._buf and not self._advancing:  # the next pipelined request, from the loop
+            self._owner.loop.call_soon(self._advance_later)
 
     def cut(self) -> None:
         """End an answer that cannot finish: the client sees it cut, not complete."""
@@ -347,10 +389,49 @@ class Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def _advance_later(self) -> None:
+        if self._state == _HEAD and not self._blocked:
+            self._advance()
+
     def _pause_reading(self) -> None:
         if not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
+            self._watch_for_leaving()
+
+    def _resume_reading(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def _watch_for_leaving(self) -> None:
+        """While reading is paused the event loop cannot see the client leave (its close
+        waits behind the unread bytes): ask the kernel, every :data:`LEAVING_CHECK_S`, so
+        that a client gone with a request in flight frees its worker's slot."""
+        self._watch = None
+        if not self._paused or self._state == _CLOSED or self.transport is None:
+            return
+        if _peer_left(self.transport):
+            self.close()  # connection_lost follows: the exchange is told, its worker freed
+            return
+        self._watch = self._owner.loop.call_later(LEAVING_CHECK_S, self._watch_for_leaving)
+
+
+_LEFT = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
+
+
+def _peer_left(transport: asyncio.Transport) -> bool:
+    """Whether the peer closed or reset the connection (Linux: ``POLLRDHUP``, seen
+    before the unread bytes; elsewhere only a reset or a full hang-up)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    poller = select.poll()
+    try:
+        poller.register(sock.fileno(), _LEFT)
+    except (OSError, ValueError):
+        return True
+    return bool(poller.poll(0))
 
 
 _REASONS = {

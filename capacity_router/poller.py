@@ -32,10 +32,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import urlsplit
 
 import httpx
 
-from capacity_contract import CapacitySnapshot
+from capacity_contract import CapacitySnapshot, listeners
 from shm_layout.errors import GatewayCapacityError
 
 from .aggregate import Observation, State, aggregate, is_fenced, within_contract
@@ -92,6 +93,30 @@ def _describe(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+_refused_said: dict[tuple[str, str], str] = {}
+
+
+def listener_refusal(worker: Worker, url: str) -> str | None:
+    """Why ``worker`` must not be contacted at ``url`` now (its loopback listener's owner,
+    :func:`capacity_contract.listeners.worker_refusal`); a new reason is logged once as a
+    WARNING, for the poll and the relay alike."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    refused = listeners.worker_refusal(parts.hostname or "", port, worker.listener_owner)
+    mark = (worker.id, url)
+    if refused is None:
+        _refused_said.pop(mark, None)
+    elif _refused_said.get(mark) != refused:
+        _refused_said[mark] = refused
+        log.warning(
+            "worker %s: %s not contacted, neither its key nor a request goes there: %s",
+            worker.id,
+            url,
+            refused,
+        )
+    return refused
+
+
 async def poll_url(
     client: httpx.AsyncClient,
     worker: Worker,
@@ -100,6 +125,9 @@ async def poll_url(
     key: bytes | None = None,
 ) -> Observation:
     """Observe one worker through one of its URLs, within ``timeout`` seconds."""
+    refused = listener_refusal(worker, url)
+    if refused is not None:
+        return Observation("unreachable", reason=f"not contacted: {refused}")
     slots = worker.slots
     kind = slots.server_kind
     headers = {"Authorization": "Bearer " + key.decode("ascii")} if key is not None else {}

@@ -23,8 +23,10 @@ queue the router should hold.
   it now: 503 with ``Retry-After``. The bodies are OpenAI-style
   (``{"error": {"message", "type", "param", "code"}}``), which the SDKs read.
 - A worker that refuses the connection (the request never left) is skipped
-  for its next URL, then the next worker; any other failure is 502 before
-  the answer started, and a cut connection after.
+  for its next URL, then the next worker. A request whose bytes were written
+  to a worker is never sent again, not even on a kept-alive connection the
+  worker closed before answering (it may have read and run it): any failure
+  is 502 before the answer started, and a cut connection after.
 
 Authorization: the router's own bearer is required, as on ``/v1/capacity``.
 Upstream goes the worker's own key when it has one (``worker_key``), else no
@@ -51,7 +53,9 @@ from typing import Protocol, cast
 
 import msgspec
 
-from .poller import CapacityObserver, WorkerStatus
+from capacity_contract import listeners
+
+from .poller import CapacityObserver, WorkerStatus, listener_refusal
 from .registry import RegistryFile, RegistryWatcher, Worker
 from .wire import (
     MAX_HEAD_BYTES,
@@ -311,13 +315,12 @@ class _Sink(Protocol):
 class _Upstream(asyncio.Protocol):
     """One connection to a worker; carries one exchange at a time."""
 
-    __slots__ = ("closed", "idle_since", "reused", "sink", "transport")
+    __slots__ = ("closed", "idle_since", "sink", "transport")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.sink: _Sink | None = None
         self.closed = False
-        self.reused = False
         self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -357,8 +360,13 @@ class UpstreamPool:
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < POOL_IDLE_S:
-                conn.reused = True
+            transport = conn.transport
+            if (
+                not conn.closed
+                and transport is not None
+                and not transport.is_closing()
+                and now - conn.idle_since < POOL_IDLE_S
+            ):
                 return conn
             conn.close()
         return None
@@ -519,7 +527,7 @@ class FarmProxy:
         return Answer(200, msgspec.json.encode(body))
 
     def relay(
-        self, client: ClientSide, head: RequestHead, body: bytes
+        self, client: ClientSide, head: RequestHead, body: bytes | bytearray
     ) -> asyncio.Task[None] | None:
         """Relay one request; answers at once (400) or returns the exchange's task."""
         try:
@@ -540,7 +548,7 @@ class FarmProxy:
         return exchange.start()
 
 
-_RETRY, _DONE, _NO_CONNECTION = "retry", "done", "no connection"
+_DONE, _NO_CONNECTION = "done", "no connection"
 
 
 class Exchange:
@@ -555,7 +563,12 @@ class Exchange:
     """
 
     def __init__(
-        self, proxy: FarmProxy, client: ClientSide, head: RequestHead, body: bytes, model: str
+        self,
+        proxy: FarmProxy,
+        client: ClientSide,
+        head: RequestHead,
+        body: bytes | bytearray,
+        model: str,
     ) -> None:
         self._proxy = proxy
         self._client = client
@@ -571,13 +584,11 @@ class Exchange:
         self._tried: set[str] = set()
         self._buf = b""
         self._response: ResponseHead | None = None
-        self._got_bytes = False
         self._left = 0
         self._scanner: ChunkedScanner | None = None
         self._gone = False
         self._close_client = False
         self._pending_head = b""
-        self._retry: asyncio.Task[None] | None = None
 
     # -- the choice and the attempts ----------------------------------------
 
@@ -595,7 +606,7 @@ class Exchange:
             return asyncio.ensure_future(self._run(worker))
         self._fast_worker = worker
         headers = upstream_headers(self._head.headers, self._proxy._worker_key(worker))
-        self._send_now(conn, target, self._request_bytes(target, headers))
+        self._send_now(conn, target, self._request_head(target, headers))
         return None
 
     def _pick(self) -> Worker | None:
@@ -614,50 +625,50 @@ class Exchange:
         proxy.acquire(worker.id)
         return worker
 
-    async def _run(self, worker: Worker | None, *, fresh: bool = False) -> None:
+    async def _run(self, worker: Worker | None) -> None:
         try:
             while worker is not None and not self._gone:
                 try:
-                    if await self._to_worker(worker, fresh=fresh) != _NO_CONNECTION:
+                    if await self._to_worker(worker) != _NO_CONNECTION:
                         return
                 finally:
                     self._proxy.release(worker.id)
-                fresh = False
                 worker = self._pick()
         finally:
             self._detach()
 
-    async def _to_worker(self, worker: Worker, *, fresh: bool) -> str:
+    async def _to_worker(self, worker: Worker) -> str:
         key = self._proxy._worker_key(worker)
         headers = upstream_headers(self._head.headers, key)
         for url in worker.urls:
             target = target_of(url)
-            request = self._request_bytes(target, headers)
-            conn = None if fresh else self._proxy.pool.take(target)
-            fresh = False
-            while True:
-                if conn is None:
-                    try:
-                        conn = await self._proxy.pool.connect(target)
-                    except (OSError, TimeoutError) as exc:
-                        log.debug(
-                            "request %s: worker %s: %s: no connection (%s)",
-                            self._client.request_id,
-                            worker.id,
-                            url,
-                            exc,
-                        )
-                        break
-                    if self._gone:
-                        conn.close()
-                        return _DONE
-                outcome = await self._send(conn, target, request)
-                if outcome != _RETRY:
-                    return outcome
-                conn = None  # a kept-alive connection the worker had closed: a new one
+            request = self._request_head(target, headers)
+            conn = self._proxy.pool.take(target)
+            if conn is None:
+                # A stranger may listen on a loopback worker's port since the last round.
+                # Reading the kernel's socket table can take tens of ms: off this loop.
+                if listeners.loopback_addresses(target.host) and (
+                    await asyncio.to_thread(listener_refusal, worker, url) is not None
+                ):
+                    continue
+                try:
+                    conn = await self._proxy.pool.connect(target)
+                except (OSError, TimeoutError) as exc:
+                    log.debug(
+                        "request %s: worker %s: %s: no connection (%s)",
+                        self._client.request_id,
+                        worker.id,
+                        url,
+                        exc,
+                    )
+                    continue
+                if self._gone:
+                    conn.close()
+                    return _DONE
+                return await self._send(conn, target, request)
         return _NO_CONNECTION
 
-    def _request_bytes(self, target: Target, headers: list[Header]) -> bytes:
+    def _request_head(self, target: Target, headers: list[Header]) -> bytes:
         head = self._head
         lines = [
             f"{head.method} {target.prefix}{head.target} HTTP/1.1\r\n".encode("latin-1"),
@@ -666,16 +677,17 @@ class Exchange:
         ]
         lines.extend(n + b": " + v + b"\r\n" for n, v in headers)
         lines.append(b"\r\n")
-        lines.append(self._body)
-        return b"".join(lines)
+        return b"".join(lines)  # the head: the body is written after it, not copied in
 
     def _send_now(self, conn: _Upstream, target: Target, request: bytes) -> None:
         self._conn, self._target = conn, target
-        self._buf, self._response, self._got_bytes = b"", None, False
+        self._buf, self._response = b"", None
         self._pending = True
         conn.sink = self
         assert conn.transport is not None
         conn.transport.write(request)
+        if self._body:
+            conn.transport.write(self._body)
 
     async def _send(self, conn: _Upstream, target: Target, request: bytes) -> str:
         self._waiter = asyncio.get_running_loop().create_future()
@@ -700,9 +712,6 @@ class Exchange:
             return
         worker, self._fast_worker = self._fast_worker, None  # the task-free attempt
         if worker is None:
-            return
-        if outcome == _RETRY and not self._gone:
-            self._retry = asyncio.ensure_future(self._run(worker, fresh=True))
             return
         self._proxy.release(worker.id)
         self._detach()
@@ -735,7 +744,6 @@ class Exchange:
     # -- callbacks from the worker's connection ------------------------------
 
     def upstream_data(self, data: bytes) -> None:
-        self._got_bytes = True
         try:
             if self._response is None:
                 data = self._read_head(data)
@@ -791,18 +799,20 @@ class Exchange:
         return buf
 
     def _body_bytes(self, data: bytes) -> None:
-        head, self._pending_head = self._pending_head, b""
+        head = self._pending_head
         scanner, client = self._scanner, self._client
         if scanner is not None:
+            # Scanned before anything is written: a lie in the first bytes is still a 502.
+            used = scanner.feed(data, keep_data=client.http10)
+            self._pending_head = b""
             if client.http10:
-                used = scanner.feed(data, keep_data=True)
                 client.write(head + scanner.data())
             else:
-                used = scanner.feed(data)
                 client.write(head + (data if used == len(data) else data[:used]))
             if scanner.done:
                 self._complete(reuse=used == len(data) and self._response_keeps())
             return
+        self._pending_head = b""
         if self._left < 0:  # until the worker closes
             if data or head:
                 client.write(head + data)
@@ -832,12 +842,8 @@ class Exchange:
     def upstream_lost(self) -> None:
         if not self._pending:
             return
-        conn = self._conn
         self._conn = None
-        if self._response is None:
-            if conn is not None and conn.reused and not self._got_bytes:
-                self._finish(_RETRY)  # the worker closed a kept-alive connection: not taken
-                return
+        if self._response is None:  # written, so perhaps read and run: never sent again
             self._fail("the worker gave no answer (it closed the connection)", conn_gone=True)
             return
         if self._scanner is None and self._left < 0:  # the close ends this body
@@ -856,7 +862,8 @@ class Exchange:
     def _fail(self, message: str, *, conn_gone: bool = False) -> None:
         if not conn_gone:
             self._drop_upstream()
-        if self._response is None:
+        if self._response is None or self._pending_head:  # nothing of it written yet
+            self._pending_head = b""
             if conn_gone:
                 log.warning(
                     "request %s: worker %s: %s", self._client.request_id, self._worker_id, message

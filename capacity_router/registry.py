@@ -26,6 +26,11 @@
 - ``keyFile`` (optional) is a file holding the bearer key of a worker started
   with ``--api-key``; same rules as the router's own key file. A relative
   path is relative to the registry file's directory.
+- ``listenerOwner`` (optional, a uid or user name): who must own the listening
+  socket of the worker's loopback URLs. A loopback worker is polled and sent
+  requests only while its listener belongs to that user, or without the setting
+  to root or the router's own user (``capacity_contract.listeners``): while a
+  worker is down, anyone may listen on its port.
 - ``fenced: true`` drains the worker from the file (survives restarts).
 
 Unknown fields are refused, so a typo such as ``"fence": true`` cannot leave a
@@ -113,6 +118,11 @@ class Worker(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     key_file: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = msgspec.field(
         default=None, name="keyFile"
     )
+    listener_owner: (
+        Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFE)]
+        | Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+        | None
+    ) = msgspec.field(default=None, name="listenerOwner")
 
 
 class RegistryFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

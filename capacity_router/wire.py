@@ -22,6 +22,8 @@ _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _DIGITS = re.compile(rb"[0-9]{1,18}\Z")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,15}\Z")
+_REASON = re.compile(rb"[\t\x20-\x7e\x80-\xff]*\Z")  # RFC 9112 4: HTAB, SP, VCHAR, obs-text
+_CHUNK_EXT = re.compile(rb"[\t\x20-\x7e\x80-\xff]*\Z")  # no CR, LF, NUL, ESC in a chunk line
 
 
 class BadMessage(ValueError):
@@ -131,8 +133,15 @@ def parse_response_head(head: bytes) -> ResponseHead:
     lines = head.split(b"\r\n")
     version, _, rest = lines[0].partition(b" ")
     code, _, reason = rest.partition(b" ")
-    if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit():
+    if (
+        version not in (b"HTTP/1.1", b"HTTP/1.0")
+        or not _DIGITS.match(code)
+        or len(code) != 3
+        or not 100 <= int(code) <= 599
+    ):
         raise BadMessage("a status line that is not HTTP/1.1 NNN", 502)
+    if not _REASON.match(reason):  # a bare LF there ends the line for a lenient client
+        raise BadMessage("a control character in the reason phrase", 502)
     try:
         headers = _headers(lines[1:])
     except BadMessage as exc:
@@ -163,7 +172,7 @@ class ChunkedScanner:
     payload of the bytes fed last, for an HTTP/1.0 client that cannot read chunks.
     """
 
-    __slots__ = ("_data", "_left", "_line", "_state", "done")
+    __slots__ = ("_data", "_left", "_line", "_state", "_trailers", "done")
 
     _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
 
@@ -171,6 +180,7 @@ class ChunkedScanner:
         self._state = self._SIZE
         self._left = 0
         self._line = b""
+        self._trailers = 0
         self.done = False
         self._data: list[bytes] = []
 
@@ -198,13 +208,16 @@ class ChunkedScanner:
                 if len(self._line) > 4096:
                     raise BadMessage("a chunk line over 4 KiB", 502)
                 return n
-            line = (self._line + buf[i:end]).rstrip(b"\r")
+            line = self._line + buf[i:end]
             self._line = b""
             i = end + 1
+            if not line.endswith(b"\r"):
+                raise BadMessage("a chunk line that does not end in CRLF", 502)
+            line = line[:-1]
             if state == self._SIZE:
-                size = line.split(b";", 1)[0].strip(b" \t")
-                if not _HEX.match(size):
-                    raise BadMessage("a chunk size that is not hexadecimal", 502)
+                size, semicolon, extension = line.partition(b";")
+                if not _HEX.match(size) or (semicolon and not _CHUNK_EXT.match(extension)):
+                    raise BadMessage("a chunk size line that is not hexadecimal", 502)
                 self._left = int(size, 16)
                 self._state = self._DATA if self._left else self._TRAILER
             elif state == self._DATA_END:
@@ -213,4 +226,12 @@ class ChunkedScanner:
                 self._state = self._SIZE
             elif not line:  # the empty line after the trailers
                 self.done = True
+            else:
+                self._trailers += 1
+                if self._trailers > MAX_HEADERS:
+                    raise BadMessage(f"more than {MAX_HEADERS} trailer fields", 502)
+                try:
+                    _headers([line])
+                except BadMessage as exc:
+                    raise BadMessage(f"a trailer: {exc}", 502) from None
         return i

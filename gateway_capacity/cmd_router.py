@@ -217,7 +217,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from capacity_contract import MAX_SNAPSHOT_BYTES, shown, worst_case_snapshot_bytes
+    from urllib.parse import urlsplit
+
+    from capacity_contract import MAX_SNAPSHOT_BYTES, listeners, shown, worst_case_snapshot_bytes
     from capacity_router.registry import RegistryError, RegistryWatcher
     from capacity_router.sockets import shared_sockets
 
@@ -247,6 +249,16 @@ def _check(args: argparse.Namespace) -> int:
     print(f"model ids: {', '.join(map(shown, models)) or '(none)'}")
     for warning in shared_sockets(registry.workers):
         print(f"warning: {shown(warning)}")
+    for worker in registry.workers:  # a loopback listener's owner, as the router checks it
+        for url in worker.urls:
+            parts = urlsplit(url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            refused = listeners.worker_refusal(parts.hostname or "", port, worker.listener_owner)
+            if refused is not None:
+                print(
+                    f"warning: worker {shown(worker.id)}: {shown(url)} not contacted: "
+                    f"{shown(refused)}"
+                )
     return EXIT_OK
 
 

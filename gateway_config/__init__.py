@@ -128,7 +128,7 @@ class ProviderConfig(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
     models: dict[str, UpstreamModelId] = {}
     tailnet_check: TailnetCheck = "peer"
     # loopback only: who must own the socket listening on the router's port before the
-    # key is sent there (R-P7; sidecar/listeners.py)
+    # key is sent there (R-P7; capacity_contract/listeners.py)
     listener_owner: Uid | UserName | None = None
     # admission classes, highest first (docs/classes.md); none: one FIFO
     classes: Annotated[tuple[AdmissionClass, ...], msgspec.Meta(max_length=MAX_CLASSES)] = ()

@@ -6,7 +6,7 @@
 2. resolve the host once and check every address (:mod:`sidecar.addresses`):
    one refused address refuses the provider and nothing is sent;
 3. read the key afresh (:mod:`sidecar.credential`), so rotation needs no restart;
-4. on loopback, check who listens on each address and port (:mod:`sidecar.listeners`):
+4. on loopback, check who listens on each address and port (:mod:`capacity_contract.listeners`):
    a provider with ``listenerOwner`` is refused, and its key not sent, unless that
    user owns every listener that could take the connection;
 5. ``GET {baseUrl}/capacity`` to every address concurrently, each connection
@@ -48,8 +48,13 @@ import httpx
 # silent cost at every probe.
 import sniffio  # noqa: F401
 
-from capacity_contract import ContractError, check_freshness, decode_snapshot, read_capped
-from sidecar import listeners
+from capacity_contract import (
+    ContractError,
+    check_freshness,
+    decode_snapshot,
+    listeners,
+    read_capped,
+)
 from sidecar.addresses import (
     AddressVerdict,
     ResolveError,

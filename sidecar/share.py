@@ -26,8 +26,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Final
 
+from capacity_contract import listeners
 from shm_layout.errors import GatewayCapacityError
-from sidecar import listeners
 from sidecar.shares import DUPLICATE, STALE, Grant, Report, table_ttl_ms
 
 log = logging.getLogger("gateway_capacity.sidecar")
@@ -266,7 +266,7 @@ def peer_problem(
     On loopback any local user may listen on Redis's port while Redis is down, and would
     get the password (``AUTH``) and could answer any grant: the listener must belong to
     ``owner`` (``listenerOwner``; unset: root, this sidecar's user, or a user named
-    ``redis`` or ``valkey``), the rule of the sidecar's hop (sidecar/listeners.py). Off
+    ``redis`` or ``valkey``), the rule of the sidecar's hop (capacity_contract/listeners.py). Off
     this host a password goes only over TLS (the certificate verified, ``rediss://``).
     """
     try:

@@ -67,7 +67,8 @@ class NobodyListener:
     """A TCP listener owned by nobody on a loopback port: what a local user can do while
     the router is down. ``received`` holds what connections sent, once it is stopped."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """``port``: a port another process just left (a worker down), else any free one."""
         import socket
 
         need_root()
@@ -88,7 +89,8 @@ class NobodyListener:
                 os.setuid(NOBODY)
                 family = socket.AF_INET6 if ":" in host else socket.AF_INET
                 sock = socket.socket(family, socket.SOCK_STREAM)
-                sock.bind((host, 0))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((host, port))
                 sock.listen(8)
                 os.write(ready_w, str(sock.getsockname()[1]).encode())
                 os.close(ready_w)

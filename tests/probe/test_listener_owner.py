@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from probe_servers import RawServer, body_of, fixed, snapshot
 
-from sidecar import listeners
+from capacity_contract import listeners
 from sidecar import probe as probe_module
 from sidecar.config import ProviderConfig, parse_config
 from sidecar.probe import probe_provider
@@ -170,3 +170,12 @@ def test_r_c3_a_bad_listener_owner_disables_discovery_with_its_reason(
     status = config.statuses["p"]
     assert not status.discovery_active
     assert status.reason.startswith("config_invalid:") and reason in status.reason
+
+
+def test_r_p7_netlink_and_proc_net_tcp_name_the_same_owner_of_a_listener() -> None:
+    with NobodyListener() as squatter:
+        by_netlink = listeners.read_netlink_table()
+        by_proc = listeners.read_proc_tables()
+    assert by_netlink is not None and by_proc is not None
+    assert by_netlink[("127.0.0.1", squatter.port)] == frozenset({65534})
+    assert by_proc[("127.0.0.1", squatter.port)] == frozenset({65534})

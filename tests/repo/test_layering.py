@@ -22,7 +22,7 @@ SHELL = "gateway_capacity"
 # what each package may import of ours besides itself (module prefixes)
 STANDS_ON: dict[str, tuple[str, ...]] = {
     "shm_layout": (),
-    "capacity_contract": ("shm_layout.errors",),
+    "capacity_contract": ("shm_layout.errors", "shm_layout.platform"),
     "gateway_config": ("shm_layout.errors", "shm_layout.layout"),
     "handler_shim": ("shm_layout", "gateway_config"),
     "sidecar": ("shm_layout", "gateway_config", "capacity_contract"),

@@ -97,3 +97,43 @@ def test_r_k5_a_client_that_asks_to_close_is_told_so_and_the_connection_closes(
         assert b"\r\nconnection: close\r\n" in answer.split(b"\r\n\r\n", 1)[0] + b"\r\n"
     finally:
         sim.stop()
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\ntransfer-encoding: chunked\r\ncontent-length: 5",
+        b"HTTP/1.1 200 O\rK",
+        b"HTTP/1.1 200 O\x00K",
+        b"HTTP/1.1 200 O\x1b[2JK",
+        b"HTTP/1.1 000 Zero",
+        b"HTTP/1.1 099 Low",
+        b"HTTP/1.1 +20 Sign",
+    ],
+    ids=["bare-lf", "cr", "nul", "esc", "000", "099", "sign"],
+)
+def test_r_k5_a_status_line_a_lenient_client_would_read_otherwise_is_refused(
+    head: bytes,
+) -> None:
+    with pytest.raises(BadMessage) as refused:
+        parse_response_head(head)
+    assert refused.value.status == 502
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"5\nhello\r\n0\r\n\r\n",
+        b"5\r\nhello\n0\r\n\r\n",
+        b"5\r\nhello\r\n0\n\r\n",
+        b"5\r\nhello\r\n0\r\nset-cookie: a\nb: c\r\n\r\n",
+        b"5\r\nhello\r\n0\r\nnot a field\r\n\r\n",
+        b"5\r\nhello\r\n0\r\nx: a\x00b\r\n\r\n",
+        b"5;a\x00b\r\nhello\r\n0\r\n\r\n",
+    ],
+    ids=["size-lf", "data-lf", "last-lf", "trailer-lf", "trailer-field", "trailer-nul", "ext-nul"],
+)
+def test_r_k5_chunked_framing_with_a_bare_lf_or_a_bad_trailer_is_refused(body: bytes) -> None:
+    with pytest.raises(BadMessage) as refused:
+        ChunkedScanner().feed(body)
+    assert refused.value.status == 502

@@ -202,8 +202,8 @@ def test_r_p7_nobody_listening_on_a_down_redis_port_gets_no_password(
 
 
 def test_r_p7_a_loopback_redis_listener_of_another_owner_than_listener_owner_is_refused() -> None:
-    """With ``listenerOwner`` the rule is the hop's (sidecar/listeners.py); off this host a
-    password goes only over TLS."""
+    """With ``listenerOwner`` the rule is the hop's (capacity_contract/listeners.py); off
+    this host a password goes only over TLS."""
     from sidecar.share import peer_problem
 
     squatter = NobodyListener()
