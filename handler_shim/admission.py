@@ -244,15 +244,19 @@ class _Attachment:
             from shm_layout import writer
 
             try:
-                p, created = writer.ensure_provider(
-                    self.seg, e.provider_id, e.fallback, e.fallback_source, discovery=e.discovery
+                # the creating shim writes the classes a sidecar would, with the row (R-A21)
+                _, created = writer.ensure_provider(
+                    self.seg,
+                    e.provider_id,
+                    e.fallback,
+                    e.fallback_source,
+                    discovery=e.discovery,
+                    classes=e.classes,
+                    default_class=e.default_class,
                 )
             except TableFull as exc:
                 self.overflow[e.provider_id] = str(exc)
                 continue
-            if created and e.classes:  # the creating shim writes what a sidecar would (R-A21)
-                writes = writer.class_writes(p, e.classes, e.default_class)
-                self.seg.core.transact([], writes, True, 0.0)
             if created and e.fallback > layout.RUNNING_ROOM:
                 log.warning(
                     "provider %s: maxConcurrent %d is above what the segment can hold; "
@@ -605,8 +609,8 @@ class Admission:
         from shm_layout import view
 
         index = view.class_index(att.buf, p, cls)
-        if index >= 0:
-            name = layout.encode_text(cls, CLASS_NAME_BYTES).ljust(CLASS_NAME_BYTES, b"\0")
+        name = view.class_name_bytes(cls)
+        if index >= 0 and name is not None:
             att.classes[(p, cls)] = (name, index)
         if index < 0:
             self._log_once(

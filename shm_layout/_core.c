@@ -1380,11 +1380,18 @@ static uint32_t unregister_locked(Core *c, int m, uint64_t serial, Now now, Ring
     return cut;
 }
 
+/* The head of a class row as a writer gives it (writer.CLASS_ROW): name, reserve, cap,
+ * maxWait; the admission counter after it is the core's. */
+#define CLASS_SPEC_BYTES CLASS_ADMITTED_TOTAL
+
 /* The provider section (ledger.Ledger.ensure_provider): the row whose id is ``padded``
- * (ID_BYTES, NUL-padded, matched in full), or a free row claimed for it, in_use last
- * (``*created`` = 1). Returns the row; -1 when the table is full. */
+ * (ID_BYTES, NUL-padded, matched in full), or a free row claimed for it with its class
+ * table (``nclasses`` rows of CLASS_SPEC_BYTES, and the default class) in the same step,
+ * in_use last (``*created`` = 1): no arrival ever sees the row without its classes.
+ * Returns the row; -1 when the table is full. */
 static int ensure_provider_locked(Core *c, const char *padded, int fallback, int source, int flags, int bound,
-                                  const char *reason, Py_ssize_t reason_len, int *created)
+                                  const char *reason, Py_ssize_t reason_len, const char *classes, int nclasses,
+                                  uint32_t default_class, int *created)
 {
     for (int p = 0; p < PROVIDER_COUNT; p++) {
         long b = pbase(c, p);
@@ -1403,6 +1410,15 @@ static int ensure_provider_locked(Core *c, const char *padded, int fallback, int
         st32(c, b + PROVIDER_FLAGS, (uint32_t)flags);
         memset(AT(c, b + PROVIDER_REASON), 0, REASON_BYTES);
         memcpy(AT(c, b + PROVIDER_REASON), reason, reason_len);
+        for (int k = 0; k < CLASS_COUNT; k++) {
+            long cb = cbase(c, p, k);
+            if (k < nclasses)
+                memcpy(AT(c, cb), classes + (long)k * CLASS_SPEC_BYTES, CLASS_SPEC_BYTES);
+            else
+                memset(AT(c, cb), 0, CLASS_SPEC_BYTES);
+        }
+        st32(c, b + PROVIDER_DEFAULT_CLASS, default_class);
+        st32(c, b + PROVIDER_CLASS_COUNT, (uint32_t)nclasses);
         st32(c, b + PROVIDER_IN_USE, 1); /* last */
         *created = 1;
         return p;
@@ -1410,10 +1426,49 @@ static int ensure_provider_locked(Core *c, const char *padded, int fallback, int
     return -1;
 }
 
-/* The transaction section (Core.transact): when every guard's bytes match, apply every
- * write in order, then sweep (``do_sweep``) or pump every provider (``do_pump``). 1
+/* The transaction section (Core.transact, ledger.Ledger.transact): when every guard's
+ * bytes match, apply every write in order, relabel the records of every class table
+ * written over, then sweep (``do_sweep``) or pump every provider (``do_pump``). 1
  * applied, 0 a guard differed (nothing written). */
 typedef struct { long off; Py_ssize_t len; const char *src; } Patch;
+
+#define CLASS_NAME_BYTES (CLASS_RESERVE - CLASS_NAME) /* the name field, NUL-padded */
+
+/* A provider's class names as its rows hold them (the first ``count``, at most
+ * CLASS_COUNT; the rest zero). */
+typedef struct { uint32_t count; char name[CLASS_COUNT][CLASS_NAME_BYTES]; } ClassNames;
+
+static void class_names(Core *c, int p, ClassNames *n)
+{
+    uint32_t count = ld32(c, pbase(c, p) + PROVIDER_CLASS_COUNT);
+    n->count = count < CLASS_COUNT ? count : CLASS_COUNT;
+    memset(n->name, 0, sizeof n->name);
+    for (uint32_t k = 0; k < n->count; k++)
+        memcpy(n->name[k], AT(c, cbase(c, p, (int)k) + CLASS_NAME), CLASS_NAME_BYTES);
+}
+
+/* The class table of ``p`` was written over (ledger.Ledger._relabel): every running and
+ * waiting record keeps the class it asked for, found by its whole name in the new rows
+ * (whatever row it moved to); a record whose class is gone, or that counted in the
+ * default class, holds 0: the default class, resolved when read. */
+static void relabel(Core *c, int p, const ClassNames *was)
+{
+    ClassNames is;
+    class_names(c, p, &is);
+    if (is.count == was->count && memcmp(is.name, was->name, sizeof is.name) == 0)
+        return;
+    for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
+        long hb = hbase(c, p, h);
+        uint32_t state = ld32(c, hb + HOLDER_STATE), v = ld8(c, hb + HOLDER_CLS), to = 0;
+        if ((state != RUNNING && state != WAITING) || v == 0)
+            continue;
+        for (uint32_t k = 0; v - 1 < was->count && k < is.count && !to; k++)
+            if (memcmp(was->name[v - 1], is.name[k], CLASS_NAME_BYTES) == 0)
+                to = k + 1;
+        if (to != v)
+            st8(c, hb + HOLDER_CLS, to);
+    }
+}
 
 static int transact_locked(Core *c, const Patch *g, Py_ssize_t ng, const Patch *w, Py_ssize_t nw, int do_pump,
                            int do_sweep, Now now, Rings *rings)
@@ -1421,8 +1476,16 @@ static int transact_locked(Core *c, const Patch *g, Py_ssize_t ng, const Patch *
     for (Py_ssize_t i = 0; i < ng; i++)
         if (memcmp(AT(c, g[i].off), g[i].src, g[i].len) != 0)
             return 0;
+    ClassNames was[PROVIDER_COUNT];
+    int used[PROVIDER_COUNT];
+    for (int p = 0; p < PROVIDER_COUNT; p++)
+        if ((used[p] = nw > 0 && ld32(c, pbase(c, p) + PROVIDER_IN_USE) != 0))
+            class_names(c, p, &was[p]);
     for (Py_ssize_t i = 0; i < nw; i++)
         memcpy(AT(c, w[i].off), w[i].src, w[i].len);
+    for (int p = 0; p < PROVIDER_COUNT; p++)
+        if (used[p])
+            relabel(c, p, &was[p]);
     if (do_sweep)
         sweep(c, now, rings);
     else if (do_pump)
@@ -2720,15 +2783,18 @@ static PyObject *Core_unregister(Core *c, PyObject *args)
     return PyLong_FromUnsignedLong(cut);
 }
 
-/* ensure_provider(id, fallback, source, flags, queue_bound, reason) -> (index, created);
- * index -1 when the table is full. ``id`` is matched in full, never by a prefix. */
+/* ensure_provider(id, fallback, source, flags, queue_bound, reason, classes=b"",
+ * default_class=0) -> (index, created); index -1 when the table is full. ``id`` is
+ * matched in full, never by a prefix. ``classes``: the class rows a claimed row starts
+ * with (writer.class_table), written with it in one step. */
 static PyObject *Core_ensure_provider(Core *c, PyObject *args)
 {
-    const char *id, *reason;
-    Py_ssize_t id_len, reason_len;
+    const char *id, *reason, *classes = "";
+    Py_ssize_t id_len, reason_len, classes_len = 0;
     int fallback, source, flags, bound;
-    if (!PyArg_ParseTuple(args, "y#iiiiy#", &id, &id_len, &fallback, &source, &flags, &bound, &reason,
-                          &reason_len))
+    unsigned int default_class = 0;
+    if (!PyArg_ParseTuple(args, "y#iiiiy#|y#I", &id, &id_len, &fallback, &source, &flags, &bound, &reason,
+                          &reason_len, &classes, &classes_len, &default_class))
         return NULL;
     if (!usable(c))
         return NULL;
@@ -2736,6 +2802,11 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "a provider id is 1 to ID_BYTES bytes without NUL");
         return NULL;
     }
+    if (classes_len % CLASS_SPEC_BYTES || classes_len / CLASS_SPEC_BYTES > CLASS_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "classes: at most CLASS_COUNT rows of the class spec");
+        return NULL;
+    }
+    int nclasses = (int)(classes_len / CLASS_SPEC_BYTES);
     if (reason_len > REASON_BYTES)
         reason_len = REASON_BYTES;
     char padded[256];
@@ -2747,7 +2818,8 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
     memcpy(padded, id, id_len);
     int rc, index = -1, created = 0;
     LOCKED(c, 1, 0.0, rc, {
-        index = ensure_provider_locked(c, padded, fallback, source, flags, bound, reason, reason_len, &created);
+        index = ensure_provider_locked(c, padded, fallback, source, flags, bound, reason, reason_len, classes,
+                                       nclasses, default_class, &created);
     });
     if (rc < 0 || rc == E_DAMAGED_LOCK)
         return lock_error(c, rc);
@@ -3185,7 +3257,7 @@ static PyMethodDef Core_methods[] = {
     {"pump_all", (PyCFunction)Core_pump_all, METH_VARARGS, "pump_all(now)"},
     {"register", (PyCFunction)Core_register, METH_VARARGS, "register(pid, start, label, major, minor, now, bell=0) -> (member, serial)"},
     {"unregister", (PyCFunction)Core_unregister, METH_VARARGS, "unregister(now) -> running records cut"},
-    {"ensure_provider", (PyCFunction)Core_ensure_provider, METH_VARARGS, "ensure_provider(id, fallback, source, flags, bound, reason) -> (index, created)"},
+    {"ensure_provider", (PyCFunction)Core_ensure_provider, METH_VARARGS, "ensure_provider(id, fallback, source, flags, bound, reason, classes=b'', default_class=0) -> (index, created)"},
     {"transact", (PyCFunction)Core_transact, METH_VARARGS, "transact(guards, writes, pump, now, sweep=False) -> bool"},
     {"snapshot", (PyCFunction)Core_snapshot, METH_NOARGS, "snapshot() -> bytes"},
     {"own_records", (PyCFunction)Core_own_records, METH_NOARGS, "(running, waiting) records of this registration"},

@@ -143,7 +143,16 @@ class Core:
     ) -> tuple[int, int]: ...
     def unregister(self, now: float) -> int: ...
     def ensure_provider(
-        self, id: bytes, fallback: int, source: int, flags: int, bound: int, reason: bytes
+        self,
+        id: bytes,
+        fallback: int,
+        source: int,
+        flags: int,
+        bound: int,
+        reason: bytes,
+        classes: bytes = ...,
+        default_class: int = ...,
+        /,
     ) -> tuple[int, int]: ...
     def transact(
         self,

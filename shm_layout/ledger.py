@@ -479,6 +479,52 @@ class Ledger:
                 rings |= self.pump(p, now)
         return freed, rings
 
+    # --- a writer's transaction ----------------------------------------------------
+    def transact(
+        self,
+        guards: list[tuple[int, bytes]],
+        writes: list[tuple[int, bytes]],
+        now: float,
+        *,
+        pump: bool = True,
+        sweep: bool = False,
+    ) -> tuple[bool, set[int]]:
+        """A writer's commit (``Core.transact``): when every guard's bytes are as given,
+        every write in order; the records of each class table written over relabelled
+        (:meth:`_relabel`); then a sweep, or a pump of every provider. (applied, rings)."""
+        buf = self.buf
+        if any(bytes(buf[off : off + len(data)]) != data for off, data in guards):
+            return False, set()
+        was = {p: self._class_names(p) for p in self._providers()} if writes else {}
+        for off, data in writes:
+            buf[off : off + len(data)] = data
+        for p, names in was.items():
+            self._relabel(p, names)
+        if sweep:
+            return True, self.sweep(now)[1]
+        return True, self.pump_all(now) if pump else set()
+
+    def _class_names(self, p: int) -> list[bytes]:
+        count = min(PROVIDER["class_count"].get(self.buf, provider_base(p)), layout.CLASS_COUNT)
+        return [layout.CLASS["name"].get(self.buf, class_base(p, k)) for k in range(count)]
+
+    def _relabel(self, p: int, was: list[bytes]) -> None:
+        """Provider ``p``'s class table was written over: every running and waiting record
+        keeps the class it asked for, found by its whole name in the new rows (whatever
+        row it moved to); a record whose class is gone, or that counted in the default
+        class, holds 0: the default class, resolved when read."""
+        now = self._class_names(p)
+        if now == was:
+            return
+        for h in range(HOLDERS_PER_PROVIDER):
+            hb = holder_base(p, h)
+            v = HOLDER["cls"].get(self.buf, hb)
+            if HOLDER["state"].get(self.buf, hb) not in (HOLDER_RUNNING, HOLDER_WAITING) or not v:
+                continue
+            to = now.index(was[v - 1]) + 1 if v - 1 < len(was) and was[v - 1] in now else 0
+            if to != v:
+                HOLDER["cls"].put(self.buf, to, hb)
+
     # --- granting -------------------------------------------------------------------
     def pump(self, p: int, now: float) -> set[int]:
         buf, base, rings = self.buf, provider_base(p), set[int]()
@@ -802,8 +848,19 @@ class Ledger:
         return rings
 
     def ensure_provider(
-        self, provider_id: str, fallback: int, source: int, flags: int, reason: bytes
+        self,
+        provider_id: str,
+        fallback: int,
+        source: int,
+        flags: int,
+        reason: bytes,
+        classes: bytes = b"",
+        default_class: int = 0,
     ) -> tuple[int, bool]:
+        """The row of ``provider_id``, or a free one claimed with its class table
+        (``classes``: rows of the writer's ``CLASS_ROW``) in the same step, in_use last:
+        no arrival sees a claimed row without its classes. (-1, False): full."""
+        spec = layout.CLASS["admitted_total"].offset  # a row's bytes a writer gives
         wanted = encode_provider_id(provider_id).ljust(layout.ID_BYTES, b"\x00")
         for p in range(PROVIDER_COUNT):
             base = provider_base(p)
@@ -820,6 +877,11 @@ class Ledger:
             PROVIDER["fallback_source"].put(self.buf, source, base)
             PROVIDER["flags"].put(self.buf, flags, base)
             PROVIDER["reason"].put(self.buf, reason[: layout.REASON_BYTES], base)
+            for k in range(layout.CLASS_COUNT):
+                cb = class_base(p, k)
+                self.buf[cb : cb + spec] = classes[k * spec : (k + 1) * spec].ljust(spec, b"\0")
+            PROVIDER["default_class"].put(self.buf, default_class, base)
+            PROVIDER["class_count"].put(self.buf, len(classes) // spec, base)
             PROVIDER["in_use"].put(self.buf, 1, base)
             return p, True
         return -1, False

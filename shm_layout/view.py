@@ -341,10 +341,22 @@ def parse_view(
     )
 
 
+def class_name_bytes(name: str) -> bytes | None:
+    """``name`` as a class row holds it (UTF-8, NUL-padded), or None when no row can hold
+    it whole: a longer name is never cut to match a class by its first bytes."""
+    raw = name.encode("utf-8", "replace")
+    if not raw or len(raw) > layout.CLASS_NAME_BYTES or b"\0" in raw:
+        return None
+    return raw.ljust(layout.CLASS_NAME_BYTES, b"\0")
+
+
 def class_index(buf: Any, p: int, name: str) -> int:
-    """The row of provider ``p``'s class called ``name``; -1 none (lock-free)."""
+    """The row of provider ``p``'s class called ``name``, matched whole; -1 none
+    (lock-free)."""
     count = min(PROVIDER["class_count"].get(buf, provider_base(p)), layout.CLASS_COUNT)
-    wanted = layout.encode_text(name, layout.CLASS_NAME_BYTES).ljust(layout.CLASS_NAME_BYTES, b"\0")
+    wanted = class_name_bytes(name)
+    if wanted is None:
+        return -1
     for k in range(count):
         if CLASS["name"].get(buf, class_base(p, k)) == wanted:
             return k

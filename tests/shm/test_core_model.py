@@ -65,7 +65,20 @@ from shm_layout.layout import (
 )
 from shm_layout.segment import Segment, unlink_segment
 
-PROVIDERS = ("p0", "p1")
+PROVIDERS = ("p0", "p1")  # claimed at the start; "p2" by a step, with its classes
+LATE = "p2"
+# class names a table is drawn from: an edit adds, removes, reorders and renames them
+NAMES = ("vip", "interactive", "agent", "batch", "bulk")
+CLASS_TABLES = st.lists(
+    st.tuples(
+        st.sampled_from(NAMES),
+        st.integers(0, 3),
+        st.integers(0, 3),
+        st.sampled_from([0, 500, 5000]),
+    ),
+    max_size=layout.CLASS_COUNT,
+    unique_by=lambda c: c[0],
+)
 OUTCOMES = {"released": _core.RELEASED, "timeout": _core.TIMEOUT, "cancelled": _core.CANCELLED}
 CODES = {
     _core.ADMIT: "admit",
@@ -114,6 +127,11 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.issued: list[Any] = []  # every ticket that got a record: (member, ticket, model)
         self.replacement: Segment | None = None  # what the name leads to after a replace
         self.claimed: int | None = None  # the row a registration under way has taken
+        self.rows = len(PROVIDERS)  # provider rows claimed so far
+        # (p, h, serial) of each record an arrival made -> the name of the class it was
+        # given, None for the default class (also once its class was gone from the table:
+        # it counts in the default class from then on, whatever is written later)
+        self.asked: dict[tuple[int, int, int], bytes | None] = {}
 
     @initialize()
     def setup(self) -> None:
@@ -146,7 +164,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
     @rule(
         target=tickets,
         who=st.integers(0, 5),
-        provider=st.sampled_from(range(len(PROVIDERS))),
+        provider=st.integers(0, len(PROVIDERS)),
         may_wait=st.booleans(),
         count=st.integers(1, 4),
         cls=st.integers(-1, 3),
@@ -156,6 +174,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self, who: int, provider: int, may_wait: bool, count: int, cls: int, tokens: list[int]
     ) -> Any:
         """Up to 4 arrivals in one step, so that queues form often."""
+        provider %= self.rows
         return multiple(
             *(self._arrive(who + i, provider, may_wait, cls, tokens[i]) for i in range(count))
         )
@@ -164,7 +183,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
     @rule(
         target=tickets,
         who=st.integers(0, 5),
-        provider=st.sampled_from(range(len(PROVIDERS))),
+        provider=st.integers(0, len(PROVIDERS)),
         low=st.integers(-1, 3),
         high=st.integers(-1, 3),
     )
@@ -172,6 +191,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         """33 arrivals of one class, then 3 of another: the 32-bound reached, and a higher
         class displacing a lower one's waiters (R-A20)."""
         classes = [low] * 33 + [high] * 3
+        provider %= self.rows
         return multiple(*(self._arrive(who + i, provider, True, c) for i, c in enumerate(classes)))
 
     def _arrive(
@@ -201,6 +221,9 @@ class CoreAgainstModel(RuleBasedStateMachine):
             self.damaged.discard(provider)  # the arrival looked at this provider's counters
         if model_ticket is not None:
             self.issued.append((m, ticket, model_ticket))
+            self.asked[(provider, model_ticket.holder, model_ticket.serial)] = self._class_of(
+                provider, model_ticket.holder
+            )
             assert (ticket.provider, ticket.holder, ticket.serial) == (
                 model_ticket.provider,
                 model_ticket.holder,
@@ -268,33 +291,53 @@ class CoreAgainstModel(RuleBasedStateMachine):
         ]
         self._publish(writes)
 
-    @rule(
-        provider=st.sampled_from(range(len(PROVIDERS))),
-        classes=st.lists(
-            st.tuples(st.integers(0, 3), st.integers(0, 3), st.sampled_from([0, 500, 5000])),
-            max_size=layout.CLASS_COUNT,
-        ),
-        default=st.integers(0, 5),
-    )
+    @rule(provider=st.integers(0, len(PROVIDERS)), classes=CLASS_TABLES, default=st.integers(0, 5))
     def classes_are_written(
-        self, provider: int, classes: list[tuple[int, int, int]], default: int
+        self, provider: int, classes: list[tuple[str, int, int, int]], default: int
     ) -> None:
-        """The writer's class table (reserve, cap, maxWait in ms), then a pump of every
-        provider, as a publication does (none: back to one FIFO)."""
-        writes = writer.class_writes(
-            provider,
-            [(f"c{k}", reserve, cap, wait) for k, (reserve, cap, wait) in enumerate(classes)],
-            default,
+        """The writer's class table (name, reserve, cap, maxWait in ms), then a pump of
+        every provider, as a publication does (none: back to one FIFO). Drawn from a few
+        names, an edit adds, removes, reorders and renames classes under running and
+        waiting requests: each keeps its class by name, or counts in the default class
+        once its class is gone."""
+        self._publish(writer.class_writes(provider % self.rows, classes, default))
+
+    @precondition(lambda self: self.rows == len(PROVIDERS) and self.replacement is None)
+    @rule(classes=CLASS_TABLES, default=st.integers(0, 5))
+    def a_row_is_claimed_with_its_classes(
+        self, classes: list[tuple[str, int, int, int]], default: int
+    ) -> None:
+        """A writer claims a new provider row: its classes are in it from the same step."""
+        p, created = writer.ensure_provider(
+            self.seg,
+            LATE,
+            2,
+            layout.Source.PROVIDER,
+            discovery=False,
+            classes=classes,
+            default_class=default,
         )
-        self._publish(writes)
+        rows_, default_row = writer.class_table(classes, default)
+        model_p, model_created = self.model.ensure_provider(
+            LATE,
+            2,
+            layout.SOURCE_CODES[layout.Source.PROVIDER],
+            layout.PFLAG_CONFIGURED,
+            layout.encode_text("static limit", layout.REASON_BYTES),
+            b"".join(rows_),
+            default_row,
+        )
+        assert (p, created) == (model_p, model_created) == (self.rows, True)
+        self.rows += 1
 
     def _publish(self, writes: list[tuple[int, bytes]]) -> None:
         """What the writer's publication does: the writes and a pump of every provider, in
         one section of the core; the same writes and pump on the model."""
         assert self.seg.core.transact([], writes, True, self.now)
-        for off, data in writes:
-            self.model_buf[off : off + len(data)] = data
-        self.model.pump_all(self.now)
+        assert self.model.transact([], writes, self.now)[0]
+        for key, asked in self.asked.items():
+            if asked is not None and asked not in self._class_names(key[0]):
+                self.asked[key] = None
         self.unpumped = False
         self.damaged.clear()
 
@@ -309,7 +352,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         model_reclaimed, _ = self.model.reap(self.now)
         assert reclaimed == model_reclaimed
         self.unpumped = False
-        self.damaged -= set(range(len(PROVIDERS))) - self.uncounted  # pumped: counters looked at
+        self.damaged -= set(range(self.rows)) - self.uncounted  # pumped: counters looked at
 
     @rule()
     def sweep(self) -> None:
@@ -342,7 +385,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         m = next(m for m in self.members if m.alive and m.closing)
         expected = sum(
             1
-            for p in range(len(PROVIDERS))
+            for p in range(self.rows)
             for h in range(layout.HOLDERS_PER_PROVIDER)
             if self._ours_running(rows.holder_base(p, h), m)
         )
@@ -536,7 +579,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
     @rule(running=st.integers(0, 99))
     def a_lock_holder_dies_mid_section(self, running: int) -> None:
         core_hooks(self.seg.core).die_in_section(running)
-        for p in range(len(PROVIDERS)):
+        for p in range(self.rows):
             PROVIDER["running"].put(self.model_buf, running, rows.provider_base(p))
         self.seg.core.snapshot()  # the next holder repairs before anything else
         self.model.repair()
@@ -596,12 +639,41 @@ class CoreAgainstModel(RuleBasedStateMachine):
             assert HOLDER["serial"].get(self.seg.buf, hb) == model_ticket.serial  # never reused
             assert HOLDER["state"].get(self.seg.buf, hb) == HOLDER_RUNNING
 
+    def _class_names(self, p: int) -> list[bytes]:
+        buf = self.model_buf
+        count = min(PROVIDER["class_count"].get(buf, rows.provider_base(p)), layout.CLASS_COUNT)
+        return [layout.CLASS["name"].get(buf, rows.class_base(p, k)) for k in range(count)]
+
+    def _class_of(self, p: int, h: int) -> bytes | None:
+        """The name of the class record h counts in by its cls byte; None: the default."""
+        cls = HOLDER["cls"].get(self.model_buf, rows.holder_base(p, h))
+        if not cls:
+            return None
+        name: bytes = layout.CLASS["name"].get(self.model_buf, rows.class_base(p, cls - 1))
+        return name
+
+    @invariant()
+    def every_request_keeps_its_class_through_edits(self) -> None:
+        """A running or waiting request stays in the class it was given, by name, whatever
+        edits the table had since (rows added, removed, reordered, renamed); once its class
+        is gone from the table it counts in the default class."""
+        if not hasattr(self, "model"):
+            return
+        for (p, h, serial), asked in self.asked.items():
+            hb = rows.holder_base(p, h)
+            if (
+                (p, h, serial) not in self.overwritten
+                and HOLDER["serial"].get(self.model_buf, hb) == serial
+                and HOLDER["state"].get(self.model_buf, hb) in (HOLDER_RUNNING, HOLDER_WAITING)
+            ):
+                assert self._class_of(p, h) == asked, (p, h, asked)
+
     @invariant()
     def counters_equal_records_and_bounds_hold(self) -> None:
         if not hasattr(self, "model"):
             return
         buf = self.seg.buf
-        for p in range(len(PROVIDERS)):
+        for p in range(self.rows):
             if p in self.damaged or p in self.uncounted:
                 continue  # written over; the next step that looks (or the sweep) recounts
             base = rows.provider_base(p)
