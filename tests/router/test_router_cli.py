@@ -349,8 +349,8 @@ def test_r_p6_a_registry_whose_snapshot_could_pass_64_kib_is_refused_saying_why(
     ):
         err = result.stderr.strip()
         assert result.returncode == code and len(err.splitlines()) == 1, result
-        assert "could reach 70510 bytes, over the contract's 65536" in err, err
-        assert "é" * 24 + "…" + "é" * 9 + "000'" in err and "and 7 more)" in err  # named
+        assert "could reach 78702 bytes, over the contract's 65536" in err, err
+        assert "é" * 24 + "…" + "é" * 9 + "000'" in err and "and 19 more)" in err  # named
 
 
 def test_r_p6_show_refuses_an_answer_over_64_kib(
