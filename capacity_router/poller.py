@@ -157,6 +157,11 @@ async def poll_url(
         unlisted=reading.unlisted,
         running=reading.running,
         waiting=reading.waiting,
+        request_tokens=reading.request_tokens,
+        running_tokens=reading.running_tokens,
+        tokens_from=reading.tokens_from,
+        preemptions=reading.preemptions,
+        kv_usage=reading.kv_usage,
     )
 
 
@@ -189,6 +194,9 @@ class WorkerStatus:
     unlisted: tuple[str, ...] = ()
     running: float | None = None  # what the server says it runs and queues, where it says
     waiting: float | None = None
+    request_tokens: int | None = None  # its token capacity (R-K7), where it states it
+    running_tokens: int | None = None  # as reported: lowered while it preempts
+    tokens_from: str = ""
 
     @property
     def fenced(self) -> bool:
@@ -479,4 +487,7 @@ def _status(worker: Worker, admin_fenced: frozenset[str], obs: Observation | Non
         unlisted=() if obs is None else obs.unlisted,
         running=None if obs is None else obs.running,
         waiting=None if obs is None else obs.waiting,
+        request_tokens=None if obs is None else obs.request_tokens,
+        running_tokens=None if obs is None else obs.running_tokens,
+        tokens_from="" if obs is None else obs.tokens_from,
     )
