@@ -498,8 +498,12 @@ def test_r_k7_router_show_says_tokens_per_worker_and_per_model() -> None:
         "  m: in service, 4 slots (mlx); tokens: not stated (slots only)",
     ]
     rows = [
-        {"id": "tiny", "max_concurrent_requests": 2, "max_request_tokens": 256,
-         "max_running_tokens": 512},
+        {
+            "id": "tiny",
+            "max_concurrent_requests": 2,
+            "max_request_tokens": 256,
+            "max_running_tokens": 512,
+        },
         {"id": "mlx", "max_concurrent_requests": 4},
     ]
     snapshot = _describe_snapshot({"observed_at": 0, "complete": True, "models": rows})
