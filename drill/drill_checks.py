@@ -16,7 +16,7 @@ import signal
 import subprocess
 from typing import TYPE_CHECKING, Any
 
-from drill_rig import GEN_A, GEN_B
+from drill_records import GEN_A, GEN_B
 
 if TYPE_CHECKING:
     from drill_rig import Drill

@@ -15,7 +15,6 @@ import json
 import random
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httpx
@@ -25,25 +24,6 @@ if TYPE_CHECKING:
 
 RELOAD_DROPS = frozenset({"ReadError", "RemoteProtocolError"})  # no answer at all
 RELOAD_PHASE = "HUP -> gen-B"  # the phase whose reload may drop unread connections
-
-
-@dataclass
-class Outcomes:
-    ok: int = 0
-    rejected: int = 0
-    timed_out: int = 0
-    bad_429: int = 0
-    errors: Counter[str] = field(default_factory=Counter)
-    legacy_ok: int = 0
-    # Connections a stopping gunicorn worker closed before it read the request (the
-    # reload's accept race: uvicorn closes connections that have sent nothing yet when
-    # it shuts down). Not lost to admission: the exact accounting (segment admitted =
-    # upstream = whole answers) proves none of them was admitted; reported apart.
-    dropped_by_reload: Counter[str] = field(default_factory=Counter)
-
-    @property
-    def lost(self) -> int:
-        return sum(self.errors.values())
 
 
 def clients(

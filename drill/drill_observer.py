@@ -12,29 +12,15 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import httpx
+from drill_records import Sample
 
 if TYPE_CHECKING:
     from drill_rig import Drill
 
 QUEUE_BOUND = 32  # R-A2
-
-
-@dataclass
-class Sample:
-    t: float
-    phase: str
-    limit: int
-    source: str
-    running: int
-    waiting: int
-    by_generation: dict[str, int]
-    waiting_by_generation: dict[str, int]
-    inflight: int
-    legacy_inflight: int
 
 
 def observe(drill: Drill) -> None:

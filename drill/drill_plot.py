@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from drill_rig import GEN_A, GEN_B
+from drill_records import GEN_A, GEN_B
 
 if TYPE_CHECKING:
     from drill_rig import Drill

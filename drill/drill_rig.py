@@ -7,7 +7,7 @@ segment the way an operator does, and removes everything at the end
 (:meth:`Drill.cleanup`). A scenario (``upgrade_drill.upgrade``) is the order in
 which it calls these; the observer, the load, the checks and the plot are the
 modules beside this one (``drill_observer``, ``drill_load``, ``drill_checks``,
-``drill_plot``).
+``drill_plot``); what they record is ``drill_records``.
 """
 
 from __future__ import annotations
@@ -29,15 +29,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
-from drill_load import Outcomes
-from drill_observer import Sample
+from drill_records import Outcomes, Sample
 
 ROOT = Path(__file__).resolve().parent.parent
 EXE = str(Path(sys.executable).with_name("gateway-capacity"))
 PROVIDER = "local-inference"
 MODEL_ALIAS = "local-workhorse"
 MODEL = "workhorse"
-GEN_A, GEN_B = "gen-A", "gen-B"
 
 
 def _no_control_socket() -> list[str]:

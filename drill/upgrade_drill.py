@@ -39,9 +39,10 @@ with ``--plot`` draws them (matplotlib PNG). Exit 0 when every invariant held.
 This file is the scenario (:func:`upgrade`, its phases in order) and the command line.
 What it stands on is beside it, one module a concern: ``drill_rig`` (the processes
 and the timeline: :class:`drill_rig.Drill`), ``drill_observer`` (the samples),
-``drill_load`` (the clients and their outcomes), ``drill_checks`` (the invariants)
-and ``drill_plot`` (the picture). Another scenario is another function like
-:func:`upgrade` over the same :class:`drill_rig.Drill`.
+``drill_load`` (the clients), ``drill_checks`` (the invariants), ``drill_plot`` (the
+picture) and, below them all, ``drill_records`` (the samples and the outcomes).
+Another scenario is another function like :func:`upgrade` over the same
+:class:`drill_rig.Drill`.
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ from pathlib import Path
 
 from drill_checks import final_checks
 from drill_load import RELOAD_PHASE, burst, clients
-from drill_observer import Sample, observe
+from drill_observer import observe
 from drill_plot import plot
-from drill_rig import GEN_A, GEN_B, Drill, DrillFailed
+from drill_records import GEN_A, GEN_B, Sample
+from drill_rig import Drill, DrillFailed
 
 from gateway_capacity.scenario import always_cleaned_up
 

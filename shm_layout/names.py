@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+from shm_layout import platform
 from shm_layout.errors import BadSegmentName as BadSegmentName
 
 ENV_VAR = "GATEWAY_CAPACITY_SEGMENT"
@@ -73,6 +74,12 @@ def doorbell_name(bell: int) -> str:
     """The doorbell of the registration whose member row holds ``bell`` (``_core.c`` formats
     it the same way)."""
     return f"{DOORBELL_PREFIX}{bell:016x}"
+
+
+def reasons_path(segment: str) -> str:
+    """The file beside the segment's lock file that holds the reasons the segment had to
+    cut, whole (``shm_layout.reasons``); removed with the segment."""
+    return os.path.join(platform.lock_dir(), segment.lstrip("/") + ".reasons")
 
 
 def new_bell() -> int:

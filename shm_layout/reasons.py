@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
 from shm_layout import layout, platform
+from shm_layout.names import reasons_path
 
 if TYPE_CHECKING:
     from shm_layout.view import SegmentView
@@ -40,10 +41,6 @@ MAX_FILE_BYTES: Final = 256 * 1024
 PROVIDER_REASON_BYTES: Final = layout.PROVIDER["reason"].codec.size
 REPLICA_REASON_BYTES: Final = layout.REPLICA["reason"].codec.size
 CONFIG_STATUS_BYTES: Final = layout.HEADER["config_status"].codec.size
-
-
-def reasons_path(segment: str) -> str:
-    return os.path.join(platform.lock_dir(), segment.lstrip("/") + ".reasons")
 
 
 def was_cut(text: str, size: int) -> bool:

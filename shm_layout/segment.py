@@ -756,14 +756,12 @@ def objects_left(name: str, bells: list[int] | tuple[int, ...] = ()) -> list[str
 def unlink_segment(name: str) -> bool:
     """Remove the segment, its lock file, its whole-reasons file and its members'
     doorbells. True when the segment existed."""
-    from shm_layout.reasons import reasons_path
-
     bells = _doorbells_in(name)
     existed = _unlink_shm(name)
     with contextlib.suppress(FileNotFoundError, PermissionError):
         os.unlink(lock.lock_file_path(name))
     with contextlib.suppress(FileNotFoundError, PermissionError):
-        os.unlink(reasons_path(name))
+        os.unlink(names.reasons_path(name))
     for bell in bells:
         remove_doorbell(bell)
     return existed

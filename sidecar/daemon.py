@@ -50,7 +50,6 @@ from sidecar.addresses import is_loopback, parse_host_port, parse_ip
 from sidecar.config import (
     ConfigError,
     GatewayConfig,
-    ProviderConfig,
     load_config,
     parse_base_url,
 )
@@ -74,7 +73,7 @@ from sidecar.limits import (
     rules_from_config,
 )
 from sidecar.metrics import SidecarMetrics, probe_reasons
-from sidecar.replica import ProviderProbe
+from sidecar.provider_state import ProviderState
 from sidecar.share_loop import ShareLoop
 from sidecar.startup import StartupError
 
@@ -110,21 +109,6 @@ class Options:
     group: str | None = None
     tailscale_socket: str | None = None
     metrics_listen: str | None = None
-
-
-@dataclass
-class _ProviderState:
-    rules: ProviderRules
-    config: ProviderConfig
-    probe: ProviderProbe | None = None
-    decision: LimitDecision | None = None
-    last_discovered: LimitDecision | None = None  # R-L6's base, kept across a failed refresh
-    logged: tuple[int, str, str] | tuple[()] = ()  # what _log_decision last logged
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
-    # the Publication last built for this provider and what it was built from
-    publication: writer.Publication | None = None
-    built_from: tuple[object, ...] = ()
 
 
 @dataclass
@@ -171,7 +155,7 @@ class Sidecar:
             group=options.group,
         )
         self.pid, self.start = my_identity()
-        self.providers: dict[str, _ProviderState] = {}
+        self.providers: dict[str, ProviderState] = {}
         self.inherited: dict[str, LimitDecision] = {}
         self.generation = 0
         self.epoch = 0
@@ -184,8 +168,8 @@ class Sidecar:
         self._grid_origin = time.monotonic()  # probe loops start on multiples of refresh_s
         self.out = _Output(ReasonsWriter(self.segment_name, self.seg.mode))
         # read once: a reload that adds, drops or changes capacityShare needs a restart
-        self.share_config = self.config.share
-        self.sharing = ShareLoop(self, self.share_config) if self.share_config else None
+        share = self.config.share
+        self.sharing = ShareLoop(self, share) if share is not None else None
 
     # --- life cycle ---------------------------------------------------------------------
     async def run(self) -> int:
@@ -229,7 +213,7 @@ class Sidecar:
 
         self.clients = ProbeClients()
         self._apply_config(self.config)
-        self._publish()
+        self.publish()
         sdnotify.ready()
         self.out.ready = True
         self._send_status()
@@ -285,7 +269,7 @@ class Sidecar:
         try:
             self._check_config()
         except Exception:  # a reload must never take the sidecar down
-            self._log_unexpected("reload")
+            self.log_unexpected("reload")
         if self.generation == generation and self.config_status == "ok":
             log.info("config unchanged")
 
@@ -310,7 +294,7 @@ class Sidecar:
         self.stop.set()
         return False
 
-    def _retire(self, exc: writer.Superseded) -> None:
+    def retire(self, exc: writer.Superseded) -> None:
         if not self.retired:
             self.retired = True
             log.warning(
@@ -346,15 +330,14 @@ class Sidecar:
             assert provider is not None
             state = self.providers.get(provider_id)
             if state is None:
-                state = self.providers[provider_id] = _ProviderState(rules, provider)
+                state = self.providers[provider_id] = ProviderState(rules, provider)
             else:
                 if state.rules.discovery_active and not rules.discovery_active:
                     state.probe = None  # R-C4: static at once, nothing stale kept
                 if provider != state.config:  # by value: an unchanged entry keeps its probe
                     state.config = provider
                 state.rules = rules
-            state.decision = self._decide(state, time.time())
-            self._log_decision(state)
+            self.redecide(state, time.time())
             self.metrics.not_probed(provider_id, rules.refused_reason, self.opts.refresh_s)
             if rules.discovery_active:
                 if (
@@ -393,12 +376,12 @@ class Sidecar:
             if status != self.config_status:
                 log.error("config %s: %s", self.opts.config_path, status)
                 self.config_status = status
-                self._publish()
+                self.publish()
             return
         if config == self.config and self.config_status == "ok":
             return  # touched or rewritten with the same content: nothing to redo (R-P9)
         log.info("config: change picked up")
-        if config.share != self.share_config:
+        if config.share != (self.sharing.config if self.sharing is not None else None):
             log.warning(
                 "config: capacityShare changed; it is read at start only: restart the sidecar "
                 "to apply it (the running one keeps the old setting)"
@@ -406,7 +389,7 @@ class Sidecar:
         self.generation += 1
         self.config_status = "ok"
         self._apply_config(config)
-        self._publish()
+        self.publish()
 
     # --- probing and publishing -------------------------------------------------------------
     async def _probe_loop(self, provider_id: str) -> None:
@@ -425,7 +408,7 @@ class Sidecar:
                     asked, tailscale_socket=self.opts.tailscale_socket, clients=self.clients
                 )
             except Exception:  # probe_provider never raises for a provider's fault; be sure
-                self._log_unexpected(f"probe of {provider_id}")
+                self.log_unexpected(f"probe of {provider_id}")
                 await asyncio.sleep(self.opts.refresh_s)
                 continue
             if self.providers.get(provider_id) is not state or not state.rules.discovery_active:
@@ -438,8 +421,7 @@ class Sidecar:
             if state.config is not asked:
                 continue  # the entry changed while we probed (a new baseUrl?): ask again
             state.probe = probe
-            state.decision = self._decide(state, time.time())
-            self._log_decision(state)
+            self.redecide(state, time.time())
             self._publish_soon()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(state.wake.wait(), self._until_next_refresh())
@@ -460,11 +442,11 @@ class Sidecar:
     def _publish_now(self) -> None:
         self.out.pending = False
         try:
-            self._publish()
+            self.publish()
         except Exception:  # a callback must not die silently
-            self._log_unexpected("publication")
+            self.log_unexpected("publication")
 
-    def _decide(self, state: _ProviderState, now: float) -> LimitDecision:
+    def _decide(self, state: ProviderState, now: float) -> LimitDecision:
         """The pure rules decide in the wall clock's frame at ``now``; deadlines already
         fixed on the deadline clock are seen through that frame, and a new one is fixed
         now (R-L7): so a step of the wall clock never moves a limit's expiry."""
@@ -480,7 +462,7 @@ class Sidecar:
             return decision
         return self.sharing.shared(state, decision, now, mono)
 
-    def _decide_once(self, state: _ProviderState, now: float) -> LimitDecision:
+    def _decide_once(self, state: ProviderState, now: float) -> LimitDecision:
         """Section 5's decision; until the first probe, a limit inherited from the
         previous sidecar stays in force (``limits.keep_inherited``)."""
         decision = decide(
@@ -513,13 +495,18 @@ class Sidecar:
     def _draining(self) -> bool:
         return bool(self.legacy)
 
-    def _redecide_all(self) -> None:
+    def redecide(self, state: ProviderState, now: float) -> LimitDecision:
+        """Decide ``state``'s limit again at ``now`` and log it if it changed."""
+        state.decision = self._decide(state, now)
+        self._log_decision(state)
+        return state.decision
+
+    def redecide_all(self) -> None:
         now = time.time()
         for state in self.providers.values():
-            state.decision = self._decide(state, now)
-            self._log_decision(state)
+            self.redecide(state, now)
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         if self.retired:
             return
         now = time.time()
@@ -557,10 +544,10 @@ class Sidecar:
                 self.out.cache,
             )
         except writer.Superseded as exc:
-            self._retire(exc)
+            self.retire(exc)
             return
         except Exception:
-            self._log_unexpected("publication")
+            self.log_unexpected("publication")
             return
         problem = self.out.reasons.write(texts_of(self.config_status, pubs))
         for w in [*warnings, *([problem] if problem else [])]:
@@ -579,7 +566,7 @@ class Sidecar:
         if text != self.out.status_sent and sdnotify.status(text):
             self.out.status_sent = text
 
-    def _log_decision(self, state: _ProviderState) -> None:
+    def _log_decision(self, state: ProviderState) -> None:
         d = state.decision
         if d is None:
             return
@@ -618,7 +605,7 @@ class Sidecar:
                 if self.seg.core.lost:  # truncated during the turn
                     self._segment_gone()
                     return
-                self._log_unexpected("housekeeping")
+                self.log_unexpected("housekeeping")
             await asyncio.sleep(TICK_S)
 
     def _housekeep(self, last: dict[str, float]) -> bool:
@@ -626,14 +613,14 @@ class Sidecar:
         now = time.time()
         if self.legacy.prune():
             log.info("legacy generation exited: the discovered budget applies now")
-            self._redecide_all()
-            self._publish()
+            self.redecide_all()
+            self.publish()
         elif self.legacy and time.monotonic() - last["drain"] >= DRAIN_REPUBLISH_S:
             # A drain is asserted by this sidecar, not observed: keep it fresh so
             # it never lapses between refreshes, and lapses soon if we die (R-G3).
             last["drain"] = time.monotonic()
-            self._redecide_all()
-            self._publish()
+            self.redecide_all()
+            self.publish()
         self.legacy.warn_if_overdue()
         if self.seg.core.lost:  # truncated under us: nothing of it can be written or read
             return self._segment_gone()
@@ -648,7 +635,7 @@ class Sidecar:
                 legacy_pid=self.legacy.first_pid(),
             )
         except writer.Superseded as exc:
-            self._retire(exc)
+            self.retire(exc)
             return False
         if reclaimed:
             log.warning("reclaimed %d slot(s) held by dead processes", reclaimed)
@@ -667,7 +654,7 @@ class Sidecar:
         self.metrics.turned()
         return True
 
-    def _log_unexpected(self, where: str) -> None:
+    def log_unexpected(self, where: str) -> None:
         """Log an unexpected exception with its traceback, once per distinct message."""
         exc = sys.exc_info()[1]
         text = f"{where}: {type(exc).__name__}: {exc}"
@@ -803,7 +790,7 @@ def _fallback(decision: LimitDecision | None, rules: ProviderRules) -> tuple[int
 
 def _publication(
     provider_id: str,
-    state: _ProviderState,
+    state: ProviderState,
     fallback: int,
     fallback_source: Source,
     *,

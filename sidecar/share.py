@@ -17,13 +17,10 @@ import asyncio
 import hashlib
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from shm_layout.errors import GatewayCapacityError
 from sidecar.shares import DUPLICATE, STALE, Grant, Report, table_ttl_ms
-
-if TYPE_CHECKING:
-    from sidecar.config import CapacityShare
 
 KEY_PREFIX: Final = "gateway-capacity:share:"
 CALL_TIMEOUT_S: Final = 1.0
@@ -235,13 +232,14 @@ def url_problem(url: str) -> str | None:
 class ShareClient:
     """One redis-py asyncio client and the script's SHA; ``call`` is one EVALSHA."""
 
-    def __init__(self, share: CapacityShare, password: str | None) -> None:
+    def __init__(self, url: str, password: str | None) -> None:
+        """``url`` is ``capacityShare.redis``, already checked (``sidecar.config``)."""
         import redis.asyncio as aioredis
 
         kwargs: dict[str, Any] = dict(CLIENT_OPTIONS)
         if password is not None:
             kwargs["password"] = password
-        self._redis: Any = aioredis.Redis.from_url(share.redis, **kwargs)
+        self._redis: Any = aioredis.Redis.from_url(url, **kwargs)
         self._script: Any = self._redis.register_script(STEP_LUA)
         self.calls = 0
 

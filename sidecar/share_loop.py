@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from capacity_contract import MAX_FUTURE_S
 from shm_layout import layout, platform, rows, writer
@@ -24,7 +24,9 @@ from sidecar.share import instance_token
 from sidecar.shares import DEGRADED, DUPLICATE, UNKNOWN, Held, Report, local_limit
 
 if TYPE_CHECKING:
-    from sidecar.daemon import Sidecar, _ProviderState
+    from shm_layout.segment import Segment
+    from sidecar.metrics import SidecarMetrics
+    from sidecar.provider_state import ProviderState
     from sidecar.share import ShareClient
 
 log = logging.getLogger("gateway_capacity.sidecar")
@@ -33,6 +35,25 @@ SHARE_POLL_S = 0.05  # how often share mode looks at running and waiting
 SHARE_MIN_CALL_S = 0.1  # at most this often a call per provider when demand changes
 SHARE_RENEWALS = 4  # calls per lease at least: half a lease of silence means an outage
 SHARE_WAITING_CALL_S = 0.25  # how often a provider with waiting requests asks again
+
+
+class ShareHost(Protocol):
+    """What the loop needs of the daemon that runs it (``sidecar.daemon.Sidecar``)."""
+
+    segment_name: str
+    seg: Segment
+    epoch: int
+    retired: bool
+    exit_code: int
+    stop: asyncio.Event
+    metrics: SidecarMetrics
+    providers: dict[str, ProviderState]
+
+    def redecide(self, state: ProviderState, now: float) -> LimitDecision: ...
+    def redecide_all(self) -> None: ...
+    def publish(self) -> None: ...
+    def retire(self, exc: writer.Superseded) -> None: ...
+    def log_unexpected(self, where: str) -> None: ...
 
 
 @dataclass
@@ -48,7 +69,7 @@ class ProviderShare:
 
 
 class ShareLoop:
-    def __init__(self, sidecar: Sidecar, share: CapacityShare) -> None:
+    def __init__(self, sidecar: ShareHost, share: CapacityShare) -> None:
         self.sidecar = sidecar
         self.config = share  # read once: a change needs a restart
         self.client: ShareClient | None = None
@@ -81,7 +102,7 @@ class ShareLoop:
                 self._failed(f"credential: {exc}")
                 return
         try:
-            self.client = ShareClient(share, password)
+            self.client = ShareClient(share.redis, password)
         except Exception as exc:  # check_share builds the same client: only a redis-py surprise
             log.error(
                 "capacityShare: redis-py refused the URL (%s); share mode holds no share", exc
@@ -101,7 +122,7 @@ class ShareLoop:
             try:
                 await self.turn()
             except Exception:
-                self.sidecar._log_unexpected("share mode")
+                self.sidecar.log_unexpected("share mode")
             await asyncio.sleep(SHARE_POLL_S)
 
     async def aclose(self) -> None:
@@ -158,7 +179,7 @@ class ShareLoop:
             # this one that Redis runs later is refused as stale.
             current = layout.HEADER["writer_epoch"].get(sc.seg.buf)
             if current != sc.epoch:
-                sc._retire(writer.Superseded(sc.epoch, current))
+                sc.retire(writer.Superseded(sc.epoch, current))
                 return
             mine.asked, mine.asked_mono = asked, mono
             try:
@@ -180,19 +201,12 @@ class ShareLoop:
                     mine.held = Held(g.limit, g.gateways, asked_mono, share.lease)
             if sc.providers.get(provider_id) is state:
                 before = state.decision
-                state.decision = sc._decide(state, time.time())
-                sc._log_decision(state)
+                after = sc.redecide(state, time.time())
                 changed = (
                     changed
                     or before is None
-                    or (
-                        (before.effective_limit, before.reason, before.expires_mono)
-                        != (
-                            state.decision.effective_limit,
-                            state.decision.reason,
-                            state.decision.expires_mono,
-                        )
-                    )
+                    or (before.effective_limit, before.reason, before.expires_mono)
+                    != (after.effective_limit, after.reason, after.expires_mono)
                 )
         # a lease that lapsed while no call was due (Redis slow) is noticed here too
         for state in sc.providers.values():
@@ -203,14 +217,13 @@ class ShareLoop:
                 and d.expires_mono is not None
                 and d.expires_mono <= platform.deadline_now() + SHARE_POLL_S
             ):
-                state.decision = sc._decide(state, time.time())
-                sc._log_decision(state)
+                sc.redecide(state, time.time())
                 changed = True
         if changed:
-            sc._publish()
+            sc.publish()
 
     def shared(
-        self, state: _ProviderState, decision: LimitDecision, now: float, mono: float
+        self, state: ProviderState, decision: LimitDecision, now: float, mono: float
     ) -> LimitDecision:
         """In share mode every provider with discovery enforces its share of the farm
         (``shares.local_limit``), source ``share``: of the discovered capacity, or, with
@@ -283,8 +296,8 @@ class ShareLoop:
         )
         log.error("capacityShare: %s; this sidecar holds no share and exits (2)", self.refused)
         sc.metrics.share_refused()
-        sc._redecide_all()
-        sc._publish()
+        sc.redecide_all()
+        sc.publish()
         sc.exit_code = 2
         sc.stop.set()
 

@@ -1,7 +1,8 @@
 """The layering docs/ARCHITECTURE.md promises, read from the source: every import of ours
-(at the top of a module or inside a function) points down the "stands on" column, a
-handler never reaches the probe, the daemon or httpx, and every public exception class
-of ours derives from ``GatewayCapacityError``."""
+(at the top of a module, inside a function or for the type checker only) points down the
+"stands on" column, the modules of a package import each other in no circle, a handler
+never reaches the probe, the daemon or httpx, and every public exception class of ours
+derives from ``GatewayCapacityError``."""
 
 from __future__ import annotations
 
@@ -71,6 +72,113 @@ def _modules(package: str) -> dict[str, set[str]]:
 
 def _is_under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+# the drill's modules run as scripts from drill/ and import each other by bare name
+SCRIPTS = ("drill",)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every module of ours (a package's ``__init__`` by the package's name, a compiled
+    one by its ``.pyi``) and the modules of ours it imports: an import of a name inside
+    a module is an import of that module."""
+    files: dict[str, Path] = {}
+    for package in (*OURS, SHELL, *SCRIPTS):
+        for path in sorted((ROOT / package).rglob("*.py*")):
+            if path.suffix not in (".py", ".pyi"):
+                continue
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            if path.suffix == ".py" or name not in files:
+                files[name] = path
+    bare = {name.split(".")[-1]: name for name in files if name.split(".")[0] in SCRIPTS}
+
+    def module_of(name: str) -> str | None:
+        name = bare.get(name.split(".")[0], name.split(".")[0]) + name[len(name.split(".")[0]) :]
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {module_of(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(
+                        [*parts[: len(parts) - node.level + 1], *([base] if base else [])]
+                    )
+                # ``from package import module`` imports that module, not the package's
+                # other modules; ``from module import name`` imports the module
+                found |= {module_of(f"{base}.{alias.name}") for alias in node.names}
+        graph[name] = {m for m in found if m is not None and m != name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    part = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        part.append(member)
+                        if member == node:
+                            break
+                    if len(part) > 1:
+                        circles.append(sorted(part))
+    return circles
+
+
+def test_no_module_of_ours_imports_itself_through_others() -> None:
+    """Inside a package too, modules read bottom-up: no circle of imports, counting
+    imports inside functions and those for the type checker only (the drill's too)."""
+    graph = _module_graph()
+    assert {"drill.drill_rig", "shm_layout._core", "sidecar.daemon"} <= set(graph)
+    assert "drill.drill_rig" in graph["drill.upgrade_drill"]  # bare script names resolve
+    lines = [
+        f"{' <-> '.join(part)}: "
+        + "; ".join(f"{m} imports {', '.join(sorted(graph[m] & set(part)))}" for m in part)
+        for part in _circles(graph)
+    ]
+    assert lines == [], "import circles:\n" + "\n".join(lines)
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert _circles(graph) == [["a", "b", "c"]]
 
 
 def test_every_import_of_ours_points_down_the_stands_on_column() -> None:

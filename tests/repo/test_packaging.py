@@ -96,7 +96,7 @@ def test_import_handler_shim_loads_no_sidecar_router_or_http_stack() -> None:
 def test_a_handler_reads_its_config_without_the_sidecar() -> None:
     code = (
         "import json, tempfile\n"
-        "from handler_shim.admission import providers_from_config\n"
+        "from handler_shim.entries import providers_from_config\n"
         "with tempfile.NamedTemporaryFile('w', suffix='.json', delete=False) as f:\n"
         "    json.dump({'maxConcurrent': 3, 'providers': [{'id': 'a'}]}, f)\n"
         "entries = providers_from_config(f.name)\n"

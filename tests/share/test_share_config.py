@@ -118,7 +118,7 @@ def test_share_a_handler_that_creates_the_segment_stores_0_as_a_discovery_provid
 ) -> None:
     """Before any sidecar ran, a handler's own reading of the config: in share mode a
     provider with discovery runs on 0, never its static limit (docs/share.md)."""
-    from handler_shim.admission import providers_from_config
+    from handler_shim.entries import providers_from_config
 
     path = tmp_path / "gateway.json"
     path.write_text(

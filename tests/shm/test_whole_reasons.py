@@ -12,7 +12,8 @@ import pytest
 from as_nobody import as_nobody, need_root, public_dir
 
 from shm_layout import writer
-from shm_layout.reasons import ReasonsWriter, reasons_path, texts_of, whole
+from shm_layout.names import reasons_path
+from shm_layout.reasons import ReasonsWriter, texts_of, whole
 from shm_layout.segment import Segment
 from shm_layout.view import ReplicaView, read_view
 
