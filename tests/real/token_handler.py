@@ -44,9 +44,9 @@ def run_one(
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
-    extra = {"tokens": charge_of(request)} if plan["charge"] else {}
+    tokens = charge_of(request) if plan["charge"] else 0  # 0: slots alone
     try:
-        with adm.slot_blocking(plan["provider"], timeout=plan["admission_timeout"], **extra):
+        with adm.slot_blocking(plan["provider"], timeout=plan["admission_timeout"], tokens=tokens):
             out["admitted"] = time.time()
             with client.stream("POST", "/v1/completions", json=body) as answer:
                 if answer.status_code != 200:
