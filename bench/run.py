@@ -67,6 +67,7 @@ SECTIONS = (
     "relay",
     "share",
     "classes",
+    "tokens",
 )
 PLOT_DATA: dict[str, object] = {}  # what the plots draw, filled by the sections
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -865,6 +866,33 @@ def section_classes(cleanup: Cleanup, plan: Plan) -> str:
     return "\n".join([head, "", cost, "", wait])
 
 
+def section_tokens(cleanup: Cleanup, plan: Plan) -> str:
+    from bench_tokens import BASE, CHARGE, LABELS, run_tokens, unsupported
+
+    head = (
+        f"15. Admission in tokens: a request charged {CHARGE} tokens against a published "
+        f"token budget beside the same admission in slots alone, uncontended acquire+release "
+        f"(median of {plan.micro_rounds} interleaved rounds; target: within 1.5x)"
+    )
+    why = unsupported()
+    if why is not None:
+        return f"{head}\n\n  not measured: {why}"
+    cost = run_tokens(cleanup, plan.micro_rounds, 2000 if plan is QUICK else 20000, log)
+    rows = []
+    for key, values in cost.items():
+        ratio = median(values) / median(cost[BASE[key]])
+        mark = "" if BASE[key] == key else f" ({_verdict(ratio <= 1.5)})"
+        rows.append(
+            [LABELS[key], fmt_us(median(values)), fmt_us(min(values)), fmt_ratio(ratio) + mark]
+        )
+    table = render_table(
+        ["acquire+release, uncontended", "median us", "best us", "/uncharged"],
+        rows,
+        right={1, 2, 3},
+    )
+    return "\n".join([head, "", table])
+
+
 def compare_report(cleanup: Cleanup, plan: Plan) -> str:
     """``--compare REF``: REF(s) and this checkout side by side (bench_compare.py)."""
     from bench_common import percentile
@@ -949,6 +977,7 @@ RUNNERS: dict[str, Callable[[Cleanup, Plan], str]] = {
     "relay": section_relay,
     "share": section_share,
     "classes": section_classes,
+    "tokens": section_tokens,
 }
 
 

@@ -23,6 +23,7 @@ from shm_layout.errors import GatewayCapacityError
 
 MAX_MODELS = 128  # R-K2
 MAX_SLOTS = 4096  # R-K3
+MAX_TOKENS = 2**31 - 1  # R-K7: the token fields' bound
 STALE_AFTER_S = 30.0  # R-K4
 MAX_FUTURE_S = 5.0  # R-K4
 MAX_SNAPSHOT_BYTES = 64 * 1024  # R-P6: a reader refuses a longer body
@@ -30,11 +31,30 @@ MAX_SNAPSHOT_BYTES = 64 * 1024  # R-P6: a reader refuses a longer body
 _T = TypeVar("_T")
 
 SlotCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOTS)]
+TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
 
 
 class ModelCapacity(msgspec.Struct, forbid_unknown_fields=False):
+    """One model's row. The token fields are optional (R-K7): absent (``UNSET``) means
+    unknown, and the row is written without them; ``null`` is refused like any other
+    non-integer. A reader of the first contract ignores them (R-K6)."""
+
     id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     max_concurrent_requests: SlotCount
+    max_request_tokens: TokenCount | msgspec.UnsetType = msgspec.UNSET
+    max_running_tokens: TokenCount | msgspec.UnsetType = msgspec.UNSET
+
+    @property
+    def request_tokens(self) -> int | None:
+        """``max_request_tokens``, or None when the row does not say."""
+        value = self.max_request_tokens
+        return None if isinstance(value, msgspec.UnsetType) else value
+
+    @property
+    def running_tokens(self) -> int | None:
+        """``max_running_tokens``, or None when the row does not say."""
+        value = self.max_running_tokens
+        return None if isinstance(value, msgspec.UnsetType) else value
 
 
 class CapacitySnapshot(msgspec.Struct, forbid_unknown_fields=False):
@@ -86,14 +106,20 @@ _LONGEST_FLOAT: Final = -2.2250738585072014e-308
 
 
 def row_bytes(model_id: str) -> int:
-    """The encoded length of ``model_id``'s row at its longest (a 4-digit count), JSON
-    escaping and UTF-8 included."""
-    return len(msgspec.json.encode(ModelCapacity(id=model_id, max_concurrent_requests=MAX_SLOTS)))
+    """The encoded length of ``model_id``'s row at its longest (a 4-digit count, both
+    token fields at their 10-digit bound), JSON escaping and UTF-8 included."""
+    row = ModelCapacity(
+        id=model_id,
+        max_concurrent_requests=MAX_SLOTS,
+        max_request_tokens=MAX_TOKENS,
+        max_running_tokens=MAX_TOKENS,
+    )
+    return len(msgspec.json.encode(row))
 
 
 def worst_case_snapshot_bytes(model_ids: Iterable[str]) -> int:
     """The longest snapshot with a row for each of ``model_ids``: ``complete: false``,
-    the longest ``observed_at``, every count at 4096."""
+    the longest ``observed_at``, every count at 4096 and every token field at its bound."""
     envelope = CapacitySnapshot(
         object="inference_capacity",
         version=1,

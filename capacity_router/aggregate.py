@@ -18,7 +18,13 @@ No I/O and no clock: the poller passes ``observed_at``. Rules, per model id:
   for each id, 0 for an id it does not list; an id in ``Observation.unknown``
   (a model loading now) is unreadable for that id alone;
 - every registered model id has a row (0 when nothing serves it now), sorted
-  by id, each count capped at the contract's maximum.
+  by id, each count capped at the contract's maximum;
+- a row carries the token fields (R-K7) only when every worker counted for it
+  (ok, with a slot or more for it) states them: ``max_request_tokens`` the
+  largest over those workers (a request that fits one of them can run: the
+  relay routes it there), ``max_running_tokens`` their sum, capped at the
+  contract's bound. One worker that does not state a field leaves it out: its
+  requests are bounded by nothing we know.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import msgspec
 from capacity_contract import (
     MAX_SLOTS,
     MAX_SNAPSHOT_BYTES,
+    MAX_TOKENS,
     CapacitySnapshot,
     ModelCapacity,
     encode_snapshot,
@@ -58,7 +65,10 @@ class Observation:
     ``running`` and ``waiting`` its figures where the server tells them (the
     router's ``/metrics``);
     ``unlisted`` are registered ids it does not list but counts all the same
-    (a server that answers any model with its one).
+    (a server that answers any model with its one). ``request_tokens`` and
+    ``running_tokens`` are its token capacity where it states it (R-K7),
+    ``tokens_from`` says where from (and why lowered, ``reconcile.py``);
+    ``preemptions`` and ``kv_usage`` are what reconciliation reads.
     """
 
     state: State
@@ -71,6 +81,11 @@ class Observation:
     unlisted: tuple[str, ...] = ()
     running: float | None = None
     waiting: float | None = None
+    request_tokens: int | None = None
+    running_tokens: int | None = None
+    tokens_from: str = ""
+    preemptions: float | None = None
+    kv_usage: float | None = None
 
     def __post_init__(self) -> None:
         if (self.state == "ok") != (self.slots is not None):
@@ -96,6 +111,8 @@ def aggregate(
     observed_at: float,
 ) -> CapacitySnapshot:
     totals: dict[str, int] = {}
+    request_tokens: dict[str, int | None] = {}  # None: a counted worker does not say
+    running_tokens: dict[str, int | None] = {}
     read: set[str] = set()
     unknown: set[str] = set()
     complete = True
@@ -121,10 +138,14 @@ def aggregate(
                 complete = False
                 unknown.add(model)
                 continue
-            totals[model] += obs.count_for(model)
+            count = obs.count_for(model)
+            totals[model] += count
             read.add(model)
+            if count > 0:
+                request_tokens[model] = _largest(request_tokens.get(model, 0), obs.request_tokens)
+                running_tokens[model] = _added(running_tokens.get(model, 0), obs.running_tokens)
     rows = [
-        ModelCapacity(id=model, max_concurrent_requests=min(total, MAX_SLOTS))
+        _row(model, total, request_tokens.get(model), running_tokens.get(model))
         for model, total in sorted(totals.items())
         if model in read or model not in unknown
     ]
@@ -135,6 +156,23 @@ def aggregate(
         observed_at=observed_at,
         models=rows,
     )
+
+
+def _largest(so_far: int | None, stated: int | None) -> int | None:
+    return None if so_far is None or stated is None else max(so_far, stated)
+
+
+def _added(so_far: int | None, stated: int | None) -> int | None:
+    return None if so_far is None or stated is None else min(so_far + stated, MAX_TOKENS)
+
+
+def _row(model: str, total: int, request: int | None, running: int | None) -> ModelCapacity:
+    row = ModelCapacity(id=model, max_concurrent_requests=min(total, MAX_SLOTS))
+    if request:  # 0: no worker counted (the field means "unknown" then)
+        row.max_request_tokens = min(request, MAX_TOKENS)
+    if running:
+        row.max_running_tokens = running
+    return row
 
 
 def within_contract(snapshot: CapacitySnapshot) -> tuple[CapacitySnapshot, bytes, str | None]:

@@ -330,6 +330,9 @@ async def _listed(observer: CapacityObserver) -> tuple[list[dict[str, object]], 
                 unserved=list(status.unserved),
                 activity=status.activity,
                 unlisted=list(status.unlisted),
+                request_tokens=status.request_tokens,
+                running_tokens=status.running_tokens,
+                tokens_from=status.tokens_from,
             )
         listed.append(entry)
     return listed, list(observer.warnings())

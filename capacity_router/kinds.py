@@ -40,7 +40,9 @@ class ServerKind:
     ``sim_serves``: the simulated worker's shape name and what it answers
     (None: no simulated shape). ``reader``: the name of its function in
     ``capacity_router/sources.py`` (by name, so that the CLI can list the kinds
-    without loading the HTTP client).
+    without loading the HTTP client). ``tokens``: where its reader reads the
+    token capacity (R-K7) from, ``""``: it does not, and admission of its
+    models stays on slots alone.
     """
 
     name: str
@@ -55,6 +57,7 @@ class ServerKind:
     aliases: tuple[str, ...] = ()
     shape: str | None = None
     sim_serves: str = ""
+    tokens: str = ""
 
     @property
     def read(self) -> Reader:
@@ -86,6 +89,7 @@ KINDS: tuple[ServerKind, ...] = (
         ignores_model=True,  # one model: llama-server answers any "model"
         shape="llama-server",
         sim_serves="GET /props, GET /health",
+        tokens="/props n_ctx a slot, /v1/models meta.n_ctx in all",
     ),
     ServerKind(
         name="llama-server-router",
@@ -109,6 +113,7 @@ KINDS: tuple[ServerKind, ...] = (
         fixed_means="--max-running-requests, for SGLang before 0.5.8 started without it",
         shape="sglang",
         sim_serves="GET /server_info, GET /get_server_info, GET /health",
+        tokens="/v1/loads or /server_info max_total_num_tokens, max_req_input_len",
     ),
     ServerKind(
         name="tgi",
@@ -121,6 +126,7 @@ KINDS: tuple[ServerKind, ...] = (
         ignores_model=True,  # one model per launcher: the request's model is not routed
         shape="tgi",
         sim_serves="GET /info, GET /health",
+        tokens="/info max_total_tokens, max_batch_total_tokens",
     ),
     ServerKind(
         name="lmstudio",
@@ -141,6 +147,7 @@ KINDS: tuple[ServerKind, ...] = (
         fixed_means="--max-num-seqs (per data-parallel engine)",
         shape="vllm",
         sim_serves="GET /health, GET /metrics, GET /v1/models",
+        tokens="/v1/models max_model_len, /metrics cache_config_info blocks x block size",
     ),
     ServerKind(
         name="ollama",

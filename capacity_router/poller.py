@@ -30,7 +30,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -41,6 +41,7 @@ from shm_layout.errors import GatewayCapacityError
 
 from .aggregate import Observation, State, aggregate, is_fenced, within_contract
 from .keyfile import KeyFile, KeyFileError
+from .reconcile import Reconciled, reconcile
 from .registry import RegistryFile, RegistryWatcher, Worker
 from .sockets import shared_sockets
 from .sources import JSON_BODY_LIMIT, Fetch, Unhealthy, Unreadable, counted_anyway
@@ -185,6 +186,11 @@ async def poll_url(
         unlisted=reading.unlisted,
         running=reading.running,
         waiting=reading.waiting,
+        request_tokens=reading.request_tokens,
+        running_tokens=reading.running_tokens,
+        tokens_from=reading.tokens_from,
+        preemptions=reading.preemptions,
+        kv_usage=reading.kv_usage,
     )
 
 
@@ -217,6 +223,9 @@ class WorkerStatus:
     unlisted: tuple[str, ...] = ()
     running: float | None = None  # what the server says it runs and queues, where it says
     waiting: float | None = None
+    request_tokens: int | None = None  # its token capacity (R-K7), where it states it
+    running_tokens: int | None = None  # as reported: lowered while it preempts
+    tokens_from: str = ""
 
     @property
     def fenced(self) -> bool:
@@ -273,6 +282,7 @@ class CapacityObserver:
         self._socket_warnings: tuple[str, ...] = ()
         self._keys: dict[str, KeyFile] = {}
         self._key_errors: dict[str, str | None] = {}
+        self._reconciled: dict[str, Reconciled] = {}
 
     # -- read side (any thread) ------------------------------------------
 
@@ -403,7 +413,7 @@ class CapacityObserver:
         observed_at = time.time()
         active = [w for w in registry.workers if not is_fenced(w, admin_fenced)]
         results = await asyncio.gather(*(bounded(w) for w in active))
-        observations = {w.id: obs for w, obs in zip(active, results, strict=True)}
+        observations = self._reconcile({w.id: obs for w, obs in zip(active, results, strict=True)})
         snapshot, body, oversize = within_contract(
             aggregate(registry.workers, admin_fenced, observations, observed_at)
         )
@@ -416,6 +426,30 @@ class CapacityObserver:
         self._workers = statuses
         self._published = (snapshot, body)
         return snapshot
+
+    def _reconcile(self, observations: dict[str, Observation]) -> dict[str, Observation]:
+        """Each worker's stated token pool, lowered while it preempts (``reconcile.py``);
+        a worker not read this round starts over when it is read again."""
+        kept: dict[str, Reconciled] = {}
+        for worker_id, obs in observations.items():
+            if obs.state != "ok":
+                continue
+            previous = self._reconciled.get(worker_id)
+            now = reconcile(previous, obs.running_tokens, obs.preemptions)
+            if now is None:
+                continue
+            kept[worker_id] = now
+            if now.reason and (previous is None or previous.reported != now.reported):
+                log.warning("worker %s: token pool %s", worker_id, now.reason)
+            elif previous is not None and previous.reported < now.reported == now.stated:
+                log.info("worker %s: token pool back to the %d stated", worker_id, now.stated)
+            if now.reported != obs.running_tokens or now.reason:
+                note = "; ".join(part for part in (obs.tokens_from, now.reason) if part)
+                observations[worker_id] = replace(
+                    obs, running_tokens=now.reported, tokens_from=note
+                )
+        self._reconciled = kept
+        return observations
 
     async def _check_sockets(self, registry: RegistryFile) -> None:
         warnings = tuple(await asyncio.to_thread(shared_sockets, registry.workers))
@@ -507,4 +541,7 @@ def _status(worker: Worker, admin_fenced: frozenset[str], obs: Observation | Non
         unlisted=() if obs is None else obs.unlisted,
         running=None if obs is None else obs.running,
         waiting=None if obs is None else obs.waiting,
+        request_tokens=None if obs is None else obs.request_tokens,
+        running_tokens=None if obs is None else obs.running_tokens,
+        tokens_from="" if obs is None else obs.tokens_from,
     )

@@ -16,6 +16,13 @@ least over, where it waits for a slot as on any server: the gateway in front
 admits only what ``/v1/capacity`` says, so that is a short overlap, not a
 queue the router should hold.
 
+A request the router estimates larger than a worker's ``max_request_tokens``
+(R-K7) is not sent there: it goes to a worker that holds it, and when no
+eligible worker of its model does (each states a smaller one), it is refused
+at once with a 400 that names the numbers. The estimate is
+:func:`request_tokens`: the body's bytes over four plus the tokens it asks to
+generate.
+
 - A fence stops new requests at once; the ones running there finish (drain).
 - A client that goes away closes its upstream request at once, so the worker
   frees the slot (a streamed answer stops at the next token).
@@ -240,9 +247,26 @@ def bad_gateway(message: str) -> Answer:
 
 class _ModelField(msgspec.Struct):
     model: str
+    max_tokens: object = None  # any JSON: the worker judges the field, not the router
+    max_completion_tokens: object = None
 
 
 _model_decoder = msgspec.json.Decoder(_ModelField)
+
+BYTES_A_TOKEN = 4  # the estimate's bytes of body per prompt token
+
+
+def request_tokens(body: bytes, fields: _ModelField) -> int:
+    """The tokens a request may hold, estimated: its whole body's bytes over
+    :data:`BYTES_A_TOKEN` (the prompt with its JSON around it, which stands for the
+    chat template's own tokens) plus ``max_completion_tokens`` or ``max_tokens``
+    (0 when it states neither: the server's default is its own)."""
+    asked = fields.max_completion_tokens
+    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
+        asked = fields.max_tokens
+    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
+        asked = 0
+    return len(body) // BYTES_A_TOKEN + asked
 
 
 # -- what goes upstream and back ---------------------------------------------
@@ -447,6 +471,8 @@ class FarmProxy:
         self.pool = UpstreamPool(connect_timeout)
         self._seen: tuple[object, object, object] | None = None
         self._eligible_now: list[tuple[Worker, int]] = []
+        self._tokens_of: object = None
+        self._tokens_by_worker: dict[str, int | None] = {}
 
     def in_flight(self) -> dict[str, int]:
         """Requests this router has running on each worker now (absent: none)."""
@@ -502,6 +528,33 @@ class FarmProxy:
             headers=((b"retry-after", self.retry_after),),
         )
 
+    def holds(self, worker_id: str, tokens: int) -> bool:
+        """Whether a request of ``tokens`` fits the worker's ``max_request_tokens``
+        (a worker that does not state one holds any)."""
+        stated = self._request_tokens().get(worker_id)
+        return stated is None or tokens <= stated
+
+    def _request_tokens(self) -> dict[str, int | None]:
+        statuses = self._observer.workers()
+        if self._tokens_of is not statuses:
+            self._tokens_by_worker = {s.id: s.request_tokens for s in statuses}
+            self._tokens_of = statuses
+        return self._tokens_by_worker
+
+    def too_long(self, model: str, tokens: int, found: Sequence[Candidate]) -> Answer:
+        """400: no eligible worker of ``model`` holds a request of ``tokens``."""
+        stated = self._request_tokens()
+        largest = max((stated.get(c.worker.id) or 0) for c in found)
+        shown = repr(model if len(model) <= 256 else model[:256] + "...")
+        return openai_error(
+            400,
+            f"this request needs about {tokens} tokens (its prompt estimated from its "
+            f"size, plus the tokens it asks to generate); the workers of the model {shown} "
+            f"hold at most {largest} a request",
+            "invalid_request_error",
+            "context_length_exceeded",
+        )
+
     def acquire(self, worker_id: str) -> None:
         self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) + 1
 
@@ -531,7 +584,7 @@ class FarmProxy:
     ) -> asyncio.Task[None] | None:
         """Relay one request; answers at once (400) or returns the exchange's task."""
         try:
-            model = _model_decoder.decode(body).model
+            fields = _model_decoder.decode(body)
         except msgspec.DecodeError:
             client.respond(
                 openai_error(
@@ -543,7 +596,8 @@ class FarmProxy:
                 )
             )
             return None
-        exchange = Exchange(self, client, head, body, model)
+        model = fields.model
+        exchange = Exchange(self, client, head, body, model, request_tokens(body, fields))
         client.exchange = exchange
         return exchange.start()
 
@@ -569,12 +623,14 @@ class Exchange:
         head: RequestHead,
         body: bytes | bytearray,
         model: str,
+        tokens: int = 0,
     ) -> None:
         self._proxy = proxy
         self._client = client
         self._head = head
         self._body = body
         self._model = model
+        self._tokens = tokens
         self._worker_id = ""
         self._conn: _Upstream | None = None
         self._target: Target | None = None
@@ -611,7 +667,12 @@ class Exchange:
 
     def _pick(self) -> Worker | None:
         proxy = self._proxy
-        chosen = choose(proxy.candidates(self._model, exclude=self._tried))
+        found = proxy.candidates(self._model, exclude=self._tried)
+        fitting = [c for c in found if proxy.holds(c.worker.id, self._tokens)]
+        if found and not fitting and not self._tried:
+            self._client.respond(proxy.too_long(self._model, self._tokens, found))
+            return None
+        chosen = choose(fitting)
         if chosen is None:
             self._client.respond(
                 bad_gateway("no worker for this model took the connection")

@@ -263,6 +263,7 @@ class SimWorker:
         api_key: str | None = None,
         dp_size: int = 1,
         old_names: bool = False,
+        n_ctx: int = 4096,
     ) -> None:
         if shape not in SHAPES:
             raise ValueError(f"unknown shape {shape!r}; one of {', '.join(SHAPES)}")
@@ -280,6 +281,7 @@ class SimWorker:
         self._api_key = api_key
         self.dp_size = dp_size
         self.old_names = old_names  # sglang before /server_info: /get_server_info only
+        self.n_ctx = n_ctx  # llama-server: each slot's context, in /props
         self._model_states: dict[str, ModelState] = {self.model: "loaded"}
         self.models_autoload = True  # router mode: False is --no-models-autoload
         self.load_triggers = 0  # requests that would have loaded a model on a real server
@@ -438,7 +440,7 @@ class SimWorker:
         with self._lock:
             slots = self._slots
         return {
-            "default_generation_settings": {"n_ctx": 4096, "params": {}},
+            "default_generation_settings": {"n_ctx": self.n_ctx, "params": {}},
             "total_slots": slots,
             "model_path": f"/models/{self.model}.gguf",
             "build_info": "simworker",

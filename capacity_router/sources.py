@@ -8,6 +8,12 @@ returns a :class:`Reading`; it raises :class:`Unhealthy` when the server says
 it cannot serve and :class:`Unreadable` when it answers but its count cannot
 be read. Network errors are the poller's to classify.
 
+Token capacity (R-K7): a reader that can read it sets ``Reading.request_tokens`` (the
+most one request may hold, prompt plus generated) and ``Reading.running_tokens`` (what
+all running requests may hold together), each from the server's own field
+(docs/router.md has the table); None where the server does not say, and a failed or
+absent read of them never makes a worker unreadable: its slots still count.
+
 Served ids: where the server lists what it serves (``GET /v1/models``, or its
 own list), a registered id it does not list counts 0 and is reported in
 ``Reading.unserved``. A server without such a list (404) is not checked.
@@ -63,6 +69,11 @@ class Reading:
     unlisted: tuple[str, ...] = ()
     running: float | None = None  # requests the server says it runs now, where it says
     waiting: float | None = None  # requests it says it holds in its own queue
+    request_tokens: int | None = None  # the most one request may hold (R-K7)
+    running_tokens: int | None = None  # what all running requests may hold together
+    tokens_from: str = ""  # where the token figures come from, for ``router show``
+    preemptions: float | None = None  # the server's cumulative preemption count
+    kv_usage: float | None = None  # the share of its KV cache in use, 0..1
 
 
 @dataclass(slots=True)
@@ -106,8 +117,17 @@ def _hint(status: int) -> str:
 Count = Annotated[int, msgspec.Meta(ge=0, le=_BIG)]
 
 
+class _SlotSettings(msgspec.Struct):  # llama.cpp server_slot to_json: "context size per slot"
+    n_ctx: Count | None = None
+
+
 class _Props(msgspec.Struct):  # llama.cpp tools/server/server-context.cpp get_res_props
     total_slots: Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOTS)]
+    default_generation_settings: _SlotSettings | None = None
+
+
+class _LlamaMeta(msgspec.Struct):  # llama.cpp model_meta: n_ctx is llama_n_ctx, all slots'
+    n_ctx: Count | None = None
 
 
 class _Status(msgspec.Struct):  # llama.cpp server-models.cpp get_router_models
@@ -119,27 +139,41 @@ class _RouterProps(msgspec.Struct):  # llama.cpp server-models.cpp get_router_pr
     models_autoload: bool = True
 
 
-class _Model(msgspec.Struct):  # OpenAI list entry; aliases/status are llama.cpp's
+class _Model(msgspec.Struct):  # OpenAI list entry; aliases/status/meta are llama.cpp's
     id: str
     aliases: list[str] = []
     status: _Status | None = None
+    meta: _LlamaMeta | None = None
+    max_model_len: Count | None = None  # vLLM entrypoints/openai ModelCard
 
 
 class _ModelList(msgspec.Struct):
     data: list[_Model]
 
 
+class _SglangMemory(msgspec.Struct):  # sglang scheduler get_internal_state memory_usage
+    token_capacity: Count | None = None  # its max_total_num_tokens
+
+
 class _SglangState(msgspec.Struct):  # sglang scheduler get_internal_state
     effective_max_running_requests_per_dp: Count | None = None  # from 0.5.8
+    memory_usage: _SglangMemory | None = None
 
 
 class _SglangInfo(msgspec.Struct):  # sglang http_server.py get_server_info
     internal_states: list[_SglangState] = []
     max_running_requests: Count | None = None  # server_args: --max-running-requests or null
+    dp_size: Count | None = None  # server_args
+    # scheduler get_init_info, merged into the answer: the KV pool of one rank, and
+    # min(context_len, max_total_num_tokens) - 1
+    max_total_num_tokens: Count | None = None
+    max_req_input_len: Count | None = None
 
 
 class _TgiInfo(msgspec.Struct):  # TGI router/src/lib.rs struct Info
     max_concurrent_requests: Count
+    max_total_tokens: Count | None = None  # prompt plus generated, one request
+    max_batch_total_tokens: Count | None = None  # all requests of a batch together
 
 
 class _LmsConfig(msgspec.Struct):  # LM Studio REST v1 GET /api/v1/models
@@ -181,12 +215,14 @@ _router_props = msgspec.json.Decoder(_RouterProps, strict=True)
 
 class _Slot(msgspec.Struct):  # llama.cpp server-context.cpp: GET /slots, one entry per slot
     is_processing: bool = False
+    n_ctx: Count | None = None  # the slot's context
 
 
 class _SglangLoad(msgspec.Struct):  # sglang managers/load_snapshot.py LoadSnapshot
     num_running_reqs: Count = 0
     num_waiting_reqs: Count = 0
     max_running_requests: Count | None = None
+    max_total_num_tokens: Count | None = None
 
 
 class _SglangLoads(msgspec.Struct):  # sglang GET /v1/loads (0.5.8+), one entry per DP rank
@@ -247,6 +283,12 @@ def _ids(listed: _ModelList) -> frozenset[str]:
 
 async def served_ids(fetch: Fetch) -> frozenset[str] | None:
     """What ``GET /v1/models`` lists (ids and llama.cpp aliases); None: no such list."""
+    listed = await served_list(fetch)
+    return None if listed is None else _ids(listed)
+
+
+async def served_list(fetch: Fetch) -> _ModelList | None:
+    """``GET /v1/models`` as it is; None: no such list."""
     status, body = await fetch.get("v1/models")
     if status in (404, 405, 501):
         return None
@@ -255,9 +297,15 @@ async def served_ids(fetch: Fetch) -> frozenset[str] | None:
     if status != 200:
         raise Unreadable(f"/v1/models answered {status}{_hint(status)}")
     try:
-        return _ids(_models.decode(body))
+        return _models.decode(body)
     except msgspec.DecodeError as exc:
         raise Unreadable(f"/v1/models: {exc}") from None
+
+
+def _stated(*values: int | None) -> int | None:
+    """The smallest stated (non-zero) value, None when none is: 0 is "not set"."""
+    stated = [v for v in values if v]
+    return min(stated) if stated else None
 
 
 def _per_model(models: tuple[str, ...], served: frozenset[str] | None, count: int) -> Reading:
@@ -280,17 +328,37 @@ async def read_fixed(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -
 
 
 async def read_props(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
-    """llama-server: ``GET /props`` ``total_slots`` (its ``--parallel``)."""
-    served = await served_ids(fetch)
+    """llama-server: ``GET /props`` ``total_slots`` (its ``--parallel``).
+
+    Tokens: a request holds at most its slot's context (``/props``
+    ``default_generation_settings.n_ctx``, the smallest of ``/slots[].n_ctx`` where
+    that answers: ``llama_n_ctx_seq``, ``-c`` over ``--parallel`` or all of it with a
+    unified KV cache); all of them together at most the whole context (``/v1/models``
+    ``meta.n_ctx``: ``llama_n_ctx``)."""
+    listed = await served_list(fetch)
+    served = None if listed is None else _ids(listed)
     props = await fetch.json("props", _props)
     reading = _per_model(models, served, props.total_slots)
+    settings = props.default_generation_settings
+    per_slot = _stated(settings.n_ctx if settings is not None else None)
+    whole = _stated(*(m.meta.n_ctx for m in (listed.data if listed else ()) if m.meta))
     body = await _optional(fetch, "slots")  # on by default; --no-slots answers 501
-    if body is None:
+    slots: list[_Slot] | None = None
+    if body is not None:
+        try:
+            slots = _slots.decode(body)
+        except msgspec.DecodeError:
+            slots = None
+    if slots:
+        per_slot = _stated(per_slot, *(slot.n_ctx for slot in slots))
+    if per_slot is not None:
+        note = f"n_ctx {per_slot} a slot"
+        if whole is not None:
+            note += f", {whole} in all" + (" (unified KV cache)" if whole == per_slot else "")
+        reading = replace(reading, request_tokens=per_slot, running_tokens=whole, tokens_from=note)
+    if slots is None:
         return reading
-    try:
-        busy = sum(1 for slot in _slots.decode(body) if slot.is_processing)
-    except msgspec.DecodeError:
-        return reading
+    busy = sum(1 for slot in slots if slot.is_processing)
     return replace(reading, activity=f"{busy} of {props.total_slots} slots busy", running=busy)
 
 
@@ -365,6 +433,14 @@ async def read_sglang(fetch: Fetch, models: tuple[str, ...], fixed: int | None) 
             running = sum(r.num_running_reqs for r in ranks)
             waiting = sum(r.num_waiting_reqs for r in ranks)
             reading = _per_model(models, served, _cap(sum(n for n in limits if n is not None)))
+            pools = [r.max_total_num_tokens for r in ranks]
+            if all(pools):
+                pool = min(sum(n for n in pools if n is not None), _BIG - 1)
+                reading = replace(
+                    reading,
+                    running_tokens=pool,
+                    tokens_from=f"max_total_num_tokens {pool} over {len(ranks)} rank(s)",
+                )
             return replace(
                 reading,
                 activity=f"{running} running, {waiting} waiting",
@@ -393,7 +469,27 @@ async def read_sglang(fetch: Fetch, models: tuple[str, ...], fixed: int | None) 
             "/server_info has no effective_max_running_requests_per_dp (SGLang before "
             '0.5.8) nor max_running_requests: state "fixed": N'
         )
-    return _per_model(models, served, _cap(count))
+    return _sglang_tokens(_per_model(models, served, _cap(count)), info)
+
+
+def _sglang_tokens(reading: Reading, info: _SglangInfo) -> Reading:
+    """SGLang's KV pool: ``internal_states[].memory_usage.token_capacity`` summed over
+    its ranks, else ``max_total_num_tokens`` of its one rank; a request at most
+    ``max_req_input_len + 1`` (its ``min(context_len, max_total_num_tokens)``)."""
+    pools = [
+        s.memory_usage.token_capacity if s.memory_usage else None for s in info.internal_states
+    ]
+    pool: int | None = None
+    if pools and all(pools):
+        pool = sum(n for n in pools if n is not None)
+    elif info.max_total_num_tokens and (info.dp_size or 1) == 1:
+        pool = info.max_total_num_tokens
+    request = info.max_req_input_len + 1 if info.max_req_input_len else None
+    if pool is None and request is None:
+        return reading
+    pool = None if pool is None else min(pool, _BIG - 1)
+    note = f"{pool or 'unknown'} tokens in its KV pool, {request or 'unknown'} a request"
+    return replace(reading, running_tokens=pool, request_tokens=request, tokens_from=note)
 
 
 async def read_tgi(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
@@ -406,6 +502,15 @@ async def read_tgi(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> 
     if fixed is not None:
         count = min(count, fixed)
     reading = _per_model(models, served, _cap(count))
+    request, batch_tokens = _stated(info.max_total_tokens), _stated(info.max_batch_total_tokens)
+    if request is not None or batch_tokens is not None:
+        reading = replace(
+            reading,
+            request_tokens=request,
+            running_tokens=batch_tokens,
+            tokens_from=f"max_total_tokens {request or 'unknown'}, "
+            f"max_batch_total_tokens {batch_tokens or 'unknown'}",
+        )
     body = await _optional(fetch, "metrics", METRICS_BODY_LIMIT)
     if body is None:
         return reading
@@ -510,11 +615,24 @@ async def read_vllm(fetch: Fetch, models: tuple[str, ...], fixed: int | None) ->
     label, one per data-parallel rank), which of them sleep
     (``vllm:engine_sleep_state``) and what they run; without it, one engine."""
     assert fixed is not None
-    served = await served_ids(fetch)
+    listed = await served_list(fetch)
+    served = None if listed is None else _ids(listed)
     awake, activity = await _vllm_engines(fetch)
     reading = _per_model(models, served, _cap(fixed * awake))
+    wanted = set(models)
+    request = _stated(*(m.max_model_len for m in (listed.data if listed else ()) if m.id in wanted))
+    pool = activity.pool
+    if request is not None or pool is not None:
+        note = f"max_model_len {request or 'unknown'}, "
+        note += "KV cache unknown" if pool is None else f"{pool} tokens of KV cache"
+        reading = replace(reading, request_tokens=request, running_tokens=pool, tokens_from=note)
     return replace(
-        reading, activity=activity.text, running=activity.running, waiting=activity.waiting
+        reading,
+        activity=activity.text,
+        running=activity.running,
+        waiting=activity.waiting,
+        preemptions=activity.preemptions,
+        kv_usage=activity.kv_usage,
     )
 
 
@@ -523,6 +641,29 @@ class _Activity:
     text: str = ""
     running: float | None = None
     waiting: float | None = None
+    pool: int | None = None  # tokens of KV cache over the awake engines
+    preemptions: float | None = None
+    kv_usage: float | None = None
+
+
+def vllm_pool(body: bytes, asleep: set[str]) -> int | None:
+    """The tokens vLLM's awake engines hold in their KV caches: per engine
+    ``vllm:cache_config_info``'s ``num_gpu_blocks`` x ``block_size`` labels (vllm
+    v1/metrics/loggers.py, from its CacheConfig), summed; None if any engine's
+    cannot be read."""
+    pools: dict[str, int] = {}
+    for labels, _ in samples(body, "vllm:cache_config_info"):
+        try:
+            blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+        except (KeyError, ValueError):
+            return None  # "None" before the engine profiled its memory
+        if blocks <= 0 or size <= 0:
+            return None
+        pools[labels.get("engine", "")] = blocks * size
+    awake = [n for engine, n in pools.items() if engine not in asleep]
+    if not pools or not awake:
+        return None
+    return min(sum(awake), _BIG - 1)
 
 
 async def _vllm_engines(fetch: Fetch) -> tuple[int, _Activity]:
@@ -548,7 +689,15 @@ async def _vllm_engines(fetch: Fetch) -> tuple[int, _Activity]:
         parts.append(f"{engines} engines")
     if sleeping:
         parts.append("sleeping" if awake == 0 else f"{len(sleeping)} of {engines} sleeping")
-    return awake, _Activity(", ".join(parts), running, waiting)
+    usage = [value for _, value in samples(body, "vllm:kv_cache_usage_perc")]
+    return awake, _Activity(
+        ", ".join(parts),
+        running,
+        waiting,
+        pool=vllm_pool(body, sleeping),
+        preemptions=gauge_sum(body, "vllm:num_preemptions_total"),
+        kv_usage=max(usage) if usage else None,
+    )
 
 
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')

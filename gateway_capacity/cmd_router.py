@@ -249,6 +249,10 @@ def _check(args: argparse.Namespace) -> int:
     print(f"model ids: {', '.join(map(shown, models)) or '(none)'}")
     for warning in shared_sockets(registry.workers):
         print(f"warning: {shown(warning)}")
+    for worker in registry.workers:
+        kind = worker.slots.server_kind
+        where = f"tokens from {kind.tokens}" if kind.tokens else "slots only (no token capacity)"
+        print(f"  {shown(worker.id)} ({kind.name}): {where}")
     for worker in registry.workers:  # a loopback listener's owner, as the router checks it
         for url in worker.urls:
             parts = urlsplit(url)
@@ -532,9 +536,25 @@ def _describe_workers(workers: list[dict[str, Any]], warnings: list[str]) -> str
             )
         if w.get("activity"):
             line += f"; {shown(w.get('activity'))}"
+        if seen == "ok" and not by:
+            line += "; " + _describe_tokens(w)
         lines.append(line)
     lines.extend(f"warning: {shown(warning)}" for warning in warnings)
     return "\n".join(lines)
+
+
+def _describe_tokens(w: dict[str, Any]) -> str:
+    """A worker's token capacity as the router reports it (R-K7), or that it has none."""
+    from capacity_contract import shown
+
+    request, running = w.get("request_tokens"), w.get("running_tokens")
+    if request is None and running is None:
+        return "tokens: not stated (slots only)"
+    text = f"tokens: {shown(request if request is not None else '?')} a request, "
+    text += f"{shown(running if running is not None else '?')} running"
+    if w.get("tokens_from"):
+        text += f" ({shown(w.get('tokens_from'))})"
+    return text
 
 
 def _describe_snapshot(snapshot: dict[str, Any]) -> str:
@@ -549,7 +569,14 @@ def _describe_snapshot(snapshot: dict[str, Any]) -> str:
     complete = "complete" if snapshot.get("complete") else "INCOMPLETE"
     lines = [f"snapshot observed {when} ({complete})"]
     for row in snapshot.get("models", []):
-        lines.append(f"  {shown(row.get('id'))}: {shown(row.get('max_concurrent_requests'))}")
+        line = f"  {shown(row.get('id'))}: {shown(row.get('max_concurrent_requests'))}"
+        request, running = row.get("max_request_tokens"), row.get("max_running_tokens")
+        if request is None and running is None:
+            line += " (tokens: slots only)"
+        else:
+            line += f" (tokens: {shown(request if request is not None else '?')} a request, "
+            line += f"{shown(running if running is not None else '?')} running)"
+        lines.append(line)
     if len(lines) == 1:
         lines.append("  (no models)")
     return "\n".join(lines)

@@ -88,7 +88,7 @@
 enum { KIND_ROBUST = LOCK_ROBUST, KIND_FILE = LOCK_FILE }; /* the lock kinds */
 enum { FREE = HOLDER_FREE, WAITING = HOLDER_WAITING, RUNNING = HOLDER_RUNNING }; /* a record's states */
 /* arrive() decisions (ledger.Decision) and leave() outcomes (ledger.Outcome) */
-enum { R_BUSY = 0, R_ADMIT = 1, R_WAIT = 2, R_FULL = 3, R_WAIT_REFUSED = 4, R_CLOSED = 5, R_MOVED = 6 };
+enum { R_BUSY = 0, R_ADMIT = 1, R_WAIT = 2, R_FULL = 3, R_WAIT_REFUSED = 4, R_CLOSED = 5, R_MOVED = 6, R_TOO_LARGE = 7 };
 enum { OUT_RELEASED = 0, OUT_TIMEOUT = 1, OUT_CANCELLED = 2 };
 /* wait() results */
 enum { W_GRANTED = 1, W_GONE = 2, W_TIMEOUT = 3, W_CLOSED = 4, W_MOVED = 5, W_DISPLACED = 6 };
@@ -347,6 +347,7 @@ typedef struct {
     int busy;                   /* an operation on it is in flight (GIL released) */
     int futex;                  /* its owner thread waits on the record itself */
     int cls;                    /* the admission class asked for; -1 the default */
+    uint32_t tokens;            /* the tokens it is charged; 0 slots only (DESIGN.md 6c) */
     double timeout;             /* for the context managers: < 0 none */
     double started;             /* deadline clock when __enter__ began: the timeout counts
                                  * from here, waits for the lock included */
@@ -533,6 +534,7 @@ static void free_record(Core *c, long hb) { st32(c, hb + HOLDER_STATE, FREE); }
 static int recount_provider(Core *c, int p)
 {
     uint32_t running = 0, waiting = 0;
+    uint64_t tokens = 0;
     int wrong = 0;
     for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
         long hb = hbase(c, p, h);
@@ -542,12 +544,16 @@ static int recount_provider(Core *c, int p)
             s = FREE;
             wrong = 1;
         }
-        if (s == RUNNING)
+        if (s == RUNNING) {
             running++;
-        else if (s == WAITING)
+            tokens += ld32(c, hb + HOLDER_TOKENS);
+        } else if (s == WAITING)
             waiting++;
     }
     long b = pbase(c, p);
+    /* rebuilt, but no damage when it differed: an older minor's core frees records
+     * without knowing their tokens (ledger.Ledger.recount_provider) */
+    st32(c, b + PROVIDER_TOKENS_RUNNING, tokens > UINT32_MAX ? UINT32_MAX : (uint32_t)tokens);
     wrong |= ld32(c, b + PROVIDER_RUNNING) != running || ld32(c, b + PROVIDER_WAITING) != waiting ||
              ld64(c, b + PROVIDER_COUNTS_CHECK) != counts_word(running, waiting);
     put_counts(c, b, running, waiting);
@@ -579,6 +585,39 @@ static int head_waiter(Core *c, int p)
         }
     }
     return best;
+}
+
+/* --- the token budget (rows.py: token_budget .. too_large; DESIGN.md 6c) ----------- */
+/* Is a request charged n one no worker could hold (rows.too_large)? Above the most one
+ * request may hold, or above the whole budget, as published and in force. */
+static int too_large(Core *c, long b, uint32_t n, double now)
+{
+    if (n == 0 || !published_in_force(c, b, now))
+        return 0;
+    uint32_t per_request = ld32(c, b + PROVIDER_REQUEST_TOKEN_LIMIT), all = ld32(c, b + PROVIDER_TOKEN_LIMIT);
+    return (per_request && n > per_request) || (all && n > all);
+}
+
+/* The token limit the steps apply (rows.token_limit_in_force): the published one while
+ * in force and no handler of an older minor is registered; 0 slots alone. */
+static uint32_t token_limit_in_force(Core *c, long b, double now)
+{
+    if (!published_in_force(c, b, now) || ld32(c, HEADER_TOKENLESS_MEMBERS))
+        return 0;
+    return ld32(c, b + PROVIDER_TOKEN_LIMIT);
+}
+
+/* rows.tokens_fit: no budget, no charge or nobody running (alone, a request always
+ * runs), else the sum within the budget. */
+static inline int tokens_fit(uint32_t running, uint32_t n, uint32_t limit)
+{
+    return limit == 0 || n == 0 || running == 0 || (uint64_t)running + n <= limit;
+}
+
+static inline void add_tokens(Core *c, long b, uint32_t n)
+{
+    uint64_t total = (uint64_t)ld32(c, b + PROVIDER_TOKENS_RUNNING) + n;
+    st32(c, b + PROVIDER_TOKENS_RUNNING, total > UINT32_MAX ? UINT32_MAX : (uint32_t)total);
 }
 
 /* --- admission classes (ledger.py: classes_in_force .. may_run; DESIGN.md 6b) ------ */
@@ -729,6 +768,13 @@ static void note_hold(Core *c, long b, double hold)
 }
 
 /* --- the steps ------------------------------------------------------------------------ */
+static void repair_all(Core *c)
+{
+    for (int p = 0; p < PROVIDER_COUNT; p++)
+        if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
+            recount_provider(c, p);
+}
+
 static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache);
 static void free_member_row(Core *c, int m, Rings *rings);
 static int count_older_members(Core *c);
@@ -772,20 +818,37 @@ static int displaceable(Core *c, int p, int k, const Rules *r, double now)
     return best;
 }
 
+static int best_waiter(Core *c, int p, uint32_t running, const uint32_t *run, uint32_t limit, const Rules *r,
+                       double now, int *cls, int *promoted_only, int *anyone);
+
 /* An arrival of class k, after the pump (ledger.Ledger._decide): admitted when its class
  * may run, else queued; from a full queue it displaces the newest waiter of the lowest
  * rank below k (*victim, -1 none: refused). Without classes in force it is class 0 of
  * one, with no reserve, cap or maxWait: admitted while running < limit, which the pump
  * leaves only with nobody waiting (R-A3), refused when 32 wait (R-A2). The counts by
- * class are read only for a class below the top or one with a cap. */
+ * class are read only for a class below the top or one with a cap, or to find a waiter.
+ * With a token budget it runs only when its tokens fit and it overtakes no waiter that
+ * only tokens hold back: without classes any waiter (the pump leaves one only then),
+ * with them one of its rank or above that the slots let run. */
 static int decide(Core *c, int p, int k, const Rules *r, uint32_t running, uint32_t waiting, uint32_t limit,
-                  double now, int *victim)
+                  double now, int fits, uint32_t budget, int *victim)
 {
     uint32_t run[CLASS_COUNT] = {0};
-    if (k > 0 || r->cap[k])
+    int classed_budget = budget && r->count;
+    if (k > 0 || r->cap[k] || classed_budget)
         class_running(c, p, r, run);
-    if (may_run(r, k, 0, running, run, limit))
-        return R_ADMIT;
+    if (may_run(r, k, 0, running, run, limit) && fits) {
+        int held_back = 0;
+        if (budget && !r->count) {
+            held_back = waiting > 0;
+        } else if (classed_budget) {
+            int bk = 0, promoted_only = 0, anyone = 0, rk, promoted;
+            int h = best_waiter(c, p, running, run, limit, r, now, &bk, &promoted_only, &anyone);
+            held_back = h >= 0 && record_rank(c, p, hbase(c, p, h), r, now, &rk, &promoted) <= k;
+        }
+        if (!held_back)
+            return R_ADMIT;
+    }
     if (waiting < (uint32_t)QUEUE_BOUND)
         return R_WAIT;
     *victim = displaceable(c, p, k, r, now);
@@ -811,6 +874,7 @@ static void claim_record(Core *c, Ticket *tk, int p, int h, unsigned int pid, No
     st32(c, hb + HOLDER_MEMBER, (uint32_t)c->member);
     st32(c, hb + HOLDER_PID, pid);
     st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
+    st32(c, hb + HOLDER_TOKENS, tk->tokens);
     st64(c, hb + HOLDER_TICKET, ticket);
     std_(c, hb + HOLDER_SINCE, now.wall);
     std_(c, hb + HOLDER_SINCE_MONO, now.mono);
@@ -829,6 +893,7 @@ static void claim_record(Core *c, Ticket *tk, int p, int h, unsigned int pid, No
     if (decision == R_ADMIT) {
         st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
         put_counts(c, b, running + 1, waiting);
+        add_tokens(c, b, tk->tokens);
         note_peak(c, b, PROVIDER_PEAK_RUNNING, running + 1);
         inc64(c, b + PROVIDER_ADMITTED_TOTAL);
     } else {
@@ -846,9 +911,11 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
 {
     if (c->member < 0 || c->closing)
         return R_CLOSED; /* unregistered or closing meanwhile: nothing may run (R-A14) */
+    long b = pbase(c, p);
+    if (too_large(c, b, tk->tokens, now.mono))
+        return R_TOO_LARGE; /* no worker could hold it: refused at once, never queued */
     int count = classes_in_force(c, p);
     int k = count ? resolve_class(c, p, tk->cls) : 0;
-    long b = pbase(c, p);
     if (counters_damaged(c, b) && recount_provider(c, p))
         note_damage(c, "provider counters were written over");
     Rules r;
@@ -859,8 +926,10 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
         uint32_t running = ld32(c, b + PROVIDER_RUNNING);
         uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
         uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
+        uint32_t budget = token_limit_in_force(c, b, now.mono);
+        int fits = tokens_fit(ld32(c, b + PROVIDER_TOKENS_RUNNING), tk->tokens, budget);
         int victim = -1;
-        decision = decide(c, p, k, &r, running, waiting, limit, now.mono, &victim);
+        decision = decide(c, p, k, &r, running, waiting, limit, now.mono, fits, budget, &victim);
         int h = decision != R_FULL ? first_free(c, p) : -1;
         if (h < 0)
             h = victim;
@@ -917,6 +986,8 @@ static int leave_locked(Core *c, Ticket *tk, int outcome, Now now, Rings *rings)
         uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
         if (state == RUNNING) {
             put_counts(c, b, running ? running - 1 : 0, waiting);
+            uint32_t tokens = ld32(c, b + PROVIDER_TOKENS_RUNNING), charge = ld32(c, hb + HOLDER_TOKENS);
+            st32(c, b + PROVIDER_TOKENS_RUNNING, tokens > charge ? tokens - charge : 0);
             note_hold(c, b, now.mono - ldd(c, hb + HOLDER_SINCE_MONO));
             was = 1;
         } else {
@@ -1002,8 +1073,17 @@ static int best_waiter(Core *c, int p, uint32_t running, const uint32_t *run, ui
     return best;
 }
 
+/* May the waiting record at hb be granted as far as tokens go (ledger.Ledger._tokens_allow)?
+ * Its charge fits beside the tokens running, or its owner is dead (the grant reclaims it). */
+static int tokens_allow(Core *c, long b, long hb, uint32_t budget, AliveCache *cache)
+{
+    return tokens_fit(ld32(c, b + PROVIDER_TOKENS_RUNNING), ld32(c, hb + HOLDER_TOKENS), budget) ||
+           !holder_alive(c, hb, cache);
+}
+
 /* Grant the waiting record at hb (ledger.Ledger._grant): RUNNING from now, its owner
- * woken after the section; a dead one is reclaimed instead, never granted. 1: granted. */
+ * woken after the section, its tokens counted; a dead one is reclaimed instead, never
+ * granted. 1: granted. */
 static int grant(Core *c, long b, long hb, Now now, Rings *rings, AliveCache *cache)
 {
     if (!holder_alive(c, hb, cache)) {
@@ -1011,6 +1091,7 @@ static int grant(Core *c, long b, long hb, Now now, Rings *rings, AliveCache *ca
         inc64(c, b + PROVIDER_RECLAIMED_TOTAL);
         return 0;
     }
+    add_tokens(c, b, ld32(c, hb + HOLDER_TOKENS));
     std_(c, hb + HOLDER_SINCE, now.wall);
     std_(c, hb + HOLDER_SINCE_MONO, now.mono);
     st32(c, hb + HOLDER_STATE, RUNNING);
@@ -1029,6 +1110,7 @@ static void pump_classed(Core *c, int p, uint32_t running, uint32_t waiting, uin
     class_rules(c, p, classes_in_force(c, p), &r);
     uint32_t run[CLASS_COUNT];
     class_running(c, p, &r, run);
+    uint32_t budget = token_limit_in_force(c, b, now.mono);
     int recounted = 0;
     while (running < limit && waiting > 0) {
         int k = 0, promoted_only = 0, anyone = 0;
@@ -1042,6 +1124,8 @@ static void pump_classed(Core *c, int p, uint32_t running, uint32_t waiting, uin
             waiting = ld32(c, b + PROVIDER_WAITING);
             continue;
         }
+        if (!tokens_allow(c, b, hbase(c, p, h), budget, cache))
+            break; /* strict order: the best waiter waits for tokens, and those behind it */
         waiting--;
         if (!grant(c, b, hbase(c, p, h), now, rings, cache))
             continue;
@@ -1070,6 +1154,7 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
         pump_classed(c, p, running, waiting, limit, now, rings, cache);
         return;
     }
+    uint32_t budget = token_limit_in_force(c, b, now.mono);
     int recounted = 0;
     while (running < limit && waiting > 0) {
         /* somebody waits by the counters and no record does: the records decide, once */
@@ -1083,6 +1168,8 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
             waiting = ld32(c, b + PROVIDER_WAITING);
             continue;
         }
+        if (!tokens_allow(c, b, hbase(c, p, h), budget, cache))
+            break; /* strict order: the head waits for tokens, and those behind it too */
         waiting--;
         if (grant(c, b, hbase(c, p, h), now, rings, cache))
             running++;
@@ -1181,29 +1268,30 @@ static int sweep_due(Core *c)
     return !(now - last < SWEEP_S) || last > now + 1.0; /* garbage ahead: due */
 }
 
-static void repair_all(Core *c)
-{
-    for (int p = 0; p < PROVIDER_COUNT; p++)
-        if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
-            recount_provider(c, p);
-}
 
 /* Registered handlers that speak an older minor of this major
- * (ledger.Ledger._count_older_members): while any is, the classes are suspended. */
+ * (ledger.Ledger._count_older_members): while one below 3.1 is, the classes are
+ * suspended; while one below 3.2 is, the token budget. 1 when either just was; when the
+ * last one below 3.2 left, every provider's tokens are recounted from the records. */
 static int count_older_members(Core *c)
 {
-    uint32_t before = ld32(c, HEADER_OLDER_MEMBERS);
-    uint32_t older = 0;
+    uint32_t before = ld32(c, HEADER_OLDER_MEMBERS), tokenless_before = ld32(c, HEADER_TOKENLESS_MEMBERS);
+    uint32_t older = 0, tokenless = 0;
     for (int m = 0; m < MEMBER_COUNT; m++) {
         long mb = mbase(c, m);
         if (!ld32(c, mb + MEMBER_IN_USE))
             continue;
         uint32_t major = *(uint16_t *)AT(c, mb + MEMBER_MAJOR), minor = *(uint16_t *)AT(c, mb + MEMBER_MINOR);
-        if (major < LAYOUT_MAJOR || (major == LAYOUT_MAJOR && minor < LAYOUT_MINOR))
-            older++;
+        if (major > LAYOUT_MAJOR)
+            continue;
+        older += major < LAYOUT_MAJOR || minor < 1;
+        tokenless += major < LAYOUT_MAJOR || minor < 2;
     }
     st32(c, HEADER_OLDER_MEMBERS, older);
-    return before == 0 && older > 0; /* the classes were just suspended */
+    st32(c, HEADER_TOKENLESS_MEMBERS, tokenless);
+    if (tokenless_before && !tokenless)
+        repair_all(c); /* their cores left tokens_running behind: the records say */
+    return (before == 0 && older > 0) || (tokenless_before == 0 && tokenless > 0);
 }
 
 /* Free the member row of a process that is gone; its doorbell is removed after the
@@ -2116,6 +2204,21 @@ static int do_arrive(Core *c, Ticket *tk, int p, unsigned int pid, double given,
     return decision;
 }
 
+/* A ticket's charge: 0..MAX_CHARGE tokens (ValueError otherwise; the shim refuses a
+ * larger request with RequestTooLarge before it gets here). */
+static int set_tokens(Ticket *t, PyObject *tokens)
+{
+    long long n = PyLong_AsLongLong(tokens);
+    if (n == -1 && PyErr_Occurred())
+        return -1;
+    if (n < 0 || n > MAX_CHARGE) {
+        PyErr_Format(PyExc_ValueError, "tokens must be 0..%d, not %lld", MAX_CHARGE, n);
+        return -1;
+    }
+    t->tokens = (uint32_t)n;
+    return 0;
+}
+
 /* A flag every caller must name (``may_wait=``, ``blocking=``): PyArg_ParseTupleAndKeywords
  * has no required keyword-only arguments, so it starts at -1 and is checked here. */
 static int named(int flag, const char *call, const char *name)
@@ -2130,13 +2233,14 @@ static int named(int flag, const char *call, const char *name)
  * cls=None) -> code; ``cls`` (a class index, -1 the default) replaces the ticket's */
 static PyObject *Core_arrive(Core *c, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"ticket", "provider", "pid", "now", "may_wait", "blocking", "timeout", "futex", "cls", NULL};
-    PyObject *tko, *cls = Py_None;
+    static char *kwlist[] = {"ticket", "provider", "pid", "now", "may_wait", "blocking", "timeout", "futex", "cls",
+                             "tokens", NULL};
+    PyObject *tko, *cls = Py_None, *tokens = Py_None;
     int p, may_wait = -1, blocking = -1, futex = 0;
     unsigned int pid;
     double now, timeout = -1.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!iId|$ppdpO", kwlist, TicketType, &tko, &p, &pid, &now,
-                                     &may_wait, &blocking, &timeout, &futex, &cls))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!iId|$ppdpOO", kwlist, TicketType, &tko, &p, &pid, &now,
+                                     &may_wait, &blocking, &timeout, &futex, &cls, &tokens))
         return NULL;
     if (named(may_wait, "arrive", "may_wait") < 0 || named(blocking, "arrive", "blocking") < 0)
         return NULL;
@@ -2146,6 +2250,8 @@ static PyObject *Core_arrive(Core *c, PyObject *args, PyObject *kwds)
             return NULL;
         ((Ticket *)tko)->cls = k < 0 || k >= CLASS_COUNT ? -1 : (int)k;
     }
+    if (tokens != Py_None && !((Ticket *)tko)->live && set_tokens((Ticket *)tko, tokens) < 0)
+        return NULL;
     int code = do_arrive(c, (Ticket *)tko, p, pid, now, may_wait, blocking, timeout, futex);
     return code < 0 ? NULL : PyLong_FromLong(code);
 }
@@ -2881,10 +2987,10 @@ static PyObject *Ticket_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 /* Ticket(core=None, provider=-1, timeout=None, *, cls=-1) */
 static int Ticket_init(Ticket *t, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"core", "provider", "timeout", "cls", NULL};
-    PyObject *core = Py_None, *timeout = Py_None;
+    static char *kwlist[] = {"core", "provider", "timeout", "cls", "tokens", NULL};
+    PyObject *core = Py_None, *timeout = Py_None, *tokens = Py_None;
     int provider = -1, cls = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OiO$i", kwlist, &core, &provider, &timeout, &cls))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OiO$iO", kwlist, &core, &provider, &timeout, &cls, &tokens))
         return -1;
     if (t->live) {
         PyErr_SetString(PyExc_ValueError, "a live ticket");
@@ -2899,6 +3005,9 @@ static int Ticket_init(Ticket *t, PyObject *args, PyObject *kwds)
     }
     t->provider = provider;
     t->cls = cls;
+    t->tokens = 0;
+    if (tokens != Py_None && set_tokens(t, tokens) < 0)
+        return -1;
     if (timeout == Py_None)
         t->timeout = -1.0;
     else {
@@ -3027,6 +3136,7 @@ static PyObject *Ticket_rebind(Ticket *t, PyObject *args)
 
 static PyObject *Ticket_get_provider(Ticket *t, void *x) { return PyLong_FromLong(t->provider); }
 static PyObject *Ticket_get_cls(Ticket *t, void *x) { return PyLong_FromLong(t->cls); }
+static PyObject *Ticket_get_tokens(Ticket *t, void *x) { return PyLong_FromUnsignedLong(t->tokens); }
 static PyObject *Ticket_get_holder(Ticket *t, void *x) { return PyLong_FromLong(t->holder); }
 static PyObject *Ticket_get_serial(Ticket *t, void *x) { return PyLong_FromUnsignedLongLong(t->serial); }
 static PyObject *Ticket_get_live(Ticket *t, void *x) { return PyBool_FromLong(t->live); }
@@ -3205,6 +3315,7 @@ static PyMethodDef Ticket_methods[] = {
 static PyGetSetDef Ticket_getset[] = {
     {"provider", (getter)Ticket_get_provider, NULL, NULL, NULL},
     {"cls", (getter)Ticket_get_cls, NULL, NULL, NULL},
+    {"tokens", (getter)Ticket_get_tokens, NULL, NULL, NULL},
     {"holder", (getter)Ticket_get_holder, NULL, NULL, NULL},
     {"serial", (getter)Ticket_get_serial, NULL, NULL, NULL},
     {"live", (getter)Ticket_get_live, NULL, NULL, NULL},
@@ -3487,7 +3598,7 @@ PyMODINIT_FUNC PyInit__core(void)
         add_int(m, "KIND_ROBUST", KIND_ROBUST) < 0 || add_int(m, "KIND_FILE", KIND_FILE) < 0 ||
         add_int(m, "BUSY", R_BUSY) < 0 || add_int(m, "ADMIT", R_ADMIT) < 0 || add_int(m, "WAIT", R_WAIT) < 0 ||
         add_int(m, "FULL", R_FULL) < 0 || add_int(m, "WAIT_REFUSED", R_WAIT_REFUSED) < 0 ||
-        add_int(m, "CLOSED", R_CLOSED) < 0 || add_int(m, "MOVED", R_MOVED) < 0 || add_int(m, "RELEASED", OUT_RELEASED) < 0 ||
+        add_int(m, "CLOSED", R_CLOSED) < 0 || add_int(m, "MOVED", R_MOVED) < 0 || add_int(m, "TOO_LARGE", R_TOO_LARGE) < 0 || add_int(m, "RELEASED", OUT_RELEASED) < 0 ||
         add_int(m, "TIMEOUT", OUT_TIMEOUT) < 0 || add_int(m, "CANCELLED", OUT_CANCELLED) < 0 ||
         add_int(m, "W_GRANTED", W_GRANTED) < 0 || add_int(m, "W_GONE", W_GONE) < 0 ||
         add_int(m, "W_DISPLACED", W_DISPLACED) < 0 ||

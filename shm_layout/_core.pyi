@@ -18,6 +18,7 @@ FULL: int
 WAIT_REFUSED: int
 CLOSED: int
 MOVED: int
+TOO_LARGE: int
 RELEASED: int
 TIMEOUT: int
 CANCELLED: int
@@ -44,11 +45,14 @@ class Ticket:
         timeout: float | None = None,
         *,
         cls: int = -1,
+        tokens: int | None = None,
     ) -> None: ...
     @property
     def provider(self) -> int: ...
     @property
     def cls(self) -> int: ...
+    @property
+    def tokens(self) -> int: ...
     @property
     def holder(self) -> int: ...
     @property
@@ -111,6 +115,7 @@ class Core:
         timeout: float = ...,
         futex: bool = ...,
         cls: int | None = ...,
+        tokens: int | None = ...,
     ) -> int: ...
     def leave(self, ticket: Ticket, outcome: int, now: float, *, blocking: bool) -> int: ...
     def state(self, ticket: Ticket) -> int: ...

@@ -96,6 +96,10 @@ from shm_layout.rows import (
     provider_base,
     resolve_class,
     stored_class,
+    token_budget,
+    token_limit_in_force,
+    tokens_fit,
+    too_large,
 )
 
 
@@ -119,7 +123,7 @@ ONE_FIFO = [ClassRule(0, 0, 0.0)]  # no classes in force: one class, no reserve,
 
 
 # --- the model ------------------------------------------------------------------------
-Decision = Literal["admit", "wait", "full", "wait_refused", "closed"]
+Decision = Literal["admit", "wait", "full", "wait_refused", "closed", "too_large"]
 Outcome = Literal["released", "timeout", "cancelled"]
 Held = Callable[[int], bool]  # member row -> is its lock byte held (the kernel's word)
 
@@ -163,6 +167,11 @@ class Ledger:
     def _bump(self, field: str, base: int, by: int = 1) -> None:
         PROVIDER[field].put(self.buf, PROVIDER[field].get(self.buf, base) + by, base)
 
+    def _add_tokens(self, base: int, charge: int) -> None:
+        """A record's charge into ``tokens_running``, saturating at the field's top."""
+        total = self._get("tokens_running", base) + charge
+        PROVIDER["tokens_running"].put(self.buf, min(total, 0xFFFFFFFF), base)
+
     def _peak(self, field: str, base: int, value: int) -> None:
         if value > PROVIDER[field].get(self.buf, base):
             PROVIDER[field].put(self.buf, value, base)
@@ -195,16 +204,23 @@ class Ledger:
         futex: bool = False,
         registered: bool = True,
         cls: int = -1,
+        tokens: int = 0,
     ) -> tuple[Decision, Ticket | None, set[int]]:
         """``registered`` False: the registration is gone or closing (R-A14). ``cls``: the
         class index asked for (-1 or unknown: the provider's default class).
 
         The arrival pumps first (a limit may have risen, a waiter may have been promoted
         meanwhile), then takes one decision (:meth:`_decide`), the FIFO being its case
-        without classes."""
+        without classes.
+
+        ``tokens``: the request's charge (0: slots only). One no worker could hold is
+        refused at once (``too_large``); else it runs only when its tokens fit too, and
+        never past a waiter (strict order: a head that does not fit holds those behind)."""
         if not registered:
             return "closed", None, set()
         buf, base = self.buf, provider_base(p)
+        if too_large(tokens, token_budget(buf, p, now)):
+            return "too_large", None, set()
         count = classes_in_force(buf, p)
         c, stored = resolve_class(buf, p, cls) if count else 0, stored_class(buf, p, cls)
         if self._counters_damaged(base) and self.recount_provider(p):
@@ -214,7 +230,11 @@ class Ledger:
         for attempt in range(2):
             running, waiting = self._get("running", base), self._get("waiting", base)
             limit = limit_value(buf, p, now)
-            decision, victim = self._decide(p, c, rules, count, running, waiting, limit, now)
+            budget = token_limit_in_force(buf, p, now)
+            fits = tokens_fit(self._get("tokens_running", base), tokens, budget)
+            decision, victim = self._decide(
+                p, c, rules, count, running, waiting, limit, now, fits=fits, budget=budget
+            )
             h = self._free_place(p) if decision != "full" else None
             if h is None:
                 h = victim
@@ -241,7 +261,18 @@ class Ledger:
                 rings.add(HOLDER["member"].get(buf, vb))
             waker = layout.WAKE_FUTEX if futex else layout.WAKE_DOORBELL
             serial = self._claim_record(
-                p, h, decision, running, waiting, pid, member, member_serial, now, waker, stored
+                p,
+                h,
+                decision,
+                running,
+                waiting,
+                pid,
+                member,
+                member_serial,
+                now,
+                waker,
+                stored,
+                tokens,
             )
             if decision == "admit" and count:
                 self._bump_class(p, c)
@@ -258,6 +289,9 @@ class Ledger:
         waiting: int,
         limit: int,
         now: float,
+        *,
+        fits: bool = True,
+        budget: int = 0,
     ) -> tuple[Decision, int | None]:
         """An arrival of class ``c``, after the pump: (decision, the waiter it displaces
         from a full queue, or None). Admitted when its class may run, else queued; from a
@@ -265,10 +299,26 @@ class Ledger:
         refused). Without classes in force (``count`` 0) it is class 0 of one with no
         reserve, cap or maxWait: admitted while running < limit, which the pump leaves
         only with nobody waiting (R-A3), refused when 32 wait (R-A2). The counts by class
-        are read only for a class below the top or one with a cap."""
-        run = self._class_running(p, count) if c > 0 or rules[c].cap else [0] * len(rules)
-        if may_run(c, running, run, limit, rules, promoted=False):
-            return "admit", None
+        are read only for a class below the top or one with a cap, or to find a waiter.
+
+        With a token budget it runs only when its tokens fit and it overtakes no waiter
+        that only tokens hold back: without classes any waiter (the pump leaves one only
+        then), with them one of its rank or above that the slots let run."""
+        classed_budget = budget and count
+        run = (
+            self._class_running(p, count)
+            if c > 0 or rules[c].cap or classed_budget
+            else [0] * len(rules)
+        )
+        if may_run(c, running, run, limit, rules, promoted=False) and fits:
+            held_back = False
+            if budget and not count:
+                held_back = waiting > 0
+            elif classed_budget:
+                h, _, _, _ = self._best_waiter(p, running, run, limit, rules, now)
+                held_back = h is not None and self._rank(p, holder_base(p, h), rules, count, now)[1] <= c
+            if not held_back:
+                return "admit", None
         if waiting < layout.QUEUE_BOUND:
             return "wait", None
         victim = self._displaceable(p, c, count, rules, now)
@@ -287,6 +337,7 @@ class Ledger:
         now: float,
         waker: int,
         stored: int,
+        tokens: int = 0,
     ) -> int:
         """Write free record ``h`` for an arrival, admitted or queued with the next
         ticket, and count it; its new serial."""
@@ -305,6 +356,7 @@ class Ledger:
             ticket,
             serial,
             member,
+            tokens,
             now,
             now,
             waker,
@@ -314,6 +366,7 @@ class Ledger:
         if decision == "admit":
             HOLDER["state"].put(buf, HOLDER_RUNNING, hb)  # state last
             self._put_counts(base, running + 1, waiting)
+            self._add_tokens(base, tokens)
             self._peak("peak_running", base, running + 1)
             self._bump("admitted_total", base)
         else:
@@ -398,6 +451,9 @@ class Ledger:
         running, waiting = self._get("running", base), self._get("waiting", base)
         if state == HOLDER_RUNNING:
             self._put_counts(base, max(running - 1, 0), waiting)
+            tokens_running = self._get("tokens_running", base)
+            charge = HOLDER["tokens"].get(buf, hb)
+            PROVIDER["tokens_running"].put(buf, max(tokens_running - charge, 0), base)
             self._note_hold(base, now - HOLDER["since_mono"].get(buf, hb))
             was = "running"
         else:
@@ -490,6 +546,7 @@ class Ledger:
         limit = limit_value(buf, p, now)
         if classes_in_force(buf, p):
             return self._pump_classed(p, running, waiting, limit, now)
+        budget = token_limit_in_force(buf, p, now)
         recounted = False
         while running < limit and waiting > 0:
             # somebody waits by the counters and no record does: the records decide, once
@@ -501,6 +558,8 @@ class Ledger:
                 self.recount_provider(p)
                 running, waiting = self._get("running", base), self._get("waiting", base)
                 continue
+            if not self._tokens_allow(p, holder_base(p, h), budget):
+                break  # strict order: the head waits for tokens, and those behind it too
             waiting -= 1
             if self._grant(base, holder_base(p, h), now, rings):
                 running += 1
@@ -514,6 +573,7 @@ class Ledger:
         count = classes_in_force(buf, p)
         rules = class_rules(buf, p, count)
         run = self._class_running(p, count)
+        budget = token_limit_in_force(buf, p, now)
         recounted = False
         while running < limit and waiting > 0:
             h, k, promoted_only, anyone = self._best_waiter(p, running, run, limit, rules, now)
@@ -524,6 +584,8 @@ class Ledger:
                 self.recount_provider(p)
                 running, waiting = self._get("running", base), self._get("waiting", base)
                 continue
+            if not self._tokens_allow(p, holder_base(p, h), budget):
+                break  # strict order: the best waiter waits for tokens, and those behind it
             waiting -= 1
             if not self._grant(base, holder_base(p, h), now, rings):
                 continue
@@ -536,13 +598,21 @@ class Ledger:
         self._peak("peak_running", base, running)
         return rings
 
+    def _tokens_allow(self, p: int, hb: int, budget: int) -> bool:
+        """May the waiting record at ``hb`` be granted as far as tokens go? Its charge fits
+        beside the tokens running, or its owner is dead (then the grant reclaims it)."""
+        running = self._get("tokens_running", provider_base(p))
+        charge = HOLDER["tokens"].get(self.buf, hb)
+        return tokens_fit(running, charge, budget) or not self._holder_alive(hb)
+
     def _grant(self, base: int, hb: int, now: float, rings: set[int]) -> bool:
-        """Grant the waiting record at ``hb``: RUNNING from now, its owner rung; a dead one
-        is reclaimed instead, never granted. True: granted."""
+        """Grant the waiting record at ``hb``: RUNNING from now, its owner rung, its tokens
+        counted; a dead one is reclaimed instead, never granted. True: granted."""
         if not self._holder_alive(hb):
             self._free_record(hb)
             self._bump("reclaimed_total", base)
             return False
+        self._add_tokens(base, HOLDER["tokens"].get(self.buf, hb))
         HOLDER["since"].put(self.buf, now, hb)
         HOLDER["since_mono"].put(self.buf, now, hb)
         HOLDER["state"].put(self.buf, HOLDER_RUNNING, hb)
@@ -620,19 +690,29 @@ class Ledger:
         return reclaimed, rings
 
     def _count_older_members(self) -> bool:
-        """Registered handlers that speak an older minor of this major: while any is, the
-        classes are suspended (DESIGN.md section 6b). True when they just were."""
-        before = layout.HEADER["older_members"].get(self.buf, 0)
-        older = 0
+        """Registered handlers that speak an older minor of this major: while one below 3.1
+        is, the classes are suspended (DESIGN.md section 6b); while one below 3.2 is, the
+        token budget (section 6c). True when either just was (more may run: pump). When
+        the last handler below 3.2 left, every provider's tokens are recounted."""
+        header = layout.HEADER
+        before = header["older_members"].get(self.buf, 0)
+        tokenless_before = header["tokenless_members"].get(self.buf, 0)
+        older = tokenless = 0
         for m in range(layout.MEMBER_COUNT):
             mb = member_base(m)
-            if MEMBER["in_use"].get(self.buf, mb) and (
-                MEMBER["major"].get(self.buf, mb),
-                MEMBER["minor"].get(self.buf, mb),
-            ) < (layout.MAJOR, layout.MINOR):
-                older += 1
-        layout.HEADER["older_members"].put(self.buf, older, 0)
-        return bool(before == 0 and older > 0)
+            if (
+                MEMBER["in_use"].get(self.buf, mb)
+                and MEMBER["major"].get(self.buf, mb) <= layout.MAJOR
+            ):
+                minor = MEMBER["minor"].get(self.buf, mb)
+                below = MEMBER["major"].get(self.buf, mb) < layout.MAJOR
+                older += below or minor < 1
+                tokenless += below or minor < 2
+        header["older_members"].put(self.buf, older, 0)
+        header["tokenless_members"].put(self.buf, tokenless, 0)
+        if tokenless_before and not tokenless:
+            self.repair()  # their cores left tokens_running behind: the records say
+        return bool((before == 0 and older > 0) or (tokenless_before == 0 and tokenless > 0))
 
     def sweep(self, now: float) -> tuple[int, set[int]]:
         """What the host's sweep does (R-A5, R-A16): every provider's counters checked
@@ -664,8 +744,10 @@ class Ledger:
 
     def recount_provider(self, p: int) -> bool:
         """Rebuild the counters from the records (a state word that is none of FREE,
-        WAITING, RUNNING is freed); True when something was wrong."""
-        running = waiting = 0
+        WAITING, RUNNING is freed); True when something was wrong. ``tokens_running`` is
+        rebuilt too, but a difference there is no damage: a core of an older minor frees
+        records without knowing their tokens."""
+        running = waiting = tokens = 0
         wrong = False
         for h in range(HOLDERS_PER_PROVIDER):
             hb = holder_base(p, h)
@@ -675,9 +757,11 @@ class Ledger:
                 state, wrong = HOLDER_FREE, True
             if state == HOLDER_RUNNING:
                 running += 1
+                tokens += HOLDER["tokens"].get(self.buf, hb)
             elif state == HOLDER_WAITING:
                 waiting += 1
         base = provider_base(p)
+        PROVIDER["tokens_running"].put(self.buf, min(tokens, 0xFFFFFFFF), base)
         wrong = wrong or (
             self._get("running", base) != running
             or self._get("waiting", base) != waiting

@@ -146,6 +146,10 @@ class Publication:
     # admission classes, highest first (DESIGN.md section 6b); none: one FIFO
     classes: tuple[ClassSpec, ...] = ()
     default_class: int = 0
+    # the token budget (DESIGN.md section 6c), published with ``limit`` and lapsing with
+    # it: what all running requests may hold together, and the most one may hold; 0 none
+    token_limit: int = 0
+    request_token_limit: int = 0
 
 
 def take_epoch(
@@ -297,6 +301,8 @@ def publish(
                 PROVIDER["flags"], PROVIDER["flags"].get(buf, base) & ~layout.PFLAG_CONFIGURED, base
             )
             patch.put(PROVIDER["published_limit"], -1, base)
+            patch.put(PROVIDER["token_limit"], 0, base)
+            patch.put(PROVIDER["request_token_limit"], 0, base)
             patch.put(PROVIDER["observed_at"], 0.0, base)
             patch.put(PROVIDER["expires_at"], 0.0, base)
             patch.put(PROVIDER["expires_mono"], 0.0, base)
@@ -424,7 +430,16 @@ def _write_publication(patch: Patch, p: int, pub: Publication, epoch: int, now: 
     patch.put(PROVIDER["replica_count"], len(replicas), base)
     patch.writes.extend(class_writes(p, pub.classes, pub.default_class))
     limit = -1 if pub.limit is None or pub.expires_at is None else max(pub.limit, 0)
+    tokens = _token_value(pub.token_limit) if limit >= 0 else 0
+    per_request = _token_value(pub.request_token_limit) if limit >= 0 else 0
+    patch.put(PROVIDER["token_limit"], tokens, base)
+    patch.put(PROVIDER["request_token_limit"], per_request, base)
     patch.put(PROVIDER["published_limit"], limit, base)
+
+
+def _token_value(value: int) -> int:
+    """A token limit as the row holds it: 0 (none) .. the u32's top."""
+    return min(max(int(value), 0), 0xFFFFFFFF)
 
 
 def _source_code(source: str) -> int:

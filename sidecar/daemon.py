@@ -845,6 +845,9 @@ def _publication(
         replicas=replicas,
         classes=classes,
         default_class=default_class,
+        # the token budget lapses with the limit it came with (R-L10)
+        token_limit=d.token_limit if enforced else 0,
+        request_token_limit=d.request_token_limit if enforced else 0,
     )
 
 

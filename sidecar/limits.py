@@ -13,6 +13,15 @@ Invariant: a provider's published limit is exactly one of
 * **0** with source ``legacy_drain`` while a legacy generation drains and
   discovery is active (R-G3).
 
+Beside the limit, a discovered decision carries the provider's token budget (R-L10):
+``token_limit`` (what all its running requests may hold together) and
+``request_token_limit`` (the most one request may hold), each the minimum over the
+complete replicas (R-L2) of the minimum over the upstream models (R-L3) of what the
+rows state; 0 (no token budget, admission on slots alone) when any of those rows does
+not state it. A fallback decision has neither (both 0): they lapse with the
+discovered limit. An incomplete-only refresh (R-L6) may tighten the last discovered
+budget, never loosen it (0 is the loosest: no budget).
+
 ``decide`` reads no clock and does no I/O: ``now`` is an argument, the probe
 results and the previous decision are plain values. The daemon around it only
 probes, times and publishes.
@@ -105,6 +114,8 @@ class JudgedReplica:
     reason: str
     detail: str
     observed_at: float | None
+    token_limit: int = 0  # what the answer states for the provider (R-L10), 0: nothing
+    request_token_limit: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +137,10 @@ class LimitDecision:
     # is made (R-L7: the wall clock is judged once, then a step of it moves nothing);
     # None: not yet anchored (a pure decision), or nothing expires
     expires_mono: float | None = None
+    # the token budget (R-L10): 0 = none, admission on slots alone; only a discovered
+    # (or drained) decision carries one, and it expires with the limit
+    token_limit: int = 0
+    request_token_limit: int = 0
 
 
 def rules_from_config(config: GatewayConfig) -> tuple[ProviderRules, ...]:
@@ -168,14 +183,31 @@ def snapshot_value(
     return min(known) if known else None
 
 
+def token_value(stated: Mapping[str, int], upstream_models: Iterable[str]) -> int:
+    """A snapshot's token value for a provider (R-L10): the minimum over its upstream
+    models of what their rows state, 0 (no token budget) when any row does not state
+    it (absent, or a model the answer does not list)."""
+    wanted = tuple(upstream_models)
+    if not wanted or any(model not in stated for model in wanted):
+        return 0
+    return min(stated[model] for model in wanted)
+
+
+def tightest(values: Iterable[int]) -> int:
+    """The tightest of several token budgets, 0 (none) counting as the loosest."""
+    stated = [value for value in values if value > 0]
+    return min(stated) if stated else 0
+
+
 def view_replica(
     replica: ReplicaResult, upstream_models: Iterable[str], now: float
 ) -> JudgedReplica:
     reason, detail = _recheck(replica, now)
     ok = reason == OK
-    value = (
-        snapshot_value(replica.models, upstream_models, complete=replica.complete) if ok else None
-    )
+    wanted = tuple(upstream_models)
+    value = snapshot_value(replica.models, wanted, complete=replica.complete) if ok else None
+    if ok and not replica.complete:  # R-L6: an absent model is unknown, not "no budget"
+        wanted = tuple(model for model in wanted if model in replica.models)
     return JudgedReplica(
         address=replica.address,
         ok=ok,
@@ -184,6 +216,8 @@ def view_replica(
         reason=reason,
         detail=detail,
         observed_at=replica.observed_at,
+        token_limit=token_value(replica.running_tokens, wanted) if ok else 0,
+        request_token_limit=token_value(replica.request_tokens, wanted) if ok else 0,
     )
 
 
@@ -256,6 +290,8 @@ def decide(
             fallback_source=fallback_source,
             replicas=views,
             missing_models=_absent_models(pairs, rules.upstream_models),
+            token_limit=found.token_limit,
+            request_token_limit=found.request_token_limit,
         )
     return _drain(decision, now) if legacy_draining else decision  # R-G3
 
@@ -355,6 +391,8 @@ class _Found:
     limit: int  # after the caps
     reason: str
     observed_at: float  # oldest snapshot it rests on
+    token_limit: int = 0  # R-L10
+    request_token_limit: int = 0
 
 
 def _discover(
@@ -383,12 +421,18 @@ def _discover(
         if incomplete:
             parts.append("ignored incomplete " + ", ".join(v.address for v, _ in incomplete))
         observed = min(_observed(v) for _, v, _ in complete)
-        return _Found(limit, ", ".join(parts), observed)
+        # R-L2 for tokens: the minimum, and one replica that does not say means none
+        tokens = min(v.token_limit for _, v, _ in complete)
+        request_tokens = min(v.request_token_limit for _, v, _ in complete)
+        if tokens:
+            parts.append(f"{tokens} tokens running, {request_tokens or 'unknown'} a request")
+        return _Found(limit, ", ".join(parts), observed, tokens, request_tokens)
 
     if incomplete:  # R-L6: only incomplete answers; they may lower, never raise
         raw = min(value for _, value in incomplete)
         observed = min(_observed(v) for v, _ in incomplete)
         base, base_name = fallback, "fallback"
+        base_tokens = base_request_tokens = 0
         if (
             previous is not None
             and previous.discovered is not None
@@ -397,6 +441,7 @@ def _discover(
             and previous.expires_at > now
         ):
             base, base_name = previous.discovered, "last discovered"
+            base_tokens, base_request_tokens = previous.token_limit, previous.request_token_limit
             observed = min(observed, previous.observed_at)
         limit, cap_text = _cap(min(raw, base), rules.provider_max)
         answers_text = ", ".join(f"{v.address} {value}" for v, value in incomplete)
@@ -404,7 +449,11 @@ def _discover(
         reason = f"only incomplete answer{plural} ({answers_text}), cannot raise {base_name} {base}"
         if cap_text:
             reason += f", {cap_text}"
-        return _Found(limit, reason, observed)
+        views = [v for v, _ in incomplete]
+        # R-L6 for tokens: tighten the base's budget, never loosen it
+        tokens = tightest([base_tokens, *(v.token_limit for v in views)])
+        request_tokens = tightest([base_request_tokens, *(v.request_token_limit for v in views)])
+        return _Found(limit, reason, observed, tokens, request_tokens)
 
     return "no valid answer: " + (
         "; ".join(_failure_text(v) for _, v in pairs) if pairs else "no replica answered"

@@ -424,6 +424,12 @@ async def _fetch(
         complete=snap.complete,
         observed_at=snap.observed_at,
         models={row.id: row.max_concurrent_requests for row in snap.models},
+        request_tokens={
+            row.id: row.request_tokens for row in snap.models if row.request_tokens is not None
+        },
+        running_tokens={
+            row.id: row.running_tokens for row in snap.models if row.running_tokens is not None
+        },
     )
 
 

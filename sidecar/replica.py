@@ -37,7 +37,9 @@ class ReplicaResult:
     """One replica (one resolved address of the provider's host) in one refresh.
 
     ``models`` maps upstream model id -> max_concurrent_requests and is only
-    meaningful when ``reason == "ok"``. ``detail`` is a short human phrase that
+    meaningful when ``reason == "ok"``; ``request_tokens`` and ``running_tokens`` map
+    the ids whose row states ``max_request_tokens`` / ``max_running_tokens`` (R-K7) to
+    them (an id absent there: unknown). ``detail`` is a short human phrase that
     never contains the key.
     """
 
@@ -47,6 +49,8 @@ class ReplicaResult:
     complete: bool = False
     observed_at: float | None = None
     models: dict[str, int] = field(default_factory=dict)
+    request_tokens: dict[str, int] = field(default_factory=dict)
+    running_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

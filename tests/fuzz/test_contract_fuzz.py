@@ -12,6 +12,7 @@ import json
 import math
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -21,18 +22,23 @@ from capacity_contract import (
     MAX_FUTURE_S,
     MAX_MODELS,
     MAX_SLOTS,
+    MAX_TOKENS,
     STALE_AFTER_S,
     CapacitySnapshot,
     ContractError,
+    ModelCapacity,
     check_freshness,
     decode_snapshot,
     encode_snapshot,
+    worst_case_snapshot_bytes,
 )
 
 json_values = json_value_strategy(5, 30)
-ROW_FIELDS = {"id", "max_concurrent_requests"}
+TOKEN_FIELDS = ("max_request_tokens", "max_running_tokens")
+ROW_FIELDS = {"id", "max_concurrent_requests", *TOKEN_FIELDS}
 model_ids = st.text(min_size=1, max_size=16) | st.text(min_size=250, max_size=256)
 slot_counts = st.integers(0, MAX_SLOTS)
+token_counts = st.integers(0, MAX_TOKENS) | st.sampled_from([0, MAX_TOKENS])
 finite_times = st.floats(0, 4e9, allow_nan=False, allow_infinity=False)
 unknown_fields = st.dictionaries(
     st.text(max_size=12).filter(
@@ -51,6 +57,9 @@ def valid_docs(draw: st.DrawFn) -> dict[str, Any]:
     rows = []
     for model in ids:
         row: dict[str, Any] = {"id": model, "max_concurrent_requests": draw(slot_counts)}
+        for name in TOKEN_FIELDS:  # R-K7: each optional
+            if draw(st.booleans()):
+                row[name] = draw(token_counts)
         row.update(
             draw(
                 st.dictionaries(
@@ -93,6 +102,8 @@ def assert_within_limits(snap: CapacitySnapshot) -> None:
     for m in snap.models:  # R-K3
         assert type(m.max_concurrent_requests) is int
         assert 0 <= m.max_concurrent_requests <= MAX_SLOTS
+        for value in (m.request_tokens, m.running_tokens):  # R-K7
+            assert value is None or (type(value) is int and 0 <= value <= MAX_TOKENS)
 
 
 @given(st.binary(max_size=400))
@@ -129,7 +140,11 @@ def test_r_k6_valid_documents_decode_with_unknown_fields_ignored_and_round_trip(
     assert [(m.id, m.max_concurrent_requests) for m in snap.models] == [
         (r["id"], r["max_concurrent_requests"]) for r in doc["models"]
     ]
+    assert [(m.request_tokens, m.running_tokens) for m in snap.models] == [
+        (r.get("max_request_tokens"), r.get("max_running_tokens")) for r in doc["models"]
+    ]
     assert decode_snapshot(encode_snapshot(snap)) == snap
+    assert len(encode_snapshot(snap)) <= worst_case_snapshot_bytes(m.id for m in snap.models)
 
 
 @given(valid_docs(), st.integers(1, 3))
@@ -217,3 +232,91 @@ def test_r_k4_freshness_is_stale_after_30s_and_future_beyond_5s(now: float, age:
         assert verdict == "stale"
     else:
         assert verdict is None
+
+
+bad_tokens = (
+    st.integers(max_value=-1)
+    | st.integers(min_value=MAX_TOKENS + 1)
+    | st.booleans()
+    | st.floats()
+    | st.text(max_size=5)
+    | st.none()
+)
+
+
+@given(valid_docs(), st.sampled_from(TOKEN_FIELDS), bad_tokens)
+def test_r_k7_a_token_field_that_is_not_an_integer_0_to_2_31_makes_the_snapshot_invalid(
+    doc: dict[str, Any], name: str, bad: Any
+) -> None:
+    assume(doc["models"])
+    doc["models"][-1][name] = bad  # null too: absent is the only way to say "unknown"
+    with pytest.raises(ContractError):
+        decode_snapshot(json.dumps(doc).encode())
+
+
+class _FirstRow(msgspec.Struct):
+    """A row as the first contract's decoder knew it (before R-K7), unknown fields ignored."""
+
+    id: str
+    max_concurrent_requests: int
+
+
+class _FirstSnapshot(msgspec.Struct):
+    object: str
+    version: int
+    complete: bool
+    observed_at: float
+    models: list[_FirstRow]
+
+
+_first_decoder = msgspec.json.Decoder(_FirstSnapshot, strict=True)
+
+
+@given(valid_docs())
+def test_r_k6_r_k7_a_reader_without_the_token_fields_reads_a_snapshot_with_them(
+    doc: dict[str, Any],
+) -> None:
+    old = _first_decoder.decode(encode_snapshot(decode_snapshot(json.dumps(doc).encode())))
+    assert [(m.id, m.max_concurrent_requests) for m in old.models] == [
+        (r["id"], r["max_concurrent_requests"]) for r in doc["models"]
+    ]
+
+
+@given(valid_docs())
+def test_r_k7_a_snapshot_without_the_token_fields_reads_as_unknown(doc: dict[str, Any]) -> None:
+    for row in doc["models"]:
+        for name in TOKEN_FIELDS:
+            row.pop(name, None)
+    snap = decode_snapshot(json.dumps(doc).encode())
+    assert all(m.request_tokens is None and m.running_tokens is None for m in snap.models)
+    rows = json.loads(encode_snapshot(snap))["models"]
+    assert all(set(row) == {"id", "max_concurrent_requests"} for row in rows)
+
+
+def test_r_k7_unknown_token_fields_are_left_out_of_the_body_not_written_null() -> None:
+    row = ModelCapacity(id="m", max_concurrent_requests=2)
+    assert msgspec.json.encode(row) == b'{"id":"m","max_concurrent_requests":2}'
+    row.max_running_tokens = 1536
+    assert msgspec.json.encode(row) == (
+        b'{"id":"m","max_concurrent_requests":2,"max_running_tokens":1536}'
+    )
+
+
+def test_r_k7_the_worst_case_counts_both_token_fields_at_their_bound() -> None:
+    ids = ["a", "\u202e" * 10, "x" * 256]
+    snap = CapacitySnapshot(
+        "inference_capacity",
+        1,
+        False,
+        -2.2250738585072014e-308,
+        [
+            ModelCapacity(
+                id=m,
+                max_concurrent_requests=MAX_SLOTS,
+                max_request_tokens=MAX_TOKENS,
+                max_running_tokens=MAX_TOKENS,
+            )
+            for m in ids
+        ],
+    )
+    assert len(encode_snapshot(snap)) == worst_case_snapshot_bytes(ids)

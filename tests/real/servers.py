@@ -148,11 +148,19 @@ class RealServer:
 
 
 def start_vllm(
-    model: Path, port: int, log: Path, *, max_num_seqs: int = 3, api_key: str | None = None
+    model: Path,
+    port: int,
+    log: Path,
+    *,
+    max_num_seqs: int = 3,
+    api_key: str | None = None,
+    max_model_len: int = 2048,
+    extra: tuple[str, ...] = (),
 ) -> RealServer:
+    """vLLM's OpenAI server; ``extra``: more of its flags (``--num-gpu-blocks-override``)."""
     py = python("vllm")
     assert py is not None
-    extra = {"VLLM_API_KEY": api_key} if api_key else {}
+    key = {"VLLM_API_KEY": api_key} if api_key else {}
     return RealServer(
         "vllm",
         [
@@ -167,15 +175,16 @@ def start_vllm(
             "--max-num-seqs",
             str(max_num_seqs),
             "--max-model-len",
-            "2048",
+            str(max_model_len),
             # on the CPU backend the memory fraction is of the whole machine; a fixed
             # KV cache skips that check (the tiny model needs a few MB)
             "--kv-cache-memory-bytes",
             str(256 << 20),
+            *extra,
         ],
         log,
         port,
-        offline_env(VLLM_CPU_OMP_THREADS_BIND="nobind", **extra),
+        offline_env(VLLM_CPU_OMP_THREADS_BIND="nobind", **key),
     )
 
 

@@ -208,3 +208,65 @@ def test_r_p6_a_snapshot_over_64_kib_is_served_incomplete_without_the_longest_ro
         object="inference_capacity", version=1, complete=True, observed_at=1.5, models=rows[:3]
     )
     assert within_contract(small)[0] is small and within_contract(small)[2] is None
+
+
+# --- R-K7: the token fields of a row ------------------------------------------------------
+
+
+def tok(n: int, request: int | None, running: int | None) -> Observation:
+    return Observation("ok", n, "vllm", request_tokens=request, running_tokens=running)
+
+
+def tokens(snapshot: object) -> dict[str, tuple[int | None, int | None]]:
+    return {
+        m.id: (m.request_tokens, m.running_tokens)
+        for m in snapshot.models  # type: ignore[attr-defined]
+    }
+
+
+def test_r_k7_the_largest_request_bound_and_the_sum_of_the_pools() -> None:
+    snap = aggregate(
+        [w("a", "m"), w("b", "m")],
+        (),
+        {"a": tok(2, 256, 512), "b": tok(4, 4096, 8192)},
+        0.0,
+    )
+    assert tokens(snap) == {"m": (4096, 8704)}
+
+
+def test_r_k7_one_counted_worker_that_does_not_state_a_field_leaves_it_out() -> None:
+    snap = aggregate(
+        [w("a", "m"), w("b", "m"), w("c", "m")],
+        (),
+        {"a": tok(2, 256, 512), "b": tok(2, None, 1024), "c": tok(2, 512, 512)},
+        0.0,
+    )
+    assert tokens(snap) == {"m": (None, 2048)}
+    row = next(iter(snap.models))
+    assert "max_request_tokens" not in msgspec.json.decode(msgspec.json.encode(row))
+
+
+def test_r_k7_only_counted_workers_decide_the_fields() -> None:
+    """A worker fenced, unhealthy, or with no slot for the model says nothing of it."""
+    observations = {
+        "a": tok(2, 256, 512),
+        "b": ok(4),  # fenced: slots only, but it does not count
+        "c": UNHEALTHY,
+        "d": Observation("ok", 3, "vllm", per_model={}),  # lists nothing: 0 for m
+    }
+    workers = [w("a", "m"), w("b", "m", fenced=True), w("c", "m"), w("d", "m")]
+    assert tokens(aggregate(workers, (), observations, 0.0)) == {"m": (256, 512)}
+
+
+def test_r_k7_a_model_nothing_serves_has_no_token_fields() -> None:
+    snap = aggregate([w("a", "m")], (), {"a": UNREACHABLE}, 0.0)
+    assert tokens(snap) == {"m": (None, None)}
+
+
+def test_r_k7_the_pool_sum_is_capped_at_the_contract_bound() -> None:
+    big = 2**31 - 1
+    snap = aggregate(
+        [w("a", "m"), w("b", "m")], (), {"a": tok(1, 10, big), "b": tok(1, 10, big)}, 0.0
+    )
+    assert tokens(snap) == {"m": (10, big)}
+    assert decode_snapshot(encode_snapshot(snap)) == snap

@@ -116,6 +116,10 @@ def test_r_k5_fence_and_unfence_through_the_cli_drain_and_restore_a_worker(
             "unserved": [],
             "activity": "",
             "unlisted": [],
+            # the simulated llama-server's /props says its slot's n_ctx, nothing in all
+            "request_tokens": 4096,
+            "running_tokens": None,
+            "tokens_from": "n_ctx 4096 a slot",
         },
     ]
     text = cli("show", "--url", router.url, "--key-file", str(key_file))
@@ -128,7 +132,9 @@ def test_r_k5_fence_and_unfence_through_the_cli_drain_and_restore_a_worker(
     assert restored.returncode == 0, restored.stderr
     answer = json.loads(restored.stdout)
     assert answer["worker"] == "a" and answer["fenced"] is False
-    assert answer["snapshot"]["models"] == [{"id": "wh", "max_concurrent_requests": 20}]
+    assert answer["snapshot"]["models"] == [
+        {"id": "wh", "max_concurrent_requests": 20, "max_request_tokens": 4096}
+    ]
     assert router.capacity() == {"wh": 20}
 
     code, err = router.terminate()
@@ -368,8 +374,8 @@ def test_r_p6_a_registry_whose_snapshot_could_pass_64_kib_is_refused_saying_why(
     ):
         err = result.stderr.strip()
         assert result.returncode == code and len(err.splitlines()) == 1, result
-        assert "could reach 70510 bytes, over the contract's 65536" in err, err
-        assert "é" * 24 + "…" + "é" * 9 + "000'" in err and "and 7 more)" in err  # named
+        assert "could reach 78702 bytes, over the contract's 65536" in err, err
+        assert "é" * 24 + "…" + "é" * 9 + "000'" in err and "and 19 more)" in err  # named
 
 
 def test_r_p6_show_refuses_an_answer_over_64_kib(
@@ -480,6 +486,10 @@ def test_r_k5_two_workers_on_one_socket_address_are_a_warning_in_check_show_and_
         f"warning: {said}: if they are one server, its slots count twice; list both URLs "
         "under one id"
     ]
+    # R-K7: where each worker's token capacity is read from
+    assert "  a (props): tokens from /props n_ctx a slot, /v1/models meta.n_ctx in all" in (
+        check.stdout.splitlines()
+    )
     router = serve(workers)
     assert router.capacity() == {"wh": 8}  # counted twice: a warning, not a refusal
     for _ in range(50):  # the names are resolved beside the rounds
@@ -507,11 +517,50 @@ def test_router_show_says_what_a_worker_that_is_not_fenced_but_not_counted_means
     )
     assert text.splitlines() == [
         "workers: 4 registered, 1 fenced",
-        "  a: in service, 4 slots (props)",
+        "  a: in service, 4 slots (props); tokens: not stated (slots only)",
         "  b: not fenced, answers but its slots cannot be read, so the snapshot is incomplete "
         "(props timed out)",
         "  c: not fenced, unreachable, its slots count 0 (connection refused)",
         "  d: FENCED (admin: router unfence)",
+    ]
+
+
+def test_r_k7_router_show_says_tokens_per_worker_and_per_model() -> None:
+    from gateway_capacity.cmd_router import _describe_snapshot, _describe_workers
+
+    workers = _describe_workers(
+        [
+            {
+                "id": "a",
+                "state": "ok",
+                "slots": 2,
+                "reason": "props",
+                "request_tokens": 256,
+                "running_tokens": 512,
+                "tokens_from": "n_ctx 256 a slot, 512 in all",
+            },
+            {"id": "m", "state": "ok", "slots": 4, "reason": "mlx"},
+        ],
+        [],
+    )
+    assert workers.splitlines()[1:] == [
+        "  a: in service, 2 slots (props); tokens: 256 a request, 512 running "
+        "(n_ctx 256 a slot, 512 in all)",
+        "  m: in service, 4 slots (mlx); tokens: not stated (slots only)",
+    ]
+    rows = [
+        {
+            "id": "tiny",
+            "max_concurrent_requests": 2,
+            "max_request_tokens": 256,
+            "max_running_tokens": 512,
+        },
+        {"id": "mlx", "max_concurrent_requests": 4},
+    ]
+    snapshot = _describe_snapshot({"observed_at": 0, "complete": True, "models": rows})
+    assert snapshot.splitlines()[1:] == [
+        "  tiny: 2 (tokens: 256 a request, 512 running)",
+        "  mlx: 4 (tokens: slots only)",
     ]
 
 

@@ -52,5 +52,12 @@ def test_r_k5_router_reads_the_replayed_answers_of_each_server(
     assert list(status.unlisted) == expect.get("unlisted", [])
     if "activity" in expect:
         assert status.activity == expect["activity"]
+    # R-K7: each row's token fields as the server's own source states them, none where
+    # it does not (a fixture without "tokens" states none)
+    assert {
+        row.id: [row.request_tokens, row.running_tokens]
+        for row in snap.models
+        if row.request_tokens is not None or row.running_tokens is not None
+    } == expect.get("tokens", {})
     for path in expect.get("never", []):  # e.g. a path that would load or hold a model
         assert path not in server.requested

@@ -39,8 +39,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def openai_sim() -> Iterator[Callable[..., SimWorker]]:
     with stopped_at_exit(SimWorker.stop) as keep:
 
-        def make(slots: int = 4, delay: float = 0.05, model: str = "wh") -> SimWorker:
-            w = SimWorker(slots=slots, openai=True, delay=delay, model=model)
+        def make(
+            slots: int = 4, delay: float = 0.05, model: str = "wh", n_ctx: int = 4096
+        ) -> SimWorker:
+            w = SimWorker(slots=slots, openai=True, delay=delay, model=model, n_ctx=n_ctx)
             w.start()
             return keep(w)
 
@@ -467,3 +469,64 @@ def test_r_k5_connection_drops_only_hop_by_hop_names_never_the_clients_accept_en
     assert headers["accept-encoding"] == "identity"
     assert "x-hop" not in headers
     assert "connection" not in headers or "x-hop" not in headers["connection"]
+
+
+# -- a request larger than a worker's slot (R-K7) ----------------------------------------
+
+
+def test_r_k7_the_estimate_is_the_body_over_four_plus_what_it_asks_to_generate() -> None:
+    body = json.dumps({"model": "wh", "messages": MESSAGES, "max_tokens": 100}).encode()
+    fields = proxy._model_decoder.decode(body)
+    assert proxy.request_tokens(body, fields) == len(body) // 4 + 100
+    both = json.dumps({"model": "wh", "max_tokens": 100, "max_completion_tokens": 7}).encode()
+    assert proxy.request_tokens(both, proxy._model_decoder.decode(both)) == len(both) // 4 + 7
+    for odd in ('"x"', "true", "-5", "1.5", "null"):  # the worker judges these, not us
+        raw = f'{{"model": "wh", "max_tokens": {odd}}}'.encode()
+        assert proxy.request_tokens(raw, proxy._model_decoder.decode(raw)) == len(raw) // 4
+
+
+def test_r_k7_a_large_request_goes_to_the_worker_whose_slot_holds_it(
+    router: Router, openai_sim: OpenAISim
+) -> None:
+    small, large = openai_sim(n_ctx=256), openai_sim(n_ctx=4096)
+    r = router([worker("small", [small.url], ["wh"]), worker("large", [large.url], ["wh"])])
+    assert {s.id: s.request_tokens for s in r.workers()} == {"small": 256, "large": 4096}
+    client = sdk(r)
+    for _ in range(3):  # 1000 tokens to generate: only the large one holds it
+        client.chat.completions.create(model="wh", messages=MESSAGES, max_tokens=1000)
+    wait_for(lambda: r.in_flight() == {}, what="the requests' end")
+    assert (small.completions, large.completions) == (0, 3)
+    for _ in range(4):  # a small request may go to either: the most free slots decide
+        client.chat.completions.create(model="wh", messages=MESSAGES, max_tokens=3)
+    wait_for(lambda: r.in_flight() == {}, what="the requests' end")
+    assert small.completions + large.completions == 7
+
+
+def test_r_k7_a_request_no_worker_holds_is_400_with_the_numbers_and_reaches_none(
+    router: Router, openai_sim: OpenAISim
+) -> None:
+    a, b = openai_sim(n_ctx=256), openai_sim(n_ctx=512)
+    r = router([worker("a", [a.url], ["wh"]), worker("b", [b.url], ["wh"])])
+    prompt = [{"role": "user", "content": "word " * 480}]  # 2,400 bytes: about 600 tokens
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk(r).chat.completions.create(model="wh", messages=prompt, max_tokens=10)
+    assert refused.value.code == "context_length_exceeded"
+    message = refused.value.message
+    assert "hold at most 512 a request" in message and "needs about 6" in message, message
+    assert a.completions == b.completions == 0
+    assert r.in_flight() == {}
+
+
+def test_r_k7_a_worker_that_states_no_request_bound_takes_any_request(
+    router: Router, openai_sim: OpenAISim, recording: RecordingWorker
+) -> None:
+    a = openai_sim(n_ctx=256)
+    r = router([worker("a", [a.url], ["wh"]), worker("r", [recording.url], ["wh"])])
+    assert {s.id: s.request_tokens for s in r.workers()} == {"a": 256, "r": None}
+    body = json.dumps({"model": "wh", "messages": MESSAGES, "max_tokens": 5000}).encode()
+    answer = httpx.post(
+        f"{r.url}/v1/chat/completions", content=body, headers=AUTH, trust_env=False, timeout=30
+    )
+    assert answer.status_code == 200, answer.text
+    assert [seen[2] for seen in recording.seen] == [body]
+    assert a.completions == 0

@@ -131,21 +131,31 @@ def test_r_k5_shared_sockets_warns_only_for_two_ids_on_one_address_and_path() ->
 
 def test_r_p6_the_registry_bound_is_the_longest_snapshot_to_the_byte() -> None:
     """Ids that reach 65,536 bytes exactly at their longest snapshot pass, one byte more
-    is refused: UTF-8, JSON escaping, a 4-digit count and the longest float counted."""
+    is refused: UTF-8, JSON escaping, a 4-digit count, both token fields at their bound
+    (R-K7) and the longest float counted."""
     from capacity_contract import (
         MAX_SNAPSHOT_BYTES,
+        MAX_TOKENS,
         CapacitySnapshot,
         ModelCapacity,
         encode_snapshot,
     )
 
-    ids = ['é"\n' * 76 + f"{i:03d}" for i in range(128)]  # 2 + 2 + 2 bytes a triple
+    ids = ['é"\n' * 66 + f"{i:03d}" for i in range(128)]  # 2 + 2 + 2 bytes a triple
     longest = CapacitySnapshot(
         object="inference_capacity",
         version=1,
         complete=False,
         observed_at=-2.2250738585072014e-308,
-        models=[ModelCapacity(id=m, max_concurrent_requests=4096) for m in ids],
+        models=[
+            ModelCapacity(
+                id=m,
+                max_concurrent_requests=4096,
+                max_request_tokens=MAX_TOKENS,
+                max_running_tokens=MAX_TOKENS,
+            )
+            for m in ids
+        ],
     )
     size = len(encode_snapshot(longest))
     pad = MAX_SNAPSHOT_BYTES - size  # spread over the ids, a byte or a few each

@@ -11,7 +11,10 @@ finish), and damage (a bad write to a counter, its check word, a member's serial
 in_use word, a published deadline, the lock word, a record's state word with garbage),
 admission classes written, changed and removed under traffic (reserves, caps, promotion
 after maxWait, displacement from a full queue, R-A17..R-A21) and handlers of the older
-minor registering (the classes suspended while they are),
+minor registering (the classes suspended while they are), and token budgets (DESIGN.md
+section 6c, R-T1..R-T6): requests charged tokens, budgets published and expiring, a
+request above them refused, a head that does not fit holding those behind it, the
+charges of the dead returned by the sweep, handlers of 3.1 suspending the budget,
 on a real segment through the compiled core (``shm_layout/_core.c``), and the same
 steps on a plain bytearray through the Python model (``shm_layout/ledger.py``). Lies a
 trusted writer could tell (a free record written back to life, a live record's state
@@ -84,7 +87,9 @@ CODES = {
     _core.WAIT_REFUSED: "wait_refused",
     _core.CLOSED: "closed",
     _core.MOVED: "moved",
+    _core.TOO_LARGE: "too_large",
 }
+CHARGES = st.sampled_from([0, 0, 40, 150, 300, 700])  # tokens a request is charged
 WAS = {0: "stale", 1: "running", 2: "waiting"}
 
 
@@ -163,11 +168,16 @@ class CoreAgainstModel(RuleBasedStateMachine):
         may_wait=st.booleans(),
         count=st.integers(1, 4),
         cls=st.integers(-1, 3),
+        tokens=st.lists(CHARGES, min_size=4, max_size=4),
     )
-    def arrive(self, who: int, provider: int, may_wait: bool, count: int, cls: int) -> Any:
+    def arrive(
+        self, who: int, provider: int, may_wait: bool, count: int, cls: int, tokens: list[int]
+    ) -> Any:
         """Up to 4 arrivals in one step, so that queues form often."""
         provider %= self.rows
-        return multiple(*(self._arrive(who + i, provider, may_wait, cls) for i in range(count)))
+        return multiple(
+            *(self._arrive(who + i, provider, may_wait, cls, tokens[i]) for i in range(count))
+        )
 
     @precondition(lambda self: any(m.alive and not m.retired for m in self.members))
     @rule(
@@ -184,10 +194,12 @@ class CoreAgainstModel(RuleBasedStateMachine):
         provider %= self.rows
         return multiple(*(self._arrive(who + i, provider, True, c) for i, c in enumerate(classes)))
 
-    def _arrive(self, who: int, provider: int, may_wait: bool, cls: int = -1) -> Any:
+    def _arrive(
+        self, who: int, provider: int, may_wait: bool, cls: int = -1, tokens: int = 0
+    ) -> Any:
         live = [m for m in self.members if m.alive and not m.retired]
         m = live[who % len(live)]
-        ticket = _core.Ticket()
+        ticket = _core.Ticket(tokens=tokens)
         code = m.core.arrive(
             ticket, provider, m.pid, self.now, may_wait=may_wait, blocking=True, cls=cls
         )
@@ -200,8 +212,11 @@ class CoreAgainstModel(RuleBasedStateMachine):
             may_wait=may_wait,
             registered=not m.closing,
             cls=cls,
+            tokens=tokens,
         )
         assert CODES[code] == decision
+        if decision == "too_large":  # R-T2: refused at once, and only when above a limit
+            assert rows.too_large(tokens, rows.token_budget(self.seg.buf, provider, self.now))
         if decision != "closed":
             self.damaged.discard(provider)  # the arrival looked at this provider's counters
         if model_ticket is not None:
@@ -252,10 +267,19 @@ class CoreAgainstModel(RuleBasedStateMachine):
         provider=st.sampled_from(range(len(PROVIDERS))),
         limit=st.integers(0, 5),
         ttl=st.integers(1, 40),
+        tokens=st.sampled_from([0, 0, 400, 1000]),
+        per_request=st.sampled_from([0, 250, 800]),
     )
-    def publish(self, provider: int, limit: int, ttl: int) -> None:
+    def publish(self, provider: int, limit: int, ttl: int, tokens: int, per_request: int) -> None:
+        """A publication, with a token budget (0: none) and the most one request may hold
+        (0: unknown), as the writer writes them: before the limit."""
         base = rows.provider_base(provider)
         writes = [
+            (base + PROVIDER["token_limit"].offset, PROVIDER["token_limit"].codec.pack(tokens)),
+            (
+                base + PROVIDER["request_token_limit"].offset,
+                PROVIDER["request_token_limit"].codec.pack(per_request),
+            ),
             (
                 base + PROVIDER["expires_mono"].offset,
                 PROVIDER["expires_mono"].codec.pack(self.now + ttl),
@@ -561,12 +585,12 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.model.repair()
 
     @precondition(lambda self: len(self.members) < 8 and self.replacement is None)
-    @rule(older=st.booleans())
-    def a_process_registers(self, older: bool) -> None:
-        """A new handler; ``older``: one of layout 3.0, which suspends the classes."""
+    @rule(minor=st.sampled_from([layout.MINOR, layout.MINOR, 1, 0]))
+    def a_process_registers(self, minor: int) -> None:
+        """A new handler; of layout 3.0 it suspends the classes and the token budget, of
+        3.1 the token budget alone."""
         taken = {m.index for m in self.members if m.alive}
         pid = 200 + len(self.members)
-        minor = layout.MINOR - 1 if older else layout.MINOR
 
         def taken_or_claimed(m: int) -> bool:
             if m in taken:
@@ -590,8 +614,9 @@ class CoreAgainstModel(RuleBasedStateMachine):
         real = bytes(self.seg.buf[: layout.TOTAL_SIZE])
         start = layout.PROVIDERS_BASE
         assert real[start:] == bytes(self.model_buf[start:]), self._first_difference(real)
-        older = layout.HEADER["older_members"]
-        assert older.get(self.seg.buf) == older.get(self.model_buf)
+        for name in ("older_members", "tokenless_members"):
+            older = layout.HEADER[name]
+            assert older.get(self.seg.buf) == older.get(self.model_buf), name
 
     def _first_difference(self, real: bytes) -> str:
         for i, (a, b) in enumerate(zip(real, self.model_buf, strict=True)):
@@ -658,6 +683,15 @@ class CoreAgainstModel(RuleBasedStateMachine):
             ]
             running, waiting = states.count(HOLDER_RUNNING), states.count(HOLDER_WAITING)
             assert all(s in (HOLDER_FREE, HOLDER_RUNNING, HOLDER_WAITING) for s in states)
+            charges = [
+                HOLDER["tokens"].get(buf, rows.holder_base(p, h))
+                for h in range(layout.HOLDERS_PER_PROVIDER)
+            ]
+            tokens_running = sum(
+                c for c, s in zip(charges, states, strict=True) if s == HOLDER_RUNNING
+            )
+            # R-T4: the tokens in flight are the charges of the running records
+            assert PROVIDER["tokens_running"].get(buf, base) == tokens_running
             assert (PROVIDER["running"].get(buf, base), PROVIDER["waiting"].get(buf, base)) == (
                 running,
                 waiting,
@@ -668,8 +702,20 @@ class CoreAgainstModel(RuleBasedStateMachine):
             if self.unpumped or not waiting:
                 continue
             count = rows.classes_in_force(buf, p)
+            budget = rows.token_limit_in_force(buf, p, self.now)
             if not count:  # R-A1/R-A3: nobody waits while there is room
-                assert running >= limit, (p, running, waiting, limit)
+                if running < limit:  # R-T3: only because the head's tokens do not fit
+                    head = min(
+                        (HOLDER["ticket"].get(buf, rows.holder_base(p, h)), h)
+                        for h, s in enumerate(states)
+                        if s == HOLDER_WAITING
+                    )[1]
+                    assert not rows.tokens_fit(tokens_running, charges[head], budget), (
+                        p,
+                        running,
+                        waiting,
+                        limit,
+                    )
                 continue
             # R-A18/R-A19: no waiter that may run is left waiting
             rules = rows.class_rules(buf, p, count)
@@ -687,12 +733,14 @@ class CoreAgainstModel(RuleBasedStateMachine):
                 promoted = (
                     k > 0 and wait > 0 and self.now - HOLDER["since_mono"].get(buf, hb) >= wait
                 )
-                assert not ledger.may_run(k, running, run, limit, rules, promoted=promoted), (
-                    p,
-                    h,
-                    k,
-                    run,
-                )
+                if ledger.may_run(k, running, run, limit, rules, promoted=promoted):
+                    # R-T3: a waiter the slots let run waits only for its tokens, or behind
+                    # one of its rank or above that does
+                    assert budget and any(
+                        not rows.tokens_fit(tokens_running, charges[j], budget)
+                        for j, s in enumerate(states)
+                        if s == HOLDER_WAITING
+                    ), (p, h, k, run)
 
 
 @pytest.mark.timeout(900)  # 200 examples of 50 steps each, on a loaded 2-core machine
