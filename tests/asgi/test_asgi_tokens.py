@@ -16,7 +16,12 @@ from typing import Any
 
 from handler_shim import Admission
 from handler_shim.asgi import AdmissionMiddleware, by_model
-from handler_shim.model_choice import MESSAGE_OVERHEAD, REQUEST_OVERHEAD, prompt_bound, request_charge
+from handler_shim.model_choice import (
+    MESSAGE_OVERHEAD,
+    REQUEST_OVERHEAD,
+    prompt_bound,
+    request_charge,
+)
 from shm_layout import layout, writer
 from shm_layout.view import read_view
 
