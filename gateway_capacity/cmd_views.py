@@ -201,6 +201,15 @@ def availability_text(view: SegmentView) -> str:
             f"({p.fallback_source})"
         )
         lines.append(f"  reason: {_one_line(shown(_as_stored(p.reason, 'provider')))}")
+        if p.token_limit is not None or p.request_token_limit is not None:
+            budget = "-" if p.token_limit is None else str(p.token_limit)
+            per = "" if p.request_token_limit is None else f"  per request {p.request_token_limit}"
+            suspended = (
+                "  SUSPENDED (a layout 3.1 or older handler is registered: slots alone)"
+                if p.tokens_suspended
+                else ""
+            )
+            lines.append(f"  tokens {p.tokens_running}/{budget}{per}{suspended}")
         if p.classes:
             suspended = " SUSPENDED (a layout 3.0 handler is registered: one FIFO)"
             lines.append(f"  classes{suspended if p.classes_suspended else ''}:")

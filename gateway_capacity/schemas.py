@@ -135,6 +135,27 @@ class Provider(Struct, kw_only=True):
         bool,
         Meta(description="classes configured, but a layout 3.0 handler is registered: one FIFO"),
     ] = False
+    token_limit: Annotated[
+        Count | None,
+        Meta(
+            description="tokens all running requests may hold together (DESIGN.md 6c); "
+            "null: no token budget in force, admission on slots alone"
+        ),
+    ] = None
+    request_token_limit: Annotated[
+        Count | None,
+        Meta(description="the most tokens one request may hold; null: unknown"),
+    ] = None
+    tokens_running: Annotated[
+        Count, Meta(description="tokens charged to live processes' running requests")
+    ] = 0
+    tokens_suspended: Annotated[
+        bool,
+        Meta(
+            description="a token budget is published, but a handler of layout 3.1 or older "
+            "is registered: admission on slots alone until it is gone"
+        ),
+    ] = False
 
 
 class AdmissionClass(Struct, kw_only=True):
@@ -257,6 +278,7 @@ class Holder(Struct, kw_only=True):
     member: Annotated[int, Meta(description="index of the owning handler process's registration")]
     generation: Annotated[str | None, Meta(description="the owner's generation label")]
     since: Annotated[UnixTime, Meta(description="when it arrived or was admitted")]
+    tokens: Annotated[Count, Meta(description="tokens it is charged (0: slots only)")] = 0
 
 
 class Member(Struct, kw_only=True):

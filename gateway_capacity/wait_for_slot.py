@@ -72,6 +72,21 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLoad(Load):
+    """A local sample with the provider's token budget (docs/DESIGN.md section 6c): room
+    when the slots allow and ``tokens`` more fit beside those running (no budget in
+    force: the slots alone)."""
+
+    tokens_running: int = 0
+    tokens: int = 0
+    token_limit: int = 0  # 0: none in force
+
+    def has_room(self, need: int) -> bool:
+        fits = not self.token_limit or self.tokens_running + self.tokens <= self.token_limit
+        return Load.has_room(self, need) and fits
+
+
+@dataclass(frozen=True, slots=True)
 class Result:
     """How a wait ended. ``outcome`` is ``room``, ``no_room``, ``gave_up`` or ``error``."""
 
@@ -157,7 +172,7 @@ def describe(last: Sample, need: int) -> str:
         relation, verdict = ("<=", "room") if last.has_room(need) else (">", "no room")
         return (
             f"running {last.running:g} + waiting {last.waiting:g} + need {need} = {total:g} "
-            f"{relation} limit {last.limit}: {verdict}"
+            f"{relation} limit {last.limit}" + _tokens_said(last) + f": {verdict}"
         )
     if isinstance(last, Unreachable):
         return f"no answer: {last.reason} (is the URL right?)"
@@ -169,6 +184,17 @@ def describe(last: Sample, need: int) -> str:
 # --------------------------------------------------------------------------- the key
 # The key file follows the probe's rules (sidecar/credential.py, R-P7): a regular
 # file, not a symlink, mode 600 or stricter, trailing CR/LF/space trimmed.
+
+
+def _tokens_said(last: Load) -> str:
+    if not isinstance(last, TokenLoad) or not last.token_limit:
+        return ""
+    total = last.tokens_running + last.tokens
+    relation = "<=" if total <= last.token_limit else ">"
+    return (
+        f", tokens running {last.tokens_running} + {last.tokens} = {total} {relation} "
+        f"token limit {last.token_limit}"
+    )
 
 
 def key_from_env(name: str) -> Secret:
@@ -225,7 +251,9 @@ def class_load(provider: ProviderView, cls: str) -> Load | str:
     return Load(float(running), float(ahead), max(limit, 0))
 
 
-def _sample_local(segment: str, provider_id: str, need: int, cls: str | None = None) -> Sample:
+def _sample_local(
+    segment: str, provider_id: str, need: int, cls: str | None = None, tokens: int = 0
+) -> Sample:
     """One reading of this host's segment (R-W4): gate on the provider's effective limit.
 
     A ``need`` above the highest limit the provider can reach without a config edit
@@ -258,8 +286,23 @@ def _sample_local(segment: str, provider_id: str, need: int, cls: str | None = N
         )
     if cls is not None:
         load = class_load(provider, cls)
-        return Fatal(load) if isinstance(load, str) else load
-    return Load(float(provider.running), float(provider.waiting), provider.effective_limit)
+        if isinstance(load, str):
+            return Fatal(load)
+    else:
+        load = Load(float(provider.running), float(provider.waiting), provider.effective_limit)
+    if not tokens:
+        return load
+    per, total = provider.request_token_limit, provider.token_limit
+    if (per is not None and tokens > per) or (total is not None and tokens > total):
+        return Fatal(
+            f"--tokens {tokens} can never fit: provider {provider_id}'s workers hold at most "
+            f"{per if per is not None and tokens > per else total} tokens "
+            + ("a request" if per is not None and tokens > per else "together")
+        )
+    budget = 0 if total is None or provider.tokens_suspended else total
+    return TokenLoad(
+        load.running, load.waiting, load.limit, provider.tokens_running, tokens, budget
+    )
 
 
 def limit_ceiling(*, discovery: bool, fallback: int, fallback_source: str) -> tuple[int, str]:
@@ -371,6 +414,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--class", dest="cls", metavar="NAME",
         help="gate on the room this admission class of the provider sees (docs/classes.md)",
     )  # fmt: skip
+    local.add_argument(
+        "--tokens", type=int, default=0, metavar="N",
+        help="and on N tokens fitting the provider's token budget (docs/DESIGN.md 6c)",
+    )  # fmt: skip
     add_target_options(parser)  # --config / --segment, for local mode
     parser.add_argument(
         "--need", type=int, default=DEFAULT_NEED, metavar="N",
@@ -404,6 +451,8 @@ def _validate_numbers(args: argparse.Namespace) -> None:
             fail(f"{option} must be a finite number of seconds", code=EXIT_FATAL)
     if args.need < 1:
         fail("--need must be at least 1", code=EXIT_FATAL)
+    if args.tokens < 0:
+        fail("--tokens must be 0 or more", code=EXIT_FATAL)
     if args.interval <= 0:
         fail("--interval must be more than 0 seconds", code=EXIT_FATAL)
     if args.max_wait < 0:
@@ -423,6 +472,8 @@ def _metrics_sampler(args: argparse.Namespace) -> MetricsSampler:
         fail(
             "--class is for local mode (--provider): a server's metrics know no classes", EXIT_FATAL
         )
+    if args.tokens:
+        fail("--tokens is for local mode (--provider): it reads the segment's budget", EXIT_FATAL)
     if not args.url or not (args.model or is_direct(args.url)):
         fail(
             "give --url BASE and --model M (llama-swap, or a capacity router), --url "
@@ -479,7 +530,8 @@ def _local_sampler(args: argparse.Namespace) -> Callable[[], Sample]:
     provider_id: str = args.provider
     need: int = args.need
     cls: str | None = args.cls
-    return lambda: _sample_local(segment, provider_id, need, cls)
+    tokens: int = args.tokens
+    return lambda: _sample_local(segment, provider_id, need, cls, tokens)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -66,6 +66,7 @@ from shm_layout.errors import AdmissionError as AdmissionError
 from shm_layout.errors import AdmissionTimeout as AdmissionTimeout
 from shm_layout.errors import GatewayCapacityError, ProviderIdError, TableFull
 from shm_layout.errors import QueueFull as QueueFull
+from shm_layout.errors import RequestTooLarge as RequestTooLarge
 from shm_layout.errors import UnknownProvider as UnknownProvider
 from shm_layout.layout import HOLDER_RUNNING, HOLDER_WAITING
 from shm_layout.liveness import process_start
@@ -243,15 +244,19 @@ class _Attachment:
             from shm_layout import writer
 
             try:
-                p, created = writer.ensure_provider(
-                    self.seg, e.provider_id, e.fallback, e.fallback_source, discovery=e.discovery
+                # the creating shim writes the classes a sidecar would, with the row (R-A21)
+                _, created = writer.ensure_provider(
+                    self.seg,
+                    e.provider_id,
+                    e.fallback,
+                    e.fallback_source,
+                    discovery=e.discovery,
+                    classes=e.classes,
+                    default_class=e.default_class,
                 )
             except TableFull as exc:
                 self.overflow[e.provider_id] = str(exc)
                 continue
-            if created and e.classes:  # the creating shim writes what a sidecar would (R-A21)
-                writes = writer.class_writes(p, e.classes, e.default_class)
-                self.seg.core.transact([], writes, True, 0.0)
             if created and e.fallback > layout.RUNNING_ROOM:
                 log.warning(
                     "provider %s: maxConcurrent %d is above what the segment can hold; "
@@ -511,21 +516,69 @@ class Admission:
 
     # --- the public API -----------------------------------------------------------------
     def slot_blocking(
-        self, provider: str, timeout: float | None = None, *, cls: str | None = None
+        self,
+        provider: str,
+        timeout: float | None = None,
+        *,
+        cls: str | None = None,
+        tokens: int = 0,
     ) -> CoreTicket:
         """``with adm.slot_blocking(provider, timeout):`` one running slot for the body.
         ``cls``: the admission class (docs/classes.md); None or a name the provider does
-        not have: its default class (R-A22)."""
+        not have: its default class (R-A22). ``tokens``: what the request may hold,
+        prompt and generated (docs/DESIGN.md section 6c); 0 slots only. A request no
+        worker could hold raises :class:`RequestTooLarge` at once (R-T2)."""
         att = self._usable()
         p = att.index.get(provider)
         if p is None:
             att, p = self._look_up(att, provider)
+        if tokens:
+            return self._charged(att, p, timeout, cls, tokens)
         if cls is None:
             return _core.Ticket(att.core, p, timeout)
         return _core.Ticket(att.core, p, timeout, cls=self._class_index(att, p, cls))
 
+    def _charged(
+        self, att: _Attachment, p: int, timeout: float | None, cls: str | None, tokens: int
+    ) -> CoreTicket:
+        """A ticket charged ``tokens`` (the core checks them against the budget)."""
+        if not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens must be a whole number of tokens >= 0, not {tokens!r}")
+        if tokens > layout.MAX_CHARGE:
+            raise self._too_large(att, p, tokens)
+        index = -1 if cls is None else self._class_index(att, p, cls)
+        return _core.Ticket(att.core, p, timeout, cls=index, tokens=tokens)
+
+    def _too_large(self, att: _Attachment, p: int, tokens: int) -> RequestTooLarge:
+        """The refusal of a request charged more tokens than any worker can hold, with the
+        numbers as published (a lock-free look at the provider's row)."""
+        name = att.provider_name(p)
+        budget = rows.token_budget(att.buf, p, platform.deadline_now())
+        per_request, total = budget.request_limit or None, budget.limit or None
+        if tokens > layout.MAX_CHARGE:
+            why = f"the most one request may be charged is {layout.MAX_CHARGE}"
+        elif per_request is not None and tokens > per_request:
+            why = f"the most one request of it may hold is {per_request} tokens"
+        elif total is not None:
+            why = f"all its running requests together may hold {total} tokens"
+        else:
+            why = "its token budget changed meanwhile"
+        return RequestTooLarge(
+            f"provider {name}: this request needs {tokens} tokens (prompt and max_tokens), "
+            f"and {why}: shorten it or lower max_tokens",
+            provider=name,
+            tokens=tokens,
+            request_token_limit=per_request,
+            token_limit=total,
+        )
+
     def slot(
-        self, provider: str, timeout: float | None = None, *, cls: str | None = None
+        self,
+        provider: str,
+        timeout: float | None = None,
+        *,
+        cls: str | None = None,
+        tokens: int = 0,
     ) -> CoreTicket:
         """``async with adm.slot(provider, timeout):`` the same; never blocks the event loop
         on a wait (R-A11)."""
@@ -537,6 +590,8 @@ class Admission:
         p = att.index.get(provider)
         if p is None:
             att, p = self._look_up(att, provider)
+        if tokens:
+            return self._charged(att, p, timeout, cls, tokens)
         if cls is None:
             return _core.Ticket(att.core, p, timeout)
         return _core.Ticket(att.core, p, timeout, cls=self._class_index(att, p, cls))
@@ -554,8 +609,8 @@ class Admission:
         from shm_layout import view
 
         index = view.class_index(att.buf, p, cls)
-        if index >= 0:
-            name = layout.encode_text(cls, CLASS_NAME_BYTES).ljust(CLASS_NAME_BYTES, b"\0")
+        name = view.class_name_bytes(cls)
+        if index >= 0 and name is not None:
             att.classes[(p, cls)] = (name, index)
         if index < 0:
             self._log_once(
@@ -566,38 +621,50 @@ class Admission:
         return index
 
     async def acquire(
-        self, provider: str, timeout: float | None = None, *, cls: str | None = None
+        self,
+        provider: str,
+        timeout: float | None = None,
+        *,
+        cls: str | None = None,
+        tokens: int = 0,
     ) -> Ticket:
         """Take one running slot of ``provider`` and return its :class:`Ticket`, for code
         that takes and gives back the slot in different callbacks (a LiteLLM hook, say).
         The same waiting and errors as :meth:`slot`; give it back with :meth:`release`."""
-        ticket = self.slot(provider, timeout, cls=cls)
+        ticket = self.slot(provider, timeout, cls=cls, tokens=tokens)
         await ticket.__aenter__()
         return Ticket(provider, ticket)
 
-    def try_acquire(self, provider: str, *, cls: str | None = None) -> Ticket | None:
+    def try_acquire(
+        self, provider: str, *, cls: str | None = None, tokens: int = 0
+    ) -> Ticket | None:
         """A slot of ``provider`` only if one is free at once: one try-lock step, never
         queued, never waiting, safe on an event loop. None when the request would have to
         wait (or the lock is busy): then call :meth:`acquire`, which queues it. Raises
         ``QueueFull`` as :meth:`acquire` does. Give the ticket back with :meth:`release`."""
-        ticket = self.slot(provider, cls=cls)
+        ticket = self.slot(provider, cls=cls, tokens=tokens)
         core = _core_of(ticket)
         code = core.arrive(
             ticket, ticket.provider, os.getpid(), IN_CORE, may_wait=False, blocking=False
         )
         if code == _core.ADMIT:
             return Ticket(provider, ticket)
-        if code in (_core.FULL, _core.CLOSED):
+        if code in (_core.FULL, _core.CLOSED, _core.TOO_LARGE):
             raise self._refusal(ticket, code)
         if code == _core.MOVED:
             self._moved_ticket(ticket)  # the name leads elsewhere: arrivals go there now
         return None  # would wait (nothing recorded), the lock is busy, or it just moved
 
     def acquire_blocking(
-        self, provider: str, timeout: float | None = None, *, cls: str | None = None
+        self,
+        provider: str,
+        timeout: float | None = None,
+        *,
+        cls: str | None = None,
+        tokens: int = 0,
     ) -> Ticket:
         """The blocking form of :meth:`acquire`."""
-        ticket = self.slot_blocking(provider, timeout, cls=cls)
+        ticket = self.slot_blocking(provider, timeout, cls=cls, tokens=tokens)
         ticket.__enter__()
         return Ticket(provider, ticket)
 
@@ -626,6 +693,13 @@ class Admission:
         att = self._usable()
         load = rows.provider_load(att.buf, att.provider(provider), platform.deadline_now())
         return retry_after_seconds(load.hold_mean_s, load.waiting, load.limit)
+
+    def request_token_limit(self, provider: str) -> int | None:
+        """The most tokens one request of ``provider`` may hold, as published and in force
+        (docs/DESIGN.md section 6c); None unknown. Lock-free."""
+        att = self._usable()
+        budget = rows.token_budget(att.buf, att.provider(provider), platform.deadline_now())
+        return budget.request_limit or None
 
     def close(self, grace: float = CLOSE_GRACE_S) -> None:
         """Deregister, safely (R-A14): new arrivals are refused from now on; waiting
@@ -743,6 +817,8 @@ class Admission:
             )
         if code == _core.CLOSED:
             return AdmissionError("this Admission was closed")
+        if code == _core.TOO_LARGE:
+            return self._too_large(att, ticket.provider, ticket.tokens)
         return AdmissionError(f"admission refused (code {code})")
 
     def _displaced(self, ticket: CoreTicket) -> QueueFull:

@@ -47,6 +47,13 @@ gunicorn with uvicorn workers, with or without ``--preload``.
   ``{"error": {"message", "type", "param", "code"}}``. ``Retry-After`` is the
   provider's drain estimate (``Admission.retry_after``: mean hold time x queue
   ahead / limit, clamped to 1..60 s) unless ``retry_after=`` fixes it.
+* **Tokens** (docs/DESIGN.md section 6c). A request whose JSON body :data:`by_model`
+  read is charged its prompt's bound (``model_choice.prompt_bound``: UTF-8 bytes plus the
+  template's overhead, never fewer than the tokens of a byte-level BPE tokenizer) plus
+  its ``max_tokens`` (or ``max_completion_tokens``; none: the most one request of the
+  provider may hold, when published). A request that no worker could hold is answered
+  **400** ``context_length_exceeded`` naming the numbers, at once, never queued.
+  ``charge_tokens=False`` admits on slots alone.
 * **Which class.** ``admission_class=`` (docs/classes.md) is a class name, a function
   of the scope, or a :class:`ClassMap` (from a header, a path prefix or the caller's
   key); None, or a name the provider lacks, is the provider's default class.
@@ -68,8 +75,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final, NamedTuple
 
 from handler_shim.admission import Admission, Ticket
-from handler_shim.model_choice import ByModel, Message, ModelMap, Receive, Refusal, Scope, by_model
-from shm_layout.errors import AdmissionError, AdmissionTimeout, QueueFull
+from handler_shim.model_choice import (
+    CHARGE_KEY,
+    ByModel,
+    Charge,
+    Message,
+    ModelMap,
+    Receive,
+    Refusal,
+    Scope,
+    by_model,
+)
+from shm_layout.errors import AdmissionError, AdmissionTimeout, QueueFull, RequestTooLarge
 
 __all__ = [
     "GRANT_HEADER",
@@ -182,6 +199,7 @@ class AdmissionMiddleware:
         timeout: float | None = 30.0,
         retry_after: int | None = None,
         admission_class: ClassChoice = None,
+        charge_tokens: bool = True,
     ) -> None:
         if config is None and segment is None and not os.environ.get("GATEWAY_CAPACITY_SEGMENT"):
             raise ValueError("AdmissionMiddleware needs config= or segment=")
@@ -195,6 +213,7 @@ class AdmissionMiddleware:
         self.timeout = timeout
         self.retry_after = retry_after
         self.admission_class = admission_class
+        self.charge_tokens = charge_tokens
         self._models: ModelMap | None = None
         if isinstance(provider, ByModel):
             source = provider.config if provider.config is not None else config
@@ -331,17 +350,23 @@ class AdmissionMiddleware:
         waiting: _Waiting | None = None
         chooser = self.admission_class
         cls = chooser if chooser is None or isinstance(chooser, str) else chooser(scope)
+        charge = scope.pop(CHARGE_KEY, None)
         try:
             try:
-                ticket = adm.try_acquire(provider, cls=cls)  # the fast path: one try-lock step
+                tokens = self._tokens(adm, provider, charge)
+                # the fast path: one try-lock step
+                ticket = adm.try_acquire(provider, cls=cls, tokens=tokens)
                 if ticket is None:  # it must wait: read the request meanwhile (R-A4)
                     waiting = _Waiting(receive)
-                    ticket = await waiting.acquire(adm, provider, self.timeout, cls)
+                    ticket = await waiting.acquire(adm, provider, self.timeout, cls, tokens)
                     if ticket is None:
                         return  # the client went away while waiting: it left the queue
                     receive = waiting.receive
             except QueueFull as exc:
                 await _answer(send, 429, "queue_full", str(exc), self._hint(adm, provider))
+                return
+            except RequestTooLarge as exc:  # no worker could hold it: retrying will not help
+                await _answer(send, 400, "context_length_exceeded", str(exc), None)
                 return
             except AdmissionTimeout:
                 message = f"provider {provider}: no slot became free within {self.timeout:g} s"
@@ -369,6 +394,13 @@ class AdmissionMiddleware:
             await self.app(scope, receive, admitted_send)
         finally:
             adm.release(ticket)  # idempotent
+
+    def _tokens(self, adm: Admission, provider: str, charge: Charge | None) -> int:
+        """What the request is charged in tokens (0: slots alone)."""
+        if charge is None or not self.charge_tokens:
+            return 0
+        limit = adm.request_token_limit(provider) if charge.generated is None else None
+        return charge.tokens(limit)
 
     def _hint(self, adm: Admission | None = None, provider: str | None = None) -> int:
         """Retry-After: fixed by ``retry_after=``, else the provider's drain estimate."""
@@ -443,11 +475,16 @@ class _Waiting:
                 return
 
     async def acquire(
-        self, adm: Admission, provider: str, timeout: float | None, cls: str | None = None
+        self,
+        adm: Admission,
+        provider: str,
+        timeout: float | None,
+        cls: str | None = None,
+        tokens: int = 0,
     ) -> Ticket | None:
         """Queue for a slot unless the client goes away first: the ticket, or None when it
         went away (its place freed, R-A4). Raises what ``acquire`` raises."""
-        acquiring = asyncio.ensure_future(adm.acquire(provider, timeout, cls=cls))
+        acquiring = asyncio.ensure_future(adm.acquire(provider, timeout, cls=cls, tokens=tokens))
         race: set[asyncio.Future[Any]] = {acquiring, self._gone}
         try:
             await asyncio.wait(race, return_when=asyncio.FIRST_COMPLETED)

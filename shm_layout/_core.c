@@ -88,7 +88,7 @@
 enum { KIND_ROBUST = LOCK_ROBUST, KIND_FILE = LOCK_FILE }; /* the lock kinds */
 enum { FREE = HOLDER_FREE, WAITING = HOLDER_WAITING, RUNNING = HOLDER_RUNNING }; /* a record's states */
 /* arrive() decisions (ledger.Decision) and leave() outcomes (ledger.Outcome) */
-enum { R_BUSY = 0, R_ADMIT = 1, R_WAIT = 2, R_FULL = 3, R_WAIT_REFUSED = 4, R_CLOSED = 5, R_MOVED = 6 };
+enum { R_BUSY = 0, R_ADMIT = 1, R_WAIT = 2, R_FULL = 3, R_WAIT_REFUSED = 4, R_CLOSED = 5, R_MOVED = 6, R_TOO_LARGE = 7 };
 enum { OUT_RELEASED = 0, OUT_TIMEOUT = 1, OUT_CANCELLED = 2 };
 /* wait() results */
 enum { W_GRANTED = 1, W_GONE = 2, W_TIMEOUT = 3, W_CLOSED = 4, W_MOVED = 5, W_DISPLACED = 6 };
@@ -347,6 +347,7 @@ typedef struct {
     int busy;                   /* an operation on it is in flight (GIL released) */
     int futex;                  /* its owner thread waits on the record itself */
     int cls;                    /* the admission class asked for; -1 the default */
+    uint32_t tokens;            /* the tokens it is charged; 0 slots only (DESIGN.md 6c) */
     double timeout;             /* for the context managers: < 0 none */
     double started;             /* deadline clock when __enter__ began: the timeout counts
                                  * from here, waits for the lock included */
@@ -533,6 +534,7 @@ static void free_record(Core *c, long hb) { st32(c, hb + HOLDER_STATE, FREE); }
 static int recount_provider(Core *c, int p)
 {
     uint32_t running = 0, waiting = 0;
+    uint64_t tokens = 0;
     int wrong = 0;
     for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
         long hb = hbase(c, p, h);
@@ -542,12 +544,16 @@ static int recount_provider(Core *c, int p)
             s = FREE;
             wrong = 1;
         }
-        if (s == RUNNING)
+        if (s == RUNNING) {
             running++;
-        else if (s == WAITING)
+            tokens += ld32(c, hb + HOLDER_TOKENS);
+        } else if (s == WAITING)
             waiting++;
     }
     long b = pbase(c, p);
+    /* rebuilt, but no damage when it differed: an older minor's core frees records
+     * without knowing their tokens (ledger.Ledger.recount_provider) */
+    st32(c, b + PROVIDER_TOKENS_RUNNING, tokens > UINT32_MAX ? UINT32_MAX : (uint32_t)tokens);
     wrong |= ld32(c, b + PROVIDER_RUNNING) != running || ld32(c, b + PROVIDER_WAITING) != waiting ||
              ld64(c, b + PROVIDER_COUNTS_CHECK) != counts_word(running, waiting);
     put_counts(c, b, running, waiting);
@@ -579,6 +585,39 @@ static int head_waiter(Core *c, int p)
         }
     }
     return best;
+}
+
+/* --- the token budget (rows.py: token_budget .. too_large; DESIGN.md 6c) ----------- */
+/* Is a request charged n one no worker could hold (rows.too_large)? Above the most one
+ * request may hold, or above the whole budget, as published and in force. */
+static int too_large(Core *c, long b, uint32_t n, double now)
+{
+    if (n == 0 || !published_in_force(c, b, now))
+        return 0;
+    uint32_t per_request = ld32(c, b + PROVIDER_REQUEST_TOKEN_LIMIT), all = ld32(c, b + PROVIDER_TOKEN_LIMIT);
+    return (per_request && n > per_request) || (all && n > all);
+}
+
+/* The token limit the steps apply (rows.token_limit_in_force): the published one while
+ * in force and no handler of an older minor is registered; 0 slots alone. */
+static uint32_t token_limit_in_force(Core *c, long b, double now)
+{
+    if (!published_in_force(c, b, now) || ld32(c, HEADER_TOKENLESS_MEMBERS))
+        return 0;
+    return ld32(c, b + PROVIDER_TOKEN_LIMIT);
+}
+
+/* rows.tokens_fit: no budget, no charge or nobody running (alone, a request always
+ * runs), else the sum within the budget. */
+static inline int tokens_fit(uint32_t running, uint32_t n, uint32_t limit)
+{
+    return limit == 0 || n == 0 || running == 0 || (uint64_t)running + n <= limit;
+}
+
+static inline void add_tokens(Core *c, long b, uint32_t n)
+{
+    uint64_t total = (uint64_t)ld32(c, b + PROVIDER_TOKENS_RUNNING) + n;
+    st32(c, b + PROVIDER_TOKENS_RUNNING, total > UINT32_MAX ? UINT32_MAX : (uint32_t)total);
 }
 
 /* --- admission classes (ledger.py: classes_in_force .. may_run; DESIGN.md 6b) ------ */
@@ -719,6 +758,13 @@ static void note_hold(Core *c, long b, double hold)
 }
 
 /* --- the steps ------------------------------------------------------------------------ */
+static void repair_all(Core *c)
+{
+    for (int p = 0; p < PROVIDER_COUNT; p++)
+        if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
+            recount_provider(c, p);
+}
+
 static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache);
 static void free_member_row(Core *c, int m, Rings *rings);
 static int count_older_members(Core *c);
@@ -764,22 +810,33 @@ static int displaceable(Core *c, int p, int k, const Rules *r, double now)
 
 /* FIFO admission (ledger.decide_arrival): nobody overtakes a waiter (R-A3), the queue is
  * bounded (R-A2). */
-static int decide_arrival(uint32_t running, uint32_t waiting, uint32_t limit, uint32_t bound)
+static int decide_arrival(uint32_t running, uint32_t waiting, uint32_t limit, uint32_t bound, int fits)
 {
-    if (waiting == 0 && running < limit)
+    if (waiting == 0 && running < limit && fits)
         return R_ADMIT;
     return waiting >= bound ? R_FULL : R_WAIT;
 }
 
 /* An arrival of class k with classes in force (ledger.Ledger._decide_classed): the
  * decision, and in *victim the waiter it displaces from a full queue (-1 none). */
+static int best_waiter(Core *c, int p, uint32_t running, const uint32_t *run, uint32_t limit, const Rules *r,
+                       double now, int *cls, int *promoted_only, int *anyone);
+
 static int decide_classed(Core *c, int p, int k, const Rules *r, uint32_t running, uint32_t waiting,
-                          uint32_t limit, double now, int *victim)
+                          uint32_t limit, double now, int fits, uint32_t budget, int *victim)
 {
     uint32_t run[CLASS_COUNT];
     class_running(c, p, run);
-    if (may_run(r, k, 0, running, run, limit))
-        return R_ADMIT;
+    if (may_run(r, k, 0, running, run, limit) && fits) {
+        int held_back = 0;
+        if (budget) { /* a waiter of its rank or above that only tokens hold back */
+            int bk = 0, promoted_only = 0, anyone = 0, rk, promoted;
+            int h = best_waiter(c, p, running, run, limit, r, now, &bk, &promoted_only, &anyone);
+            held_back = h >= 0 && record_rank(c, p, hbase(c, p, h), r, now, &rk, &promoted) <= k;
+        }
+        if (!held_back)
+            return R_ADMIT;
+    }
     if (waiting < (uint32_t)QUEUE_BOUND)
         return R_WAIT;
     *victim = displaceable(c, p, k, r, now);
@@ -805,6 +862,7 @@ static void claim_record(Core *c, Ticket *tk, int p, int h, unsigned int pid, No
     st32(c, hb + HOLDER_MEMBER, (uint32_t)c->member);
     st32(c, hb + HOLDER_PID, pid);
     st64(c, hb + HOLDER_MEMBER_SERIAL, c->member_serial);
+    st32(c, hb + HOLDER_TOKENS, tk->tokens);
     st64(c, hb + HOLDER_TICKET, ticket);
     std_(c, hb + HOLDER_SINCE, now.wall);
     std_(c, hb + HOLDER_SINCE_MONO, now.mono);
@@ -823,6 +881,7 @@ static void claim_record(Core *c, Ticket *tk, int p, int h, unsigned int pid, No
     if (decision == R_ADMIT) {
         st32(c, hb + HOLDER_STATE, RUNNING); /* state last */
         put_counts(c, b, running + 1, waiting);
+        add_tokens(c, b, tk->tokens);
         note_peak(c, b, PROVIDER_PEAK_RUNNING, running + 1);
         inc64(c, b + PROVIDER_ADMITTED_TOTAL);
     } else {
@@ -841,9 +900,11 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
 {
     if (c->member < 0 || c->closing)
         return R_CLOSED; /* unregistered or closing meanwhile: nothing may run (R-A14) */
+    long b = pbase(c, p);
+    if (too_large(c, b, tk->tokens, now.mono))
+        return R_TOO_LARGE; /* no worker could hold it: refused at once, never queued */
     int k = resolve_class(c, p, tk->cls);
     int count = classes_in_force(c, p);
-    long b = pbase(c, p);
     if (counters_damaged(c, b) && recount_provider(c, p))
         note_damage(c, "provider counters were written over");
     Rules r;
@@ -855,11 +916,13 @@ static int arrive_locked(Core *c, Ticket *tk, int p, unsigned int pid, Now now, 
         uint32_t running = ld32(c, b + PROVIDER_RUNNING);
         uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
         uint32_t limit = (uint32_t)limit_value(c, p, now.mono);
+        uint32_t budget = token_limit_in_force(c, b, now.mono);
+        int fits = tokens_fit(ld32(c, b + PROVIDER_TOKENS_RUNNING), tk->tokens, budget);
         int victim = -1;
         if (count)
-            decision = decide_classed(c, p, k, &r, running, waiting, limit, now.mono, &victim);
+            decision = decide_classed(c, p, k, &r, running, waiting, limit, now.mono, fits, budget, &victim);
         else
-            decision = decide_arrival(running, waiting, limit, (uint32_t)QUEUE_BOUND);
+            decision = decide_arrival(running, waiting, limit, (uint32_t)QUEUE_BOUND, fits);
         int h = decision != R_FULL ? first_free(c, p) : -1;
         if (h < 0)
             h = victim;
@@ -916,6 +979,8 @@ static int leave_locked(Core *c, Ticket *tk, int outcome, Now now, Rings *rings)
         uint32_t waiting = ld32(c, b + PROVIDER_WAITING);
         if (state == RUNNING) {
             put_counts(c, b, running ? running - 1 : 0, waiting);
+            uint32_t tokens = ld32(c, b + PROVIDER_TOKENS_RUNNING), charge = ld32(c, hb + HOLDER_TOKENS);
+            st32(c, b + PROVIDER_TOKENS_RUNNING, tokens > charge ? tokens - charge : 0);
             note_hold(c, b, now.mono - ldd(c, hb + HOLDER_SINCE_MONO));
             was = 1;
         } else {
@@ -1001,8 +1066,17 @@ static int best_waiter(Core *c, int p, uint32_t running, const uint32_t *run, ui
     return best;
 }
 
+/* May the waiting record at hb be granted as far as tokens go (ledger.Ledger._tokens_allow)?
+ * Its charge fits beside the tokens running, or its owner is dead (the grant reclaims it). */
+static int tokens_allow(Core *c, long b, long hb, uint32_t budget, AliveCache *cache)
+{
+    return tokens_fit(ld32(c, b + PROVIDER_TOKENS_RUNNING), ld32(c, hb + HOLDER_TOKENS), budget) ||
+           !holder_alive(c, hb, cache);
+}
+
 /* Grant the waiting record at hb (ledger.Ledger._grant): RUNNING from now, its owner
- * woken after the section; a dead one is reclaimed instead, never granted. 1: granted. */
+ * woken after the section, its tokens counted; a dead one is reclaimed instead, never
+ * granted. 1: granted. */
 static int grant(Core *c, long b, long hb, Now now, Rings *rings, AliveCache *cache)
 {
     if (!holder_alive(c, hb, cache)) {
@@ -1010,6 +1084,7 @@ static int grant(Core *c, long b, long hb, Now now, Rings *rings, AliveCache *ca
         inc64(c, b + PROVIDER_RECLAIMED_TOTAL);
         return 0;
     }
+    add_tokens(c, b, ld32(c, hb + HOLDER_TOKENS));
     std_(c, hb + HOLDER_SINCE, now.wall);
     std_(c, hb + HOLDER_SINCE_MONO, now.mono);
     st32(c, hb + HOLDER_STATE, RUNNING);
@@ -1028,6 +1103,7 @@ static void pump_classed(Core *c, int p, uint32_t running, uint32_t waiting, uin
     class_rules(c, p, classes_in_force(c, p), &r);
     uint32_t run[CLASS_COUNT];
     class_running(c, p, run);
+    uint32_t budget = token_limit_in_force(c, b, now.mono);
     int recounted = 0;
     while (running < limit && waiting > 0) {
         int k = 0, promoted_only = 0, anyone = 0;
@@ -1041,6 +1117,8 @@ static void pump_classed(Core *c, int p, uint32_t running, uint32_t waiting, uin
             waiting = ld32(c, b + PROVIDER_WAITING);
             continue;
         }
+        if (!tokens_allow(c, b, hbase(c, p, h), budget, cache))
+            break; /* strict order: the best waiter waits for tokens, and those behind it */
         waiting--;
         if (!grant(c, b, hbase(c, p, h), now, rings, cache))
             continue;
@@ -1069,6 +1147,7 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
         pump_classed(c, p, running, waiting, limit, now, rings, cache);
         return;
     }
+    uint32_t budget = token_limit_in_force(c, b, now.mono);
     int recounted = 0;
     while (running < limit && waiting > 0) {
         /* somebody waits by the counters and no record does: the records decide, once */
@@ -1082,6 +1161,8 @@ static void pump(Core *c, int p, Now now, Rings *rings, AliveCache *cache)
             waiting = ld32(c, b + PROVIDER_WAITING);
             continue;
         }
+        if (!tokens_allow(c, b, hbase(c, p, h), budget, cache))
+            break; /* strict order: the head waits for tokens, and those behind it too */
         waiting--;
         if (grant(c, b, hbase(c, p, h), now, rings, cache))
             running++;
@@ -1180,29 +1261,30 @@ static int sweep_due(Core *c)
     return !(now - last < SWEEP_S) || last > now + 1.0; /* garbage ahead: due */
 }
 
-static void repair_all(Core *c)
-{
-    for (int p = 0; p < PROVIDER_COUNT; p++)
-        if (ld32(c, pbase(c, p) + PROVIDER_IN_USE))
-            recount_provider(c, p);
-}
 
 /* Registered handlers that speak an older minor of this major
- * (ledger.Ledger._count_older_members): while any is, the classes are suspended. */
+ * (ledger.Ledger._count_older_members): while one below 3.1 is, the classes are
+ * suspended; while one below 3.2 is, the token budget. 1 when either just was; when the
+ * last one below 3.2 left, every provider's tokens are recounted from the records. */
 static int count_older_members(Core *c)
 {
-    uint32_t before = ld32(c, HEADER_OLDER_MEMBERS);
-    uint32_t older = 0;
+    uint32_t before = ld32(c, HEADER_OLDER_MEMBERS), tokenless_before = ld32(c, HEADER_TOKENLESS_MEMBERS);
+    uint32_t older = 0, tokenless = 0;
     for (int m = 0; m < MEMBER_COUNT; m++) {
         long mb = mbase(c, m);
         if (!ld32(c, mb + MEMBER_IN_USE))
             continue;
         uint32_t major = *(uint16_t *)AT(c, mb + MEMBER_MAJOR), minor = *(uint16_t *)AT(c, mb + MEMBER_MINOR);
-        if (major < LAYOUT_MAJOR || (major == LAYOUT_MAJOR && minor < LAYOUT_MINOR))
-            older++;
+        if (major > LAYOUT_MAJOR)
+            continue;
+        older += major < LAYOUT_MAJOR || minor < 1;
+        tokenless += major < LAYOUT_MAJOR || minor < 2;
     }
     st32(c, HEADER_OLDER_MEMBERS, older);
-    return before == 0 && older > 0; /* the classes were just suspended */
+    st32(c, HEADER_TOKENLESS_MEMBERS, tokenless);
+    if (tokenless_before && !tokenless)
+        repair_all(c); /* their cores left tokens_running behind: the records say */
+    return (before == 0 && older > 0) || (tokenless_before == 0 && tokenless > 0);
 }
 
 /* Free the member row of a process that is gone; its doorbell is removed after the
@@ -1298,11 +1380,18 @@ static uint32_t unregister_locked(Core *c, int m, uint64_t serial, Now now, Ring
     return cut;
 }
 
+/* The head of a class row as a writer gives it (writer.CLASS_ROW): name, reserve, cap,
+ * maxWait; the admission counter after it is the core's. */
+#define CLASS_SPEC_BYTES CLASS_ADMITTED_TOTAL
+
 /* The provider section (ledger.Ledger.ensure_provider): the row whose id is ``padded``
- * (ID_BYTES, NUL-padded, matched in full), or a free row claimed for it, in_use last
- * (``*created`` = 1). Returns the row; -1 when the table is full. */
+ * (ID_BYTES, NUL-padded, matched in full), or a free row claimed for it with its class
+ * table (``nclasses`` rows of CLASS_SPEC_BYTES, and the default class) in the same step,
+ * in_use last (``*created`` = 1): no arrival ever sees the row without its classes.
+ * Returns the row; -1 when the table is full. */
 static int ensure_provider_locked(Core *c, const char *padded, int fallback, int source, int flags, int bound,
-                                  const char *reason, Py_ssize_t reason_len, int *created)
+                                  const char *reason, Py_ssize_t reason_len, const char *classes, int nclasses,
+                                  uint32_t default_class, int *created)
 {
     for (int p = 0; p < PROVIDER_COUNT; p++) {
         long b = pbase(c, p);
@@ -1321,6 +1410,15 @@ static int ensure_provider_locked(Core *c, const char *padded, int fallback, int
         st32(c, b + PROVIDER_FLAGS, (uint32_t)flags);
         memset(AT(c, b + PROVIDER_REASON), 0, REASON_BYTES);
         memcpy(AT(c, b + PROVIDER_REASON), reason, reason_len);
+        for (int k = 0; k < CLASS_COUNT; k++) {
+            long cb = cbase(c, p, k);
+            if (k < nclasses)
+                memcpy(AT(c, cb), classes + (long)k * CLASS_SPEC_BYTES, CLASS_SPEC_BYTES);
+            else
+                memset(AT(c, cb), 0, CLASS_SPEC_BYTES);
+        }
+        st32(c, b + PROVIDER_DEFAULT_CLASS, default_class);
+        st32(c, b + PROVIDER_CLASS_COUNT, (uint32_t)nclasses);
         st32(c, b + PROVIDER_IN_USE, 1); /* last */
         *created = 1;
         return p;
@@ -1328,10 +1426,49 @@ static int ensure_provider_locked(Core *c, const char *padded, int fallback, int
     return -1;
 }
 
-/* The transaction section (Core.transact): when every guard's bytes match, apply every
- * write in order, then sweep (``do_sweep``) or pump every provider (``do_pump``). 1
+/* The transaction section (Core.transact, ledger.Ledger.transact): when every guard's
+ * bytes match, apply every write in order, relabel the records of every class table
+ * written over, then sweep (``do_sweep``) or pump every provider (``do_pump``). 1
  * applied, 0 a guard differed (nothing written). */
 typedef struct { long off; Py_ssize_t len; const char *src; } Patch;
+
+#define CLASS_NAME_BYTES (CLASS_RESERVE - CLASS_NAME) /* the name field, NUL-padded */
+
+/* A provider's class names as its rows hold them (the first ``count``, at most
+ * CLASS_COUNT; the rest zero). */
+typedef struct { uint32_t count; char name[CLASS_COUNT][CLASS_NAME_BYTES]; } ClassNames;
+
+static void class_names(Core *c, int p, ClassNames *n)
+{
+    uint32_t count = ld32(c, pbase(c, p) + PROVIDER_CLASS_COUNT);
+    n->count = count < CLASS_COUNT ? count : CLASS_COUNT;
+    memset(n->name, 0, sizeof n->name);
+    for (uint32_t k = 0; k < n->count; k++)
+        memcpy(n->name[k], AT(c, cbase(c, p, (int)k) + CLASS_NAME), CLASS_NAME_BYTES);
+}
+
+/* The class table of ``p`` was written over (ledger.Ledger._relabel): every running and
+ * waiting record keeps the class it asked for, found by its whole name in the new rows
+ * (whatever row it moved to); a record whose class is gone, or that counted in the
+ * default class, holds 0: the default class, resolved when read. */
+static void relabel(Core *c, int p, const ClassNames *was)
+{
+    ClassNames is;
+    class_names(c, p, &is);
+    if (is.count == was->count && memcmp(is.name, was->name, sizeof is.name) == 0)
+        return;
+    for (int h = 0; h < HOLDERS_PER_PROVIDER; h++) {
+        long hb = hbase(c, p, h);
+        uint32_t state = ld32(c, hb + HOLDER_STATE), v = ld8(c, hb + HOLDER_CLS), to = 0;
+        if ((state != RUNNING && state != WAITING) || v == 0)
+            continue;
+        for (uint32_t k = 0; v - 1 < was->count && k < is.count && !to; k++)
+            if (memcmp(was->name[v - 1], is.name[k], CLASS_NAME_BYTES) == 0)
+                to = k + 1;
+        if (to != v)
+            st8(c, hb + HOLDER_CLS, to);
+    }
+}
 
 static int transact_locked(Core *c, const Patch *g, Py_ssize_t ng, const Patch *w, Py_ssize_t nw, int do_pump,
                            int do_sweep, Now now, Rings *rings)
@@ -1339,8 +1476,16 @@ static int transact_locked(Core *c, const Patch *g, Py_ssize_t ng, const Patch *
     for (Py_ssize_t i = 0; i < ng; i++)
         if (memcmp(AT(c, g[i].off), g[i].src, g[i].len) != 0)
             return 0;
+    ClassNames was[PROVIDER_COUNT];
+    int used[PROVIDER_COUNT];
+    for (int p = 0; p < PROVIDER_COUNT; p++)
+        if ((used[p] = nw > 0 && ld32(c, pbase(c, p) + PROVIDER_IN_USE) != 0))
+            class_names(c, p, &was[p]);
     for (Py_ssize_t i = 0; i < nw; i++)
         memcpy(AT(c, w[i].off), w[i].src, w[i].len);
+    for (int p = 0; p < PROVIDER_COUNT; p++)
+        if (used[p])
+            relabel(c, p, &was[p]);
     if (do_sweep)
         sweep(c, now, rings);
     else if (do_pump)
@@ -2052,6 +2197,21 @@ static int do_arrive(Core *c, Ticket *tk, int p, unsigned int pid, double given,
     return decision;
 }
 
+/* A ticket's charge: 0..MAX_CHARGE tokens (ValueError otherwise; the shim refuses a
+ * larger request with RequestTooLarge before it gets here). */
+static int set_tokens(Ticket *t, PyObject *tokens)
+{
+    long long n = PyLong_AsLongLong(tokens);
+    if (n == -1 && PyErr_Occurred())
+        return -1;
+    if (n < 0 || n > MAX_CHARGE) {
+        PyErr_Format(PyExc_ValueError, "tokens must be 0..%d, not %lld", MAX_CHARGE, n);
+        return -1;
+    }
+    t->tokens = (uint32_t)n;
+    return 0;
+}
+
 /* A flag every caller must name (``may_wait=``, ``blocking=``): PyArg_ParseTupleAndKeywords
  * has no required keyword-only arguments, so it starts at -1 and is checked here. */
 static int named(int flag, const char *call, const char *name)
@@ -2066,13 +2226,14 @@ static int named(int flag, const char *call, const char *name)
  * cls=None) -> code; ``cls`` (a class index, -1 the default) replaces the ticket's */
 static PyObject *Core_arrive(Core *c, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"ticket", "provider", "pid", "now", "may_wait", "blocking", "timeout", "futex", "cls", NULL};
-    PyObject *tko, *cls = Py_None;
+    static char *kwlist[] = {"ticket", "provider", "pid", "now", "may_wait", "blocking", "timeout", "futex", "cls",
+                             "tokens", NULL};
+    PyObject *tko, *cls = Py_None, *tokens = Py_None;
     int p, may_wait = -1, blocking = -1, futex = 0;
     unsigned int pid;
     double now, timeout = -1.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!iId|$ppdpO", kwlist, TicketType, &tko, &p, &pid, &now,
-                                     &may_wait, &blocking, &timeout, &futex, &cls))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!iId|$ppdpOO", kwlist, TicketType, &tko, &p, &pid, &now,
+                                     &may_wait, &blocking, &timeout, &futex, &cls, &tokens))
         return NULL;
     if (named(may_wait, "arrive", "may_wait") < 0 || named(blocking, "arrive", "blocking") < 0)
         return NULL;
@@ -2082,6 +2243,8 @@ static PyObject *Core_arrive(Core *c, PyObject *args, PyObject *kwds)
             return NULL;
         ((Ticket *)tko)->cls = k < 0 || k >= CLASS_COUNT ? -1 : (int)k;
     }
+    if (tokens != Py_None && !((Ticket *)tko)->live && set_tokens((Ticket *)tko, tokens) < 0)
+        return NULL;
     int code = do_arrive(c, (Ticket *)tko, p, pid, now, may_wait, blocking, timeout, futex);
     return code < 0 ? NULL : PyLong_FromLong(code);
 }
@@ -2620,15 +2783,18 @@ static PyObject *Core_unregister(Core *c, PyObject *args)
     return PyLong_FromUnsignedLong(cut);
 }
 
-/* ensure_provider(id, fallback, source, flags, queue_bound, reason) -> (index, created);
- * index -1 when the table is full. ``id`` is matched in full, never by a prefix. */
+/* ensure_provider(id, fallback, source, flags, queue_bound, reason, classes=b"",
+ * default_class=0) -> (index, created); index -1 when the table is full. ``id`` is
+ * matched in full, never by a prefix. ``classes``: the class rows a claimed row starts
+ * with (writer.class_table), written with it in one step. */
 static PyObject *Core_ensure_provider(Core *c, PyObject *args)
 {
-    const char *id, *reason;
-    Py_ssize_t id_len, reason_len;
+    const char *id, *reason, *classes = "";
+    Py_ssize_t id_len, reason_len, classes_len = 0;
     int fallback, source, flags, bound;
-    if (!PyArg_ParseTuple(args, "y#iiiiy#", &id, &id_len, &fallback, &source, &flags, &bound, &reason,
-                          &reason_len))
+    unsigned int default_class = 0;
+    if (!PyArg_ParseTuple(args, "y#iiiiy#|y#I", &id, &id_len, &fallback, &source, &flags, &bound, &reason,
+                          &reason_len, &classes, &classes_len, &default_class))
         return NULL;
     if (!usable(c))
         return NULL;
@@ -2636,6 +2802,11 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "a provider id is 1 to ID_BYTES bytes without NUL");
         return NULL;
     }
+    if (classes_len % CLASS_SPEC_BYTES || classes_len / CLASS_SPEC_BYTES > CLASS_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "classes: at most CLASS_COUNT rows of the class spec");
+        return NULL;
+    }
+    int nclasses = (int)(classes_len / CLASS_SPEC_BYTES);
     if (reason_len > REASON_BYTES)
         reason_len = REASON_BYTES;
     char padded[256];
@@ -2647,7 +2818,8 @@ static PyObject *Core_ensure_provider(Core *c, PyObject *args)
     memcpy(padded, id, id_len);
     int rc, index = -1, created = 0;
     LOCKED(c, 1, 0.0, rc, {
-        index = ensure_provider_locked(c, padded, fallback, source, flags, bound, reason, reason_len, &created);
+        index = ensure_provider_locked(c, padded, fallback, source, flags, bound, reason, reason_len, classes,
+                                       nclasses, default_class, &created);
     });
     if (rc < 0 || rc == E_DAMAGED_LOCK)
         return lock_error(c, rc);
@@ -2808,10 +2980,10 @@ static PyObject *Ticket_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 /* Ticket(core=None, provider=-1, timeout=None, *, cls=-1) */
 static int Ticket_init(Ticket *t, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"core", "provider", "timeout", "cls", NULL};
-    PyObject *core = Py_None, *timeout = Py_None;
+    static char *kwlist[] = {"core", "provider", "timeout", "cls", "tokens", NULL};
+    PyObject *core = Py_None, *timeout = Py_None, *tokens = Py_None;
     int provider = -1, cls = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OiO$i", kwlist, &core, &provider, &timeout, &cls))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OiO$iO", kwlist, &core, &provider, &timeout, &cls, &tokens))
         return -1;
     if (t->live) {
         PyErr_SetString(PyExc_ValueError, "a live ticket");
@@ -2826,6 +2998,9 @@ static int Ticket_init(Ticket *t, PyObject *args, PyObject *kwds)
     }
     t->provider = provider;
     t->cls = cls;
+    t->tokens = 0;
+    if (tokens != Py_None && set_tokens(t, tokens) < 0)
+        return -1;
     if (timeout == Py_None)
         t->timeout = -1.0;
     else {
@@ -2954,6 +3129,7 @@ static PyObject *Ticket_rebind(Ticket *t, PyObject *args)
 
 static PyObject *Ticket_get_provider(Ticket *t, void *x) { return PyLong_FromLong(t->provider); }
 static PyObject *Ticket_get_cls(Ticket *t, void *x) { return PyLong_FromLong(t->cls); }
+static PyObject *Ticket_get_tokens(Ticket *t, void *x) { return PyLong_FromUnsignedLong(t->tokens); }
 static PyObject *Ticket_get_holder(Ticket *t, void *x) { return PyLong_FromLong(t->holder); }
 static PyObject *Ticket_get_serial(Ticket *t, void *x) { return PyLong_FromUnsignedLongLong(t->serial); }
 static PyObject *Ticket_get_live(Ticket *t, void *x) { return PyBool_FromLong(t->live); }
@@ -3081,7 +3257,7 @@ static PyMethodDef Core_methods[] = {
     {"pump_all", (PyCFunction)Core_pump_all, METH_VARARGS, "pump_all(now)"},
     {"register", (PyCFunction)Core_register, METH_VARARGS, "register(pid, start, label, major, minor, now, bell=0) -> (member, serial)"},
     {"unregister", (PyCFunction)Core_unregister, METH_VARARGS, "unregister(now) -> running records cut"},
-    {"ensure_provider", (PyCFunction)Core_ensure_provider, METH_VARARGS, "ensure_provider(id, fallback, source, flags, bound, reason) -> (index, created)"},
+    {"ensure_provider", (PyCFunction)Core_ensure_provider, METH_VARARGS, "ensure_provider(id, fallback, source, flags, bound, reason, classes=b'', default_class=0) -> (index, created)"},
     {"transact", (PyCFunction)Core_transact, METH_VARARGS, "transact(guards, writes, pump, now, sweep=False) -> bool"},
     {"snapshot", (PyCFunction)Core_snapshot, METH_NOARGS, "snapshot() -> bytes"},
     {"own_records", (PyCFunction)Core_own_records, METH_NOARGS, "(running, waiting) records of this registration"},
@@ -3132,6 +3308,7 @@ static PyMethodDef Ticket_methods[] = {
 static PyGetSetDef Ticket_getset[] = {
     {"provider", (getter)Ticket_get_provider, NULL, NULL, NULL},
     {"cls", (getter)Ticket_get_cls, NULL, NULL, NULL},
+    {"tokens", (getter)Ticket_get_tokens, NULL, NULL, NULL},
     {"holder", (getter)Ticket_get_holder, NULL, NULL, NULL},
     {"serial", (getter)Ticket_get_serial, NULL, NULL, NULL},
     {"live", (getter)Ticket_get_live, NULL, NULL, NULL},
@@ -3414,7 +3591,7 @@ PyMODINIT_FUNC PyInit__core(void)
         add_int(m, "KIND_ROBUST", KIND_ROBUST) < 0 || add_int(m, "KIND_FILE", KIND_FILE) < 0 ||
         add_int(m, "BUSY", R_BUSY) < 0 || add_int(m, "ADMIT", R_ADMIT) < 0 || add_int(m, "WAIT", R_WAIT) < 0 ||
         add_int(m, "FULL", R_FULL) < 0 || add_int(m, "WAIT_REFUSED", R_WAIT_REFUSED) < 0 ||
-        add_int(m, "CLOSED", R_CLOSED) < 0 || add_int(m, "MOVED", R_MOVED) < 0 || add_int(m, "RELEASED", OUT_RELEASED) < 0 ||
+        add_int(m, "CLOSED", R_CLOSED) < 0 || add_int(m, "MOVED", R_MOVED) < 0 || add_int(m, "TOO_LARGE", R_TOO_LARGE) < 0 || add_int(m, "RELEASED", OUT_RELEASED) < 0 ||
         add_int(m, "TIMEOUT", OUT_TIMEOUT) < 0 || add_int(m, "CANCELLED", OUT_CANCELLED) < 0 ||
         add_int(m, "W_GRANTED", W_GRANTED) < 0 || add_int(m, "W_GONE", W_GONE) < 0 ||
         add_int(m, "W_DISPLACED", W_DISPLACED) < 0 ||

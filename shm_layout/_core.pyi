@@ -18,6 +18,7 @@ FULL: int
 WAIT_REFUSED: int
 CLOSED: int
 MOVED: int
+TOO_LARGE: int
 RELEASED: int
 TIMEOUT: int
 CANCELLED: int
@@ -44,11 +45,14 @@ class Ticket:
         timeout: float | None = None,
         *,
         cls: int = -1,
+        tokens: int | None = None,
     ) -> None: ...
     @property
     def provider(self) -> int: ...
     @property
     def cls(self) -> int: ...
+    @property
+    def tokens(self) -> int: ...
     @property
     def holder(self) -> int: ...
     @property
@@ -111,6 +115,7 @@ class Core:
         timeout: float = ...,
         futex: bool = ...,
         cls: int | None = ...,
+        tokens: int | None = ...,
     ) -> int: ...
     def leave(self, ticket: Ticket, outcome: int, now: float, *, blocking: bool) -> int: ...
     def state(self, ticket: Ticket) -> int: ...
@@ -138,7 +143,16 @@ class Core:
     ) -> tuple[int, int]: ...
     def unregister(self, now: float) -> int: ...
     def ensure_provider(
-        self, id: bytes, fallback: int, source: int, flags: int, bound: int, reason: bytes
+        self,
+        id: bytes,
+        fallback: int,
+        source: int,
+        flags: int,
+        bound: int,
+        reason: bytes,
+        classes: bytes = ...,
+        default_class: int = ...,
+        /,
     ) -> tuple[int, int]: ...
     def transact(
         self,

@@ -45,6 +45,7 @@
 #define HEADER_LEGACY_MAX_S 648                  /* d */
 #define HEADER_LEGACY_PID 656                    /* I */
 #define HEADER_OLDER_MEMBERS 660                 /* I */
+#define HEADER_TOKENLESS_MEMBERS 664             /* I */
 
 /* provider row fields: offsets inside a row (layout.PROVIDER) */
 #define PROVIDER_IN_USE 0                        /* I */
@@ -72,6 +73,7 @@
 #define PROVIDER_PEAK_WAITING 188                /* I */
 #define PROVIDER_REASON 192                      /* 128s */
 #define PROVIDER_REPLICA_COUNT 320               /* I */
+#define PROVIDER_TOKENS_RUNNING 324              /* I */
 #define PROVIDER_HOLD_MEAN_S 328                 /* d */
 #define PROVIDER_EXPIRES_MONO 336                /* d */
 #define PROVIDER_COUNTS_CHECK 344                /* Q */
@@ -79,6 +81,8 @@
 #define PROVIDER_DEFAULT_CLASS 356               /* I */
 #define PROVIDER_PROMOTED_TOTAL 360              /* Q */
 #define PROVIDER_DISPLACED_TOTAL 368             /* Q */
+#define PROVIDER_TOKEN_LIMIT 376                 /* I */
+#define PROVIDER_REQUEST_TOKEN_LIMIT 380         /* I */
 
 /* holder record fields: offsets inside a record (layout.HOLDER) */
 #define HOLDER_STATE 0                           /* I */
@@ -87,6 +91,7 @@
 #define HOLDER_TICKET 16                         /* Q */
 #define HOLDER_SERIAL 24                         /* Q */
 #define HOLDER_MEMBER 32                         /* i */
+#define HOLDER_TOKENS 36                         /* I */
 #define HOLDER_SINCE 40                          /* d */
 #define HOLDER_SINCE_MONO 48                     /* d */
 #define HOLDER_WAKER 56                          /* I */
@@ -132,10 +137,11 @@
 #define CLASS_BASE 384
 #define CLASS_COUNT 4
 #define CLASS_ROW_SIZE 32
+#define MAX_CHARGE 16777215
 
 /* constants shared with Python, each defined there once */
 #define LAYOUT_MAJOR 3                           /* layout.MAJOR */
-#define LAYOUT_MINOR 1                           /* layout.MINOR */
+#define LAYOUT_MINOR 2                           /* layout.MINOR */
 #define LABEL_BYTES 64                           /* layout.MEMBER["label"] */
 #define LOCK_ROBUST 1                            /* layout.LOCK_ROBUST: the lock kinds */
 #define LOCK_FILE 2                              /* layout.LOCK_FILE */
@@ -203,6 +209,7 @@
     X("h.legacy_max_s", HEADER_LEGACY_MAX_S) \
     X("h.legacy_pid", HEADER_LEGACY_PID) \
     X("h.older_members", HEADER_OLDER_MEMBERS) \
+    X("h.tokenless_members", HEADER_TOKENLESS_MEMBERS) \
     X("h.mutex", MUTEX_OFFSET) \
     X("p.in_use", PROVIDER_IN_USE) \
     X("p.flags", PROVIDER_FLAGS) \
@@ -229,6 +236,7 @@
     X("p.peak_waiting", PROVIDER_PEAK_WAITING) \
     X("p.reason", PROVIDER_REASON) \
     X("p.replica_count", PROVIDER_REPLICA_COUNT) \
+    X("p.tokens_running", PROVIDER_TOKENS_RUNNING) \
     X("p.hold_mean_s", PROVIDER_HOLD_MEAN_S) \
     X("p.expires_mono", PROVIDER_EXPIRES_MONO) \
     X("p.counts_check", PROVIDER_COUNTS_CHECK) \
@@ -236,12 +244,15 @@
     X("p.default_class", PROVIDER_DEFAULT_CLASS) \
     X("p.promoted_total", PROVIDER_PROMOTED_TOTAL) \
     X("p.displaced_total", PROVIDER_DISPLACED_TOTAL) \
+    X("p.token_limit", PROVIDER_TOKEN_LIMIT) \
+    X("p.request_token_limit", PROVIDER_REQUEST_TOKEN_LIMIT) \
     X("k.state", HOLDER_STATE) \
     X("k.pid", HOLDER_PID) \
     X("k.member_serial", HOLDER_MEMBER_SERIAL) \
     X("k.ticket", HOLDER_TICKET) \
     X("k.serial", HOLDER_SERIAL) \
     X("k.member", HOLDER_MEMBER) \
+    X("k.tokens", HOLDER_TOKENS) \
     X("k.since", HOLDER_SINCE) \
     X("k.since_mono", HOLDER_SINCE_MONO) \
     X("k.waker", HOLDER_WAKER) \

@@ -28,6 +28,7 @@ under the old names (``shm_layout.segment.SegmentError``, ``gateway_config.Confi
     │       └── DamagedSegment         ours by its header, values no writer produces
     └── AdmissionError                 attach: no member row left; use after close()
         ├── QueueFull                  the provider's queue is at its bound (R-A2)
+        ├── RequestTooLarge (ValueError)  more tokens than any worker can hold (R-T2)
         ├── AdmissionTimeout (TimeoutError)  no slot within the timeout (R-A4)
         └── UnknownProvider (KeyError) not in the segment, or no row for it (R-A13)
 
@@ -156,6 +157,26 @@ class AdmissionError(GatewayCapacityError):
 
 class QueueFull(AdmissionError):
     """The provider's queue already holds its bound of waiters (R-A2)."""
+
+
+class RequestTooLarge(AdmissionError, ValueError):
+    """A request charged more tokens than any worker of its provider can hold: above the
+    most one request may hold, or the whole token budget (R-T2). Refused at once, never
+    queued. Besides :class:`AdmissionError`'s attributes: ``tokens`` (its charge),
+    ``request_token_limit`` and ``token_limit`` (as published; None unknown)."""
+
+    def __init__(
+        self,
+        *args: object,
+        tokens: int = 0,
+        request_token_limit: int | None = None,
+        token_limit: int | None = None,
+        provider: str | None = None,
+    ) -> None:
+        super().__init__(*args, provider=provider)
+        self.tokens = tokens
+        self.request_token_limit = request_token_limit
+        self.token_limit = token_limit
 
 
 class AdmissionTimeout(AdmissionError, TimeoutError):

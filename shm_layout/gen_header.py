@@ -45,6 +45,7 @@ _GEOMETRY = (
     "CLASS_BASE",
     "CLASS_COUNT",
     "CLASS_ROW_SIZE",
+    "MAX_CHARGE",
 )
 
 

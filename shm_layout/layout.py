@@ -36,7 +36,12 @@ MAGIC = b"GWCAPSG\x00"
 MAJOR = 3
 # 3.1: admission classes (docs/DESIGN.md section 6b) in reserved tails; a 3.0 handler still
 #      attaches, and the classes are suspended while one is registered (older_members)
-MINOR = 1
+# 3.2: a budget of tokens beside the slots (docs/DESIGN.md section 6c): each provider's
+#      token limits and tokens in flight, each record's charge; a 3.1 handler still
+#      attaches, and the token budget is suspended while one is registered (tokenless_members)
+MINOR = 2
+# the most one request may be charged: 96 running records of it still fit a u32 counter
+MAX_CHARGE = (1 << 24) - 1
 
 PROVIDER_COUNT = 64
 HOLDERS_PER_PROVIDER = 128
@@ -144,6 +149,9 @@ HEADER = _fields(
         # layout 3.1: registered handlers that speak an older minor (no classes): while
         # any is, every provider admits as one FIFO (DESIGN.md section 6b)
         ("older_members", "I"),
+        # layout 3.2: registered handlers that speak a minor below 3.2 (no tokens): while
+        # any is, admission is on slots alone (DESIGN.md section 6c)
+        ("tokenless_members", "I"),
     ],
 )
 # The robust mutex of LOCK_ROBUST lives at a fixed, 64-byte aligned place at the end of
@@ -195,6 +203,10 @@ PROVIDER = _fields(
         ("peak_waiting", "I"),
         ("reason", f"{REASON_BYTES}s"),
         ("replica_count", "I"),
+        # layout 3.2, in the alignment gap before hold_mean_s (no older writer touches it):
+        # the charges of the RUNNING records, derived from them like ``running`` and
+        # recounted by every sweep (DESIGN.md section 6c)
+        ("tokens_running", "I"),
         # decayed mean of how long a running slot is held (set by the core on release):
         # what an honest Retry-After is computed from (REQUIREMENTS section 8)
         ("hold_mean_s", "d"),
@@ -208,6 +220,9 @@ PROVIDER = _fields(
         ("default_class", "I"),  # the class of a request that names none
         ("promoted_total", "Q"),  # grants that only a waiter's promotion (maxWait) allowed
         ("displaced_total", "Q"),  # waiters displaced from a full queue by a higher class
+        # layout 3.2: the token budget, published with the limit and expiring with it
+        ("token_limit", "I"),  # what all running requests may hold together; 0 none
+        ("request_token_limit", "I"),  # the most one request may hold; 0 unknown
     ],
 )
 
@@ -302,6 +317,9 @@ HOLDER = _fields(
         ("ticket", "Q"),
         ("serial", "Q"),  # bumped on every claim: a stale handle cannot touch a reused row
         ("member", "i"),  # member row (liveness lock and doorbell) of the owner
+        # layout 3.2, in the alignment gap before ``since`` (no older writer touches it):
+        # the tokens this record is charged (0: slots only), counted while it runs
+        ("tokens", "I"),
         ("since", "d"),  # when it started waiting, or was admitted (wall clock, for people)
         ("since_mono", "d"),  # the same on the deadline clock (hold times, Retry-After)
         ("waker", "I"),  # WAKE_* below: how the owner is told of its grant
@@ -345,7 +363,7 @@ ADMISSION_BLOCK_OFFSET = PROVIDER["fallback_limit"].offset
 HOLD_MEAN_WEIGHT = 0.2  # of the newest hold time in hold_mean_s (the core uses the same)
 COUNTS = struct.Struct("<II")  # running, waiting
 COUNTS_OFFSET = PROVIDER["running"].offset
-HOLDER_BODY = struct.Struct("<IQQQi4xddIBB")  # pid .. displaced
+HOLDER_BODY = struct.Struct("<IQQQiIddIBB")  # pid .. displaced
 HOLDER_BODY_OFFSET = HOLDER["pid"].offset
 
 
@@ -374,7 +392,7 @@ _check_block(
     HOLDER_BODY,
     HOLDER_BODY_OFFSET,
     HOLDER,
-    "pid member_serial ticket serial member since since_mono waker cls displaced",
+    "pid member_serial ticket serial member tokens since since_mono waker cls displaced",
 )
 
 PROVIDERS_BASE = HEADER_SIZE

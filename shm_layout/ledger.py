@@ -94,6 +94,10 @@ from shm_layout.rows import (
     provider_base,
     resolve_class,
     stored_class,
+    token_budget,
+    token_limit_in_force,
+    tokens_fit,
+    too_large,
 )
 
 
@@ -113,9 +117,12 @@ def may_run(
     return running + withheld < limit
 
 
-def decide_arrival(running: int, waiting: int, limit: int, bound: int) -> Decision:
-    """FIFO admission: nobody overtakes a waiter (R-A3), the queue is bounded (R-A2)."""
-    if waiting == 0 and running < limit:
+def decide_arrival(
+    running: int, waiting: int, limit: int, bound: int, *, fits: bool = True
+) -> Decision:
+    """FIFO admission: nobody overtakes a waiter (R-A3), the queue is bounded (R-A2);
+    ``fits``: the request's tokens fit the budget beside those running (R-T3)."""
+    if waiting == 0 and running < limit and fits:
         return "admit"
     if waiting >= bound:
         return "full"
@@ -123,7 +130,7 @@ def decide_arrival(running: int, waiting: int, limit: int, bound: int) -> Decisi
 
 
 # --- the model ------------------------------------------------------------------------
-Decision = Literal["admit", "wait", "full", "wait_refused", "closed"]
+Decision = Literal["admit", "wait", "full", "wait_refused", "closed", "too_large"]
 Outcome = Literal["released", "timeout", "cancelled"]
 Held = Callable[[int], bool]  # member row -> is its lock byte held (the kernel's word)
 
@@ -167,6 +174,11 @@ class Ledger:
     def _bump(self, field: str, base: int, by: int = 1) -> None:
         PROVIDER[field].put(self.buf, PROVIDER[field].get(self.buf, base) + by, base)
 
+    def _add_tokens(self, base: int, charge: int) -> None:
+        """A record's charge into ``tokens_running``, saturating at the field's top."""
+        total = self._get("tokens_running", base) + charge
+        PROVIDER["tokens_running"].put(self.buf, min(total, 0xFFFFFFFF), base)
+
     def _peak(self, field: str, base: int, value: int) -> None:
         if value > PROVIDER[field].get(self.buf, base):
             PROVIDER[field].put(self.buf, value, base)
@@ -199,6 +211,7 @@ class Ledger:
         futex: bool = False,
         registered: bool = True,
         cls: int = -1,
+        tokens: int = 0,
     ) -> tuple[Decision, Ticket | None, set[int]]:
         """``registered`` False: the registration is gone or closing (R-A14). ``cls``: the
         class index asked for (-1 or unknown: the provider's default class).
@@ -206,10 +219,16 @@ class Ledger:
         Without classes in force the decision is :func:`decide_arrival`'s. With them
         (class ``c``), the arrival pumps first (a waiter may have been promoted
         meanwhile), then runs at once when its class may, else queues, displacing the
-        newest waiter of the lowest rank below ``c`` from a full queue."""
+        newest waiter of the lowest rank below ``c`` from a full queue.
+
+        ``tokens``: the request's charge (0: slots only). One no worker could hold is
+        refused at once (``too_large``); else it runs only when its tokens fit too, and
+        never past a waiter (strict order: a head that does not fit holds those behind)."""
         if not registered:
             return "closed", None, set()
         buf, base = self.buf, provider_base(p)
+        if too_large(tokens, token_budget(buf, p, now)):
+            return "too_large", None, set()
         c, stored = resolve_class(buf, p, cls), stored_class(buf, p, cls)
         count = classes_in_force(buf, p)
         if self._counters_damaged(base) and self.recount_provider(p):
@@ -219,11 +238,15 @@ class Ledger:
         for attempt in range(2):
             running, waiting = self._get("running", base), self._get("waiting", base)
             limit = limit_value(buf, p, now)
+            budget = token_limit_in_force(buf, p, now)
+            fits = tokens_fit(self._get("tokens_running", base), tokens, budget)
             victim: int | None = None
             if count:
-                decision, victim = self._decide_classed(p, c, rules, running, waiting, limit, now)
+                decision, victim = self._decide_classed(
+                    p, c, rules, running, waiting, limit, now, fits=fits, budget=budget
+                )
             else:
-                decision = decide_arrival(running, waiting, limit, layout.QUEUE_BOUND)
+                decision = decide_arrival(running, waiting, limit, layout.QUEUE_BOUND, fits=fits)
             h = self._free_place(p) if decision != "full" else None
             if h is None:
                 h = victim
@@ -250,7 +273,18 @@ class Ledger:
                 rings.add(HOLDER["member"].get(buf, vb))
             waker = layout.WAKE_FUTEX if futex else layout.WAKE_DOORBELL
             serial = self._claim_record(
-                p, h, decision, running, waiting, pid, member, member_serial, now, waker, stored
+                p,
+                h,
+                decision,
+                running,
+                waiting,
+                pid,
+                member,
+                member_serial,
+                now,
+                waker,
+                stored,
+                tokens,
             )
             if decision == "admit" and count:
                 self._bump_class(p, c)
@@ -266,11 +300,22 @@ class Ledger:
         waiting: int,
         limit: int,
         now: float,
+        *,
+        fits: bool = True,
+        budget: int = 0,
     ) -> tuple[Decision, int | None]:
         """An arrival of class ``c`` with classes in force: (decision, the waiter it
-        displaces from a full queue, or None)."""
-        if may_run(c, running, self._class_running(p, len(rules)), limit, rules, promoted=False):
-            return "admit", None
+        displaces from a full queue, or None). With a token budget it runs only when its
+        tokens fit and no waiter of its rank or above that the slots let run is held
+        back by tokens (it would overtake that waiter)."""
+        run = self._class_running(p, len(rules))
+        if may_run(c, running, run, limit, rules, promoted=False) and fits:
+            held_back = False
+            if budget:
+                h, _, _, _ = self._best_waiter(p, running, run, limit, rules, now)
+                held_back = h is not None and self._rank(p, holder_base(p, h), rules, now)[1] <= c
+            if not held_back:
+                return "admit", None
         if waiting < layout.QUEUE_BOUND:
             return "wait", None
         victim = self._displaceable(p, c, len(rules), rules, now)
@@ -289,6 +334,7 @@ class Ledger:
         now: float,
         waker: int,
         stored: int,
+        tokens: int = 0,
     ) -> int:
         """Write free record ``h`` for an arrival, admitted or queued with the next
         ticket, and count it; its new serial."""
@@ -307,6 +353,7 @@ class Ledger:
             ticket,
             serial,
             member,
+            tokens,
             now,
             now,
             waker,
@@ -316,6 +363,7 @@ class Ledger:
         if decision == "admit":
             HOLDER["state"].put(buf, HOLDER_RUNNING, hb)  # state last
             self._put_counts(base, running + 1, waiting)
+            self._add_tokens(base, tokens)
             self._peak("peak_running", base, running + 1)
             self._bump("admitted_total", base)
         else:
@@ -393,6 +441,9 @@ class Ledger:
         running, waiting = self._get("running", base), self._get("waiting", base)
         if state == HOLDER_RUNNING:
             self._put_counts(base, max(running - 1, 0), waiting)
+            tokens_running = self._get("tokens_running", base)
+            charge = HOLDER["tokens"].get(buf, hb)
+            PROVIDER["tokens_running"].put(buf, max(tokens_running - charge, 0), base)
             self._note_hold(base, now - HOLDER["since_mono"].get(buf, hb))
             was = "running"
         else:
@@ -428,6 +479,52 @@ class Ledger:
                 rings |= self.pump(p, now)
         return freed, rings
 
+    # --- a writer's transaction ----------------------------------------------------
+    def transact(
+        self,
+        guards: list[tuple[int, bytes]],
+        writes: list[tuple[int, bytes]],
+        now: float,
+        *,
+        pump: bool = True,
+        sweep: bool = False,
+    ) -> tuple[bool, set[int]]:
+        """A writer's commit (``Core.transact``): when every guard's bytes are as given,
+        every write in order; the records of each class table written over relabelled
+        (:meth:`_relabel`); then a sweep, or a pump of every provider. (applied, rings)."""
+        buf = self.buf
+        if any(bytes(buf[off : off + len(data)]) != data for off, data in guards):
+            return False, set()
+        was = {p: self._class_names(p) for p in self._providers()} if writes else {}
+        for off, data in writes:
+            buf[off : off + len(data)] = data
+        for p, names in was.items():
+            self._relabel(p, names)
+        if sweep:
+            return True, self.sweep(now)[1]
+        return True, self.pump_all(now) if pump else set()
+
+    def _class_names(self, p: int) -> list[bytes]:
+        count = min(PROVIDER["class_count"].get(self.buf, provider_base(p)), layout.CLASS_COUNT)
+        return [layout.CLASS["name"].get(self.buf, class_base(p, k)) for k in range(count)]
+
+    def _relabel(self, p: int, was: list[bytes]) -> None:
+        """Provider ``p``'s class table was written over: every running and waiting record
+        keeps the class it asked for, found by its whole name in the new rows (whatever
+        row it moved to); a record whose class is gone, or that counted in the default
+        class, holds 0: the default class, resolved when read."""
+        now = self._class_names(p)
+        if now == was:
+            return
+        for h in range(HOLDERS_PER_PROVIDER):
+            hb = holder_base(p, h)
+            v = HOLDER["cls"].get(self.buf, hb)
+            if HOLDER["state"].get(self.buf, hb) not in (HOLDER_RUNNING, HOLDER_WAITING) or not v:
+                continue
+            to = now.index(was[v - 1]) + 1 if v - 1 < len(was) and was[v - 1] in now else 0
+            if to != v:
+                HOLDER["cls"].put(self.buf, to, hb)
+
     # --- granting -------------------------------------------------------------------
     def pump(self, p: int, now: float) -> set[int]:
         buf, base, rings = self.buf, provider_base(p), set[int]()
@@ -439,6 +536,7 @@ class Ledger:
         limit = limit_value(buf, p, now)
         if classes_in_force(buf, p):
             return self._pump_classed(p, running, waiting, limit, now)
+        budget = token_limit_in_force(buf, p, now)
         recounted = False
         while running < limit and waiting > 0:
             # somebody waits by the counters and no record does: the records decide, once
@@ -450,6 +548,8 @@ class Ledger:
                 self.recount_provider(p)
                 running, waiting = self._get("running", base), self._get("waiting", base)
                 continue
+            if not self._tokens_allow(p, holder_base(p, h), budget):
+                break  # strict order: the head waits for tokens, and those behind it too
             waiting -= 1
             if self._grant(base, holder_base(p, h), now, rings):
                 running += 1
@@ -463,6 +563,7 @@ class Ledger:
         count = classes_in_force(buf, p)
         rules = class_rules(buf, p, count)
         run = self._class_running(p, count)
+        budget = token_limit_in_force(buf, p, now)
         recounted = False
         while running < limit and waiting > 0:
             h, k, promoted_only, anyone = self._best_waiter(p, running, run, limit, rules, now)
@@ -473,6 +574,8 @@ class Ledger:
                 self.recount_provider(p)
                 running, waiting = self._get("running", base), self._get("waiting", base)
                 continue
+            if not self._tokens_allow(p, holder_base(p, h), budget):
+                break  # strict order: the best waiter waits for tokens, and those behind it
             waiting -= 1
             if not self._grant(base, holder_base(p, h), now, rings):
                 continue
@@ -485,13 +588,21 @@ class Ledger:
         self._peak("peak_running", base, running)
         return rings
 
+    def _tokens_allow(self, p: int, hb: int, budget: int) -> bool:
+        """May the waiting record at ``hb`` be granted as far as tokens go? Its charge fits
+        beside the tokens running, or its owner is dead (then the grant reclaims it)."""
+        running = self._get("tokens_running", provider_base(p))
+        charge = HOLDER["tokens"].get(self.buf, hb)
+        return tokens_fit(running, charge, budget) or not self._holder_alive(hb)
+
     def _grant(self, base: int, hb: int, now: float, rings: set[int]) -> bool:
-        """Grant the waiting record at ``hb``: RUNNING from now, its owner rung; a dead one
-        is reclaimed instead, never granted. True: granted."""
+        """Grant the waiting record at ``hb``: RUNNING from now, its owner rung, its tokens
+        counted; a dead one is reclaimed instead, never granted. True: granted."""
         if not self._holder_alive(hb):
             self._free_record(hb)
             self._bump("reclaimed_total", base)
             return False
+        self._add_tokens(base, HOLDER["tokens"].get(self.buf, hb))
         HOLDER["since"].put(self.buf, now, hb)
         HOLDER["since_mono"].put(self.buf, now, hb)
         HOLDER["state"].put(self.buf, HOLDER_RUNNING, hb)
@@ -569,19 +680,29 @@ class Ledger:
         return reclaimed, rings
 
     def _count_older_members(self) -> bool:
-        """Registered handlers that speak an older minor of this major: while any is, the
-        classes are suspended (DESIGN.md section 6b). True when they just were."""
-        before = layout.HEADER["older_members"].get(self.buf, 0)
-        older = 0
+        """Registered handlers that speak an older minor of this major: while one below 3.1
+        is, the classes are suspended (DESIGN.md section 6b); while one below 3.2 is, the
+        token budget (section 6c). True when either just was (more may run: pump). When
+        the last handler below 3.2 left, every provider's tokens are recounted."""
+        header = layout.HEADER
+        before = header["older_members"].get(self.buf, 0)
+        tokenless_before = header["tokenless_members"].get(self.buf, 0)
+        older = tokenless = 0
         for m in range(layout.MEMBER_COUNT):
             mb = member_base(m)
-            if MEMBER["in_use"].get(self.buf, mb) and (
-                MEMBER["major"].get(self.buf, mb),
-                MEMBER["minor"].get(self.buf, mb),
-            ) < (layout.MAJOR, layout.MINOR):
-                older += 1
-        layout.HEADER["older_members"].put(self.buf, older, 0)
-        return bool(before == 0 and older > 0)
+            if (
+                MEMBER["in_use"].get(self.buf, mb)
+                and MEMBER["major"].get(self.buf, mb) <= layout.MAJOR
+            ):
+                minor = MEMBER["minor"].get(self.buf, mb)
+                below = MEMBER["major"].get(self.buf, mb) < layout.MAJOR
+                older += below or minor < 1
+                tokenless += below or minor < 2
+        header["older_members"].put(self.buf, older, 0)
+        header["tokenless_members"].put(self.buf, tokenless, 0)
+        if tokenless_before and not tokenless:
+            self.repair()  # their cores left tokens_running behind: the records say
+        return bool((before == 0 and older > 0) or (tokenless_before == 0 and tokenless > 0))
 
     def sweep(self, now: float) -> tuple[int, set[int]]:
         """What the host's sweep does (R-A5, R-A16): every provider's counters checked
@@ -613,8 +734,10 @@ class Ledger:
 
     def recount_provider(self, p: int) -> bool:
         """Rebuild the counters from the records (a state word that is none of FREE,
-        WAITING, RUNNING is freed); True when something was wrong."""
-        running = waiting = 0
+        WAITING, RUNNING is freed); True when something was wrong. ``tokens_running`` is
+        rebuilt too, but a difference there is no damage: a core of an older minor frees
+        records without knowing their tokens."""
+        running = waiting = tokens = 0
         wrong = False
         for h in range(HOLDERS_PER_PROVIDER):
             hb = holder_base(p, h)
@@ -624,9 +747,11 @@ class Ledger:
                 state, wrong = HOLDER_FREE, True
             if state == HOLDER_RUNNING:
                 running += 1
+                tokens += HOLDER["tokens"].get(self.buf, hb)
             elif state == HOLDER_WAITING:
                 waiting += 1
         base = provider_base(p)
+        PROVIDER["tokens_running"].put(self.buf, min(tokens, 0xFFFFFFFF), base)
         wrong = wrong or (
             self._get("running", base) != running
             or self._get("waiting", base) != waiting
@@ -723,8 +848,19 @@ class Ledger:
         return rings
 
     def ensure_provider(
-        self, provider_id: str, fallback: int, source: int, flags: int, reason: bytes
+        self,
+        provider_id: str,
+        fallback: int,
+        source: int,
+        flags: int,
+        reason: bytes,
+        classes: bytes = b"",
+        default_class: int = 0,
     ) -> tuple[int, bool]:
+        """The row of ``provider_id``, or a free one claimed with its class table
+        (``classes``: rows of the writer's ``CLASS_ROW``) in the same step, in_use last:
+        no arrival sees a claimed row without its classes. (-1, False): full."""
+        spec = layout.CLASS["admitted_total"].offset  # a row's bytes a writer gives
         wanted = encode_provider_id(provider_id).ljust(layout.ID_BYTES, b"\x00")
         for p in range(PROVIDER_COUNT):
             base = provider_base(p)
@@ -741,6 +877,11 @@ class Ledger:
             PROVIDER["fallback_source"].put(self.buf, source, base)
             PROVIDER["flags"].put(self.buf, flags, base)
             PROVIDER["reason"].put(self.buf, reason[: layout.REASON_BYTES], base)
+            for k in range(layout.CLASS_COUNT):
+                cb = class_base(p, k)
+                self.buf[cb : cb + spec] = classes[k * spec : (k + 1) * spec].ljust(spec, b"\0")
+            PROVIDER["default_class"].put(self.buf, default_class, base)
+            PROVIDER["class_count"].put(self.buf, len(classes) // spec, base)
             PROVIDER["in_use"].put(self.buf, 1, base)
             return p, True
         return -1, False

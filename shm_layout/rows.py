@@ -229,3 +229,53 @@ def stored_class(buf: Buffer, p: int, cls: int) -> int:
     were written counts in the default class, never the top one)."""
     count: int = PROVIDER["class_count"].get(buf, provider_base(p))
     return cls + 1 if 0 <= cls < min(count, layout.CLASS_COUNT) else 0
+
+
+# --- the token budget (DESIGN.md section 6c) -------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TokenBudget:
+    """A provider's token budget at a moment: ``limit`` what all running requests may hold
+    together (0: none, slots alone), ``request_limit`` the most one request may hold (0:
+    unknown), both 0 once the published limit is not in force; ``suspended``: a handler
+    of an older minor is registered, so the steps admit on slots alone (``limit`` still
+    says what was published, and a request above it is still refused)."""
+
+    limit: int
+    request_limit: int
+    suspended: bool
+
+
+def token_budget(buf: Buffer, p: int, now: float) -> TokenBudget:
+    """The token limits published for provider ``p``, in force while its published limit
+    is (R-L7: they lapse with it), else 0."""
+    if not published_in_force(buf, p, now):
+        return TokenBudget(0, 0, False)
+    base = provider_base(p)
+    return TokenBudget(
+        int(PROVIDER["token_limit"].get(buf, base)),
+        int(PROVIDER["request_token_limit"].get(buf, base)),
+        bool(layout.HEADER["tokenless_members"].get(buf, 0)),
+    )
+
+
+def tokens_fit(tokens_running: int, charge: int, limit: int) -> bool:
+    """May a request charged ``charge`` run beside ``tokens_running`` under ``limit``? No
+    budget (0), a request charged nothing, or nobody running: yes (a request never waits
+    for more than the whole budget: alone, it runs); else when the sum fits."""
+    return limit == 0 or charge == 0 or tokens_running == 0 or tokens_running + charge <= limit
+
+
+def too_large(charge: int, budget: TokenBudget) -> bool:
+    """Is a request charged ``charge`` one no worker could hold: above the most one
+    request may hold, or above the whole budget? Refused at once, never queued."""
+    return charge > 0 and (
+        (budget.request_limit > 0 and charge > budget.request_limit)
+        or (budget.limit > 0 and charge > budget.limit)
+    )
+
+
+def token_limit_in_force(buf: Buffer, p: int, now: float) -> int:
+    """The token limit the steps apply to provider ``p`` at ``now``: the published one while
+    it is in force and no handler of an older minor is registered, else 0 (slots alone)."""
+    budget = token_budget(buf, p, now)
+    return 0 if budget.suspended else budget.limit

@@ -41,6 +41,7 @@ from shm_layout.rows import (
     member_base,
     provider_base,
     resolve_class,
+    token_budget,
 )
 from shm_layout.segment import describe_owner, map_readonly, truncated
 
@@ -101,6 +102,13 @@ class ProviderView:
     classes_suspended: bool = False
     promoted_total: int = 0
     displaced_total: int = 0
+    # the token budget (DESIGN.md section 6c): None while none is in force (slots alone)
+    token_limit: int | None = None
+    request_token_limit: int | None = None  # the most one request may hold; None unknown
+    tokens_running: int = 0  # the charges of live running records, like ``running``
+    # a token budget is published, but a handler of a minor below 3.2 is registered:
+    # admission is on slots alone until it is gone
+    tokens_suspended: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +123,7 @@ class HolderView:
     member: int
     generation: str | None
     since: float
+    tokens: int = 0  # its charge (layout 3.2); 0 slots only
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,7 +277,7 @@ def parse_view(
         if not PROVIDER["in_use"].get(data, base):
             break
         pid_text = layout.decode_text(PROVIDER["id"].get(data, base))
-        running = waiting = 0
+        running = waiting = tokens = 0
         by_class = [[0, 0] for _ in range(layout.CLASS_COUNT)]
         for h in range(layout.HOLDERS_PER_PROVIDER):
             hb = holder_base(p, h)
@@ -279,8 +288,10 @@ def parse_view(
             member = HOLDER["member"].get(data, hb)
             holder_alive = alive.get((member, HOLDER["member_serial"].get(data, hb)), False)
             k = resolve_class(data, p, HOLDER["cls"].get(data, hb) - 1)
+            charge = HOLDER["tokens"].get(data, hb)
             if holder_alive and state == HOLDER_RUNNING:
                 running += 1
+                tokens += charge
                 by_class[k][0] += 1
             elif holder_alive and state == HOLDER_WAITING:
                 waiting += 1
@@ -297,9 +308,10 @@ def parse_view(
                     member=member,
                     generation=labels.get(member),
                     since=HOLDER["since"].get(data, hb),
+                    tokens=charge,
                 )
             )
-        providers.append(_provider(data, p, running, waiting, now, mono, by_class))
+        providers.append(_provider(data, p, running, waiting, now, mono, by_class, tokens))
     return SegmentView(
         name=name,
         major=HEADER["major"].get(data),
@@ -329,10 +341,22 @@ def parse_view(
     )
 
 
+def class_name_bytes(name: str) -> bytes | None:
+    """``name`` as a class row holds it (UTF-8, NUL-padded), or None when no row can hold
+    it whole: a longer name is never cut to match a class by its first bytes."""
+    raw = name.encode("utf-8", "replace")
+    if not raw or len(raw) > layout.CLASS_NAME_BYTES or b"\0" in raw:
+        return None
+    return raw.ljust(layout.CLASS_NAME_BYTES, b"\0")
+
+
 def class_index(buf: Any, p: int, name: str) -> int:
-    """The row of provider ``p``'s class called ``name``; -1 none (lock-free)."""
+    """The row of provider ``p``'s class called ``name``, matched whole; -1 none
+    (lock-free)."""
     count = min(PROVIDER["class_count"].get(buf, provider_base(p)), layout.CLASS_COUNT)
-    wanted = layout.encode_text(name, layout.CLASS_NAME_BYTES).ljust(layout.CLASS_NAME_BYTES, b"\0")
+    wanted = class_name_bytes(name)
+    if wanted is None:
+        return -1
     for k in range(count):
         if CLASS["name"].get(buf, class_base(p, k)) == wanted:
             return k
@@ -370,9 +394,11 @@ def _provider(
     now: float,
     mono: float,
     by_class: list[list[int]] | None = None,
+    tokens: int = 0,
 ) -> ProviderView:
     base = provider_base(p)
     limit = effective_limit(data, p, mono)
+    budget = token_budget(data, p, mono)
     flags = PROVIDER["flags"].get(data, base)
     published = PROVIDER["published_limit"].get(data, base)
     discovered = PROVIDER["discovered"].get(data, base)
@@ -423,6 +449,10 @@ def _provider(
         ),
         promoted_total=PROVIDER["promoted_total"].get(data, base),
         displaced_total=PROVIDER["displaced_total"].get(data, base),
+        token_limit=budget.limit or None,
+        request_token_limit=budget.request_limit or None,
+        tokens_running=tokens,
+        tokens_suspended=bool(budget.limit and budget.suspended),
     )
 
 

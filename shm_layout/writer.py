@@ -72,33 +72,38 @@ CLASS_ROW = struct.Struct(f"<{layout.CLASS_NAME_BYTES}sHHI")
 layout._check_block(CLASS_ROW, 0, layout.CLASS, "name reserve cap max_wait_ms")
 
 
+def class_table(classes: Sequence[ClassSpec], default: int) -> tuple[list[bytes], int]:
+    """The class rows as written (``CLASS_ROW``, highest class first) and the default
+    class's row. More than ``CLASS_COUNT`` classes are cut (the config refuses them
+    first); values are clamped to their fields."""
+    rows = [
+        CLASS_ROW.pack(
+            layout.encode_text(name, layout.CLASS_NAME_BYTES),
+            min(max(reserve, 0), layout.RUNNING_ROOM),
+            min(max(cap, 0), layout.RUNNING_ROOM),
+            min(max(wait_ms, 0), 0xFFFFFFFF),
+        )
+        for name, reserve, cap, wait_ms in list(classes)[: layout.CLASS_COUNT]
+    ]
+    return rows, min(max(default, 0), max(len(rows) - 1, 0))
+
+
 def class_writes(p: int, classes: Sequence[ClassSpec], default: int) -> list[tuple[int, bytes]]:
     """Provider ``p``'s class table (DESIGN.md section 6b), highest class first: every
     row, then ``default_class``, then ``class_count`` (none: one FIFO). Each class's
-    admission counter is kept. More than ``CLASS_COUNT`` classes are cut (the config
-    refuses them first); values are clamped to their fields."""
+    admission counter is kept (:func:`class_table`)."""
     base = provider_base(p)
-    writes = []
-    rows = list(classes)[: layout.CLASS_COUNT]
-    for k in range(layout.CLASS_COUNT):
-        name, reserve, cap, wait_ms = rows[k] if k < len(rows) else ("", 0, 0, 0)
-        writes.append(
-            (
-                base + layout.CLASS_BASE + k * layout.CLASS_ROW_SIZE,
-                CLASS_ROW.pack(
-                    layout.encode_text(name, layout.CLASS_NAME_BYTES),
-                    min(max(reserve, 0), layout.RUNNING_ROOM),
-                    min(max(cap, 0), layout.RUNNING_ROOM),
-                    min(max(wait_ms, 0), 0xFFFFFFFF),
-                ),
-            )
-        )
-    writes.append(
+    rows, default = class_table(classes, default)
+    empty = CLASS_ROW.pack(b"", 0, 0, 0)
+    writes = [
         (
-            base + PROVIDER["default_class"].offset,
-            PROVIDER["default_class"].codec.pack(min(max(default, 0), max(len(rows) - 1, 0))),
+            base + layout.CLASS_BASE + k * layout.CLASS_ROW_SIZE,
+            rows[k] if k < len(rows) else empty,
         )
-    )
+        for k in range(layout.CLASS_COUNT)
+    ]
+    field = PROVIDER["default_class"]
+    writes.append((base + field.offset, field.codec.pack(default)))
     writes.append(
         (base + PROVIDER["class_count"].offset, PROVIDER["class_count"].codec.pack(len(rows)))
     )
@@ -141,6 +146,10 @@ class Publication:
     # admission classes, highest first (DESIGN.md section 6b); none: one FIFO
     classes: tuple[ClassSpec, ...] = ()
     default_class: int = 0
+    # the token budget (DESIGN.md section 6c), published with ``limit`` and lapsing with
+    # it: what all running requests may hold together, and the most one may hold; 0 none
+    token_limit: int = 0
+    request_token_limit: int = 0
 
 
 def take_epoch(
@@ -252,7 +261,13 @@ def publish(
         if p is None:
             try:
                 p, _ = ensure_provider(
-                    seg, pub.provider_id, pub.fallback, pub.fallback_source, discovery=pub.discovery
+                    seg,
+                    pub.provider_id,
+                    pub.fallback,
+                    pub.fallback_source,
+                    discovery=pub.discovery,
+                    classes=pub.classes,
+                    default_class=pub.default_class,
                 )
             except (TableFull, ProviderIdError) as exc:
                 warnings.append(f"provider {pub.provider_id}: not published: {exc}")
@@ -286,6 +301,8 @@ def publish(
                 PROVIDER["flags"], PROVIDER["flags"].get(buf, base) & ~layout.PFLAG_CONFIGURED, base
             )
             patch.put(PROVIDER["published_limit"], -1, base)
+            patch.put(PROVIDER["token_limit"], 0, base)
+            patch.put(PROVIDER["request_token_limit"], 0, base)
             patch.put(PROVIDER["observed_at"], 0.0, base)
             patch.put(PROVIDER["expires_at"], 0.0, base)
             patch.put(PROVIDER["expires_mono"], 0.0, base)
@@ -319,9 +336,18 @@ def _changed(new: list[tuple[int, bytes]], old: list[tuple[int, bytes]]) -> list
 
 
 def ensure_provider(
-    seg: Segment, provider_id: str, fallback: int, fallback_source: Source, *, discovery: bool
+    seg: Segment,
+    provider_id: str,
+    fallback: int,
+    fallback_source: Source,
+    *,
+    discovery: bool,
+    classes: Sequence[ClassSpec] = (),
+    default_class: int = 0,
 ) -> tuple[int, bool]:
-    """The row of ``provider_id``, claimed if new (R-A8). Returns (index, created).
+    """The row of ``provider_id``, claimed if new (R-A8), with its admission classes in
+    it from the same locked step: no arrival ever finds the row without them (a row
+    found is left as it is: its classes are a publication's). Returns (index, created).
 
     Raises :class:`TableFull` when all rows are taken, ``ProviderIdError``
     when the id cannot be stored whole (R-A13).
@@ -331,6 +357,7 @@ def ensure_provider(
     flags = layout.PFLAG_CONFIGURED | (layout.PFLAG_DISCOVERY if discovery else 0)
     flags |= layout.PFLAG_CLAMPED if clamped else 0
     reason = "no sidecar has published yet" if discovery else "static limit"
+    rows, default = class_table(classes, default_class)
     p, created = seg.core.ensure_provider(
         raw,
         min(max(fallback, 0), layout.RUNNING_ROOM),
@@ -338,6 +365,8 @@ def ensure_provider(
         flags,
         layout.QUEUE_BOUND,
         layout.encode_text(reason, layout.REASON_BYTES),
+        b"".join(rows),
+        default,
     )
     if p < 0:
         raise TableFull(
@@ -401,7 +430,16 @@ def _write_publication(patch: Patch, p: int, pub: Publication, epoch: int, now: 
     patch.put(PROVIDER["replica_count"], len(replicas), base)
     patch.writes.extend(class_writes(p, pub.classes, pub.default_class))
     limit = -1 if pub.limit is None or pub.expires_at is None else max(pub.limit, 0)
+    tokens = _token_value(pub.token_limit) if limit >= 0 else 0
+    per_request = _token_value(pub.request_token_limit) if limit >= 0 else 0
+    patch.put(PROVIDER["token_limit"], tokens, base)
+    patch.put(PROVIDER["request_token_limit"], per_request, base)
     patch.put(PROVIDER["published_limit"], limit, base)
+
+
+def _token_value(value: int) -> int:
+    """A token limit as the row holds it: 0 (none) .. the u32's top."""
+    return min(max(int(value), 0), 0xFFFFFFFF)
 
 
 def _source_code(source: str) -> int:

@@ -304,8 +304,28 @@ def _segment_metrics(view: SegmentView) -> Iterator[Metric]:
         "Requests admitted to a slot, by admission class, since the classes were written",
         labels=list(class_labels),
     )
+    tokens_running = _gauge(
+        "tokens_running", "Tokens charged to running requests (holders of live processes)"
+    )
+    token_limit = _gauge(
+        "token_limit",
+        "Tokens all running requests may hold together (absent: no token budget in force)",
+    )
+    request_token_limit = _gauge(
+        "request_token_limit", "The most tokens one request may hold (absent: unknown)"
+    )
+    tokens_suspended = _gauge(
+        "tokens_suspended",
+        "1 while a token budget is published but a layout 3.1 or older handler is registered",
+    )
     for p in view.providers:
         labels = [p.id]
+        tokens_running.add_metric(labels, p.tokens_running)
+        tokens_suspended.add_metric(labels, 1.0 if p.tokens_suspended else 0.0)
+        if p.token_limit is not None:
+            token_limit.add_metric(labels, p.token_limit)
+        if p.request_token_limit is not None:
+            request_token_limit.add_metric(labels, p.request_token_limit)
         for c in p.classes:
             class_running.add_metric([p.id, c.name], c.running)
             class_waiting.add_metric([p.id, c.name], c.waiting)
@@ -330,6 +350,7 @@ def _segment_metrics(view: SegmentView) -> Iterator[Metric]:
     yield from (observed, age, expiry)
     yield from counters
     yield from (class_running, class_waiting, class_admitted)
+    yield from (tokens_running, token_limit, request_token_limit, tokens_suspended)
 
     handlers = _gauge(
         "handler_processes", "Live handler processes attached, by generation", ("generation",)

@@ -22,6 +22,7 @@ It prints one JSON object per line (flushed) for each event, with
 
   --group-shared attaches in group-shared mode (the segment mode 0660).
   --cls NAME asks for that admission class in every slot (docs/classes.md).
+  --tokens N charges every slot N tokens (docs/DESIGN.md section 6c).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from handler_shim import Admission, AdmissionError, AdmissionTimeout, QueueFull
+from handler_shim import Admission, AdmissionError, AdmissionTimeout, QueueFull, RequestTooLarge
 
 _print_lock = threading.Lock()
 
@@ -63,6 +64,7 @@ def main() -> int:
     ap.add_argument("--mark-file", default="")
     ap.add_argument("--group-shared", action="store_true")
     ap.add_argument("--cls", default=None, help="the admission class of every slot")
+    ap.add_argument("--tokens", type=int, default=0, help="the tokens every slot is charged")
     args = ap.parse_args()
 
     adm = Admission.attach(
@@ -102,12 +104,16 @@ def main() -> int:
 
     def one(i: int) -> None:
         try:
-            with adm.slot_blocking(args.provider, timeout=args.timeout, cls=args.cls):
+            with adm.slot_blocking(
+                args.provider, timeout=args.timeout, cls=args.cls, tokens=args.tokens
+            ):
                 emit("admitted", i=i)
                 release.wait()
             emit("released", i=i)
         except QueueFull:
             emit("queue_full", i=i)
+        except RequestTooLarge as exc:
+            emit("too_large", i=i, tokens=exc.tokens, limit=exc.request_token_limit)
         except AdmissionTimeout:
             emit("timeout", i=i)
 

@@ -129,3 +129,27 @@ def test_r_a22_wait_for_slot_computes_room_as_the_class_sees_it(
     assert run_cli(*local, "--check").returncode == 0  # the provider as a whole has room
     unknown = run_cli(*local, "--check", "--class", "bulk")
     assert unknown.returncode == 2 and "no admission class 'bulk'" in unknown.stderr
+
+
+def test_r_a22_a_longer_name_is_no_class_of_16_bytes_and_is_said_once(
+    segment_name: str, write_config: Callable[..., Path], agents: Callable[..., Agent]
+) -> None:
+    """A class name is matched whole: 'Interactive.v2_0-premium' is not the 16-byte class
+    'Interactive.v2_0' cut short, so its requests count in the default class (batch: 2
+    of 4 beside interactive's reserve of 2), and the handler says so once."""
+    classes = [{"name": "Interactive.v2_0", "reserve": 2}, {"name": "batch"}]
+    config = write_config({"providers": [{"id": "p1", "maxConcurrent": 4, "classes": classes}]})
+    longer = agents(
+        "--segment", segment_name, "--config", str(config),
+        "--cls", "Interactive.v2_0-premium", "hold", "--threads", "3",
+    )  # fmt: skip
+    longer.expect("admitted")
+    longer.expect("admitted")
+    time.sleep(1.0)  # the third may not run: batch is at L - R
+    assert not longer.has_seen("timeout")
+    assert _classes(segment_name) == {"Interactive.v2_0": (0, 0), "batch": (2, 1)}
+    assert [e["event"] for e in longer.seen].count("admitted") == 2
+    assert longer.finish() == 0
+    assert longer.proc.stderr is not None
+    said = [line for line in longer.proc.stderr.read().splitlines() if "no admission class" in line]
+    assert len(said) == 1 and "'Interactive.v2_0-premium'" in said[0], said

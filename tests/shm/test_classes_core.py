@@ -58,20 +58,16 @@ class Twin:
         self.same()
 
     def classes(self, classes: list[writer.ClassSpec], default: int) -> None:
-        writes = writer.class_writes(0, classes, default)
-        assert self.seg.core.transact([], writes, True, self.now)
-        for off, data in writes:
-            self.buf[off : off + len(data)] = data
-        self.model.pump_all(self.now)
-        self.same()
+        self._commit(writer.class_writes(0, classes, default))
 
     def limit(self, value: int) -> None:
         f = PROVIDER["fallback_limit"]
-        writes = [(rows.provider_base(0) + f.offset, f.codec.pack(value))]
+        self._commit([(rows.provider_base(0) + f.offset, f.codec.pack(value))])
+
+    def _commit(self, writes: list[tuple[int, bytes]]) -> None:
+        """A writer's transaction and its pump, on the core and on the model."""
         assert self.seg.core.transact([], writes, True, self.now)
-        for off, data in writes:
-            self.buf[off : off + len(data)] = data
-        self.model.pump_all(self.now)
+        assert self.model.transact([], writes, self.now)[0]
         self.same()
 
     def arrive(self, cls: int, who: int = 0) -> tuple[str, Any, Any]:
@@ -197,7 +193,7 @@ def test_r_a20_a_displaced_blocking_waiter_is_told_at_once(twin: Twin) -> None:
 
 def test_r_a21_classes_are_suspended_while_an_older_handler_is_registered(twin: Twin) -> None:
     twin.classes([("interactive", 2, 0, 0), ("batch", 0, 0, 0)], 1)
-    older = twin.register(minor=layout.MINOR - 1)
+    older = twin.register(minor=0)  # layout 3.0: no classes
     assert layout.HEADER["older_members"].get(twin.seg.buf) == 1
     assert [twin.arrive(BATCH)[0] for _ in range(4)] == ["admit"] * 4  # one FIFO: no reserve
     twin.unregister(older)
@@ -227,10 +223,58 @@ def test_r_a23_reserves_apply_to_the_published_share(twin: Twin) -> None:
             ("published_limit", 2),
         )
     ]
-    assert twin.seg.core.transact([], writes, True, twin.now)
-    for off, data in writes:
-        twin.buf[off : off + len(data)] = data
-    twin.model.pump_all(twin.now)
+    twin._commit(writes)
     assert rows.effective_limit(twin.seg.buf, 0, twin.now).source == "share"
     assert [twin.arrive(BATCH)[0] for _ in range(2)] == ["admit", "wait"]  # 2 - 1 reserved
     assert twin.arrive(INTERACTIVE)[0] == "admit"
+
+
+def _class_names(twin: Twin, held: list[tuple[str, Any, Any]]) -> list[str]:
+    """The class each held request counts in now, by name."""
+    out = []
+    for _, ticket, _ in held:
+        cls = layout.HOLDER["cls"].get(twin.seg.buf, rows.holder_base(0, ticket.holder))
+        k = rows.resolve_class(twin.seg.buf, 0, cls - 1)
+        out.append(
+            layout.decode_text(layout.CLASS["name"].get(twin.seg.buf, rows.class_base(0, k)))
+        )
+    return out
+
+
+def test_r_a18_a_class_added_above_running_requests_keeps_them_and_the_reserves(
+    twin: Twin,
+) -> None:
+    """Two batch requests run; a class is added above the others: they stay batch, so a
+    third batch arrival waits (L - (1 + 1) = 2) and an interactive one runs."""
+    twin.classes([("interactive", 1, 0, 0), ("batch", 0, 0, 0)], 1)
+    running = [twin.arrive(1) for _ in range(2)]
+    assert [d for d, _, _ in running] == ["admit", "admit"]
+    twin.classes([("vip", 1, 0, 0), ("interactive", 1, 0, 0), ("batch", 0, 0, 0)], 2)
+    assert _class_names(twin, running) == ["batch", "batch"]
+    assert twin.arrive(2)[0] == "wait"
+    assert twin.arrive(1)[0] == "admit"
+
+
+def test_r_a18_reordered_renamed_and_removed_classes_keep_requests_in_flight(
+    twin: Twin,
+) -> None:
+    """Every edit keeps a running or waiting request in its own class by name; a request
+    whose class is gone counts in the default class, and the reserves hold through it."""
+    twin.classes([("interactive", 1, 0, 0), ("agent", 0, 0, 0), ("batch", 0, 0, 0)], 2)
+    held = [twin.arrive(0), twin.arrive(1), twin.arrive(2), twin.arrive(-1)]
+    assert [d for d, _, _ in held] == ["admit"] * 4
+    waiting = [twin.arrive(2), twin.arrive(1)]
+    assert [d for d, _, _ in waiting] == ["wait", "wait"]
+    names = ["interactive", "agent", "batch", "batch", "batch", "agent"]
+    assert _class_names(twin, held + waiting) == names
+    twin.classes([("batch", 0, 0, 0), ("agent", 0, 0, 0), ("interactive", 1, 0, 0)], 0)
+    assert _class_names(twin, held + waiting) == names  # reordered: each by its name
+    twin.classes([("interactive", 1, 0, 0), ("agents", 0, 0, 0), ("batch", 0, 0, 0)], 2)
+    renamed = ["interactive", "batch", "batch", "batch", "batch", "batch"]
+    assert _class_names(twin, held + waiting) == renamed  # agent is gone: the default
+    twin.classes([("interactive", 1, 0, 0)], 0)
+    assert _class_names(twin, held + waiting) == ["interactive"] * 6  # one class left
+    twin.classes([("interactive", 1, 0, 0), ("batch", 0, 0, 0)], 1)
+    assert _class_names(twin, held + waiting)[0] == "interactive"
+    twin.leave(held[0])  # interactive's reserve is free again: no batch waiter takes it
+    assert twin.field("running") == 3 and twin.field("waiting") == 2

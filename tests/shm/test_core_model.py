@@ -11,7 +11,10 @@ finish), and damage (a bad write to a counter, its check word, a member's serial
 in_use word, a published deadline, the lock word, a record's state word with garbage),
 admission classes written, changed and removed under traffic (reserves, caps, promotion
 after maxWait, displacement from a full queue, R-A17..R-A21) and handlers of the older
-minor registering (the classes suspended while they are),
+minor registering (the classes suspended while they are), and token budgets (DESIGN.md
+section 6c, R-T1..R-T6): requests charged tokens, budgets published and expiring, a
+request above them refused, a head that does not fit holding those behind it, the
+charges of the dead returned by the sweep, handlers of 3.1 suspending the budget,
 on a real segment through the compiled core (``shm_layout/_core.c``), and the same
 steps on a plain bytearray through the Python model (``shm_layout/ledger.py``). Lies a
 trusted writer could tell (a free record written back to life, a live record's state
@@ -62,7 +65,20 @@ from shm_layout.layout import (
 )
 from shm_layout.segment import Segment, unlink_segment
 
-PROVIDERS = ("p0", "p1")
+PROVIDERS = ("p0", "p1")  # claimed at the start; "p2" by a step, with its classes
+LATE = "p2"
+# class names a table is drawn from: an edit adds, removes, reorders and renames them
+NAMES = ("vip", "interactive", "agent", "batch", "bulk")
+CLASS_TABLES = st.lists(
+    st.tuples(
+        st.sampled_from(NAMES),
+        st.integers(0, 3),
+        st.integers(0, 3),
+        st.sampled_from([0, 500, 5000]),
+    ),
+    max_size=layout.CLASS_COUNT,
+    unique_by=lambda c: c[0],
+)
 OUTCOMES = {"released": _core.RELEASED, "timeout": _core.TIMEOUT, "cancelled": _core.CANCELLED}
 CODES = {
     _core.ADMIT: "admit",
@@ -71,7 +87,9 @@ CODES = {
     _core.WAIT_REFUSED: "wait_refused",
     _core.CLOSED: "closed",
     _core.MOVED: "moved",
+    _core.TOO_LARGE: "too_large",
 }
+CHARGES = st.sampled_from([0, 0, 40, 150, 300, 700])  # tokens a request is charged
 WAS = {0: "stale", 1: "running", 2: "waiting"}
 
 
@@ -109,6 +127,11 @@ class CoreAgainstModel(RuleBasedStateMachine):
         self.issued: list[Any] = []  # every ticket that got a record: (member, ticket, model)
         self.replacement: Segment | None = None  # what the name leads to after a replace
         self.claimed: int | None = None  # the row a registration under way has taken
+        self.rows = len(PROVIDERS)  # provider rows claimed so far
+        # (p, h, serial) of each record an arrival made -> the name of the class it was
+        # given, None for the default class (also once its class was gone from the table:
+        # it counts in the default class from then on, whatever is written later)
+        self.asked: dict[tuple[int, int, int], bytes | None] = {}
 
     @initialize()
     def setup(self) -> None:
@@ -141,20 +164,26 @@ class CoreAgainstModel(RuleBasedStateMachine):
     @rule(
         target=tickets,
         who=st.integers(0, 5),
-        provider=st.sampled_from(range(len(PROVIDERS))),
+        provider=st.integers(0, len(PROVIDERS)),
         may_wait=st.booleans(),
         count=st.integers(1, 4),
         cls=st.integers(-1, 3),
+        tokens=st.lists(CHARGES, min_size=4, max_size=4),
     )
-    def arrive(self, who: int, provider: int, may_wait: bool, count: int, cls: int) -> Any:
+    def arrive(
+        self, who: int, provider: int, may_wait: bool, count: int, cls: int, tokens: list[int]
+    ) -> Any:
         """Up to 4 arrivals in one step, so that queues form often."""
-        return multiple(*(self._arrive(who + i, provider, may_wait, cls) for i in range(count)))
+        provider %= self.rows
+        return multiple(
+            *(self._arrive(who + i, provider, may_wait, cls, tokens[i]) for i in range(count))
+        )
 
     @precondition(lambda self: any(m.alive and not m.retired for m in self.members))
     @rule(
         target=tickets,
         who=st.integers(0, 5),
-        provider=st.sampled_from(range(len(PROVIDERS))),
+        provider=st.integers(0, len(PROVIDERS)),
         low=st.integers(-1, 3),
         high=st.integers(-1, 3),
     )
@@ -162,12 +191,15 @@ class CoreAgainstModel(RuleBasedStateMachine):
         """33 arrivals of one class, then 3 of another: the 32-bound reached, and a higher
         class displacing a lower one's waiters (R-A20)."""
         classes = [low] * 33 + [high] * 3
+        provider %= self.rows
         return multiple(*(self._arrive(who + i, provider, True, c) for i, c in enumerate(classes)))
 
-    def _arrive(self, who: int, provider: int, may_wait: bool, cls: int = -1) -> Any:
+    def _arrive(
+        self, who: int, provider: int, may_wait: bool, cls: int = -1, tokens: int = 0
+    ) -> Any:
         live = [m for m in self.members if m.alive and not m.retired]
         m = live[who % len(live)]
-        ticket = _core.Ticket()
+        ticket = _core.Ticket(tokens=tokens)
         code = m.core.arrive(
             ticket, provider, m.pid, self.now, may_wait=may_wait, blocking=True, cls=cls
         )
@@ -180,12 +212,18 @@ class CoreAgainstModel(RuleBasedStateMachine):
             may_wait=may_wait,
             registered=not m.closing,
             cls=cls,
+            tokens=tokens,
         )
         assert CODES[code] == decision
+        if decision == "too_large":  # R-T2: refused at once, and only when above a limit
+            assert rows.too_large(tokens, rows.token_budget(self.seg.buf, provider, self.now))
         if decision != "closed":
             self.damaged.discard(provider)  # the arrival looked at this provider's counters
         if model_ticket is not None:
             self.issued.append((m, ticket, model_ticket))
+            self.asked[(provider, model_ticket.holder, model_ticket.serial)] = self._class_of(
+                provider, model_ticket.holder
+            )
             assert (ticket.provider, ticket.holder, ticket.serial) == (
                 model_ticket.provider,
                 model_ticket.holder,
@@ -229,10 +267,19 @@ class CoreAgainstModel(RuleBasedStateMachine):
         provider=st.sampled_from(range(len(PROVIDERS))),
         limit=st.integers(0, 5),
         ttl=st.integers(1, 40),
+        tokens=st.sampled_from([0, 0, 400, 1000]),
+        per_request=st.sampled_from([0, 250, 800]),
     )
-    def publish(self, provider: int, limit: int, ttl: int) -> None:
+    def publish(self, provider: int, limit: int, ttl: int, tokens: int, per_request: int) -> None:
+        """A publication, with a token budget (0: none) and the most one request may hold
+        (0: unknown), as the writer writes them: before the limit."""
         base = rows.provider_base(provider)
         writes = [
+            (base + PROVIDER["token_limit"].offset, PROVIDER["token_limit"].codec.pack(tokens)),
+            (
+                base + PROVIDER["request_token_limit"].offset,
+                PROVIDER["request_token_limit"].codec.pack(per_request),
+            ),
             (
                 base + PROVIDER["expires_mono"].offset,
                 PROVIDER["expires_mono"].codec.pack(self.now + ttl),
@@ -244,33 +291,53 @@ class CoreAgainstModel(RuleBasedStateMachine):
         ]
         self._publish(writes)
 
-    @rule(
-        provider=st.sampled_from(range(len(PROVIDERS))),
-        classes=st.lists(
-            st.tuples(st.integers(0, 3), st.integers(0, 3), st.sampled_from([0, 500, 5000])),
-            max_size=layout.CLASS_COUNT,
-        ),
-        default=st.integers(0, 5),
-    )
+    @rule(provider=st.integers(0, len(PROVIDERS)), classes=CLASS_TABLES, default=st.integers(0, 5))
     def classes_are_written(
-        self, provider: int, classes: list[tuple[int, int, int]], default: int
+        self, provider: int, classes: list[tuple[str, int, int, int]], default: int
     ) -> None:
-        """The writer's class table (reserve, cap, maxWait in ms), then a pump of every
-        provider, as a publication does (none: back to one FIFO)."""
-        writes = writer.class_writes(
-            provider,
-            [(f"c{k}", reserve, cap, wait) for k, (reserve, cap, wait) in enumerate(classes)],
-            default,
+        """The writer's class table (name, reserve, cap, maxWait in ms), then a pump of
+        every provider, as a publication does (none: back to one FIFO). Drawn from a few
+        names, an edit adds, removes, reorders and renames classes under running and
+        waiting requests: each keeps its class by name, or counts in the default class
+        once its class is gone."""
+        self._publish(writer.class_writes(provider % self.rows, classes, default))
+
+    @precondition(lambda self: self.rows == len(PROVIDERS) and self.replacement is None)
+    @rule(classes=CLASS_TABLES, default=st.integers(0, 5))
+    def a_row_is_claimed_with_its_classes(
+        self, classes: list[tuple[str, int, int, int]], default: int
+    ) -> None:
+        """A writer claims a new provider row: its classes are in it from the same step."""
+        p, created = writer.ensure_provider(
+            self.seg,
+            LATE,
+            2,
+            layout.Source.PROVIDER,
+            discovery=False,
+            classes=classes,
+            default_class=default,
         )
-        self._publish(writes)
+        rows_, default_row = writer.class_table(classes, default)
+        model_p, model_created = self.model.ensure_provider(
+            LATE,
+            2,
+            layout.SOURCE_CODES[layout.Source.PROVIDER],
+            layout.PFLAG_CONFIGURED,
+            layout.encode_text("static limit", layout.REASON_BYTES),
+            b"".join(rows_),
+            default_row,
+        )
+        assert (p, created) == (model_p, model_created) == (self.rows, True)
+        self.rows += 1
 
     def _publish(self, writes: list[tuple[int, bytes]]) -> None:
         """What the writer's publication does: the writes and a pump of every provider, in
         one section of the core; the same writes and pump on the model."""
         assert self.seg.core.transact([], writes, True, self.now)
-        for off, data in writes:
-            self.model_buf[off : off + len(data)] = data
-        self.model.pump_all(self.now)
+        assert self.model.transact([], writes, self.now)[0]
+        for key, asked in self.asked.items():
+            if asked is not None and asked not in self._class_names(key[0]):
+                self.asked[key] = None
         self.unpumped = False
         self.damaged.clear()
 
@@ -285,7 +352,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         model_reclaimed, _ = self.model.reap(self.now)
         assert reclaimed == model_reclaimed
         self.unpumped = False
-        self.damaged -= set(range(len(PROVIDERS))) - self.uncounted  # pumped: counters looked at
+        self.damaged -= set(range(self.rows)) - self.uncounted  # pumped: counters looked at
 
     @rule()
     def sweep(self) -> None:
@@ -318,7 +385,7 @@ class CoreAgainstModel(RuleBasedStateMachine):
         m = next(m for m in self.members if m.alive and m.closing)
         expected = sum(
             1
-            for p in range(len(PROVIDERS))
+            for p in range(self.rows)
             for h in range(layout.HOLDERS_PER_PROVIDER)
             if self._ours_running(rows.holder_base(p, h), m)
         )
@@ -512,18 +579,18 @@ class CoreAgainstModel(RuleBasedStateMachine):
     @rule(running=st.integers(0, 99))
     def a_lock_holder_dies_mid_section(self, running: int) -> None:
         core_hooks(self.seg.core).die_in_section(running)
-        for p in range(len(PROVIDERS)):
+        for p in range(self.rows):
             PROVIDER["running"].put(self.model_buf, running, rows.provider_base(p))
         self.seg.core.snapshot()  # the next holder repairs before anything else
         self.model.repair()
 
     @precondition(lambda self: len(self.members) < 8 and self.replacement is None)
-    @rule(older=st.booleans())
-    def a_process_registers(self, older: bool) -> None:
-        """A new handler; ``older``: one of layout 3.0, which suspends the classes."""
+    @rule(minor=st.sampled_from([layout.MINOR, layout.MINOR, 1, 0]))
+    def a_process_registers(self, minor: int) -> None:
+        """A new handler; of layout 3.0 it suspends the classes and the token budget, of
+        3.1 the token budget alone."""
         taken = {m.index for m in self.members if m.alive}
         pid = 200 + len(self.members)
-        minor = layout.MINOR - 1 if older else layout.MINOR
 
         def taken_or_claimed(m: int) -> bool:
             if m in taken:
@@ -547,8 +614,9 @@ class CoreAgainstModel(RuleBasedStateMachine):
         real = bytes(self.seg.buf[: layout.TOTAL_SIZE])
         start = layout.PROVIDERS_BASE
         assert real[start:] == bytes(self.model_buf[start:]), self._first_difference(real)
-        older = layout.HEADER["older_members"]
-        assert older.get(self.seg.buf) == older.get(self.model_buf)
+        for name in ("older_members", "tokenless_members"):
+            older = layout.HEADER[name]
+            assert older.get(self.seg.buf) == older.get(self.model_buf), name
 
     def _first_difference(self, real: bytes) -> str:
         for i, (a, b) in enumerate(zip(real, self.model_buf, strict=True)):
@@ -571,12 +639,41 @@ class CoreAgainstModel(RuleBasedStateMachine):
             assert HOLDER["serial"].get(self.seg.buf, hb) == model_ticket.serial  # never reused
             assert HOLDER["state"].get(self.seg.buf, hb) == HOLDER_RUNNING
 
+    def _class_names(self, p: int) -> list[bytes]:
+        buf = self.model_buf
+        count = min(PROVIDER["class_count"].get(buf, rows.provider_base(p)), layout.CLASS_COUNT)
+        return [layout.CLASS["name"].get(buf, rows.class_base(p, k)) for k in range(count)]
+
+    def _class_of(self, p: int, h: int) -> bytes | None:
+        """The name of the class record h counts in by its cls byte; None: the default."""
+        cls = HOLDER["cls"].get(self.model_buf, rows.holder_base(p, h))
+        if not cls:
+            return None
+        name: bytes = layout.CLASS["name"].get(self.model_buf, rows.class_base(p, cls - 1))
+        return name
+
+    @invariant()
+    def every_request_keeps_its_class_through_edits(self) -> None:
+        """A running or waiting request stays in the class it was given, by name, whatever
+        edits the table had since (rows added, removed, reordered, renamed); once its class
+        is gone from the table it counts in the default class."""
+        if not hasattr(self, "model"):
+            return
+        for (p, h, serial), asked in self.asked.items():
+            hb = rows.holder_base(p, h)
+            if (
+                (p, h, serial) not in self.overwritten
+                and HOLDER["serial"].get(self.model_buf, hb) == serial
+                and HOLDER["state"].get(self.model_buf, hb) in (HOLDER_RUNNING, HOLDER_WAITING)
+            ):
+                assert self._class_of(p, h) == asked, (p, h, asked)
+
     @invariant()
     def counters_equal_records_and_bounds_hold(self) -> None:
         if not hasattr(self, "model"):
             return
         buf = self.seg.buf
-        for p in range(len(PROVIDERS)):
+        for p in range(self.rows):
             if p in self.damaged or p in self.uncounted:
                 continue  # written over; the next step that looks (or the sweep) recounts
             base = rows.provider_base(p)
@@ -586,6 +683,15 @@ class CoreAgainstModel(RuleBasedStateMachine):
             ]
             running, waiting = states.count(HOLDER_RUNNING), states.count(HOLDER_WAITING)
             assert all(s in (HOLDER_FREE, HOLDER_RUNNING, HOLDER_WAITING) for s in states)
+            charges = [
+                HOLDER["tokens"].get(buf, rows.holder_base(p, h))
+                for h in range(layout.HOLDERS_PER_PROVIDER)
+            ]
+            tokens_running = sum(
+                c for c, s in zip(charges, states, strict=True) if s == HOLDER_RUNNING
+            )
+            # R-T4: the tokens in flight are the charges of the running records
+            assert PROVIDER["tokens_running"].get(buf, base) == tokens_running
             assert (PROVIDER["running"].get(buf, base), PROVIDER["waiting"].get(buf, base)) == (
                 running,
                 waiting,
@@ -596,8 +702,20 @@ class CoreAgainstModel(RuleBasedStateMachine):
             if self.unpumped or not waiting:
                 continue
             count = rows.classes_in_force(buf, p)
+            budget = rows.token_limit_in_force(buf, p, self.now)
             if not count:  # R-A1/R-A3: nobody waits while there is room
-                assert running >= limit, (p, running, waiting, limit)
+                if running < limit:  # R-T3: only because the head's tokens do not fit
+                    head = min(
+                        (HOLDER["ticket"].get(buf, rows.holder_base(p, h)), h)
+                        for h, s in enumerate(states)
+                        if s == HOLDER_WAITING
+                    )[1]
+                    assert not rows.tokens_fit(tokens_running, charges[head], budget), (
+                        p,
+                        running,
+                        waiting,
+                        limit,
+                    )
                 continue
             # R-A18/R-A19: no waiter that may run is left waiting
             rules = rows.class_rules(buf, p, count)
@@ -615,12 +733,14 @@ class CoreAgainstModel(RuleBasedStateMachine):
                 promoted = (
                     k > 0 and wait > 0 and self.now - HOLDER["since_mono"].get(buf, hb) >= wait
                 )
-                assert not ledger.may_run(k, running, run, limit, rules, promoted=promoted), (
-                    p,
-                    h,
-                    k,
-                    run,
-                )
+                if ledger.may_run(k, running, run, limit, rules, promoted=promoted):
+                    # R-T3: a waiter the slots let run waits only for its tokens, or behind
+                    # one of its rank or above that does
+                    assert budget and any(
+                        not rows.tokens_fit(tokens_running, charges[j], budget)
+                        for j, s in enumerate(states)
+                        if s == HOLDER_WAITING
+                    ), (p, h, k, run)
 
 
 @pytest.mark.timeout(900)  # 200 examples of 50 steps each, on a loaded 2-core machine

@@ -9,7 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gwtest import Agent
 from sidecar_e2e import StartSidecar, wait_provider
+
+from shm_layout.view import read_view
 
 
 def _names(p: dict[str, Any]) -> list[tuple[str, int, bool]]:
@@ -74,3 +77,34 @@ def test_r_a17_check_config_names_a_bad_class_entry_in_one_line() -> None:
     assert [c.name for c in provider.classes] == ["a", "b"] and provider.default_class is None
     _, problems = provider_problems({"id": "p2", "classes": [{"name": "a"}, {"name": "a"}]})
     assert problems == ["config_invalid:classes: every class needs a name of its own"]
+
+
+def test_r_a18_an_edit_adding_a_class_above_running_requests_keeps_them_in_their_class(
+    segment_name: str,
+    write_config: Callable[..., Path],
+    start_sidecar: StartSidecar,
+    agents: Callable[..., Agent],
+) -> None:
+    """Two batch requests run; the config is edited to put a class above the others. The
+    sidecar's rewrite of the table keeps them batch: a third batch arrival waits (L - (1
+    + 1) = 2 already run) and an interactive arrival runs at once."""
+    classes: list[dict[str, Any]] = [{"name": "interactive", "reserve": 1}, {"name": "batch"}]
+    doc: dict[str, Any] = {"providers": [{"id": "p1", "maxConcurrent": 4, "classes": classes}]}
+    config = write_config(doc)
+    start_sidecar(config, segment_name)
+    wait_provider(segment_name, "p1", lambda p: bool(p["classes"]), what="classes written")
+
+    def handler(cls: str, *extra: str) -> Agent:
+        return agents("--segment", segment_name, "--config", str(config), "--cls", cls, *extra)
+
+    batch = handler("batch", "hold", "--threads", "2")
+    batch.expect("admitted")
+    batch.expect("admitted")
+    doc["providers"][0]["classes"] = [{"name": "vip", "reserve": 1}, *classes]
+    config.write_text(json.dumps(doc))
+    wait_provider(segment_name, "p1", lambda p: len(p["classes"]) == 3, what="edit followed")
+    p1 = read_view(segment_name).provider("p1")
+    assert p1 is not None
+    assert {c.name: c.running for c in p1.classes} == {"vip": 0, "interactive": 0, "batch": 2}
+    handler("batch", "hold", "--timeout", "1.5").expect("timeout", timeout=10.0)
+    handler("interactive", "hold", "--timeout", "5").expect("admitted", timeout=10.0)
