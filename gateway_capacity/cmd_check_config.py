@@ -217,6 +217,8 @@ async def _probe(config: GatewayConfig, report: dict[str, Any], socket_path: str
                     "detail": r.detail,
                     "complete": r.complete,
                     "models": dict(r.models),
+                    "request_tokens": dict(r.request_tokens),
+                    "running_tokens": dict(r.running_tokens),
                 }
                 for r in probe.replicas
             ],
@@ -533,6 +535,16 @@ def _render_share(share: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _tokens_said(replica: dict[str, Any], model: str) -> str:
+    """A row's token fields as the probe read them (R-K7), or nothing when it has none."""
+    request = replica.get("request_tokens", {}).get(model)
+    running = replica.get("running_tokens", {}).get(model)
+    if request is None and running is None:
+        return ""
+    shown = ["?" if n is None else str(n) for n in (request, running)]
+    return f" (tokens: {shown[0]} a request, {shown[1]} running)"
+
+
 def _render_probe(probe: dict[str, Any], *, said: bool) -> list[str]:
     if probe["refused"] is not None:
         why = "for the reason above" if said else probe["refused"]
@@ -548,9 +560,11 @@ def _render_probe(probe: dict[str, Any], *, said: bool) -> list[str]:
         lines = ["  probe: FAILED, no valid answer"]
     for r in probe["replicas"]:
         if r["ok"]:
-            models = ", ".join(f"{m} {n}" for m, n in sorted(r["models"].items())) or "no models"
+            models = ", ".join(
+                f"{m} {n}{_tokens_said(r, m)}" for m, n in sorted(r["models"].items())
+            )
             state = "complete" if r["complete"] else "INCOMPLETE"
-            lines.append(f"    replica {r['address']}: ok, {state}: {models}")
+            lines.append(f"    replica {r['address']}: ok, {state}: {models or 'no models'}")
         else:
             detail = f": {r['detail']}" if r["detail"] else ""
             lines.append(f"    replica {r['address']}: {r['reason']}{detail}")

@@ -166,6 +166,8 @@ def compare(
                 "rules_limit": decision.effective_limit,
                 "rules_source": decision.source,
                 "rules_reason": decision.reason,
+                "rules_token_limit": decision.token_limit,
+                "rules_request_token_limit": decision.request_token_limit,
                 "segment_limit": segment_limit,
                 "segment_source": None if seen is None else seen.source,
                 "replicas": [
@@ -210,6 +212,12 @@ def render_text(rows: Sequence[Mapping[str, Any]]) -> str:
             )
         elif row["status"] == "no_answer":
             lines.append("    no valid answer from any replica: could not compare")
+        if row.get("rules_token_limit") or row.get("rules_request_token_limit"):
+            request = row.get("rules_request_token_limit") or "unknown"
+            lines.append(
+                f"    tokens by the rules: {row['rules_token_limit'] or 'no budget'} running, "
+                f"{request} a request"
+            )
         for rep in row["replicas"]:
             value = "-" if rep["value"] is None else rep["value"]  # as availability shows it
             lines.append(f"    replica {rep['address']}: {rep['reason']} value {value}")

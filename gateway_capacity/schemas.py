@@ -506,6 +506,14 @@ class ProbedReplica(Struct, kw_only=True):
     models: Annotated[
         dict[str, int], Meta(description="upstream model id -> max_concurrent_requests")
     ]
+    request_tokens: Annotated[
+        dict[str, int],
+        Meta(description="upstream model id -> max_request_tokens, where the row states it"),
+    ]
+    running_tokens: Annotated[
+        dict[str, int],
+        Meta(description="upstream model id -> max_running_tokens, where the row states it"),
+    ]
 
 
 class ProbeResult(Struct, kw_only=True):
@@ -595,6 +603,12 @@ class VerifiedProvider(Struct, kw_only=True):
     rules_limit: Annotated[int, Meta(description="what the rules give now")]
     rules_source: Source
     rules_reason: Annotated[str, Meta(description="why, in full")]
+    rules_token_limit: Annotated[
+        int, Meta(description="the running-token budget the rules give now; 0: none (R-L10)")
+    ]
+    rules_request_token_limit: Annotated[
+        int, Meta(description="the most one request may hold, by the rules now; 0: unknown")
+    ]
     segment_limit: Annotated[int | None, Meta(description="the limit in the segment")]
     segment_source: Annotated[str | None, Meta(description="its source in the segment")]
     replicas: Annotated[list[Replica], Meta(description="each replica as probed now")]
@@ -647,6 +661,14 @@ class CapacityRow(Struct, kw_only=True):
 
     id: Annotated[str, Meta(description="upstream model id")]
     max_concurrent_requests: Annotated[int, Meta(description="the farm's slots for it")]
+    max_request_tokens: Annotated[
+        int | None,
+        Meta(description="the most one request may hold (R-K7); absent: unknown"),
+    ] = None
+    max_running_tokens: Annotated[
+        int | None,
+        Meta(description="what all its running requests may hold together; absent: unknown"),
+    ] = None
 
 
 class CapacityAnswer(Struct, kw_only=True):
@@ -689,6 +711,20 @@ class RouterWorker(Struct, kw_only=True):
             description="registered model ids this worker does not list but counts: it "
             "answers any model with its one (llama-server without --alias, TGI)"
         ),
+    ] = None
+    request_tokens: Annotated[
+        int | None,
+        Meta(description="the most one request may hold on it, where it states it (R-K7)"),
+    ] = None
+    running_tokens: Annotated[
+        int | None,
+        Meta(
+            description="what its running requests may hold, as reported (lowered while "
+            "it preempts)"
+        ),
+    ] = None
+    tokens_from: Annotated[
+        str | None, Meta(description="where the token figures come from, and why lowered")
     ] = None
 
 

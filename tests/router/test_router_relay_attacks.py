@@ -242,7 +242,8 @@ def test_r_k5_idle_sockets_of_nobody_do_not_stop_the_key_holder(
                 assert capacity.status_code == 200
                 document = capacity.json()
                 assert document["complete"] and document["models"] == [
-                    {"id": "wh", "max_concurrent_requests": 4}
+                    # the simulated llama-server's slot n_ctx (R-K7)
+                    {"id": "wh", "max_concurrent_requests": 4, "max_request_tokens": 4096}
                 ]
                 answer = client.chat.completions.create(model="wh", messages=MESSAGES, max_tokens=2)
                 answers.append(answer.choices[0].message.content)

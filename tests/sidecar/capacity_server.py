@@ -28,6 +28,8 @@ class CapacityServer:
     def __init__(self, key: str, host: str = "127.0.0.1") -> None:
         self.key = key
         self.models: dict[str, int] = {"workhorse": 20}
+        # model -> (max_request_tokens, max_running_tokens), None: the field left out
+        self.tokens: dict[str, tuple[int | None, int | None]] = {}
         self.complete = True
         self.status = 200
         self.observed_offset = 0.0
@@ -59,10 +61,7 @@ class CapacityServer:
                         "version": 1,
                         "complete": server.complete,
                         "observed_at": time.time() + server.observed_offset,
-                        "models": [
-                            {"id": m, "max_concurrent_requests": n}
-                            for m, n in server.models.items()
-                        ],
+                        "models": [server.row(m, n) for m, n in server.models.items()],
                     }
                     self._send(200, json.dumps(body).encode())
 
@@ -91,6 +90,15 @@ class CapacityServer:
     def start(self) -> CapacityServer:
         self.thread.start()
         return self
+
+    def row(self, model: str, slots: int) -> dict[str, Any]:
+        row: dict[str, Any] = {"id": model, "max_concurrent_requests": slots}
+        request, running = self.tokens.get(model, (None, None))
+        if request is not None:
+            row["max_request_tokens"] = request
+        if running is not None:
+            row["max_running_tokens"] = running
+        return row
 
     def stop(self) -> None:
         self._stopping.set()

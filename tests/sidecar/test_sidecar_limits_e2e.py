@@ -228,3 +228,37 @@ def test_r_l8_complete_snapshot_without_the_model_gives_zero_and_new_work_waits(
     rig.wait("p1", lambda p: p["waiting"] == 1)
     rig.capacity.set(models={"workhorse": 2})
     late.expect("admitted", timeout=10)
+
+
+def test_r_l10_the_token_budget_follows_the_router_and_lapses_with_the_limit(rig: Rig) -> None:
+    """What the router states of its tokens reaches the segment with the limit; a row
+    without them, or no answer, leaves admission on slots alone."""
+    capacity = rig.capacity
+    capacity.set(tokens={"workhorse": (512, 1536)})
+    rig.start(rig.config())
+    rig.wait(
+        "p1",
+        lambda p: (
+            p["source"] == "discovered"
+            and (p["token_limit"], p["request_token_limit"]) == (1536, 512)
+        ),
+        what="the token budget published",
+    )
+    assert "1536 tokens running, 512 a request" in rig.provider()["reason"]
+    capacity.set(tokens={"workhorse": (512, None)})  # the pool no longer stated
+    rig.wait(
+        "p1",
+        lambda p: (p["token_limit"], p["request_token_limit"]) == (None, 512),
+        what="no running-token budget",
+    )
+    capacity.set(tokens={"workhorse": (512, 1536)})
+    rig.wait("p1", lambda p: p["token_limit"] == 1536, what="the budget again")
+    capacity.set(status=503)  # no valid answer: the fallback, and no budget with it
+    rig.wait(
+        "p1",
+        lambda p: (
+            p["source"] != "discovered"
+            and (p["token_limit"], p["request_token_limit"]) == (None, None)
+        ),
+        what="the budget lapsed with the limit",
+    )
