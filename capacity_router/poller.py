@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from capacity_contract import CapacitySnapshot, listeners
+from capacity_contract import STALE_AFTER_S, CapacitySnapshot, listeners
 from shm_layout.errors import GatewayCapacityError
 
 from .aggregate import Observation, State, aggregate, is_fenced, within_contract
@@ -232,6 +232,21 @@ class WorkerStatus:
         return self.fenced_by is not None
 
 
+# how long a worker's last stated token capacity stands in for a read that failed: a
+# snapshot's own freshness bound (R-K4)
+TOKENS_CARRIED_S = STALE_AFTER_S
+
+
+@dataclass(frozen=True, slots=True)
+class _Stated:
+    """A worker's token capacity as it last stated it, and when (the monotonic clock)."""
+
+    request: int | None
+    running: int | None
+    tokens_from: str
+    at: float
+
+
 def new_client(timeout: float) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         follow_redirects=False,
@@ -283,6 +298,8 @@ class CapacityObserver:
         self._keys: dict[str, KeyFile] = {}
         self._key_errors: dict[str, str | None] = {}
         self._reconciled: dict[str, Reconciled] = {}
+        # each worker's token capacity as last stated: (request, running, from, when)
+        self._stated: dict[str, _Stated] = {}
 
     # -- read side (any thread) ------------------------------------------
 
@@ -427,13 +444,50 @@ class CapacityObserver:
         self._published = (snapshot, body)
         return snapshot
 
+    def _carry(self, worker_id: str, obs: Observation, mono: float) -> Observation:
+        """``obs`` with the token capacity the worker last stated in place of a field it
+        did not state this round (a read that failed or timed out: vLLM's pool comes from
+        ``/metrics``, which a busy server may not answer in time), for at most
+        ``TOKENS_CARRIED_S`` since it last stated it. A server's token capacity is fixed
+        for the life of its process, and a field that blinks out of the snapshot would
+        drop the gateways' token budget to none (slots alone) for a round."""
+        last = self._stated.get(worker_id)
+        request, running = obs.request_tokens, obs.running_tokens
+        if request is not None or running is not None:
+            stated = _Stated(request, running, obs.tokens_from, mono)
+            if last is not None and mono - last.at <= TOKENS_CARRIED_S:
+                stated = _Stated(
+                    request if request is not None else last.request,
+                    running if running is not None else last.running,
+                    obs.tokens_from,
+                    mono if request is not None and running is not None else last.at,
+                )
+            self._stated[worker_id] = stated
+        if last is None or mono - last.at > TOKENS_CARRIED_S:
+            return obs
+        carried = []
+        if request is None and last.request is not None:
+            request = last.request
+            carried.append("max_request_tokens")
+        if running is None and last.running is not None:
+            running = last.running
+            carried.append("the pool")
+        if not carried:
+            return obs
+        note = f"{last.tokens_from}; {' and '.join(carried)} as stated {mono - last.at:.0f} s ago"
+        return replace(obs, request_tokens=request, running_tokens=running, tokens_from=note)
+
     def _reconcile(self, observations: dict[str, Observation]) -> dict[str, Observation]:
-        """Each worker's stated token pool, lowered while it preempts (``reconcile.py``);
-        a worker not read this round starts over when it is read again."""
+        """Each worker's stated token pool (carried over a round it was not read,
+        ``_carry``), lowered while it preempts (``reconcile.py``); a worker not read this
+        round starts over when it is read again."""
         kept: dict[str, Reconciled] = {}
+        mono = time.monotonic()
         for worker_id, obs in observations.items():
             if obs.state != "ok":
+                self._stated.pop(worker_id, None)
                 continue
+            obs = observations[worker_id] = self._carry(worker_id, obs, mono)
             previous = self._reconciled.get(worker_id)
             now = reconcile(previous, obs.running_tokens, obs.preemptions)
             if now is None:

@@ -15,6 +15,9 @@ once the preemptions stop:
   starts again;
 - a counter that fell (the server restarted) or a stated pool that changed
   starts over at the stated pool;
+- a poll that did not read the counter (its ``/metrics`` failed this round: the
+  poller carries the stated pool then) learns nothing and gives nothing back: the
+  reported pool stays as it was;
 - a server that does not count preemptions (llama.cpp holds a request in its
   own slot or refuses it; TGI and SGLang queue instead) is reported as it states.
 
@@ -54,6 +57,8 @@ def reconcile(
     worker states and counts now; None when it states no pool."""
     if stated is None or stated <= 0:
         return None
+    if previous is not None and previous.stated == stated and preemptions is None:
+        return previous  # not read this poll: nothing learned, nothing given back
     if (
         previous is None
         or previous.stated != stated

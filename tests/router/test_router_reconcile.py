@@ -40,7 +40,8 @@ ROWS: dict[str, tuple[list[float | None], list[int | None]]] = {
     "a_counter_present_at_start_is_not_a_preemption": ([7, 7], [S, S]),
     "a_counter_that_fell_is_a_restart_and_starts_over": ([0, 3, 1], [S, 1200, S]),
     "no_counter_reports_the_stated_pool": ([None, None], [S, S]),
-    "a_counter_that_vanishes_starts_over": ([0, 2, None], [S, 1200, S]),
+    "a_counter_not_read_keeps_what_is_reported": ([0, 2, None, None], [S, 1200, 1200, 1200]),
+    "a_counter_read_again_goes_on_from_there": ([0, 2, None, 2], [S, 1200, 1200, 1200]),
     "recovers_a_tenth_after_calm_polls": (
         [0, 1] + [1] * CALM_POLLS, [S, 1200] + [1200] * (CALM_POLLS - 1) + [1360],
     ),
@@ -116,3 +117,29 @@ def test_r_k7_a_preempting_vllm_is_reported_lower_with_the_reason(
     for _ in range(CALM_POLLS):  # no new preemption: one step back up
         snap = r.observe()
     assert [m.running_tokens for m in snap.models] == [1152 + 153]
+
+
+def test_r_k7_a_round_whose_metrics_failed_keeps_the_pool_the_worker_stated(
+    scripted: Callable[[], ScriptedServer], router: Router, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy vLLM that misses one /metrics read keeps its pool in the snapshot (a row
+    without it would drop the gateways' token budget to none for a round), for at most
+    TOKENS_CARRIED_S since it last stated it."""
+    from capacity_router import poller
+
+    server = scripted()
+    server.route("/health", 200, "")
+    server.route("/v1/models", 200, '{"data": [{"id": "tiny", "max_model_len": 512}]}')
+    server.route("/metrics", 200, METRICS % 0)
+    r = router(
+        [worker("v", [server.url], ["tiny"], {"source": "vllm", "fixed": 8})],
+        poll_interval=3600.0,
+    )
+    assert [(m.request_tokens, m.running_tokens) for m in r.observe().models] == [(512, 1536)]
+    server.route("/metrics", 500, "busy")
+    assert [(m.request_tokens, m.running_tokens) for m in r.observe().models] == [(512, 1536)]
+    assert "the pool as stated" in r.workers()[0].tokens_from
+    monkeypatch.setattr(poller, "TOKENS_CARRIED_S", 0.0)  # past the carry: the field goes
+    assert [(m.request_tokens, m.running_tokens) for m in r.observe().models] == [(512, None)]
+    server.route("/metrics", 200, METRICS % 0)
+    assert [(m.request_tokens, m.running_tokens) for m in r.observe().models] == [(512, 1536)]
