@@ -316,7 +316,9 @@ class Ledger:
                 held_back = waiting > 0
             elif classed_budget:
                 h, _, _, _ = self._best_waiter(p, running, run, limit, rules, now)
-                held_back = h is not None and self._rank(p, holder_base(p, h), rules, count, now)[1] <= c
+                held_back = (
+                    h is not None and self._rank(p, holder_base(p, h), rules, count, now)[1] <= c
+                )
             if not held_back:
                 return "admit", None
         if waiting < layout.QUEUE_BOUND:
