@@ -174,9 +174,9 @@ redis.call('HSET', KEYS[1], me, reserved .. ' ' .. demand .. ' ' .. (now + keep)
   '~touched', now, '~rebuild', rebuild, '~server', server)
 if known ~= nil then redis.call('HSET', KEYS[1], '~cap', known) end
 redis.call('PEXPIRE', KEYS[1], ttl)
-local r = 0
-if rebuilding then r = 1 end
-return {limit, reserved, n, r, others, now, 0, server}
+local r, left = 0, 0
+if rebuilding then r, left = 1, rebuild - now end
+return {limit, reserved, n, r, others, now, 0, server, left}
 """
 
 
@@ -401,7 +401,8 @@ class ShareClient:
             raise ShareUnavailable(_describe(exc)) from None
         limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out[:7])
         why = {1: DUPLICATE, 2: STALE}.get(refused, "")
-        grant = Grant(limit, reserved, gateways, bool(rebuilding), others, why)
+        left = int(out[8]) if len(out) > 8 else 0  # the 9th: how long the rebuild lasts
+        grant = Grant(limit, reserved, gateways, bool(rebuilding), others, why, left)
         return Answer(grant, now)
 
     async def aclose(self) -> None:

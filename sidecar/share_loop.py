@@ -209,7 +209,9 @@ class ShareLoop:
                     return
                 if not g.refused:  # a STALE answer changed nothing: a newer one holds
                     mine.error = ""
-                    mine.held = Held(g.limit, g.gateways, asked_mono, share.lease)
+                    mine.held = Held(
+                        g.limit, g.gateways, asked_mono, share.lease, g.rebuild_left_ms / 1000
+                    )
             if sc.providers.get(provider_id) is state:
                 before = state.decision
                 after = sc.redecide(state, time.time())

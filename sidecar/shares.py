@@ -116,6 +116,7 @@ class Grant:
     rebuilding: bool
     others_reserved: int
     refused: str = ""  # DUPLICATE or STALE: the call changed nothing
+    rebuild_left_ms: int = 0  # while ``rebuilding``: how much longer, server time
 
 
 def held_for_ms(lease_ms: int) -> int:
@@ -213,7 +214,8 @@ def step(table: Table | None, report: Report, now_ms: int, server: str = "") -> 
         lease_ms if report.token else 0,
         report.capacity if report.token else UNKNOWN,
     )
-    grant = Grant(limit, reserved, len(leases), rebuilding, others)
+    left = rebuild_until - now_ms if rebuilding else 0
+    grant = Grant(limit, reserved, len(leases), rebuilding, others, rebuild_left_ms=left)
     return Table(leases, now_ms, rebuild_until, known, server), grant
 
 
@@ -241,6 +243,7 @@ class Held:
     gateways: int
     asked_mono: float  # when the call that granted it was sent
     lease_s: float
+    rebuild_left_s: float = 0.0  # the table was being rebuilt for this long after the call
 
     @property
     def deadline(self) -> float:
@@ -282,9 +285,14 @@ def local_limit(
     limit = held.limit if capacity < 0 else min(held.limit, capacity)
     of = "an unknown capacity" if capacity < 0 else f"{capacity}"
     if now_mono < held.deadline and not redis_error:
-        return Local(
-            limit, "granted", f"share {limit} of {of}, {held.gateways} gateway(s)", held.deadline
-        )
+        why = f"share {limit} of {of}, {held.gateways} gateway(s)"
+        left = held.asked_mono + held.rebuild_left_s - now_mono
+        if left > 0:
+            why += (
+                f"; the table is being rebuilt (new, emptied or failed over) for {left:.0f} s "
+                "more: until then each gateway keeps only what it runs"
+            )
+        return Local(limit, "granted", why, held.deadline)
     if now_mono < held.deadline:
         return Local(
             limit,

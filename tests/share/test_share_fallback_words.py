@@ -32,3 +32,25 @@ def test_share_mode_fallback_is_0_share_mode_in_check_config_and_availability(
         assert row.endswith("fallback 0 (share mode)"), shown.stdout
     finally:
         gw.cleanup()
+
+
+def test_a_fresh_share_table_says_it_is_being_rebuilt_and_for_how_long(
+    tmp_path: Path, farm: Farm, redis_server: RedisServer, key_file: Path
+) -> None:
+    """A new table holds every gateway to what it runs for a lease and a half (docs/share.md):
+    the reason says so, with the time left, instead of a bare ``share 0 of N``."""
+    redis_server.fresh()
+    gw = Gateway("gw-a", tmp_path, farm, redis_server, key_file)
+
+    def reason() -> str:
+        p = gw.provider()
+        return "" if p is None else str(p["reason"])
+
+    try:
+        gw.start_sidecar()
+        wait_for("the rebuild said", lambda: "the table is being rebuilt" in reason())
+        said = reason()
+        assert said.startswith("share 0 of ") and " s more: until then" in said, said
+        wait_for("the rebuild over", lambda: gw.limit() > 0 and "rebuilt" not in reason())
+    finally:
+        gw.cleanup()

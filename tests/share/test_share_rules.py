@@ -236,13 +236,15 @@ def test_the_lua_script_is_the_pure_step(redis_server: Any, calls: list[Any]) ->
         out = script(keys=[key], args=args)
         limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out[:7])
         model, grant = step(model, rep, now, out[7].decode())
-        assert (limit, reserved, gateways, bool(rebuilding), others, refused) == (
+        left = int(out[8]) if len(out) > 8 else 0
+        assert (limit, reserved, gateways, bool(rebuilding), others, refused, left) == (
             grant.limit,
             grant.reserved,
             grant.gateways,
             grant.rebuilding,
             grant.others_reserved,
             {"": 0, DUPLICATE: 1, STALE: 2}[grant.refused],
+            grant.rebuild_left_ms,
         ), n
         assert _table_in_redis(client, key) == model
 
@@ -410,3 +412,15 @@ def test_a_gateway_reading_a_stale_higher_capacity_is_held_to_the_lowest_live_re
     table, a = step(table, report("a", 4, 0, 4), now)
     table, b = step(table, report("b", 8, 0, 8), now + 1)
     assert a.limit + b.limit <= 4, (a, b)
+
+
+def test_a_new_table_rebuilds_for_a_lease_and_a_half_and_the_reason_says_until_when() -> None:
+    _, grant = step(None, report("a", 5, 0, 2), 1_000)
+    assert grant.rebuilding and grant.rebuild_left_ms == held_for_ms(LEASE)
+    held = Held(grant.limit, grant.gateways, 50.0, LEASE / 1000, grant.rebuild_left_ms / 1000)
+    during = local_limit(held, 5, 51.0, "")
+    assert during.limit == 0 and "being rebuilt" in during.reason
+    assert f"for {held_for_ms(LEASE) / 1000 - 1:.0f} s more" in during.reason
+    over = Held(grant.limit, grant.gateways, 50.0, LEASE / 1000, 2.0)  # a later call's grant
+    after = local_limit(over, 5, 53.0, "")
+    assert after.state == "granted" and "rebuilt" not in after.reason
