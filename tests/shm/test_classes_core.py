@@ -7,107 +7,17 @@ at random: this file pins the cases that random steps reach seldom)."""
 
 from __future__ import annotations
 
-import secrets
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from core_twin import Twin
 
-from shm_layout import _core, layout, ledger, lock, rows, writer
+from shm_layout import _core, layout, rows
 from shm_layout.layout import PROVIDER
-from shm_layout.segment import Segment, unlink_segment
 
 INTERACTIVE, AGENT, BATCH = 0, 1, 2
-
-
-class Twin:
-    """A segment driven through the core, and its model, kept byte for byte equal."""
-
-    def __init__(self, limit: int) -> None:
-        self.name = "/gwt-c" + secrets.token_hex(5)
-        self.seg = Segment.open(self.name)
-        writer.ensure_provider(self.seg, "p", limit, layout.Source.PROVIDER, discovery=False)
-        self.now = 1000.0
-        self.cores: list[Any] = []
-        self.kept: list[Any] = []  # a dropped Ticket leaves its record: keep them all
-        self.index: list[tuple[int, int]] = []
-        self.buf = bytearray(self.seg.buf[: layout.TOTAL_SIZE])
-        self.model = ledger.Ledger(self.buf, lambda m: any(i == m for i, _ in self.index))
-        self.register()
-
-    def register(self, minor: int = layout.MINOR) -> int:
-        core = lock.open_core(self.seg.name, self.seg.buf, self.seg.lock_kind)
-        pid = 100 + len(self.cores)
-        m, serial = core.register(pid, float(pid), b"gen", layout.MAJOR, minor, self.now)
-        taken = {i for i, _ in self.index}
-        mm, ms, _ = self.model.register(
-            pid, float(pid), b"gen", self.now, lambda x: x in taken, minor=minor
-        )
-        assert (m, serial) == (mm, ms)
-        self.cores.append(core)
-        self.index.append((m, serial))
-        self.same()
-        return len(self.cores) - 1
-
-    def unregister(self, who: int) -> None:
-        self.cores[who].unregister(self.now)
-        m, serial = self.index[who]
-        self.index[who] = (-1, 0)
-        self.model.unregister(m, serial, self.now)
-        self.same()
-
-    def classes(self, classes: list[writer.ClassSpec], default: int) -> None:
-        self._commit(writer.class_writes(0, classes, default))
-
-    def limit(self, value: int) -> None:
-        f = PROVIDER["fallback_limit"]
-        self._commit([(rows.provider_base(0) + f.offset, f.codec.pack(value))])
-
-    def _commit(self, writes: list[tuple[int, bytes]]) -> None:
-        """A writer's transaction and its pump, on the core and on the model."""
-        assert self.seg.core.transact([], writes, True, self.now)
-        assert self.model.transact([], writes, self.now)[0]
-        self.same()
-
-    def arrive(self, cls: int, who: int = 0) -> tuple[str, Any, Any]:
-        ticket = _core.Ticket()
-        code = self.cores[who].arrive(
-            ticket, 0, 100 + who, self.now, may_wait=True, blocking=True, cls=cls
-        )
-        m, serial = self.index[who]
-        decision, model_ticket, _ = self.model.arrive(0, 100 + who, m, serial, self.now, cls=cls)
-        assert {_core.ADMIT: "admit", _core.WAIT: "wait", _core.FULL: "full"}[code] == decision
-        self.kept.append(ticket)
-        self.same()
-        return decision, ticket, model_ticket
-
-    def leave(self, held: tuple[str, Any, Any], who: int = 0) -> None:
-        _, ticket, model_ticket = held
-        self.cores[who].leave(ticket, _core.RELEASED, self.now, blocking=True)
-        m, serial = self.index[who]
-        self.model.leave(model_ticket, m, serial, "released", self.now)
-        self.same()
-
-    def sweep(self) -> None:
-        assert self.seg.core.sweep(self.now) == self.model.sweep(self.now)[0]
-        self.same()
-
-    def same(self) -> None:
-        start = layout.PROVIDERS_BASE
-        assert bytes(self.seg.buf[start : layout.TOTAL_SIZE]) == bytes(self.buf[start:])
-        older = layout.HEADER["older_members"]
-        assert older.get(self.seg.buf) == older.get(self.buf)
-
-    def field(self, name: str) -> int:
-        value: int = PROVIDER[name].get(self.seg.buf, rows.provider_base(0))
-        return value
-
-    def close(self) -> None:
-        for core in self.cores:
-            core.close()
-        self.seg.close()
-        unlink_segment(self.name)
 
 
 @pytest.fixture
@@ -223,7 +133,7 @@ def test_r_a23_reserves_apply_to_the_published_share(twin: Twin) -> None:
             ("published_limit", 2),
         )
     ]
-    twin._commit(writes)
+    twin.commit(writes)
     assert rows.effective_limit(twin.seg.buf, 0, twin.now).source == "share"
     assert [twin.arrive(BATCH)[0] for _ in range(2)] == ["admit", "wait"]  # 2 - 1 reserved
     assert twin.arrive(INTERACTIVE)[0] == "admit"

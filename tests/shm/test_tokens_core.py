@@ -9,137 +9,13 @@ this file pins the cases)."""
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
+from core_twin import Twin
 
-from shm_layout import _core, layout, ledger, lock, rows, writer
-from shm_layout.layout import HOLDER, PROVIDER
-from shm_layout.segment import Segment, unlink_segment
-
-CODES = {
-    _core.ADMIT: "admit",
-    _core.WAIT: "wait",
-    _core.FULL: "full",
-    _core.TOO_LARGE: "too_large",
-}
-
-
-class Twin:
-    """A segment driven through the core, and its model, kept byte for byte equal."""
-
-    def __init__(self, limit: int) -> None:
-        self.name = "/gwt-t" + secrets.token_hex(5)
-        self.seg = Segment.open(self.name)
-        writer.ensure_provider(self.seg, "p", limit, layout.Source.PROVIDER, discovery=False)
-        self.now = 1000.0
-        self.cores: list[Any] = []
-        self.kept: list[Any] = []
-        self.index: list[tuple[int, int]] = []
-        self.buf = bytearray(self.seg.buf[: layout.TOTAL_SIZE])
-        self.model = ledger.Ledger(self.buf, lambda m: any(i == m for i, _ in self.index))
-        self.register()
-
-    def register(self, minor: int = layout.MINOR) -> int:
-        core = lock.open_core(self.seg.name, self.seg.buf, self.seg.lock_kind)
-        pid = 100 + len(self.cores)
-        m, serial = core.register(pid, float(pid), b"gen", layout.MAJOR, minor, self.now)
-        taken = {i for i, _ in self.index}
-        mm, ms, _ = self.model.register(
-            pid, float(pid), b"gen", self.now, lambda x: x in taken, minor=minor
-        )
-        assert (m, serial) == (mm, ms)
-        self.cores.append(core)
-        self.index.append((m, serial))
-        self.same()
-        return len(self.cores) - 1
-
-    def unregister(self, who: int) -> None:
-        self.cores[who].unregister(self.now)
-        m, serial = self.index[who]
-        self.index[who] = (-1, 0)
-        self.model.unregister(m, serial, self.now)
-        self.same()
-
-    def die(self, who: int) -> None:
-        """Process ``who`` is SIGKILLed: its lock byte goes, its records stay."""
-        from gwtest import core_hooks
-
-        core_hooks(self.cores[who]).abandon()
-        self.index[who] = (-1, 0)
-
-    def publish(self, limit: int, tokens: int, per_request: int = 0, ttl: float = 20.0) -> None:
-        """A publication as the writer makes it (token limits before the limit), pumped."""
-        base = rows.provider_base(0)
-        writes = [
-            (base + PROVIDER[f].offset, PROVIDER[f].codec.pack(v))
-            for f, v in (
-                ("expires_mono", self.now + ttl),
-                ("token_limit", tokens),
-                ("request_token_limit", per_request),
-                ("published_limit", limit),
-            )
-        ]
-        self._transact(writes)
-
-    def classes(self, classes: list[writer.ClassSpec], default: int) -> None:
-        self._transact(writer.class_writes(0, classes, default))
-
-    def _transact(self, writes: list[tuple[int, bytes]]) -> None:
-        assert self.seg.core.transact([], writes, True, self.now)
-        for off, data in writes:
-            self.buf[off : off + len(data)] = data
-        self.model.pump_all(self.now)
-        self.same()
-
-    def arrive(self, tokens: int, who: int = 0, cls: int = -1) -> tuple[str, Any, Any]:
-        ticket = _core.Ticket(tokens=tokens)
-        code = self.cores[who].arrive(
-            ticket, 0, 100 + who, self.now, may_wait=True, blocking=True, cls=cls
-        )
-        m, serial = self.index[who]
-        decision, model_ticket, _ = self.model.arrive(
-            0, 100 + who, m, serial, self.now, cls=cls, tokens=tokens
-        )
-        assert CODES[code] == decision
-        self.kept.append(ticket)
-        self.same()
-        return decision, ticket, model_ticket
-
-    def leave(self, held: tuple[str, Any, Any], who: int = 0) -> None:
-        _, ticket, model_ticket = held
-        self.cores[who].leave(ticket, _core.RELEASED, self.now, blocking=True)
-        m, serial = self.index[who]
-        self.model.leave(model_ticket, m, serial, "released", self.now)
-        self.same()
-
-    def sweep(self) -> None:
-        assert self.seg.core.sweep(self.now) == self.model.sweep(self.now)[0]
-        self.same()
-
-    def same(self) -> None:
-        start = layout.PROVIDERS_BASE
-        assert bytes(self.seg.buf[start : layout.TOTAL_SIZE]) == bytes(self.buf[start:])
-        for name in ("older_members", "tokenless_members"):
-            field = layout.HEADER[name]
-            assert field.get(self.seg.buf) == field.get(self.buf), name
-
-    def state(self, held: tuple[str, Any, Any]) -> str:
-        hb = rows.holder_base(0, held[1].holder)
-        return layout.HOLDER_STATES[HOLDER["state"].get(self.seg.buf, hb)]
-
-    @property
-    def tokens_running(self) -> int:
-        value: int = PROVIDER["tokens_running"].get(self.seg.buf, rows.provider_base(0))
-        return value
-
-    def close(self) -> None:
-        for core in self.cores:
-            core.close()
-        self.seg.close()
-        unlink_segment(self.name)
+from shm_layout import layout, rows
+from shm_layout.layout import PROVIDER
 
 
 @pytest.fixture
@@ -151,27 +27,27 @@ def twin() -> Iterator[Twin]:
 
 def test_r_t2_a_request_above_the_limits_is_refused_at_once(twin: Twin) -> None:
     twin.publish(limit=4, tokens=1000, per_request=256)
-    assert twin.arrive(257)[0] == "too_large"  # above what one request may hold
-    assert twin.arrive(256)[0] == "admit"
+    assert twin.arrive(tokens=257)[0] == "too_large"  # above what one request may hold
+    assert twin.arrive(tokens=256)[0] == "admit"
     twin.publish(limit=4, tokens=200)  # per request unknown: the whole budget bounds it
-    assert twin.arrive(201)[0] == "too_large"
+    assert twin.arrive(tokens=201)[0] == "too_large"
     assert PROVIDER["waiting"].get(twin.seg.buf, rows.provider_base(0)) == 0  # never queued
 
 
 def test_r_t1_without_a_budget_tokens_change_no_decision(twin: Twin) -> None:
     """No budget in force (nothing published): the slots alone decide, yet the charges
     are counted, so a budget published later starts exact."""
-    held = [twin.arrive(5000) for _ in range(5)]
+    held = [twin.arrive(tokens=5000) for _ in range(5)]
     assert [d for d, _, _ in held] == ["admit"] * 4 + ["wait"]
     assert twin.tokens_running == 4 * 5000
 
 
 def test_r_t3_a_head_that_does_not_fit_holds_those_behind_it(twin: Twin) -> None:
     twin.publish(limit=4, tokens=1000)
-    big = twin.arrive(700)
+    big = twin.arrive(tokens=700)
     assert big[0] == "admit"
-    large = twin.arrive(600)  # 700 + 600 > 1000: waits with a slot free
-    small = twin.arrive(10)  # would fit, but a waiter is ahead of it: strict order
+    large = twin.arrive(tokens=600)  # 700 + 600 > 1000: waits with a slot free
+    small = twin.arrive(tokens=10)  # would fit, but a waiter is ahead of it: strict order
     assert (large[0], small[0]) == ("wait", "wait")
     assert twin.tokens_running == 700
     twin.leave(big)  # the head fits now, then the small one behind it
@@ -183,10 +59,10 @@ def test_r_t3_nothing_starves_a_large_request(twin: Twin) -> None:
     """Small requests keep arriving while a large one waits: none of them overtakes it,
     and it runs once the tokens running before it have ended."""
     twin.publish(limit=4, tokens=1000, ttl=50.0)
-    running = [twin.arrive(300) for _ in range(3)]
-    large = twin.arrive(900)
+    running = [twin.arrive(tokens=300) for _ in range(3)]
+    large = twin.arrive(tokens=900)
     assert large[0] == "wait"
-    later = [twin.arrive(50) for _ in range(3)]
+    later = [twin.arrive(tokens=50) for _ in range(3)]
     assert all(d == "wait" for d, _, _ in later)
     for held in running:
         twin.leave(held)
@@ -199,20 +75,20 @@ def test_r_t3_a_charge_above_a_fallen_budget_runs_alone(twin: Twin) -> None:
     """Queued under a budget that then fell below its charge: it runs once nothing else
     does (never waits for ever)."""
     twin.publish(limit=4, tokens=1000)
-    first = twin.arrive(500)
-    queued = twin.arrive(800)
+    first = twin.arrive(tokens=500)
+    queued = twin.arrive(tokens=800)
     assert queued[0] == "wait"
     twin.publish(limit=4, tokens=600)
     twin.leave(first)
     assert twin.state(queued) == "running"
-    assert twin.arrive(10)[0] == "wait"  # nothing fits beside it under the lower budget
+    assert twin.arrive(tokens=10)[0] == "wait"  # nothing fits beside it under the lower budget
 
 
 def test_r_t4_a_killed_holders_tokens_come_back_in_the_sweep(twin: Twin) -> None:
     other = twin.register()
     twin.publish(limit=4, tokens=1000, ttl=50.0)
-    doomed = twin.arrive(900, who=other)
-    waiter = twin.arrive(500)
+    doomed = twin.arrive(tokens=900, who=other)
+    waiter = twin.arrive(tokens=500)
     assert (doomed[0], waiter[0]) == ("admit", "wait")
     twin.die(other)
     twin.sweep()
@@ -225,32 +101,32 @@ def test_r_t3_classes_keep_their_order_under_tokens(twin: Twin) -> None:
     though its own request would fit."""
     twin.classes([("interactive", 0, 0, 0), ("batch", 0, 0, 0)], 1)
     twin.publish(limit=4, tokens=1000)
-    first = twin.arrive(600, cls=1)
-    top = twin.arrive(500, cls=0)
+    first = twin.arrive(tokens=600, cls=1)
+    top = twin.arrive(tokens=500, cls=0)
     assert top[0] == "wait"
-    assert twin.arrive(100, cls=1)[0] == "wait"
+    assert twin.arrive(tokens=100, cls=1)[0] == "wait"
     twin.leave(first)
     assert twin.state(top) == "running"
 
 
 def test_r_t1_the_budget_lapses_with_the_published_limit(twin: Twin) -> None:
     twin.publish(limit=4, tokens=100, ttl=5.0)
-    assert twin.arrive(200)[0] == "too_large"
+    assert twin.arrive(tokens=200)[0] == "too_large"
     twin.now += 10.0  # expired: the fallback, slots alone
-    assert twin.arrive(200)[0] == "admit"
+    assert twin.arrive(tokens=200)[0] == "admit"
 
 
 def test_r_t5_a_layout_3_1_handler_suspends_the_budget(twin: Twin) -> None:
     twin.publish(limit=4, tokens=1000, ttl=50.0)
-    assert twin.arrive(800)[0] == "admit"
-    blocked = twin.arrive(800)
+    assert twin.arrive(tokens=800)[0] == "admit"
+    blocked = twin.arrive(tokens=800)
     assert blocked[0] == "wait"
     older = twin.register(minor=1)  # it knows slots, not tokens: the budget is suspended
     assert layout.HEADER["tokenless_members"].get(twin.seg.buf) == 1
     assert layout.HEADER["older_members"].get(twin.seg.buf) == 0  # classes still hold
     assert twin.state(blocked) == "running"  # the suspension pumped: slots alone
-    assert twin.arrive(2000)[0] == "too_large"  # still more than any worker holds
+    assert twin.arrive(tokens=2000)[0] == "too_large"  # still more than any worker holds
     twin.unregister(older)
     assert layout.HEADER["tokenless_members"].get(twin.seg.buf) == 0
     assert twin.tokens_running == 1600  # recounted from the records
-    assert twin.arrive(10)[0] == "wait"  # the budget holds again
+    assert twin.arrive(tokens=10)[0] == "wait"  # the budget holds again
