@@ -149,11 +149,12 @@ table_reader: Callable[[], ListenTable | None] = read_listen_table
 _cached: tuple[float, ListenTable | None] | None = None
 
 
-def listen_table() -> ListenTable | None:
-    """:data:`table_reader`'s answer, read at most once per :data:`TABLE_TTL_S`."""
+def listen_table(*, fresh: bool = False) -> ListenTable | None:
+    """:data:`table_reader`'s answer, read at most once per :data:`TABLE_TTL_S` unless
+    ``fresh``."""
     global _cached
     now = time.monotonic()
-    if _cached is None or now - _cached[0] > TABLE_TTL_S:
+    if fresh or _cached is None or now - _cached[0] > TABLE_TTL_S:
         _cached = (now, table_reader())
     return _cached[1]
 
@@ -168,12 +169,23 @@ def candidates(address: str, port: int) -> tuple[tuple[str, int], ...]:
     return ((str(ip), port), ("::", port))
 
 
-def listening_uids(address: str, port: int) -> frozenset[int] | None:
+def listening_uids(address: str, port: int, *, fresh: bool = False) -> frozenset[int] | None:
     """The owners of every socket that could take a connection to ``address:port``;
-    ``None`` when this platform cannot tell."""
-    table = listen_table()
+    ``None`` when this platform cannot tell. ``fresh``: a reading of now, not one up to
+    TABLE_TTL_S old."""
+    table = listen_table(fresh=fresh)
     if table is None:
         return None
+    uids = _owners(table, address, port)
+    if not uids:
+        # nobody in a reading up to TABLE_TTL_S old: a listener that came since is
+        # exactly a squatter on a port its worker just left, so look again now
+        table = listen_table(fresh=True)
+        uids = frozenset() if table is None else _owners(table, address, port)
+    return uids
+
+
+def _owners(table: ListenTable, address: str, port: int) -> frozenset[int]:
     uids: frozenset[int] = frozenset()
     for key in candidates(address, port):
         uids |= table.get(key, frozenset())
@@ -204,9 +216,11 @@ class ListenerCheck:
     foreign: frozenset[int] = frozenset()
 
 
-def check_listener(address: str, port: int, owner: int | str | None) -> ListenerCheck:
+def check_listener(
+    address: str, port: int, owner: int | str | None, *, fresh: bool = False
+) -> ListenerCheck:
     """Check the listener(s) of a loopback ``address:port`` against ``owner``."""
-    uids = listening_uids(address, port)
+    uids = listening_uids(address, port, fresh=fresh)
     shown = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
     if owner is None:
         if uids is None:
@@ -252,14 +266,18 @@ def worker_refusal(host: str, port: int, owner: int | str | None) -> str | None:
     connection belongs to ``owner`` (its ``listenerOwner``) or, without one, to root or
     the router's own user: a down worker's port is anyone's to listen on, and whoever
     does would get the worker's key and its users' prompts. Where the platform cannot
-    tell, a worker with ``listenerOwner`` is refused and one without is contacted."""
+    tell, a worker with ``listenerOwner`` is refused and one without is contacted.
+
+    Always on a fresh reading (a netlink dump, about a millisecond): a cached one could
+    still show the worker's own listener when it died and a squatter took its port since,
+    and the router asks this before every poll and every new relay connection."""
     for address in loopback_addresses(host):
         if owner is not None:
-            refused = check_listener(address, port, owner).refused
+            refused = check_listener(address, port, owner, fresh=True).refused
             if refused is not None and not refused.startswith("nothing listens"):
                 return refused
             continue
-        check = check_listener(address, port, None)
+        check = check_listener(address, port, None, fresh=True)
         if check.foreign:
             shown = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
             return (

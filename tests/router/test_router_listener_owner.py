@@ -135,3 +135,21 @@ def test_r_k5_router_check_names_the_stranger_on_a_workers_port(
         )
     assert done.returncode == 0, done.stderr
     assert "gpu1" in done.stdout and "nobody" in done.stdout and "not contacted" in done.stdout
+
+
+def test_r_k5_a_squatter_newer_than_the_cached_listener_table_is_still_seen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker is judged on a reading of now, never on a cached listener table that
+    predates the squatter (the full suite met this: a table the previous test read, and
+    a worker that died and whose port `nobody` took within TABLE_TTL_S)."""
+    from capacity_contract import listeners
+
+    need_root()
+    monkeypatch.setattr(listeners, "TABLE_TTL_S", 3600.0)
+    with NobodyListener() as probe:  # a port, free again once it stops
+        port = probe.port
+    listeners.listen_table(fresh=True)  # the reading from before the squatter binds
+    with NobodyListener(port=port) as squatter:
+        refused = listeners.worker_refusal("127.0.0.1", squatter.port, None)
+        assert refused is not None and "nobody" in refused
