@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 PREFIX ?= /opt/gateway-capacity
 EXTRAS ?=
 
-.PHONY: check test demo lint bench drill soak clean schemas header install wheel completions mac-check runs real-workers
+.PHONY: check test demo lint bench drill soak clean schemas header install wheel completions mac-check runs real-workers share-failover
 
 UNAME := $(shell uname -s)
 
@@ -69,10 +69,18 @@ DARWIN_TESTS := tests/admission tests/asgi \
 check: $(STAMP)
 	$(PY) -m pytest -n auto -q -m 'not slow'
 
-# The whole suite, for CI and before a merge.
+# Share mode through a Sentinel failover and a total Redis outage (docs/share.md): one
+# master, one replica, three sentinels and two gateways as real processes, about two
+# minutes of one core; out of `make test` to keep it within 15 minutes on 2 cores.
+FAILOVER_TESTS := tests/share/test_share_sentinel.py
+share-failover: $(STAMP)
+	./scripts/ensure-tools
+	$(PY) -m pytest -q -n 0 -rs $(FAILOVER_TESTS)
+
+# The whole suite, for CI and before a merge (`make share-failover` apart).
 test: $(STAMP) $(WHEEL_TOOLS)
 	./scripts/ensure-tools
-	$(PY) -m pytest -n auto -q
+	$(PY) -m pytest -n auto -q --ignore=$(FAILOVER_TESTS)
 ifneq ($(UNAME),Darwin)
 	GATEWAY_CAPACITY_PLATFORM=darwin $(PY) -m pytest -n auto -q $(DARWIN_TESTS)
 endif

@@ -1,4 +1,4 @@
-"""Admission charged in tokens, measured beside admission in slots alone (issue 47).
+"""Admission charged in tokens, measured beside admission in slots alone.
 
 Uncontended ``slot_blocking`` acquire+release from one thread, four providers of one
 segment, the rounds interleaved (every case once a round) so that the shared machine's

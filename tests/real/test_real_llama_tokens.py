@@ -1,4 +1,4 @@
-"""A real llama-server's context per slot, read by the router, kept by admission (issue 47).
+"""A real llama-server's context per slot, read by the router, kept by admission.
 
 ``-c 512 --parallel 2``: 256 tokens a slot (``/props`` and ``/slots`` say ``n_ctx: 256``).
 Behind the reference router and the sidecar (token_load.Gateway), a request whose prompt

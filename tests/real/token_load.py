@@ -1,5 +1,5 @@
 """Admission in requests or in tokens in front of a real vLLM whose KV cache is smaller than
-its ``--max-num-seqs`` requests of ``--max-model-len`` (issue 47's proof on real servers).
+its ``--max-num-seqs`` requests of ``--max-model-len`` (the proof on real servers).
 
 The stack, every part a real process as an operator runs it: vLLM (CPU) started
 ``--max-num-seqs 8 --max-model-len 512 --num-gpu-blocks-override 12`` (12 blocks of 128:
