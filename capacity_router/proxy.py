@@ -256,7 +256,7 @@ _model_decoder = msgspec.json.Decoder(_ModelField)
 BYTES_A_TOKEN = 4  # the estimate's bytes of body per prompt token
 
 
-def request_tokens(body: bytes, fields: _ModelField) -> int:
+def request_tokens(body: bytes | bytearray, fields: _ModelField) -> int:
     """The tokens a request may hold, estimated: its whole body's bytes over
     :data:`BYTES_A_TOKEN` (the prompt with its JSON around it, which stands for the
     chat template's own tokens) plus ``max_completion_tokens`` or ``max_tokens``
