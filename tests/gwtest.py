@@ -410,3 +410,28 @@ class NobodyProcess:
         except ProcessLookupError:
             return
         os.waitpid(self.pid, 0)
+
+
+def publish_token_budget(
+    adm: Any, *, limit: int, tokens: int, per_request: int, provider: str = "p1"
+) -> None:
+    """What a sidecar publishes for ``provider``: the limit and the token budget, for 25 s,
+    written through ``adm``'s segment under an epoch of this process."""
+    from shm_layout import layout, writer
+
+    seg = adm._seg
+    epoch = writer.take_epoch(seg, os.getpid(), 0.0, time.time(), 1.0, "test")
+    now = time.time()
+    publication = writer.Publication(
+        provider,
+        True,
+        4,
+        layout.Source.PROVIDER,
+        limit=limit,
+        reason="published by the test",
+        observed_at=now - 5.0,
+        expires_at=now + 25.0,
+        token_limit=tokens,
+        request_token_limit=per_request,
+    )
+    writer.publish(seg, epoch, 1, "ok", [publication], now)

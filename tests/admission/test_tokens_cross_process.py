@@ -16,33 +16,13 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from gwtest import Agent, P1Segment, availability, provider_of, run_cli
+from gwtest import Agent, P1Segment, availability, provider_of, publish_token_budget, run_cli
 
 from handler_shim import Admission, RequestTooLarge
-from shm_layout import layout, lock, writer
+from shm_layout import layout, lock
 from shm_layout.view import read_view
 
 BUDGET, PER_REQUEST = 1000, 600
-
-
-def _publish(adm: Admission, limit: int, tokens: int, per_request: int) -> None:
-    """What a sidecar publishes for p1: the limit and the token budget, for 25 s."""
-    seg = adm._seg
-    epoch = writer.take_epoch(seg, os.getpid(), 0.0, time.time(), 1.0, "test")
-    now = time.time()
-    publication = writer.Publication(
-        "p1",
-        True,
-        4,
-        layout.Source.PROVIDER,
-        limit=limit,
-        reason="published by the test",
-        observed_at=now - 5.0,
-        expires_at=now + 25.0,
-        token_limit=tokens,
-        request_token_limit=per_request,
-    )
-    writer.publish(seg, epoch, 1, "ok", [publication], now)
 
 
 @pytest.fixture
@@ -53,7 +33,7 @@ def p1(p1_segment: Callable[..., P1Segment]) -> P1Segment:
 @pytest.fixture
 def budget(p1: P1Segment) -> Iterator[Admission]:
     adm = p1.attach("publisher")
-    _publish(adm, 4, BUDGET, PER_REQUEST)
+    publish_token_budget(adm, limit=4, tokens=BUDGET, per_request=PER_REQUEST)
     yield adm
     adm.close()
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from gwtest import publish_token_budget
 
 from handler_shim import Admission
 from handler_shim.asgi import AdmissionMiddleware, by_model
@@ -22,26 +22,7 @@ from handler_shim.model_choice import (
     prompt_bound,
     request_charge,
 )
-from shm_layout import layout, writer
 from shm_layout.view import read_view
-
-
-def _publish(adm: Admission, tokens: int, per_request: int) -> None:
-    seg = adm._seg
-    epoch = writer.take_epoch(seg, os.getpid(), 0.0, time.time(), 1.0, "test")
-    now = time.time()
-    publication = writer.Publication(
-        "p1",
-        True,
-        4,
-        layout.Source.PROVIDER,
-        limit=4,
-        observed_at=now - 5.0,
-        expires_at=now + 25.0,
-        token_limit=tokens,
-        request_token_limit=per_request,
-    )
-    writer.publish(seg, epoch, 1, "ok", [publication], now)
 
 
 def _chat(content: str, **fields: Any) -> bytes:
@@ -65,7 +46,7 @@ def test_r_t2_the_middleware_refuses_what_no_worker_holds_and_charges_what_runs(
 ) -> None:
     config = write_config({"providers": [{"id": "p1", "maxConcurrent": 4, "models": {"m": "m"}}]})
     publisher = Admission.attach(config=config, segment=segment_name, generation="publisher")
-    _publish(publisher, tokens=1000, per_request=300)
+    publish_token_budget(publisher, limit=4, tokens=1000, per_request=300)
     seen_running: list[int] = []
 
     async def main() -> list[tuple[int, bytes]]:
