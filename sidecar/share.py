@@ -5,7 +5,8 @@ function run inside Redis, atomically, on the server's ``TIME``. One hash per
 provider holds the table: ``~touched`` and ``~rebuild`` (server milliseconds),
 ``~cap`` (the capacity last reported by a gateway that knew it), ``~server`` (the
 ``run_id`` of the Redis that wrote it: a replica promoted by a failover drops and
-rebuilds the copy it was sent, which may lack the last grants) and one field per
+rebuilds the copy it was sent, which may lack the last grants), ``~rule`` (the outage
+rule every live gateway declared) and one field per
 gateway, ``g:<id>`` = ``"reserved demand expires_ms token seq lease_ms capacity"``.
 
 Only the sidecar imports this module (and redis-py); handlers never talk to
@@ -28,7 +29,7 @@ from typing import Any, Final
 
 from capacity_contract import listeners
 from shm_layout.errors import GatewayCapacityError
-from sidecar.shares import DUPLICATE, STALE, Grant, Report, table_ttl_ms
+from sidecar.shares import CROWDED, DUPLICATE, RULE, STALE, Grant, Report, table_ttl_ms
 
 log = logging.getLogger("gateway_capacity.sidecar")
 
@@ -54,10 +55,13 @@ local lease = math.max(1, tonumber(ARGV[6]))
 local ttl = tonumber(ARGV[7])
 local token = ARGV[8]
 local seq = tonumber(ARGV[9])
+-- the outage rule "M:P" (see outage_rule()); '' or absent: none
+local rule = ARGV[10] or ''
+local most = tonumber(string.match(rule, '^(%d+):') or '0')
 local keep = lease + math.floor(lease / 2)
 
 local raw = redis.call('HGETALL', KEYS[1])
-local touched, rebuild, known, writer = nil, 0, nil, nil
+local touched, rebuild, known, writer, declared = nil, 0, nil, nil, ''
 local fields = {}
 for i = 1, #raw, 2 do
   local k, v = raw[i], raw[i + 1]
@@ -65,6 +69,7 @@ for i = 1, #raw, 2 do
   elseif k == '~rebuild' then rebuild = tonumber(v)
   elseif k == '~cap' then known = tonumber(v)
   elseif k == '~server' then writer = v
+  elseif k == '~rule' then declared = v
   else fields[k] = v end
 end
 
@@ -110,15 +115,21 @@ else
     if mine[4] ~= '' and mine[4] ~= token then return {0, 0, 0, 0, 0, now, 1, server} end
     if mine[4] == token and mine[5] > seq then return {0, 0, 0, 0, 0, now, 2, server} end
   end
+  local dropped = {}
   for k, v in pairs(fields) do
     local l = parse(v)
     if l == nil or l[3] <= now or k == me then
-      redis.call('HDEL', KEYS[1], k)
+      dropped[#dropped + 1] = k
     else
       leases[k] = l
       ids[#ids + 1] = k
     end
   end
+  -- every live gateway keeps its outage part outside the table: one rule for all, and
+  -- no more of them live than it declares (checked before anything is changed)
+  if #ids > 0 and declared ~= rule then return {0, 0, 0, 0, 0, now, 4, server} end
+  if most > 0 and #ids + 1 > most then return {0, 0, 0, 0, 0, now, 3, server} end
+  for _, k in ipairs(dropped) do redis.call('HDEL', KEYS[1], k) end
 end
 ids[#ids + 1] = me
 table.sort(ids)
@@ -171,13 +182,17 @@ local reserved = math.max(limit, held)
 local ident = ''
 if token ~= '' then ident = ' ' .. token .. ' ' .. seq .. ' ' .. lease .. ' ' .. ARGV[2] end
 redis.call('HSET', KEYS[1], me, reserved .. ' ' .. demand .. ' ' .. (now + keep) .. ident,
-  '~touched', now, '~rebuild', rebuild, '~server', server)
+  '~touched', now, '~rebuild', rebuild, '~server', server, '~rule', rule)
 if known ~= nil then redis.call('HSET', KEYS[1], '~cap', known) end
 redis.call('PEXPIRE', KEYS[1], ttl)
 local r, left = 0, 0
 if rebuilding then r, left = 1, rebuild - now end
 return {limit, reserved, n, r, others, now, 0, server, left}
 """
+
+
+REFUSALS: Final = {1: DUPLICATE, 2: STALE, 3: CROWDED, 4: RULE}
+"""The script's refusal codes (its answer's 7th item; 0: applied)."""
 
 
 def instance_token(segment: str) -> str:
@@ -392,6 +407,7 @@ class ShareClient:
             table_ttl_ms(report.lease_ms),
             report.token,
             report.seq,
+            report.rule,
         ]
         try:
             out = await asyncio.wait_for(
@@ -400,7 +416,7 @@ class ShareClient:
         except (redis.RedisError, OSError, TimeoutError) as exc:
             raise ShareUnavailable(_describe(exc)) from None
         limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out[:7])
-        why = {1: DUPLICATE, 2: STALE}.get(refused, "")
+        why = REFUSALS.get(refused, "")
         left = int(out[8]) if len(out) > 8 else 0  # the 9th: how long the rebuild lasts
         grant = Grant(limit, reserved, gateways, bool(rebuilding), others, why, left)
         return Answer(grant, now)

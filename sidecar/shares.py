@@ -70,6 +70,8 @@ UNKNOWN: Final = -1  # a reported capacity: this gateway has no fresh answer fro
 # why a call changed nothing
 DUPLICATE: Final = "duplicate"
 STALE: Final = "stale"
+CROWDED: Final = "crowded"  # the call would make more gateways live than the rule declares
+RULE: Final = "rule"  # the call's outage rule is not the one the live gateways declare
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,7 @@ class Table:
     # the Redis server that wrote it (its run_id): a table another server wrote (a
     # replica promoted by a failover, which may lack the last writes) is not trusted
     server: str = ""
+    rule: str = ""  # the outage rule every live gateway declared (:func:`outage_rule`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,7 @@ class Report:
     lease_ms: int
     token: str = ""
     seq: int = 0
+    rule: str = ""  # its outage rule (:func:`outage_rule`); "": no gateways declared
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +119,7 @@ class Grant:
     gateways: int  # live gateways, the caller included
     rebuilding: bool
     others_reserved: int
-    refused: str = ""  # DUPLICATE or STALE: the call changed nothing
+    refused: str = ""  # DUPLICATE, STALE, CROWDED or RULE: the call changed nothing
     rebuild_left_ms: int = 0  # while ``rebuilding``: how much longer, server time
 
 
@@ -183,6 +187,13 @@ def step(table: Table | None, report: Report, now_ms: int, server: str = "") -> 
             for g, lease in table.leases.items()
             if lease.expires_ms > now_ms and g != report.gateway
         }
+        # every live gateway keeps its outage part outside the table: they must all
+        # declare one rule, and no more of them be live than it declares
+        if leases and table.rule != report.rule:
+            return table, Grant(0, 0, 0, False, 0, RULE)
+        most = most_gateways(report.rule)
+        if most and len(leases) + 1 > most:
+            return table, Grant(0, 0, 0, False, 0, CROWDED)
         rebuild_until = table.rebuild_until_ms
         known = table.capacity
     rebuilding = now_ms < rebuild_until
@@ -216,7 +227,42 @@ def step(table: Table | None, report: Report, now_ms: int, server: str = "") -> 
     )
     left = rebuild_until - now_ms if rebuilding else 0
     grant = Grant(limit, reserved, len(leases), rebuilding, others, rebuild_left_ms=left)
-    return Table(leases, now_ms, rebuild_until, known, server), grant
+    return Table(leases, now_ms, rebuild_until, known, server, report.rule), grant
+
+
+def outage_rule(gateways: int | None, keep_permille: int) -> str:
+    """The outage rule a gateway declares to the table: ``"M:P"``, the most gateways
+    ``M`` that share the farm and the part ``P`` per mille of the capacity they keep
+    outside the table (0: they hold 0 through an outage, but no more than ``M`` may be
+    live); ``""`` without a declared ``M`` (no limit on the gateways, nothing kept)."""
+    if not gateways:
+        return ""
+    return f"{gateways}:{keep_permille}"
+
+
+def most_gateways(rule: str) -> int:
+    """``M`` of an outage rule; 0 for none."""
+    most, _, _ = rule.partition(":")
+    return int(most) if most.isdigit() else 0
+
+
+def kept_part(capacity: int, rule: str) -> int:
+    """``f``: what a gateway keeps outside the table, of the capacity it discovered itself:
+    ``floor(C * P / 1000 / M)``. 0 without a rule, with ``P`` 0, or without a fresh
+    capacity. The table never lends ``M * f``, so the ``M`` gateways may each run ``f``
+    without asking it, whatever Redis does."""
+    most, _, permille = rule.partition(":")
+    if capacity < 0 or not most.isdigit() or not permille.isdigit() or int(most) == 0:
+        return 0
+    return capacity * int(permille) // (1000 * int(most))
+
+
+def pool_capacity(capacity: int, rule: str) -> int:
+    """What a gateway reports to the table as the capacity to share: its capacity less
+    the ``M`` outage parts (``UNKNOWN`` stays unknown)."""
+    if capacity < 0:
+        return capacity
+    return capacity - most_gateways(rule) * kept_part(capacity, rule)
 
 
 def silent_after_ms(lease_ms: int) -> int:
@@ -253,7 +299,7 @@ class Held:
 @dataclass(frozen=True, slots=True)
 class Local:
     limit: int
-    state: str  # "granted", "kept", "lapsed", "none", "refused"
+    state: str  # "granted", "kept", "lapsed", "outage", "none", "refused"
     reason: str
     deadline: float | None  # when the limit stops (deadline clock); None: it is 0 anyway
 
@@ -265,27 +311,37 @@ def local_limit(
     redis_error: str,
     *,
     refused: str = "",
+    kept: int = 0,
+    pool: int | None = None,
 ) -> Local:
     """The share this gateway enforces at ``now_mono``.
 
     A grant holds until its lease would end (counted from when the call was sent,
     so it ends here half a lease before Redis frees it). When the last call failed
     (``redis_error``), the grant is *kept* until then. After it, and without any
-    grant, the limit is 0: what the handlers also fall back to on their own when the
-    sidecar stops publishing (the segment's fallback in share mode), because no
-    reservation outlives a lease. ``capacity`` may be ``UNKNOWN`` (the grant is
-    then at most the floor already). ``refused``: this instance may hold no share
-    (its gateway name is in use by another), 0 for good.
+    grant, the limit is ``kept``: this gateway's outage part (:func:`kept_part`, 0
+    without an outage rule or before the table first accepted this instance), which
+    the table never lends. The handlers fall back to 0 on their own when the sidecar
+    stops publishing (the segment's fallback in share mode). ``capacity`` may be
+    ``UNKNOWN`` (the grant is then at most the floor already); ``pool`` is what this
+    gateway reports to the table as the capacity to share (:func:`pool_capacity`;
+    ``None``: ``capacity``). ``refused``: this instance may hold no share (its gateway
+    name is in use by another, or the table refuses its rule), 0 for good.
     """
     if refused:
         return Local(0, "refused", DEGRADED + refused, None)
+    of = "an unknown capacity" if capacity < 0 else f"{capacity}"
+    part = f"its outage part {kept} of {of}"
     if held is None:
         why = f"no share granted yet ({redis_error})" if redis_error else "no share granted yet"
+        if kept:
+            return Local(kept, "outage", f"{DEGRADED}{why}: keeping {part}", None)
         return Local(0, "none", (DEGRADED if redis_error else "") + why, None)
-    limit = held.limit if capacity < 0 else min(held.limit, capacity)
-    of = "an unknown capacity" if capacity < 0 else f"{capacity}"
+    shared = capacity if pool is None else pool
+    limit = kept + (held.limit if shared < 0 else min(held.limit, max(0, shared)))
+    within = f" ({kept} of it kept through an outage)" if kept else ""
     if now_mono < held.deadline and not redis_error:
-        why = f"share {limit} of {of}, {held.gateways} gateway(s)"
+        why = f"share {limit} of {of}, {held.gateways} gateway(s){within}"
         left = held.asked_mono + held.rebuild_left_s - now_mono
         if left > 0:
             why += (
@@ -297,13 +353,22 @@ def local_limit(
         return Local(
             limit,
             "kept",
-            f"{DEGRADED}share {limit} kept until its lease ends: {redis_error}",
+            f"{DEGRADED}share {limit}{within} kept until its lease ends: {redis_error}",
             held.deadline,
+        )
+    error = redis_error or "no answer within the lease"
+    if kept:
+        return Local(
+            kept,
+            "outage",
+            f"{DEGRADED}lease lapsed, keeping {part} until Redis grants again (the table "
+            f"never lends it): {error}",
+            None,
         )
     return Local(
         0,
         "lapsed",
         f"{DEGRADED}lease lapsed, holding 0 until Redis grants again (the others may take "
-        f"this gateway's share now): {redis_error or 'no answer within the lease'}",
+        f"this gateway's share now): {error}",
         None,
     )

@@ -25,20 +25,23 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from sidecar.shares import (
-    DUPLICATE,
     STALE,
     UNKNOWN,
     Held,
     Report,
     Table,
     held_for_ms,
+    kept_part,
     local_limit,
+    outage_rule,
+    pool_capacity,
     step,
 )
 
 LEASE = 4_000  # ms
 REQUEST_MAX = held_for_ms(LEASE) - LEASE  # a request ends within half a lease
 CLIENT_TIMEOUT = 2_000  # redis-py gives up on an answer after this long (ms)
+CAPACITY_TTL = 10 * LEASE  # a discovered capacity's own deadline: what an outage part lives on
 
 
 @dataclass
@@ -53,6 +56,7 @@ class Gateway:
     held: Held | None = None
     error: str = ""
     refused: str = ""
+    member: bool = False  # the table accepted a call of this sidecar: it may keep its part
     running: list[int] = field(default_factory=list)  # admission times
     waiting: int = 0
     last_call: int = -(10**9)
@@ -68,9 +72,19 @@ class ShareFarm(RuleBasedStateMachine):
         floor=st.integers(0, 3),
         gateways=st.integers(1, 3),
         leases=st.lists(st.sampled_from([LEASE, 4 * LEASE]), min_size=3, max_size=3),
+        most=st.integers(0, 4),
+        permille=st.sampled_from([0, 500, 1000]),
     )
-    def start(self, capacity: int, floor: int, gateways: int, leases: list[int]) -> None:
+    def start(
+        self, capacity: int, floor: int, gateways: int, leases: list[int], most: int, permille: int
+    ) -> None:
         self.capacity = capacity
+        # the outage rule: at most M gateway instances exist (every one counted, a second
+        # instance under one name too), each keeps its part of the capacity outside the
+        # table; M 0: none declared, every gateway holds 0 through an outage
+        self.most = max(most, gateways) if most else 0
+        self.rule = outage_rule(self.most, permille)
+        self.in_network: list[tuple[Gateway, Report, int]] = []  # calls a partition holds
         self.floor = floor
         self.now = 0
         self.table: Table | None = None
@@ -101,10 +115,26 @@ class ShareFarm(RuleBasedStateMachine):
         limit, deadline = g.published
         return limit if deadline is not None and self.now < deadline else 0
 
+    def seen(self, g: Gateway) -> int:
+        return UNKNOWN if g.skewed else self.capacity
+
+    def kept(self, g: Gateway) -> int:
+        """What ``g`` keeps outside the table: its part once the table accepted it."""
+        return kept_part(self.seen(g), self.rule) if g.member and not g.refused else 0
+
     def publish(self, g: Gateway) -> None:
-        capacity = UNKNOWN if g.skewed else self.capacity
-        local = local_limit(g.held, capacity, self.now / 1000, g.error, refused=g.refused)
+        local = local_limit(
+            g.held,
+            self.seen(g),
+            self.now / 1000,
+            g.error,
+            refused=g.refused,
+            kept=self.kept(g),
+            pool=pool_capacity(self.seen(g), self.rule),
+        )
         deadline = None if local.deadline is None else round(local.deadline * 1000)
+        if deadline is None and local.limit:  # the outage part, on the capacity's deadline
+            deadline = self.now + CAPACITY_TTL
         g.published = (local.limit, deadline)
 
     def answer(self, g: Gateway, report: Report, asked: int, grant: object) -> None:
@@ -112,25 +142,29 @@ class ShareFarm(RuleBasedStateMachine):
         from sidecar.shares import Grant
 
         assert isinstance(grant, Grant)
-        if grant.refused == DUPLICATE:
-            g.refused = "refused: name held by another instance"
+        if grant.refused and grant.refused != STALE:
+            g.refused = f"refused: {grant.refused}"
             g.sidecar = "refused"  # it publishes 0 and exits
-        elif grant.refused != STALE:
-            g.held = Held(grant.limit, grant.gateways, asked / 1000, g.lease / 1000)
-            g.error = ""
+        else:
+            g.member = True
+            if not grant.refused:
+                g.held = Held(grant.limit, grant.gateways, asked / 1000, g.lease / 1000)
+                g.error = ""
         self.publish(g)
 
     def report(self, g: Gateway) -> Report:
         """What ``g``'s sidecar sends on its next call."""
+        kept = self.kept(g)
         return Report(
             g.name,
-            UNKNOWN if g.skewed else self.capacity,
-            max(self.in_force(g), len(g.running)),
-            len(g.running) + g.waiting,
+            pool_capacity(self.seen(g), self.rule),
+            max(0, max(self.in_force(g), len(g.running)) - kept),
+            max(0, len(g.running) + g.waiting - kept),
             self.floor,
             g.lease,
             g.token,
             g.seq,
+            self.rule,
         )
 
     def call(self, g: Gateway) -> None:
@@ -141,6 +175,7 @@ class ShareFarm(RuleBasedStateMachine):
         report = self.report(g)
         if g.partitioned:
             g.error = "unreachable"
+            self.in_network.append((g, report, self.now))  # perhaps delivered later
         elif self.redis_stalled:
             self.queued.append((g, report, self.now))
             g.error = "timed out"
@@ -239,7 +274,7 @@ class ShareFarm(RuleBasedStateMachine):
     def a_dead_sidecar_is_restarted(self, i: int, lease: int) -> None:
         g = self.pick(i)
         if g.sidecar == "dead":  # a new process: no grant yet, same instance token
-            g.sidecar, g.held, g.error = "up", None, ""
+            g.sidecar, g.held, g.error, g.member = "up", None, "", False
             g.lease = lease  # perhaps with its config's lease edited meanwhile
             g.seq += 1000
             self.publish(g)
@@ -326,13 +361,27 @@ class ShareFarm(RuleBasedStateMachine):
     def a_partition_heals(self, i: int) -> None:
         self.pick(i).partitioned = False
 
+    @rule(k=st.integers(0, 7), drop=st.booleans())
+    def the_network_delivers_a_call_it_held(self, k: int, drop: bool) -> None:
+        """A call sent while its gateway was cut off reaches Redis late (any one of those
+        held, in any order, perhaps long after the partition healed) or never. Its answer
+        reaches a sidecar still waiting for it."""
+        if not self.in_network:
+            return
+        g, report, asked = self.in_network.pop(k % len(self.in_network))
+        if drop or self.redis_stalled:
+            return
+        grant = self.run(report)
+        if g.sidecar == "up" and self.now - asked <= CLIENT_TIMEOUT:
+            self.answer(g, report, asked, grant)
+
     @rule(i=st.integers(0, 3), skewed=st.booleans())
     def a_wall_clock_is_an_hour_off(self, i: int, skewed: bool) -> None:
         self.pick(i).skewed = skewed
 
     @rule(i=st.integers(0, 3))
     def a_second_instance_starts_under_a_gateways_name(self, i: int) -> None:
-        if len(self.gws) < 4:
+        if len(self.gws) < (self.most or 4):  # M counts every instance that exists
             twin = self._new(self.pick(i).name, self.pick(i).lease)
             self.gws.append(twin)
             self.publish(twin)
