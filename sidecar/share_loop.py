@@ -18,10 +18,28 @@ from typing import TYPE_CHECKING, Protocol
 
 from capacity_contract import MAX_FUTURE_S
 from shm_layout import layout, platform, rows, writer
-from sidecar.config import CapacityShare, sentinel_addresses, share_target_for_logs
+from sidecar.config import (
+    CapacityShare,
+    sentinel_addresses,
+    share_outage_rule,
+    share_outage_said,
+    share_target_for_logs,
+)
 from sidecar.limits import DISCOVERED, LEGACY_DRAIN, SHARE, LimitDecision
 from sidecar.share import instance_token
-from sidecar.shares import DEGRADED, DUPLICATE, UNKNOWN, Held, Report, local_limit
+from sidecar.shares import (
+    CROWDED,
+    DEGRADED,
+    DUPLICATE,
+    RULE,
+    STALE,
+    UNKNOWN,
+    Held,
+    Report,
+    kept_part,
+    local_limit,
+    pool_capacity,
+)
 
 if TYPE_CHECKING:
     from shm_layout.segment import Segment
@@ -77,7 +95,11 @@ class ShareLoop:
         self._down_since: float | None = None  # monotonic; None: Redis answers
         self.token = instance_token(sidecar.segment_name)
         self._seq = 0
-        self.refused = ""  # why Redis refused this instance its gateway name, for good
+        self.refused = ""  # why the table refused this instance, for good
+        self.rule = share_outage_rule(share)
+        # the table accepted a call of this sidecar: from then on it keeps its outage
+        # part (a sidecar the table would refuse, or started in an outage, keeps none)
+        self.member = False
         self.clock_offset_s: float | None = None  # this host's wall clock minus Redis's
 
     def of(self, provider_id: str) -> ProviderShare:
@@ -122,12 +144,13 @@ class ShareLoop:
             return
         log.info(
             "capacityShare: gateway %s (instance %s) shares each discovered capacity through "
-            "%s (lease %gs, floor %d)",
+            "%s (lease %gs, floor %d); in an outage %s",
             share.gateway,
             self.token,
             share_target_for_logs(share),
             share.lease,
             share.floor,
+            share_outage_said(share),
         )
         while not self.sidecar.stop.is_set():
             try:
@@ -157,8 +180,11 @@ class ShareLoop:
                 continue
             load = rows.provider_load(sc.seg.buf, p, platform.deadline_now())
             running, waiting, in_force = load.running, load.waiting, load.limit
-            held = max(in_force, running)
-            asked = (capacity, held, running + waiting)
+            # the table shares what the outage parts leave: this gateway reports its part
+            # of what it holds and wants beyond its own
+            kept = self.kept(capacity)
+            held = max(0, max(in_force, running) - kept)
+            asked = (capacity, held, max(0, running + waiting - kept))
             mono = time.monotonic()
             since = mono - mine.asked_mono
             # due: a quarter of a lease passed; what it reports changed; or requests wait
@@ -173,13 +199,14 @@ class ShareLoop:
             asked_mono = platform.deadline_now()
             report = Report(
                 share.gateway,
-                capacity,
+                pool_capacity(capacity, self.rule),
                 held,
-                running + waiting,
+                asked[2],
                 share.floor,
                 int(share.lease * 1000),
                 self.token,
                 self._next_seq(asked_mono),
+                self.rule,
             )
             from sidecar.share import ShareUnavailable
 
@@ -204,9 +231,10 @@ class ShareLoop:
                 self._clock(answer.server_ms, time.time())
                 g = answer.grant
                 sc.metrics.share_call(provider_id, g.refused or "ok")
-                if g.refused == DUPLICATE:
-                    self._refuse()
+                if g.refused and g.refused != STALE:
+                    self._refuse(g.refused)
                     return
+                self.member = True
                 if not g.refused:  # a STALE answer changed nothing: a newer one holds
                     mine.error = ""
                     mine.held = Held(
@@ -249,7 +277,19 @@ class ShareLoop:
         mine = self.of(state.rules.provider_id)
         known = decision.source == DISCOVERED and decision.expires_mono is not None
         mine.capacity = decision.effective_limit if known else UNKNOWN
-        local = local_limit(mine.held, mine.capacity, mono, mine.error, refused=self.refused)
+        kept = self.kept(mine.capacity)
+        local = local_limit(
+            mine.held,
+            mine.capacity,
+            mono,
+            mine.error,
+            refused=self.refused,
+            kept=kept,
+            pool=pool_capacity(mine.capacity, self.rule),
+        )
+        self.sidecar.metrics.share_outage(
+            state.rules.provider_id, kept_part(mine.capacity, self.rule), local.state == "outage"
+        )
         if known:
             reason = f"{local.reason}; capacity {decision.reason}"
         else:  # at most the floor, for want of a capacity: degraded, --check fails
@@ -260,6 +300,8 @@ class ShareLoop:
         expires_mono = local.deadline
         if expires_mono is not None and known and decision.expires_mono is not None:
             expires_mono = min(expires_mono, decision.expires_mono)
+        elif local.limit > 0 and known:  # the outage part: as long as the capacity it is of
+            expires_mono = decision.expires_mono
         return dataclasses.replace(
             decision,
             effective_limit=local.limit,
@@ -268,6 +310,10 @@ class ShareLoop:
             expires_at=None if expires_mono is None else now + (expires_mono - mono),
             expires_mono=expires_mono,
         )
+
+    def kept(self, capacity: int) -> int:
+        """This gateway's outage part of ``capacity`` (0 before the table accepted it)."""
+        return kept_part(capacity, self.rule) if self.member and not self.refused else 0
 
     def _next_seq(self, mono: float) -> int:
         """Increasing across restarts of this instance on one boot: the deadline clock in
@@ -298,15 +344,30 @@ class ShareLoop:
             return ""
         return f" (this host's wall clock is {offset:+.0f} s off Redis's)"
 
-    def _refuse(self) -> None:
-        """Another instance holds this gateway's name: hold 0, say so, and exit 2 (a
-        configuration to fix, which systemd does not restart)."""
+    def _refuse(self, why: str) -> None:
+        """The table refuses this instance (another holds its gateway name, more gateways
+        than declared are live, or they declare another outage rule): hold 0, say so, and
+        exit 2 (a configuration to fix, which systemd does not restart)."""
         sc = self.sidecar
-        self.refused = (
-            f"refused: gateway name {self.config.gateway!r} is held in Redis by another "
-            f"instance (this one is {self.token}); give each gateway its own "
-            "capacityShare.gateway"
-        )
+        share = self.config
+        if why == DUPLICATE:
+            self.refused = (
+                f"refused: gateway name {share.gateway!r} is held in Redis by another "
+                f"instance (this one is {self.token}); give each gateway its own "
+                "capacityShare.gateway"
+            )
+        elif why == CROWDED:
+            self.refused = (
+                f"refused: {share.gateways} gateway(s) are live in Redis already, the most "
+                f"capacityShare.gateways declares; raise it on every gateway"
+            )
+        else:
+            assert why == RULE
+            self.refused = (
+                "refused: the live gateways declare another outage rule (capacityShare "
+                "gateways, outage, keepPart); give every gateway the same"
+            )
+        self.member = False
         log.error("capacityShare: %s; this sidecar holds no share and exits (2)", self.refused)
         sc.metrics.share_refused()
         sc.redecide_all()

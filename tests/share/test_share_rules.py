@@ -147,6 +147,27 @@ def test_the_gateway_keeps_its_share_for_a_lease_then_holds_0() -> None:
     assert local_limit(held, 20, 105.0, "", refused="refused: name").limit == 0
 
 
+def test_with_an_outage_part_the_gateway_keeps_it_past_its_lease_and_adds_its_grant() -> None:
+    """``kept`` 3 of 20 (M 3, keepPart 0.5): the grant of the pool (11) comes on top;
+    after the lease, and with no grant yet, the part alone, with no deadline of its own
+    (the sidecar gives it the capacity's); refused, nothing."""
+    held = Held(limit=9, gateways=3, asked_mono=100.0, lease_s=10.0)
+    pool = pool_capacity(20, "3:500")
+    granted = local_limit(held, 20, 105.0, "", kept=3, pool=pool)
+    assert (granted.limit, granted.state, granted.deadline) == (12, "granted", 110.0)
+    assert "(3 of it kept through an outage)" in granted.reason
+    assert local_limit(Held(99, 1, 100.0, 10.0), 20, 105.0, "", kept=3, pool=pool).limit == 14
+    kept = local_limit(held, 20, 109.9, "Redis unavailable", kept=3, pool=pool)
+    assert (kept.limit, kept.state) == (12, "kept")
+    outage = local_limit(held, 20, 110.0, "Redis unavailable", kept=3, pool=pool)
+    assert (outage.limit, outage.state, outage.deadline) == (3, "outage", None)
+    assert outage.reason.startswith("share degraded: lease lapsed, keeping its outage part 3")
+    first = local_limit(None, 20, 0.0, "Redis unavailable", kept=3, pool=pool)
+    assert (first.limit, first.state) == (3, "outage")
+    refused = local_limit(held, 20, 105.0, "", refused="refused: crowded", kept=3, pool=pool)
+    assert refused.limit == 0
+
+
 def warm(table: Table, gws: list[str], cap: int) -> Table:
     """Renewals every quarter of a lease, as the sidecars call, past the first table's
     rebuild."""
