@@ -7,7 +7,9 @@ in which sidecars die, are SIGSTOPped past their lease (a call in flight), Redis
 that lacks the last writes (asynchronous replication), a gateway is cut off from Redis,
 its wall clock is off the farm's (no fresh capacity), a second instance starts
 under a gateway's name, gateways run on different leases (a sidecar may come back with
-its lease edited), and Redis's clock steps ahead by more than half a lease. At every
+its lease edited), Redis's clock steps ahead by more than half a lease, and calls a
+partition held reach Redis late or never; with an outage rule (each gateway keeps its
+part outside the table, at most M instances exist) or none. At every
 instant: the sum over gateways of what their handlers may run (the limit in force, or
 more while more still run) never exceeds the capacity.
 
