@@ -1,4 +1,4 @@
-"""Share mode shares the farm's token pool as it shares its slots: real sidecars, real
+"""Share mode shares the farm's token pool as it shares its slots (R-T7): real sidecars, real
 segments and handler processes, one real redis-server, a fake farm whose capacity rows
 state a token pool (R-K7)."""
 
