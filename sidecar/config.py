@@ -100,7 +100,9 @@ GatewayId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 LeaseSeconds = Annotated[float, msgspec.Meta(ge=1.0, le=300.0)]
 ShareFloor = Annotated[int, msgspec.Meta(ge=0, le=64)]
 MostGateways = Annotated[int, msgspec.Meta(ge=1, le=64)]
-KeepPart = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+# below 1: a token pool of P > 0 then always leaves the table a pool of at least 1 (0
+# would read as no pool stated, nothing limited)
+KeepPart = Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)]
 
 
 SentinelAddress = Annotated[str, msgspec.Meta(min_length=3, max_length=300)]

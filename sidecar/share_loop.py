@@ -31,6 +31,7 @@ from sidecar.shares import (
     CROWDED,
     DEGRADED,
     DUPLICATE,
+    NO_POOL,
     RULE,
     STALE,
     UNKNOWN,
@@ -80,10 +81,28 @@ class ProviderShare:
 
     held: Held | None = None  # the last grant
     error: str = ""  # why the last call failed ("" when it answered)
-    asked: tuple[int, int, int] | tuple[()] = ()  # what the last call reported
+    asked: tuple[int, ...] = ()  # what the last call reported
     asked_mono: float = -1e18
     # what this gateway reports: the discovered capacity, or UNKNOWN without a fresh one
     capacity: int = UNKNOWN
+    # the farm's token pool: as stated (NO_POOL: none), UNKNOWN without a fresh answer
+    # once one was stated; and the most one request may hold, as last stated
+    tokens: int = NO_POOL
+    request_tokens: int = 0
+
+
+def token_load(buf: rows.Buffer, p: int, now: float) -> tuple[int, int]:
+    """Provider ``p``'s tokens as share mode reports them, read without the lock: what
+    it holds (``max(token limit in force, tokens running)``) and its demand (the charges
+    running and waiting)."""
+    base = rows.provider_base(p)
+    running = int(layout.PROVIDER["tokens_running"].get(buf, base))
+    waiting = 0
+    for h in range(layout.HOLDERS_PER_PROVIDER):
+        hb = rows.holder_base(p, h)
+        if layout.HOLDER["state"].get(buf, hb) == layout.HOLDER_WAITING:
+            waiting += int(layout.HOLDER["tokens"].get(buf, hb))
+    return max(rows.token_budget(buf, p, now).limit, running), running + waiting
 
 
 class ShareLoop:
@@ -178,13 +197,27 @@ class ShareLoop:
             p = rows.find_provider(sc.seg.buf, provider_id)
             if p is None:
                 continue
-            load = rows.provider_load(sc.seg.buf, p, platform.deadline_now())
+            now_mono = platform.deadline_now()
+            load = rows.provider_load(sc.seg.buf, p, now_mono)
             running, waiting, in_force = load.running, load.waiting, load.limit
+            tokens_held, tokens_demand = token_load(sc.seg.buf, p, now_mono)
+            if running + waiting:  # at least one whole request while any runs or waits
+                tokens_demand = max(tokens_demand, mine.request_tokens)
             # the table shares what the outage parts leave: this gateway reports its part
-            # of what it holds and wants beyond its own
+            # of what it holds and wants beyond its own, in slots and in tokens
             kept = self.kept(capacity)
+            kept_tokens = self.kept(mine.tokens) if mine.tokens > 0 else 0
             held = max(0, max(in_force, running) - kept)
-            asked = (capacity, held, max(0, running + waiting - kept))
+            tokens_held = max(0, tokens_held - kept_tokens)
+            tokens_demand = max(0, tokens_demand - kept_tokens)
+            asked = (
+                capacity,
+                held,
+                max(0, running + waiting - kept),
+                mine.tokens,
+                tokens_held,
+                tokens_demand,
+            )
             mono = time.monotonic()
             since = mono - mine.asked_mono
             # due: a quarter of a lease passed; what it reports changed; or requests wait
@@ -206,6 +239,10 @@ class ShareLoop:
                 int(share.lease * 1000),
                 self.token,
                 self._next_seq(asked_mono),
+                pool_capacity(mine.tokens, self.rule),
+                tokens_held,
+                tokens_demand,
+                mine.request_tokens,
                 self.rule,
             )
             from sidecar.share import ShareUnavailable
@@ -238,7 +275,14 @@ class ShareLoop:
                 if not g.refused:  # a STALE answer changed nothing: a newer one holds
                     mine.error = ""
                     mine.held = Held(
-                        g.limit, g.gateways, asked_mono, share.lease, g.rebuild_left_ms / 1000
+                        g.limit,
+                        g.gateways,
+                        asked_mono,
+                        share.lease,
+                        g.rebuild_left_ms / 1000,
+                        report.tokens,
+                        g.tokens_limit,
+                        g.tokens,
                     )
             if sc.providers.get(provider_id) is state:
                 before = state.decision
@@ -277,15 +321,21 @@ class ShareLoop:
         mine = self.of(state.rules.provider_id)
         known = decision.source == DISCOVERED and decision.expires_mono is not None
         mine.capacity = decision.effective_limit if known else UNKNOWN
-        kept = self.kept(mine.capacity)
+        if known:
+            mine.tokens = decision.token_limit or NO_POOL
+            mine.request_tokens = decision.request_token_limit
+        elif mine.tokens != NO_POOL:  # a pool once stated is unknown now, not gone
+            mine.tokens = UNKNOWN
         local = local_limit(
             mine.held,
             mine.capacity,
             mono,
             mine.error,
             refused=self.refused,
-            kept=kept,
-            pool=pool_capacity(mine.capacity, self.rule),
+            tokens=mine.tokens,
+            request_tokens=mine.request_tokens,
+            rule=self.rule,
+            keeping=self.member,
         )
         self.sidecar.metrics.share_outage(
             state.rules.provider_id, kept_part(mine.capacity, self.rule), local.state == "outage"
@@ -305,6 +355,7 @@ class ShareLoop:
         return dataclasses.replace(
             decision,
             effective_limit=local.limit,
+            token_limit=local.tokens_limit,
             source=SHARE,
             reason=reason,
             expires_at=None if expires_mono is None else now + (expires_mono - mono),

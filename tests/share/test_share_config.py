@@ -97,7 +97,7 @@ def test_share_refuses_what_it_cannot_use(share: Any, why: str) -> None:
         ({"outage": "keep"}, "outage keep needs gateways"),
         ({"gateways": 0}, "gateways: expected `int` >= 1"),
         ({"gateways": 3, "keepPart": 0}, "keepPart: expected `float` > 0.0"),
-        ({"gateways": 3, "keepPart": 1.5}, "keepPart: expected `float` <= 1.0"),
+        ({"gateways": 3, "keepPart": 1}, "keepPart: expected `float` < 1.0"),
         ({"gateways": 3, "outage": "serve"}, "outage: invalid enum value"),
     ],
 )
