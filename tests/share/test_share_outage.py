@@ -100,3 +100,31 @@ def test_share_one_redis_killed_for_three_leases_keeps_each_part_or_holds_0(
     finally:
         for gw in gws:
             gw.cleanup()
+
+
+def test_share_a_gateway_beyond_the_declared_most_is_refused_loudly(
+    tmp_path: Path, farm: Farm, redis_server: RedisServer, key_file: Path
+) -> None:
+    """``gateways`` 1 declared and a second gateway started: the table refuses it while
+    the first is live (ERROR, exit 2, 0 with the reason, ``--check`` fails), and it
+    never keeps a part; the first keeps its part and the rest."""
+    redis_server.fresh()
+    a = Gateway("gw-a", tmp_path, farm, redis_server, key_file, gateways=1)
+    b = Gateway("gw-b", tmp_path, farm, redis_server, key_file, gateways=1)
+    try:
+        a.start_sidecar()
+        wait_for("a's share", lambda: a.source() == "share" and a.limit() >= 1, timeout=60)
+        b.start_sidecar()
+        assert b.sidecar is not None
+        assert b.sidecar.wait(60) == 2  # exit 2: a configuration to fix, not restarted
+        assert "gateway(s) are live in Redis already" in b.log_text()
+        assert b.limit() == 0
+        check = b.check()
+        assert check.returncode != 0 and "capacityShare.gateways declares" in check.stdout
+        a.start_worker(6)
+        wait_for("a grows to the whole capacity", lambda: a.limit() == CAPACITY, timeout=30)
+        a.stop_workers()
+        assert farm.peak <= CAPACITY
+    finally:
+        a.cleanup()
+        b.cleanup()
