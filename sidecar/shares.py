@@ -54,6 +54,13 @@ exactly this inside Redis (the tests run both on the same calls and compare). Ru
   read after the last limit was published). A lower limit stops new
   admissions at once; the reservation follows only as running requests finish,
   and only then can another gateway be granted what was given up.
+* **outage parts**: with an outage rule ``"M:P"`` (:func:`outage_rule`) every gateway
+  keeps ``f = floor(C * P / 1000 / M)`` of the capacity it discovers outside the table
+  (:func:`kept_part`), with no call, and reports ``C - M * f`` (:func:`pool_capacity`),
+  its ``held`` and demand less ``f``: at most ``M`` parts and the table's grants never
+  sum above ``C``, whatever Redis does. A call whose rule differs from the live
+  gateways' is refused (``rule``), and so is one that would make more than ``M`` live
+  (``crowded``); both change nothing.
 
 **Tokens, by the same rules.** Where the farm states a running-token pool ``P``
 (R-K7, R-L10), a call also reports it (``tokens``: ``P``, ``UNKNOWN`` without a fresh
