@@ -89,6 +89,9 @@ class ProviderShare:
     # once one was stated; and the most one request may hold, as last stated
     tokens: int = NO_POOL
     request_tokens: int = 0
+    # the provider's table accepted a call of this sidecar: from then on it keeps its
+    # outage part (a sidecar the table would refuse, or started in an outage, keeps none)
+    member: bool = False
 
 
 def token_load(buf: rows.Buffer, p: int, now: float) -> tuple[int, int]:
@@ -116,9 +119,6 @@ class ShareLoop:
         self._seq = 0
         self.refused = ""  # why the table refused this instance, for good
         self.rule = share_outage_rule(share)
-        # the table accepted a call of this sidecar: from then on it keeps its outage
-        # part (a sidecar the table would refuse, or started in an outage, keeps none)
-        self.member = False
         self.clock_offset_s: float | None = None  # this host's wall clock minus Redis's
 
     def of(self, provider_id: str) -> ProviderShare:
@@ -205,8 +205,8 @@ class ShareLoop:
                 tokens_demand = max(tokens_demand, mine.request_tokens)
             # the table shares what the outage parts leave: this gateway reports its part
             # of what it holds and wants beyond its own, in slots and in tokens
-            kept = self.kept(capacity)
-            kept_tokens = self.kept(mine.tokens) if mine.tokens > 0 else 0
+            kept = self.kept(mine, capacity)
+            kept_tokens = self.kept(mine, mine.tokens) if mine.tokens > 0 else 0
             held = max(0, max(in_force, running) - kept)
             tokens_held = max(0, tokens_held - kept_tokens)
             tokens_demand = max(0, tokens_demand - kept_tokens)
@@ -271,7 +271,7 @@ class ShareLoop:
                 if g.refused and g.refused != STALE:
                     self._refuse(g.refused)
                     return
-                self.member = True
+                mine.member = True
                 if not g.refused:  # a STALE answer changed nothing: a newer one holds
                     mine.error = ""
                     mine.held = Held(
@@ -335,7 +335,7 @@ class ShareLoop:
             tokens=mine.tokens,
             request_tokens=mine.request_tokens,
             rule=self.rule,
-            keeping=self.member,
+            keeping=mine.member,
         )
         self.sidecar.metrics.share_outage(
             state.rules.provider_id, kept_part(mine.capacity, self.rule), local.state == "outage"
@@ -362,9 +362,9 @@ class ShareLoop:
             expires_mono=expires_mono,
         )
 
-    def kept(self, capacity: int) -> int:
+    def kept(self, mine: ProviderShare, capacity: int) -> int:
         """This gateway's outage part of ``capacity`` (0 before the table accepted it)."""
-        return kept_part(capacity, self.rule) if self.member and not self.refused else 0
+        return kept_part(capacity, self.rule) if mine.member and not self.refused else 0
 
     def _next_seq(self, mono: float) -> int:
         """Increasing across restarts of this instance on one boot: the deadline clock in
@@ -418,7 +418,8 @@ class ShareLoop:
                 "refused: the live gateways declare another outage rule (capacityShare "
                 "gateways, outage, keepPart); give every gateway the same"
             )
-        self.member = False
+        for mine in self.providers.values():
+            mine.member = False
         log.error("capacityShare: %s; this sidecar holds no share and exits (2)", self.refused)
         sc.metrics.share_refused()
         sc.redecide_all()
