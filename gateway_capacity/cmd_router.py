@@ -270,7 +270,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _parse_listen(text: str) -> tuple[str, int]:
-    from sidecar.addresses import parse_host_port
+    from capacity_contract.addresses import parse_host_port
 
     try:
         return parse_host_port(text)
