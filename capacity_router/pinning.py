@@ -42,6 +42,11 @@ class Route:
     unresolved: str | None = None
 
 
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets (RFC 3986 3.2.2)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def url_port(url: str) -> tuple[str, int]:
     parts = urlsplit(url)
     return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
