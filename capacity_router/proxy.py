@@ -325,6 +325,7 @@ def target_of(url: str) -> Target:
 # -- connections to the workers ------------------------------------------------
 
 
+_ONE_WRITE_BODY = 64 << 10  # a body up to this is written with its head in one call
 POOL_IDLE_S = 4.0  # under uvicorn's 5 s keep-alive (vLLM, SGLang): we close first
 POOL_MAX_IDLE = 256  # per worker URL
 
@@ -761,8 +762,11 @@ class Exchange:
         self._pending = True
         conn.sink = self
         assert conn.transport is not None
-        conn.transport.write(request)
-        if self._body:
+        if len(self._body) <= _ONE_WRITE_BODY:
+            # one writev, so one segment on the wire and one wake-up of the worker
+            conn.transport.writelines((request, self._body))
+        else:  # a large body is not copied into one buffer with its head
+            conn.transport.write(request)
             conn.transport.write(self._body)
 
     async def _send(self, conn: _Upstream, target: Target, request: bytes) -> str:
