@@ -58,12 +58,18 @@ async def route_of(
     tailnet_check: str | None = None,
     *,
     socket_path: str | None = None,
+    in_thread: bool = True,
 ) -> Route:
     """Check ``url``'s host now (see the module's docstring); the caller's deadline bounds
-    it (resolution runs on a thread of its own, the listener table on another)."""
+    it (resolution runs on a thread of its own). A loopback host's listener table is read
+    on a thread of the loop's executor, or with ``in_thread=False`` right here (a loop of
+    its own, as the poller's, may wait the millisecond or so it takes)."""
     host, port = url_port(url)
     if listeners.loopback_addresses(host):
-        refused = await asyncio.to_thread(listeners.worker_refusal, host, port, owner)
+        if in_thread:
+            refused = await asyncio.to_thread(listeners.worker_refusal, host, port, owner)
+        else:
+            refused = listeners.worker_refusal(host, port, owner)
         return Route(refused=refused) if refused is not None else Route((host,))
     try:
         found = await addresses.resolve(host, port)

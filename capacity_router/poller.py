@@ -36,7 +36,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from capacity_contract import STALE_AFTER_S, CapacitySnapshot
+from capacity_contract import STALE_AFTER_S, CapacitySnapshot, listeners
 from shm_layout.errors import GatewayCapacityError
 
 from .aggregate import Observation, State, aggregate, is_fenced, within_contract
@@ -114,11 +114,11 @@ def say_refused(worker: Worker, url: str, refused: str | None) -> None:
         )
 
 
-async def checked_route(worker: Worker, url: str) -> Route:
+async def checked_route(worker: Worker, url: str, *, in_thread: bool = True) -> Route:
     """Where ``worker`` may be contacted at ``url`` now (:func:`pinning.route_of`: its
     loopback listener's owner, or every address a peer of this tailnet); a refusal is
     said once (:func:`say_refused`)."""
-    route = await route_of(url, worker.listener_owner, worker.tailnet_check)
+    route = await route_of(url, worker.listener_owner, worker.tailnet_check, in_thread=in_thread)
     if route.unresolved is None:
         say_refused(worker, url, route.refused)
     return route
@@ -148,9 +148,15 @@ async def poll_url(
     headers = {"Authorization": "Bearer " + key.decode("ascii")} if key is not None else {}
     fetch = Fetch(client, url, headers)
     health_stage = True
+    # A loopback URL's listener is read here, before the poll's deadline starts, as it
+    # always was (a millisecond); a name's resolution and whois run under the deadline.
+    route: Route | None = None
+    if listeners.loopback_addresses(url_port(url)[0]):
+        route = await checked_route(worker, url, in_thread=False)
     try:
         async with asyncio.timeout(timeout):
-            route = await checked_route(worker, url)
+            if route is None:
+                route = await checked_route(worker, url)
             if route.refused is not None:
                 return Observation("unreachable", reason=f"not contacted: {route.refused}")
             if route.unresolved is not None:
