@@ -35,9 +35,10 @@ from gwtest import wait_for
 from router_support import KEY, write_registry
 
 from capacity_contract.addresses import SOCKET_ENV
-from capacity_router import SimWorker
+from capacity_router import SimWorker, Worker
 from capacity_router.pinning import route_of
-from capacity_router.poller import pinned_url
+from capacity_router.poller import new_client, pinned_url, poll_url
+from capacity_router.registry import SlotSource
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 WORKER_KEY = "worker-key-only-the-worker-knows-5c1e"
@@ -274,3 +275,31 @@ def test_r_k5_router_check_names_a_worker_on_a_non_peer_address(
     assert done.returncode == 0, done.stderr
     assert "gpu2" in done.stdout and "not contacted" in done.stdout
     assert "neither loopback nor a Tailscale" in done.stdout
+
+
+def test_r_k5_a_tailscaled_that_never_answers_costs_one_poll_deadline_and_sends_nothing(
+    names: dict[str, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A LocalAPI that takes the connection and never answers (a daemon stopped with
+    SIGSTOP): the poll ends at its deadline, unreachable, and no key goes anywhere."""
+    path = tmp_path / "stopped.sock"
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hung.bind(str(path))
+    hung.listen(8)  # accepted by the kernel, never read
+    monkeypatch.setenv(SOCKET_ENV, str(path))
+    names["gpu2.tailnet.test"] = [PEER]
+    url = "http://gpu2.tailnet.test:8080"
+    worker = Worker(id="gpu2", urls=(url,), models=("wh",), slots=SlotSource(source="props"))
+
+    async def go() -> tuple[Any, float]:
+        started = time.monotonic()
+        async with new_client(0.5) as client:
+            seen = await poll_url(client, worker, url, 0.5, WORKER_KEY.encode())
+        return seen, time.monotonic() - started
+
+    try:
+        seen, took = asyncio.run(go())
+    finally:
+        hung.close()
+    assert seen.state == "unreachable" and seen.reason == "timed out", seen
+    assert took < 5.0  # one deadline of 0.5 s, with room for a busy machine
