@@ -624,7 +624,12 @@ async def read_vllm(fetch: Fetch, models: tuple[str, ...], fixed: int | None) ->
     pool = activity.pool
     if request is not None or pool is not None:
         note = f"max_model_len {request or 'unknown'}, "
-        note += "KV cache unknown" if pool is None else f"{pool} tokens of KV cache"
+        if pool is None or activity.kv is None:
+            note += "KV cache unknown"
+        else:
+            stated = pool
+            pool = admissible_tokens(activity.kv, fixed, request)
+            note += f"{stated} tokens of KV cache, {pool} admissible in whole blocks"
         reading = replace(reading, request_tokens=request, running_tokens=pool, tokens_from=note)
     return replace(
         reading,
@@ -642,6 +647,7 @@ class _Activity:
     running: float | None = None
     waiting: float | None = None
     pool: int | None = None  # tokens of KV cache over the awake engines
+    kv: tuple[tuple[int, int], ...] | None = None  # (num_gpu_blocks, block_size) of each
     preemptions: float | None = None
     kv_usage: float | None = None
 
@@ -651,7 +657,14 @@ def vllm_pool(body: bytes, asleep: set[str]) -> int | None:
     ``vllm:cache_config_info``'s ``num_gpu_blocks`` x ``block_size`` labels (vllm
     v1/metrics/loggers.py, from its CacheConfig), summed; None if any engine's
     cannot be read."""
-    pools: dict[str, int] = {}
+    kv = vllm_kv(body, asleep)
+    return None if kv is None else min(sum(b * s for b, s in kv), _BIG - 1)
+
+
+def vllm_kv(body: bytes, asleep: set[str]) -> tuple[tuple[int, int], ...] | None:
+    """Each awake engine's ``(num_gpu_blocks, block_size)``; None if any engine's
+    cannot be read."""
+    engines: dict[str, tuple[int, int]] = {}
     for labels, _ in samples(body, "vllm:cache_config_info"):
         try:
             blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
@@ -659,11 +672,26 @@ def vllm_pool(body: bytes, asleep: set[str]) -> int | None:
             return None  # "None" before the engine profiled its memory
         if blocks <= 0 or size <= 0:
             return None
-        pools[labels.get("engine", "")] = blocks * size
-    awake = [n for engine, n in pools.items() if engine not in asleep]
-    if not pools or not awake:
-        return None
-    return min(sum(awake), _BIG - 1)
+        engines[labels.get("engine", "")] = (blocks, size)
+    awake = tuple(kv for engine, kv in engines.items() if engine not in asleep)
+    return awake or None
+
+
+def admissible_tokens(kv: tuple[tuple[int, int], ...], seqs: int, request: int | None) -> int:
+    """The running tokens admission may grant vLLM without preemption (DESIGN.md 6c):
+    vLLM v1 keeps one block of each engine's pool aside (``BlockPool.null_block``) and
+    gives a request whole blocks (``cdiv(tokens, block_size)``), so ``seqs`` requests
+    (its ``--max-num-seqs``, the most that run on an engine) charged ``c_i`` tokens
+    hold at most ``sum(c_i) + seqs x (block_size - 1)`` tokens of blocks. Per engine:
+    ``(num_gpu_blocks - 1) x block_size - seqs x (block_size - 1)``, but never less than
+    one request of ``max_model_len`` in whole blocks (a smaller budget would refuse
+    requests vLLM holds alone), nor more than the usable pool; summed."""
+    total = 0
+    for blocks, size in kv:
+        usable = (blocks - 1) * size
+        one = -(-request // size) * size if request else size
+        total += max(usable - max(0, seqs) * (size - 1), min(usable, one), 0)
+    return min(total, _BIG - 1)
 
 
 async def _vllm_engines(fetch: Fetch) -> tuple[int, _Activity]:
@@ -695,6 +723,7 @@ async def _vllm_engines(fetch: Fetch) -> tuple[int, _Activity]:
         running,
         waiting,
         pool=vllm_pool(body, sleeping),
+        kv=vllm_kv(body, sleeping),
         preemptions=gauge_sum(body, "vllm:num_preemptions_total"),
         kv_usage=max(usage) if usage else None,
     )
