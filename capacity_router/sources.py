@@ -266,6 +266,19 @@ class _OllamaTags(msgspec.Struct):
 _ollama = msgspec.json.Decoder(_OllamaTags, strict=True)
 
 
+class _OllamaLoaded(msgspec.Struct):  # ollama api/types.go ProcessModelResponse
+    name: str
+    model: str = ""
+    context_length: int | None = None  # absent before Ollama stated it
+
+
+class _OllamaPs(msgspec.Struct):
+    models: list[_OllamaLoaded]
+
+
+_ollama_ps = msgspec.json.Decoder(_OllamaPs, strict=False)
+
+
 def _cap(n: int) -> int:
     return min(n, MAX_SLOTS)
 
@@ -606,7 +619,49 @@ async def read_ollama(fetch: Fetch, models: tuple[str, ...], fixed: int | None) 
         else:
             per_model[model] = fixed
     activity = f"one slot: {', '.join(single)}" if single else ""
-    return Reading(sum(per_model.values()), per_model, unserved=tuple(unserved), activity=activity)
+    reading = Reading(
+        sum(per_model.values()), per_model, unserved=tuple(unserved), activity=activity
+    )
+    return await _ollama_tokens(fetch, reading, per_model)
+
+
+async def _ollama_tokens(fetch: Fetch, reading: Reading, per_model: dict[str, int]) -> Reading:
+    """The token figures of an Ollama whose served models are all loaded with one context:
+    ``GET /api/ps`` ``models[].context_length`` (server/routes.go PsHandler: the runner's
+    ``NumCtx``, the context of one request; llm/llama_server.go starts llama-server with
+    ``-c NumCtx x numParallel -np numParallel``, a slot of ``NumCtx`` each), so one
+    request holds ``context_length`` and the running requests of a model at most that
+    times its slots. A model not loaded yet is loaded with a context nobody stated, and
+    the fields are the worker's, for every model: not stated then, nor when the loaded
+    models' contexts differ. Each slot holds its own context (no shared pool), so the
+    running figure is the context times the most slots a model has."""
+    if not per_model:
+        return reading
+    body = await _optional(fetch, "api/ps")
+    if body is None:
+        return replace(reading, tokens_from="not stated: GET /api/ps did not answer")
+    try:
+        loaded = _ollama_ps.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return replace(reading, tokens_from="not stated: GET /api/ps is not Ollama's")
+    context: dict[str, int] = {}
+    for entry in loaded.models:
+        for name in (entry.name, entry.model):
+            if name and entry.context_length and entry.context_length > 0:
+                context.setdefault(name, entry.context_length)
+    found = {m: context.get(m) or context.get(f"{m}:latest") for m in per_model}
+    missing = [m for m, n in found.items() if n is None]
+    if missing:
+        return replace(reading, tokens_from=f"not stated: not loaded: {', '.join(missing)}")
+    lengths = {n for n in found.values() if n is not None}
+    if len(lengths) != 1:
+        return replace(reading, tokens_from="not stated: models loaded with different contexts")
+    request = lengths.pop()
+    # each slot holds its own context: the running figure never binds before the slots
+    slots = max(1, *per_model.values())
+    running = min(_BIG - 1, request * slots)
+    note = f"context_length {request} a request, {running} over {slots} slot(s)"
+    return replace(reading, request_tokens=request, running_tokens=running, tokens_from=note)
 
 
 async def read_vllm(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
