@@ -100,6 +100,7 @@ KINDS: tuple[ServerKind, ...] = (
         fixed_means="the slots of a model not loaded now (its --parallel)",
         shape="llama-server-router",
         sim_serves="GET /models, GET /props?model=ID, GET /health",
+        tokens="/props?model=ID n_ctx a slot, /models meta.n_ctx, once every model is loaded",
     ),
     ServerKind(
         name="sglang",

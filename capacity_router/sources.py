@@ -382,8 +382,17 @@ async def read_llama_router(fetch: Fetch, models: tuple[str, ...], fixed: int | 
     An unloaded model counts ``fixed`` (or 0) only if a request would load it:
     not after a failed load (``status.failed``), and not when the router runs
     with ``--no-models-autoload`` (its ``/props`` says ``models_autoload``
-    false, and a request for an unloaded model gets 400)."""
+    false, and a request for an unloaded model gets 400).
+
+    Tokens (tools/server/server-models.cpp: each model runs in its own llama-server
+    instance): a loaded model's ``/props`` ``default_generation_settings.n_ctx`` is one
+    slot's context and its ``/models`` ``meta.n_ctx`` the instance's whole one, as for a
+    single llama-server (:func:`read_props`). The fields are the worker's, for every
+    model: stated when every served model is loaded with the same slot context (the
+    smallest whole context), else slots only and ``router show`` says why: an unloaded
+    model's context is not known until it loads."""
     listed = await fetch.json("models", _models)
+    contexts: dict[str, tuple[int | None, int | None]] = {}  # model -> (a slot, in all)
     by_name: dict[str, _Model] = {}
     for entry in listed.data:
         for name in (entry.id, *entry.aliases):
@@ -404,9 +413,15 @@ async def read_llama_router(fetch: Fetch, models: tuple[str, ...], fixed: int | 
         if state in ("loaded", "sleeping"):
             query = f"props?model={quote(found.id, safe='')}&autoload=false"
             try:
-                per_model[model] = (await fetch.json(query, _props)).total_slots
+                props = await fetch.json(query, _props)
             except Unreadable:
                 unknown.add(model)
+            else:
+                per_model[model] = props.total_slots
+                settings = props.default_generation_settings
+                per_slot = _stated(settings.n_ctx if settings is not None else None)
+                whole = _stated(found.meta.n_ctx if found.meta else None)
+                contexts[model] = (per_slot, whole)
         elif state in ("loading", "downloading"):
             unknown.add(model)
         elif state in ("unloaded", "downloaded") and not failed:
@@ -417,13 +432,32 @@ async def read_llama_router(fetch: Fetch, models: tuple[str, ...], fixed: int | 
             per_model[model] = 0
     if autoload is False:
         states.append("no autoload")
-    return Reading(
+    reading = Reading(
         sum(per_model.values()),
         per_model,
         frozenset(unknown),
         tuple(unserved),
         activity=", ".join(states),
     )
+    return _router_tokens(reading, [m for m in dict.fromkeys(models) if m in by_name], contexts)
+
+
+def _router_tokens(
+    reading: Reading, served: list[str], contexts: dict[str, tuple[int | None, int | None]]
+) -> Reading:
+    """:func:`read_llama_router`'s token figures (its docstring)."""
+    missing = [m for m in served if contexts.get(m, (None, None))[0] is None]
+    if not served:
+        return reading
+    if missing:
+        return replace(reading, tokens_from=f"not stated: not loaded: {', '.join(missing)}")
+    per_slot = {contexts[m][0] for m in served}
+    if len(per_slot) != 1:
+        return replace(reading, tokens_from="not stated: models loaded with different contexts")
+    request = per_slot.pop()
+    whole = _stated(*(contexts[m][1] for m in served))
+    note = f"n_ctx {request} a slot" + (f", {whole} in all" if whole is not None else "")
+    return replace(reading, request_tokens=request, running_tokens=whole, tokens_from=note)
 
 
 async def read_sglang(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
