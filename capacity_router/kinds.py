@@ -100,6 +100,7 @@ KINDS: tuple[ServerKind, ...] = (
         fixed_means="the slots of a model not loaded now (its --parallel)",
         shape="llama-server-router",
         sim_serves="GET /models, GET /props?model=ID, GET /health",
+        tokens="/props?model=ID n_ctx a slot, /models meta.n_ctx, once every model is loaded",
     ),
     ServerKind(
         name="sglang",
@@ -147,7 +148,7 @@ KINDS: tuple[ServerKind, ...] = (
         fixed_means="--max-num-seqs (per data-parallel engine)",
         shape="vllm",
         sim_serves="GET /health, GET /metrics, GET /v1/models",
-        tokens="/v1/models max_model_len, /metrics cache_config_info blocks x block size",
+        tokens="/v1/models max_model_len, /metrics cache_config_info whole blocks",
     ),
     ServerKind(
         name="ollama",
@@ -158,6 +159,7 @@ KINDS: tuple[ServerKind, ...] = (
         fixed_means="OLLAMA_NUM_PARALLEL, 1 unless set (since 0.9.7)",
         shape="ollama",
         sim_serves="GET /, GET /api/tags, GET /v1/models",
+        tokens="/api/ps context_length of the loaded models (one context for all)",
     ),
     ServerKind(
         name="mlx",

@@ -272,6 +272,19 @@ class _OllamaTags(msgspec.Struct):
 _ollama = msgspec.json.Decoder(_OllamaTags, strict=True)
 
 
+class _OllamaLoaded(msgspec.Struct):  # ollama api/types.go ProcessModelResponse
+    name: str
+    model: str = ""
+    context_length: int | None = None  # absent before Ollama stated it
+
+
+class _OllamaPs(msgspec.Struct):
+    models: list[_OllamaLoaded]
+
+
+_ollama_ps = msgspec.json.Decoder(_OllamaPs, strict=False)
+
+
 def _cap(n: int) -> int:
     return min(n, MAX_SLOTS)
 
@@ -375,8 +388,17 @@ async def read_llama_router(fetch: Fetch, models: tuple[str, ...], fixed: int | 
     An unloaded model counts ``fixed`` (or 0) only if a request would load it:
     not after a failed load (``status.failed``), and not when the router runs
     with ``--no-models-autoload`` (its ``/props`` says ``models_autoload``
-    false, and a request for an unloaded model gets 400)."""
+    false, and a request for an unloaded model gets 400).
+
+    Tokens (tools/server/server-models.cpp: each model runs in its own llama-server
+    instance): a loaded model's ``/props`` ``default_generation_settings.n_ctx`` is one
+    slot's context and its ``/models`` ``meta.n_ctx`` the instance's whole one, as for a
+    single llama-server (:func:`read_props`). The fields are the worker's, for every
+    model: stated when every served model is loaded with the same slot context (the
+    smallest whole context), else slots only and ``router show`` says why: an unloaded
+    model's context is not known until it loads."""
     listed = await fetch.json("models", _models)
+    contexts: dict[str, tuple[int | None, int | None]] = {}  # model -> (a slot, in all)
     by_name: dict[str, _Model] = {}
     for entry in listed.data:
         for name in (entry.id, *entry.aliases):
@@ -397,9 +419,15 @@ async def read_llama_router(fetch: Fetch, models: tuple[str, ...], fixed: int | 
         if state in ("loaded", "sleeping"):
             query = f"props?model={quote(found.id, safe='')}&autoload=false"
             try:
-                per_model[model] = (await fetch.json(query, _props)).total_slots
+                props = await fetch.json(query, _props)
             except Unreadable:
                 unknown.add(model)
+            else:
+                per_model[model] = props.total_slots
+                settings = props.default_generation_settings
+                per_slot = _stated(settings.n_ctx if settings is not None else None)
+                whole = _stated(found.meta.n_ctx if found.meta else None)
+                contexts[model] = (per_slot, whole)
         elif state in ("loading", "downloading"):
             unknown.add(model)
         elif state in ("unloaded", "downloaded") and not failed:
@@ -410,13 +438,32 @@ async def read_llama_router(fetch: Fetch, models: tuple[str, ...], fixed: int | 
             per_model[model] = 0
     if autoload is False:
         states.append("no autoload")
-    return Reading(
+    reading = Reading(
         sum(per_model.values()),
         per_model,
         frozenset(unknown),
         tuple(unserved),
         activity=", ".join(states),
     )
+    return _router_tokens(reading, [m for m in dict.fromkeys(models) if m in by_name], contexts)
+
+
+def _router_tokens(
+    reading: Reading, served: list[str], contexts: dict[str, tuple[int | None, int | None]]
+) -> Reading:
+    """:func:`read_llama_router`'s token figures (its docstring)."""
+    missing = [m for m in served if contexts.get(m, (None, None))[0] is None]
+    if not served:
+        return reading
+    if missing:
+        return replace(reading, tokens_from=f"not stated: not loaded: {', '.join(missing)}")
+    per_slot = {contexts[m][0] for m in served}
+    if len(per_slot) != 1:
+        return replace(reading, tokens_from="not stated: models loaded with different contexts")
+    request = per_slot.pop()
+    whole = _stated(*(contexts[m][1] for m in served))
+    note = f"n_ctx {request} a slot" + (f", {whole} in all" if whole is not None else "")
+    return replace(reading, request_tokens=request, running_tokens=whole, tokens_from=note)
 
 
 async def read_sglang(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
@@ -612,7 +659,49 @@ async def read_ollama(fetch: Fetch, models: tuple[str, ...], fixed: int | None) 
         else:
             per_model[model] = fixed
     activity = f"one slot: {', '.join(single)}" if single else ""
-    return Reading(sum(per_model.values()), per_model, unserved=tuple(unserved), activity=activity)
+    reading = Reading(
+        sum(per_model.values()), per_model, unserved=tuple(unserved), activity=activity
+    )
+    return await _ollama_tokens(fetch, reading, per_model)
+
+
+async def _ollama_tokens(fetch: Fetch, reading: Reading, per_model: dict[str, int]) -> Reading:
+    """The token figures of an Ollama whose served models are all loaded with one context:
+    ``GET /api/ps`` ``models[].context_length`` (server/routes.go PsHandler: the runner's
+    ``NumCtx``, the context of one request; llm/llama_server.go starts llama-server with
+    ``-c NumCtx x numParallel -np numParallel``, a slot of ``NumCtx`` each), so one
+    request holds ``context_length`` and the running requests of a model at most that
+    times its slots. A model not loaded yet is loaded with a context nobody stated, and
+    the fields are the worker's, for every model: not stated then, nor when the loaded
+    models' contexts differ. Each slot holds its own context (no shared pool), so the
+    running figure is the context times the most slots a model has."""
+    if not per_model:
+        return reading
+    body = await _optional(fetch, "api/ps")
+    if body is None:
+        return replace(reading, tokens_from="not stated: GET /api/ps did not answer")
+    try:
+        loaded = _ollama_ps.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return replace(reading, tokens_from="not stated: GET /api/ps is not Ollama's")
+    context: dict[str, int] = {}
+    for entry in loaded.models:
+        for name in (entry.name, entry.model):
+            if name and entry.context_length and entry.context_length > 0:
+                context.setdefault(name, entry.context_length)
+    found = {m: context.get(m) or context.get(f"{m}:latest") for m in per_model}
+    missing = [m for m, n in found.items() if n is None]
+    if missing:
+        return replace(reading, tokens_from=f"not stated: not loaded: {', '.join(missing)}")
+    lengths = {n for n in found.values() if n is not None}
+    if len(lengths) != 1:
+        return replace(reading, tokens_from="not stated: models loaded with different contexts")
+    request = lengths.pop()
+    # each slot holds its own context: the running figure never binds before the slots
+    slots = max(1, *per_model.values())
+    running = min(_BIG - 1, request * slots)
+    note = f"context_length {request} a request, {running} over {slots} slot(s)"
+    return replace(reading, request_tokens=request, running_tokens=running, tokens_from=note)
 
 
 async def read_vllm(fetch: Fetch, models: tuple[str, ...], fixed: int | None) -> Reading:
@@ -630,7 +719,12 @@ async def read_vllm(fetch: Fetch, models: tuple[str, ...], fixed: int | None) ->
     pool = activity.pool
     if request is not None or pool is not None:
         note = f"max_model_len {request or 'unknown'}, "
-        note += "KV cache unknown" if pool is None else f"{pool} tokens of KV cache"
+        if pool is None or activity.kv is None:
+            note += "KV cache unknown"
+        else:
+            stated = pool
+            pool = admissible_tokens(activity.kv, fixed, request)
+            note += f"{stated} tokens of KV cache, {pool} admissible in whole blocks"
         reading = replace(reading, request_tokens=request, running_tokens=pool, tokens_from=note)
     return replace(
         reading,
@@ -648,6 +742,7 @@ class _Activity:
     running: float | None = None
     waiting: float | None = None
     pool: int | None = None  # tokens of KV cache over the awake engines
+    kv: tuple[tuple[int, int], ...] | None = None  # (num_gpu_blocks, block_size) of each
     preemptions: float | None = None
     kv_usage: float | None = None
 
@@ -657,7 +752,14 @@ def vllm_pool(body: bytes, asleep: set[str]) -> int | None:
     ``vllm:cache_config_info``'s ``num_gpu_blocks`` x ``block_size`` labels (vllm
     v1/metrics/loggers.py, from its CacheConfig), summed; None if any engine's
     cannot be read."""
-    pools: dict[str, int] = {}
+    kv = vllm_kv(body, asleep)
+    return None if kv is None else min(sum(b * s for b, s in kv), _BIG - 1)
+
+
+def vllm_kv(body: bytes, asleep: set[str]) -> tuple[tuple[int, int], ...] | None:
+    """Each awake engine's ``(num_gpu_blocks, block_size)``; None if any engine's
+    cannot be read."""
+    engines: dict[str, tuple[int, int]] = {}
     for labels, _ in samples(body, "vllm:cache_config_info"):
         try:
             blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
@@ -665,11 +767,26 @@ def vllm_pool(body: bytes, asleep: set[str]) -> int | None:
             return None  # "None" before the engine profiled its memory
         if blocks <= 0 or size <= 0:
             return None
-        pools[labels.get("engine", "")] = blocks * size
-    awake = [n for engine, n in pools.items() if engine not in asleep]
-    if not pools or not awake:
-        return None
-    return min(sum(awake), _BIG - 1)
+        engines[labels.get("engine", "")] = (blocks, size)
+    awake = tuple(kv for engine, kv in engines.items() if engine not in asleep)
+    return awake or None
+
+
+def admissible_tokens(kv: tuple[tuple[int, int], ...], seqs: int, request: int | None) -> int:
+    """The running tokens admission may grant vLLM without preemption (DESIGN.md 6c):
+    vLLM v1 keeps one block of each engine's pool aside (``BlockPool.null_block``) and
+    gives a request whole blocks (``cdiv(tokens, block_size)``), so ``seqs`` requests
+    (its ``--max-num-seqs``, the most that run on an engine) charged ``c_i`` tokens
+    hold at most ``sum(c_i) + seqs x (block_size - 1)`` tokens of blocks. Per engine:
+    ``(num_gpu_blocks - 1) x block_size - seqs x (block_size - 1)``, but never less than
+    one request of ``max_model_len`` in whole blocks (a smaller budget would refuse
+    requests vLLM holds alone), nor more than the usable pool; summed."""
+    total = 0
+    for blocks, size in kv:
+        usable = (blocks - 1) * size
+        one = -(-request // size) * size if request else size
+        total += max(usable - max(0, seqs) * (size - 1), min(usable, one), 0)
+    return min(total, _BIG - 1)
 
 
 async def _vllm_engines(fetch: Fetch) -> tuple[int, _Activity]:
@@ -701,6 +818,7 @@ async def _vllm_engines(fetch: Fetch) -> tuple[int, _Activity]:
         running,
         waiting,
         pool=vllm_pool(body, sleeping),
+        kv=vllm_kv(body, sleeping),
         preemptions=gauge_sum(body, "vllm:num_preemptions_total"),
         kv_usage=max(usage) if usage else None,
     )

@@ -13,6 +13,11 @@ The other way in (docs/litellm.md): instead of wrapping LiteLLM's ASGI app in
 events, and its post-call failure hook, give it back (``Admission.release``, idempotent).
 The admission class (docs/classes.md) is the ``admission_class`` of the virtual key's
 metadata, else of its team's metadata, else the provider's default class.
+The request is charged its tokens (docs/DESIGN.md section 6c) by the middleware's one
+estimate (``request_charge``: the prompt's estimate plus ``max_tokens``, or the most one
+request may hold when it names none); one that no worker could hold is answered 400 at
+once, ``invalid_request_error`` with the numbers (LiteLLM renders the body's ``code`` as
+the status; the middleware's ``context_length_exceeded`` leads the message), never queued.
 A queue of 32 already waiting is answered 429 and a wait past the timeout 503, both with
 ``Retry-After`` (the provider's drain estimate). Models no provider names are not
 admitted.
@@ -46,8 +51,16 @@ from typing import Any
 from fastapi import HTTPException
 from litellm.integrations.custom_logger import CustomLogger
 
-from handler_shim import Admission, AdmissionError, AdmissionTimeout, QueueFull, Ticket
+from handler_shim import (
+    Admission,
+    AdmissionError,
+    AdmissionTimeout,
+    QueueFull,
+    RequestTooLarge,
+    Ticket,
+)
 from handler_shim.asgi import ModelMap
+from handler_shim.model_choice import request_charge
 
 log = logging.getLogger("gateway_capacity.litellm")
 
@@ -102,8 +115,13 @@ class GatewayCapacityAdmission(CustomLogger):
         self._give_back_stale(adm)
         try:
             ticket = await adm.acquire(
-                provider, timeout=self.timeout, cls=admission_class(user_api_key_dict)
+                provider,
+                timeout=self.timeout,
+                cls=admission_class(user_api_key_dict),
+                tokens=request_tokens(adm, provider, data),
             )
+        except RequestTooLarge as exc:  # no worker could hold it: retrying will not help
+            raise _too_large(str(exc)) from None
         except QueueFull as exc:
             raise _refusal(429, str(exc), adm.retry_after(provider)) from None
         except AdmissionTimeout:
@@ -167,6 +185,27 @@ def admission_class(user_api_key_dict: Any) -> str | None:
         if isinstance(metadata, dict) and isinstance(metadata.get(CLASS_METADATA_KEY), str):
             return str(metadata[CLASS_METADATA_KEY])
     return None
+
+
+def request_tokens(adm: Admission, provider: str, data: dict[str, Any]) -> int:
+    """What the request is charged in tokens, as the middleware charges it
+    (``AdmissionMiddleware``: the one estimate of ``request_charge``; without
+    ``max_tokens``, the most one request of the provider may hold, when published)."""
+    charge = request_charge(data)
+    limit = adm.request_token_limit(provider) if charge.generated is None else None
+    return charge.tokens(limit)
+
+
+def _too_large(message: str) -> Exception:
+    from litellm.proxy._types import ProxyException
+
+    return ProxyException(
+        message=f"context_length_exceeded: {message}",
+        type="invalid_request_error",
+        param=None,
+        code=400,
+        openai_code="context_length_exceeded",
+    )
 
 
 def _refusal(status: int, message: str, retry_after: int) -> HTTPException:

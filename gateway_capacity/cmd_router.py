@@ -568,7 +568,12 @@ def _describe_tokens(w: dict[str, Any]) -> str:
 
     request, running = w.get("request_tokens"), w.get("running_tokens")
     if request is None and running is None:
-        return "tokens: not stated (slots only)"
+        why = w.get("tokens_from")
+        return (
+            f"tokens: not stated (slots only: {shown(why)})"
+            if why
+            else ("tokens: not stated (slots only)")
+        )
     text = f"tokens: {shown(request if request is not None else '?')} a request, "
     text += f"{shown(running if running is not None else '?')} running"
     if w.get("tokens_from"):

@@ -1,7 +1,8 @@
 """``gateway-capacity verify``: probe now, apply the rules, compare with the segment.
 
-Exit 0 when every provider's effective limit in the segment is what the
-rules give for a probe made now; 1 when any differs, or a configured upstream
+Exit 0 when every provider's effective limit in the segment, and its token
+budget (R-L10; in share mode within the pool, R-T7), is what the rules give for
+a probe made now; 1 when any differs, or a configured upstream
 model is missing from a complete answer (a typo in ``models`` holds the limit
 at 0); 2 when it could not compare (a provider with discovery got no valid
 answer: router down, 404, timeout...; "ok" would be a guess) or for a config
@@ -147,6 +148,20 @@ def compare(
             same = seen.discovered == min(decision.effective_limit, RUNNING_ROOM) and (
                 seen.effective_limit <= (seen.discovered or 0)
             )
+        # the token budget (R-L10): the segment's is the rules' (in share mode at most
+        # the pool, R-T7), and the most one request may hold is the workers' own
+        seg_tokens = 0 if seen is None else seen.token_limit or 0
+        seg_request = 0 if seen is None else seen.request_token_limit or 0
+        if seen is not None and seen.source == SHARE and decision.source == DISCOVERED:
+            tokens_same = seg_request == decision.request_token_limit and (
+                seg_tokens <= decision.token_limit if decision.token_limit else seg_tokens == 0
+            )
+        else:
+            tokens_same = (seg_tokens, seg_request) == (
+                decision.token_limit,
+                decision.request_token_limit,
+            )
+        same = same and tokens_same
         answered = any(v.ok for v in decision.replicas)
         refused_opt_in = probe is not None and (probe.refused or "").startswith(OPT_IN_REFUSED)
         if r.discovery_active and not refused_opt_in and not answered:
@@ -170,6 +185,9 @@ def compare(
                 "rules_request_token_limit": decision.request_token_limit,
                 "segment_limit": segment_limit,
                 "segment_source": None if seen is None else seen.source,
+                "segment_token_limit": seg_tokens,
+                "segment_request_token_limit": seg_request,
+                "tokens_agree": tokens_same,
                 "replicas": [
                     {
                         "address": v.address,
@@ -212,16 +230,26 @@ def render_text(rows: Sequence[Mapping[str, Any]]) -> str:
             )
         elif row["status"] == "no_answer":
             lines.append("    no valid answer from any replica: could not compare")
-        if row.get("rules_token_limit") or row.get("rules_request_token_limit"):
-            request = row.get("rules_request_token_limit") or "unknown"
+        if (
+            row.get("rules_token_limit")
+            or row.get("rules_request_token_limit")
+            or not row.get("tokens_agree", True)
+        ):
             lines.append(
-                f"    tokens by the rules: {row['rules_token_limit'] or 'no budget'} running, "
-                f"{request} a request"
+                f"    tokens by the rules: {_tokens_text(row, 'rules')}; segment: "
+                f"{_tokens_text(row, 'segment')}"
+                + ("" if row.get("tokens_agree", True) else " (DIFFERS)")
             )
         for rep in row["replicas"]:
             value = "-" if rep["value"] is None else rep["value"]  # as availability shows it
             lines.append(f"    replica {rep['address']}: {rep['reason']} value {value}")
     return "\n".join(lines)
+
+
+def _tokens_text(row: Mapping[str, Any], side: str) -> str:
+    running = row.get(f"{side}_token_limit") or "no budget"
+    request = row.get(f"{side}_request_token_limit") or "unknown"
+    return f"{running} running, {request} a request"
 
 
 _MARKS = {

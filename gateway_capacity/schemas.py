@@ -592,7 +592,7 @@ class VerifiedProvider(Struct, kw_only=True):
     """One provider: the rules' limit for a probe made now beside the segment's."""
 
     id: Annotated[str, Meta(description="the provider id")]
-    agree: Annotated[bool, Meta(description="the segment's limit is the rules' limit")]
+    agree: Annotated[bool, Meta(description="the segment's limit and token budget are the rules'")]
     status: Annotated[
         Literal["ok", "differs", "missing_models", "no_answer"],
         Meta(description="the verdict; no_answer: could not compare"),
@@ -611,6 +611,19 @@ class VerifiedProvider(Struct, kw_only=True):
     ]
     segment_limit: Annotated[int | None, Meta(description="the limit in the segment")]
     segment_source: Annotated[str | None, Meta(description="its source in the segment")]
+    segment_token_limit: Annotated[
+        int, Meta(description="the running-token budget in force in the segment; 0: none")
+    ]
+    segment_request_token_limit: Annotated[
+        int, Meta(description="the most one request may hold, in the segment; 0: unknown")
+    ]
+    tokens_agree: Annotated[
+        bool,
+        Meta(
+            description="the segment's token budget is the rules' (share mode: within the "
+            "pool, the same per-request bound)"
+        ),
+    ]
     replicas: Annotated[list[Replica], Meta(description="each replica as probed now")]
 
 

@@ -134,8 +134,12 @@ class ByModel:
         inference = selector.inference_route(scope)
         if inference is not None:
             chosen, endpoint_model = inference
-            if endpoint_model:  # the path's or query's model wins: the body is not read
-                return models.provider(endpoint_model), receive
+            if endpoint_model:  # the path's or query's model wins: the body only charges
+                provider = models.provider(endpoint_model)
+                if provider is None or not selector.wants_body(scope):
+                    return provider, receive
+                charged = await _charge_only(scope, receive, selector.max_body)
+                return None if charged is None else (provider, charged)
         elif not selector.wants_body(scope):
             return None, receive
         messages = await _read_body(scope, receive, selector.max_body)
@@ -197,6 +201,29 @@ async def _read_body(scope: Scope, receive: Receive, cap: int) -> list[Message] 
             raise too_large
         if not message.get("more_body", False):
             return messages
+
+
+async def _charge_only(scope: Scope, receive: Receive, cap: int) -> Receive | None:
+    """For a route whose path names the model: read the body up to ``cap`` bytes for its
+    tokens alone (``scope[CHARGE_KEY]`` when it is a JSON object), never refusing it (a
+    body over ``cap``, or not JSON, reaches the app as before, charged nothing); a
+    ``receive`` that replays what was read; None when the client went away."""
+    messages: list[Message] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        messages.append(message)
+        size += len(message.get("body", b""))
+        if size > cap:
+            return _replay(messages, receive)  # too large to charge: slots alone
+        if not message.get("more_body", False):
+            break
+    body = b"".join(m.get("body", b"") for m in messages)
+    with contextlib.suppress(Refusal):
+        _json_model(body, scope)
+    return _replay(messages, receive)
 
 
 def _content_type(scope: Scope) -> str | None:

@@ -345,7 +345,10 @@ def inherited_from_view(seen: ProviderView, now: float) -> LimitDecision | None:
 
 
 def _recorded(seen: ProviderView, source: Source, reason: str, discovered: int) -> LimitDecision:
-    """The decision a provider row records: its limit, times and fallback, as they are."""
+    """The decision a provider row records: its limit, times and fallback, as they are,
+    and the token budget published with it (R-L10), except a share's: that is this
+    gateway's part of the pool, not what the farm stated."""
+    tokens = source != SHARE
     return LimitDecision(
         provider_id=seen.id,
         effective_limit=seen.effective_limit,
@@ -356,6 +359,8 @@ def _recorded(seen: ProviderView, source: Source, reason: str, discovered: int) 
         expires_at=seen.expires_at,
         fallback_limit=seen.fallback_limit,
         fallback_source=seen.fallback_source,
+        token_limit=(seen.token_limit or 0) if tokens else 0,
+        request_token_limit=(seen.request_token_limit or 0) if tokens else 0,
     )
 
 

@@ -4,6 +4,7 @@ state a token pool (R-K7)."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,6 +59,9 @@ def test_share_each_gateway_holds_a_token_share_and_their_sum_stays_within_the_p
     while time.monotonic() < end:  # while a's demand moves, never more than the pool
         assert tokens(a) + tokens(b) <= POOL, (tokens(a), tokens(b))
         time.sleep(0.05)
+    verify = a.verify()  # the share lies within the pool the rules give
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert json.loads(verify.stdout)["providers"][0]["tokens_agree"] is True
     a.stop_workers()
     p: Any = a.provider()
     assert f"of {POOL}" in p["reason"], p["reason"]

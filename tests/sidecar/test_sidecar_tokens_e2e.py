@@ -44,3 +44,25 @@ def test_r_l10_the_token_budget_is_published_with_the_limit_and_lapses_with_it(r
         what="the limit falling back",
     )
     assert p["token_limit"] is None and p["request_token_limit"] is None
+
+
+def test_r_l10_a_restarted_sidecar_keeps_the_token_budget_until_its_first_probe(
+    rig: Rig,
+) -> None:
+    rig.capacity.set(body=snapshot(max_request_tokens=256, max_running_tokens=1536))
+    config = rig.config()
+    first = rig.start(config)
+    rig.wait("p1", lambda p: p["token_limit"] == 1536, timeout=30, what="the budget published")
+    first.kill()  # a crash; the limit and its budget stay in force until they expire
+    rig.capacity.set(delay=30.0)  # the new sidecar's first probe hangs (3 s, then fails)
+    second = rig.start(config)
+    p = rig.wait(
+        "p1",
+        lambda p: (
+            p["reason"].startswith("kept from the previous sidecar until the first probe")
+            and rig.sidecar_doc()["pid"] == second.pid
+        ),
+        timeout=30,
+        what="the new sidecar keeping the limit in force",
+    )
+    assert (p["effective_limit"], p["token_limit"], p["request_token_limit"]) == (20, 1536, 256)

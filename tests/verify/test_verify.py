@@ -159,3 +159,26 @@ def test_verify_and_check_config_with_a_segment_alone_use_the_config_it_was_made
     assert report["providers"][0]["discovery_active"] is True
     nothing = run_cli("check-config", "--segment", "/gwt-none-" + secrets.token_hex(4))
     assert nothing.returncode == 3 and "Traceback" not in nothing.stderr
+
+
+def test_r_l10_verify_compares_the_token_budget_with_the_router(rig: Rig) -> None:
+    rig.capacity.set(tokens={"workhorse": (256, 1536)})
+    cfg = rig.write_config({"maxConcurrent": 4, "providers": [_li(rig)]})
+    sidecar = rig.start(cfg)
+    rig.wait("li", lambda p: p["token_limit"] == 1536, timeout=30, what="the budget published")
+    ok = run_cli("verify", "--config", str(cfg), "--segment", rig.segment, "--json")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    [row] = json.loads(ok.stdout)["providers"]
+    assert (row["segment_token_limit"], row["segment_request_token_limit"]) == (1536, 256)
+    assert row["tokens_agree"] is True
+
+    sidecar.signal(signal.SIGTERM)
+    assert sidecar.wait(timeout=10) == 0
+    rig.capacity.set(tokens={"workhorse": (256, 1024)})  # the pool shrank; nobody published it
+    differs = run_cli("verify", "--config", str(cfg), "--segment", rig.segment)
+    assert differs.returncode == 1, differs.stdout + differs.stderr
+    assert "DIFFERS li: rules 20 (discovered), segment 20 (discovered)" in differs.stdout
+    assert (
+        "tokens by the rules: 1024 running, 256 a request; segment: 1536 running, "
+        "256 a request (DIFFERS)"
+    ) in differs.stdout, differs.stdout
