@@ -1,0 +1,48 @@
+"""Fuzzing the token estimate (``capacity_contract/tokens.py``, R-T1, R-K7).
+
+``text_tokens`` counts with byte passes what its docstring's regular expression
+matches: the two agree on any text. It never counts more than a token a byte (the most a
+tokenizer with byte fallback spends). ``request_charge`` takes any JSON object a body may
+decode to and returns a charge, never raises.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+from json_strategies import json_values as json_value_strategy
+
+from capacity_contract.tokens import (
+    LETTERS_A_TOKEN,
+    REQUEST_OVERHEAD,
+    request_charge,
+    text_bytes,
+    text_tokens,
+)
+
+# the definition the byte passes implement
+DEFINITION = re.compile(f"[A-Za-z]{{1,{LETTERS_A_TOKEN}}}|[^A-Za-z ]| (?![A-Za-z])".encode())
+
+texts = st.text() | st.text(alphabet="ab Z.\n\t日é🙂7 ", max_size=200)
+
+
+@given(texts)
+def test_r_t1_the_byte_passes_count_what_the_definition_matches(text: str) -> None:
+    raw = text.encode("utf-8", "surrogatepass")
+    assert text_tokens(text) == len(DEFINITION.findall(raw))
+
+
+@given(texts)
+def test_r_t1_the_estimate_is_never_above_a_token_a_byte(text: str) -> None:
+    assert text_tokens(text) <= text_bytes(text)
+
+
+@given(json_value_strategy(6, 20))
+def test_r_t1_any_json_body_is_charged_without_an_error(value: Any) -> None:
+    for doc in ({"messages": value}, {"prompt": value}, {"tools": value, "max_tokens": value}):
+        charge = request_charge(doc)
+        assert charge.prompt >= REQUEST_OVERHEAD
+        assert charge.tokens(None) >= charge.prompt
