@@ -36,7 +36,6 @@ Ordinary English comes out about 1.2 to 1.5 times its tokens, code about 1.5 to 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from typing import Any, Final
 

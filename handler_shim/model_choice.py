@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
 from typing import Any, Final
 
-from capacity_contract.tokens import Charge, request_charge
+from capacity_contract.tokens import request_charge
 from handler_shim.model_routes import (
     FORM_TYPES,
     LITELLM,
