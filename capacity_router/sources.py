@@ -648,18 +648,20 @@ class _Activity:
 
 def vllm_pool(body: bytes, asleep: set[str]) -> int | None:
     """The tokens vLLM's awake engines hold in their KV caches: per engine
-    ``vllm:cache_config_info``'s ``num_gpu_blocks`` x ``block_size`` labels (vllm
-    v1/metrics/loggers.py, from its CacheConfig), summed; None if any engine's
-    cannot be read."""
+    ``vllm:cache_config_info``'s ``num_gpu_blocks`` less one, times ``block_size``
+    (labels from its CacheConfig, vllm v1/metrics/loggers.py; the one block less is the
+    null block that v1/core/block_pool.py ``BlockPool`` takes from the free queue at
+    start and never hands out, and that its own ``kv_cache_usage_perc`` leaves out),
+    summed; None if any engine's cannot be read."""
     pools: dict[str, int] = {}
     for labels, _ in samples(body, "vllm:cache_config_info"):
         try:
             blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
         except (KeyError, ValueError):
             return None  # "None" before the engine profiled its memory
-        if blocks <= 0 or size <= 0:
+        if blocks <= 1 or size <= 0:
             return None
-        pools[labels.get("engine", "")] = blocks * size
+        pools[labels.get("engine", "")] = (blocks - 1) * size
     awake = [n for engine, n in pools.items() if engine not in asleep]
     if not pools or not awake:
         return None

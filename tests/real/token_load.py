@@ -2,8 +2,9 @@
 its ``--max-num-seqs`` requests of ``--max-model-len`` (the proof on real servers).
 
 The stack, every part a real process as an operator runs it: vLLM (CPU) started
-``--max-num-seqs 8 --max-model-len 512 --num-gpu-blocks-override 12`` (12 blocks of 128:
-a pool of 1,536 tokens, three requests of 512), the reference router in front of it
+``--max-num-seqs 8 --max-model-len 512 --num-gpu-blocks-override 12`` (12 blocks of 128,
+one of them vLLM's null block: a pool of 1,408 tokens, under three requests of 512), the
+reference router in front of it
 (``gateway-capacity router serve``, the ``vllm`` source), the sidecar probing the router
 and publishing its capacity into a segment, and several handler processes
 (token_handler.py) admitting through that segment and relaying to the router.
@@ -67,7 +68,9 @@ MAX_NUM_SEQS = 8
 MAX_MODEL_LEN = 512
 BLOCK_SIZE = 128  # vLLM's CPU default
 GPU_BLOCKS = 12
-POOL = GPU_BLOCKS * BLOCK_SIZE  # 1,536 tokens: three requests of MAX_MODEL_LEN
+# 1,408 tokens: vLLM v1 keeps one of its blocks as a null block it never hands out
+# (v1/core/block_pool.py), so the pool is 11 blocks, not the 12 its log counts
+POOL = (GPU_BLOCKS - 1) * BLOCK_SIZE
 LONG = (256, 128)  # prompt tokens, max_tokens: 3 blocks
 SHORT = (100, 28)  # 1 block
 VOCAB = 384  # tiny_hf.py's; ids 3.. are ordinary tokens

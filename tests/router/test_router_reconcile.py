@@ -83,8 +83,9 @@ def test_r_k7_the_reason_names_the_numbers_and_clears_when_back() -> None:
     assert got[-1] is not None and (got[-1].reported, got[-1].reason) == (S, "")
 
 
+# 13 blocks of 128, one of them vLLM's null block: a pool of 1,536 tokens
 METRICS = """# TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="12"} 1.0
+vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="13"} 1.0
 vllm:num_requests_running{engine="0",model_name="tiny"} 8.0
 vllm:num_requests_waiting{engine="0",model_name="tiny"} 0.0
 vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.99
