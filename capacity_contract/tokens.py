@@ -15,32 +15,40 @@ whole request (:data:`MESSAGE_OVERHEAD`, :data:`REQUEST_OVERHEAD`).
   a token, and every space too, unless a letter follows it (tokenizers join the space
   to the word after it: ``" the"`` is one token in all of them);
 * every run of ASCII letters as one token per :data:`LETTERS_A_TOKEN` letters, rounded
-  up (``"the"`` 1, ``"router"`` 2, ``"international"`` 4).
+  up (``"the"`` 1, ``"router"`` 2, ``"reconcile"`` 3), up to :data:`WORD_LETTERS`
+  letters; a run longer than any word (a hash, base64, ``"hahaha..."``) counts every
+  letter past the 8th as a token (``"internationalization"``: 2 + 12);
+* and every capital that follows a letter as a token more (``"HTTPServer"``, base64,
+  random mixed case: tokenizers learned words, not these).
 
 Everything but the letters is counted at the most a tokenizer may spend on it; the
 letters are the estimate proper. **The margin** (:data:`MARGIN`): on the tokenizers of
 real models, the estimate of a text is never below ``(1 - MARGIN)`` times its tokens.
 That is measured, not proven: docs/router.md's section on the estimate gives the
-tokenizers and the corpus (English, code, Chinese and Japanese, emoji, long repeated
-text, random letters and digits) and ``tests/real/test_real_token_estimate.py`` measures
-it against real servers' ``usage.prompt_tokens``. A tokenizer with a vocabulary of a few
-hundred tokens (a toy's) spends a token a byte or so on letters and is under-counted
-up to :data:`LETTERS_A_TOKEN` times on them; the most any tokenizer with byte fallback
-may spend on a text is :func:`text_bytes` and :data:`LETTERS_A_TOKEN` times the letters'
-estimate is within that.
+tokenizers and the corpus (tests/real/token_corpus.py: English, code, Chinese and
+Japanese, emoji, long repeated text, random letters, base64, hex, JSON, numbers). A
+tokenizer with a vocabulary of a few hundred tokens (a toy's) spends a token a byte or so
+on letters and is under-counted up to :data:`LETTERS_A_TOKEN` times on words; the most
+any tokenizer with byte fallback may spend on a text is :func:`text_bytes`, and the
+estimate never exceeds it.
 
-Ordinary English comes out about 1.2 to 1.5 times its tokens, code about 1.5 to 2
-(indentation is counted a token a space), Chinese about twice (three bytes a character).
+Ordinary English comes out about 1.3 times its tokens on Llama 2's vocabulary (more on
+larger ones), code about 1.6 (indentation is counted a token a space), Chinese about
+twice (three bytes a character).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, Final
 
 LETTERS_A_TOKEN: Final = 4
 """The letters of an ASCII run counted as one token."""
+WORD_LETTERS: Final = 8
+"""The longest run of letters counted as a word: past it, a letter a token."""
+_WORD_CHUNKS: Final = -(-WORD_LETTERS // LETTERS_A_TOKEN)
 MARGIN: Final = 0.1
 """The most the estimate may fall below a real model's count, as a fraction of it."""
 MESSAGE_OVERHEAD: Final = 8
@@ -50,29 +58,45 @@ REQUEST_OVERHEAD: Final = 16
 """The most a template adds around the whole request (begin-of-text, the generation
 prompt)."""
 
-# each byte's class: an ASCII letter "a", a space " ", anything else "." (a UTF-8 byte of a
-# character outside ASCII included)
+# each byte's class: an ASCII letter "a" (upper case "A" in _CASE), a space " ", anything
+# else "." (a UTF-8 byte of a character outside ASCII included)
 _CLASS: Final = bytes(
     ord("a") if chr(b).isascii() and chr(b).isalpha() else ord(" ") if b == 32 else ord(".")
     for b in range(256)
 )
+_CASE: Final = bytes(ord("A") if 65 <= b <= 90 else c for b, c in enumerate(_CLASS))
 _CHUNK: Final = b"a" * LETTERS_A_TOKEN
+_LONG: Final = b"a" * (WORD_LETTERS + 1)
+_NOT_LETTER: Final = re.compile(b"[. ]")  # the classes end with ".": always found
 
 
 def text_tokens(text: str) -> int:
-    """The estimate of one text's tokens (read the module's docstring): what the regular
-    expression ``[A-Za-z]{1,4}|[^A-Za-z ]| (?![A-Za-z])`` matches in its UTF-8 bytes,
-    counted with a few passes of C over the bytes (five times faster than the
-    expression; tests/fuzz/test_token_estimate_fuzz.py holds them equal)."""
+    """The estimate of one text's tokens (read the module's docstring): in its UTF-8
+    bytes, what ``[A-Za-z]{1,4}|[^A-Za-z ]| (?![A-Za-z])`` matches, plus the letters of a
+    run past its 8th less what the chunks counted for them, plus every capital a letter
+    precedes; counted with a few passes of C over the bytes (five times faster than the
+    expressions; tests/fuzz/test_token_estimate_fuzz.py holds them equal)."""
     raw = text.encode("utf-8", "surrogatepass")
-    classes = raw.translate(_CLASS) + b"."
+    classes = b"." + raw.translate(_CLASS) + b"."
     letters = classes.count(b"a")
     # every run of letters padded to end in LETTERS_A_TOKEN - 1 more: then its whole
     # chunks are its letters over LETTERS_A_TOKEN rounded up
     pad = _CHUNK[1:]
     padded = classes.replace(b"a.", b"a" + pad + b".").replace(b"a ", b"a" + pad + b" ")
     joined = classes.count(b" a")  # a space a letter follows: one token with its word
-    return padded.count(_CHUNK) + len(raw) - letters - joined
+    total = padded.count(_CHUNK) + len(raw) - letters - joined
+    start = classes.find(_LONG)  # no word: a token a letter past the 8th
+    while start >= 0:
+        end = _NOT_LETTER.search(classes, start).end() - 1  # type: ignore[union-attr]
+        n = end - start
+        total += n - WORD_LETTERS - (-(-n // LETTERS_A_TOKEN) - _WORD_CHUNKS)
+        start = classes.find(_LONG, end)
+    if letters:
+        case = b"." + raw.translate(_CASE) + b"."
+        capitals = case.count(b"A")
+        if capitals:  # a capital inside a run of letters: no word's way of writing
+            total += capitals - case.count(b".A") - case.count(b" A")
+    return total
 
 
 def text_bytes(text: str) -> int:

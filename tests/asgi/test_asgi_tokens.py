@@ -39,7 +39,9 @@ def test_r_t1_the_estimate_counts_letters_by_four_and_the_rest_at_their_most() -
         "the": 1,  # a run of letters: one token a four, rounded up
         " the": 1,  # a space before a word joins it
         "router": 2,
-        "international": 4,
+        "reconcile": 3,
+        "internationalization": 14,  # no word: a letter a token past the 8th
+        "HTTPServer": 4 + 4,  # 2 + 2 past the 8th; the capitals after a letter: 4 more
         "12345": 5,  # a digit, a punctuation mark, a newline: one each
         "a, b.\n": 5,
         "    return x": 6,  # three spaces of the indent, "retu", "rn", " x"
