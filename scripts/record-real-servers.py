@@ -114,8 +114,9 @@ def record_vllm(out: Path, work: Path) -> None:
 
 
 def record_vllm_kv(out: Path, work: Path) -> None:
-    """vLLM whose KV pool (12 blocks of 128, one of them its null block: 1,408 tokens) holds fewer than its 8
-    sequences of 512 (issue 47's proof), its /metrics read while 8 streams fill it."""
+    """vLLM whose KV pool (12 blocks of 128, one of them its null block: 1,408 tokens)
+    holds fewer than its 8 sequences of 512 (issue 47's proof), its /metrics read while
+    8 streams fill it."""
     model = tiny_model("vllm", work)
     flags = "--max-num-seqs 8 --max-model-len 512 --num-gpu-blocks-override 12"
     server = start_vllm(
@@ -153,7 +154,7 @@ def record_vllm_kv(out: Path, work: Path) -> None:
             "vllm-kv-smaller-than-seqs",
             f"vLLM OpenAI server ({flags}), eight streams of 480 tokens running",
             version,
-            [BY.format("vLLM"), "vllm:cache_config_info num_gpu_blocks x block_size"],
+            [BY.format("vLLM"), "vllm:cache_config_info (num_gpu_blocks - 1) x block_size"],
             registry={"models": ["tiny", "typo-model"], "slots": {"source": "vllm", "fixed": 8}},
             answers={**answers(server.url, ["/health", "/v1/models"]), "/metrics": metrics},
             expect={
