@@ -29,7 +29,7 @@ SDIST = "llama.cpp vendored by the llama-cpp-python 0.3.36 sdist (PyPI)"
 
 
 def record_small_slots(out: Path, work: Path, model: Path, version: str) -> None:
-    """``-c 512 --parallel 2``: 256 tokens a slot (issue 47's proof), read while a stream
+    """``-c 512 --parallel 2``: 256 tokens a slot, the token proof's slot, read while a stream
     holds one slot where it can be caught (the tiny model is fast), else idle."""
     import threading
 

@@ -115,7 +115,7 @@ def record_vllm(out: Path, work: Path) -> None:
 
 def record_vllm_kv(out: Path, work: Path) -> None:
     """vLLM whose KV pool (12 blocks of 128, one of them its null block: 1,408 tokens)
-    holds fewer than its 8 sequences of 512 (issue 47's proof), its /metrics read while
+    holds fewer than its 8 sequences of 512 (the token proof's vLLM), its /metrics read while
     8 streams fill it."""
     model = tiny_model("vllm", work)
     flags = "--max-num-seqs 8 --max-model-len 512 --num-gpu-blocks-override 12"
