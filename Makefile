@@ -70,9 +70,10 @@ check: $(STAMP)
 	$(PY) -m pytest -n auto -q -m 'not slow'
 
 # Share mode through a Sentinel failover and a total Redis outage (docs/share.md): one
-# master, one replica, three sentinels and two gateways as real processes, about two
-# minutes of one core; out of `make test` to keep it within 15 minutes on 2 cores.
-FAILOVER_TESTS := tests/share/test_share_sentinel.py
+# master, one replica, three sentinels and two gateways as real processes, then one Redis
+# killed for three leases with the outage rule kept and held; about four minutes of one
+# core, out of `make test` to keep it within 15 minutes on 2 cores.
+FAILOVER_TESTS := tests/share/test_share_sentinel.py tests/share/test_share_outage.py
 share-failover: $(STAMP)
 	./scripts/ensure-tools
 	$(PY) -m pytest -q -n 0 -rs $(FAILOVER_TESTS)
@@ -80,7 +81,7 @@ share-failover: $(STAMP)
 # The whole suite, for CI and before a merge (`make share-failover` apart).
 test: $(STAMP) $(WHEEL_TOOLS)
 	./scripts/ensure-tools
-	$(PY) -m pytest -n auto -q --ignore=$(FAILOVER_TESTS)
+	$(PY) -m pytest -n auto -q $(addprefix --ignore=,$(FAILOVER_TESTS))
 ifneq ($(UNAME),Darwin)
 	GATEWAY_CAPACITY_PLATFORM=darwin $(PY) -m pytest -n auto -q $(DARWIN_TESTS)
 endif

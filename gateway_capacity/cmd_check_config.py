@@ -45,10 +45,12 @@ from sidecar.config import (
     GatewayConfig,
     ProviderConfig,
     load_config,
+    outage_keeps,
     parse_base_url,
     provider_problems,
     raw_provider_entries,
     redis_url_for_logs,
+    share_outage_said,
 )
 from sidecar.credential import CredentialError, read_credential
 from sidecar.limits import fallback_for
@@ -162,6 +164,12 @@ def share_check(config: GatewayConfig) -> dict[str, Any]:
         }
     doc["listener_owner"] = share.listener_owner
     doc["gateway"] = share.gateway
+    doc["outage"] = {
+        "gateways": share.gateways,
+        "rule": "keep" if outage_keeps(share) else "hold",
+        "keep_part": share.keep_part if outage_keeps(share) else 0,
+        "said": share_outage_said(share),
+    }
     if not redis_py.startswith("importable"):
         doc["problems"].append(f"redis-py {redis_py}")
     if share.credential_file is not None:
@@ -529,9 +537,9 @@ def _render_share(share: dict[str, Any]) -> list[str]:
             else "root, this user or a redis/valkey user"
         )
     )
-    lines.append(
-        "  Redis out of reach for longer than a lease: every gateway holds 0 until it answers"
-    )
+    outage = share.get("outage")
+    if outage is not None:
+        lines.append(f"  Redis out of reach for longer than a lease: {outage['said']}")
     lines.extend(f"  problem: {why}" for why in share["problems"])
     return lines
 

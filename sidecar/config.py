@@ -28,7 +28,7 @@ import functools
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, Literal
 from urllib.parse import parse_qs, unquote, urlparse, urlsplit
 
 import msgspec
@@ -82,12 +82,15 @@ __all__ = [
     "classes_status",
     "judge",
     "load_config",
+    "outage_keeps",
     "parse_base_url",
     "parse_config",
     "provider_problems",
     "raw_provider_entries",
     "redis_url_for_logs",
     "sentinel_addresses",
+    "share_outage_rule",
+    "share_outage_said",
     "share_target_for_logs",
     "unknown_keys",
 ]
@@ -96,6 +99,10 @@ __all__ = [
 GatewayId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 LeaseSeconds = Annotated[float, msgspec.Meta(ge=1.0, le=300.0)]
 ShareFloor = Annotated[int, msgspec.Meta(ge=0, le=64)]
+MostGateways = Annotated[int, msgspec.Meta(ge=1, le=64)]
+# below 1: a token pool of P > 0 then always leaves the table a pool of at least 1 (0
+# would read as no pool stated, nothing limited)
+KeepPart = Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)]
 
 
 SentinelAddress = Annotated[str, msgspec.Meta(min_length=3, max_length=300)]
@@ -146,12 +153,56 @@ class CapacityShare(msgspec.Struct, kw_only=True, frozen=True, rename="camel"):
     # there (the credential, or a call whose answer would be trusted); None: root, the
     # sidecar's user, or a user named redis or valkey (sidecar/share.py)
     listener_owner: Uid | UserName | None = None
+    # the outage rule (docs/share.md, "An outage"): at most ``gateways`` gateways share
+    # the farm; with ``outage`` "keep" (the default once ``gateways`` is declared) each
+    # keeps floor(C * keepPart / gateways) of the capacity C it discovers itself through
+    # an outage, and the table shares the rest; "hold": 0 through an outage
+    gateways: MostGateways | None = None
+    outage: Literal["keep", "hold"] | None = None
+    keep_part: KeepPart = 0.5
+
+
+def outage_keeps(share: CapacityShare) -> bool:
+    """Whether each gateway keeps a part of the capacity through an outage."""
+    return share.gateways is not None and share.outage != "hold"
+
+
+def share_outage_rule(share: CapacityShare) -> str:
+    """The outage rule this gateway declares to the table (``sidecar.shares.outage_rule``)."""
+    from sidecar.shares import outage_rule
+
+    keep = round(share.keep_part * 1000) if outage_keeps(share) else 0
+    return outage_rule(share.gateways, keep)
+
+
+def share_outage_said(share: CapacityShare) -> str:
+    """The outage rule in words, as check-config and the start log say it."""
+    if outage_keeps(share):
+        return (
+            f"each gateway keeps floor(C x {share.keep_part:g} / {share.gateways}) of the "
+            f"capacity C it discovers, without Redis; the table shares the rest and refuses "
+            f"a gateway beyond {share.gateways} live at once"
+        )
+    if share.gateways is not None:
+        return (
+            f"every gateway holds 0 until Redis answers (outage: hold); the table refuses "
+            f"a gateway beyond {share.gateways} live at once"
+        )
+    return (
+        "every gateway holds 0 until Redis answers (no gateways declared: declare the most "
+        "gateways sharing the farm in capacityShare.gateways to keep a part)"
+    )
 
 
 def check_share(share: CapacityShare) -> str | None:
     """``None`` when ``share`` can be used, else why not (no file or network access)."""
     if (share.redis is None) == (share.sentinel is None):
         return "give redis (one Redis URL) or sentinel (a Sentinel set), one of the two"
+    if share.outage == "keep" and share.gateways is None:
+        return (
+            "outage keep needs gateways: the most gateways that share the farm (each keeps "
+            "floor(C x keepPart / gateways) through an outage)"
+        )
     if share.sentinel is not None:
         return _check_sentinel(share, share.sentinel)
     return _check_redis_url(share, share.redis or "")

@@ -99,6 +99,7 @@ class SidecarMetrics:
         # share mode only (capacityShare): absent series otherwise
         self._share_calls: Counter | None = None
         self._share_gauges: dict[str, Gauge] = {}
+        self._share_outage: tuple[Gauge, Gauge] | None = None
         self._known: set[str] = set()
         self._lock = threading.Lock()
         self._last_turn: float | None = None  # monotonic
@@ -160,7 +161,7 @@ class SidecarMetrics:
             self._share_calls = Counter(
                 "share_calls",
                 "Lease calls to Redis in share mode, by outcome (ok, unavailable, "
-                "duplicate, stale)",
+                "duplicate, stale, crowded, rule)",
                 ["provider", "result"],
                 namespace=NAMESPACE,
                 registry=self.registry,
@@ -168,11 +169,40 @@ class SidecarMetrics:
         self._share_calls.labels(provider, result).inc()
 
     def share_refused(self) -> None:
-        """Redis refused this instance its gateway name: another holds it."""
+        """The table refused this instance: another holds its gateway name, more
+        gateways than declared are live, or the live ones declare another outage rule
+        (``share_calls_total``'s result says which)."""
         self._share_gauge(
             "share_gateway_refused",
-            "1 when another instance holds this gateway's name in Redis (share mode)",
+            "1 when the share table refuses this gateway: its name held by another "
+            "instance, more gateways live than declared, or another outage rule (share mode)",
         ).set(1)
+
+    def share_outage(self, provider: str, part: int, keeping: bool) -> None:  # noqa: FBT001
+        """``provider``'s outage part (0: it holds 0 through an outage) and whether it
+        runs on that part alone now (its lease lapsed, or no grant yet)."""
+        if self._share_outage is None:
+            self._share_outage = (
+                Gauge(
+                    "share_outage_part",
+                    "What this gateway keeps of the capacity through a Redis outage, "
+                    "outside the share table (0: it holds 0; share mode)",
+                    ["provider"],
+                    namespace=NAMESPACE,
+                    registry=self.registry,
+                ),
+                Gauge(
+                    "share_outage_keeping",
+                    "1 while this gateway runs on its outage part alone, without a grant "
+                    "from Redis (share mode)",
+                    ["provider"],
+                    namespace=NAMESPACE,
+                    registry=self.registry,
+                ),
+            )
+        part_gauge, keeping_gauge = self._share_outage
+        part_gauge.labels(provider).set(part)
+        keeping_gauge.labels(provider).set(1 if keeping else 0)
 
     def share_reachable(self, up: bool) -> None:  # noqa: FBT001 (a setter of one flag)
         """1 while Redis answers this sidecar's lease calls, 0 while it does not."""

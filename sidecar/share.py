@@ -5,13 +5,14 @@ function run inside Redis, atomically, on the server's ``TIME``. One hash per
 provider holds the table: ``~touched`` and ``~rebuild`` (server milliseconds),
 ``~cap`` (the capacity last reported by a gateway that knew it), ``~server`` (the
 ``run_id`` of the Redis that wrote it: a replica promoted by a failover drops and
-rebuilds the copy it was sent, which may lack the last grants) and one field per
+rebuilds the copy it was sent, which may lack the last grants), ``~rule`` (the outage
+rule every live gateway declared) and one field per
 gateway, ``g:<id>`` = ``"reserved demand expires_ms token seq lease_ms capacity
 tokens_reserved tokens_demand pool"`` and ``~tcap`` (the token pool last reported by a
 gateway that knew it). The call's arguments: gateway, capacity, held, demand, floor,
-lease_ms, ttl_ms, token, seq, pool, tokens_held, tokens_demand, request_tokens; its
-answer: limit, reserved, gateways, rebuilding, others' reserved, server ms, refused,
-run_id, rebuild left ms, tokens_limit, tokens_reserved, pool.
+lease_ms, ttl_ms, token, seq, pool, tokens_held, tokens_demand, request_tokens, rule;
+its answer: limit, reserved, gateways, rebuilding, others' reserved, server ms, refused
+(:data:`REFUSALS`), run_id, rebuild left ms, tokens_limit, tokens_reserved, pool.
 
 Only the sidecar imports this module (and redis-py); handlers never talk to
 Redis. The password comes from ``credentialFile`` (the provider key's rules)
@@ -33,7 +34,7 @@ from typing import Any, Final
 
 from capacity_contract import listeners
 from shm_layout.errors import GatewayCapacityError
-from sidecar.shares import DUPLICATE, STALE, Grant, Report, table_ttl_ms
+from sidecar.shares import CROWDED, DUPLICATE, RULE, STALE, Grant, Report, table_ttl_ms
 
 log = logging.getLogger("gateway_capacity.sidecar")
 
@@ -64,10 +65,13 @@ local pool = tonumber(ARGV[10] or '0') or 0
 local theld = tonumber(ARGV[11] or '0') or 0
 local tdemand = tonumber(ARGV[12] or '0') or 0
 local tfloor = math.max(0, floor) * math.max(0, tonumber(ARGV[13] or '0') or 0)
+-- the outage rule "M:P" (see outage_rule()); '' or absent: none
+local rule = ARGV[14] or ''
+local most = tonumber(string.match(rule, '^(%d+):') or '0')
 local keep = lease + math.floor(lease / 2)
 
 local raw = redis.call('HGETALL', KEYS[1])
-local touched, rebuild, known, tknown, writer = nil, 0, nil, nil, nil
+local touched, rebuild, known, tknown, writer, declared = nil, 0, nil, nil, nil, ''
 local fields = {}
 for i = 1, #raw, 2 do
   local k, v = raw[i], raw[i + 1]
@@ -76,6 +80,7 @@ for i = 1, #raw, 2 do
   elseif k == '~cap' then known = tonumber(v)
   elseif k == '~tcap' then tknown = tonumber(v)
   elseif k == '~server' then writer = v
+  elseif k == '~rule' then declared = v
   else fields[k] = v end
 end
 
@@ -128,15 +133,21 @@ else
     if mine[4] ~= '' and mine[4] ~= token then return {0, 0, 0, 0, 0, now, 1, server} end
     if mine[4] == token and mine[5] > seq then return {0, 0, 0, 0, 0, now, 2, server} end
   end
+  local dropped = {}
   for k, v in pairs(fields) do
     local l = parse(v)
     if l == nil or l[3] <= now or k == me then
-      redis.call('HDEL', KEYS[1], k)
+      dropped[#dropped + 1] = k
     else
       leases[k] = l
       ids[#ids + 1] = k
     end
   end
+  -- every live gateway keeps its outage part outside the table: one rule for all, and
+  -- no more of them live than it declares (checked before anything is changed)
+  if #ids > 0 and declared ~= rule then return {0, 0, 0, 0, 0, now, 4, server} end
+  if most > 0 and #ids + 1 > most then return {0, 0, 0, 0, 0, now, 3, server} end
+  for _, k in ipairs(dropped) do redis.call('HDEL', KEYS[1], k) end
 end
 ids[#ids + 1] = me
 table.sort(ids)
@@ -209,7 +220,7 @@ if token ~= '' then
     .. ' ' .. tdem .. ' ' .. pool
 end
 redis.call('HSET', KEYS[1], me, reserved .. ' ' .. sdemand .. ' ' .. (now + keep) .. ident,
-  '~touched', now, '~rebuild', rebuild, '~server', server)
+  '~touched', now, '~rebuild', rebuild, '~server', server, '~rule', rule)
 if known ~= nil then redis.call('HSET', KEYS[1], '~cap', known) end
 if tknown ~= nil then redis.call('HSET', KEYS[1], '~tcap', tknown) end
 redis.call('PEXPIRE', KEYS[1], ttl)
@@ -217,6 +228,10 @@ local r, left = 0, 0
 if rebuilding then r, left = 1, rebuild - now end
 return {limit, reserved, #ids, r, others, now, 0, server, left, tlimit, treserved, tcap}
 """
+
+
+REFUSALS: Final = {1: DUPLICATE, 2: STALE, 3: CROWDED, 4: RULE}
+"""The script's refusal codes (its answer's 7th item; 0: applied)."""
 
 
 def instance_token(segment: str) -> str:
@@ -435,6 +450,7 @@ class ShareClient:
             report.tokens_held,
             report.tokens_demand,
             report.request_tokens,
+            report.rule,
         ]
         try:
             out = await asyncio.wait_for(
@@ -443,7 +459,7 @@ class ShareClient:
         except (redis.RedisError, OSError, TimeoutError) as exc:
             raise ShareUnavailable(_describe(exc)) from None
         limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out[:7])
-        why = {1: DUPLICATE, 2: STALE}.get(refused, "")
+        why = REFUSALS.get(refused, "")
         left = int(out[8]) if len(out) > 8 else 0  # the 9th: how long the rebuild lasts
         # the 10th to 12th: the token share, its reservation and the pool it is of
         tokens_limit, tokens_reserved, pool = (

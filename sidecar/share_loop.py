@@ -18,10 +18,29 @@ from typing import TYPE_CHECKING, Protocol
 
 from capacity_contract import MAX_FUTURE_S
 from shm_layout import layout, platform, rows, writer
-from sidecar.config import CapacityShare, sentinel_addresses, share_target_for_logs
+from sidecar.config import (
+    CapacityShare,
+    sentinel_addresses,
+    share_outage_rule,
+    share_outage_said,
+    share_target_for_logs,
+)
 from sidecar.limits import DISCOVERED, LEGACY_DRAIN, SHARE, LimitDecision
 from sidecar.share import instance_token
-from sidecar.shares import DEGRADED, DUPLICATE, NO_POOL, UNKNOWN, Held, Report, local_limit
+from sidecar.shares import (
+    CROWDED,
+    DEGRADED,
+    DUPLICATE,
+    NO_POOL,
+    RULE,
+    STALE,
+    UNKNOWN,
+    Held,
+    Report,
+    kept_part,
+    local_limit,
+    pool_capacity,
+)
 
 if TYPE_CHECKING:
     from shm_layout.segment import Segment
@@ -70,6 +89,9 @@ class ProviderShare:
     # once one was stated; and the most one request may hold, as last stated
     tokens: int = NO_POOL
     request_tokens: int = 0
+    # the provider's table accepted a call of this sidecar: from then on it keeps its
+    # outage part (a sidecar the table would refuse, or started in an outage, keeps none)
+    member: bool = False
 
 
 def token_load(buf: rows.Buffer, p: int, now: float) -> tuple[int, int]:
@@ -95,7 +117,8 @@ class ShareLoop:
         self._down_since: float | None = None  # monotonic; None: Redis answers
         self.token = instance_token(sidecar.segment_name)
         self._seq = 0
-        self.refused = ""  # why Redis refused this instance its gateway name, for good
+        self.refused = ""  # why the table refused this instance, for good
+        self.rule = share_outage_rule(share)
         self.clock_offset_s: float | None = None  # this host's wall clock minus Redis's
 
     def of(self, provider_id: str) -> ProviderShare:
@@ -140,12 +163,13 @@ class ShareLoop:
             return
         log.info(
             "capacityShare: gateway %s (instance %s) shares each discovered capacity through "
-            "%s (lease %gs, floor %d)",
+            "%s (lease %gs, floor %d); in an outage %s",
             share.gateway,
             self.token,
             share_target_for_logs(share),
             share.lease,
             share.floor,
+            share_outage_said(share),
         )
         while not self.sidecar.stop.is_set():
             try:
@@ -176,11 +200,24 @@ class ShareLoop:
             now_mono = platform.deadline_now()
             load = rows.provider_load(sc.seg.buf, p, now_mono)
             running, waiting, in_force = load.running, load.waiting, load.limit
-            held = max(in_force, running)
             tokens_held, tokens_demand = token_load(sc.seg.buf, p, now_mono)
             if running + waiting:  # at least one whole request while any runs or waits
                 tokens_demand = max(tokens_demand, mine.request_tokens)
-            asked = (capacity, held, running + waiting, mine.tokens, tokens_held, tokens_demand)
+            # the table shares what the outage parts leave: this gateway reports its part
+            # of what it holds and wants beyond its own, in slots and in tokens
+            kept = self.kept(mine, capacity)
+            kept_tokens = self.kept(mine, mine.tokens) if mine.tokens > 0 else 0
+            held = max(0, max(in_force, running) - kept)
+            tokens_held = max(0, tokens_held - kept_tokens)
+            tokens_demand = max(0, tokens_demand - kept_tokens)
+            asked = (
+                capacity,
+                held,
+                max(0, running + waiting - kept),
+                mine.tokens,
+                tokens_held,
+                tokens_demand,
+            )
             mono = time.monotonic()
             since = mono - mine.asked_mono
             # due: a quarter of a lease passed; what it reports changed; or requests wait
@@ -195,17 +232,18 @@ class ShareLoop:
             asked_mono = platform.deadline_now()
             report = Report(
                 share.gateway,
-                capacity,
+                pool_capacity(capacity, self.rule),
                 held,
-                running + waiting,
+                asked[2],
                 share.floor,
                 int(share.lease * 1000),
                 self.token,
                 self._next_seq(asked_mono),
-                mine.tokens,
+                pool_capacity(mine.tokens, self.rule),
                 tokens_held,
                 tokens_demand,
                 mine.request_tokens,
+                self.rule,
             )
             from sidecar.share import ShareUnavailable
 
@@ -230,9 +268,10 @@ class ShareLoop:
                 self._clock(answer.server_ms, time.time())
                 g = answer.grant
                 sc.metrics.share_call(provider_id, g.refused or "ok")
-                if g.refused == DUPLICATE:
-                    self._refuse()
+                if g.refused and g.refused != STALE:
+                    self._refuse(g.refused)
                     return
+                mine.member = True
                 if not g.refused:  # a STALE answer changed nothing: a newer one holds
                     mine.error = ""
                     mine.held = Held(
@@ -295,6 +334,11 @@ class ShareLoop:
             refused=self.refused,
             tokens=mine.tokens,
             request_tokens=mine.request_tokens,
+            rule=self.rule,
+            keeping=mine.member,
+        )
+        self.sidecar.metrics.share_outage(
+            state.rules.provider_id, kept_part(mine.capacity, self.rule), local.state == "outage"
         )
         if known:
             reason = f"{local.reason}; capacity {decision.reason}"
@@ -306,6 +350,8 @@ class ShareLoop:
         expires_mono = local.deadline
         if expires_mono is not None and known and decision.expires_mono is not None:
             expires_mono = min(expires_mono, decision.expires_mono)
+        elif local.limit > 0 and known:  # the outage part: as long as the capacity it is of
+            expires_mono = decision.expires_mono
         return dataclasses.replace(
             decision,
             effective_limit=local.limit,
@@ -315,6 +361,10 @@ class ShareLoop:
             expires_at=None if expires_mono is None else now + (expires_mono - mono),
             expires_mono=expires_mono,
         )
+
+    def kept(self, mine: ProviderShare, capacity: int) -> int:
+        """This gateway's outage part of ``capacity`` (0 before the table accepted it)."""
+        return kept_part(capacity, self.rule) if mine.member and not self.refused else 0
 
     def _next_seq(self, mono: float) -> int:
         """Increasing across restarts of this instance on one boot: the deadline clock in
@@ -345,15 +395,31 @@ class ShareLoop:
             return ""
         return f" (this host's wall clock is {offset:+.0f} s off Redis's)"
 
-    def _refuse(self) -> None:
-        """Another instance holds this gateway's name: hold 0, say so, and exit 2 (a
-        configuration to fix, which systemd does not restart)."""
+    def _refuse(self, why: str) -> None:
+        """The table refuses this instance (another holds its gateway name, more gateways
+        than declared are live, or they declare another outage rule): hold 0, say so, and
+        exit 2 (a configuration to fix, which systemd does not restart)."""
         sc = self.sidecar
-        self.refused = (
-            f"refused: gateway name {self.config.gateway!r} is held in Redis by another "
-            f"instance (this one is {self.token}); give each gateway its own "
-            "capacityShare.gateway"
-        )
+        share = self.config
+        if why == DUPLICATE:
+            self.refused = (
+                f"refused: gateway name {share.gateway!r} is held in Redis by another "
+                f"instance (this one is {self.token}); give each gateway its own "
+                "capacityShare.gateway"
+            )
+        elif why == CROWDED:
+            self.refused = (
+                f"refused: {share.gateways} gateway(s) are live in Redis already, the most "
+                f"capacityShare.gateways declares; raise it on every gateway"
+            )
+        else:
+            assert why == RULE
+            self.refused = (
+                "refused: the live gateways declare another outage rule (capacityShare "
+                "gateways, outage, keepPart); give every gateway the same"
+            )
+        for mine in self.providers.values():
+            mine.member = False
         log.error("capacityShare: %s; this sidecar holds no share and exits (2)", self.refused)
         sc.metrics.share_refused()
         sc.redecide_all()

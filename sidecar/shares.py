@@ -54,6 +54,13 @@ exactly this inside Redis (the tests run both on the same calls and compare). Ru
   read after the last limit was published). A lower limit stops new
   admissions at once; the reservation follows only as running requests finish,
   and only then can another gateway be granted what was given up.
+* **outage parts**: with an outage rule ``"M:P"`` (:func:`outage_rule`) every gateway
+  keeps ``f = floor(C * P / 1000 / M)`` of the capacity it discovers outside the table
+  (:func:`kept_part`), with no call, and reports ``C - M * f`` (:func:`pool_capacity`),
+  its ``held`` and demand less ``f``: at most ``M`` parts and the table's grants never
+  sum above ``C``, whatever Redis does. A call whose rule differs from the live
+  gateways' is refused (``rule``), and so is one that would make more than ``M`` live
+  (``crowded``); both change nothing.
 
 **Tokens, by the same rules.** Where the farm states a running-token pool ``P``
 (R-K7, R-L10), a call also reports it (``tokens``: ``P``, ``UNKNOWN`` without a fresh
@@ -88,6 +95,8 @@ UNKNOWN: Final = -1  # a reported capacity: this gateway has no fresh answer fro
 DUPLICATE: Final = "duplicate"
 STALE: Final = "stale"
 NO_POOL: Final = 0  # a reported token pool: the farm states none (slots alone)
+CROWDED: Final = "crowded"  # the call would make more gateways live than the rule declares
+RULE: Final = "rule"  # the call's outage rule is not the one the live gateways declare
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +124,7 @@ class Table:
     # replica promoted by a failover, which may lack the last writes) is not trusted
     server: str = ""
     tokens: int | None = None  # the token pool the last gateway that knew one reported
+    rule: str = ""  # the outage rule every live gateway declared (:func:`outage_rule`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +143,7 @@ class Report:
     tokens_held: int = 0  # max(token limit in force, tokens running)
     tokens_demand: int = 0  # charges running and waiting (at least Q while any)
     request_tokens: int = 0  # Q, the most one request may hold (0 unknown)
+    rule: str = ""  # its outage rule (:func:`outage_rule`); "": no gateways declared
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +153,7 @@ class Grant:
     gateways: int  # live gateways, the caller included
     rebuilding: bool
     others_reserved: int
-    refused: str = ""  # DUPLICATE or STALE: the call changed nothing
+    refused: str = ""  # DUPLICATE, STALE, CROWDED or RULE: the call changed nothing
     rebuild_left_ms: int = 0  # while ``rebuilding``: how much longer, server time
     tokens_limit: int = 0  # the tokens the caller's handlers may hold (pool NO_POOL: 0, none)
     tokens_reserved: int = 0
@@ -213,6 +224,13 @@ def step(table: Table | None, report: Report, now_ms: int, server: str = "") -> 
             for g, lease in table.leases.items()
             if lease.expires_ms > now_ms and g != report.gateway
         }
+        # every live gateway keeps its outage part outside the table: they must all
+        # declare one rule, and no more of them be live than it declares
+        if leases and table.rule != report.rule:
+            return table, Grant(0, 0, 0, False, 0, RULE)
+        most = most_gateways(report.rule)
+        if most and len(leases) + 1 > most:
+            return table, Grant(0, 0, 0, False, 0, CROWDED)
         rebuild_until = table.rebuild_until_ms
         known, known_tokens = table.capacity, table.tokens
     rebuilding = now_ms < rebuild_until
@@ -267,7 +285,10 @@ def step(table: Table | None, report: Report, now_ms: int, server: str = "") -> 
         tokens_reserved=tokens.reserved,
         tokens=tokens.capacity,
     )
-    return Table(leases, now_ms, rebuild_until, slots.known, server, tokens.known), grant
+    return (
+        Table(leases, now_ms, rebuild_until, slots.known, server, tokens.known, report.rule),
+        grant,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,6 +334,41 @@ def _part(
     return _Part(limit, max(limit, held), demand, known, capacity)
 
 
+def outage_rule(gateways: int | None, keep_permille: int) -> str:
+    """The outage rule a gateway declares to the table: ``"M:P"``, the most gateways
+    ``M`` that share the farm and the part ``P`` per mille of the capacity they keep
+    outside the table (0: they hold 0 through an outage, but no more than ``M`` may be
+    live); ``""`` without a declared ``M`` (no limit on the gateways, nothing kept)."""
+    if not gateways:
+        return ""
+    return f"{gateways}:{keep_permille}"
+
+
+def most_gateways(rule: str) -> int:
+    """``M`` of an outage rule; 0 for none."""
+    most, _, _ = rule.partition(":")
+    return int(most) if most.isdigit() else 0
+
+
+def kept_part(capacity: int, rule: str) -> int:
+    """``f``: what a gateway keeps outside the table, of the capacity it discovered itself:
+    ``floor(C * P / 1000 / M)``. 0 without a rule, with ``P`` 0, or without a fresh
+    capacity. The table never lends ``M * f``, so the ``M`` gateways may each run ``f``
+    without asking it, whatever Redis does."""
+    most, _, permille = rule.partition(":")
+    if capacity < 0 or not most.isdigit() or not permille.isdigit() or int(most) == 0:
+        return 0
+    return capacity * int(permille) // (1000 * int(most))
+
+
+def pool_capacity(capacity: int, rule: str) -> int:
+    """What a gateway reports to the table as the capacity to share: its capacity less
+    the ``M`` outage parts (``UNKNOWN`` stays unknown)."""
+    if capacity < 0:
+        return capacity
+    return capacity - most_gateways(rule) * kept_part(capacity, rule)
+
+
 def silent_after_ms(lease_ms: int) -> int:
     """How long without any call makes a table untrusted: half a lease. Live gateways
     renew every quarter of a lease, so a longer silence means Redis did not answer them
@@ -350,21 +406,28 @@ class Held:
 @dataclass(frozen=True, slots=True)
 class Local:
     limit: int
-    state: str  # "granted", "kept", "lapsed", "none", "refused"
+    state: str  # "granted", "kept", "lapsed", "outage", "none", "refused"
     reason: str
     deadline: float | None  # when the limit stops (deadline clock); None: it is 0 anyway
     tokens_limit: int = 0  # the token budget the handlers apply (0: none, slots alone)
 
 
-def _with_tokens(limit: int, why: str, held: Held, pool: int, request_tokens: int) -> Local:
+def _with_tokens(
+    limit: int, why: str, held: Held, pool: int, request_tokens: int, kept: int = 0
+) -> Local:
     """The token part of a grant in force: its share of the pool (never above the pool
-    seen here now); a share below one whole request (``request_tokens``, or 1) holds the
-    slots at 0, since the core would refuse at once a request the farm can hold."""
+    seen here now) and the token part ``kept`` outside the table; a share below one
+    whole request (``request_tokens``, or 1) holds the slots at 0, since the core would
+    refuse at once a request the farm can hold."""
     if held.tokens == NO_POOL:
         return Local(limit, "", why, None)
-    tokens = held.tokens_limit if pool <= 0 else min(held.tokens_limit, pool)
+    tokens = kept + (held.tokens_limit if pool <= 0 else min(held.tokens_limit, pool))
     of = f"{held.tokens_of}" if held.tokens_of > 0 else "an unknown pool"
-    why += f"; tokens {tokens} of {of}"
+    why += f"; tokens {tokens} of {of}" + (f" ({kept} kept)" if kept else "")
+    return _whole(limit, why, tokens, request_tokens)
+
+
+def _whole(limit: int, why: str, tokens: int, request_tokens: int) -> Local:
     whole = max(1, request_tokens)
     if tokens < whole:
         # 0 slots, and no token budget: the arrivals wait for a larger share (a budget
@@ -383,31 +446,65 @@ def local_limit(
     refused: str = "",
     tokens: int = NO_POOL,
     request_tokens: int = 0,
+    rule: str = "",
+    keeping: bool = False,
 ) -> Local:
     """The share this gateway enforces at ``now_mono``.
 
     A grant holds until its lease would end (counted from when the call was sent,
     so it ends here half a lease before Redis frees it). When the last call failed
     (``redis_error``), the grant is *kept* until then. After it, and without any
-    grant, the limit is 0: what the handlers also fall back to on their own when the
-    sidecar stops publishing (the segment's fallback in share mode), because no
-    reservation outlives a lease. ``capacity`` may be ``UNKNOWN`` (the grant is
-    then at most the floor already). ``refused``: this instance may hold no share
-    (its gateway name is in use by another), 0 for good. ``tokens``: the farm's token
+    grant, the limit is this gateway's outage part (:func:`kept_part` of the outage
+    ``rule``, once the table has accepted this instance: ``keeping``), which the table
+    never lends; 0 without one. The handlers fall back to 0 on their own when the
+    sidecar stops publishing (the segment's fallback in share mode). ``capacity`` may
+    be ``UNKNOWN`` (the grant is then at most the floor already, and nothing is kept).
+    ``refused``: this instance may hold no share (its gateway name is in use by
+    another, or the table refuses its rule), 0 for good. ``tokens``: the farm's token
     pool seen here now (``NO_POOL``, ``UNKNOWN``), ``request_tokens`` the most one
-    request may hold: a grant's token share comes with its slots (``_with_tokens``).
+    request may hold: a grant's token share comes with its slots (``_with_tokens``),
+    and the outage part has a token part of the pool as well.
     """
     if refused:
         return Local(0, "refused", DEGRADED + refused, None)
-    if held is None:
-        why = f"no share granted yet ({redis_error})" if redis_error else "no share granted yet"
-        return Local(0, "none", (DEGRADED if redis_error else "") + why, None)
-    limit = held.limit if capacity < 0 else min(held.limit, capacity)
+    kept = kept_part(capacity, rule) if keeping else 0
+    kept_tokens = kept_part(tokens, rule) if keeping and tokens > 0 else 0
     of = "an unknown capacity" if capacity < 0 else f"{capacity}"
-    if now_mono < held.deadline and not redis_error:
-        why = f"share {limit} of {of}, {held.gateways} gateway(s)"
+    if held is None or now_mono >= held.deadline:
+        if held is None:
+            why = f"no share granted yet ({redis_error})" if redis_error else "no share granted yet"
+            state = "none"
+        else:
+            error = redis_error or "no answer within the lease"
+            why = (
+                f"lease lapsed, holding 0 until Redis grants again (the others may take "
+                f"this gateway's share now): {error}"
+            )
+            state = "lapsed"
+        if not kept:
+            prefix = DEGRADED if redis_error or held is not None else ""
+            return Local(0, state, prefix + why, None)
+        if held is not None:
+            why = (
+                f"lease lapsed, keeping its outage part {kept} of {of} until Redis grants "
+                f"again (the table never lends it): {error}"
+            )
+        else:
+            why += f": keeping its outage part {kept} of {of}"
+        if tokens > 0:  # the farm states a token pool: the part has its tokens too
+            part = _whole(
+                kept, f"{why}; tokens {kept_tokens} of {tokens}", kept_tokens, request_tokens
+            )
+            return Local(part.limit, "outage", DEGRADED + part.reason, None, part.tokens_limit)
+        return Local(kept, "outage", DEGRADED + why, None)
+    shared = pool_capacity(capacity, rule)
+    limit = kept + (held.limit if shared < 0 else min(held.limit, max(0, shared)))
+    within = f" ({kept} of it kept through an outage)" if kept else ""
+    pool = pool_capacity(tokens, rule)  # what the table was told it shares
+    if not redis_error:
+        why = f"share {limit} of {of}, {held.gateways} gateway(s){within}"
         left = held.asked_mono + held.rebuild_left_s - now_mono
-        part = _with_tokens(limit, why, held, tokens, request_tokens)
+        part = _with_tokens(limit, why, held, pool, request_tokens, kept_tokens)
         why = part.reason
         if left > 0:
             why += (
@@ -415,19 +512,11 @@ def local_limit(
                 "more: until then each gateway keeps only what it runs"
             )
         return Local(part.limit, "granted", why, held.deadline, part.tokens_limit)
-    if now_mono < held.deadline:
-        part = _with_tokens(limit, f"share {limit}", held, tokens, request_tokens)
-        return Local(
-            part.limit,
-            "kept",
-            f"{DEGRADED}{part.reason} kept until its lease ends: {redis_error}",
-            held.deadline,
-            part.tokens_limit,
-        )
+    part = _with_tokens(limit, f"share {limit}{within}", held, pool, request_tokens, kept_tokens)
     return Local(
-        0,
-        "lapsed",
-        f"{DEGRADED}lease lapsed, holding 0 until Redis grants again (the others may take "
-        f"this gateway's share now): {redis_error or 'no answer within the lease'}",
-        None,
+        part.limit,
+        "kept",
+        f"{DEGRADED}{part.reason} kept until its lease ends: {redis_error}",
+        held.deadline,
+        part.tokens_limit,
     )

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -169,6 +170,50 @@ def test_check_config_shows_the_sentinel_set_and_the_listener_owner(
         ).stdout
     )
     assert doc["share"]["sentinel"] == sentinel and doc["share"]["redis"] is None
+
+
+@pytest.mark.parametrize(
+    ("outage", "said", "rule"),
+    [
+        ({}, "every gateway holds 0 until Redis answers (no gateways declared: declare", "hold"),
+        (
+            {"gateways": 3},
+            "each gateway keeps floor(C x 0.5 / 3) of the capacity C it discovers, without "
+            "Redis; the table shares the rest and refuses a gateway beyond 3 live at once",
+            "keep",
+        ),
+        (
+            {"gateways": 2, "keepPart": 0.25, "outage": "keep"},
+            "each gateway keeps floor(C x 0.25 / 2) of the capacity C",
+            "keep",
+        ),
+        (
+            {"gateways": 2, "outage": "hold"},
+            "every gateway holds 0 until Redis answers (outage: hold); the table refuses a "
+            "gateway beyond 2 live at once",
+            "hold",
+        ),
+    ],
+)
+def test_check_config_shows_the_outage_rule(
+    write_config: WriteConfig,
+    run_cli: Callable[..., Ran],
+    outage: dict[str, Any],
+    said: str,
+    rule: str,
+) -> None:
+    """Without ``gateways`` declared (every config written before the rule) a gateway
+    holds 0 through an outage, as before; declared, it keeps its part unless told to
+    hold, and check-config says which."""
+    share = {"redis": "redis://127.0.0.1:6399/0", "gateway": "gw-a", **outage}
+    cfg = write_config({"capacityShare": share})
+    out = run_cli("check-config", "--config", str(cfg))
+    assert out.returncode == 0, out.stdout + out.stderr
+    line = "  Redis out of reach for longer than a lease: " + said
+    assert any(t.startswith(line) for t in out.stdout.splitlines()), out.stdout
+    doc = json.loads(run_cli("check-config", "--config", str(cfg), "--json").stdout)
+    assert doc["share"]["outage"]["rule"] == rule
+    assert doc["share"]["outage"]["gateways"] == outage.get("gateways")
 
 
 def test_check_config_says_when_redis_py_is_missing(

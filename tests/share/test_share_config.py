@@ -91,6 +91,37 @@ def test_share_refuses_what_it_cannot_use(share: Any, why: str) -> None:
     assert "hunter2" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("outage", "why"),
+    [
+        ({"outage": "keep"}, "outage keep needs gateways"),
+        ({"gateways": 0}, "gateways: expected `int` >= 1"),
+        ({"gateways": 3, "keepPart": 0}, "keepPart: expected `float` > 0.0"),
+        ({"gateways": 3, "keepPart": 1}, "keepPart: expected `float` < 1.0"),
+        ({"gateways": 3, "outage": "serve"}, "outage: invalid enum value"),
+    ],
+)
+def test_share_refuses_an_outage_rule_it_cannot_keep(outage: dict[str, Any], why: str) -> None:
+    with pytest.raises(ConfigError, match=why):
+        parse_config(config({"redis": "redis://h/0", "gateway": "a", **outage}))
+
+
+def test_share_keeps_a_part_through_an_outage_once_gateways_are_declared() -> None:
+    """The default once ``gateways`` is declared keeps a part; without it (every config
+    written before the rule) a gateway holds 0, as before."""
+    from sidecar.config import outage_keeps, share_outage_rule
+
+    def rule(**outage: Any) -> tuple[bool, str]:
+        got = parse_config(config({"redis": "redis://h/0", "gateway": "a", **outage})).share
+        assert got is not None
+        return outage_keeps(got), share_outage_rule(got)
+
+    assert rule() == (False, "")
+    assert rule(gateways=3) == (True, "3:500")
+    assert rule(gateways=3, keepPart=0.25) == (True, "3:250")
+    assert rule(gateways=3, outage="hold") == (False, "3:0")
+
+
 def test_share_a_user_name_goes_with_a_credential_file() -> None:
     got = parse_config(
         config({"redis": "rediss://gw@h/0", "gateway": "a", "credentialFile": "/etc/pw"})
@@ -207,3 +238,20 @@ def test_share_a_refused_gateway_name_shows_in_the_metrics() -> None:
     text = generate_latest(metrics.registry).decode()
     assert "gateway_capacity_share_gateway_refused 1.0" in text
     assert 'gateway_capacity_share_calls_total{provider="p1",result="duplicate"} 1.0' in text
+
+
+def test_share_the_outage_part_and_keeping_it_show_in_the_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from sidecar.metrics import SidecarMetrics
+
+    metrics = SidecarMetrics()
+    metrics.share_outage("p1", 3, False)
+    text = generate_latest(metrics.registry).decode()
+    assert 'gateway_capacity_share_outage_part{provider="p1"} 3.0' in text
+    assert 'gateway_capacity_share_outage_keeping{provider="p1"} 0.0' in text
+    metrics.share_outage("p1", 3, True)
+    metrics.share_call("p1", "crowded")
+    text = generate_latest(metrics.registry).decode()
+    assert 'gateway_capacity_share_outage_keeping{provider="p1"} 1.0' in text
+    assert 'gateway_capacity_share_calls_total{provider="p1",result="crowded"} 1.0' in text

@@ -7,7 +7,9 @@ in which sidecars die, are SIGSTOPped past their lease (a call in flight), Redis
 that lacks the last writes (asynchronous replication), a gateway is cut off from Redis,
 its wall clock is off the farm's (no fresh capacity), a second instance starts
 under a gateway's name, gateways run on different leases (a sidecar may come back with
-its lease edited), and Redis's clock steps ahead by more than half a lease. At every
+its lease edited), Redis's clock steps ahead by more than half a lease, and calls a
+partition held reach Redis late or never; with an outage rule (each gateway keeps its
+part outside the table, at most M instances exist) or none. At every
 instant: the sum over gateways of what their handlers may run (the limit in force, or
 more while more still run) never exceeds the capacity.
 
@@ -25,20 +27,23 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from sidecar.shares import (
-    DUPLICATE,
     STALE,
     UNKNOWN,
     Held,
     Report,
     Table,
     held_for_ms,
+    kept_part,
     local_limit,
+    outage_rule,
+    pool_capacity,
     step,
 )
 
 LEASE = 4_000  # ms
 REQUEST_MAX = held_for_ms(LEASE) - LEASE  # a request ends within half a lease
 CLIENT_TIMEOUT = 2_000  # redis-py gives up on an answer after this long (ms)
+CAPACITY_TTL = 10 * LEASE  # a discovered capacity's own deadline: what an outage part lives on
 
 
 @dataclass
@@ -54,6 +59,7 @@ class Gateway:
     held: Held | None = None
     error: str = ""
     refused: str = ""
+    member: bool = False  # the table accepted a call of this sidecar: it may keep its part
     running: list[tuple[int, int]] = field(default_factory=list)  # admission times, charges
     waiting: list[int] = field(default_factory=list)  # the waiters' charges, FIFO
     last_call: int = -(10**9)
@@ -71,6 +77,8 @@ class ShareFarm(RuleBasedStateMachine):
         leases=st.lists(st.sampled_from([LEASE, 4 * LEASE]), min_size=3, max_size=3),
         pool=st.sampled_from([0, 300, 1000, 1536]),
         per_request=st.sampled_from([100, 512]),
+        most=st.integers(0, 4),
+        permille=st.sampled_from([0, 500, 900]),
     )
     def start(
         self,
@@ -80,12 +88,21 @@ class ShareFarm(RuleBasedStateMachine):
         leases: list[int],
         pool: int,
         per_request: int,
+        most: int,
+        permille: int,
     ) -> None:
         self.capacity = capacity
         self.pool = pool  # the farm's running-token pool (0: none stated)
         # the most one request holds, which every kind that states a pool states too
         # (docs/share.md: a pool without it is not defended)
         self.per_request = min(per_request, pool)
+        # the outage rule: at most M gateway instances exist (every one counted, a second
+        # instance under one name too), each keeps its part of the capacity (and of the
+        # token pool) outside the table; M 0: none declared, every gateway holds 0
+        # through an outage
+        self.most = max(most, gateways) if most else 0
+        self.rule = outage_rule(self.most, permille)
+        self.in_network: list[tuple[Gateway, Report, int]] = []  # calls a partition holds
         self.floor = floor
         self.now = 0
         self.table: Table | None = None
@@ -125,18 +142,30 @@ class ShareFarm(RuleBasedStateMachine):
             return 0
         return UNKNOWN if g.skewed else self.pool
 
+    def seen(self, g: Gateway) -> int:
+        return UNKNOWN if g.skewed else self.capacity
+
+    def kept(self, g: Gateway, capacity: int) -> int:
+        """What ``g`` keeps of ``capacity`` outside the table, once the table accepted it."""
+        if not g.member or g.refused or capacity <= 0:
+            return 0
+        return kept_part(capacity, self.rule)
+
     def publish(self, g: Gateway) -> None:
-        capacity = UNKNOWN if g.skewed else self.capacity
         local = local_limit(
             g.held,
-            capacity,
+            self.seen(g),
             self.now / 1000,
             g.error,
             refused=g.refused,
             tokens=self.pool_here(g),
             request_tokens=self.per_request,
+            rule=self.rule,
+            keeping=g.member,
         )
         deadline = None if local.deadline is None else round(local.deadline * 1000)
+        if deadline is None and local.limit:  # the outage part, on the capacity's deadline
+            deadline = self.now + CAPACITY_TTL
         g.published = (local.limit, deadline)
         g.published_tokens = local.tokens_limit
 
@@ -145,20 +174,22 @@ class ShareFarm(RuleBasedStateMachine):
         from sidecar.shares import Grant
 
         assert isinstance(grant, Grant)
-        if grant.refused == DUPLICATE:
-            g.refused = "refused: name held by another instance"
+        if grant.refused and grant.refused != STALE:
+            g.refused = f"refused: {grant.refused}"
             g.sidecar = "refused"  # it publishes 0 and exits
-        elif grant.refused != STALE:
-            g.held = Held(
-                grant.limit,
-                grant.gateways,
-                asked / 1000,
-                g.lease / 1000,
-                tokens=report.tokens,
-                tokens_limit=grant.tokens_limit,
-                tokens_of=grant.tokens,
-            )
-            g.error = ""
+        else:
+            g.member = True
+            if not grant.refused:
+                g.held = Held(
+                    grant.limit,
+                    grant.gateways,
+                    asked / 1000,
+                    g.lease / 1000,
+                    tokens=report.tokens,
+                    tokens_limit=grant.tokens_limit,
+                    tokens_of=grant.tokens,
+                )
+                g.error = ""
         self.publish(g)
 
     def report(self, g: Gateway) -> Report:
@@ -167,19 +198,22 @@ class ShareFarm(RuleBasedStateMachine):
         demand = tokens_running + sum(g.waiting)
         if g.running or g.waiting:
             demand = max(demand, self.per_request)
+        kept = self.kept(g, self.seen(g))
+        kept_tokens = self.kept(g, self.pool_here(g))
         return Report(
             g.name,
-            UNKNOWN if g.skewed else self.capacity,
-            max(self.in_force(g), len(g.running)),
-            len(g.running) + len(g.waiting),
+            pool_capacity(self.seen(g), self.rule),
+            max(0, max(self.in_force(g), len(g.running)) - kept),
+            max(0, len(g.running) + len(g.waiting) - kept),
             self.floor,
             g.lease,
             g.token,
             g.seq,
-            self.pool_here(g),
-            max(self.tokens_in_force(g), tokens_running),
-            demand,
+            pool_capacity(self.pool_here(g), self.rule),
+            max(0, max(self.tokens_in_force(g), tokens_running) - kept_tokens),
+            max(0, demand - kept_tokens),
             self.per_request,
+            self.rule,
         )
 
     def call(self, g: Gateway) -> None:
@@ -190,6 +224,7 @@ class ShareFarm(RuleBasedStateMachine):
         report = self.report(g)
         if g.partitioned:
             g.error = "unreachable"
+            self.in_network.append((g, report, self.now))  # perhaps delivered later
         elif self.redis_stalled:
             self.queued.append((g, report, self.now))
             g.error = "timed out"
@@ -318,7 +353,7 @@ class ShareFarm(RuleBasedStateMachine):
     def a_dead_sidecar_is_restarted(self, i: int, lease: int) -> None:
         g = self.pick(i)
         if g.sidecar == "dead":  # a new process: no grant yet, same instance token
-            g.sidecar, g.held, g.error = "up", None, ""
+            g.sidecar, g.held, g.error, g.member = "up", None, "", False
             g.lease = lease  # perhaps with its config's lease edited meanwhile
             g.seq += 1000
             self.publish(g)
@@ -405,13 +440,27 @@ class ShareFarm(RuleBasedStateMachine):
     def a_partition_heals(self, i: int) -> None:
         self.pick(i).partitioned = False
 
+    @rule(k=st.integers(0, 7), drop=st.booleans())
+    def the_network_delivers_a_call_it_held(self, k: int, drop: bool) -> None:
+        """A call sent while its gateway was cut off reaches Redis late (any one of those
+        held, in any order, perhaps long after the partition healed) or never. Its answer
+        reaches a sidecar still waiting for it."""
+        if not self.in_network:
+            return
+        g, report, asked = self.in_network.pop(k % len(self.in_network))
+        if drop or self.redis_stalled:
+            return
+        grant = self.run(report)
+        if g.sidecar == "up" and self.now - asked <= CLIENT_TIMEOUT:
+            self.answer(g, report, asked, grant)
+
     @rule(i=st.integers(0, 3), skewed=st.booleans())
     def a_wall_clock_is_an_hour_off(self, i: int, skewed: bool) -> None:
         self.pick(i).skewed = skewed
 
     @rule(i=st.integers(0, 3))
     def a_second_instance_starts_under_a_gateways_name(self, i: int) -> None:
-        if len(self.gws) < 4:
+        if len(self.gws) < (self.most or 4):  # M counts every instance that exists
             twin = self._new(self.pick(i).name, self.pick(i).lease)
             self.gws.append(twin)
             self.publish(twin)

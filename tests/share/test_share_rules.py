@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from sidecar.share import STEP_LUA, table_key
 from sidecar.shares import (
+    CROWDED,
     DUPLICATE,
+    RULE,
     STALE,
     UNKNOWN,
     Held,
@@ -20,7 +22,11 @@ from sidecar.shares import (
     Report,
     Table,
     held_for_ms,
+    kept_part,
     local_limit,
+    most_gateways,
+    outage_rule,
+    pool_capacity,
     step,
     table_ttl_ms,
     targets,
@@ -33,10 +39,16 @@ _calls = itertools.count(1)
 
 
 def report(
-    gw: str, cap: int, held: int, demand: int, floor: int = 1, seq: int | None = None
+    gw: str,
+    cap: int,
+    held: int,
+    demand: int,
+    floor: int = 1,
+    seq: int | None = None,
+    rule: str = "",
 ) -> Report:
     """One call of gateway ``gw``'s one instance (its calls numbered in order)."""
-    return Report(gw, cap, held, demand, floor, LEASE, f"tok{gw}", seq or next(_calls))
+    return Report(gw, cap, held, demand, floor, LEASE, f"tok{gw}", seq or next(_calls), rule=rule)
 
 
 @pytest.mark.parametrize(
@@ -135,6 +147,30 @@ def test_the_gateway_keeps_its_share_for_a_lease_then_holds_0() -> None:
     assert local_limit(held, 20, 105.0, "", refused="refused: name").limit == 0
 
 
+def test_with_an_outage_part_the_gateway_keeps_it_past_its_lease_and_adds_its_grant() -> None:
+    """``kept`` 3 of 20 (M 3, keepPart 0.5): the grant of the pool (11) comes on top;
+    after the lease, and with no grant yet, the part alone, with no deadline of its own
+    (the sidecar gives it the capacity's); refused, nothing."""
+    held = Held(limit=9, gateways=3, asked_mono=100.0, lease_s=10.0)
+    granted = local_limit(held, 20, 105.0, "", rule="3:500", keeping=True)
+    assert (granted.limit, granted.state, granted.deadline) == (12, "granted", 110.0)
+    assert "(3 of it kept through an outage)" in granted.reason
+    assert (
+        local_limit(Held(99, 1, 100.0, 10.0), 20, 105.0, "", rule="3:500", keeping=True).limit == 14
+    )
+    kept = local_limit(held, 20, 109.9, "Redis unavailable", rule="3:500", keeping=True)
+    assert (kept.limit, kept.state) == (12, "kept")
+    outage = local_limit(held, 20, 110.0, "Redis unavailable", rule="3:500", keeping=True)
+    assert (outage.limit, outage.state, outage.deadline) == (3, "outage", None)
+    assert outage.reason.startswith("share degraded: lease lapsed, keeping its outage part 3")
+    first = local_limit(None, 20, 0.0, "Redis unavailable", rule="3:500", keeping=True)
+    assert (first.limit, first.state) == (3, "outage")
+    refused = local_limit(
+        held, 20, 105.0, "", refused="refused: crowded", rule="3:500", keeping=True
+    )
+    assert refused.limit == 0
+
+
 def warm(table: Table, gws: list[str], cap: int) -> Table:
     """Renewals every quarter of a lease, as the sidecars call, past the first table's
     rebuild."""
@@ -172,6 +208,54 @@ def test_a_second_instance_under_a_live_gateways_name_is_refused() -> None:
     assert not g.refused
 
 
+def test_a_gateway_beyond_the_declared_most_is_refused_until_one_lease_ends() -> None:
+    """With ``gateways`` M declared, a call that would make M + 1 gateways live
+    changes nothing (the gateways keep parts outside the table for M of them)."""
+    rule = outage_rule(2, 500)
+    table, _ = step(None, report("a", 10, 0, 0, rule=rule), 0)
+    table, g = step(table, report("b", 10, 0, 0, rule=rule), 1)
+    assert not g.refused
+    after, g = step(table, report("c", 10, 0, 20, rule=rule), 2)
+    assert g.refused == CROWDED and g.limit == 0 and after == table
+    table, g = step(table, report("a", 10, 0, 0, rule=rule), 3)  # a live one renews
+    assert not g.refused
+    b_gone = held_for_ms(LEASE) + 2  # b's lease ended: c is the second live gateway
+    _, g = step(table, report("c", 10, 0, 20, rule=rule), b_gone)
+    assert not g.refused
+
+
+def test_a_gateway_declaring_another_outage_rule_is_refused_while_one_lives() -> None:
+    table, _ = step(None, report("a", 10, 0, 0, rule=outage_rule(3, 500)), 0)
+    for other in ("", outage_rule(2, 500), outage_rule(3, 0), outage_rule(3, 250)):
+        after, g = step(table, report("b", 10, 0, 5, rule=other), 1)
+        assert g.refused == RULE and after == table
+    # once no other gateway is live, the table takes the caller's rule
+    _, g = step(table, report("b", 10, 0, 5, rule=""), held_for_ms(LEASE) + 1)
+    assert not g.refused
+
+
+@pytest.mark.parametrize(
+    ("capacity", "rule", "kept", "pool"),
+    [
+        (20, "", 0, 20),
+        (20, "2:500", 5, 10),
+        (20, "3:500", 3, 11),
+        (7, "2:500", 1, 5),
+        (20, "3:0", 0, 20),
+        (20, "1:1000", 20, 0),
+        (UNKNOWN, "2:500", 0, UNKNOWN),
+        (1, "4:500", 0, 1),
+    ],
+)
+def test_each_gateway_keeps_floor_c_part_over_m_and_the_table_shares_the_rest(
+    capacity: int, rule: str, kept: int, pool: int
+) -> None:
+    assert kept_part(capacity, rule) == kept
+    assert pool_capacity(capacity, rule) == pool
+    if capacity >= 0:  # M parts kept and the pool never sum above the capacity
+        assert most_gateways(rule) * kept + pool == capacity
+
+
 def test_a_call_redis_runs_after_a_newer_one_of_the_same_instance_changes_nothing() -> None:
     table, _ = step(None, report("a", 10, 5, 5, seq=10**9), 0)
     after, g = step(table, report("a", 10, 0, 0, seq=10**9 - 1), 10)
@@ -205,6 +289,7 @@ call = st.tuples(
     st.integers(0, 2500),  # tokens held
     st.integers(0, 3000),  # tokens demanded
     st.sampled_from([0, 256, 512]),  # the most one request may hold
+    st.sampled_from(["", "2:500", "3:500", "2:0"]),  # its outage rule
 )
 
 
@@ -232,7 +317,15 @@ def _table_in_redis(client: Any, key: str) -> Table | None:
             )
     cap = int(raw["~cap"]) if "~cap" in raw else None
     tcap = int(raw["~tcap"]) if "~tcap" in raw else None
-    return Table(leases, int(raw["~touched"]), int(raw["~rebuild"]), cap, raw["~server"], tcap)
+    return Table(
+        leases,
+        int(raw["~touched"]),
+        int(raw["~rebuild"]),
+        cap,
+        raw["~server"],
+        tcap,
+        raw["~rule"],
+    )
 
 
 @settings(
@@ -248,10 +341,12 @@ def test_the_lua_script_is_the_pure_step(redis_server: Any, calls: list[Any]) ->
     client.delete(key)
     model: Table | None = None
     for n, call_ in enumerate(calls):
-        gw, cap, held, demand, floor, token, seq, lease, pool, theld, tdemand, per = call_
-        rep = Report(gw, cap, held, demand, floor, lease, token, seq, pool, theld, tdemand, per)
+        gw, cap, held, demand, floor, token, seq, lease, pool, theld, tdemand, per, rule = call_
+        rep = Report(
+            gw, cap, held, demand, floor, lease, token, seq, pool, theld, tdemand, per, rule
+        )
         args = [gw, cap, held, demand, floor, lease, table_ttl_ms(lease), token, seq]
-        args += [pool, theld, tdemand, per]
+        args += [pool, theld, tdemand, per, rule]
         out = script(keys=[key], args=args)
         limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out[:7])
         model, grant = step(model, rep, now, out[7].decode())
@@ -263,7 +358,7 @@ def test_the_lua_script_is_the_pure_step(redis_server: Any, calls: list[Any]) ->
             grant.gateways,
             grant.rebuilding,
             grant.others_reserved,
-            {"": 0, DUPLICATE: 1, STALE: 2}[grant.refused],
+            {"": 0, DUPLICATE: 1, STALE: 2, CROWDED: 3, RULE: 4}[grant.refused],
             grant.rebuild_left_ms,
             (grant.tokens_limit, grant.tokens_reserved, grant.tokens),
         ), n
@@ -280,7 +375,14 @@ def test_the_lua_script_drops_a_stale_lease_written_by_hand(redis_server: Any) -
     client.hset(key, mapping={"~rebuild": 0, "g:ghost": f"9 9 {touched - 1}", "g:junk": "x"})
     limit, *_ = script(keys=[key], args=["a", 10, 0, 10, 1, LEASE, table_ttl_ms(LEASE), "t", 2])
     assert limit == 10
-    assert set(client.hkeys(key)) == {b"~touched", b"~rebuild", b"~cap", b"~server", b"g:a"}
+    assert set(client.hkeys(key)) == {
+        b"~touched",
+        b"~rebuild",
+        b"~cap",
+        b"~server",
+        b"~rule",
+        b"g:a",
+    }
 
 
 # --- the invariant over whole histories ------------------------------------------------

@@ -40,12 +40,19 @@ def sentinels(tmp_path: Path) -> Iterator[SentinelSet]:
 
 
 @pytest.fixture
+def outage() -> str | None:
+    """The gateways' ``outage`` rule (with ``gateways`` 2); None: no rule declared."""
+    return None
+
+
+@pytest.fixture
 def gateways(
-    tmp_path: Path, farm: Farm, sentinels: SentinelSet, key_file: Path
+    tmp_path: Path, farm: Farm, sentinels: SentinelSet, key_file: Path, outage: str | None
 ) -> Iterator[list[Gateway]]:
     made = []
+    rule = {} if outage is None else {"gateways": 2, "outage": outage}
     for name in ("gw-a", "gw-b"):
-        gw = Gateway(name, tmp_path, farm, sentinels.master, key_file, lease=LEASE)
+        gw = Gateway(name, tmp_path, farm, sentinels.master, key_file, lease=LEASE, **rule)
         doc = json.loads(gw.config.read_text())
         del doc["capacityShare"]["redis"]
         doc["capacityShare"]["sentinel"] = {"master": MASTER_NAME, "addresses": sentinels.addresses}
@@ -114,18 +121,31 @@ def test_share_a_sentinel_master_sigstopped_past_the_failover_never_goes_over(
     _judge(farm, gateways, since, "master SIGSTOPped past the failover")
 
 
+@pytest.mark.parametrize("outage", ["keep", "hold"])
 def test_share_every_redis_process_stopped_for_three_leases_then_restarted_empty(
-    farm: Farm, sentinels: SentinelSet, gateways: list[Gateway]
+    farm: Farm, sentinels: SentinelSet, gateways: list[Gateway], outage: str
 ) -> None:
+    """With the outage rule kept (``gateways`` 2 on a capacity of 4) each gateway keeps
+    its part, 1, through the outage and the farm serves 2 of 4; held, every gateway holds
+    0 and the farm serves nothing until Redis answers and the table is rebuilt."""
+    kept = 1 if outage == "keep" else 0
     since = time.monotonic()
     sentinels.stop()
     time.sleep(LEASE * 3)
-    wait_for("every gateway at 0", lambda: all(g.limit() == 0 for g in gateways))
+    wait_for(f"every gateway at {kept}", lambda: all(g.limit() == kept for g in gateways))
     check = gateways[0].check()
     assert check.returncode != 0 and "share degraded" in check.stdout
+    before = farm.served
+    time.sleep(0.5)
+    assert (farm.served > before) == bool(kept)
     sentinels.start()
     _served_again(farm, gateways, timeout=LEASE * 10)
-    _judge(farm, gateways, since, "every Redis process stopped for 3 leases, restarted empty")
+    _judge(
+        farm,
+        gateways,
+        since,
+        f"every Redis process stopped for 3 leases, restarted empty, outage {outage}",
+    )
 
 
 def test_the_lua_script_on_a_promoted_replica_drops_the_copy_it_was_sent(
