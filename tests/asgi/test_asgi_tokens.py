@@ -42,6 +42,7 @@ def test_r_t1_the_estimate_counts_letters_by_four_and_the_rest_at_their_most() -
         "reconcile": 3,
         "internationalization": 14,  # no word: a letter a token past the 8th
         "HTTPServer": 4 + 4,  # 2 + 2 past the 8th; the capitals after a letter: 4 more
+        "AAAAA": 5,  # 2 + 4 capitals, but never more than a token a byte
         "12345": 5,  # a digit, a punctuation mark, a newline: one each
         "a, b.\n": 5,
         "    return x": 6,  # three spaces of the indent, "retu", "rn", " x"

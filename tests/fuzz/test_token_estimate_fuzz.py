@@ -25,7 +25,8 @@ from capacity_contract.tokens import (
 )
 
 # the definition the byte passes implement: one a match, plus the letters of a long run past
-# WORD_LETTERS less what the chunks counted for them, plus every capital after a letter
+# WORD_LETTERS less what the chunks counted for them, plus every capital after a letter, at
+# most the bytes
 DEFINITION = re.compile(f"[A-Za-z]{{1,{LETTERS_A_TOKEN}}}|[^A-Za-z ]| (?![A-Za-z])".encode())
 LONG = re.compile(f"[A-Za-z]{{{WORD_LETTERS + 1},}}".encode())
 INNER_CAPITAL = re.compile(b"(?<=[A-Za-z])[A-Z]")
@@ -38,7 +39,7 @@ def defined(raw: bytes) -> int:
     total = len(DEFINITION.findall(raw)) + len(INNER_CAPITAL.findall(raw))
     for run in LONG.findall(raw):
         total += len(run) - WORD_LETTERS - (chunks(len(run)) - chunks(WORD_LETTERS))
-    return total
+    return min(total, len(raw))  # never more than a token a byte
 
 
 texts = st.text() | st.text(alphabet="abYZ.\n\t日é🙂7 ", max_size=200)
