@@ -8,13 +8,17 @@ upstream keepalive, ``proxy_buffering off``: how nginx is set up for SSE). The
 client is this process (asyncio, uvloop where installed, one kept-alive connection
 per concurrent stream).
 
-- **per request**: 16 clients send non-streamed completions back to back for a while;
-  the proxy's CPU (schedstat of every thread of every process of it) over the
-  requests it relayed.
-- **the stream ladder**: ``c`` = 16..256 clients each run 40-token streams back to
+- **per request**: at ``c`` = 1, 16 and 64 clients, non-streamed completions back to
+  back for a while, sent by ``wrk`` (a C client, so that the client's own CPU takes
+  little from the proxies on a small machine; this process's asyncio client where wrk
+  is not installed); the proxy's CPU (schedstat of every thread of every process of
+  it, less its CPU at rest over the same time: the router's poller) over the requests
+  it relayed, and the latency p50 as the client saw it.
+- **the stream ladder**: ``c`` = 1, 16..256 clients each run 40-token streams back to
   back; per rung: streams done, errors, first-token p99 (from the request's start),
   token lateness p99 (a gap between two tokens beyond ``GAP_MS``), and the proxy's
-  CPU per token (its CPU less the per-request cost of the streams, over the tokens).
+  CPU per token (its CPU less its CPU at rest and the per-request cost of the streams,
+  over the tokens).
   A rung is carried with no error, lateness p99 < 50 ms and first token p99 < 500 ms.
 
 Run alone: ``python bench/bench_relay.py [--quick]``.
@@ -52,7 +56,8 @@ KEY = "bench-relay-key"
 MODEL = "bench-model"
 GAP_MS = 25
 TOKENS = 40
-LADDER = (16, 32, 64, 128, 256)
+LADDER = (1, 16, 32, 64, 128, 256)
+PER_REQUEST = (1, 16, 64)
 
 
 # -- the upstream: keep-alive HTTP/1.1, tokens spaced as an LLM emits them ----------
@@ -266,6 +271,13 @@ class Rung:
     wall_s: float = 0.0
     capacity_reads: int = 0
     capacity_wrong: int = 0  # failed, incomplete, or not the worker's 1024 slots
+    latency: list[float] = field(default_factory=list)  # a non-streamed request's
+    idle_ns: int = 0  # the proxy's CPU at rest over the rung, taken out of cpu_ns
+    error_note: str = ""  # what wrk said of its errors
+    p50: float | None = None  # as wrk says it
+
+    def latency_p50(self) -> float:
+        return self.p50 if self.p50 is not None else percentile(self.latency, 50)
 
 
 async def _client(target: Target, stream: bool, until: float, rung: Rung) -> None:
@@ -296,6 +308,7 @@ async def _client(target: Target, stream: bool, until: float, rung: Rung) -> Non
             if not stream:
                 length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
                 await reader.readexactly(length)
+                rung.latency.append(loop.time() - started)
                 rung.requests += 1
                 continue
             last = None
@@ -331,8 +344,81 @@ async def _client(target: Target, stream: bool, until: float, rung: Rung) -> Non
         writer.close()
 
 
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.body = '{body}'
+wrk.headers["Content-Type"] = "application/json"
+{auth}
+"""
+
+
+def _wrk_seconds(text: str) -> float:
+    """``430.00us``, ``1.20ms``, ``2.00s`` as wrk prints a latency."""
+    for unit, scale in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
+        if text.endswith(unit):
+            return float(text.removesuffix(unit)) * scale
+    raise ValueError(text)
+
+
+def run_wrk(target: Target, clients: int, seconds: float, directory: str) -> Rung | None:
+    """Non-streamed completions from ``wrk`` (None where it is not installed): the
+    requests, errors (socket errors and non-2xx answers), the latency p50, and the
+    proxy's CPU over them."""
+    wrk = shutil.which("wrk")
+    if wrk is None:
+        return None
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": TOKENS}
+    )
+    auth = f'wrk.headers["Authorization"] = "{target.auth.decode()}"' if target.auth else ""
+    script = os.path.join(directory, f"post-{target.name}.lua")
+    with open(script, "w") as f:
+        f.write(WRK_SCRIPT.format(body=body, auth=auth))
+    host, port = target.url
+    rate = idle_rate(target)
+    before, started = _cpu(target), time.monotonic()
+    done = subprocess.run(
+        [wrk, "-t1", f"-c{clients}", f"-d{seconds:g}s", "--timeout", "10s", "--latency",
+         "-s", script, f"http://{host}:{port}/v1/chat/completions"],
+        capture_output=True, text=True, timeout=seconds + 30,
+    )  # fmt: skip
+    rung = Rung(cpu_ns=_cpu(target) - before, wall_s=time.monotonic() - started)
+    _net(rung, rate)
+    for line in done.stdout.splitlines():
+        words = line.split()
+        if "requests in" in line:
+            rung.requests = int(words[0])
+        elif words[:1] == ["50%"]:
+            rung.p50 = _wrk_seconds(words[1])
+        elif line.strip().startswith("Non-2xx"):
+            rung.errors += int(words[-1])
+            rung.error_note += line.strip() + " "
+        elif line.strip().startswith("Socket errors"):
+            rung.errors += sum(int(w.strip(",")) for w in words[3::2])
+            rung.error_note += line.strip() + " "
+    return rung
+
+
 def _cpu(target: Target) -> int:
     return sum(proc_cpu_ns(pid) for pid in target.pids())
+
+
+IDLE_S = 1.0
+
+
+def idle_rate(target: Target) -> float:
+    """The proxy's CPU a second with no traffic (the router's poller reads the worker
+    every second; nginx: nothing), taken just before a rung: it is not the relay's cost,
+    so a rung's CPU is counted without it (on a busy machine a rung relays few requests,
+    and the poller's share of each would swamp the figure)."""
+    before = _cpu(target)
+    time.sleep(IDLE_S)
+    return (_cpu(target) - before) / IDLE_S
+
+
+def _net(rung: Rung, rate: float) -> None:
+    rung.idle_ns = int(rate * rung.wall_s)
+    rung.cpu_ns = max(0, rung.cpu_ns - rung.idle_ns)
 
 
 def _watch_capacity(target: Target, rung: Rung, stop: threading.Event) -> None:
@@ -365,6 +451,7 @@ def run_rung(target: Target, clients: int, stream: bool, seconds: float) -> Rung
         until = asyncio.get_running_loop().time() + seconds
         await asyncio.gather(*(_client(target, stream, until, rung) for _ in range(clients)))
 
+    rate = idle_rate(target)
     before, started = _cpu(target), time.monotonic()
     loop = _new_loop()
     try:
@@ -372,6 +459,7 @@ def run_rung(target: Target, clients: int, stream: bool, seconds: float) -> Rung
     finally:
         loop.close()
     rung.cpu_ns, rung.wall_s = _cpu(target) - before, time.monotonic() - started
+    _net(rung, rate)
     stop.set()
     if watch is not None:
         watch.join()
@@ -380,7 +468,9 @@ def run_rung(target: Target, clients: int, stream: bool, seconds: float) -> Rung
 
 @dataclass
 class RelayBench:
-    per_request_ns: dict[str, float] = field(default_factory=dict)
+    per_request_ns: dict[str, float] = field(default_factory=dict)  # at 16 clients
+    per_request: dict[str, dict[int, Rung]] = field(default_factory=dict)
+    client: str = "wrk"
     ladder: dict[str, dict[int, Rung]] = field(default_factory=dict)
     per_token_ns: dict[str, dict[int, float]] = field(default_factory=dict)
 
@@ -396,12 +486,25 @@ def run_relay(cleanup: Cleanup, log: Callable[[str], None], quick: bool = False)
     time.sleep(2.5)  # the router's first rounds see the upstream
     result = RelayBench()
     seconds = 2.0 if quick else 6.0
+    directory = cleanup.tempdir()
     for target in targets:
         run_rung(target, 4, False, 0.5)  # warm
-        rung = run_rung(target, 16, False, seconds / 2)
-        result.per_request_ns[target.name] = rung.cpu_ns / max(1, rung.requests)
-        log(f"relay: {target.name}: {rung.requests} requests, {rung.errors} errors")
-    ladder = LADDER[:3] if quick else LADDER
+    for clients in PER_REQUEST:
+        for target in targets:
+            rung = run_wrk(target, clients, seconds / 2, directory)
+            if rung is None:
+                result.client = "asyncio"
+                rung = run_rung(target, clients, False, seconds / 2)
+            result.per_request.setdefault(target.name, {})[clients] = rung
+            log(
+                f"relay: {target.name} c={clients} ({result.client}): {rung.requests} "
+                f"requests, {rung.errors} errors, p50 {rung.latency_p50() * 1000:.2f} ms, "
+                f"{rung.cpu_ns / max(1, rung.requests) / 1000:.0f} us CPU a request"
+                + (f" ({rung.error_note.strip()})" if rung.error_note else "")
+            )
+    for name, rungs in result.per_request.items():
+        result.per_request_ns[name] = rungs[16].cpu_ns / max(1, rungs[16].requests)
+    ladder = (1, 16, 64) if quick else LADDER
     for i, clients in enumerate(ladder):
         order = targets if i % 2 == 0 else targets[::-1]
         for target in order:
@@ -456,10 +559,21 @@ def relay_tables(r: RelayBench) -> str:
         "| proxy CPU | " + " | ".join(names) + (" | router / nginx |" if "nginx" in names else " |")
     )
     lines.append("|---" * (len(names) + 1 + ("nginx" in names)) + "|")
-    row = [f"{r.per_request_ns[n] / 1000:.0f} us" for n in names]
-    if "nginx" in names:
-        row.append(f"{r.per_request_ns['router'] / r.per_request_ns['nginx']:.1f}x")
-    lines.append("| per request (16 clients, not streamed) | " + " | ".join(row) + " |")
+    for clients in PER_REQUEST:
+        rungs = {n: r.per_request[n][clients] for n in names}
+        cost = {n: rung.cpu_ns / max(1, rung.requests) for n, rung in rungs.items()}
+        row = [
+            f"{cost[n] / 1000:.0f} us (p50 {rungs[n].latency_p50() * 1000:.2f} ms, "
+            f"{rungs[n].requests} requests, {rungs[n].errors} errors)"
+            for n in names
+        ]
+        if "nginx" in names:
+            row.append(f"{cost['router'] / max(1.0, cost['nginx']):.1f}x")
+        lines.append(
+            f"| per request, {clients} clients, not streamed ({r.client}) | "
+            + " | ".join(row)
+            + " |"
+        )
     for clients in next(iter(r.ladder.values())):
         row = [f"{r.per_token_ns[n][clients] / 1000:.1f} us" for n in names]
         if "nginx" in names and r.per_token_ns["nginx"][clients] > 0:
@@ -469,6 +583,12 @@ def relay_tables(r: RelayBench) -> str:
         elif "nginx" in names:
             row.append("-")
         lines.append(f"| per token, {clients} streams | " + " | ".join(row) + " |")
+    for name in names:
+        rungs = [*r.per_request[name].values(), *r.ladder[name].values()]
+        at_rest = sum(x.idle_ns for x in rungs) / max(1e-9, sum(x.wall_s for x in rungs))
+        lines.append(
+            f"({name} at rest: {at_rest / 1e6:.1f} ms of CPU a second, taken out of its figures)"
+        )
     return "\n".join(lines)
 
 

@@ -62,6 +62,7 @@ from .http1 import Connection, Connections, Handler, Throttled, connection_bound
 from .keyfile import KeyFile
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import exposition
+from .pinning import http_url
 from .poller import (
     DEFAULT_INTERVAL_S,
     DEFAULT_TIMEOUT_S,
@@ -72,7 +73,7 @@ from .poller import (
 )
 from .proxy import RELAYED_PATHS, Answer, FarmProxy, WorkerKey, unauthorized
 from .registry import RegistryWatcher
-from .wire import RequestHead, http_url
+from .wire import RequestHead
 
 log = logging.getLogger("capacity_router")
 

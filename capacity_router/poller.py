@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -41,6 +41,7 @@ from shm_layout.errors import GatewayCapacityError
 
 from .aggregate import Observation, State, aggregate, is_fenced, within_contract
 from .keyfile import KeyFile, KeyFileError
+from .pinning import Route, route_of, url_port
 from .reconcile import Reconciled, reconcile
 from .registry import RegistryFile, RegistryWatcher, Worker
 from .sockets import shared_sockets
@@ -97,13 +98,9 @@ def _describe(exc: BaseException) -> str:
 _refused_said: dict[tuple[str, str], str] = {}
 
 
-def listener_refusal(worker: Worker, url: str) -> str | None:
-    """Why ``worker`` must not be contacted at ``url`` now (its loopback listener's owner,
-    :func:`capacity_contract.listeners.worker_refusal`); a new reason is logged once as a
-    WARNING, for the poll and the relay alike."""
-    parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    refused = listeners.worker_refusal(parts.hostname or "", port, worker.listener_owner)
+def say_refused(worker: Worker, url: str, refused: str | None) -> None:
+    """Log a new reason not to contact ``worker`` at ``url`` once, as a WARNING, for the
+    poll and the relay alike (and forget it when the URL passes again)."""
     mark = (worker.id, url)
     if refused is None:
         _refused_said.pop(mark, None)
@@ -115,7 +112,27 @@ def listener_refusal(worker: Worker, url: str) -> str | None:
             url,
             refused,
         )
-    return refused
+
+
+async def checked_route(worker: Worker, url: str, *, in_thread: bool = True) -> Route:
+    """Where ``worker`` may be contacted at ``url`` now (:func:`pinning.route_of`: its
+    loopback listener's owner, or every address a peer of this tailnet); a refusal is
+    said once (:func:`say_refused`)."""
+    route = await route_of(url, worker.listener_owner, worker.tailnet_check, in_thread=in_thread)
+    if route.unresolved is None:
+        say_refused(worker, url, route.refused)
+    return route
+
+
+def pinned_url(url: str, address: str) -> str:
+    """``url`` with its host replaced by the checked ``address`` (itself when the host is
+    that address or a loopback name)."""
+    parts = urlsplit(url)
+    if address == parts.hostname:
+        return url
+    _, port = url_port(url)
+    shown = f"[{address}]" if ":" in address else address
+    return urlunsplit(parts._replace(netloc=f"{shown}:{port}"))
 
 
 async def poll_url(
@@ -126,16 +143,30 @@ async def poll_url(
     key: bytes | None = None,
 ) -> Observation:
     """Observe one worker through one of its URLs, within ``timeout`` seconds."""
-    refused = listener_refusal(worker, url)
-    if refused is not None:
-        return Observation("unreachable", reason=f"not contacted: {refused}")
     slots = worker.slots
     kind = slots.server_kind
     headers = {"Authorization": "Bearer " + key.decode("ascii")} if key is not None else {}
     fetch = Fetch(client, url, headers)
     health_stage = True
+    # A loopback URL's listener is read here, before the poll's deadline starts, as it
+    # always was (a millisecond); a name's resolution and whois run under the deadline.
+    route: Route | None = None
+    if listeners.loopback_addresses(url_port(url)[0]):
+        route = await checked_route(worker, url, in_thread=False)
     try:
         async with asyncio.timeout(timeout):
+            if route is None:
+                route = await checked_route(worker, url)
+            if route.refused is not None:
+                return Observation("unreachable", reason=f"not contacted: {route.refused}")
+            if route.unresolved is not None:
+                return Observation("unreachable", reason=route.unresolved)
+            pinned = pinned_url(url, route.addresses[0])
+            if pinned != url:  # to the checked address, as the URL's host
+                host = urlsplit(url)
+                headers["Host"] = host.netloc
+                sni = {"sni_hostname": host.hostname or ""} if host.scheme == "https" else {}
+                fetch = Fetch(client, pinned, headers, extensions=sni)
             status = await fetch.status(kind.health)
             if status == 404 and kind.health_fallback:
                 status = await fetch.status(kind.health_fallback)

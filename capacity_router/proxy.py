@@ -60,10 +60,9 @@ from typing import Protocol, cast
 
 import msgspec
 
-from capacity_contract import listeners
 from capacity_contract.tokens import request_charge
 
-from .poller import CapacityObserver, WorkerStatus, listener_refusal
+from .poller import CapacityObserver, WorkerStatus, checked_route
 from .registry import RegistryFile, RegistryWatcher, Worker
 from .wire import (
     MAX_HEAD_BYTES,
@@ -311,6 +310,7 @@ def target_of(url: str) -> Target:
 # -- connections to the workers ------------------------------------------------
 
 
+_ONE_WRITE_BODY = 64 << 10  # a body up to this is written with its head in one call
 POOL_IDLE_S = 4.0  # under uvicorn's 5 s keep-alive (vLLM, SGLang): we close first
 POOL_MAX_IDLE = 256  # per worker URL
 
@@ -379,22 +379,35 @@ class UpstreamPool:
             conn.close()
         return None
 
-    async def connect(self, target: Target) -> _Upstream:
+    @property
+    def connect_timeout(self) -> float:
+        return self._connect_timeout
+
+    async def connect(self, target: Target, addresses: Sequence[str]) -> _Upstream:
+        """A connection to ``target`` at the first of its checked ``addresses`` that
+        takes one (the TLS name stays the URL's host)."""
         loop = asyncio.get_running_loop()
         tls: ssl.SSLContext | None = None
         if target.scheme == "https":
             if self._tls is None:
                 self._tls = ssl.create_default_context()
             tls = self._tls
+        failed: OSError | None = None
         async with asyncio.timeout(self._connect_timeout):
-            _, conn = await loop.create_connection(
-                _Upstream,
-                target.host,
-                target.port,
-                ssl=tls,
-                server_hostname=target.host if tls else None,
-            )
-        return conn
+            for address in addresses:
+                try:
+                    _, conn = await loop.create_connection(
+                        _Upstream,
+                        address,
+                        target.port,
+                        ssl=tls,
+                        server_hostname=target.host if tls else None,
+                    )
+                except OSError as exc:
+                    failed = exc
+                    continue
+                return conn
+        raise failed if failed is not None else OSError("no address to connect to")
 
     def give_back(self, target: Target, conn: _Upstream) -> None:
         idle = self._idle.setdefault(target.pool_key, [])
@@ -692,14 +705,18 @@ class Exchange:
             request = self._request_head(target, headers)
             conn = self._proxy.pool.take(target)
             if conn is None:
-                # A stranger may listen on a loopback worker's port since the last round.
-                # Reading the kernel's socket table can take tens of ms: off this loop.
-                if listeners.loopback_addresses(target.host) and (
-                    await asyncio.to_thread(listener_refusal, worker, url) is not None
-                ):
+                # A stranger may listen on a loopback worker's port since the last round,
+                # a name may resolve elsewhere: checked now (the kernel's socket table and
+                # the resolver off this loop), and the connection goes where was checked.
+                try:
+                    async with asyncio.timeout(self._proxy.pool.connect_timeout):
+                        route = await checked_route(worker, url)
+                except TimeoutError:
+                    continue
+                if not route.addresses:
                     continue
                 try:
-                    conn = await self._proxy.pool.connect(target)
+                    conn = await self._proxy.pool.connect(target, route.addresses)
                 except (OSError, TimeoutError) as exc:
                     log.debug(
                         "request %s: worker %s: %s: no connection (%s)",
@@ -732,8 +749,11 @@ class Exchange:
         self._pending = True
         conn.sink = self
         assert conn.transport is not None
-        conn.transport.write(request)
-        if self._body:
+        if len(self._body) <= _ONE_WRITE_BODY:
+            # one writev, so one segment on the wire and one wake-up of the worker
+            conn.transport.writelines((request, self._body))
+        else:  # a large body is not copied into one buffer with its head
+            conn.transport.write(request)
             conn.transport.write(self._body)
 
     async def _send(self, conn: _Upstream, target: Target, request: bytes) -> str:

@@ -6,7 +6,7 @@
    "urls": ["http://100.101.102.103:8080", "http://mac-studio-1.tailnet.example:8080"],
    "models": ["workhorse", "workhorse-long"],
    "slots": {"source": "props"}},
-  {"id": "linux-box", "urls": ["http://10.0.0.7:8000"], "models": ["workhorse"],
+  {"id": "linux-box", "urls": ["http://100.101.102.105:8000"], "models": ["workhorse"],
    "slots": {"fixed": 4}, "fenced": true}
 ]}
 ```
@@ -31,6 +31,11 @@
   requests only while its listener belongs to that user, or without the setting
   to root or the router's own user (``capacity_contract.listeners``): while a
   worker is down, anyone may listen on its port.
+- A URL whose host is not loopback is contacted only on the addresses it resolves
+  to, each a peer of this tailnet as the local tailscaled says, pinned from the
+  check to the connection (``capacity_router.pinning``); ``tailnetCheck``
+  (optional, ``"peer"`` or ``"range-only"``) set to ``"range-only"`` accepts a
+  Tailscale address on its range alone, without asking tailscaled.
 - ``fenced: true`` drains the worker from the file (survives restarts).
 
 Unknown fields are refused, so a typo such as ``"fence": true`` cannot leave a
@@ -43,7 +48,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from typing import Annotated, Final
+from typing import Annotated, Final, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -122,6 +127,9 @@ class Worker(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         | Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
         | None
     ) = msgspec.field(default=None, name="listenerOwner")
+    tailnet_check: Literal["peer", "range-only"] = msgspec.field(
+        default="peer", name="tailnetCheck"
+    )
 
 
 class RegistryFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -55,7 +55,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
 from .kinds import SHAPES
-from .wire import http_url
+from .pinning import http_url
 
 PropsFault = Literal["garbage", "error", "hang"]
 Shape = str

@@ -84,15 +84,21 @@ class Fetch:
     url: str
     headers: Mapping[str, str] = field(default_factory=dict)
     stage: str = "/health"
+    # sni_hostname: the URL names a pinned address, TLS verifies the worker's own name
+    extensions: Mapping[str, str] = field(default_factory=dict)
 
     async def status(self, path: str) -> int:
         self.stage = "/" + path
-        async with self.client.stream("GET", endpoint(self.url, path), headers=self.headers) as r:
+        async with self.client.stream(
+            "GET", endpoint(self.url, path), headers=self.headers, extensions=self.extensions
+        ) as r:
             return r.status_code
 
     async def get(self, path: str, limit: int = JSON_BODY_LIMIT) -> tuple[int, bytes]:
         self.stage = "/" + path.split("?", 1)[0]
-        async with self.client.stream("GET", endpoint(self.url, path), headers=self.headers) as r:
+        async with self.client.stream(
+            "GET", endpoint(self.url, path), headers=self.headers, extensions=self.extensions
+        ) as r:
             body = await read_capped(r.aiter_raw(), limit)
             if body is None:
                 raise Unreadable(f"{self.stage} body over {limit} bytes")

@@ -1,11 +1,17 @@
 """HTTP/1.1 message framing for the relay (RFC 9112), as pure functions on bytes.
 
-The relay parses a request head and a worker's response head once each, in plain
-Python, and then only *scans* a body for its end: a ``Content-Length`` countdown or
-the chunked framing (:class:`ChunkedScanner`), so the worker's bytes go to the client
-as they came, never decoded and re-encoded. Anything that could frame one message two
-ways is refused: ``Transfer-Encoding`` on a request (411), two ``Content-Length``
-values, obsolete line folding, a control character in a header, a head over
+The relay parses a request head and a worker's response head once each with llhttp
+(Node's parser, through ``httptools``, strict: no lenient flag but a response's
+``Content-Length`` beside ``Transfer-Encoding: chunked``, which is dropped for the
+chunked framing), plus the checks llhttp leaves to its caller, and then only *scans* a
+body for its end: a ``Content-Length`` countdown or the chunked framing
+(:class:`ChunkedScanner`), so the worker's bytes go to the client as they came, never
+decoded and re-encoded. llhttp cannot do that scan for a relay: it says that a message
+ended (``on_message_complete``) but not where in the bytes fed (``httptools`` gives
+llhttp's error position only for an upgrade), so it cannot cut a worker's answer from
+what the worker wrote behind it. Anything that could frame one message two ways is
+refused: ``Transfer-Encoding`` on a request (411), two ``Content-Length`` values,
+obsolete line folding, a control character in a header, a head over
 :data:`MAX_HEAD_BYTES`.
 """
 
@@ -14,6 +20,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+import httptools
 
 MAX_HEAD_BYTES = 64 << 10
 MAX_HEADERS = 128
@@ -24,6 +32,7 @@ _DIGITS = re.compile(rb"[0-9]{1,18}\Z")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,15}\Z")
 _REASON = re.compile(rb"[\t\x20-\x7e\x80-\xff]*\Z")  # RFC 9112 4: HTAB, SP, VCHAR, obs-text
 _CHUNK_EXT = re.compile(rb"[\t\x20-\x7e\x80-\xff]*\Z")  # no CR, LF, NUL, ESC in a chunk line
+_WHOLE_CHUNK = re.compile(rb"([0-9A-Fa-f]{1,15})\r\n")  # a size line without an extension
 
 
 class BadMessage(ValueError):
@@ -51,11 +60,6 @@ def _headers(lines: list[bytes]) -> list[Header]:
             raise BadMessage("a control character in a header value")
         found.append((name.lower(), value))
     return found
-
-
-def http_url(host: str, port: int) -> str:
-    """``http://host:port``, an IPv6 address in brackets (RFC 3986 3.2.2)."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def connection_tokens(headers: Iterable[Header]) -> frozenset[bytes]:
@@ -100,22 +104,70 @@ class RequestHead:
         return self.version == b"1.1" and b"close" not in connection_tokens(self.headers)
 
 
+class _Head:
+    """What llhttp's callbacks give of one head."""
+
+    __slots__ = ("headers", "status", "url")
+
+    def __init__(self) -> None:
+        self.headers: list[Header] = []
+        self.url = b""
+        self.status = b""
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_status(self, status: bytes) -> None:
+        self.status += status
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(self.headers) >= MAX_HEADERS:
+            raise BadMessage(f"more than {MAX_HEADERS} header fields", 431)
+        self.headers.append((name.lower(), value.strip(b" \t")))
+
+
+def _parse(parser: httptools.HttpRequestParser | httptools.HttpResponseParser, head: bytes) -> None:
+    """Feed ``head`` and its empty line; a refusal of llhttp's or of a callback's is raised
+    as it is (``HttpParserError``, :class:`BadMessage`)."""
+    try:
+        parser.feed_data(head + b"\r\n\r\n")
+    except httptools.HttpParserUpgrade:
+        pass  # CONNECT or Upgrade: the head is whole, judged below as any other
+    except httptools.HttpParserCallbackError as exc:
+        if isinstance(exc.__context__, BadMessage):
+            raise exc.__context__ from None
+        raise
+
+
 def parse_request_head(head: bytes) -> RequestHead:
     """A request head without its final empty line."""
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not _TOKEN.match(parts[0]) or not parts[1]:
+    line = head.split(b"\r\n", 1)[0]
+    if line.count(b" ") != 2:  # llhttp takes runs of spaces
         raise BadMessage("a request line that is not METHOD TARGET HTTP/1.1")
-    method, target, version = parts
-    if version not in (b"HTTP/1.1", b"HTTP/1.0"):
+    sink = _Head()
+    parser = httptools.HttpRequestParser(sink)
+    try:
+        _parse(parser, head)
+    except httptools.HttpParserError as exc:
+        if any(name == b"transfer-encoding" for name, _ in sink.headers):
+            raise BadMessage(
+                "a request body with Transfer-Encoding: send Content-Length", 411
+            ) from None
+        if str(exc) == "Invalid HTTP version":
+            raise BadMessage("an HTTP version other than 1.1 or 1.0", 505) from None
+        raise BadMessage(f"a request llhttp refuses: {exc}") from None
+    version = parser.get_http_version()
+    if version not in ("1.1", "1.0"):
         raise BadMessage("an HTTP version other than 1.1 or 1.0", 505)
+    target = sink.url
     if not target.startswith(b"/") or _BAD_VALUE.search(target) or b"#" in target:
         raise BadMessage("a request target that is not an absolute path")
-    headers = _headers(lines[1:])
+    headers = sink.headers
     if any(name == b"transfer-encoding" for name, _ in headers):
         raise BadMessage("a request body with Transfer-Encoding: send Content-Length", 411)
     length = content_length(headers) or 0
-    return RequestHead(method.decode(), target.decode("latin-1"), version[5:], headers, length)
+    method = parser.get_method().decode()
+    return RequestHead(method, target.decode("latin-1"), version.encode(), headers, length)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,23 +182,24 @@ class ResponseHead:
 
 def parse_response_head(head: bytes) -> ResponseHead:
     """A worker's response head without its final empty line."""
-    lines = head.split(b"\r\n")
-    version, _, rest = lines[0].partition(b" ")
-    code, _, reason = rest.partition(b" ")
-    if (
-        version not in (b"HTTP/1.1", b"HTTP/1.0")
-        or not _DIGITS.match(code)
-        or len(code) != 3
-        or not 100 <= int(code) <= 599
-    ):
-        raise BadMessage("a status line that is not HTTP/1.1 NNN", 502)
-    if not _REASON.match(reason):  # a bare LF there ends the line for a lenient client
-        raise BadMessage("a control character in the reason phrase", 502)
+    sink = _Head()
+    parser = httptools.HttpResponseParser(sink)
+    # a Content-Length beside chunked is dropped, the chunked framing kept (RFC 9112 6.3)
+    parser.set_dangerous_leniencies(lenient_chunked_length=True)
     try:
-        headers = _headers(lines[1:])
+        _parse(parser, head)
     except BadMessage as exc:
         raise BadMessage(str(exc), 502) from None
-    status = int(code)
+    except httptools.HttpParserError as exc:
+        raise BadMessage(f"a head llhttp refuses: {exc}", 502) from None
+    status = parser.get_status_code()
+    version = parser.get_http_version()
+    if version not in ("1.1", "1.0") or not 100 <= status <= 599:
+        raise BadMessage("a status line that is not HTTP/1.1 NNN", 502)
+    reason = sink.status
+    if not _REASON.match(reason):  # llhttp takes a NUL or an ESC there
+        raise BadMessage("a control character in the reason phrase", 502)
+    headers = sink.headers
     coding = [v for n, v in headers if n == b"transfer-encoding"]
     chunked = bool(coding) and coding[-1].rsplit(b",", 1)[-1].strip().lower() == b"chunked"
     if coding and not chunked:
@@ -158,9 +211,7 @@ def parse_response_head(head: bytes) -> ResponseHead:
     if status in (204, 304) or 100 <= status < 200:
         length, chunked = 0, False
     tokens = connection_tokens(headers)
-    keep_alive = (
-        version == b"HTTP/1.1" and b"close" not in tokens and (chunked or length is not None)
-    )
+    keep_alive = version == "1.1" and b"close" not in tokens and (chunked or length is not None)
     return ResponseHead(status, reason, headers, chunked, length, keep_alive)
 
 
@@ -193,6 +244,18 @@ class ChunkedScanner:
         i, n = 0, len(buf)
         while i < n and not self.done:
             state = self._state
+            if state == self._SIZE and not self._line:
+                # the common case, a whole chunk in one read (a worker writes an event as
+                # one chunk): its size line, its data and its CRLF, in one match
+                whole = _WHOLE_CHUNK.match(buf, i)
+                if whole is not None:
+                    length = int(whole.group(1), 16)
+                    start = whole.end()
+                    if length and buf[start + length : start + length + 2] == b"\r\n":
+                        if keep_data:
+                            self._data.append(buf[start : start + length])
+                        i = start + length + 2
+                        continue
             if state == self._DATA:
                 take = min(self._left, n - i)
                 if keep_data:

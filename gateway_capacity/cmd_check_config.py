@@ -33,12 +33,12 @@ import os
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from capacity_contract.addresses import ResolveError, check_provider_addresses
 from gateway_capacity.common import add_target_options, fail
 from gateway_capacity.exits import EXIT_NO_SEGMENT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from gateway_capacity.schemas import SCHEMA_VERSION
 from shm_layout.errors import BadSegmentName
 from shm_layout.names import ENV_VAR, check_segment_name, resolve_segment_name
-from sidecar.addresses import ResolveError, check_provider_addresses
 from sidecar.config import (
     RANGE_ONLY,
     ConfigError,

@@ -21,13 +21,15 @@ registry or connection problems.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import json
 import re
 import sys
 import threading
+from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import quote, urlsplit
 
 from capacity_router.kinds import SHAPES as SIM_SHAPES
@@ -36,6 +38,10 @@ from gateway_capacity.common import fail, require_router_extra
 from gateway_capacity.exits import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from gateway_capacity.logs import add_log_options
 from gateway_capacity.schemas import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    from capacity_router.pinning import Route
+    from capacity_router.registry import Worker
 
 DEFAULT_PORT = 8731
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
@@ -217,9 +223,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from urllib.parse import urlsplit
-
-    from capacity_contract import MAX_SNAPSHOT_BYTES, listeners, shown, worst_case_snapshot_bytes
+    from capacity_contract import MAX_SNAPSHOT_BYTES, shown, worst_case_snapshot_bytes
     from capacity_router.registry import RegistryError, RegistryWatcher
     from capacity_router.sockets import shared_sockets
 
@@ -253,24 +257,39 @@ def _check(args: argparse.Namespace) -> int:
         kind = worker.slots.server_kind
         where = f"tokens from {kind.tokens}" if kind.tokens else "slots only (no token capacity)"
         print(f"  {shown(worker.id)} ({kind.name}): {where}")
-    for worker in registry.workers:  # a loopback listener's owner, as the router checks it
-        for url in worker.urls:
-            parts = urlsplit(url)
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-            refused = listeners.worker_refusal(parts.hostname or "", port, worker.listener_owner)
-            if refused is not None:
-                print(
-                    f"warning: worker {shown(worker.id)}: {shown(url)} not contacted: "
-                    f"{shown(refused)}"
-                )
+    # where each URL may be contacted, as the router checks it before every poll and
+    # every new relay connection: a loopback listener's owner, a tailnet peer
+    for worker, url, route in asyncio.run(_routes(registry.workers)):
+        if route.refused is not None:
+            print(
+                f"warning: worker {shown(worker.id)}: {shown(url)} not contacted: "
+                f"{shown(route.refused)}"
+            )
+        elif route.unresolved is not None:
+            print(f"warning: worker {shown(worker.id)}: {shown(route.unresolved)}")
     return EXIT_OK
+
+
+async def _routes(workers: Sequence[Worker]) -> list[tuple[Worker, str, Route]]:
+    """Every worker URL's route, checked at once."""
+    from capacity_router.pinning import Route, route_of
+
+    async def one(worker: Worker, url: str) -> tuple[Worker, str, Route]:
+        try:
+            async with asyncio.timeout(5.0):
+                route = await route_of(url, worker.listener_owner, worker.tailnet_check)
+        except TimeoutError:
+            route = Route(unresolved=f"{url}: checking its address took over 5 s")
+        return worker, url, route
+
+    return list(await asyncio.gather(*(one(w, u) for w in workers for u in w.urls)))
 
 
 # -- serve ------------------------------------------------------------------
 
 
 def _parse_listen(text: str) -> tuple[str, int]:
-    from sidecar.addresses import parse_host_port
+    from capacity_contract.addresses import parse_host_port
 
     try:
         return parse_host_port(text)

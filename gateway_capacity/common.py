@@ -54,7 +54,7 @@ def fail(message: str, code: int) -> NoReturn:
     raise SystemExit(code)
 
 
-ROUTER_EXTRA = ("uvloop",)
+ROUTER_EXTRA = ("uvloop", "httptools")
 
 
 def require_router_extra(what: str) -> None:

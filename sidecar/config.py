@@ -12,7 +12,7 @@ its :class:`ProviderStatus` says why, in one of these forms:
 
 - ``not_requested``: ``capacityDiscovery`` is not ``true`` (static admission);
 - ``opt_in_ok:loopback`` / ``opt_in_ok:tailnet``: eligible; every probe still
-  resolves and checks the addresses (``sidecar.addresses``);
+  resolves and checks the addresses (``capacity_contract.addresses``);
 - ``opt_in_refused:<why>``: the host may not receive the credential (R-P1);
 - ``config_invalid:<why>``: a field has the wrong type or value.
 
@@ -34,6 +34,7 @@ from urllib.parse import parse_qs, unquote, urlparse, urlsplit
 import msgspec
 
 from capacity_contract import shown
+from capacity_contract.addresses import classify, is_localhost_name, parse_ip, static_opt_in
 from gateway_config import (
     CLASS_KEYS,
     CLASSES_REFUSED,
@@ -55,7 +56,6 @@ from gateway_config import (
     parse_config_file,
     read_config_file,
 )
-from sidecar.addresses import classify, is_localhost_name, parse_ip, static_opt_in
 from sidecar.credential import check_credential_spec
 
 __all__ = [

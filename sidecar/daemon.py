@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from capacity_contract.addresses import is_loopback, parse_host_port, parse_ip
 from shm_layout import layout, platform, writer
 from shm_layout.errors import GatewayCapacityError
 from shm_layout.layout import Source
@@ -46,7 +47,6 @@ from shm_layout.reasons import ReasonsWriter, texts_of
 from shm_layout.segment import ForeignSegment, Segment
 from shm_layout.view import ReplicaView, parse_view, snapshot_bytes
 from sidecar import sdnotify
-from sidecar.addresses import is_loopback, parse_host_port, parse_ip
 from sidecar.config import (
     CLASSES_REFUSED,
     ConfigError,

@@ -3,7 +3,7 @@
 :func:`probe_provider` is the unit the daemon calls each refresh. In order:
 
 1. the static opt-in of the entry (:func:`sidecar.config.check_provider`);
-2. resolve the host once and check every address (:mod:`sidecar.addresses`):
+2. resolve the host once and check every address (:mod:`capacity_contract.addresses`):
    one refused address refuses the provider and nothing is sent;
 3. read the key afresh (:mod:`sidecar.credential`), so rotation needs no restart;
 4. on loopback, check who listens on each address and port (:mod:`capacity_contract.listeners`):
@@ -55,7 +55,7 @@ from capacity_contract import (
     listeners,
     read_capped,
 )
-from sidecar.addresses import (
+from capacity_contract.addresses import (
     AddressVerdict,
     ResolveError,
     check_provider_addresses,
@@ -228,7 +228,7 @@ async def probe_provider(
     """Probe every replica of ``provider`` once; never raises for a provider's fault.
 
     ``now_fn`` is the sidecar's clock for freshness (R-K4). ``tailscale_socket``
-    defaults to :func:`sidecar.addresses.default_tailscale_socket`; ``ssl_context``
+    defaults to :func:`capacity_contract.addresses.default_tailscale_socket`; ``ssl_context``
     to :func:`default_ssl_context`; ``credentials_directory`` to
     ``$CREDENTIALS_DIRECTORY``. ``clients`` keeps connections alive across calls
     (the daemon's); without it, this call makes its own and closes them. When

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from probe_servers import FakeLocalAPI
 
-from sidecar.addresses import (
+from capacity_contract.addresses import (
     LOCALAPI_HOST,
     AddressCheck,
     WhoisResult,
@@ -110,7 +110,7 @@ def test_r_p3_localhost_resolves_only_to_loopback_addresses() -> None:
 
 
 def test_r_p3_unresolvable_name_is_a_resolve_error() -> None:
-    from sidecar.addresses import ResolveError
+    from capacity_contract.addresses import ResolveError
 
     with pytest.raises(ResolveError, match="did not resolve"):
         asyncio.run(resolve("no-such-host.invalid", 80))

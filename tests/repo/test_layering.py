@@ -39,7 +39,7 @@ INTERNAL_ERRORS = {
     "Superseded": "shm_layout.writer: control flow, the daemon stops writing",
     "LockSetupError": "shm_layout.lock: segment.py turns it into a SegmentError",
     "Refusal": "handler_shim.model_choice: answered as a 413 or 400",
-    "ResolveError": "sidecar.addresses: becomes the probe's reason",
+    "ResolveError": "capacity_contract.addresses: becomes the probe's reason",
     "Unhealthy": "capacity_router.sources: becomes the worker's reason",
     "DemoFailed": "gateway_capacity.demo: becomes the demo's exit status",
     "MetricsError": "gateway_capacity.wfs_metrics: becomes wait-for-slot's reason",

@@ -1,4 +1,5 @@
-"""Which addresses a capacity probe may go to (R-P1, R-P3).
+"""Which addresses a capacity probe, or a router's request to a worker, may go to (R-P1,
+R-P3).
 
 Three layers, each needed because the one before proves too little:
 
@@ -22,8 +23,8 @@ Three layers, each needed because the one before proves too little:
 host once (in a thread, so a hung resolver cannot outlive the caller's deadline)
 and returns the pinned addresses the probe may connect to, or why none.
 
-Nothing here imports httpx at module level: ``sidecar.config`` uses the pure
-functions.
+The sidecar's probe and the router's workers keep one rule, so it lives below both.
+Nothing here imports httpx at module level: ``sidecar.config`` uses the pure functions.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from shm_layout import platform
+from shm_layout.platform import is_darwin
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -67,7 +68,7 @@ def default_tailscale_socket() -> str:
     configured = os.environ.get(SOCKET_ENV)
     if configured:
         return configured
-    if platform.is_darwin():
+    if is_darwin():
         return "/var/run/tailscaled.socket"
     return "/var/run/tailscale/tailscaled.sock"
 
