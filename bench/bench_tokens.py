@@ -135,3 +135,87 @@ def run_tokens(
         for key, (provider, cls, tokens) in CASES.items():
             cost[key].append(_cost(adm, provider, cls, tokens, ops))
     return cost
+
+
+# -- instruction counts (valgrind --tool=callgrind): what the shared machine cannot blur --
+
+CALLGRIND_OPS = (100, 600)
+# os.getppid's C function: the child calls it between two loops, and callgrind dumps its
+# counts there (--dump-before), so that one run under valgrind measures every case
+MARKER = "os_getppid"
+
+
+def run_callgrind(cleanup: Cleanup, log: Callable[[str], None]) -> dict[str, float] | str:
+    """Instructions per acquire+release, per case, from one process under ``valgrind
+    --tool=callgrind``: each case's loop run ``CALLGRIND_OPS[0]`` then
+    ``CALLGRIND_OPS[1]`` times, callgrind dumping its counts before each loop and after
+    the last; the difference of a case's two loops over the difference of their counts
+    (what the loop costs once, its set-up, cancels). Instruction counts do not depend on
+    the machine's load, as the wall-clock figures do. Returns why not instead when
+    valgrind is not installed."""
+    import shutil
+    import subprocess
+    import sys
+
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        return "valgrind is not installed"
+    data = os.path.join(cleanup.tempdir(), "callgrind.out")
+    log("tokens: callgrind, one run of every case (minutes: valgrind runs python ~50x slower)")
+    subprocess.run(
+        [
+            valgrind,
+            "--tool=callgrind",
+            f"--callgrind-out-file={data}",
+            f"--dump-before={MARKER}",
+            sys.executable,
+            os.path.abspath(__file__),
+            *map(str, CALLGRIND_OPS),
+        ],
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    # dump k (k >= 1) holds what ran between marker k-1 and marker k; marker 0 ends the
+    # set-up, then each case's two loops end with a marker each
+    parts = [_callgrind_total(f"{data}.{k}") for k in range(2, 2 + 2 * len(CASES))]
+    spread = CALLGRIND_OPS[1] - CALLGRIND_OPS[0]
+    return {case: (parts[2 * i + 1] - parts[2 * i]) / spread for i, case in enumerate(CASES)}
+
+
+def _callgrind_total(path: str) -> int:
+    with open(path) as f:
+        for line in f:
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+    raise ValueError(f"{path}: no summary line")
+
+
+def _marked_loops(small: int, large: int) -> None:
+    """What callgrind counts: set up as run_tokens does, warm every case, then each case
+    ``small`` and ``large`` times, a marker (os.getppid) after the set-up and each loop."""
+    from handler_shim import Admission
+
+    cleanup = Cleanup()
+    try:
+        config = _config(cleanup)
+        segment = cleanup.segment("/gwb-c" + secrets.token_hex(5))
+        adm = Admission.attach(config=config, segment=segment, generation="bench")
+        cleanup.push("admission", adm.close)
+        _publish_budgets(adm, config)
+        for provider, cls, tokens in CASES.values():
+            _cost(adm, provider, cls, tokens, 200)
+        os.getppid()
+        for provider, cls, tokens in CASES.values():
+            for ops in (small, large):
+                _cost(adm, provider, cls, tokens, ops)
+                os.getppid()
+    finally:
+        cleanup.run()
+
+
+if __name__ == "__main__":
+    import sys
+
+    _marked_loops(int(sys.argv[1]), int(sys.argv[2]))

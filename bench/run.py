@@ -867,7 +867,15 @@ def section_classes(cleanup: Cleanup, plan: Plan) -> str:
 
 
 def section_tokens(cleanup: Cleanup, plan: Plan) -> str:
-    from bench_tokens import BASE, CHARGE, LABELS, run_tokens, unsupported
+    from bench_tokens import (
+        BASE,
+        CALLGRIND_OPS,
+        CHARGE,
+        LABELS,
+        run_callgrind,
+        run_tokens,
+        unsupported,
+    )
 
     head = (
         f"15. Admission in tokens: a request charged {CHARGE} tokens against a published "
@@ -890,7 +898,25 @@ def section_tokens(cleanup: Cleanup, plan: Plan) -> str:
         rows,
         right={1, 2, 3},
     )
-    return "\n".join([head, "", table])
+    counts = run_callgrind(cleanup, log)
+    if isinstance(counts, str):
+        return "\n".join([head, "", table, "", f"  instructions: not counted ({counts})"])
+    rows = []
+    for key, value in counts.items():
+        ratio = value / counts[BASE[key]]
+        mark = "" if BASE[key] == key else f" ({_verdict(ratio <= 1.5)})"
+        rows.append([LABELS[key], f"{value:,.0f}", fmt_ratio(ratio) + mark])
+    instructions = render_table(
+        [
+            f"instructions per acquire+release (callgrind, {CALLGRIND_OPS[1]} less "
+            f"{CALLGRIND_OPS[0]} of them, over the difference)",
+            "instructions",
+            "/uncharged",
+        ],
+        rows,
+        right={1, 2},
+    )
+    return "\n".join([head, "", table, "", instructions])
 
 
 def compare_report(cleanup: Cleanup, plan: Plan) -> str:

@@ -20,8 +20,8 @@ A request the router estimates larger than a worker's ``max_request_tokens``
 (R-K7) is not sent there: it goes to a worker that holds it, and when no
 eligible worker of its model does (each states a smaller one), it is refused
 at once with a 400 that names the numbers. The estimate is
-:func:`request_tokens`: the body's bytes over four plus the tokens it asks to
-generate.
+:func:`request_tokens`: :mod:`capacity_contract.tokens`'s, the one the handlers'
+middleware charges.
 
 - A fence stops new requests at once; the ones running there finish (drain).
 - A client that goes away closes its upstream request at once, so the worker
@@ -59,6 +59,8 @@ from functools import lru_cache
 from typing import Protocol, cast
 
 import msgspec
+
+from capacity_contract.tokens import request_charge
 
 from .poller import CapacityObserver, WorkerStatus, checked_route
 from .registry import RegistryFile, RegistryWatcher, Worker
@@ -243,28 +245,11 @@ def bad_gateway(message: str) -> Answer:
     return openai_error(502, message, "server_error", "upstream_error")
 
 
-class _ModelField(msgspec.Struct):
-    model: str
-    max_tokens: object = None  # any JSON: the worker judges the field, not the router
-    max_completion_tokens: object = None
-
-
-_model_decoder = msgspec.json.Decoder(_ModelField)
-
-BYTES_A_TOKEN = 4  # the estimate's bytes of body per prompt token
-
-
-def request_tokens(body: bytes | bytearray, fields: _ModelField) -> int:
-    """The tokens a request may hold, estimated: its whole body's bytes over
-    :data:`BYTES_A_TOKEN` (the prompt with its JSON around it, which stands for the
-    chat template's own tokens) plus ``max_completion_tokens`` or ``max_tokens``
-    (0 when it states neither: the server's default is its own)."""
-    asked = fields.max_completion_tokens
-    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
-        asked = fields.max_tokens
-    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
-        asked = 0
-    return len(body) // BYTES_A_TOKEN + asked
+def request_tokens(doc: dict[str, object]) -> int:
+    """The tokens a request may hold, estimated (:mod:`capacity_contract.tokens`): its
+    prompt plus ``max_completion_tokens`` or ``max_tokens`` (none: the prompt alone, the
+    server's default being its own)."""
+    return request_charge(doc).tokens(None)
 
 
 # -- what goes upstream and back ---------------------------------------------
@@ -561,7 +546,7 @@ class FarmProxy:
         return openai_error(
             400,
             f"this request needs about {tokens} tokens (its prompt estimated from its "
-            f"size, plus the tokens it asks to generate); the workers of the model {shown} "
+            f"text, plus the tokens it asks to generate); the workers of the model {shown} "
             f"hold at most {largest} a request",
             "invalid_request_error",
             "context_length_exceeded",
@@ -596,8 +581,11 @@ class FarmProxy:
     ) -> asyncio.Task[None] | None:
         """Relay one request; answers at once (400) or returns the exchange's task."""
         try:
-            fields = _model_decoder.decode(body)
+            doc = msgspec.json.decode(body)
         except msgspec.DecodeError:
+            doc = None
+        model = doc.get("model") if isinstance(doc, dict) else None
+        if not isinstance(model, str):
             client.respond(
                 openai_error(
                     400,
@@ -608,8 +596,7 @@ class FarmProxy:
                 )
             )
             return None
-        model = fields.model
-        exchange = Exchange(self, client, head, body, model, request_tokens(body, fields))
+        exchange = Exchange(self, client, head, body, model, request_tokens(doc))
         client.exchange = exchange
         return exchange.start()
 

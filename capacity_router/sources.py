@@ -765,7 +765,7 @@ def vllm_kv(body: bytes, asleep: set[str]) -> tuple[tuple[int, int], ...] | None
             blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
         except (KeyError, ValueError):
             return None  # "None" before the engine profiled its memory
-        if blocks <= 0 or size <= 0:
+        if blocks <= 1 or size <= 0:
             return None
         engines[labels.get("engine", "")] = (blocks, size)
     awake = tuple(kv for engine, kv in engines.items() if engine not in asleep)

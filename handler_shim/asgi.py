@@ -48,8 +48,8 @@ gunicorn with uvicorn workers, with or without ``--preload``.
   provider's drain estimate (``Admission.retry_after``: mean hold time x queue
   ahead / limit, clamped to 1..60 s) unless ``retry_after=`` fixes it.
 * **Tokens** (docs/DESIGN.md section 6c). A request whose JSON body :data:`by_model`
-  read is charged its prompt's bound (``model_choice.prompt_bound``: UTF-8 bytes plus the
-  template's overhead, never fewer than the tokens of a byte-level BPE tokenizer) plus
+  read is charged its prompt's estimate (``capacity_contract.tokens``, the one the
+  router's relay judges by too, with its stated margin: docs/router.md) plus
   its ``max_tokens`` (or ``max_completion_tokens``; none: the most one request of the
   provider may hold, when published). A request that no worker could hold is answered
   **400** ``context_length_exceeded`` naming the numbers, at once, never queued.
@@ -74,11 +74,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, NamedTuple
 
+from capacity_contract.tokens import Charge
 from handler_shim.admission import Admission, Ticket
 from handler_shim.model_choice import (
     CHARGE_KEY,
     ByModel,
-    Charge,
     Message,
     ModelMap,
     Receive,

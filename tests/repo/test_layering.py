@@ -26,7 +26,7 @@ STANDS_ON: dict[str, tuple[str, ...]] = {
     "shm_layout": (),
     "capacity_contract": ("shm_layout.errors", "shm_layout.platform"),
     "gateway_config": ("shm_layout.errors", "shm_layout.layout"),
-    "handler_shim": ("shm_layout", "gateway_config"),
+    "handler_shim": ("shm_layout", "gateway_config", "capacity_contract.tokens"),
     "sidecar": ("shm_layout", "gateway_config", "capacity_contract"),
     "capacity_router": ("capacity_contract", "shm_layout.errors"),
     SHELL: OURS,

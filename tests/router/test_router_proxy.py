@@ -27,6 +27,7 @@ from router_support import (
     write_registry,
 )
 
+from capacity_contract.tokens import request_charge
 from capacity_router import RouterServer, SimWorker, proxy
 from capacity_router.proxy import Candidate, choose
 from capacity_router.registry import SlotSource, Worker
@@ -474,15 +475,14 @@ def test_r_k5_connection_drops_only_hop_by_hop_names_never_the_clients_accept_en
 # -- a request larger than a worker's slot (R-K7) ----------------------------------------
 
 
-def test_r_k7_the_estimate_is_the_body_over_four_plus_what_it_asks_to_generate() -> None:
-    body = json.dumps({"model": "wh", "messages": MESSAGES, "max_tokens": 100}).encode()
-    fields = proxy._model_decoder.decode(body)
-    assert proxy.request_tokens(body, fields) == len(body) // 4 + 100
-    both = json.dumps({"model": "wh", "max_tokens": 100, "max_completion_tokens": 7}).encode()
-    assert proxy.request_tokens(both, proxy._model_decoder.decode(both)) == len(both) // 4 + 7
+def test_r_k7_the_relay_judges_by_the_estimate_the_middleware_charges() -> None:
+    doc: dict[str, Any] = {"model": "wh", "messages": MESSAGES, "max_tokens": 100}
+    assert proxy.request_tokens(doc) == request_charge(doc).prompt + 100
+    both = {"model": "wh", "max_tokens": 100, "max_completion_tokens": 7}
+    assert proxy.request_tokens(both) == request_charge(both).prompt + 100  # the larger
     for odd in ('"x"', "true", "-5", "1.5", "null"):  # the worker judges these, not us
-        raw = f'{{"model": "wh", "max_tokens": {odd}}}'.encode()
-        assert proxy.request_tokens(raw, proxy._model_decoder.decode(raw)) == len(raw) // 4
+        raw = json.loads(f'{{"model": "wh", "max_tokens": {odd}}}')
+        assert proxy.request_tokens(raw) == request_charge(raw).prompt
 
 
 def test_r_k7_a_large_request_goes_to_the_worker_whose_slot_holds_it(
@@ -507,7 +507,7 @@ def test_r_k7_a_request_no_worker_holds_is_400_with_the_numbers_and_reaches_none
 ) -> None:
     a, b = openai_sim(n_ctx=256), openai_sim(n_ctx=512)
     r = router([worker("a", [a.url], ["wh"]), worker("b", [b.url], ["wh"])])
-    prompt = [{"role": "user", "content": "word " * 480}]  # 2,400 bytes: about 600 tokens
+    prompt = [{"role": "user", "content": "word. " * 300}]  # about 600 tokens
     with pytest.raises(openai.BadRequestError) as refused:
         sdk(r).chat.completions.create(model="wh", messages=prompt, max_tokens=10)
     assert refused.value.code == "context_length_exceeded"
