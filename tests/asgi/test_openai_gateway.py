@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -126,6 +127,71 @@ def test_example_gateway_refuses_unknown_models_and_reports_an_unreachable_provi
     counters = _counters(segment_name)
     assert counters["running"] == 0 and counters["admitted_total"] == 2  # slots released
     assert key not in gateway.output()
+
+
+# gunicorn's default keep-alive: the shortest idle timeout of the servers inference sits
+# behind (uvicorn's, vLLM's, SGLang's and llama.cpp's are 5 s)
+IDLE_CLOSE_S = 2.0
+
+
+class _KeptAlive(BaseHTTPRequestHandler):
+    """HTTP/1.1 with keep-alive; a connection idle ``IDLE_CLOSE_S`` is closed when the next
+    request comes on it, unanswered: what a server's idle close looks like to a client that
+    sent on the connection as the server closed it (the race, made certain)."""
+
+    protocol_version = "HTTP/1.1"
+    server: _Upstream
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        idle_since = getattr(self, "idle_since", None)
+        if idle_since is not None and time.monotonic() - idle_since >= IDLE_CLOSE_S:
+            self.server.seen.append({"closed idle": True})
+            self.close_connection = True
+            return
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.seen.append({"answered": True})
+        body = b"data: {}\n\ndata: [DONE]\n\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+        self.idle_since = time.monotonic()
+
+
+def test_example_gateway_never_sends_on_a_connection_the_upstream_closes_as_idle(
+    tmp_path: Path, key_file: Path, segment_name: str
+) -> None:
+    """A completion admitted is relayed, not answered 502 because the pooled connection
+    it was sent on had been idle as long as the upstream keeps one (R-A1's slot is spent,
+    the upstream never saw the request): the gateway's pool lets a connection go before
+    the shortest idle timeout of the servers in front of inference."""
+    server = _Upstream(("127.0.0.1", 0), _KeptAlive)
+    server.seen = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    provider = {
+        "id": "local-inference",
+        "baseUrl": f"http://127.0.0.1:{server.server_address[1]}/v1",
+        "credentialFile": str(key_file),
+        "maxConcurrent": 2,
+        "models": {"local-workhorse": "workhorse"},
+    }
+    body = {"model": "local-workhorse", "stream": True, "messages": [{"role": "user"}]}
+    try:
+        with example_gateway(tmp_path, segment_name, provider) as gateway:
+            url = f"{gateway.base}/v1/chat/completions"
+            first = httpx.post(url, json=body, timeout=30)
+            time.sleep(IDLE_CLOSE_S + 0.3)
+            second = httpx.post(url, json=body, timeout=30)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (first.status_code, second.status_code) == (200, 200), (second.text, server.seen)
+    assert server.seen == [{"answered": True}, {"answered": True}]
 
 
 @pytest.mark.parametrize("config", ["unset", "missing"])
