@@ -185,7 +185,7 @@ def test_the_drill_observer_stamps_a_sample_when_its_read_of_the_segment_begins(
             time.sleep(0.3)
             return {"inflight": {"admitted": 0, "legacy": 0}}
 
-        def cli(self, *args: str) -> Any:
+        def cli(self, *args: str, stop: threading.Event | None = None) -> Any:
             self.stop_sampling.wait(10)  # the CLI on a loaded machine
             return subprocess.CompletedProcess(args, 1, "", "")
 
