@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -48,29 +49,42 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
 
 
+@contextlib.contextmanager
+def _serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[_Upstream]:
+    """A loopback upstream answering with ``handler``, on a thread, until the block ends."""
+    server = _Upstream(("127.0.0.1", 0), handler)
+    server.seen = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture
 def upstream() -> Iterator[_Upstream]:
-    server = _Upstream(("127.0.0.1", 0), _Handler)
-    server.seen = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with _serving(_Handler) as server:
+        yield server
 
 
-@pytest.fixture
-def gateway(
-    tmp_path: Path, upstream: _Upstream, key_file: Path, segment_name: str
-) -> Iterator[Served]:
-    provider = {
+def _provider(upstream: _Upstream, key_file: Path) -> dict[str, Any]:
+    """The gateway config's one provider, at ``upstream``."""
+    return {
         "id": "local-inference",
         "baseUrl": f"http://127.0.0.1:{upstream.server_address[1]}/v1",
         "credentialFile": str(key_file),
         "maxConcurrent": 2,
         "models": {"local-workhorse": "workhorse"},
     }
+
+
+@pytest.fixture
+def gateway(
+    tmp_path: Path, upstream: _Upstream, key_file: Path, segment_name: str
+) -> Iterator[Served]:
     env = {"GATEWAY_GENERATION": "example-1"}
+    provider = _provider(upstream, key_file)
     with example_gateway(tmp_path, segment_name, provider, env=env) as served:
         yield served
 
@@ -170,26 +184,14 @@ def test_example_gateway_never_sends_on_a_connection_the_upstream_closes_as_idle
     it was sent on had been idle as long as the upstream keeps one (R-A1's slot is spent,
     the upstream never saw the request): the gateway's pool lets a connection go before
     the shortest idle timeout of the servers in front of inference."""
-    server = _Upstream(("127.0.0.1", 0), _KeptAlive)
-    server.seen = []
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    provider = {
-        "id": "local-inference",
-        "baseUrl": f"http://127.0.0.1:{server.server_address[1]}/v1",
-        "credentialFile": str(key_file),
-        "maxConcurrent": 2,
-        "models": {"local-workhorse": "workhorse"},
-    }
     body = {"model": "local-workhorse", "stream": True, "messages": [{"role": "user"}]}
-    try:
+    with _serving(_KeptAlive) as server:
+        provider = _provider(server, key_file)
         with example_gateway(tmp_path, segment_name, provider) as gateway:
             url = f"{gateway.base}/v1/chat/completions"
             first = httpx.post(url, json=body, timeout=30)
             time.sleep(IDLE_CLOSE_S + 0.3)
             second = httpx.post(url, json=body, timeout=30)
-    finally:
-        server.shutdown()
-        server.server_close()
     assert (first.status_code, second.status_code) == (200, 200), (second.text, server.seen)
     assert server.seen == [{"answered": True}, {"answered": True}]
 
