@@ -47,7 +47,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # as a script too
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gwtest import free_port, wait_until
+from gwtest import free_port, start_sidecar, wait_until
 from servers import (
     ROUTER_KEY,
     STARTUP_S,
@@ -181,27 +181,10 @@ class Gateway:
                 }
             )
         )
-        log = (work / "sidecar.log").open("wb")
-        self.sidecar = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gateway_capacity",
-                "sidecar",
-                "--config",
-                str(self.config),
-                "--segment",
-                self.segment,
-                "--refresh",
-                "1",
-                "--parent-pid",
-                str(os.getpid()),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
+        parent = ("--parent-pid", str(os.getpid()))
+        self.sidecar = start_sidecar(
+            self.config, self.segment, work / "sidecar.log", *parent, refresh=1
         )
-        log.close()
 
     def row(self) -> Any:
         with suppress(Exception):  # not created yet
