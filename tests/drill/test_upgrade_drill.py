@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -205,3 +206,56 @@ def test_the_drill_observer_stamps_a_sample_when_its_read_of_the_segment_begins(
     times = [s.t for s in stub.samples]
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert times[-1] > 3.5 and max(gaps) < 2.0, times  # sampling went on past the CLI's look
+
+
+@pytest.mark.parametrize(("status", "waves"), [(200, 4), (429, 1)])
+def test_the_drill_burst_sends_waves_until_one_of_its_requests_is_answered_429(
+    status: int, waves: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst is for the overflow: while none of its requests was answered 429, another
+    wave follows (a gateway that answers every request 200, as a loaded machine's spread
+    arrivals let it, gets every wave); the first 429 ends it."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    sys.path.insert(0, str(ROOT / "drill"))
+    import drill_load
+    from drill_records import Outcomes
+
+    class Answer(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if status == 429:
+                body = json.dumps({"error": {"code": "queue_full"}}).encode()
+                self.send_response(429)
+                self.send_header("Retry-After", "1")
+            else:
+                body = b"data: {}\n\n" * 3 + b"data: [DONE]\n\n"
+                self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    class Stub:
+        model_alias = "m"
+        phase = "fenced w2"
+
+        def __init__(self) -> None:
+            self.outcomes = Outcomes()
+            self.figures: dict[str, Any] = {}
+
+    monkeypatch.setattr(drill_load, "BURST_WAVE_S", 0.3)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    stub = Stub()
+    try:
+        drill_load.burst(stub, f"http://127.0.0.1:{server.server_address[1]}", 5)  # type: ignore[arg-type]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert stub.figures["burst_waves"] == waves
+    answered = stub.outcomes.ok + stub.outcomes.rejected
+    assert answered == 5 * waves and stub.outcomes.lost == 0, stub.outcomes
