@@ -59,10 +59,9 @@ from capacity_contract import (
 from shm_layout.errors import GatewayCapacityError
 
 from .kinds import ServerKind, fixed_rule_error, kind_of
-from .sources import endpoint
 from .watched import FileStamp, open_regular
 
-__all__ = ["RegistryError", "RegistryFile", "RegistryWatcher", "SlotSource", "Worker", "endpoint"]
+__all__ = ["RegistryError", "RegistryFile", "RegistryWatcher", "SlotSource", "Worker"]
 
 MAX_REGISTRY_BYTES = 1 << 20
 MAX_URLS_PER_WORKER = 16

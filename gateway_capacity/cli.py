@@ -3,7 +3,10 @@
 Each subcommand lives in its own module with ``register(subparsers)``, which
 adds its parser and sets ``func`` to a ``run(args) -> int``. Heavy imports
 (httpx, the daemon) happen inside ``run`` so that ``--help`` and the handler
-side stay light.
+side stay light. A command line that names its command imports that command's
+module alone (``availability`` in a health check every few seconds pays for
+the views, not for the router, the config checker and the demo); ``--help``,
+a mistyped command and the generated completions see them all.
 """
 
 from __future__ import annotations
@@ -18,31 +21,55 @@ import sys
 from gateway_capacity import common
 from gateway_capacity.exits import EXIT_USAGE
 
-# subcommand module, in the order --help lists them
-_COMMANDS = (
-    "gateway_capacity.cmd_sidecar",
-    "gateway_capacity.cmd_views",  # availability, inspect, watch
-    "gateway_capacity.cmd_segments",
-    "gateway_capacity.cmd_check_config",
-    "gateway_capacity.cmd_verify",
-    "gateway_capacity.wait_for_slot",
-    "gateway_capacity.cmd_router",
-    "gateway_capacity.demo",
-)
+# subcommand module and the commands it registers, in the order --help lists them
+# (tests/repo/test_cli_files.py holds this table to what the modules register)
+COMMANDS: dict[str, tuple[str, ...]] = {
+    "gateway_capacity.cmd_sidecar": ("sidecar",),
+    "gateway_capacity.cmd_views": ("availability", "inspect", "watch"),
+    "gateway_capacity.cmd_segments": ("segments",),
+    "gateway_capacity.cmd_check_config": ("check-config",),
+    "gateway_capacity.cmd_verify": ("verify",),
+    "gateway_capacity.wait_for_slot": ("wait-for-slot",),
+    "gateway_capacity.cmd_router": ("router",),
+    "gateway_capacity.demo": ("demo",),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or with ``command`` (a command's name) only that command's
+    module registered: what parsing a command line that names it needs."""
     parser = argparse.ArgumentParser(
         prog="gateway-capacity",
         allow_abbrev=False,
         description="Capacity-following, generation-shared admission for an inference gateway.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in _COMMANDS:  # a module that fails to import is a broken install: say so
-        importlib.import_module(name).register(sub)
+    for name, commands in COMMANDS.items():
+        if command is None or command in commands:
+            # a module that fails to import is a broken install: say so
+            importlib.import_module(name).register(sub)
     _no_abbreviations(parser)
     return parser
+
+
+def _named_command(argv: list[str]) -> str | None:
+    """The command a command line names, when it is one of ours and nothing before it
+    asks for the top level (``--help``, ``--version``: they need every command)."""
+    for word in argv:
+        if word.startswith("-"):
+            return None
+        return word if any(word in commands for commands in COMMANDS.values()) else None
+    return None
+
+
+class _Version(argparse._VersionAction):
+    """argparse's ``version`` action, with the version read only when asked for: reading
+    it imports importlib.metadata, which every command would otherwise pay for."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(f"{parser.prog} {package_version()}")
+        parser.exit()
 
 
 def package_version() -> str:
@@ -66,7 +93,7 @@ def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(_named_command(sys.argv[1:] if argv is None else argv))
     args, extra = parser.parse_known_args(argv)
     if extra:
         # argparse would echo them, and a stray word may be a pasted key (R-P7, R-W3).

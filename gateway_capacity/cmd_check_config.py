@@ -52,7 +52,6 @@ from sidecar.config import (
 )
 from sidecar.credential import CredentialError, read_credential
 from sidecar.limits import fallback_for
-from sidecar.probe import listener_refusal
 
 if TYPE_CHECKING:
     from sidecar.replica import ProviderProbe
@@ -332,6 +331,8 @@ async def _check_provider(
     raw: dict[str, Any],
     socket_path: str | None,
 ) -> dict[str, Any]:
+    from sidecar.probe import listener_refusal  # httpx: only when a config is checked
+
     status = config.statuses[provider.id]
     limit, source = fallback_for(provider.max_concurrent, config.max_concurrent)
     default = provider.default_class_index

@@ -845,10 +845,9 @@ def _publication(
         replicas=replicas,
         classes=classes,
         default_class=default_class,
-        # R-L10: the token budget lapses with the limit. Share mode shares slots, not
-        # yet tokens: a gateway's share keeps no running-token budget (each would hold
-        # all of it), only the per-request bound, which is the workers' own
-        token_limit=d.token_limit if enforced and d.source != SHARE else 0,
+        # R-L10: the token budget lapses with the limit; in share mode it is this
+        # gateway's token share (sidecar.shares), the per-request bound the workers' own
+        token_limit=d.token_limit if enforced else 0,
         request_token_limit=d.request_token_limit if enforced else 0,
     )
 

@@ -6,7 +6,12 @@ provider holds the table: ``~touched`` and ``~rebuild`` (server milliseconds),
 ``~cap`` (the capacity last reported by a gateway that knew it), ``~server`` (the
 ``run_id`` of the Redis that wrote it: a replica promoted by a failover drops and
 rebuilds the copy it was sent, which may lack the last grants) and one field per
-gateway, ``g:<id>`` = ``"reserved demand expires_ms token seq lease_ms capacity"``.
+gateway, ``g:<id>`` = ``"reserved demand expires_ms token seq lease_ms capacity
+tokens_reserved tokens_demand pool"`` and ``~tcap`` (the token pool last reported by a
+gateway that knew it). The call's arguments: gateway, capacity, held, demand, floor,
+lease_ms, ttl_ms, token, seq, pool, tokens_held, tokens_demand, request_tokens; its
+answer: limit, reserved, gateways, rebuilding, others' reserved, server ms, refused,
+run_id, rebuild left ms, tokens_limit, tokens_reserved, pool.
 
 Only the sidecar imports this module (and redis-py); handlers never talk to
 Redis. The password comes from ``credentialFile`` (the provider key's rules)
@@ -47,43 +52,56 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local server = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
 local me = 'g:' .. ARGV[1]
 local cap = tonumber(ARGV[2])
-local held = math.max(0, tonumber(ARGV[3]))
-local demand = math.max(0, tonumber(ARGV[4]))
+local held = tonumber(ARGV[3])
+local demand = tonumber(ARGV[4])
 local floor = tonumber(ARGV[5])
 local lease = math.max(1, tonumber(ARGV[6]))
 local ttl = tonumber(ARGV[7])
 local token = ARGV[8]
 local seq = tonumber(ARGV[9])
+-- the token part (absent: a caller of an older version, nothing shared in tokens)
+local pool = tonumber(ARGV[10] or '0') or 0
+local theld = tonumber(ARGV[11] or '0') or 0
+local tdemand = tonumber(ARGV[12] or '0') or 0
+local tfloor = math.max(0, floor) * math.max(0, tonumber(ARGV[13] or '0') or 0)
 local keep = lease + math.floor(lease / 2)
 
 local raw = redis.call('HGETALL', KEYS[1])
-local touched, rebuild, known, writer = nil, 0, nil, nil
+local touched, rebuild, known, tknown, writer = nil, 0, nil, nil, nil
 local fields = {}
 for i = 1, #raw, 2 do
   local k, v = raw[i], raw[i + 1]
   if k == '~touched' then touched = tonumber(v)
   elseif k == '~rebuild' then rebuild = tonumber(v)
   elseif k == '~cap' then known = tonumber(v)
+  elseif k == '~tcap' then tknown = tonumber(v)
   elseif k == '~server' then writer = v
   else fields[k] = v end
 end
 
--- a lease: "reserved demand expires_ms[ token seq[ lease_ms capacity]]" (absent: older
--- writer; capacity -1: unknown at that gateway)
+-- a lease: "reserved demand expires_ms[ token seq[ lease_ms capacity[ tokens_reserved
+-- tokens_demand pool]]]" (absent: older writer; capacity or pool -1: unknown at that
+-- gateway; pool 0: none stated)
 local function parse(v)
   local r, d, e, rest = string.match(v, '^(%d+) (%d+) (%d+)(.*)$')
   if r == nil then return nil end
-  local tok, sq, ls, c = '', 0, 0, -1
+  local tok, sq, ls, c, tr, td, tp = '', 0, 0, -1, 0, 0, 0
   if rest ~= '' then
     tok, sq, ls = string.match(rest, '^ (%w+) (%d+)(.*)$')
     if tok == nil then return nil end
     if ls ~= '' then
-      ls, c = string.match(ls, '^ (%d+) (%-?%d+)$')
+      local more
+      ls, c, more = string.match(ls, '^ (%d+) (%-?%d+)(.*)$')
       if ls == nil then return nil end
+      if more ~= '' then
+        tr, td, tp = string.match(more, '^ (%d+) (%d+) (%-?%d+)$')
+        if tr == nil then return nil end
+      end
     end
     sq, ls, c = tonumber(sq), tonumber(ls) or 0, tonumber(c)
   end
-  return {tonumber(r), tonumber(d), tonumber(e), tok, sq, ls, c}
+  return {tonumber(r), tonumber(d), tonumber(e), tok, sq, ls, c, tonumber(tr), tonumber(td),
+    tonumber(tp)}
 end
 
 -- gateways may run on different leases: a silence is judged on the shortest one in
@@ -103,7 +121,7 @@ local leases, ids = {}, {}
 if touched == nil or writer ~= server or now - touched > math.floor(shortest / 2) then
   redis.call('DEL', KEYS[1])
   rebuild = now + longest + math.floor(longest / 2)
-  known = nil
+  known, tknown = nil, nil
 else
   local mine = fields[me] and parse(fields[me])
   if mine ~= nil and mine[3] > now then
@@ -124,59 +142,80 @@ ids[#ids + 1] = me
 table.sort(ids)
 local rebuilding = now < rebuild
 
-local ceiling
-if cap < 0 then
-  cap = known or 0
-  ceiling = math.max(0, floor)
-else
-  -- a gateway reading a stale (higher) capacity is held to the lowest a live one reported
-  known = cap
-  for _, l in pairs(leases) do
-    if l[7] >= 0 then cap = math.min(cap, l[7]) end
+-- _part(): one dimension of the call, the others' leases read at r (reserved), d
+-- (demand) and c (reported capacity); returns limit, reserved, demand, known, capacity
+local function part(reported, remembered, r, d, c, mine_held, mine_demand, fl)
+  mine_held = math.max(0, mine_held)
+  local capacity, ceiling
+  if reported < 0 then
+    capacity = remembered or 0
+    ceiling = math.max(0, fl)
+  else
+    -- a gateway reading a stale (higher) capacity is held to the lowest a live one reported
+    remembered = reported
+    capacity = reported
+    for _, l in pairs(leases) do
+      if l[c] >= 0 then capacity = math.min(capacity, l[c]) end
+    end
+    ceiling = capacity
   end
-  ceiling = cap
-end
-demand = math.min(demand, ceiling)
-
--- targets(): a floor each, the rest max-min fair by demand
-local n = #ids
-local base = math.min(math.max(0, floor), math.floor(cap / n))
-local want, given = {}, {}
-for _, g in ipairs(ids) do
-  local d = demand
-  if g ~= me then d = leases[g][2] end
-  given[g] = base
-  want[g] = math.max(0, d - base)
-end
-local left = cap - base * n
-while left > 0 do
-  local active = {}
-  for _, g in ipairs(ids) do if want[g] > 0 then active[#active + 1] = g end end
-  if #active == 0 then break end
-  local quantum = math.max(1, math.floor(left / #active))
-  for _, g in ipairs(active) do
-    local part = math.min(quantum, want[g], left)
-    given[g] = given[g] + part
-    want[g] = want[g] - part
-    left = left - part
-    if left == 0 then break end
+  mine_demand = math.min(math.max(0, mine_demand), ceiling)
+  -- targets(): a floor each, the rest max-min fair by demand
+  local n = #ids
+  local base = math.min(math.max(0, fl), math.floor(math.max(0, capacity) / n))
+  local want, given = {}, {}
+  for _, g in ipairs(ids) do
+    local x = mine_demand
+    if g ~= me then x = leases[g][d] end
+    given[g] = base
+    want[g] = math.max(0, x - base)
   end
+  local left = math.max(0, capacity) - base * n
+  while left > 0 do
+    local active = {}
+    for _, g in ipairs(ids) do if want[g] > 0 then active[#active + 1] = g end end
+    if #active == 0 then break end
+    local quantum = math.max(1, math.floor(left / #active))
+    for _, g in ipairs(active) do
+      local share = math.min(quantum, want[g], left)
+      given[g] = given[g] + share
+      want[g] = want[g] - share
+      left = left - share
+      if left == 0 then break end
+    end
+  end
+  local taken = 0
+  for _, l in pairs(leases) do taken = taken + l[r] end
+  local limit = math.max(0, math.min(given[me], capacity - taken, ceiling))
+  if rebuilding then limit = math.min(limit, mine_held) end
+  return limit, math.max(limit, mine_held), mine_demand, remembered, capacity
 end
 
+-- a pool nobody states counts as unknown among the others (index 11: pool or -1)
+for _, l in pairs(leases) do
+  if l[10] == 0 then l[11] = -1 else l[11] = l[10] end
+end
+local limit, reserved, sdemand
+limit, reserved, sdemand, known = part(cap, known, 1, 2, 7, held, demand, floor)
+local tlimit, treserved, tdem, tcap = 0, math.max(0, theld), 0, 0
+if pool ~= 0 then
+  tlimit, treserved, tdem, tknown, tcap = part(pool, tknown, 8, 9, 11, theld, tdemand, tfloor)
+end
 local others = 0
-for g, l in pairs(leases) do others = others + l[1] end
-local limit = math.max(0, math.min(given[me], cap - others, ceiling))
-if rebuilding then limit = math.min(limit, held) end
-local reserved = math.max(limit, held)
+for _, l in pairs(leases) do others = others + l[1] end
 local ident = ''
-if token ~= '' then ident = ' ' .. token .. ' ' .. seq .. ' ' .. lease .. ' ' .. ARGV[2] end
-redis.call('HSET', KEYS[1], me, reserved .. ' ' .. demand .. ' ' .. (now + keep) .. ident,
+if token ~= '' then
+  ident = ' ' .. token .. ' ' .. seq .. ' ' .. lease .. ' ' .. ARGV[2] .. ' ' .. treserved
+    .. ' ' .. tdem .. ' ' .. pool
+end
+redis.call('HSET', KEYS[1], me, reserved .. ' ' .. sdemand .. ' ' .. (now + keep) .. ident,
   '~touched', now, '~rebuild', rebuild, '~server', server)
 if known ~= nil then redis.call('HSET', KEYS[1], '~cap', known) end
+if tknown ~= nil then redis.call('HSET', KEYS[1], '~tcap', tknown) end
 redis.call('PEXPIRE', KEYS[1], ttl)
 local r, left = 0, 0
 if rebuilding then r, left = 1, rebuild - now end
-return {limit, reserved, n, r, others, now, 0, server, left}
+return {limit, reserved, #ids, r, others, now, 0, server, left, tlimit, treserved, tcap}
 """
 
 
@@ -392,6 +431,10 @@ class ShareClient:
             table_ttl_ms(report.lease_ms),
             report.token,
             report.seq,
+            report.tokens,
+            report.tokens_held,
+            report.tokens_demand,
+            report.request_tokens,
         ]
         try:
             out = await asyncio.wait_for(
@@ -402,7 +445,22 @@ class ShareClient:
         limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out[:7])
         why = {1: DUPLICATE, 2: STALE}.get(refused, "")
         left = int(out[8]) if len(out) > 8 else 0  # the 9th: how long the rebuild lasts
-        grant = Grant(limit, reserved, gateways, bool(rebuilding), others, why, left)
+        # the 10th to 12th: the token share, its reservation and the pool it is of
+        tokens_limit, tokens_reserved, pool = (
+            (int(x) for x in out[9:12]) if len(out) > 11 else (0, 0, 0)
+        )
+        grant = Grant(
+            limit,
+            reserved,
+            gateways,
+            bool(rebuilding),
+            others,
+            why,
+            left,
+            tokens_limit,
+            tokens_reserved,
+            pool,
+        )
         return Answer(grant, now)
 
     async def aclose(self) -> None:

@@ -21,7 +21,7 @@ from shm_layout import layout, platform, rows, writer
 from sidecar.config import CapacityShare, sentinel_addresses, share_target_for_logs
 from sidecar.limits import DISCOVERED, LEGACY_DRAIN, SHARE, LimitDecision
 from sidecar.share import instance_token
-from sidecar.shares import DEGRADED, DUPLICATE, UNKNOWN, Held, Report, local_limit
+from sidecar.shares import DEGRADED, DUPLICATE, NO_POOL, UNKNOWN, Held, Report, local_limit
 
 if TYPE_CHECKING:
     from shm_layout.segment import Segment
@@ -62,10 +62,28 @@ class ProviderShare:
 
     held: Held | None = None  # the last grant
     error: str = ""  # why the last call failed ("" when it answered)
-    asked: tuple[int, int, int] | tuple[()] = ()  # what the last call reported
+    asked: tuple[int, ...] = ()  # what the last call reported
     asked_mono: float = -1e18
     # what this gateway reports: the discovered capacity, or UNKNOWN without a fresh one
     capacity: int = UNKNOWN
+    # the farm's token pool: as stated (NO_POOL: none), UNKNOWN without a fresh answer
+    # once one was stated; and the most one request may hold, as last stated
+    tokens: int = NO_POOL
+    request_tokens: int = 0
+
+
+def token_load(buf: rows.Buffer, p: int, now: float) -> tuple[int, int]:
+    """Provider ``p``'s tokens as share mode reports them, read without the lock: what
+    it holds (``max(token limit in force, tokens running)``) and its demand (the charges
+    running and waiting)."""
+    base = rows.provider_base(p)
+    running = int(layout.PROVIDER["tokens_running"].get(buf, base))
+    waiting = 0
+    for h in range(layout.HOLDERS_PER_PROVIDER):
+        hb = rows.holder_base(p, h)
+        if layout.HOLDER["state"].get(buf, hb) == layout.HOLDER_WAITING:
+            waiting += int(layout.HOLDER["tokens"].get(buf, hb))
+    return max(rows.token_budget(buf, p, now).limit, running), running + waiting
 
 
 class ShareLoop:
@@ -155,10 +173,14 @@ class ShareLoop:
             p = rows.find_provider(sc.seg.buf, provider_id)
             if p is None:
                 continue
-            load = rows.provider_load(sc.seg.buf, p, platform.deadline_now())
+            now_mono = platform.deadline_now()
+            load = rows.provider_load(sc.seg.buf, p, now_mono)
             running, waiting, in_force = load.running, load.waiting, load.limit
             held = max(in_force, running)
-            asked = (capacity, held, running + waiting)
+            tokens_held, tokens_demand = token_load(sc.seg.buf, p, now_mono)
+            if running + waiting:  # at least one whole request while any runs or waits
+                tokens_demand = max(tokens_demand, mine.request_tokens)
+            asked = (capacity, held, running + waiting, mine.tokens, tokens_held, tokens_demand)
             mono = time.monotonic()
             since = mono - mine.asked_mono
             # due: a quarter of a lease passed; what it reports changed; or requests wait
@@ -180,6 +202,10 @@ class ShareLoop:
                 int(share.lease * 1000),
                 self.token,
                 self._next_seq(asked_mono),
+                mine.tokens,
+                tokens_held,
+                tokens_demand,
+                mine.request_tokens,
             )
             from sidecar.share import ShareUnavailable
 
@@ -210,7 +236,14 @@ class ShareLoop:
                 if not g.refused:  # a STALE answer changed nothing: a newer one holds
                     mine.error = ""
                     mine.held = Held(
-                        g.limit, g.gateways, asked_mono, share.lease, g.rebuild_left_ms / 1000
+                        g.limit,
+                        g.gateways,
+                        asked_mono,
+                        share.lease,
+                        g.rebuild_left_ms / 1000,
+                        report.tokens,
+                        g.tokens_limit,
+                        g.tokens,
                     )
             if sc.providers.get(provider_id) is state:
                 before = state.decision
@@ -249,7 +282,20 @@ class ShareLoop:
         mine = self.of(state.rules.provider_id)
         known = decision.source == DISCOVERED and decision.expires_mono is not None
         mine.capacity = decision.effective_limit if known else UNKNOWN
-        local = local_limit(mine.held, mine.capacity, mono, mine.error, refused=self.refused)
+        if known:
+            mine.tokens = decision.token_limit or NO_POOL
+            mine.request_tokens = decision.request_token_limit
+        elif mine.tokens != NO_POOL:  # a pool once stated is unknown now, not gone
+            mine.tokens = UNKNOWN
+        local = local_limit(
+            mine.held,
+            mine.capacity,
+            mono,
+            mine.error,
+            refused=self.refused,
+            tokens=mine.tokens,
+            request_tokens=mine.request_tokens,
+        )
         if known:
             reason = f"{local.reason}; capacity {decision.reason}"
         else:  # at most the floor, for want of a capacity: degraded, --check fails
@@ -263,6 +309,7 @@ class ShareLoop:
         return dataclasses.replace(
             decision,
             effective_limit=local.limit,
+            token_limit=local.tokens_limit,
             source=SHARE,
             reason=reason,
             expires_at=None if expires_mono is None else now + (expires_mono - mono),

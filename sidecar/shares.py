@@ -54,6 +54,23 @@ exactly this inside Redis (the tests run both on the same calls and compare). Ru
   read after the last limit was published). A lower limit stops new
   admissions at once; the reservation follows only as running requests finish,
   and only then can another gateway be granted what was given up.
+
+**Tokens, by the same rules.** Where the farm states a running-token pool ``P``
+(R-K7, R-L10), a call also reports it (``tokens``: ``P``, ``UNKNOWN`` without a fresh
+answer, 0 where the farm states none), the token budget it holds
+(``max(token limit in force, tokens running)``), its demand in tokens (the charges
+running and waiting, at least one whole request while anything runs or waits) and the
+most one request may hold ``Q``. The table keeps a token part beside each lease and
+grants it with the same steps: a floor of ``floor`` whole requests (``floor x Q``), the
+rest by demand max-min fair, the lowest pool a live gateway reported, shrink before
+grow, at most what is held while rebuilding, at most the token floor of the last known
+pool without a fresh answer. Invariant: the sum of the ``tokens_reserved`` of the live
+leases never exceeds ``P``, and a gateway's handlers never run more tokens than its
+token share (the core refuses a charge above it and admits one only when it fits), so
+the tokens running over every gateway stay within the pool. A token share smaller
+than one whole request would refuse requests the farm can hold: :func:`local_limit`
+then holds the slots at 0 until a larger share is granted. A pool of 0 (none stated)
+is not shared: the call's running tokens are reserved, nothing is limited.
 """
 
 from __future__ import annotations
@@ -70,6 +87,7 @@ UNKNOWN: Final = -1  # a reported capacity: this gateway has no fresh answer fro
 # why a call changed nothing
 DUPLICATE: Final = "duplicate"
 STALE: Final = "stale"
+NO_POOL: Final = 0  # a reported token pool: the farm states none (slots alone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +99,10 @@ class Lease:
     seq: int = 0  # the instance's sequence number of the call that wrote it
     lease_ms: int = 0  # the lease its gateway runs on (0: written by an older version)
     capacity: int = UNKNOWN  # the capacity its gateway reported (UNKNOWN: none, or older)
+    # the token part (0 0 0: none, or written by an older version)
+    tokens_reserved: int = 0
+    tokens_demand: int = 0
+    tokens: int = NO_POOL  # the token pool its gateway reported (UNKNOWN, NO_POOL or P)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +114,7 @@ class Table:
     # the Redis server that wrote it (its run_id): a table another server wrote (a
     # replica promoted by a failover, which may lack the last writes) is not trusted
     server: str = ""
+    tokens: int | None = None  # the token pool the last gateway that knew one reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +129,10 @@ class Report:
     lease_ms: int
     token: str = ""
     seq: int = 0
+    tokens: int = NO_POOL  # the farm's token pool here: P, UNKNOWN or NO_POOL
+    tokens_held: int = 0  # max(token limit in force, tokens running)
+    tokens_demand: int = 0  # charges running and waiting (at least Q while any)
+    request_tokens: int = 0  # Q, the most one request may hold (0 unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +144,9 @@ class Grant:
     others_reserved: int
     refused: str = ""  # DUPLICATE or STALE: the call changed nothing
     rebuild_left_ms: int = 0  # while ``rebuilding``: how much longer, server time
+    tokens_limit: int = 0  # the tokens the caller's handlers may hold (pool NO_POOL: 0, none)
+    tokens_reserved: int = 0
+    tokens: int = NO_POOL  # the pool it was granted of (the lowest live report)
 
 
 def held_for_ms(lease_ms: int) -> int:
@@ -170,7 +200,7 @@ def step(table: Table | None, report: Report, now_ms: int, server: str = "") -> 
     ):
         leases: dict[str, Lease] = {}
         rebuild_until = now_ms + held_for_ms(max(lengths))
-        known = None
+        known = known_tokens = None
     else:
         mine = table.leases.get(report.gateway)
         if mine is not None and mine.expires_ms > now_ms:
@@ -184,39 +214,103 @@ def step(table: Table | None, report: Report, now_ms: int, server: str = "") -> 
             if lease.expires_ms > now_ms and g != report.gateway
         }
         rebuild_until = table.rebuild_until_ms
-        known = table.capacity
+        known, known_tokens = table.capacity, table.tokens
     rebuilding = now_ms < rebuild_until
-    held = max(0, report.held)
-    if report.capacity < 0:
-        capacity = known if known is not None else 0
-        ceiling = max(0, report.floor)
+    slots = _part(
+        report.gateway,
+        report.capacity,
+        known,
+        {g: (x.reserved, x.demand, x.capacity) for g, x in leases.items()},
+        report.held,
+        report.demand,
+        report.floor,
+        rebuilding=rebuilding,
+    )
+    if report.tokens == NO_POOL:  # nothing to share: what runs is counted, nothing limited
+        tokens = _Part(0, max(0, report.tokens_held), 0, known_tokens, NO_POOL)
     else:
-        # a gateway reading a stale (higher) capacity is held to the lowest a live one
-        # reported: the sum of grants never exceeds any capacity in force here
-        capacity = min([report.capacity] + [x.capacity for x in leases.values() if x.capacity >= 0])
-        known = report.capacity
-        ceiling = capacity
-    demand = min(max(0, report.demand), ceiling)  # what it may be granted, not more
-    demands = {g: lease.demand for g, lease in leases.items()}
-    demands[report.gateway] = demand
-    target = targets(capacity, report.floor, demands)[report.gateway]
+        tokens = _part(
+            report.gateway,
+            report.tokens,
+            known_tokens,
+            {
+                g: (x.tokens_reserved, x.tokens_demand, x.tokens or UNKNOWN)
+                for g, x in leases.items()
+            },
+            report.tokens_held,
+            report.tokens_demand,
+            max(0, report.floor) * max(0, report.request_tokens),
+            rebuilding=rebuilding,
+        )
     others = sum(lease.reserved for lease in leases.values())
-    limit = max(0, min(target, capacity - others, ceiling))
-    if rebuilding:
-        limit = min(limit, held)
-    reserved = max(limit, held)
     leases[report.gateway] = Lease(
-        reserved,
-        demand,
+        slots.reserved,
+        slots.demand,
         now_ms + held_for_ms(lease_ms),
         report.token,
         report.seq if report.token else 0,
         lease_ms if report.token else 0,
         report.capacity if report.token else UNKNOWN,
+        tokens.reserved if report.token else 0,
+        tokens.demand if report.token else 0,
+        report.tokens if report.token else NO_POOL,
     )
     left = rebuild_until - now_ms if rebuilding else 0
-    grant = Grant(limit, reserved, len(leases), rebuilding, others, rebuild_left_ms=left)
-    return Table(leases, now_ms, rebuild_until, known, server), grant
+    grant = Grant(
+        slots.limit,
+        slots.reserved,
+        len(leases),
+        rebuilding,
+        others,
+        rebuild_left_ms=left,
+        tokens_limit=tokens.limit,
+        tokens_reserved=tokens.reserved,
+        tokens=tokens.capacity,
+    )
+    return Table(leases, now_ms, rebuild_until, slots.known, server, tokens.known), grant
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    limit: int
+    reserved: int
+    demand: int  # what the lease records: the demand, at most what it may be granted
+    known: int | None  # the capacity the table remembers
+    capacity: int  # the capacity granted of
+
+
+def _part(
+    me: str,
+    reported: int,
+    known: int | None,
+    others: Mapping[str, tuple[int, int, int]],
+    held: int,
+    demand: int,
+    floor: int,
+    *,
+    rebuilding: bool,
+) -> _Part:
+    """One dimension of gateway ``me``'s call (slots, or tokens): the others' leases as
+    ``(reserved, demand, reported capacity)``; the rules of the module docstring."""
+    held = max(0, held)
+    if reported < 0:
+        capacity = known if known is not None else 0
+        ceiling = max(0, floor)
+    else:
+        # a gateway reading a stale (higher) capacity is held to the lowest a live one
+        # reported: the sum of grants never exceeds any capacity in force here
+        capacity = min([reported] + [c for _, _, c in others.values() if c >= 0])
+        known = reported
+        ceiling = capacity
+    demand = min(max(0, demand), ceiling)  # what it may be granted, not more
+    demands = {g: d for g, (_, d, _) in others.items()}
+    demands[me] = demand
+    target = targets(capacity, floor, demands)[me]
+    taken = sum(r for r, _, _ in others.values())
+    limit = max(0, min(target, capacity - taken, ceiling))
+    if rebuilding:
+        limit = min(limit, held)
+    return _Part(limit, max(limit, held), demand, known, capacity)
 
 
 def silent_after_ms(lease_ms: int) -> int:
@@ -244,6 +338,9 @@ class Held:
     asked_mono: float  # when the call that granted it was sent
     lease_s: float
     rebuild_left_s: float = 0.0  # the table was being rebuilt for this long after the call
+    tokens: int = NO_POOL  # the token pool the call reported (NO_POOL: tokens not shared)
+    tokens_limit: int = 0  # the token share granted
+    tokens_of: int = NO_POOL  # the pool it was granted of
 
     @property
     def deadline(self) -> float:
@@ -256,6 +353,25 @@ class Local:
     state: str  # "granted", "kept", "lapsed", "none", "refused"
     reason: str
     deadline: float | None  # when the limit stops (deadline clock); None: it is 0 anyway
+    tokens_limit: int = 0  # the token budget the handlers apply (0: none, slots alone)
+
+
+def _with_tokens(limit: int, why: str, held: Held, pool: int, request_tokens: int) -> Local:
+    """The token part of a grant in force: its share of the pool (never above the pool
+    seen here now); a share below one whole request (``request_tokens``, or 1) holds the
+    slots at 0, since the core would refuse at once a request the farm can hold."""
+    if held.tokens == NO_POOL:
+        return Local(limit, "", why, None)
+    tokens = held.tokens_limit if pool <= 0 else min(held.tokens_limit, pool)
+    of = f"{held.tokens_of}" if held.tokens_of > 0 else "an unknown pool"
+    why += f"; tokens {tokens} of {of}"
+    whole = max(1, request_tokens)
+    if tokens < whole:
+        # 0 slots, and no token budget: the arrivals wait for a larger share (a budget
+        # below their charge would refuse them at once)
+        why += f", below one whole request ({whole}): no admission until more is granted"
+        return Local(0, "", why, None, 0)
+    return Local(limit, "", why, None, tokens)
 
 
 def local_limit(
@@ -265,6 +381,8 @@ def local_limit(
     redis_error: str,
     *,
     refused: str = "",
+    tokens: int = NO_POOL,
+    request_tokens: int = 0,
 ) -> Local:
     """The share this gateway enforces at ``now_mono``.
 
@@ -275,7 +393,9 @@ def local_limit(
     sidecar stops publishing (the segment's fallback in share mode), because no
     reservation outlives a lease. ``capacity`` may be ``UNKNOWN`` (the grant is
     then at most the floor already). ``refused``: this instance may hold no share
-    (its gateway name is in use by another), 0 for good.
+    (its gateway name is in use by another), 0 for good. ``tokens``: the farm's token
+    pool seen here now (``NO_POOL``, ``UNKNOWN``), ``request_tokens`` the most one
+    request may hold: a grant's token share comes with its slots (``_with_tokens``).
     """
     if refused:
         return Local(0, "refused", DEGRADED + refused, None)
@@ -287,18 +407,22 @@ def local_limit(
     if now_mono < held.deadline and not redis_error:
         why = f"share {limit} of {of}, {held.gateways} gateway(s)"
         left = held.asked_mono + held.rebuild_left_s - now_mono
+        part = _with_tokens(limit, why, held, tokens, request_tokens)
+        why = part.reason
         if left > 0:
             why += (
                 f"; the table is being rebuilt (new, emptied or failed over) for {left:.0f} s "
                 "more: until then each gateway keeps only what it runs"
             )
-        return Local(limit, "granted", why, held.deadline)
+        return Local(part.limit, "granted", why, held.deadline, part.tokens_limit)
     if now_mono < held.deadline:
+        part = _with_tokens(limit, f"share {limit}", held, tokens, request_tokens)
         return Local(
-            limit,
+            part.limit,
             "kept",
-            f"{DEGRADED}share {limit} kept until its lease ends: {redis_error}",
+            f"{DEGRADED}{part.reason} kept until its lease ends: {redis_error}",
             held.deadline,
+            part.tokens_limit,
         )
     return Local(
         0,

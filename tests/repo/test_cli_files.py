@@ -79,3 +79,22 @@ def test_the_man_page_has_a_section_for_every_subcommand_and_router_action() -> 
             if isinstance(action, argparse._SubParsersAction):
                 for inner in action.choices:
                     assert f"'{_roff('gateway-capacity router ' + inner)}'" in page, inner
+
+
+def test_each_command_parses_with_its_own_module_alone_as_with_every_module() -> None:
+    """main() registers only the module of the command a line names: the table that says
+    which module registers which command must be what the modules do register."""
+    from gateway_capacity.cli import COMMANDS, build_parser
+
+    def registered(parser: argparse.ArgumentParser) -> dict[str, str]:
+        (commands,) = [a for a in parser._actions if a.dest == "command"]
+        assert isinstance(commands, argparse._SubParsersAction)
+        return {name: sub.format_help() for name, sub in commands.choices.items()}
+
+    whole = registered(build_parser())
+    assert list(whole) == [c for cs in COMMANDS.values() for c in cs]
+    for name, text in whole.items():
+        alone = registered(build_parser(name))
+        assert alone[name] == text, name
+        (module,) = [m for m, cs in COMMANDS.items() if name in cs]
+        assert set(alone) == set(COMMANDS[module]), name

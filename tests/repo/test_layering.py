@@ -7,6 +7,8 @@ derives from ``GatewayCapacityError``."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -242,3 +244,17 @@ def test_every_public_exception_class_of_ours_derives_from_the_root() -> None:
                 if bases & builtin and not bases - builtin:
                     wrong.append(f"{path.relative_to(ROOT)}: {node.name}({', '.join(bases)})")
     assert wrong == [], "not under GatewayCapacityError:\n" + "\n".join(wrong)
+
+
+def test_a_cli_command_that_needs_no_http_client_starts_without_httpx() -> None:
+    """Every command builds the whole parser; what it imports then, every command pays."""
+    code = (
+        "import sys\n"
+        "from gateway_capacity.cli import build_parser\n"
+        "build_parser()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('httpx', 'rich', 'click')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "[]", out.stdout

@@ -32,6 +32,8 @@ class Farm:
         self.grace = grace
         self._lock = threading.Lock()
         self._announced: list[tuple[float, int]] = [(0.0, capacity)]
+        # (max_request_tokens, max_running_tokens) the rows state (R-K7); None: none
+        self.tokens: tuple[int, int] | None = None
         self.running = 0
         self.peak = 0
         self.served = 0
@@ -54,6 +56,9 @@ class Farm:
                         "observed_at": time.time(),
                         "models": [{"id": MODEL, "max_concurrent_requests": farm.capacity}],
                     }
+                    if farm.tokens is not None:
+                        row: dict[str, Any] = body["models"][0]  # type: ignore[index]
+                        row["max_request_tokens"], row["max_running_tokens"] = farm.tokens
                     return self._send(200, json.dumps(body).encode())
                 if url.path == "/work":
                     ms = float(parse_qs(url.query).get("ms", ["20"])[0])

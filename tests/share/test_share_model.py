@@ -50,11 +50,12 @@ class Gateway:
     partitioned: bool = False
     skewed: bool = False  # its wall clock is off the farm's: no fresh capacity
     published: tuple[int, int | None] = (0, None)  # limit, deadline (ms); None: fallback
+    published_tokens: int = 0  # the token budget published with it (0: none)
     held: Held | None = None
     error: str = ""
     refused: str = ""
-    running: list[int] = field(default_factory=list)  # admission times
-    waiting: int = 0
+    running: list[tuple[int, int]] = field(default_factory=list)  # admission times, charges
+    waiting: list[int] = field(default_factory=list)  # the waiters' charges, FIFO
     last_call: int = -(10**9)
     seq: int = 0
     in_flight: list[tuple[Report, int, Table | None, object]] = field(default_factory=list)
@@ -68,9 +69,23 @@ class ShareFarm(RuleBasedStateMachine):
         floor=st.integers(0, 3),
         gateways=st.integers(1, 3),
         leases=st.lists(st.sampled_from([LEASE, 4 * LEASE]), min_size=3, max_size=3),
+        pool=st.sampled_from([0, 300, 1000, 1536]),
+        per_request=st.sampled_from([100, 512]),
     )
-    def start(self, capacity: int, floor: int, gateways: int, leases: list[int]) -> None:
+    def start(
+        self,
+        capacity: int,
+        floor: int,
+        gateways: int,
+        leases: list[int],
+        pool: int,
+        per_request: int,
+    ) -> None:
         self.capacity = capacity
+        self.pool = pool  # the farm's running-token pool (0: none stated)
+        # the most one request holds, which every kind that states a pool states too
+        # (docs/share.md: a pool without it is not defended)
+        self.per_request = min(per_request, pool)
         self.floor = floor
         self.now = 0
         self.table: Table | None = None
@@ -101,11 +116,29 @@ class ShareFarm(RuleBasedStateMachine):
         limit, deadline = g.published
         return limit if deadline is not None and self.now < deadline else 0
 
+    def tokens_in_force(self, g: Gateway) -> int:
+        _, deadline = g.published
+        return g.published_tokens if deadline is not None and self.now < deadline else 0
+
+    def pool_here(self, g: Gateway) -> int:
+        if self.pool == 0:
+            return 0
+        return UNKNOWN if g.skewed else self.pool
+
     def publish(self, g: Gateway) -> None:
         capacity = UNKNOWN if g.skewed else self.capacity
-        local = local_limit(g.held, capacity, self.now / 1000, g.error, refused=g.refused)
+        local = local_limit(
+            g.held,
+            capacity,
+            self.now / 1000,
+            g.error,
+            refused=g.refused,
+            tokens=self.pool_here(g),
+            request_tokens=self.per_request,
+        )
         deadline = None if local.deadline is None else round(local.deadline * 1000)
         g.published = (local.limit, deadline)
+        g.published_tokens = local.tokens_limit
 
     def answer(self, g: Gateway, report: Report, asked: int, grant: object) -> None:
         """The sidecar receives a grant for the call it sent at ``asked``."""
@@ -116,21 +149,37 @@ class ShareFarm(RuleBasedStateMachine):
             g.refused = "refused: name held by another instance"
             g.sidecar = "refused"  # it publishes 0 and exits
         elif grant.refused != STALE:
-            g.held = Held(grant.limit, grant.gateways, asked / 1000, g.lease / 1000)
+            g.held = Held(
+                grant.limit,
+                grant.gateways,
+                asked / 1000,
+                g.lease / 1000,
+                tokens=report.tokens,
+                tokens_limit=grant.tokens_limit,
+                tokens_of=grant.tokens,
+            )
             g.error = ""
         self.publish(g)
 
     def report(self, g: Gateway) -> Report:
         """What ``g``'s sidecar sends on its next call."""
+        tokens_running = sum(c for _, c in g.running)
+        demand = tokens_running + sum(g.waiting)
+        if g.running or g.waiting:
+            demand = max(demand, self.per_request)
         return Report(
             g.name,
             UNKNOWN if g.skewed else self.capacity,
             max(self.in_force(g), len(g.running)),
-            len(g.running) + g.waiting,
+            len(g.running) + len(g.waiting),
             self.floor,
             g.lease,
             g.token,
             g.seq,
+            self.pool_here(g),
+            max(self.tokens_in_force(g), tokens_running),
+            demand,
+            self.per_request,
         )
 
     def call(self, g: Gateway) -> None:
@@ -153,6 +202,15 @@ class ShareFarm(RuleBasedStateMachine):
     def check(self) -> None:
         total = sum(max(self.in_force(g), len(g.running)) for g in self.gws)
         assert total <= self.capacity, (self.now, total, self.capacity, self.gws, self.table)
+        if self.pool:
+            # the tokens running over every gateway, and what each may still admit
+            tokens = sum(
+                max(
+                    self.tokens_in_force(g) if self.in_force(g) else 0, sum(c for _, c in g.running)
+                )
+                for g in self.gws
+            )
+            assert tokens <= self.pool, (self.now, tokens, self.pool, self.gws, self.table)
 
     def advance_to(self, target: int) -> None:
         """Renewals (every quarter of a lease, as the sidecar calls) and request ends, in
@@ -164,7 +222,7 @@ class ShareFarm(RuleBasedStateMachine):
                 if g.sidecar == "up"
             ]
             ends = [
-                (min(g.running) + REQUEST_MAX, 1, i) for i, g in enumerate(self.gws) if g.running
+                (min(g.running)[0] + REQUEST_MAX, 1, i) for i, g in enumerate(self.gws) if g.running
             ]
             due = min(renewals + ends, default=None)
             if due is None or due[0] > target:
@@ -186,18 +244,39 @@ class ShareFarm(RuleBasedStateMachine):
     def pick(self, i: int) -> Gateway:
         return self.gws[i % len(self.gws)]
 
-    @rule(i=st.integers(0, 3))
-    def a_request_arrives(self, i: int) -> None:
-        g = self.pick(i)
-        if g.waiting == 0 and len(g.running) < self.in_force(g):
-            g.running.append(self.now)
-        else:
-            g.waiting += 1
+    def charge(self, n: int) -> int:
+        """A request's charge: within what one request may hold (a larger one the core
+        refuses whatever the share)."""
+        return 1 + n % max(1, self.per_request or self.pool or 1)
 
-    @rule(i=st.integers(0, 3), n=st.integers(1, 12))
-    def a_burst_arrives(self, i: int, n: int) -> None:
+    def may_admit(self, g: Gateway, charge: int) -> bool:
+        """The core's rule: a free slot under the limit in force, and the charge fits
+        the token budget in force (none, nobody running, or the sum within it)."""
+        budget = self.tokens_in_force(g)
+        running = sum(c for _, c in g.running)
+        fits = budget == 0 or running == 0 or running + charge <= budget
+        return len(g.running) < self.in_force(g) and fits
+
+    def too_large(self, g: Gateway, charge: int) -> bool:
+        budget = self.tokens_in_force(g)
+        return budget > 0 and charge > budget
+
+    @rule(i=st.integers(0, 3), n=st.integers(0, 2000))
+    def a_request_arrives(self, i: int, n: int) -> None:
         g = self.pick(i)
-        g.waiting += n
+        charge = self.charge(n)
+        if self.too_large(g, charge):
+            return  # refused at once (the handlers answer 400)
+        if not g.waiting and self.may_admit(g, charge):
+            g.running.append((self.now, charge))
+        else:
+            g.waiting.append(charge)
+
+    @rule(i=st.integers(0, 3), n=st.integers(1, 12), seed=st.integers(0, 2000))
+    def a_burst_arrives(self, i: int, n: int, seed: int) -> None:
+        g = self.pick(i)
+        charges = (self.charge(seed * (k + 1)) for k in range(n))
+        g.waiting += [c for c in charges if not self.too_large(g, c)]
         self.admit(g)
 
     @rule(i=st.integers(0, 3))
@@ -205,18 +284,18 @@ class ShareFarm(RuleBasedStateMachine):
         self.admit(self.pick(i))
 
     def admit(self, g: Gateway) -> None:
-        """Waiters take the free slots under the limit in force, first come first."""
-        while g.waiting and len(g.running) < self.in_force(g):
-            g.waiting -= 1
-            g.running.append(self.now)
+        """Waiters take the free slots under the limit in force, first come first; a
+        head whose tokens do not fit holds back the others (strict order)."""
+        while g.waiting and self.may_admit(g, g.waiting[0]):
+            g.running.append((self.now, g.waiting.pop(0)))
 
     @rule(i=st.integers(0, 3))
     def a_waiter_is_admitted_or_gives_up(self, i: int) -> None:
         g = self.pick(i)
         if g.waiting:
-            g.waiting -= 1
-            if len(g.running) < self.in_force(g):
-                g.running.append(self.now)
+            charge = g.waiting.pop(0)
+            if self.may_admit(g, charge):
+                g.running.append((self.now, charge))
 
     @rule(i=st.integers(0, 3))
     def a_request_finishes(self, i: int) -> None:

@@ -201,6 +201,10 @@ call = st.tuples(
     st.sampled_from(["", "t1", "t2"]),  # instance token
     st.integers(0, 5),  # its sequence number
     st.sampled_from([LEASE, LEASE // 4]),  # its lease (one gateway's config edited)
+    st.sampled_from([-1, 0, 0, 600, 1536, 2048]),  # token pool (-1 unknown, 0 none stated)
+    st.integers(0, 2500),  # tokens held
+    st.integers(0, 3000),  # tokens demanded
+    st.sampled_from([0, 256, 512]),  # the most one request may hold
 )
 
 
@@ -212,10 +216,23 @@ def _table_in_redis(client: Any, key: str) -> Table | None:
     for k, v in raw.items():
         if k.startswith("g:"):
             r, d, e, *ident = v.split()
-            token, seq, lease, cap_ = ident if ident else ("", "0", "0", "-1")
-            leases[k[2:]] = Lease(int(r), int(d), int(e), token, int(seq), int(lease), int(cap_))
+            token, seq, lease, cap_, *tok = ident if ident else ("", "0", "0", "-1")
+            tr, td, pool = tok or ("0", "0", "0")
+            leases[k[2:]] = Lease(
+                int(r),
+                int(d),
+                int(e),
+                token,
+                int(seq),
+                int(lease),
+                int(cap_),
+                int(tr),
+                int(td),
+                int(pool),
+            )
     cap = int(raw["~cap"]) if "~cap" in raw else None
-    return Table(leases, int(raw["~touched"]), int(raw["~rebuild"]), cap, raw["~server"])
+    tcap = int(raw["~tcap"]) if "~tcap" in raw else None
+    return Table(leases, int(raw["~touched"]), int(raw["~rebuild"]), cap, raw["~server"], tcap)
 
 
 @settings(
@@ -230,14 +247,17 @@ def test_the_lua_script_is_the_pure_step(redis_server: Any, calls: list[Any]) ->
     key = table_key("lua-vs-model")
     client.delete(key)
     model: Table | None = None
-    for n, (gw, cap, held, demand, floor, token, seq, lease) in enumerate(calls):
-        rep = Report(gw, cap, held, demand, floor, lease, token, seq)
+    for n, call_ in enumerate(calls):
+        gw, cap, held, demand, floor, token, seq, lease, pool, theld, tdemand, per = call_
+        rep = Report(gw, cap, held, demand, floor, lease, token, seq, pool, theld, tdemand, per)
         args = [gw, cap, held, demand, floor, lease, table_ttl_ms(lease), token, seq]
+        args += [pool, theld, tdemand, per]
         out = script(keys=[key], args=args)
         limit, reserved, gateways, rebuilding, others, now, refused = (int(x) for x in out[:7])
         model, grant = step(model, rep, now, out[7].decode())
         left = int(out[8]) if len(out) > 8 else 0
-        assert (limit, reserved, gateways, bool(rebuilding), others, refused, left) == (
+        tokens = tuple(int(x) for x in out[9:12]) if len(out) > 11 else (0, 0, 0)
+        assert (limit, reserved, gateways, bool(rebuilding), others, refused, left, tokens) == (
             grant.limit,
             grant.reserved,
             grant.gateways,
@@ -245,6 +265,7 @@ def test_the_lua_script_is_the_pure_step(redis_server: Any, calls: list[Any]) ->
             grant.others_reserved,
             {"": 0, DUPLICATE: 1, STALE: 2}[grant.refused],
             grant.rebuild_left_ms,
+            (grant.tokens_limit, grant.tokens_reserved, grant.tokens),
         ), n
         assert _table_in_redis(client, key) == model
 
@@ -424,3 +445,54 @@ def test_a_new_table_rebuilds_for_a_lease_and_a_half_and_the_reason_says_until_w
     over = Held(grant.limit, grant.gateways, 50.0, LEASE / 1000, 2.0)  # a later call's grant
     after = local_limit(over, 5, 53.0, "")
     assert after.state == "granted" and "rebuilt" not in after.reason
+
+
+# --- tokens: the same rules on the pool ----------------------------------------------
+
+
+def treport(gw: str, held: int, demand: int, *, pool: int = 1536, q: int = 512) -> Report:
+    """A call of ``gw`` on a farm of 8 slots (none held, demand 8) and a token pool."""
+    return Report(gw, 8, 0, 8, 1, LEASE, f"tok{gw}", next(_calls), pool, held, demand, q)
+
+
+def test_tokens_shrink_before_grow_and_the_pool_is_never_overgranted() -> None:
+    table, _ = step(None, treport("a", 0, 0), 0)
+    table, _ = step(table, treport("b", 0, 0), 1)
+    table = Table(table.leases, table.touched_ms, 0, table.capacity, table.server, table.tokens)
+    table, a = step(table, treport("a", 0, 3000), 10)
+    assert a.tokens_limit == 1536 - 512 and a.tokens == 1536  # b keeps one whole request
+    table, a = step(table, treport("a", 1024, 1024), 11)  # a runs 1024
+    table, b = step(table, treport("b", 0, 1536), 12)
+    assert b.tokens_limit == 512  # nothing given up yet
+    table, a = step(table, treport("a", 1024, 1024), 13)
+    assert (a.tokens_limit, a.tokens_reserved) == (768, 1024)  # its share drops, its running stays
+    table, b = step(table, treport("b", 512, 1536), 14)
+    assert b.tokens_limit == 512
+    table, a = step(table, treport("a", 768, 768), 15)  # 256 of a's finished
+    table, b = step(table, treport("b", 512, 1536), 16)
+    assert b.tokens_limit == 768
+    assert sum(x.tokens_reserved for x in table.leases.values()) <= 1536
+
+
+def test_tokens_are_granted_of_the_lowest_pool_a_live_gateway_reported() -> None:
+    table, _ = step(None, treport("a", 0, 0, pool=1000), 0)
+    table = Table(table.leases, table.touched_ms, 0, table.capacity, table.server, table.tokens)
+    _, b = step(table, treport("b", 0, 5000, pool=4000), 5)
+    # a's floor is one request, at most half the pool: 500 of 1000 to each
+    assert b.tokens == 1000 and b.tokens_limit == 500
+
+
+def test_a_farm_stating_no_pool_shares_slots_alone_and_counts_what_runs() -> None:
+    _, a = step(None, treport("a", 700, 900, pool=0), 0)
+    assert (a.tokens_limit, a.tokens_reserved, a.tokens) == (0, 700, 0)
+
+
+def test_a_token_share_below_one_whole_request_holds_the_slots_at_0() -> None:
+    held = Held(4, 3, 0.0, 10.0, tokens=1536, tokens_limit=300, tokens_of=1536)
+    local = local_limit(held, 8, 1.0, "", tokens=1536, request_tokens=512)
+    assert (local.limit, local.tokens_limit) == (0, 0)  # arrivals wait; none refused
+    assert "below one whole request (512)" in local.reason
+    held = Held(4, 3, 0.0, 10.0, tokens=1536, tokens_limit=600, tokens_of=1536)
+    local = local_limit(held, 8, 1.0, "", tokens=1536, request_tokens=512)
+    assert (local.limit, local.tokens_limit) == (4, 600)
+    assert "tokens 600 of 1536" in local.reason
