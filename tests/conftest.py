@@ -96,19 +96,23 @@ def pytest_configure(config: pytest.Config) -> None:
         "darwin test mode",
     )
     # A test owns what it starts, however the session ends (tests/owned.py): what a
-    # pytest process killed outright left is killed by the next session, at its start;
-    # the process that runs the tests (not xdist's controller, which runs none) owns them.
-    worker = hasattr(config, "workerinput")
-    if not worker:
+    # pytest process killed outright left is killed by the next session, at its start.
+    # xdist's controller owns its workers (they carry its token), each worker its tests'.
+    if not hasattr(config, "workerinput"):
         for line in owned.sweep_orphans():
             print(f"killed, left by a pytest process that is gone: {line}", file=sys.stderr)
-    if worker or not getattr(config.option, "numprocesses", None):
-        owned.own_what_starts()
+    owned.own_what_starts()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _xdist_controller(session.config):
+        return  # its workers are still ending; its reaper sweeps after them
     for line in owned.sweep_leftovers():
         print(f"killed, still running at the session's end: {line}", file=sys.stderr)
+
+
+def _xdist_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", 0))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

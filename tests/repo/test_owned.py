@@ -106,15 +106,20 @@ def _end(run: subprocess.Popen[bytes], doc: dict[str, Any]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def test_a_pytest_worker_killed_outright_leaves_nothing_of_its_tests_running(
-    tmp_path: Path,
+@pytest.mark.parametrize("killed", ["worker", "controller"])
+def test_a_pytest_worker_or_its_controller_killed_outright_leaves_nothing_running(
+    tmp_path: Path, killed: str
 ) -> None:
+    """SIGKILL of the xdist worker that runs the test, or of the controller alone (its
+    worker would go on with the test it runs: the controller's reaper kills it, and the
+    worker's reaper what the test started)."""
     run, doc = _probe_run(tmp_path, "-n", "1")
     try:
         assert all(_alive(pid) for pid in doc["pids"])
-        os.kill(doc["pytest"], signal.SIGKILL)  # the xdist worker, no cleanup of its own
+        os.kill(doc["pytest"] if killed == "worker" else run.pid, signal.SIGKILL)
         gone = wait_until(lambda: not any(_alive(pid) for pid in doc["pids"]), timeout=30)
         assert gone, [pid for pid in doc["pids"] if _alive(pid)]
+        assert not _alive(doc["pytest"])
         assert wait_until(lambda: not _reapers(doc["token"]), timeout=10)  # it exited too
     finally:
         _end(run, doc)
