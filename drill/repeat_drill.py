@@ -30,7 +30,7 @@ RUN_TIMEOUT_S = 900.0  # a short run took 2-4 minutes at load 15-40
 
 
 def _load() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 @contextlib.contextmanager
