@@ -259,3 +259,23 @@ def test_the_drill_burst_sends_waves_until_one_of_its_requests_is_answered_429(
     assert stub.figures["burst_waves"] == waves
     answered = stub.outcomes.ok + stub.outcomes.rejected
     assert answered == 5 * waves and stub.outcomes.lost == 0, stub.outcomes
+
+
+def test_a_failed_drill_keeps_its_evidence_whole(tmp_path: Path) -> None:
+    """The scratch directory of a failed run (every process's log) stays, with the samples
+    and the summary written beside them, and moves where ``--evidence`` says."""
+    drill = _drill_with([(0.0, 20), (1.0, 10)])  # puts drill/ on the path
+    from upgrade_drill import keep_evidence
+
+    drill.tmp = tmp_path / "scratch"
+    drill.tmp.mkdir()
+    (drill.tmp / "gateway.log").write_text("provider local-inference unreachable\n")
+    summary = {"ok": False, "problems": ["admitted 2 in the segment, 1 at the upstream"]}
+    kept = keep_evidence(drill, summary, tmp_path / "evidence" / "run-1")
+    assert kept == tmp_path / "evidence" / "run-1" and not drill.tmp.exists()
+    assert (kept / "gateway.log").read_text() == "provider local-inference unreachable\n"
+    assert [s[:3] for s in json.loads((kept / "samples.json").read_text())] == [
+        [0.0, "p", 20],
+        [1.0, "p", 10],
+    ]
+    assert json.loads((kept / "summary.json").read_text()) == summary
