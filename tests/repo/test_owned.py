@@ -81,7 +81,9 @@ def _reapers(token: str) -> list[int]:
 
 def _probe_run(tmp_path: Path, *options: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     """pytest on the probe (``options``: ``-n 1`` or ``-n 0``), in a session of its own;
-    it and the probe's document once the probe has started everything."""
+    it and the probe's document once the probe has started everything. (With ``-n 1``,
+    ``--max-worker-restart 0``: a worker that replaced the killed one would run the probe
+    again, and its processes are no test's to watch.)"""
     where = tmp_path / "probe.json"
     env = {**os.environ, PROBE_ENV: str(where)}
     run = subprocess.Popen(
@@ -113,7 +115,7 @@ def test_a_pytest_worker_or_its_controller_killed_outright_leaves_nothing_runnin
     """SIGKILL of the xdist worker that runs the test, or of the controller alone (its
     worker would go on with the test it runs: the controller's reaper kills it, and the
     worker's reaper what the test started)."""
-    run, doc = _probe_run(tmp_path, "-n", "1")
+    run, doc = _probe_run(tmp_path, "-n", "1", "--max-worker-restart", "0")
     try:
         assert all(_alive(pid) for pid in doc["pids"])
         os.kill(doc["pytest"] if killed == "worker" else run.pid, signal.SIGKILL)
