@@ -37,6 +37,7 @@ def final_checks(drill: Drill, sidecar: subprocess.Popen[bytes]) -> None:
     counters = p["counters"]
     stats = drill.upstream_stats()
     events = drill.http.get(f"{drill.upstream_url}/_drill/events").json()
+    (drill.tmp / "upstream-events.json").write_text(json.dumps(events))  # the evidence
     o = drill.outcomes
     # nothing lost: the segment, the upstream and the clients agree exactly
     if counters["admitted_total"] != stats["total"]["admitted"]:
@@ -99,6 +100,7 @@ def final_checks(drill: Drill, sidecar: subprocess.Popen[bytes]) -> None:
             "registered_after_stop": len(members),
             "samples": len(drill.samples),
             "cli_samples": drill.cli_checks,
+            "cli_samples_unfinished": drill.cli_unfinished,
         }
     )
 

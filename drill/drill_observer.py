@@ -16,7 +16,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 import httpx
-from drill_records import Sample
+from drill_records import DrillFailed, Sample
 
 if TYPE_CHECKING:
     from drill_rig import Drill
@@ -77,9 +77,17 @@ def observe(drill: Drill) -> None:
 
 def check_cli(drill: Drill) -> None:
     """Every ``CLI_EVERY_S``, the operator's own view, as a process: ``availability
-    --json`` (on a thread of its own: a CLI slowed by load never delays a sample)."""
+    --json`` (on a thread of its own: a CLI slowed by load never delays a sample). It is
+    given the time it needs; one still running when sampling stops is killed, and one
+    past the CLI's time is counted (``cli_samples_unfinished``), not judged."""
     while not drill.stop_sampling.wait(CLI_EVERY_S):
-        out = drill.cli("availability", "--segment", drill.segment, "--json")
+        try:
+            out = drill.cli(
+                "availability", "--segment", drill.segment, "--json", stop=drill.stop_sampling
+            )
+        except DrillFailed:
+            drill.cli_unfinished += 1
+            continue
         if out.returncode == 0:
             drill.cli_checks += 1
             for p in json.loads(out.stdout)["providers"]:

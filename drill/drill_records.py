@@ -1,7 +1,8 @@
 """What the drill records, in one home below the modules that fill and read it: the
 generations' names, the observer's :class:`Sample` rows and the load's
 :class:`Outcomes` (``drill_rig.Drill`` holds them; ``drill_observer`` and
-``drill_load`` write them; ``drill_checks`` and ``drill_plot`` read them)."""
+``drill_load`` write them; ``drill_checks`` and ``drill_plot`` read them), and
+:class:`DrillFailed`, how a step that could not go on says why."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 GEN_A, GEN_B = "gen-A", "gen-B"
+
+
+class DrillFailed(Exception):
+    """A step of the drill could not go on; its text is the problem the summary reports."""
 
 
 @dataclass

@@ -26,16 +26,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from subprocess import CompletedProcess
 from typing import Any, TextIO
 
 import httpx
-from drill_records import Outcomes, Sample
+from drill_records import DrillFailed, Outcomes, Sample
 
 ROOT = Path(__file__).resolve().parent.parent
 EXE = str(Path(sys.executable).with_name("gateway-capacity"))
 PROVIDER = "local-inference"
 MODEL_ALIAS = "local-workhorse"
 MODEL = "workhorse"
+# How long a CLI the drill runs may take. At load 40 on two cores the CLI's start alone
+# took over 30 s; a CLI is given the time it needs, and the drill waits on its effect.
+CLI_TIMEOUT_S = 180.0
 
 
 def _no_control_socket() -> list[str]:
@@ -72,10 +76,6 @@ class Timing:
         return cls(8, 10, 15, 12, 20, 15, 25, clients=40, legacy_clients=6, burst=40)
 
 
-class DrillFailed(Exception):
-    pass
-
-
 def listening_socket() -> socket.socket:
     """A socket listening on 127.0.0.1, port 0, for a server process to inherit."""
     sock = socket.create_server(("127.0.0.1", 0), backlog=256)  # SO_REUSEADDR on POSIX
@@ -101,6 +101,7 @@ class Drill:
         self.bells: list[int] = []  # doorbells of the registered processes, for cleanup
         self.stop_sampling = threading.Event()
         self.cli_checks = 0
+        self.cli_unfinished = 0  # CLI checks past the time a CLI is given (not judged)
         self.outcomes = Outcomes()
         self.load_stop = threading.Event()
         self.legacy_stop = threading.Event()
@@ -149,8 +150,45 @@ class Drill:
             return (self.tmp / f"{name}.log").read_text(errors="replace")
         return ""
 
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=30)
+    def cli(self, *args: str, stop: threading.Event | None = None) -> CompletedProcess[str]:
+        """``gateway-capacity ARGS``, as an operator runs it, given the time it needs."""
+        return self.cli_finished(self.cli_started(*args), stop=stop)
+
+    def cli_started(self, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [EXE, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+
+    def cli_finished(
+        self, proc: subprocess.Popen[str], stop: threading.Event | None = None
+    ) -> CompletedProcess[str]:
+        """Wait for a CLI the drill started: up to ``CLI_TIMEOUT_S`` (a slow CLI on a loaded
+        machine judges the machine, not the product: past that the run is inconclusive, a
+        :class:`DrillFailed` that says so), or until ``stop`` is set (then it is killed and
+        its answer is exit status -9)."""
+        deadline = time.monotonic() + CLI_TIMEOUT_S
+        while True:
+            try:
+                out, err = proc.communicate(timeout=0.25)
+                return CompletedProcess(proc.args, proc.returncode, out, err)
+            except subprocess.TimeoutExpired:
+                stopped = stop is not None and stop.is_set()
+                if not stopped and time.monotonic() < deadline:
+                    continue
+                proc.kill()
+                out, err = proc.communicate()
+                if stopped:
+                    return CompletedProcess(proc.args, -9, out, err)
+                argv = proc.args if isinstance(proc.args, list) else [proc.args]
+                what = " ".join(str(a) for a in argv[1:3])
+                raise DrillFailed(
+                    f"inconclusive: `gateway-capacity {what}` took over {CLI_TIMEOUT_S:g} s "
+                    "(the machine was too slow for the drill to judge)"
+                ) from None
 
     def wait_for(self, what: str, predicate: Callable[[], object], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -278,13 +316,25 @@ class Drill:
             name, [EXE, "sidecar", "--config", str(self.config), "--refresh", "0.5", *extra]
         )
 
-    def router(self, action: str, worker: str = "w2") -> None:
-        """``gateway-capacity router fence|unfence WORKER``, as an operator runs it."""
-        out = self.cli(
+    def router(self, action: str, limit: int, worker: str = "w2") -> float:
+        """``gateway-capacity router fence|unfence WORKER``, as an operator runs it, and its
+        effect: the drill time at which the discovered ``limit`` was first seen (see
+        :meth:`limit_seen`). The wait is on the effect, for as long as the CLI may take; the
+        CLI must then have exited 0."""
+        asked = self.now()
+        proc = self.cli_started(
             "router", action, worker, "--key-file", str(self.key_file), "--url", self.router_url
         )
+        try:
+            seen = self.limit_seen(limit, asked, CLI_TIMEOUT_S, gave_up=proc.poll)
+        except DrillFailed as exc:
+            proc.kill()
+            out = self.cli_finished(proc)
+            raise DrillFailed(f"router {action} {worker}: {exc}: {out.stderr.strip()}") from None
+        out = self.cli_finished(proc)
         if out.returncode != 0:
-            raise DrillFailed(f"router {action} {worker} failed: {out.stderr.strip()}")
+            raise DrillFailed(f"router {action} {worker} exited {out.returncode}: {out.stderr}")
+        return seen
 
     # --- the segment and the upstream, as the phases ask ---------------------------------
     def provider_doc(self) -> tuple[dict[str, Any], Any] | None:
@@ -319,15 +369,26 @@ class Drill:
         got = self.provider_doc()
         return None if got is None else (got[0]["effective_limit"], got[0]["source"])
 
-    def limit_seen(self, limit: int, since: float, timeout: float) -> float:
+    def limit_seen(
+        self,
+        limit: int,
+        since: float,
+        timeout: float,
+        gave_up: Callable[[], int | None] = lambda: None,
+    ) -> float:
         """Wait until the segment holds the discovered ``limit``; the drill time at which a
-        read that saw it first began, this wait's or the observer's, not before ``since``."""
+        read that saw it first began, this wait's or the observer's, not before ``since``.
+        ``gave_up`` is the exit status of what was to bring the change (None while it runs):
+        one that exited non-zero without it ends the wait at once."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             began = self.now()
             if self.limit() == (limit, "discovered"):
                 seen = [s.t for s in self.samples[-100:] if s.t >= since and s.limit == limit]
                 return min([began, *seen])
+            code = gave_up()
+            if code:
+                raise DrillFailed(f"exited {code} before the limit became {limit}")
             time.sleep(0.05)
         raise DrillFailed(f"timed out after {timeout:g} s waiting for limit {limit}")
 
@@ -336,9 +397,11 @@ class Drill:
         return None if got is None else (got[0]["running"], got[0]["waiting"])
 
     def epoch(self) -> int:
-        out = self.cli("availability", "--segment", self.segment, "--json")
-        sidecar = json.loads(out.stdout).get("sidecar") or {}
-        return int(sidecar.get("writer_epoch", 0))
+        """The sidecar's writer epoch (R-G4), read in process (the CLI's view of it is the
+        observer's, :func:`drill_observer.check_cli`)."""
+        got = self.provider_doc()
+        sidecar = None if got is None else got[1].sidecar
+        return 0 if sidecar is None else int(sidecar.writer_epoch)
 
     def members(self, generation: str) -> int:
         got = self.provider_doc()

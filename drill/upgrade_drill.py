@@ -48,6 +48,7 @@ Another scenario is another function like :func:`upgrade` over the same
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -62,8 +63,8 @@ from drill_checks import final_checks
 from drill_load import RELOAD_PHASE, burst, clients
 from drill_observer import observe
 from drill_plot import plot
-from drill_records import GEN_A, GEN_B, Sample
-from drill_rig import Drill, DrillFailed
+from drill_records import GEN_A, GEN_B, DrillFailed, Sample
+from drill_rig import Drill
 
 from gateway_capacity.scenario import always_cleaned_up
 
@@ -124,18 +125,14 @@ def upgrade(drill: Drill) -> None:
     time.sleep(t.sidecar_s)
 
     drill.phase = "fenced w2"
-    asked = drill.now()
-    drill.router("fence")
-    seen = drill.limit_seen(10, asked, 30)
+    seen = drill.router("fence", 10)
     drill.mark("router: w2 fenced, limit 10 first seen", "fence w2", at=seen)
     time.sleep(t.fence_s / 2)
     drill.mark(f"burst of {t.burst} extra requests (overflow)", "burst")
     burst(drill, gen_url, t.burst)
     time.sleep(t.fence_s / 2)
     drill.phase = "unfenced w2"
-    asked = drill.now()
-    drill.router("unfence")
-    seen = drill.limit_seen(20, asked, 30)
+    seen = drill.router("unfence", 20)
     drill.mark("router: w2 unfenced, limit 20 first seen", "unfence w2", at=seen)
     time.sleep(t.unfence_s)
 
@@ -162,12 +159,34 @@ def upgrade(drill: Drill) -> None:
     final_checks(drill, sidecar2)
 
 
+def keep_evidence(drill: Drill, summary: dict[str, object], into: Path | None) -> Path:
+    """A failed run's evidence, whole: its scratch directory (the logs of every process it
+    started, the config), with the observer's samples, the marks and the summary written
+    beside them (the upstream's events are there already, ``final_checks`` wrote them);
+    moved to ``into`` when given. Its path."""
+    (drill.tmp / "samples.json").write_text(
+        json.dumps([dataclasses.astuple(s) for s in drill.samples])
+    )
+    (drill.tmp / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    if into is None:
+        return drill.tmp
+    into.parent.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.move(drill.tmp, into))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="The upgrade drill.")
     ap.add_argument("--short", action="store_true", help="the short form (make test)")
     ap.add_argument("--plot", type=Path, help="write the timeline as a PNG here")
     ap.add_argument(
         "--json", action="store_true", help="timeline on stderr, the summary as JSON on stdout"
+    )
+    ap.add_argument(
+        "--evidence",
+        type=Path,
+        help="when the drill fails, move its scratch directory (every process's whole log, "
+        "the samples, the upstream's events, the summary) here; by default it stays where "
+        "it is, and its path is printed",
     )
     args = ap.parse_args()
     out = sys.stderr if args.json else sys.stdout
@@ -193,12 +212,15 @@ def main() -> int:
         if key != "marks":
             print(f"  {key}: {value}", file=out)
     print("  result: " + ("OK" if summary["ok"] else "FAILED"), file=out)
-    if not summary["ok"]:
+    if summary["ok"]:
+        shutil.rmtree(drill.tmp, ignore_errors=True)
+    else:
         for name in ("sidecar-1", "sidecar-2", "gateway", "legacy"):
             tail = drill.log_of(name)[-1500:]
             if tail:
                 print(f"\n--- {name} log (tail) ---\n{tail}", file=sys.stderr)
-    shutil.rmtree(drill.tmp, ignore_errors=True)
+        kept = keep_evidence(drill, summary, args.evidence)
+        print(f"\nevidence kept in {kept}", file=sys.stderr)
     if args.json:
         print(json.dumps(summary))
     return 0 if summary["ok"] else 1

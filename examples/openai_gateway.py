@@ -79,6 +79,14 @@ CONFIG = os.environ.get("GATEWAY_CONFIG") or _fail("GATEWAY_CONFIG is not set (t
 COMPLETIONS = "/v1/chat/completions"
 # Completions stream for minutes; connecting must not take long.
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=30.0)
+# A pooled connection is let go after 1 s idle, before the shortest idle timeout of the
+# servers in front of inference (gunicorn's 2 s; uvicorn's, so vLLM's and SGLang's, and
+# llama.cpp's are 5 s). Kept longer, a completion already admitted may be sent on a
+# connection the server is closing as idle, and fail 502 without reaching it. (The
+# connection counts are httpx's defaults.)
+UPSTREAM_LIMITS = httpx.Limits(
+    max_connections=100, max_keepalive_connections=20, keepalive_expiry=1.0
+)
 
 
 def openai_error(status: int, message: str, kind: str, code: str) -> JSONResponse:
@@ -145,7 +153,9 @@ def build_app(config_path: str = CONFIG) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         nonlocal client
         # One pool per worker process, made after the fork; no proxies from the environment.
-        client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, trust_env=False)
+        client = httpx.AsyncClient(
+            timeout=UPSTREAM_TIMEOUT, limits=UPSTREAM_LIMITS, trust_env=False
+        )
         try:
             yield
         finally:

@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gwtest, under importlib mode
 
+import owned
 from gwtest import LOCK_FILE_ENV, NO_TIMEOUT_ENV, Agent, P1Segment, stopped_at_exit
 
 
@@ -94,6 +95,28 @@ def pytest_configure(config: pytest.Config) -> None:
         "linux(reason): needs a Linux feature; skipped with the reason on macOS and in the "
         "darwin test mode",
     )
+    # A test owns what it starts, however the session ends (tests/owned.py): what a
+    # pytest process killed outright left is killed by the next session, at its start.
+    # xdist's controller owns its workers (they carry its token), each worker its tests'.
+    if not hasattr(config, "workerinput"):
+        for line in owned.sweep_orphans():
+            print(f"killed, left by a pytest process that is gone: {line}", file=sys.stderr)
+    owned.own_what_starts()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _xdist_controller(session.config):
+        return  # its workers are still ending; its reaper sweeps after them
+    for line in owned.sweep_leftovers():
+        print(f"killed, still running at the session's end: {line}", file=sys.stderr)
+
+
+def _xdist_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", 0))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    owned.let_go()
 
 
 # --- the two tiers: `make check` runs `-m 'not slow'`, `make test` everything -------------
@@ -119,6 +142,7 @@ SLOW: dict[str, str] = {
     "sidecar and gateway, seven 3-second streams",
     "tests/repo/test_readme_counts.py": "collects the whole suite (a minute on a busy machine)",
     "tests/share/test_share_fallback_words.py": "a sidecar and a redis-server",
+    "tests/repo/test_owned.py": "starts pytest runs and kills them (a minute a test at load 30)",
 }
 
 

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,6 +180,40 @@ def run_cli(
     return subprocess.run(
         [str(exe), *args], capture_output=True, text=True, env=env, timeout=timeout
     )
+
+
+# What a test's environment may carry that a process it starts must not take for its own:
+# systemd's notify socket and watchdog, a segment override.
+SCRUBBED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "GATEWAY_CAPACITY_SEGMENT")
+
+
+def scrubbed_env(**added: str) -> dict[str, str]:
+    """The test's environment for a process it starts: without ``SCRUBBED``, with ``added``."""
+    return {**{k: v for k, v in os.environ.items() if k not in SCRUBBED}, **added}
+
+
+def start_sidecar(
+    config: Path,
+    segment: str,
+    log: Path,
+    *extra: str,
+    refresh: float,
+    prefix: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """``gateway-capacity sidecar`` of a test on ``config`` and ``segment``, every
+    ``refresh`` s, its output added to ``log``; ``extra``: more of its options; ``prefix``:
+    a wrapper such as faketime; ``env``: its environment (:func:`scrubbed_env`'s)."""
+    exe = str(Path(sys.executable).with_name("gateway-capacity"))
+    argv = [*prefix, exe, "sidecar", "--config", str(config), "--segment", segment]
+    with open(log, "ab") as err:
+        return subprocess.Popen(
+            [*argv, "--refresh", str(refresh), *extra],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=scrubbed_env() if env is None else env,
+        )
 
 
 def availability(segment: str) -> dict[str, Any]:

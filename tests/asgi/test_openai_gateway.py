@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -47,29 +49,42 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
 
 
+@contextlib.contextmanager
+def _serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[_Upstream]:
+    """A loopback upstream answering with ``handler``, on a thread, until the block ends."""
+    server = _Upstream(("127.0.0.1", 0), handler)
+    server.seen = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture
 def upstream() -> Iterator[_Upstream]:
-    server = _Upstream(("127.0.0.1", 0), _Handler)
-    server.seen = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with _serving(_Handler) as server:
+        yield server
 
 
-@pytest.fixture
-def gateway(
-    tmp_path: Path, upstream: _Upstream, key_file: Path, segment_name: str
-) -> Iterator[Served]:
-    provider = {
+def _provider(upstream: _Upstream, key_file: Path) -> dict[str, Any]:
+    """The gateway config's one provider, at ``upstream``."""
+    return {
         "id": "local-inference",
         "baseUrl": f"http://127.0.0.1:{upstream.server_address[1]}/v1",
         "credentialFile": str(key_file),
         "maxConcurrent": 2,
         "models": {"local-workhorse": "workhorse"},
     }
+
+
+@pytest.fixture
+def gateway(
+    tmp_path: Path, upstream: _Upstream, key_file: Path, segment_name: str
+) -> Iterator[Served]:
     env = {"GATEWAY_GENERATION": "example-1"}
+    provider = _provider(upstream, key_file)
     with example_gateway(tmp_path, segment_name, provider, env=env) as served:
         yield served
 
@@ -126,6 +141,59 @@ def test_example_gateway_refuses_unknown_models_and_reports_an_unreachable_provi
     counters = _counters(segment_name)
     assert counters["running"] == 0 and counters["admitted_total"] == 2  # slots released
     assert key not in gateway.output()
+
+
+# gunicorn's default keep-alive: the shortest idle timeout of the servers inference sits
+# behind (uvicorn's, vLLM's, SGLang's and llama.cpp's are 5 s)
+IDLE_CLOSE_S = 2.0
+
+
+class _KeptAlive(BaseHTTPRequestHandler):
+    """HTTP/1.1 with keep-alive; a connection idle ``IDLE_CLOSE_S`` is closed when the next
+    request comes on it, unanswered: what a server's idle close looks like to a client that
+    sent on the connection as the server closed it (the race, made certain)."""
+
+    protocol_version = "HTTP/1.1"
+    server: _Upstream
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        idle_since = getattr(self, "idle_since", None)
+        if idle_since is not None and time.monotonic() - idle_since >= IDLE_CLOSE_S:
+            self.server.seen.append({"closed idle": True})
+            self.close_connection = True
+            return
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.seen.append({"answered": True})
+        body = b"data: {}\n\ndata: [DONE]\n\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+        self.idle_since = time.monotonic()
+
+
+def test_example_gateway_never_sends_on_a_connection_the_upstream_closes_as_idle(
+    tmp_path: Path, key_file: Path, segment_name: str
+) -> None:
+    """A completion admitted is relayed, not answered 502 because the pooled connection
+    it was sent on had been idle as long as the upstream keeps one (R-A1's slot is spent,
+    the upstream never saw the request): the gateway's pool lets a connection go before
+    the shortest idle timeout of the servers in front of inference."""
+    body = {"model": "local-workhorse", "stream": True, "messages": [{"role": "user"}]}
+    with _serving(_KeptAlive) as server:
+        provider = _provider(server, key_file)
+        with example_gateway(tmp_path, segment_name, provider) as gateway:
+            url = f"{gateway.base}/v1/chat/completions"
+            first = httpx.post(url, json=body, timeout=30)
+            time.sleep(IDLE_CLOSE_S + 0.3)
+            second = httpx.post(url, json=body, timeout=30)
+    assert (first.status_code, second.status_code) == (200, 200), (second.text, server.seen)
+    assert server.seen == [{"answered": True}, {"answered": True}]
 
 
 @pytest.mark.parametrize("config", ["unset", "missing"])

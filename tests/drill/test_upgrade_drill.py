@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -185,7 +186,7 @@ def test_the_drill_observer_stamps_a_sample_when_its_read_of_the_segment_begins(
             time.sleep(0.3)
             return {"inflight": {"admitted": 0, "legacy": 0}}
 
-        def cli(self, *args: str) -> Any:
+        def cli(self, *args: str, stop: threading.Event | None = None) -> Any:
             self.stop_sampling.wait(10)  # the CLI on a loaded machine
             return subprocess.CompletedProcess(args, 1, "", "")
 
@@ -205,3 +206,76 @@ def test_the_drill_observer_stamps_a_sample_when_its_read_of_the_segment_begins(
     times = [s.t for s in stub.samples]
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert times[-1] > 3.5 and max(gaps) < 2.0, times  # sampling went on past the CLI's look
+
+
+@pytest.mark.parametrize(("status", "waves"), [(200, 4), (429, 1)])
+def test_the_drill_burst_sends_waves_until_one_of_its_requests_is_answered_429(
+    status: int, waves: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst is for the overflow: while none of its requests was answered 429, another
+    wave follows (a gateway that answers every request 200, as a loaded machine's spread
+    arrivals let it, gets every wave); the first 429 ends it."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    sys.path.insert(0, str(ROOT / "drill"))
+    import drill_load
+    from drill_records import Outcomes
+
+    class Answer(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if status == 429:
+                body = json.dumps({"error": {"code": "queue_full"}}).encode()
+                self.send_response(429)
+                self.send_header("Retry-After", "1")
+            else:
+                body = b"data: {}\n\n" * 3 + b"data: [DONE]\n\n"
+                self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    class Stub:
+        model_alias = "m"
+        phase = "fenced w2"
+
+        def __init__(self) -> None:
+            self.outcomes = Outcomes()
+            self.figures: dict[str, Any] = {}
+
+    monkeypatch.setattr(drill_load, "BURST_WAVE_S", 0.3)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    stub = Stub()
+    try:
+        drill_load.burst(stub, f"http://127.0.0.1:{server.server_address[1]}", 5)  # type: ignore[arg-type]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert stub.figures["burst_waves"] == waves
+    answered = stub.outcomes.ok + stub.outcomes.rejected
+    assert answered == 5 * waves and stub.outcomes.lost == 0, stub.outcomes
+
+
+def test_a_failed_drill_keeps_its_evidence_whole(tmp_path: Path) -> None:
+    """The scratch directory of a failed run (every process's log) stays, with the samples
+    and the summary written beside them, and moves where ``--evidence`` says."""
+    drill = _drill_with([(0.0, 20), (1.0, 10)])  # puts drill/ on the path
+    from upgrade_drill import keep_evidence
+
+    drill.tmp = tmp_path / "scratch"
+    drill.tmp.mkdir()
+    (drill.tmp / "gateway.log").write_text("provider local-inference unreachable\n")
+    summary = {"ok": False, "problems": ["admitted 2 in the segment, 1 at the upstream"]}
+    kept = keep_evidence(drill, summary, tmp_path / "evidence" / "run-1")
+    assert kept == tmp_path / "evidence" / "run-1" and not drill.tmp.exists()
+    assert (kept / "gateway.log").read_text() == "provider local-inference unreachable\n"
+    assert [s[:3] for s in json.loads((kept / "samples.json").read_text())] == [
+        [0.0, "p", 20],
+        [1.0, "p", 10],
+    ]
+    assert json.loads((kept / "summary.json").read_text()) == summary

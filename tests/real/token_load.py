@@ -50,7 +50,7 @@ from capacity_router.sources import admissible_tokens
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # as a script too
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gwtest import free_port, wait_until
+from gwtest import free_port, start_sidecar, wait_until
 from servers import (
     ROUTER_KEY,
     STARTUP_S,
@@ -188,27 +188,10 @@ class Gateway:
                 }
             )
         )
-        log = (work / "sidecar.log").open("wb")
-        self.sidecar = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gateway_capacity",
-                "sidecar",
-                "--config",
-                str(self.config),
-                "--segment",
-                self.segment,
-                "--refresh",
-                "1",
-                "--parent-pid",
-                str(os.getpid()),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
+        parent = ("--parent-pid", str(os.getpid()))
+        self.sidecar = start_sidecar(
+            self.config, self.segment, work / "sidecar.log", *parent, refresh=1
         )
-        log.close()
 
     def row(self) -> Any:
         with suppress(Exception):  # not created yet

@@ -19,15 +19,11 @@ def ok(body: bytes = b"{}") -> bytes:
     return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
 
 
-class RawWorker:
-    def __init__(self, script: Script, *, die: bool = False, one_answer: bool = False) -> None:
-        """``die``: a script's None also closes the listener (the worker's process died);
-        ``one_answer``: each connection is closed after its first answer (a keep-alive
-        timer that fired)."""
-        self.script = script
-        self.die = die
-        self.one_answer = one_answer
-        self.posts: list[bytes] = []  # every POST body read, in order
+class BareServer:
+    """A server on a bare socket on 127.0.0.1, port 0: each connection it accepts is
+    served by ``_serve`` (a subclass's) on a thread of its own, from the start."""
+
+    def __init__(self) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -44,6 +40,29 @@ class RawWorker:
             with self._lock:
                 self._conns.append(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Close the listener and shut every connection it accepted."""
+        self._listener.close()
+        with self._lock:
+            for conn in self._conns:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+
+
+class RawWorker(BareServer):
+    def __init__(self, script: Script, *, die: bool = False, one_answer: bool = False) -> None:
+        """``die``: a script's None also closes the listener (the worker's process died);
+        ``one_answer``: each connection is closed after its first answer (a keep-alive
+        timer that fired)."""
+        self.script = script
+        self.die = die
+        self.one_answer = one_answer
+        self.posts: list[bytes] = []  # every POST body read, in order
+        super().__init__()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -82,10 +101,3 @@ class RawWorker:
                     conn.sendall(answer)
                     if self.one_answer:
                         return
-
-    def stop(self) -> None:
-        self._listener.close()
-        with self._lock:
-            for conn in self._conns:
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)

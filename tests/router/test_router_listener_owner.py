@@ -19,6 +19,7 @@ from router_support import KEY, Router, write_registry
 from capacity_router import SimWorker
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = "my private prompt"
 WORKER_KEY = "worker-key-only-the-worker-knows-81d3"
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,6 +30,16 @@ def worker_key_file(tmp_path: Path) -> str:
     path.write_text(WORKER_KEY + "\n")
     path.chmod(0o600)
     return str(path)
+
+
+def _ask_privately(r: Router) -> httpx.Response:
+    """A completion of "my private prompt" for model wh through the router ``r``."""
+    with httpx.Client(trust_env=False, timeout=5) as client:
+        return client.post(
+            f"{r.url}/v1/chat/completions",
+            json={"model": "wh", "messages": [{"role": "user", "content": PROMPT}]},
+            headers=AUTH,
+        )
 
 
 def _gpu1(port: int, key_file: str, **extra: object) -> dict[str, object]:
@@ -51,15 +62,7 @@ def test_r_k5_nobody_listening_on_a_down_workers_port_gets_neither_its_key_nor_a
         r = router([_gpu1(squatter.port, worker_key_file)], poll_interval=0.2)
         wait_for(lambda: r.workers()[0].state is not None, what="a round")
         time.sleep(1.0)  # five rounds
-        with httpx.Client(trust_env=False, timeout=5) as client:
-            answer = client.post(
-                f"{r.url}/v1/chat/completions",
-                json={
-                    "model": "wh",
-                    "messages": [{"role": "user", "content": "my private prompt"}],
-                },
-                headers=AUTH,
-            )
+        answer = _ask_privately(r)
         status = r.workers()[0]
         received = squatter.stop()
     assert WORKER_KEY.encode() not in received
@@ -87,17 +90,9 @@ def test_r_k5_a_worker_that_died_between_rounds_is_not_replaced_by_nobody_for_th
     finally:
         sim.stop()
     with NobodyListener(port=port) as squatter:  # before the next round sees gpu1 down
-        with httpx.Client(trust_env=False, timeout=5) as client:
-            answer = client.post(
-                f"{r.url}/v1/chat/completions",
-                json={
-                    "model": "wh",
-                    "messages": [{"role": "user", "content": "my private prompt"}],
-                },
-                headers=AUTH,
-            )
+        answer = _ask_privately(r)
         received = squatter.stop()
-    assert b"my private prompt" not in received and WORKER_KEY.encode() not in received
+    assert PROMPT.encode() not in received and WORKER_KEY.encode() not in received
     assert answer.status_code == 502, answer.text
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 from router_support import Router, ScriptedServer, worker
 
+from capacity_router import RouterServer
 from capacity_router.reconcile import CALM_POLLS, Reconciled, reconcile
 
 S = 1600  # the stated pool
@@ -92,18 +93,26 @@ vllm:num_preemptions_total{engine="0",model_name="tiny"} %d.0
 """
 
 
-def test_r_k7_a_preempting_vllm_is_reported_lower_with_the_reason(
-    scripted: Callable[[], ScriptedServer], router: Router, caplog: pytest.LogCaptureFixture
-) -> None:
+def _vllm_behind_a_router(
+    scripted: Callable[[], ScriptedServer], router: Router
+) -> tuple[ScriptedServer, RouterServer]:
+    """A scripted vLLM (one model, 512 tokens a request, no preemption yet) behind a
+    router that polls once at its start, then only when a test asks (``observe``)."""
     server = scripted()
     server.route("/health", 200, "")
     server.route("/v1/models", 200, '{"data": [{"id": "tiny", "max_model_len": 512}]}')
     server.route("/metrics", 200, METRICS % 0)
-    # one round at start, then only the rounds run here: each is one poll of the rule
     r = router(
         [worker("v", [server.url], ["tiny"], {"source": "vllm", "fixed": 8})],
         poll_interval=3600.0,
     )
+    return server, r
+
+
+def test_r_k7_a_preempting_vllm_is_reported_lower_with_the_reason(
+    scripted: Callable[[], ScriptedServer], router: Router, caplog: pytest.LogCaptureFixture
+) -> None:
+    server, r = _vllm_behind_a_router(scripted, router)
     snap = r.observe()
     # 12 blocks of 128 less the null block, for 8 requests in whole blocks: one of 512
     assert [(m.request_tokens, m.running_tokens) for m in snap.models] == [(512, 512)]
@@ -128,14 +137,7 @@ def test_r_k7_a_round_whose_metrics_failed_keeps_the_pool_the_worker_stated(
     TOKENS_CARRIED_S since it last stated it."""
     from capacity_router import poller
 
-    server = scripted()
-    server.route("/health", 200, "")
-    server.route("/v1/models", 200, '{"data": [{"id": "tiny", "max_model_len": 512}]}')
-    server.route("/metrics", 200, METRICS % 0)
-    r = router(
-        [worker("v", [server.url], ["tiny"], {"source": "vllm", "fixed": 8})],
-        poll_interval=3600.0,
-    )
+    server, r = _vllm_behind_a_router(scripted, router)
     assert [(m.request_tokens, m.running_tokens) for m in r.observe().models] == [(512, 512)]
     server.route("/metrics", 500, "busy")
     assert [(m.request_tokens, m.running_tokens) for m in r.observe().models] == [(512, 512)]

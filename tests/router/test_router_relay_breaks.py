@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 from gwtest import wait_for
-from raw_worker import RawWorker, ok
+from raw_worker import BareServer, RawWorker, ok
 from router_support import KEY, Router, serve_args, worker, write_registry
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -201,23 +201,13 @@ def test_r_k5_a_worker_that_frames_its_answer_two_ways_gets_a_502_not_the_next_u
     assert seen == ["A: 502", "B: echo: B's secret", "C: echo: C's secret"]
 
 
-class SinkWorker:
+class SinkWorker(BareServer):
     """A worker that reads each POST's body into one reused buffer and answers ``{}``:
     what a 64 MiB body costs is then the router's, not the test worker's."""
 
     def __init__(self) -> None:
         self.bodies = 0
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        super().__init__()
 
     def _serve(self, conn: socket.socket) -> None:
         scratch = bytearray(1 << 20)
@@ -242,9 +232,6 @@ class SinkWorker:
                 if head.startswith(b"POST"):
                     self.bodies += 1
                 conn.sendall(ok())
-
-    def stop(self) -> None:
-        self._listener.close()
 
 
 def test_r_k5_the_capacity_answer_is_on_time_while_four_64_mib_bodies_stream_in(

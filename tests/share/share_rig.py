@@ -24,11 +24,6 @@ EXE = str(Path(sys.executable).with_name("gateway-capacity"))
 WORKER = str(Path(__file__).with_name("load_worker.py"))
 LEASE = 2.0
 REFRESH = 0.3
-_SCRUBBED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "GATEWAY_CAPACITY_SEGMENT")
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
 
 
 class Gateway:
@@ -76,25 +71,15 @@ class Gateway:
         self, *extra: str, prefix: Sequence[str] = (), env: Mapping[str, str] | None = None
     ) -> None:
         """Start the sidecar (``prefix``: a wrapper such as faketime; ``env``: added)."""
-        with open(self.log, "ab") as err:
-            self.sidecar = subprocess.Popen(
-                [
-                    *prefix,
-                    EXE,
-                    "sidecar",
-                    "--config",
-                    str(self.config),
-                    "--segment",
-                    self.segment,
-                    "--refresh",
-                    str(REFRESH),
-                    *extra,
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                env={**_env(), **(env or {})},
-            )
+        self.sidecar = gwtest.start_sidecar(
+            self.config,
+            self.segment,
+            self.log,
+            *extra,
+            refresh=REFRESH,
+            prefix=prefix,
+            env=gwtest.scrubbed_env(**(env or {})),
+        )
 
     def kill_sidecar(self) -> None:
         if self.sidecar is not None and self.sidecar.poll() is None:
@@ -120,7 +105,7 @@ class Gateway:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=_env(),
+            env=gwtest.scrubbed_env(),
         )
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
@@ -182,7 +167,7 @@ class Gateway:
             [EXE, *argv, "--segment", self.segment],
             capture_output=True,
             text=True,
-            env=_env(),
+            env=gwtest.scrubbed_env(),
             timeout=timeout,
         )
 

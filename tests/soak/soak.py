@@ -69,9 +69,11 @@ from urllib.parse import parse_qs, urlsplit
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+from gwtest import start_sidecar  # noqa: E402
 from soak_sampler import record_format  # noqa: E402
 from soak_worker import ARRIVING, RUNNING, STATE_SIZE, read_state  # noqa: E402
 
@@ -623,30 +625,9 @@ class Soak:
         self.sidecar_started = time.monotonic()
         log = self.tmp / f"sidecar-{len(self.sidecar_logs)}.log"
         self.sidecar_logs.append(log)
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("NOTIFY_SOCKET", "GATEWAY_CAPACITY_SEGMENT")
-        }
-        with open(log, "wb") as err:
-            self.sidecar = subprocess.Popen(
-                [
-                    EXE,
-                    "sidecar",
-                    "--config",
-                    str(self.config),
-                    "--segment",
-                    self.segment,
-                    "--refresh",
-                    "0.3",
-                    "--parent-pid",  # a soak that dies takes its sidecar with it
-                    str(os.getpid()),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                env=env,
-            )
+        # --parent-pid: a soak that dies takes its sidecar with it
+        parent = ("--parent-pid", str(os.getpid()))
+        self.sidecar = start_sidecar(self.config, self.segment, log, *parent, refresh=0.3)
 
     def start_worker(self, hammer: bool) -> None:
         self.n_workers += 1
