@@ -51,6 +51,7 @@ from typing import Any
 from fastapi import HTTPException
 from litellm.integrations.custom_logger import CustomLogger
 
+from capacity_contract.tokens import request_charge
 from handler_shim import (
     Admission,
     AdmissionError,
@@ -60,7 +61,6 @@ from handler_shim import (
     Ticket,
 )
 from handler_shim.asgi import ModelMap
-from handler_shim.model_choice import request_charge
 
 log = logging.getLogger("gateway_capacity.litellm")
 

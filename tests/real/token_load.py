@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from capacity_router.sources import admissible_tokens
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # as a script too
