@@ -175,11 +175,15 @@ def test_r_l5_every_failure_reason_reaches_availability_with_the_fallback(
 def test_r_l6_incomplete_answers_can_lower_but_never_raise_the_limit(rig: Rig) -> None:
     capacity = rig.capacity
     capacity.set(complete=False, models={"workhorse": 20})
-    rig.start(rig.config())
+    sidecar = rig.start(rig.config())
 
-    # incomplete only, nothing discovered before: the base is the fallback
+    # incomplete only, nothing discovered before: the base is the fallback. From the
+    # next refresh on, the 8 this round discovered is the base ("last discovered 8"), so
+    # the first round is judged by what the sidecar logged of it, not by a later reading
     p = rig.wait("p1", discovered(8), what="incomplete 20 held to 8")
-    assert "incomplete" in p["reason"] and "fallback 8" in p["reason"]
+    assert "incomplete" in p["reason"] and "cannot raise" in p["reason"]
+    first = [line for line in sidecar.log_lines() if "p1: limit " in line and "incomplete" in line]
+    assert first and "cannot raise fallback 8" in first[0], first
     assert p["replicas"][0]["complete"] is False and p["replicas"][0]["value"] == 20
 
     capacity.set(models={"workhorse": 3})  # lowering is allowed
